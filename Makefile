@@ -18,3 +18,16 @@ lint:
 
 bench-engine:
 	$(PY) bench/engine.py
+
+# ---- dev cluster (docs/cluster.md): etcd + kube-apiserver + kube-controller-manager + node agent
+CLUSTER_DIR ?= .cluster
+.PHONY: cluster-build cluster-up cluster-down
+
+cluster-build:
+	bash hack/cluster/build.sh
+
+cluster-up: cluster-build
+	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)

@@ -1,1 +1,15 @@
-"""A real Kubernetes control plane and a local node agent for tests and demos."""
+"""A real Kubernetes control plane and a local node agent for tests and demos.
+
+- binaries: builds/locates etcd, kube-apiserver, kube-controller-manager
+- controlplane: starts them on loopback, waits for readiness, writes kubeconfigs
+- nodeagent: a small kubelet that runs pods as local processes (podrunner, podspec)
+- netns: one network namespace per pod on a bridge (loopback addresses without root)
+- cli: `python -m kvpilot.devcluster up|down|run|agent`
+
+See docs/cluster.md.
+"""
+
+from .controlplane import ControlPlane, User
+from .nodeagent import NodeAgent, NodeSpec
+
+__all__ = ["ControlPlane", "NodeAgent", "NodeSpec", "User"]

@@ -1,0 +1,194 @@
+"""Command line: start a dev cluster in the background, stop it, or run parts.
+
+  up     build if needed, start control plane + node agent detached; writes
+         <dir>/kubeconfig and returns once pods can run
+  down   stop what `up` started and remove any pod namespaces/veths left over
+  run    the same as up, in the foreground (Ctrl-C stops it)
+  agent  only the node agent, against an existing cluster (tests use this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kubernetes import config
+
+from . import netns
+from .binaries import REPO_ROOT
+from .controlplane import ControlPlane
+from .nodeagent import NodeAgent, NodeSpec
+
+LAUNCHER = REPO_ROOT / "hack" / "cluster" / "devcluster.py"
+
+
+def node_specs(count: int, gpus: int) -> list[NodeSpec]:
+    return [NodeSpec(name=f"node-{i + 1}", gpus=gpus) for i in range(count)]
+
+
+def run_agent(
+    kubeconfig: Path, workdir: Path, nodes: list[NodeSpec], stop: threading.Event, on_ready=None
+) -> None:
+    """Run a node agent until `stop` is set; always tears its networking down."""
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    agent = NodeAgent(api, netns.claim(), workdir, nodes)
+    try:
+        agent.start()
+        logging.info("node agent up: nodes %s, pod range %s", ", ".join(n.name for n in nodes), agent.network.cidr)
+        if on_ready:
+            on_ready(agent)
+        while not stop.wait(1):  # a plain wait() would block signal handlers
+            pass
+    finally:
+        agent.stop()
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    stop = _stop_on_signals()
+    d = Path(args.dir).resolve()
+    (d / "ready").unlink(missing_ok=True)
+    cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user})
+    with cp:
+        kubeconfig = cp.write_kubeconfig(d / "kubeconfig")
+        for u in args.user:
+            cp.write_kubeconfig(d / f"kubeconfig-{u}", user=u)
+        run_agent(
+            kubeconfig, d / "pods", node_specs(args.nodes, args.gpus), stop,
+            on_ready=lambda agent: (d / "ready").write_text(cp.url + "\n"),
+        )  # fmt: skip
+    (d / "ready").unlink(missing_ok=True)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    d = Path(args.dir).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    if _running(d):
+        print(f"dev cluster already running (pid {_pid(d)}); kubeconfig: {d / 'kubeconfig'}")
+        return 0
+    from .binaries import ensure_binaries
+
+    ensure_binaries()  # in the foreground, so build progress shows
+    argv = [sys.executable, str(LAUNCHER), "run", "--dir", str(d), "--nodes", str(args.nodes), "--gpus", str(args.gpus)]
+    for u in args.user:
+        argv += ["--user", u]
+    with open(d / "cluster.log", "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    (d / "pid").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print((d / "cluster.log").read_text()[-3000:], file=sys.stderr)
+            print(f"dev cluster failed to start (exit {proc.returncode}); log: {d / 'cluster.log'}", file=sys.stderr)
+            return 1
+        if (d / "ready").exists():
+            print(f"dev cluster up: {(d / 'ready').read_text().strip()}  kubeconfig: {d / 'kubeconfig'}")
+            print(f"  export KUBECONFIG={d / 'kubeconfig'}; kubectl get nodes")
+            return 0
+        time.sleep(0.5)
+    print("dev cluster did not become ready in 180s; see " + str(d / "cluster.log"), file=sys.stderr)
+    return 1
+
+
+def _pid(d: Path) -> int | None:
+    try:
+        return int((d / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _running(d: Path) -> bool:
+    pid = _pid(d)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    d = Path(args.dir).resolve()
+    pid = _pid(d)
+    if pid is not None and _running(d):
+        os.killpg(pid, signal.SIGTERM)  # `up` made it a session leader
+        deadline = time.monotonic() + 40
+        while _running(d) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _running(d):
+            os.killpg(pid, signal.SIGKILL)
+    (d / "pid").unlink(missing_ok=True)
+    (d / "ready").unlink(missing_ok=True)
+    removed = cleanup_stale_networks()
+    print("dev cluster stopped" + (f"; removed leftover networks of slots {removed}" if removed else ""))
+    return 0
+
+
+def cleanup_stale_networks() -> list[int]:
+    """Remove namespaces/links of every slot whose owner is gone (its lock is free)."""
+    removed = []
+    if not netns.is_root():
+        return removed
+    for n in range(netns.MAX_SLOTS):
+        try:
+            net = netns.claim(slot=n)
+        except RuntimeError:
+            continue  # a live cluster holds it
+        leftover = netns.list_netns(net.prefix) or _link_exists(net.bridge)
+        net.teardown()
+        if leftover:
+            removed.append(n)
+    return removed
+
+
+def _link_exists(name: str) -> bool:
+    return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    stop = _stop_on_signals()
+    ready = Path(args.workdir) / "agent-ready"
+
+    def mark(agent: NodeAgent) -> None:
+        ready.write_text(f"{agent.network.slot} {agent.network.cidr} {agent.network.host_ip}\n")
+
+    run_agent(Path(args.kubeconfig), Path(args.workdir), node_specs(args.nodes, args.gpus), stop, on_ready=mark)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvpilot.devcluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("up", "run"):
+        s = sub.add_parser(name)
+        s.add_argument("--dir", default=".cluster", help="state folder (kubeconfig, logs)")
+        s.add_argument("--nodes", type=int, default=2)
+        s.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu capacity per node")
+        s.add_argument("--user", action="append", default=[], help="extra token user without rights")
+    s = sub.add_parser("down")
+    s.add_argument("--dir", default=".cluster")
+    s = sub.add_parser("agent")
+    s.add_argument("--kubeconfig", required=True)
+    s.add_argument("--workdir", required=True)
+    s.add_argument("--nodes", type=int, default=2)
+    s.add_argument("--gpus", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return {"up": cmd_up, "down": cmd_down, "run": cmd_run, "agent": cmd_agent}[args.cmd](args)

@@ -1,0 +1,261 @@
+"""etcd + kube-apiserver + kube-controller-manager on loopback.
+
+Flags follow what controller-runtime's envtest does (loopback only, a static
+token file, service-account keys made at start), plus RBAC authorization and
+a kube-controller-manager, because the operator needs garbage collection,
+Deployments, DaemonSets and service-account tokens to behave as in a cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import shutil
+import socket
+import ssl
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import binaries, pki, procs
+
+SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod range (netns.POD_SUPERNET)
+ADMIN_GROUPS = ("system:masters",)
+
+
+@dataclass(frozen=True)
+class User:
+    """A user of the static token file; groups decide what RBAC grants."""
+
+    name: str
+    token: str
+    groups: tuple[str, ...] = ()
+
+
+def free_port() -> int:
+    """A port the kernel says is free now (good enough on a test machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class ControlPlane:
+    """One throwaway cluster; use as a context manager or call start()/stop()."""
+
+    workdir: Path | None = None
+    bin_dir: Path | None = None
+    service_cidr: str = SERVICE_CIDR
+    # Extra users for tests, e.g. {"dev": ()} gets a token and no rights.
+    extra_users: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    verbose: int = 1
+    users: dict[str, User] = field(default_factory=dict, init=False)
+    url: str = field(default="", init=False)
+    _procs: dict = field(default_factory=dict, init=False)
+    _own_workdir: bool = field(default=False, init=False)
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self, timeout: float = 90.0) -> ControlPlane:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="kvpilot-cluster-"))
+            self._own_workdir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.bin_dir = self.bin_dir or binaries.ensure_binaries()
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        try:
+            self._start_all(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop in reverse order; safe to call twice and after a failed start."""
+        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            proc = self._procs.pop(name, None)
+            if proc is not None:
+                procs.stop(proc, grace=5)
+        if self._own_workdir and self.workdir and self.workdir.exists():
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- accessors -------------------------------------------------------
+    @property
+    def admin(self) -> User:
+        return self.users["admin"]
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.workdir / "pki" / "ca.crt"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    def log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def write_kubeconfig(self, path: Path, user: str = "admin") -> Path:
+        """A kubeconfig for `user` (JSON is valid YAML, so no YAML library is needed)."""
+        ca = self.ca_cert.read_text()
+
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "kvpilot",
+                    "cluster": {
+                        "server": self.url,
+                        "certificate-authority-data": base64.b64encode(ca.encode()).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": user, "user": {"token": self.users[user].token}}],
+            "contexts": [{"name": f"kvpilot-{user}", "context": {"cluster": "kvpilot", "user": user}}],
+            "current-context": f"kvpilot-{user}",
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
+        path.chmod(0o600)
+        return path
+
+    def request(self, path: str, user: str = "admin", method: str = "GET") -> tuple[int, bytes]:
+        """A raw HTTPS call to the apiserver, verified against our CA."""
+        ctx = ssl.create_default_context(cafile=str(self.ca_cert))
+        req = urllib.request.Request(self.url + path, method=method)
+        req.add_header("Authorization", f"Bearer {self.users[user].token}")
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    # ---- internals -------------------------------------------------------
+    def _start_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        wd = self.workdir
+        keys = pki.generate(wd / "pki", ["127.0.0.1", "localhost"])
+        self._write_tokens()
+
+        etcd_port, peer_port = free_port(), free_port()
+        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        self._spawn(
+            "etcd",
+            [
+                "--name=default",
+                f"--data-dir={wd / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync=true",  # throwaway data: skip fsync, a large win on slow disks
+                "--log-level=warn",
+            ],
+        )
+        self._wait("etcd", deadline, lambda: _http_ok(f"{etcd_url}/health"))
+
+        api_port = free_port()
+        self.url = f"https://127.0.0.1:{api_port}"
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}",
+                f"--cert-dir={wd / 'pki'}",
+                f"--tls-cert-file={keys.serving_cert}",
+                f"--tls-private-key-file={keys.serving_key}",
+                f"--client-ca-file={keys.ca_cert}",
+                f"--token-auth-file={wd / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                f"--service-cluster-ip-range={self.service_cidr}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={keys.sa_pub}",
+                f"--service-account-signing-key-file={keys.sa_key}",
+                # No real endpoints: the apiserver is on loopback, pods cannot reach it.
+                "--endpoint-reconciler-type=none",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",  # fewer moving parts on 2 CPUs
+                f"--v={self.verbose}",
+            ],
+        )
+        self._wait("kube-apiserver", deadline, lambda: self.request("/readyz")[0] == 200)
+        self.write_kubeconfig(self.kubeconfig)
+
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                "--controllers=*",  # every default-on controller: gc, deployments, daemonsets, SA, tokens...
+                f"--service-account-private-key-file={keys.sa_key}",
+                f"--root-ca-file={keys.ca_cert}",
+                "--leader-elect=false",
+                "--secure-port=0",  # no health endpoint needed: we wait on real controller work
+                "--node-monitor-grace-period=40s",
+                f"--v={self.verbose}",
+            ],
+        )
+        # The serviceaccount controller creating "default" proves controllers run.
+        self._wait(
+            "kube-controller-manager",
+            deadline,
+            lambda: self.request("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+        )
+
+    def _write_tokens(self) -> None:
+        # Static token file: token,user,uid,"group1,group2". Read once at apiserver start,
+        # hence test users are declared up front (extra_users).
+        wanted = {"admin": ADMIN_GROUPS, "kvpilot-node-agent": ADMIN_GROUPS, **self.extra_users}
+        lines = []
+        for i, (name, groups) in enumerate(wanted.items()):
+            user = User(name, secrets.token_hex(16), tuple(groups))
+            self.users[name] = user
+            lines.append(f'{user.token},{name},uid-{i},"{",".join(groups)}"')
+        path = self.workdir / "tokens.csv"
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o600)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        argv = [str(self.bin_dir / name), *args]
+        self._procs[name] = procs.spawn(argv, log_path=self.log(name))
+
+    def _wait(self, name: str, deadline: float, ready) -> None:
+        while time.monotonic() < deadline:
+            for pname, proc in self._procs.items():
+                if proc.poll() is not None:
+                    raise StartupError(f"{pname} exited with {proc.returncode}:\n{_tail(self.log(pname))}")
+            try:
+                if ready():
+                    return
+            except (OSError, ssl.SSLError):
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise StartupError(f"{name} not ready in time:\n{_tail(self.log(name))}")
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return resp.status == 200
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"

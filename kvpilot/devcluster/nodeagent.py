@@ -1,0 +1,366 @@
+"""The node agent: a small local kubelet for the dev cluster.
+
+It registers Nodes and renews their Leases, binds pending pods when no
+scheduler runs, starts a PodRunner for every pod bound to one of its nodes,
+copies each runner's status onto the pod, and on deletion stops the pod within
+its grace period, removes its network namespace and finalizes the deletion.
+
+It polls the pod list twice a second rather than watching: on a dev cluster
+that is cheap, and a poll loop cannot miss an event or hang on a dead watch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client
+
+from . import scheduling
+from .netns import Network
+from .podrunner import PodRunner, now
+
+log = logging.getLogger("kvpilot.devcluster.agent")
+KUBE_VERSION = "v1.37.2"
+LEASE_SECONDS = 40
+MERGE = "application/merge-patch+json"
+
+
+@dataclass
+class NodeSpec:
+    """One Node this agent pretends to be."""
+
+    name: str
+    cpu: str = "16"
+    memory: str = "64Gi"
+    pods: str = "110"
+    gpus: int = 1
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def capacity(self) -> dict[str, str]:
+        cap = {"cpu": self.cpu, "memory": self.memory, "pods": self.pods, "ephemeral-storage": "100Gi"}
+        cap["nvidia.com/gpu"] = str(self.gpus)
+        return cap
+
+
+def _micro_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _json(resp) -> dict:
+    return json.loads(resp.data)
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        network: Network,
+        workdir: Path,
+        nodes: list[NodeSpec],
+        bind_pods: bool | None = None,
+    ) -> None:
+        self.core = client.CoreV1Api(api)
+        self.coord = client.CoordinationV1Api(api)
+        self.network = network
+        self.workdir = workdir
+        self.nodes = {n.name: n for n in nodes}
+        self.node_index = {n.name: i + 1 for i, n in enumerate(nodes)}
+        self.bind_pods = bind_pods  # None: bind only while no kube-scheduler holds its lease
+        self.runners: dict[str, PodRunner] = {}  # by pod uid
+        self.stopping: set[str] = set()
+        self.sent: dict[str, dict] = {}  # last status patched, by pod uid
+        self.unschedulable: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -------------------------------------------------------
+    def start(self) -> None:
+        self.network.setup()
+        for spec in self.nodes.values():
+            self._register(spec)
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._pod_loop, "pods")):
+            t = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop every pod (short grace), the loops, and remove all pod networking."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+        stoppers = [threading.Thread(target=r.stop, args=(grace,)) for r in self.runners.values()]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        self.runners.clear()
+        self.network.teardown()
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    # ---- nodes -----------------------------------------------------------
+    def _register(self, spec: NodeSpec) -> None:
+        labels = {
+            "kubernetes.io/hostname": spec.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "kvpilot.dev/devcluster": "true",
+            **spec.labels,
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": spec.name, "labels": labels},
+            "spec": {"podCIDR": self.network.node_cidr(self.node_index[spec.name])},
+        }
+        try:
+            self.core.create_node(body, _preload_content=False)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            self.core.patch_node(spec.name, {"metadata": {"labels": labels}}, _preload_content=False)
+        self._patch_node_status(spec)
+        node = _json(self.core.read_node(spec.name, _preload_content=False))
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": spec.name,
+                # Owned by the Node, so deleting the Node removes its Lease.
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Node", "name": spec.name, "uid": node["metadata"]["uid"]}
+                ],
+            },
+            "spec": {"holderIdentity": spec.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": _micro_now()},
+        }
+        try:
+            self.coord.create_namespaced_lease("kube-node-lease", lease, _preload_content=False)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            self._renew(spec.name)
+
+    def _patch_node_status(self, spec: NodeSpec) -> None:
+        t = now()
+        conds = [("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+                 ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+                 ("PIDPressure", "False", "KubeletHasSufficientPID"),
+                 ("Ready", "True", "KubeletReady")]  # fmt: skip
+        status = {
+            "capacity": spec.capacity(),
+            "allocatable": spec.capacity(),
+            "conditions": [
+                {"type": ty, "status": st, "reason": r, "message": "kvpilot node agent",
+                 "lastHeartbeatTime": t, "lastTransitionTime": t}
+                for ty, st, r in conds
+            ],  # fmt: skip
+            "addresses": [
+                {"type": "InternalIP", "address": self.network.host_ip},
+                {"type": "Hostname", "address": spec.name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+            "nodeInfo": {
+                "machineID": spec.name, "systemUUID": spec.name, "bootID": spec.name,
+                "kernelVersion": "", "osImage": "kvpilot devcluster", "containerRuntimeVersion": "kvpilot://local",
+                "kubeletVersion": KUBE_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
+                "architecture": "amd64",
+            },  # fmt: skip
+        }
+        self.core.patch_node_status(spec.name, {"status": status}, _preload_content=False, _content_type=MERGE)
+
+    def _renew(self, name: str) -> None:
+        body = {"spec": {"renewTime": _micro_now(), "holderIdentity": name}}
+        self.coord.patch_namespaced_lease(name, "kube-node-lease", body, _preload_content=False, _content_type=MERGE)
+
+    def _heartbeat_loop(self) -> None:
+        # Leases every 10s as the kubelet does; the Ready condition once a minute.
+        last_status = time.monotonic()
+        while not self._stop.wait(10):
+            for spec in self.nodes.values():
+                try:
+                    self._renew(spec.name)
+                    if time.monotonic() - last_status > 60:
+                        self._patch_node_status(spec)
+                except client.ApiException as e:
+                    if e.status == 404:  # node deleted behind our back: register again
+                        self._safe(self._register, spec)
+                    else:
+                        log.warning("heartbeat for %s failed: %s", spec.name, e.reason)
+                except Exception as e:  # noqa: BLE001 - keep heart beating through API blips
+                    log.warning("heartbeat for %s failed: %s", spec.name, e)
+            if time.monotonic() - last_status > 60:
+                last_status = time.monotonic()
+
+    # ---- pods ------------------------------------------------------------
+    def _pod_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as e:  # noqa: BLE001 - an API blip must not kill the agent
+                log.warning("pod sync failed: %s", e)
+            self._stop.wait(0.5)
+
+    def _sync(self) -> None:
+        pods = _json(self.core.list_pod_for_all_namespaces(_preload_content=False))["items"]
+        seen = set()
+        pending = []
+        for pod in pods:
+            uid, node = pod["metadata"]["uid"], pod["spec"].get("nodeName")
+            seen.add(uid)
+            if not node:
+                if not pod["metadata"].get("deletionTimestamp"):
+                    pending.append(pod)
+            elif node in self.nodes:
+                self._sync_pod(pod)
+        if pending and self._should_bind():
+            self._bind(pending, pods)
+        for uid in list(self.runners):
+            if uid not in seen and uid not in self.stopping:  # force-deleted: just stop it
+                self._stop_pod(uid, None, 2.0)
+
+    def _sync_pod(self, pod: dict) -> None:
+        meta, uid = pod["metadata"], pod["metadata"]["uid"]
+        if meta.get("deletionTimestamp"):
+            if uid not in self.stopping:
+                grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+                self._stop_pod(uid, pod, grace)
+            return
+        runner = self.runners.get(uid)
+        if runner is None:
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                return
+            node = pod["spec"]["nodeName"]
+            runner = PodRunner(
+                pod=pod, core=self.core, network=self.network, node_index=self.node_index[node],
+                host_ip=self.network.host_ip, workdir=self.workdir,
+            )  # fmt: skip
+            self.runners[uid] = runner
+            log.info("starting pod %s on %s", runner.key, node)
+            runner.start()
+        self._report(pod, runner)
+
+    def _report(self, pod: dict, runner: PodRunner) -> None:
+        status = runner.status()
+        # Conditions keep their lastTransitionTime while unchanged: the ReplicaSet
+        # controller measures minReadySeconds from the Ready transition.
+        old = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
+        conds = [c for c in old.values() if c["type"] == "PodScheduled"]
+        for c in status["conditions"]:
+            prev = old.get(c["type"])
+            same = prev is not None and prev.get("status") == c["status"]
+            c["lastTransitionTime"] = prev.get("lastTransitionTime") if same else now()
+            c["lastProbeTime"] = None
+            conds.append(c)
+        status["conditions"] = conds
+        key = json.dumps({**status, "conditions": [(c["type"], c["status"]) for c in conds]}, sort_keys=True)
+        uid = pod["metadata"]["uid"]
+        if self.sent.get(uid) == key:
+            return
+        try:
+            self.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status},
+                _preload_content=False, _content_type=MERGE,
+            )  # fmt: skip
+            self.sent[uid] = key
+        except client.ApiException as e:
+            if e.status != 404:
+                log.warning("status update for %s failed: %s", runner.key, e.reason)
+
+    def _stop_pod(self, uid: str, pod: dict | None, grace: float) -> None:
+        """Stop in a thread (grace periods must not block other pods), then finalize."""
+        self.stopping.add(uid)
+
+        def work() -> None:
+            runner = self.runners.get(uid)
+            try:
+                if runner is not None:
+                    log.info("stopping pod %s (grace %ss)", runner.key, grace)
+                    runner.stop(grace)
+                if pod is not None:
+                    meta = pod["metadata"]
+                    # grace 0 + uid precondition: the kubelet's final delete.
+                    self.core.delete_namespaced_pod(
+                        meta["name"], meta["namespace"], grace_period_seconds=0,
+                        body={"preconditions": {"uid": uid}}, _preload_content=False,
+                    )  # fmt: skip
+            except client.ApiException as e:
+                if e.status not in (404, 409):
+                    log.warning("finalizing pod %s failed: %s", uid, e.reason)
+            finally:
+                self.runners.pop(uid, None)
+                self.sent.pop(uid, None)
+                self.stopping.discard(uid)
+
+        threading.Thread(target=work, name=f"stop-{uid[:8]}", daemon=True).start()
+
+    # ---- binding ---------------------------------------------------------
+    def _should_bind(self) -> bool:
+        if self.bind_pods is not None:
+            return self.bind_pods
+        try:
+            lease = _json(self.coord.read_namespaced_lease("kube-scheduler", "kube-system", _preload_content=False))
+        except client.ApiException:
+            return True
+        renew = (lease.get("spec") or {}).get("renewTime")
+        if not renew:
+            return True
+        age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(renew.replace("Z", "+00:00"))
+        return age.total_seconds() > 30
+
+    def _bind(self, pending: list[dict], pods: list[dict]) -> None:
+        nodes = [
+            n for n in _json(self.core.list_node(_preload_content=False))["items"] if n["metadata"]["name"] in self.nodes
+        ]
+        by_node: dict[str, list[dict]] = {}
+        for p in pods:
+            if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                by_node.setdefault(p["spec"]["nodeName"], []).append(p)
+        for pod in pending:
+            if pod["spec"].get("schedulerName", "default-scheduler") != "default-scheduler":
+                continue
+            meta = pod["metadata"]
+            target, why = scheduling.choose_node(pod, nodes, by_node)
+            if target is None:
+                self._mark_unschedulable(pod, why)
+                continue
+            body = {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": meta["name"], "uid": meta["uid"]},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": target},
+            }
+            try:
+                self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body, _preload_content=False)
+                by_node.setdefault(target, []).append(pod)
+                log.info("bound %s/%s to %s", meta["namespace"], meta["name"], target)
+            except client.ApiException as e:
+                log.warning("binding %s/%s failed: %s", meta["namespace"], meta["name"], e.reason)
+
+    def _mark_unschedulable(self, pod: dict, why: str) -> None:
+        uid = pod["metadata"]["uid"]
+        if self.unschedulable.get(uid) == why:
+            return
+        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why,
+                "lastTransitionTime": now(), "lastProbeTime": None}  # fmt: skip
+        try:
+            self.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": {"conditions": [cond]}},
+                _preload_content=False, _content_type=MERGE,
+            )  # fmt: skip
+            self.unschedulable[uid] = why
+        except client.ApiException:
+            pass
+
+    @staticmethod
+    def _safe(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s failed: %s", getattr(fn, "__name__", fn), e)

@@ -1,0 +1,121 @@
+"""Child processes that never outlive us.
+
+Every server we start gets its own process group, so stopping it also stops
+anything it forked. Live groups are remembered and killed at interpreter exit,
+so a crashed test run leaves no apiserver or pod process behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_live: dict[int, subprocess.Popen] = {}
+_lock = threading.Lock()
+
+
+def spawn(
+    argv: Sequence[str],
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.Popen:
+    """Start `argv` in a new session (its own process group), output to `log_path`."""
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        if log_path:
+            out.close()  # the child holds its own copy of the descriptor
+    with _lock:
+        _live[proc.pid] = proc
+    return proc
+
+
+# Looked up once here: the child after fork must not load libraries.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG (1): if we are SIGKILLed (no atexit runs), the kernel
+    # kills the child too. It survives exec, so `ip netns exec` passes it on.
+    # Caveat: it fires when the *thread* that forked exits, so spawn from
+    # threads that live as long as the child (pod runner threads do).
+    _prctl(1, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group exists (zombies of ours are reaped first)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
+    """SIGTERM the process group, SIGKILL it after `grace` seconds; returns the exit code."""
+    pgid = proc.pid  # start_new_session makes the leader's pid the group id
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not group_alive(pgid):
+            break
+        time.sleep(0.05)
+    else:
+        _signal_group(pgid, signal.SIGKILL)
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        code = None
+    # Children the leader left behind may linger briefly after SIGKILL.
+    end = time.monotonic() + 2
+    while group_alive(pgid) and time.monotonic() < end:
+        _signal_group(pgid, signal.SIGKILL)
+        time.sleep(0.02)
+    with _lock:
+        _live.pop(proc.pid, None)
+    return code
+
+
+def forget(proc: subprocess.Popen) -> None:
+    """Stop tracking a process that has exited and whose group is gone."""
+    with _lock:
+        _live.pop(proc.pid, None)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@atexit.register
+def _kill_all() -> None:
+    with _lock:
+        procs = list(_live.values())
+    for proc in procs:
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
