@@ -1,0 +1,39 @@
+"""Prefix-cache keys for full KV blocks.
+
+A block's key is sha256(parent key | token ids | extra keys). Chaining the parent makes the key name
+the whole prefix, not just the block's own tokens; sha256 makes it collision-resistant and the same in
+every process (Python's hash() is salted per process), so keys could be published to a router later.
+Extra keys (e.g. a tenant's `cache_salt`) enter the first block only, which is enough: every later key
+chains from it, so two salts never share any block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+_ROOT = b"kvpilot-prefix-v1"
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: bytes = b"") -> BlockHash:
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else _ROOT)
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    if extra:
+        h.update(b"\x00extra\x00")
+        h.update(extra)
+    return BlockHash(h.digest())
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: list[int], block_size: int, extra: bytes = b""
+) -> None:
+    """Append the keys of every newly full block of `token_ids` to `hashes` (computed once per block)."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i > 0 else None
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(parent, chunk, extra if i == 0 else b""))

@@ -1,0 +1,220 @@
+"""The engine: one step is schedule -> run the model -> advance the requests.
+
+It is synchronous and single-threaded on purpose. Whoever drives it (the server's engine loop, a
+benchmark, a test) calls `step()` in a loop and calls `reset_prefix_cache()` / `stats()` between two
+steps, so a reset can never race a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from kvpilot.daemon.config import EngineConfig
+from kvpilot.daemon.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvpilot.daemon.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.model_runner import ModelRunner, kv_bytes_per_block
+from kvpilot.daemon.models import load_model
+from kvpilot.daemon.outputs import CacheStats, RequestOutput, ResetResult
+from kvpilot.daemon.request import Request, RequestStatus, SamplingParams
+from kvpilot.daemon.scheduler import Scheduler
+from kvpilot.kernels import select_ops
+from transformers import AutoConfig, AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the context or the KV pool, duplicate id)."""
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model!r}: not a checkpoint directory (no config.json); models cannot be downloaded "
+            f"here, pass a local Hugging Face checkpoint directory or omit --model for {DEFAULT_MODEL_NAME}"
+        )
+    return path
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model_name = config.model or DEFAULT_MODEL_NAME
+        self.ops = select_ops(self.device, config.kernel_backend)
+        model = load_model(self.model_dir, hf_config, self.ops, self.dtype, self.device)
+
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(model)
+        pool_tokens = self.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
+        if pool_tokens < self.max_model_len:
+            log.warning("KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, self.max_model_len)
+            self.max_model_len = pool_tokens
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
+
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
+        self._requests: dict[str, Request] = {}
+        self._resets = 0
+        self._last_reset_time: float | None = None
+        log.info(
+            "engine ready: model %s (%s) on %s/%s, ops=%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            self.model_name, self.model_dir, self.device, str(self.dtype).removeprefix("torch."), self.ops.name,
+            self.num_blocks, config.block_size,
+            self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20, self.max_model_len,
+        )  # fmt: skip
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._requests:
+            raise RequestRejected(f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate"
+            )
+        vocab = self.runner.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._forget(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        finished = {r.request_id for r in self.scheduler.update(out, sampled)}
+        results = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if not chunk.sample or req.request_id not in sampled:
+                continue
+            done = req.request_id in finished
+            results.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[req.output_token_ids[-1]],
+                    finished=done,
+                    finish_reason=req.finish_reason if done else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_output_tokens=len(req.output_token_ids),
+                )
+            )
+            if done:
+                self._forget(req)
+        return results
+
+    # ---- operations (call between steps) -----------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> ResetResult:
+        """Make every cached block unreachable now. Running requests keep the KV they hold (never
+        re-indexed); with `reset_running_requests` they are preempted and recomputed instead."""
+        start = time.perf_counter()
+        in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
+        preempted = self.scheduler.preempt_all_running() if reset_running_requests else 0
+        evicted = self.kv.reset_prefix_cache()
+        self._resets += 1
+        self._last_reset_time = time.time()
+        return ResetResult(
+            success=True,
+            epoch=self.kv.epoch,
+            evicted_blocks=evicted,
+            in_flight_requests=in_flight,
+            preempted_requests=preempted,
+            duration_ms=(time.perf_counter() - start) * 1e3,
+        )
+
+    def stats(self) -> CacheStats:
+        pool = self.kv.pool
+        return CacheStats(
+            epoch=pool.epoch,
+            block_size=self.config.block_size,
+            blocks_total=pool.num_blocks,
+            blocks_free=pool.num_free_blocks - pool.num_cached_blocks,
+            blocks_cached=pool.num_cached_blocks,
+            blocks_used=pool.num_used_blocks,
+            query_tokens=self.kv.query_tokens,
+            hit_tokens=self.kv.hit_tokens,
+            resets=self._resets,
+            last_reset_time=self._last_reset_time,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- offline convenience -----------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | None = None, cache_salt: str | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion together (continuous batching); returns their output token ids."""
+        ids = [f"gen-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, _copy(params), cache_salt)
+        while self.has_unfinished_requests():
+            for o in self.step():
+                outputs[o.request_id].extend(o.new_token_ids)
+        return [outputs[i] for i in ids]
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+        assert req.status is RequestStatus.FINISHED
+
+    def _blocks_from_memory(self, model) -> int:  # noqa: ANN001
+        per_block = kv_bytes_per_block(model, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        return max(1, budget // per_block)
+
+
+def _copy(params: SamplingParams | None) -> SamplingParams:
+    p = params or SamplingParams()
+    return SamplingParams(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos)
+
+
+def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:  # noqa: ANN001
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,114 @@
+"""Between the scheduler and the block pool: which blocks a request holds, hits, caching, reset.
+
+The scheduler asks in tokens ("how much of this prompt is cached?", "room for n more tokens?") and
+gets block ids back; it never touches `KVBlock` or the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.daemon.block_pool import BlockPool, KVBlock
+from kvpilot.daemon.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Cached blocks found for a waiting request, to pass back into `allocate_slots`."""
+
+    blocks: tuple[KVBlock, ...]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit((), 0)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_indexed: dict[str, int] = {}
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.pool.epoch
+
+    def find_prefix(self, req: Request) -> PrefixHit:
+        """Longest run of cached full blocks that starts the request's tokens.
+
+        At least the last token is always left to compute: the model must run on it to sample.
+        """
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        req.update_block_hashes(self.block_size)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(tuple(hits), len(hits) * self.block_size)
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Reserve blocks for `num_new_tokens` more tokens (after `hit`'s). False, and nothing changes,
+        when the pool cannot fit them."""
+        need = self._blocks_needed(req, num_new_tokens, hit)
+        if need > self._blocks_available(hit):
+            return False
+        held = self._blocks.setdefault(req.request_id, [])
+        if not held:
+            req.cache_epoch = self.pool.epoch
+            self._num_indexed[req.request_id] = len(hit.blocks)
+        if hit.blocks:
+            self.pool.touch(list(hit.blocks))
+            held.extend(hit.blocks)
+        if need > 0:
+            held.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Index the request's blocks that became full and computed, unless a reset happened since its
+        KV began: KV computed across a reset must never be found after it."""
+        if not self.enable_prefix_caching or req.cache_epoch != self.pool.epoch:
+            return
+        held = self._blocks.get(req.request_id)
+        if not held:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        start = self._num_indexed[req.request_id]
+        if num_full <= start:
+            return
+        req.update_block_hashes(self.block_size)
+        for i in range(start, num_full):
+            self.pool.cache_block(held[i], req.block_hashes[i])
+        self._num_indexed[req.request_id] = num_full
+
+    def free(self, req: Request) -> None:
+        blocks = self._blocks.pop(req.request_id, None)
+        self._num_indexed.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks)
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self._blocks.get(req.request_id, ())]
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset()
+
+    def _blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit) -> int:
+        held = len(self._blocks.get(req.request_id, ()))
+        total_tokens = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        return max(0, -(-total_tokens // self.block_size) - held - len(hit.blocks))
+
+    def _blocks_available(self, hit: PrefixHit) -> int:
+        # Hit blocks that sit in the free queue stop being allocatable once we take them.
+        return self.pool.num_free_blocks - sum(1 for b in hit.blocks if b.ref_cnt == 0)

@@ -1,0 +1,77 @@
+"""Turns a scheduled step into one packed forward pass and its sampled tokens.
+
+It owns the KV cache tensors (one K and one V tensor of [num_blocks, block_size, Hkv, D] per layer);
+the block ids in each chunk say where a request's tokens live in them.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvpilot.daemon.models import ForwardBatch
+from kvpilot.daemon.models.llama import LlamaForCausalLM
+from kvpilot.daemon.sampler import Sampler
+from kvpilot.daemon.scheduler import SchedulerOutput
+from kvpilot.kernels import AttentionMetadata
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    a = model.args
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        a = model.args
+        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(a.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the step; returns the next token of every chunk that samples."""
+        if not out.chunks:
+            return {}
+        batch = self._prepare(out)
+        logits = self.model(batch, self.kv_caches)
+        sampled_reqs = [c.request for c in out.chunks if c.sample]
+        tokens = self.sampler.sample(logits, sampled_reqs)
+        return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+
+    def _prepare(self, out: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for c in out.chunks:
+            end = c.start + c.num_tokens
+            input_ids.extend(c.request.all_token_ids[c.start : end])
+            pos = range(c.start, end)
+            positions.extend(pos)
+            slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
+            if c.sample:
+                logits_rows.append(len(input_ids) - 1)
+        attn = AttentionMetadata.build(
+            query_lens=[c.num_tokens for c in out.chunks],
+            seq_lens=[c.start + c.num_tokens for c in out.chunks],
+            block_tables=[c.block_ids for c in out.chunks],
+            device=self.device,
+        )
+
+        def as_tensor(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            input_ids=as_tensor(input_ids),
+            positions=as_tensor(positions),
+            slot_mapping=as_tensor(slots),
+            attn=attn,
+            logits_indices=as_tensor(logits_rows),
+        )

@@ -1,0 +1,190 @@
+"""The Llama family (Llama, Mistral, Qwen2 with its q/k/v bias, SmolLM) on the engine's paged attention.
+
+Input is a packed batch: all scheduled tokens of all requests in one [T] row, prefill chunks and
+decode tokens mixed, no padding. Logits are computed only for the rows that are sampled (the LM head
+is a large share of a small model's decode step on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kvpilot.kernels import AttentionMetadata, Ops
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> LlamaArgs:  # noqa: ANN001 - a transformers PretrainedConfig
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            # Qwen2 has biases on q/k/v and says so only through its model type.
+            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        )
+
+
+def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
+    """[max_position, head_dim] float32: cat(cos, sin) of each position's head_dim/2 angles."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step's packed input (built by the model runner)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S'] rows whose next token is sampled
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.scale = a.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor], rope: torch.Tensor, ops: Ops
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous()
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        ops.rotary(q, k, batch.positions, rope)
+        ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
+        o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(a)
+        self.mlp = LlamaMLP(a)
+        self.input_layernorm = nn.Parameter(torch.ones(a.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(a.hidden_size))
+        self.eps = a.rms_norm_eps
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
+        x = self.self_attn(x, batch, kv, rope, ops)
+        x, residual = ops.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(x, ops), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: LlamaArgs, ops: Ops) -> None:
+        super().__init__()
+        self.args = args
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_cache(args.head_dim, args.max_position, args.rope_theta), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, batch, kv, self.rope, self.ops)
+        # Only the sampled rows need the final norm and the LM head.
+        x = x.index_select(0, batch.logits_indices)
+        residual = residual.index_select(0, batch.logits_indices)
+        x, _ = self.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a Hugging Face Llama-family state dict, fusing q/k/v and gate/up as they arrive."""
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
+            "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size),
+        }
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            name = name.replace("layernorm.weight", "layernorm").replace("norm.weight", "norm")
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, offset, size = fused[parts[-2]]
+                pname = ".".join([*parts[:-2], target, parts[-1]])
+                params[pname].data[offset : offset + size].copy_(tensor)
+                loaded.add(f"{pname}:{offset}")
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        slices = {"qkv_proj": 3, "gate_up_proj": 2}
+        expected = sum(slices.get(p.split(".")[-2], 1) if "." in p else 1 for p in params)
+        if len(loaded) != expected:
+            raise ValueError(f"the checkpoint filled {len(loaded)} of {expected} weight slices")
