@@ -1,0 +1,258 @@
+"""Drive the synchronous engine from an asyncio server: one dedicated thread, one command queue.
+
+Why a thread (and not the event loop, nor a process):
+- `LLMEngine.step()` takes tens of milliseconds to seconds; on the event loop it would stall every
+  connection (health checks, metrics scrapes, SSE writes) for that long.
+- The model's time is spent in torch ops, which release the GIL, so the event loop keeps running while
+  the engine thread computes. Tokenizing and detokenizing stay on the event loop, which is cheap.
+- A separate process would need its own copy of the model and the KV pool (or shared memory) and IPC
+  for every token; for one engine per daemon a thread gives the same isolation from the loop for free.
+
+The engine is not thread-safe, so *every* engine call happens on that thread. The server talks to it
+only through commands (add, abort, call) that the thread drains between two steps. A reset or a stats
+query is therefore atomic with respect to scheduling: no step can run between its check and its act.
+
+Outputs flow back per request through an `asyncio.Queue`, fed in one `call_soon_threadsafe` per step.
+If the engine raises, the loop marks itself dead, fails every open request and pending command with
+`EngineDeadError` (the server answers 500/503) and stops: nothing waits forever on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpilot.daemon.outputs import CacheStats, RequestOutput
+from kvpilot.daemon.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (engine error or shutdown); it will not answer."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: asyncio.Queue
+    done: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class LoopState:
+    """What the loop thread publishes for lock-free readers (metrics scrapes): replaced, never mutated."""
+
+    stats: CacheStats | None = None
+    steps: int = 0
+    last_step_time: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineLoop:
+    """Owns the engine thread. Create on the event loop; `start()`, then `add`/`abort`/`call`."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.engine = engine
+        self._loop = loop or asyncio.get_running_loop()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # touched by the engine thread only
+        self._lock = threading.Lock()  # orders "dead" against submissions, so no command is stranded
+        self._dead = False
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self.state = LoopState(stats=engine.stats())
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; open requests are failed (the server drains them first)."""
+        try:
+            self._submit(_Stop())
+        except EngineDeadError:
+            pass
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # ---- API for the event loop ----------------------------------------------------------------
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> asyncio.Queue:
+        """Queue a request; returns its output queue once the engine accepted it.
+
+        Raises the engine's ValueError (RequestRejected, SamplingError) for bad input. The queue yields
+        `RequestOutput`s, and an `EngineDeadError` instance if the engine dies meanwhile.
+        """
+        sink: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt_token_ids, params, cache_salt, sink, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left while we queued: it may have been added anyway
+            raise
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget: processed before the next step, so its blocks are freed within one step."""
+        try:
+            self._submit(_Abort(request_id))
+        except EngineDeadError:
+            pass  # a dead engine holds nothing to free
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def _submit(self, cmd: object) -> None:
+        with self._lock:
+            if self._dead:
+                raise EngineDeadError(self._error or "the engine loop is not running")
+            self._commands.put(cmd)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block for work only when idle; otherwise take what arrived during the last step.
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=idle):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                self._publish(steps=self.state.steps + 1)
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - whatever broke, no client may hang on it
+            log.exception("engine loop failed; failing all requests")
+            self._die(f"engine error: {type(exc).__name__}")
+            return
+        self._die("the engine loop has stopped")
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Run queued commands; False when asked to stop."""
+        handled = False
+        while True:
+            try:
+                cmd = (
+                    self._commands.get(timeout=1.0) if block and not handled else self._commands.get_nowait()
+                )
+            except queue.Empty:
+                if handled:
+                    self._publish()
+                return True
+            handled = True
+            if isinstance(cmd, _Stop):
+                return False
+            self._handle(cmd)
+
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, _Add):
+            if not cmd.done.set_running_or_notify_cancel():
+                return  # the caller gave up before we got to it
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
+                cmd.done.set_exception(exc)
+                return
+            self._sinks[cmd.request_id] = cmd.sink
+            cmd.done.set_result(None)
+        elif isinstance(cmd, _Abort):
+            if self.engine.abort_request(cmd.request_id):
+                self._sinks.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Call):
+            if cmd.done.set_running_or_notify_cancel():
+                try:
+                    cmd.done.set_result(cmd.fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - the caller decides what it means
+                    cmd.done.set_exception(exc)
+
+    def _publish(self, steps: int | None = None) -> None:
+        now = time.time()
+        self.state = LoopState(
+            stats=self.engine.stats(),
+            steps=self.state.steps if steps is None else steps,
+            last_step_time=now if steps is not None else self.state.last_step_time,
+        )
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            batch.append((sink, out))
+        self._post(_put_all, batch)
+
+    def _post(self, fn: Callable, arg: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            self._dead = True
+            self._error = reason
+        err = EngineDeadError(reason)
+        self._post(_put_all, [(sink, err) for sink in self._sinks.values()])
+        self._sinks.clear()
+        while True:  # commands that raced in before `_dead` was set
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            done = getattr(cmd, "done", None)
+            if done is not None and not done.done():
+                done.set_exception(EngineDeadError(reason))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)

@@ -1,0 +1,108 @@
+"""Prometheus metrics of the daemon (names are a contract: DESIGN section 4).
+
+Two kinds, both on a per-app `CollectorRegistry` (so two servers in one process never collide):
+- what the server observes per request (latency histograms, token counters, reset outcomes) is
+  recorded as it happens with ordinary prometheus-client metrics;
+- what the engine counts itself (prefix-cache queries and hits, blocks, queue lengths, preemptions,
+  epoch) is read at scrape time from the snapshot the engine thread publishes after every step, by a
+  custom collector. A scrape therefore never waits for a step and never touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from kvpilot.daemon.outputs import CacheStats
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "kvpilot_"
+
+# CPU decode steps take 0.1-3 s, GPU ones a few ms: the buckets span both.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class EngineCollector(Collector):
+    """Engine-side counters and gauges from the latest published `CacheStats`."""
+
+    def __init__(self, snapshot: Callable[[], CacheStats | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        if s is None:
+            return
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.query_tokens)
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.hit_tokens)
+        yield _gauge("prefix_cache_epoch", "Prefix cache epoch; each reset bumps it by one.", s.epoch)
+        yield _gauge(
+            "prefix_cache_last_reset_timestamp_seconds",
+            "Unix time of the last prefix cache reset (0: never reset).",
+            s.last_reset_time or 0.0,
+        )
+        blocks = GaugeMetricFamily(
+            PREFIX + "kv_cache_blocks",
+            "KV cache blocks by state: free (empty), cached (free but reusable by prefix), used (held).",
+            labels=["state"],
+        )
+        blocks.add_metric(["free"], s.blocks_free)
+        blocks.add_metric(["cached"], s.blocks_cached)
+        blocks.add_metric(["used"], s.blocks_used)
+        yield blocks
+        yield _gauge(
+            "kv_cache_usage_ratio", "Share of KV cache blocks held by requests (0-1).", s.usage_ratio
+        )
+        yield _gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield _counter("num_preemptions", "Requests preempted to be recomputed later.", s.num_preemptions)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+class DaemonMetrics:
+    def __init__(self, snapshot: Callable[[], CacheStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.resets = Counter(
+            PREFIX + "prefix_cache_resets",
+            "Prefix cache reset calls by result (success, failed, unavailable, unauthorized).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("success", "failed", "unavailable", "unauthorized"):
+            self.resets.labels(result)  # present at 0, so rate() works from the first scrape
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive generated tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        r.register(EngineCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""The `kvpilot` command line.
+
+One subcommand per job; each is an `_add_<name>(subparsers)` function registered in `_COMMANDS` that
+declares its flags and sets `handler`. Handlers import their heavy dependencies (torch, kopf, ...) lazily,
+so `kvpilot --help` and the light subcommands start fast. Planned: `operator`, `reset`, `bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger("kvpilot")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the inference daemon (OpenAI-compatible HTTP server)",
+        description="Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint directory; omitted: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use; the first is reported (default: the model's name)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--device", default="auto", help="torch device (auto: cuda if available, else cpu)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        dest="num_kv_blocks",
+        help="number of KV cache blocks (default: derived from memory)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache budget on the CPU in bytes (default 1 GiB)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step, prefill chunks included (default 2048)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of shared prompt prefixes (default on)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="file holding the admin token for /reset_prefix_cache (else $KVPILOT_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies are refused with 413 (default 4 MiB)",
+    )
+    p.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvpilot.daemon.auth import AdminTokenError, load_admin_token
+
+    try:
+        token = load_admin_token(args.admin_token_file)
+    except AdminTokenError as exc:
+        log.error("%s", exc)
+        return 2
+
+    from kvpilot.daemon.config import EngineConfig
+    from kvpilot.daemon.engine import LLMEngine
+    from kvpilot.daemon.server import ServerSettings, serve
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    if args.kv_cache_memory_bytes is not None:
+        config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or [],
+        admin_token=token,
+        max_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    log.info(
+        "loaded %s: %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
+        engine.model_name, engine.num_blocks, config.block_size, engine.max_model_len,
+        "on" if config.enable_prefix_caching else "off", config.max_num_seqs,
+    )  # fmt: skip
+    return asyncio.run(serve(engine, settings))
+
+
+# name -> function adding the subcommand; others add `operator`, `reset`, `bench` here.
+_COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "serve": _add_serve,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvpilot import __version__
+
+    parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (default INFO)")  # fmt: skip
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # vLLM puts --log-level after the subcommand; accept it anywhere.
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        leftover = argparse.ArgumentParser(add_help=False)
+        leftover.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+        extra, unknown = leftover.parse_known_args(rest)
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra.log_level:
+            args.log_level = extra.log_level
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
