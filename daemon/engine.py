@@ -59,7 +59,9 @@ class LLMEngine:
         pool_tokens = self.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
         if pool_tokens < self.max_model_len:
-            log.warning("KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, self.max_model_len)
+            log.warning(
+                "KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, self.max_model_len
+            )
             self.max_model_len = pool_tokens
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
 
@@ -111,6 +113,9 @@ class LLMEngine:
             return False
         self._forget(req)
         return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -182,14 +187,19 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | None = None, cache_salt: str | None = None
     ) -> list[list[int]]:
-        """Run prompts to completion together (continuous batching); returns their output token ids."""
+        """Run prompts to completion together (continuous batching); returns their output token ids.
+        Requests added by others keep running beside them; their outputs are not collected here."""
         ids = [f"gen-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {i: [] for i in ids}
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, _copy(params), cache_salt)
-        while self.has_unfinished_requests():
+        pending = set(ids)
+        while pending:
             for o in self.step():
-                outputs[o.request_id].extend(o.new_token_ids)
+                if o.request_id in outputs:  # others' requests may share the batch
+                    outputs[o.request_id].extend(o.new_token_ids)
+                    if o.finished:
+                        pending.discard(o.request_id)
         return [outputs[i] for i in ids]
 
     def _forget(self, req: Request) -> None:
@@ -209,7 +219,9 @@ class LLMEngine:
 
 def _copy(params: SamplingParams | None) -> SamplingParams:
     p = params or SamplingParams()
-    return SamplingParams(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos)
+    return SamplingParams(
+        p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos
+    )
 
 
 def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:  # noqa: ANN001

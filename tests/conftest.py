@@ -1,0 +1,41 @@
+"""Fixtures shared by every test folder: the real default model and a tiny random-weight Llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per machine."""
+    from kvpilot.daemon.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A 2-layer random-weight Llama with the default model's tokenizer (so its vocabulary fits):
+    fast enough for property tests and the triton interpreter, yet the real loading path."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
+    return out

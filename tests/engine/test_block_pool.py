@@ -1,0 +1,99 @@
+"""Pure logic of the block pool, the prefix keys and the KV cache manager (no model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvpilot.daemon.block_hash import extend_block_hashes, hash_block
+from kvpilot.daemon.block_pool import BlockPool
+from kvpilot.daemon.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.request import Request, SamplingParams
+
+
+def test_keys_chain_the_prefix_and_the_salt() -> None:
+    a, b = [], []
+    extend_block_hashes(a, list(range(32)), 16)
+    extend_block_hashes(b, [99] + list(range(1, 32)), 16)
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same 2nd block tokens, other parent
+    salted = []
+    extend_block_hashes(salted, list(range(32)), 16, b"tenant")
+    assert set(salted).isdisjoint(a)
+
+
+def test_keys_are_the_same_in_another_process() -> None:
+    code = "from kvpilot.daemon.block_hash import hash_block; print(hash_block(None, [1, 2, 3], b's').hex())"
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert other == hash_block(None, [1, 2, 3], b"s").hex()
+
+
+def test_lru_eviction_and_unhashed_blocks_first() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    for i, blk in enumerate(blocks[:2]):
+        pool.cache_block(blk, hash_block(None, [i]))
+    pool.free(blocks)  # two cached, two plain
+    assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
+    # Plain blocks are reused first; then the least recently freed cached one (freed in reverse, so
+    # the tail of the sequence, blocks[1], goes before its head).
+    got = pool.allocate(3)
+    assert {b.block_id for b in got[:2]} == {blocks[2].block_id, blocks[3].block_id}
+    assert got[2] is blocks[1]
+    assert pool.lookup(hash_block(None, [1])) is None
+    assert pool.lookup(hash_block(None, [0])) is blocks[0]
+
+
+def test_reset_makes_everything_unreachable_and_never_reindexes_held_blocks() -> None:
+    pool = BlockPool(8)
+    held = pool.allocate(3)
+    for i, blk in enumerate(held):
+        pool.cache_block(blk, hash_block(None, [i]))
+    pool.free(held[:1])
+    assert pool.num_cached_blocks == 1
+    assert pool.reset() == 3
+    assert pool.epoch == 1 and pool.num_cached_blocks == 0
+    assert all(pool.lookup(hash_block(None, [i])) is None for i in range(3))
+    pool.free(held[1:])
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 8
+
+
+def test_manager_refuses_what_does_not_fit_and_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    req = Request("r", list(range(20)), SamplingParams())
+    assert not kv.allocate_slots(req, 20)
+    assert kv.pool.num_free_blocks == 4 and kv.block_ids(req) == []
+    assert kv.allocate_slots(req, 16)
+    assert len(kv.block_ids(req)) == 4
+    kv.free(req)
+    assert kv.pool.num_free_blocks == 4
+
+
+def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    first = Request("a", list(range(8)), SamplingParams())
+    assert kv.allocate_slots(first, 8)
+    first.num_computed_tokens = 8
+    kv.cache_computed_blocks(first)
+    kv.free(first)
+    again = Request("b", list(range(8)), SamplingParams())
+    hit = kv.find_prefix(again)
+    assert hit.num_tokens == 4  # not 8: the model must run on the last token to sample
+
+
+@pytest.mark.parametrize("num_blocks", [100_000])
+def test_reset_cost_does_not_walk_the_pool(num_blocks: int) -> None:
+    """O(1) reset: the pool's blocks are untouched by it (their stale keys are dropped lazily)."""
+    pool = BlockPool(num_blocks)
+    blocks = pool.allocate(num_blocks)
+    for i, blk in enumerate(blocks):
+        pool.cache_block(blk, hash_block(None, [i]))
+    pool.free(blocks)
+    assert pool.reset() == num_blocks
+    assert sum(1 for b in pool.blocks if b.block_hash is not None) == num_blocks  # nothing walked
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == num_blocks
+    # Reuse drops the stale key and never resurrects it.
+    got = pool.allocate(1)[0]
+    assert got.block_hash is None

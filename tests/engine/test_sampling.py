@@ -1,0 +1,77 @@
+"""Sampling: seeds reproduce, top-k 1 is greedy, stop ids and max_tokens end requests."""
+
+from __future__ import annotations
+
+import pytest
+from kvpilot.daemon.request import SamplingError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):  # noqa: ANN001, ANN201
+    from kvpilot.daemon.config import EngineConfig
+    from kvpilot.daemon.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+
+
+PROMPT = list(range(500, 530))
+
+
+def test_seeded_sampling_reproduces_alone_and_in_a_batch(engine) -> None:  # noqa: ANN001
+    hot = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    alone = engine.generate([PROMPT], hot)[0]
+    others = SamplingParams(max_tokens=12, temperature=1.0, seed=None, ignore_eos=True)
+    engine.add_request("noise", list(range(600, 640)), others)
+    batched = engine.generate([PROMPT], hot)[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert alone == batched
+    other_seed = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=1.5, seed=8, ignore_eos=True)
+    )[0]
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(engine) -> None:  # noqa: ANN001
+    greedy = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    topk1 = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=2.0, top_k=1, ignore_eos=True)
+    )[0]
+    assert greedy == topk1
+
+
+def test_stop_token_and_max_tokens(engine) -> None:  # noqa: ANN001
+    greedy = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(greedy) == 8
+    stop_at = greedy[3]
+    first = greedy.index(stop_at)
+    stopped = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True)
+    )[0]
+    assert stopped == greedy[: first + 1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=0),
+        SamplingParams(temperature=-1),
+        SamplingParams(top_p=0),
+        SamplingParams(top_k=-2),
+    ],
+)
+def test_bad_parameters_are_refused(engine, params: SamplingParams) -> None:  # noqa: ANN001
+    with pytest.raises(SamplingError):
+        engine.add_request("bad", PROMPT, params)
+    assert engine.get_request("bad") is None
+
+
+def test_prompts_that_cannot_fit_are_refused(engine) -> None:  # noqa: ANN001
+    from kvpilot.daemon.engine import RequestRejected
+
+    with pytest.raises(RequestRejected):
+        engine.add_request("long", [5] * engine.max_model_len, SamplingParams())
+    with pytest.raises(RequestRejected):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(RequestRejected):
+        engine.add_request("vocab", [10**9], SamplingParams())
