@@ -1,17 +1,19 @@
 """Command line: start a dev cluster in the background, stop it, or run parts.
 
-  up     build if needed, start control plane + node agent detached; writes
-         <dir>/kubeconfig and returns once pods can run
-  down   stop what `up` started and remove any pod namespaces/veths left over
-  run    the same as up, in the foreground (Ctrl-C stops it)
-  agent  only the node agent, against an existing cluster (tests use this)
+up     build if needed, start control plane + node agent detached; writes
+       <dir>/kubeconfig and returns once pods can run
+down   stop what `up` started and remove any pod namespaces/veths left over
+run    the same as up, in the foreground (Ctrl-C stops it)
+agent  only the node agent, against an existing cluster (tests use this)
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +43,9 @@ def run_agent(
     agent = NodeAgent(api, netns.claim(), workdir, nodes)
     try:
         agent.start()
-        logging.info("node agent up: nodes %s, pod range %s", ", ".join(n.name for n in nodes), agent.network.cidr)
+        logging.info(
+            "node agent up: nodes %s, pod range %s", ", ".join(n.name for n in nodes), agent.network.cidr
+        )
         if on_ready:
             on_ready(agent)
         while not stop.wait(1):  # a plain wait() would block signal handlers
@@ -61,6 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     d = Path(args.dir).resolve()
     (d / "ready").unlink(missing_ok=True)
+    shutil.rmtree(d / "state", ignore_errors=True)  # every `up` is a fresh cluster
+    shutil.rmtree(d / "pods", ignore_errors=True)
     cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user})
     with cp:
         kubeconfig = cp.write_kubeconfig(d / "kubeconfig")
@@ -83,7 +89,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .binaries import ensure_binaries
 
     ensure_binaries()  # in the foreground, so build progress shows
-    argv = [sys.executable, str(LAUNCHER), "run", "--dir", str(d), "--nodes", str(args.nodes), "--gpus", str(args.gpus)]
+    argv = [
+        sys.executable,
+        str(LAUNCHER),
+        "run",
+        "--dir",
+        str(d),
+        "--nodes",
+        str(args.nodes),
+        "--gpus",
+        str(args.gpus),
+    ]
     for u in args.user:
         argv += ["--user", u]
     with open(d / "cluster.log", "ab") as logf:
@@ -94,7 +110,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             print((d / "cluster.log").read_text()[-3000:], file=sys.stderr)
-            print(f"dev cluster failed to start (exit {proc.returncode}); log: {d / 'cluster.log'}", file=sys.stderr)
+            print(
+                f"dev cluster failed to start (exit {proc.returncode}); log: {d / 'cluster.log'}",
+                file=sys.stderr,
+            )
             return 1
         if (d / "ready").exists():
             print(f"dev cluster up: {(d / 'ready').read_text().strip()}  kubeconfig: {d / 'kubeconfig'}")
@@ -168,7 +187,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     def mark(agent: NodeAgent) -> None:
         ready.write_text(f"{agent.network.slot} {agent.network.cidr} {agent.network.host_ip}\n")
 
-    run_agent(Path(args.kubeconfig), Path(args.workdir), node_specs(args.nodes, args.gpus), stop, on_ready=mark)
+    run_agent(
+        Path(args.kubeconfig), Path(args.workdir), node_specs(args.nodes, args.gpus), stop, on_ready=mark
+    )
     return 0
 
 
@@ -190,5 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--nodes", type=int, default=2)
     s.add_argument("--gpus", type=int, default=1)
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack to the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return {"up": cmd_up, "down": cmd_down, "run": cmd_run, "agent": cmd_agent}[args.cmd](args)

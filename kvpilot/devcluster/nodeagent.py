@@ -138,7 +138,11 @@ class NodeAgent:
                     {"apiVersion": "v1", "kind": "Node", "name": spec.name, "uid": node["metadata"]["uid"]}
                 ],
             },
-            "spec": {"holderIdentity": spec.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": _micro_now()},
+            "spec": {
+                "holderIdentity": spec.name,
+                "leaseDurationSeconds": LEASE_SECONDS,
+                "renewTime": _micro_now(),
+            },
         }
         try:
             self.coord.create_namespaced_lease("kube-node-lease", lease, _preload_content=False)
@@ -157,8 +161,14 @@ class NodeAgent:
             "capacity": spec.capacity(),
             "allocatable": spec.capacity(),
             "conditions": [
-                {"type": ty, "status": st, "reason": r, "message": "kvpilot node agent",
-                 "lastHeartbeatTime": t, "lastTransitionTime": t}
+                {
+                    "type": ty,
+                    "status": st,
+                    "reason": r,
+                    "message": "kvpilot node agent",
+                    "lastHeartbeatTime": t,
+                    "lastTransitionTime": t,
+                }
                 for ty, st, r in conds
             ],  # fmt: skip
             "addresses": [
@@ -167,17 +177,27 @@ class NodeAgent:
             ],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             "nodeInfo": {
-                "machineID": spec.name, "systemUUID": spec.name, "bootID": spec.name,
-                "kernelVersion": "", "osImage": "kvpilot devcluster", "containerRuntimeVersion": "kvpilot://local",
-                "kubeletVersion": KUBE_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
+                "machineID": spec.name,
+                "systemUUID": spec.name,
+                "bootID": spec.name,
+                "kernelVersion": "",
+                "osImage": "kvpilot devcluster",
+                "containerRuntimeVersion": "kvpilot://local",
+                "kubeletVersion": KUBE_VERSION,
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
                 "architecture": "amd64",
             },  # fmt: skip
         }
-        self.core.patch_node_status(spec.name, {"status": status}, _preload_content=False, _content_type=MERGE)
+        self.core.patch_node_status(
+            spec.name, {"status": status}, _preload_content=False, _content_type=MERGE
+        )
 
     def _renew(self, name: str) -> None:
         body = {"spec": {"renewTime": _micro_now(), "holderIdentity": name}}
-        self.coord.patch_namespaced_lease(name, "kube-node-lease", body, _preload_content=False, _content_type=MERGE)
+        self.coord.patch_namespaced_lease(
+            name, "kube-node-lease", body, _preload_content=False, _content_type=MERGE
+        )
 
     def _heartbeat_loop(self) -> None:
         # Leases every 10s as the kubelet does; the Ready condition once a minute.
@@ -285,14 +305,17 @@ class NodeAgent:
                     runner.stop(grace)
                 if pod is not None:
                     meta = pod["metadata"]
-                    # grace 0 + uid precondition: the kubelet's final delete.
+                    # grace 0 + uid precondition: the kubelet's final delete. The grace goes in the
+                    # body too: this client sends the body's unset fields as null, overriding the query.
                     self.core.delete_namespaced_pod(
                         meta["name"], meta["namespace"], grace_period_seconds=0,
-                        body={"preconditions": {"uid": uid}}, _preload_content=False,
+                        body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}, _preload_content=False,
                     )  # fmt: skip
             except client.ApiException as e:
-                if e.status not in (404, 409):
-                    log.warning("finalizing pod %s failed: %s", uid, e.reason)
+                if e.status != 404:  # 404: already gone
+                    log.warning("finalizing pod %s failed: %s %s", uid, e.status, e.reason)
+            except Exception:
+                log.exception("finalizing pod %s failed", uid)
             finally:
                 self.runners.pop(uid, None)
                 self.sent.pop(uid, None)
@@ -305,7 +328,9 @@ class NodeAgent:
         if self.bind_pods is not None:
             return self.bind_pods
         try:
-            lease = _json(self.coord.read_namespaced_lease("kube-scheduler", "kube-system", _preload_content=False))
+            lease = _json(
+                self.coord.read_namespaced_lease("kube-scheduler", "kube-system", _preload_content=False)
+            )
         except client.ApiException:
             return True
         renew = (lease.get("spec") or {}).get("renewTime")
@@ -316,11 +341,16 @@ class NodeAgent:
 
     def _bind(self, pending: list[dict], pods: list[dict]) -> None:
         nodes = [
-            n for n in _json(self.core.list_node(_preload_content=False))["items"] if n["metadata"]["name"] in self.nodes
+            n
+            for n in _json(self.core.list_node(_preload_content=False))["items"]
+            if n["metadata"]["name"] in self.nodes
         ]
         by_node: dict[str, list[dict]] = {}
         for p in pods:
-            if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") not in (
+                "Succeeded",
+                "Failed",
+            ):
                 by_node.setdefault(p["spec"]["nodeName"], []).append(p)
         for pod in pending:
             if pod["spec"].get("schedulerName", "default-scheduler") != "default-scheduler":
@@ -337,7 +367,9 @@ class NodeAgent:
                 "target": {"apiVersion": "v1", "kind": "Node", "name": target},
             }
             try:
-                self.core.create_namespaced_pod_binding(meta["name"], meta["namespace"], body, _preload_content=False)
+                self.core.create_namespaced_pod_binding(
+                    meta["name"], meta["namespace"], body, _preload_content=False
+                )
                 by_node.setdefault(target, []).append(pod)
                 log.info("bound %s/%s to %s", meta["namespace"], meta["name"], target)
             except client.ApiException as e:

@@ -37,10 +37,10 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
         "-out", "ca.crt", cwd=d,
     )  # fmt: skip
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "apiserver.key", cwd=d)
-    _openssl("req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver", "-out", "apiserver.csr", cwd=d)
-    sans = ",".join(
-        (f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}") for h in hosts
+    _openssl(
+        "req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver", "-out", "apiserver.csr", cwd=d
     )
+    sans = ",".join((f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}") for h in hosts)
     (d / "san.ext").write_text(
         f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
     )

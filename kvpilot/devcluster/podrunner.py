@@ -146,15 +146,24 @@ class PodRunner:
                 raise ValueError(
                     f"container {spec['name']}: no command; images are not run here (image {image!r} ignored)"
                 )
-            log.info("pod %s container %s: image %r ignored, running its command locally", self.key, spec["name"], image)
+            log.info(
+                "pod %s container %s: image %r ignored, running its command locally",
+                self.key,
+                spec["name"],
+                image,
+            )
             env = resolver.env(spec, base)
             cwd = resolver.rewrite_paths(spec.get("workingDir") or str(self.pod_dir), spec)
             c = Container(spec=spec, argv=resolver.argv(spec, env), env=env, cwd=cwd)
             t = time.monotonic()
             if spec.get("readinessProbe"):
-                c.readiness = Probe(spec["readinessProbe"], t + spec["readinessProbe"].get("initialDelaySeconds", 0))
+                c.readiness = Probe(
+                    spec["readinessProbe"], t + spec["readinessProbe"].get("initialDelaySeconds", 0)
+                )
             if spec.get("livenessProbe"):
-                c.liveness = Probe(spec["livenessProbe"], t + spec["livenessProbe"].get("initialDelaySeconds", 0))
+                c.liveness = Probe(
+                    spec["livenessProbe"], t + spec["livenessProbe"].get("initialDelaySeconds", 0)
+                )
                 c.liveness.passing = True
             self.containers.append(c)
         self._run_init_containers(resolver, base)
@@ -326,7 +335,11 @@ class PodRunner:
             }
             if c.proc is not None:
                 ready = c.readiness.passing if c.readiness else True
-                cs.update(ready=ready, containerID=self._container_id(c), state={"running": {"startedAt": c.started_at}})
+                cs.update(
+                    ready=ready,
+                    containerID=self._container_id(c),
+                    state={"running": {"startedAt": c.started_at}},
+                )
                 any_running = True
                 all_done = False
             elif c.exit_info is not None:

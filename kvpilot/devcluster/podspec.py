@@ -155,7 +155,9 @@ class SpecResolver:
                 },
             }
             sa = self.pod["spec"].get("serviceAccountName") or "default"
-            resp = self.core.create_namespaced_service_account_token(sa, self.ns, body, _preload_content=False)
+            resp = self.core.create_namespaced_service_account_token(
+                sa, self.ns, body, _preload_content=False
+            )
             (d / sat["path"]).write_text(json.loads(resp.data)["status"]["token"])
 
     # ---- env and argv ----------------------------------------------------

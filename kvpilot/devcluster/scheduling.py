@@ -56,12 +56,9 @@ def _expr_ok(expr: dict, values: dict[str, str]) -> bool:
 
 
 def _affinity_ok(pod: dict, node: dict) -> bool:
-    required = (
-        ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    )
+    required = ((pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = required.get("nodeSelectorTerms") or []
     if not terms:
         return True

@@ -46,7 +46,10 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
         except Exception as e:  # noqa: BLE001 - remembered for the failure message
             last_error = e
         time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+    pytest.fail(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 @dataclass

@@ -103,7 +103,11 @@ def web_pods(cluster: Cluster, ns: str) -> list[client.V1Pod]:
 def web(cluster: Cluster) -> str:
     ns = "web"
     cluster.kubectl("create", "namespace", ns)
-    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30, "default SA")
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0,
+        30,
+        "default SA",
+    )
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=WEB)
     return ns
 
@@ -136,12 +140,16 @@ def test_deployment_becomes_available_and_pods_serve_http(cluster: Cluster, web:
         ip = ipaddress.ip_address(p.status.pod_ip)
         assert ip in pod_range and ip not in service_range
         assert p.status.phase == "Running" and p.status.host_ip
-        assert p.status.pod_i_ps[0].ip == p.status.pod_ip
+        assert p.status.pod_ips[0].ip == p.status.pod_ip
         assert p.spec.node_name in NODES
         cs = p.status.container_statuses[0]
         assert cs.ready and cs.state.running is not None and cs.restart_count == 0
         # Served by the pod's own process: env from fieldRef and secretKeyRef...
-        assert http_get(f"http://{p.status.pod_ip}:8080/index.html").split() == [p.metadata.name, web, "s3cr3t"]
+        assert http_get(f"http://{p.status.pod_ip}:8080/index.html").split() == [
+            p.metadata.name,
+            web,
+            "s3cr3t",
+        ]
         # ...and the secret volume, its mountPath rewritten to a local folder.
         assert http_get(f"http://{p.status.pod_ip}:8080/greeting.txt") == "hello-from-secret"
     if cluster.rootful:
@@ -173,7 +181,9 @@ def test_deleting_deployment_garbage_collects_pods(cluster: Cluster, web: str) -
     pids = [pid_of(p) for p in pods]
     cluster.kubectl("delete", "deployment", "web", "-n", web, "--wait=false")
     # The garbage collector deletes the ReplicaSet, then its pods; the agent finalizes them.
-    wait_for(lambda: not cluster.apps.list_namespaced_replica_set(web).items, 30, "ReplicaSet garbage collection")
+    wait_for(
+        lambda: not cluster.apps.list_namespaced_replica_set(web).items, 30, "ReplicaSet garbage collection"
+    )
     wait_for(lambda: not web_pods(cluster, web), 30, "pod garbage collection")
     assert not any(pid_alive(pid) for pid in pids)
 
@@ -265,7 +275,9 @@ def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> No
 
     cluster.core.create_namespaced_pod(namespace, pod("crashy", "exit 3", "OnFailure"))
     cluster.core.create_namespaced_pod(namespace, pod("once", "exit 0", "Never"))
-    cluster.core.create_namespaced_pod(namespace, pod("stubborn", 'trap "" TERM; sleep 600', "Always", grace=2))
+    cluster.core.create_namespaced_pod(
+        namespace, pod("stubborn", 'trap "" TERM; sleep 600', "Always", grace=2)
+    )
     wait_for(lambda: cluster.core.read_namespaced_pod("once", namespace).status.phase == "Succeeded", 30,
              "a Never pod that exits 0 to succeed")  # fmt: skip
 
@@ -274,7 +286,11 @@ def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> No
         return bool(st.container_statuses) and st.container_statuses[0].restart_count >= 1
 
     wait_for(restarted, 30, "an OnFailure pod that exits 3 to be restarted")
-    wait_for(lambda: cluster.core.read_namespaced_pod("stubborn", namespace).status.phase == "Running", 30, "stubborn")
+    wait_for(
+        lambda: cluster.core.read_namespaced_pod("stubborn", namespace).status.phase == "Running",
+        30,
+        "stubborn",
+    )
     stubborn = cluster.core.read_namespaced_pod("stubborn", namespace)
     pid = pid_of(stubborn)
     t0 = time.monotonic()
