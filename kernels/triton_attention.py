@@ -48,8 +48,8 @@ def _interpreting() -> bool:
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
     """The sequence whose numbered query blocks contain `q_block_id` (binary search)."""
-    lo = tl.zeros((), tl.int32)
-    hi = tl.zeros((), tl.int32) + num_seqs
+    lo = num_seqs * 0  # runtime scalars (num_seqs is never specialised), so the loop can carry them
+    hi = num_seqs + 0
     while lo < hi:
         mid = (lo + hi) // 2
         first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -60,7 +60,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -140,7 +140,7 @@ def _paged_attention_kernel(
     # Keys this query block can see: positions < end of its last query (causal), < seq_len.
     kv_end = tl.minimum(seq_len, first_pos + (q_block + 1) * BLOCK_Q)
     if NUM_SPLITS == 1:
-        kv_lo = tl.zeros((), tl.int32)
+        kv_lo = split * 0
         kv_hi = kv_end
     else:
         per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
