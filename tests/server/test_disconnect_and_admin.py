@@ -1,0 +1,95 @@
+"""A client that hangs up mid-stream frees its blocks within one engine step; admin token cases."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from kvpilot.daemon.auth import AdminTokenError, authorized, load_admin_token
+
+from .conftest import ADMIN_TOKEN, MODEL, Server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def open_stream(server: Server, max_tokens: int) -> socket.socket:
+    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    received = b""
+    while received.count(b"data: ") < 2:  # two tokens: the request is decoding
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    assert b"200 OK" in received.split(b"\r\n", 1)[0]
+    return sock
+
+
+def test_disconnect_mid_stream_frees_blocks_within_one_step(quiet: Server) -> None:
+    server = quiet
+    sock = open_stream(server, max_tokens=400)  # would run ~400 more steps if not aborted
+    busy = server.cache()
+    assert busy["num_running"] == 1 and busy["blocks_used"] > 0
+    steps_before = busy["engine_steps"]
+    sock.close()
+    deadline = time.monotonic() + 30
+    while (stats := server.cache())["blocks_used"] or stats["num_running"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    # The step running when the client left may finish; the abort is applied before the next one.
+    assert stats["engine_steps"] - steps_before <= 2, (steps_before, stats)
+    assert server.request("GET", "/health").status == 200
+
+
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [
+        (None, 401),
+        ("Bearer wrong-token", 401),
+        (f"Bearer {ADMIN_TOKEN}x", 401),
+        (f"Basic {ADMIN_TOKEN}", 401),
+        (ADMIN_TOKEN, 401),
+        (f"Bearer {ADMIN_TOKEN}", 200),
+        (f"bearer {ADMIN_TOKEN}", 200),
+    ],
+)
+def test_admin_token_on_reset(server: Server, header: str | None, status: int) -> None:
+    before = server.cache()["epoch"]
+    r = server.request("POST", "/reset_prefix_cache", headers={"Authorization": header} if header else {})
+    assert r.status == status, r.body
+    assert ADMIN_TOKEN not in r.body.decode()
+    if status == 401:
+        err = r.json()["error"]
+        assert err["type"] == "authentication_error" and err["message"]
+        assert server.cache()["epoch"] == before  # refused means nothing happened
+    else:
+        assert r.json()["success"] is True and server.cache()["epoch"] == before + 1
+
+
+def test_public_routes_need_no_token(server: Server) -> None:
+    for path in ("/health", "/metrics", "/prefix_cache", "/v1/models"):
+        assert server.request("GET", path).status == 200, path
+
+
+def test_admin_token_sources(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "token"
+    f.write_text("  from-file\n")
+    assert load_admin_token(f, {"KVPILOT_ADMIN_TOKEN": "from-env"}) == "from-file"
+    assert load_admin_token(None, {"KVPILOT_ADMIN_TOKEN": "from-env"}) == "from-env"
+    assert load_admin_token(None, {}) is None
+    f.write_text("\n")
+    with pytest.raises(AdminTokenError):
+        load_admin_token(f, {})
+    with pytest.raises(AdminTokenError):
+        load_admin_token(tmp_path / "missing", {})
+    with pytest.raises(AdminTokenError):
+        load_admin_token(None, {"KVPILOT_ADMIN_TOKEN": " "})
+    assert authorized(None, None) and authorized("anything", None)
+    assert not authorized(None, "t") and not authorized("Bearer", "t") and authorized("Bearer t", "t")

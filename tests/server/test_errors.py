@@ -1,0 +1,140 @@
+"""Malformed requests: each gets a 4xx with OpenAI's error JSON naming the field; the server stays up."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import MODEL, Server
+
+pytestmark = pytest.mark.timeout(300)
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK_MSG = [{"role": "user", "content": "hi"}]
+
+
+def comp(**fields: object) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 1, **fields}
+
+
+def chat(**fields: object) -> dict:
+    return {"model": MODEL, "messages": OK_MSG, "max_tokens": 1, **fields}
+
+
+# (id, method, path, body, status, param)
+CASES = [
+    ("not-json", "POST", C, b"{this is not json", 400, None),
+    ("invalid-utf8", "POST", C, b'{"prompt": "\xff\xfe"}', 400, None),
+    ("empty-body", "POST", C, b"", 400, None),
+    ("json-array", "POST", C, b"[1, 2]", 400, None),
+    ("json-nan", "POST", C, b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    ("unknown-model", "POST", C, comp(model="gpt-17"), 404, "model"),
+    ("model-not-string", "POST", C, comp(model=5), 400, "model"),
+    ("missing-prompt", "POST", C, {"model": MODEL}, 400, "prompt"),
+    ("prompt-number", "POST", C, comp(prompt=42), 400, "prompt"),
+    ("prompt-empty-string", "POST", C, comp(prompt=""), 400, "prompt"),
+    ("prompt-empty-list", "POST", C, comp(prompt=[]), 400, "prompt"),
+    ("prompt-mixed-list", "POST", C, comp(prompt=["a", 1]), 400, "prompt"),
+    ("prompt-negative-token", "POST", C, comp(prompt=[1, -5]), 400, "prompt"),
+    ("prompt-token-out-of-vocab", "POST", C, comp(prompt=[10**9]), 400, "prompt"),
+    ("prompt-too-long", "POST", C, comp(prompt="word " * 2000), 400, "prompt"),
+    ("max-tokens-zero", "POST", C, comp(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-string", "POST", C, comp(max_tokens="8"), 400, "max_tokens"),
+    ("max-tokens-bool", "POST", C, comp(max_tokens=True), 400, "max_tokens"),
+    ("max-tokens-float", "POST", C, comp(max_tokens=2.5), 400, "max_tokens"),
+    ("max-tokens-beyond-context", "POST", C, comp(max_tokens=100000), 400, "max_tokens"),
+    ("temperature-negative", "POST", C, comp(temperature=-1), 400, "temperature"),
+    ("temperature-string", "POST", C, comp(temperature="hot"), 400, "temperature"),
+    ("top-p-zero", "POST", C, comp(top_p=0), 400, "top_p"),
+    ("top-p-above-one", "POST", C, comp(top_p=1.5), 400, "top_p"),
+    ("top-k-negative", "POST", C, comp(top_k=-7), 400, "top_k"),
+    ("seed-string", "POST", C, comp(seed="x"), 400, "seed"),
+    ("n-two", "POST", C, comp(n=2), 400, "n"),
+    ("stream-string", "POST", C, comp(stream="yes"), 400, "stream"),
+    (
+        "stream-options-without-stream",
+        "POST",
+        C,
+        comp(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    ("stop-number", "POST", C, comp(stop=5), 400, "stop"),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
+    ("echo-true", "POST", C, comp(echo=True), 400, "echo"),
+    ("logprobs", "POST", C, comp(logprobs=5), 400, "logprobs"),
+    ("cache-salt-number", "POST", C, comp(cache_salt=7), 400, "cache_salt"),
+    ("presence-penalty", "POST", C, comp(presence_penalty=1.0), 400, "presence_penalty"),
+    ("chat-missing-messages", "POST", CH, {"model": MODEL}, 400, "messages"),
+    ("chat-messages-empty", "POST", CH, chat(messages=[]), 400, "messages"),
+    ("chat-messages-object", "POST", CH, chat(messages={"role": "user"}), 400, "messages"),
+    (
+        "chat-bad-role",
+        "POST",
+        CH,
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat-content-number",
+        "POST",
+        CH,
+        chat(messages=[{"role": "user", "content": 3}]),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat-image-part",
+        "POST",
+        CH,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "chat-max-completion-tokens-zero",
+        "POST",
+        CH,
+        chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+    ),
+    ("chat-tools", "POST", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat-json-mode", "POST", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat-unknown-model", "POST", CH, chat(model="nope"), 404, "model"),
+    (
+        "chat-too-long",
+        "POST",
+        CH,
+        chat(messages=[{"role": "user", "content": "word " * 2000}]),
+        400,
+        "messages",
+    ),
+    ("unknown-route", "GET", "/v1/embeddings", None, 404, None),
+    ("wrong-method", "GET", C, None, 405, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_malformed_request(server: Server, case: tuple) -> None:
+    _, method, path, body, status, param = case
+    r = server.request(method, path, body)
+    assert r.status == status, r.body
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and isinstance(err["type"], str)
+    assert err["param"] == param
+    assert "Traceback" not in err["message"] and 'File "' not in err["message"]
+
+
+def test_oversized_body_is_413(server: Server) -> None:
+    r = server.request("POST", C, b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    assert r.status == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_still_healthy_and_serving_after_errors(server: Server) -> None:
+    assert len(CASES) >= 30
+    assert server.request("GET", "/health").status == 200
+    r = server.request("POST", C, comp(max_tokens=2, temperature=0))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] >= 1
