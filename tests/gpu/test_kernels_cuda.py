@@ -1,0 +1,155 @@
+"""The CPU suite's comparisons, natively on CUDA, over wider sweeps (see tests/kernels/kernel_cases.py
+for the tolerances)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_cases import (
+    ATTENTION_TOL,
+    DTYPES,
+    ELEMENTWISE_TOL,
+    MIXED_BATCH,
+    build_attention_case,
+    random_batch,
+)
+from kvpilot.kernels import reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from kvpilot.kernels import triton_ops
+
+    return triton_ops.TRITON_OPS
+
+
+def _attn(ops, case, dtype, num_splits=None):
+    expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    if num_splits is None:
+        actual = ops.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    else:
+        from kvpilot.kernels.triton_attention import paged_attention
+
+        actual = paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale, num_splits)
+    torch.testing.assert_close(actual, expected, **ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 1), (4, 2), (2, 3), (2, 4), (1, 8), (4, 8)], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_mixed_batch(ops, dtype, heads, head_dim, block_size):
+    kv, group = heads
+    case = build_attention_case(
+        *MIXED_BATCH,
+        num_kv_heads=kv,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=DEV,
+    )
+    _attn(ops, case, dtype)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_batches(ops, seed):
+    rng = random.Random(seed)
+    q_lens, seq_lens = random_batch(rng, max_seqs=24, max_len=1500)
+    kv, group = rng.choice([(8, 1), (2, 3), (4, 4), (1, 8)])
+    dtype = DTYPES[seed % 3]
+    case = build_attention_case(
+        q_lens, seq_lens, num_kv_heads=kv, group=group, head_dim=rng.choice([64, 128]),
+        block_size=rng.choice([16, 32]), dtype=dtype, device=DEV, seed=seed,
+    )  # fmt: skip
+    _attn(ops, case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_seqs,ctx", [(1, 32768), (4, 8191), (256, 512), (64, 2048)])
+def test_decode_sweep(ops, dtype, num_seqs, ctx):
+    """Decode batches 1-256 over contexts up to 32k, on the heuristic's choice of split-K."""
+    rng = random.Random(num_seqs)
+    seq_lens = [max(1, ctx - rng.randint(0, 100)) for _ in range(num_seqs)]
+    case = build_attention_case(
+        [1] * num_seqs,
+        seq_lens,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        device=DEV,
+    )
+    _attn(ops, case, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
+def test_forced_splits(num_splits):
+    case = build_attention_case(
+        [1, 1, 1, 9], [1, 300, 4097, 50], num_kv_heads=2, group=4, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device=DEV,
+    )  # fmt: skip
+    _attn(None, case, torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_prefill(ops, dtype):
+    case = build_attention_case(
+        [2048, 1, 300], [4096, 1000, 300], num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=dtype,
+        device=DEV,
+    )  # fmt: skip
+    _attn(ops, case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,head_dim", [((8, 1), 64), ((32, 8), 128), ((28, 4), 128), ((16, 16), 256)])
+def test_write_kv_and_rotary(ops, dtype, heads, head_dim):
+    num_heads, num_kv = heads
+    t = 777
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(t, num_heads, head_dim, device=DEV, generator=g).to(dtype)
+    k = torch.randn(t, num_kv, head_dim, device=DEV, generator=g).to(dtype)
+    pos = torch.randint(0, 4096, (t,), device=DEV, generator=g)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    ang = torch.outer(torch.arange(4096, device=DEV).float(), inv)
+    cache = torch.cat([ang.cos(), ang.sin()], -1)
+    q_ref, k_ref = q.clone(), k.clone()
+    reference.rotary(q_ref, k_ref, pos, cache)
+    ops.rotary(q, k, pos, cache)
+    torch.testing.assert_close(q, q_ref, **ELEMENTWISE_TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **ELEMENTWISE_TOL[dtype])
+
+    n_blocks = 64
+    slots = torch.randperm(n_blocks * 16, device=DEV, generator=g)[:t]
+    kc = torch.zeros(n_blocks, 16, num_kv, head_dim, device=DEV, dtype=dtype)
+    kr, vr, ko, vo = kc.clone(), kc.clone(), kc.clone(), kc.clone()
+    reference.write_kv(k, q[:, :num_kv], kr, vr, slots)
+    ops.write_kv(k, q[:, :num_kv], ko, vo, slots)
+    assert torch.equal(ko, kr) and torch.equal(vo, vr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (4096, 4096), (33, 8192), (7, 5120)])
+def test_rms_norm(ops, dtype, rows, hidden):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(rows, hidden, device=DEV, generator=g).to(dtype)
+    r = torch.randn(rows, hidden, device=DEV, generator=g).to(dtype)
+    w = torch.randn(hidden, device=DEV, generator=g).to(dtype)
+    for residual in (None, r):
+        out_ref, h_ref = reference.rms_norm(x, w, 1e-6, residual)
+        out, h = ops.rms_norm(x, w, 1e-6, residual)
+        torch.testing.assert_close(out, out_ref, **ELEMENTWISE_TOL[dtype])
+        torch.testing.assert_close(h, h_ref, **ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (1000, 2 * 14336), (3, 5, 2 * 100)], ids=str)
+def test_silu_and_mul(ops, dtype, shape):
+    x = (torch.randn(shape, device=DEV) * 4).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **ELEMENTWISE_TOL[dtype])
