@@ -64,7 +64,7 @@ download() {
     local dir="$1" out
     step "checking and downloading modules for $(basename "$dir") (GOPROXY=$(go env GOPROXY))"
     if ! out="$(cd "$dir" && go mod download 2>&1)"; then
-        echo "$out" | grep -E 'not found|404|410|invalid version|unknown revision|verifying|toolchain' >&2 || echo "$out" >&2
+        echo "$out" | grep -E 'not found|404|410|disabled|invalid version|unknown revision|verifying|toolchain' >&2 || echo "$out" >&2
         die "a module needed by $dir/go.mod is not served by $(go env GOPROXY), or needs a newer Go (try GOTOOLCHAIN=go1.27.3); see above"
     fi
 }

@@ -153,10 +153,16 @@ def list_netns(prefix: str) -> list[str]:
 
 def claim(rootful: bool | None = None, slot: int | None = None) -> Network:
     """Claim a free slot (held by a lock file for this process's lifetime) and return its Network."""
-    rootful = is_root() if rootful is None else rootful
+    if rootful is None:
+        # KVPILOT_POD_NETWORK=loopback picks the non-root fallback even as root.
+        rootful = is_root() and os.environ.get("KVPILOT_POD_NETWORK", "netns") != "loopback"
     candidates = [slot] if slot is not None else range(MAX_SLOTS)
     for n in candidates:
-        fd = os.open(LOCK_DIR / f"kvpilot-net-slot-{n}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        path = LOCK_DIR / f"kvpilot-net-slot-{n}.lock"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        except PermissionError:  # made by another user (root); flock works on a read-only fd
+            fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

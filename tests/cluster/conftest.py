@@ -60,6 +60,11 @@ class Cluster:
     agent_log: Path
     pod_cidr: str
     rootful: bool
+    slot: int
+
+    def netns_of(self, pod: client.V1Pod) -> str:
+        """The network namespace the node agent made for `pod` (see netns.py)."""
+        return f"kvp{self.slot}-{pod.metadata.uid.replace('-', '')[:8]}"
 
     @property
     def core(self) -> client.CoreV1Api:
@@ -111,9 +116,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             f = agent_dir / "agent-ready"
             return f.read_text() if f.exists() else None
 
-        _, cidr, _ = str(wait_for(agent_ready, 60, "the node agent")).split()
+        slot, cidr, _ = str(wait_for(agent_ready, 60, "the node agent")).split()
         api = config.new_client_from_config(config_file=str(cp.kubeconfig))
-        yield Cluster(cp, cp.kubeconfig, api, agent_log, cidr, rootful=not cidr.startswith("127."))
+        yield Cluster(
+            cp, cp.kubeconfig, api, agent_log, cidr, rootful=not cidr.startswith("127."), slot=int(slot)
+        )
     finally:
         if agent is not None:
             procs.stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces

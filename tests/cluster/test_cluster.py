@@ -152,14 +152,19 @@ def test_deployment_becomes_available_and_pods_serve_http(cluster: Cluster, web:
         ]
         # ...and the secret volume, its mountPath rewritten to a local folder.
         assert http_get(f"http://{p.status.pod_ip}:8080/greeting.txt") == "hello-from-secret"
-    if cluster.rootful:
-        assert len({n for n in netns_names() if n.startswith("kvp")}) >= 3
+    if cluster.rootful:  # each pod lives in its own namespace, its IP on that namespace's eth0
+        for p in pods:
+            ns = cluster.netns_of(p)
+            assert ns in netns_names()
+            addr = subprocess.run(
+                ["ip", "-n", ns, "-o", "addr", "show", "eth0"], capture_output=True, text=True
+            )
+            assert f" {p.status.pod_ip}/" in addr.stdout
 
 
 def test_scale_down_stops_pods(cluster: Cluster, web: str) -> None:
     cluster.kubectl("rollout", "status", "deployment/web", "-n", web, "--timeout=90s")
     before = {p.metadata.name: p for p in web_pods(cluster, web)}
-    namespaces_before = netns_names()
     cluster.kubectl("scale", "deployment/web", "-n", web, "--replicas=1")
     wait_for(lambda: len(web_pods(cluster, web)) == 1, 30, "scale down to 1 pod")
     (kept,) = web_pods(cluster, web)
@@ -172,7 +177,11 @@ def test_scale_down_stops_pods(cluster: Cluster, web: str) -> None:
     assert pid_alive(pid_of(kept))
     assert http_get(f"http://{kept.status.pod_ip}:8080/index.html").startswith(kept.metadata.name)
     if cluster.rootful:
-        assert len(namespaces_before - netns_names()) == 2, "the deleted pods' network namespaces are removed"
+        left = netns_names()
+        assert cluster.netns_of(kept) in left
+        assert not {cluster.netns_of(p) for p in gone} & left, (
+            "the deleted pods' network namespaces are removed"
+        )
 
 
 def test_deleting_deployment_garbage_collects_pods(cluster: Cluster, web: str) -> None:
@@ -258,11 +267,15 @@ def test_gpu_requests_schedule_within_capacity(cluster: Cluster, namespace: str)
     cluster.core.create_namespaced_pod(namespace, pod("too-many", 4))
     wait_for(lambda: cluster.core.read_namespaced_pod("one-gpu", namespace).status.phase == "Running", 30,
              "the 1-GPU pod to run")  # fmt: skip
-    time.sleep(1.5)  # a few agent sync rounds
+
+    def unschedulable() -> client.V1PodCondition | None:
+        conds = cluster.core.read_namespaced_pod("too-many", namespace).status.conditions or []
+        return next((c for c in conds if c.type == "PodScheduled" and c.status == "False"), None)
+
+    cond = wait_for(unschedulable, 10, "the 4-GPU pod to be marked unschedulable")
+    assert cond.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in cond.message
     big = cluster.core.read_namespaced_pod("too-many", namespace)
     assert big.spec.node_name is None and big.status.phase == "Pending"
-    cond = {c.type: c for c in big.status.conditions or []}["PodScheduled"]
-    assert cond.status == "False" and "nvidia.com/gpu" in cond.message
 
 
 def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> None:
