@@ -39,6 +39,7 @@ BLOCK_M_DECODE = 16
 BLOCK_N = 64
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
+SPLIT_TARGET_WAVES = 2  # split until (sequence, KV head, slice) programs fill this many waves of SMs
 
 
 def _interpreting() -> bool:
@@ -269,15 +270,15 @@ def choose_num_splits(
     """How many context slices each decode program gets (1 = no split-K).
 
     Split only decode-only batches (prefill has enough query blocks to fill the GPU), only when the
-    (sequence, KV head) programs fill less than about two waves of SMs, and never into slices shorter
+    (sequence, KV head) programs fill less than SPLIT_TARGET_WAVES waves of SMs, and never into slices shorter
     than MIN_TOKENS_PER_SPLIT tokens, where merging would cost more than it saves.
     """
     if max_query_len != 1 or num_seqs == 0:
         return 1
     programs = num_seqs * num_kv_heads
-    if programs >= 2 * num_sms:
+    if programs >= SPLIT_TARGET_WAVES * num_sms:
         return 1
-    by_occupancy = math.ceil(2 * num_sms / programs)
+    by_occupancy = math.ceil(SPLIT_TARGET_WAVES * num_sms / programs)
     by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 

@@ -26,6 +26,6 @@ def _generate(model_dir, backend, **kw):
 
 
 @pytest.mark.parametrize("budget", [2048, 16])
-def test_triton_matches_reference(tiny_model_dir, budget):
-    ref = _generate(tiny_model_dir, "torch", max_num_batched_tokens=budget)
-    assert _generate(tiny_model_dir, "triton", max_num_batched_tokens=budget) == ref
+def test_triton_matches_reference(sharp_tiny_model_dir, budget):
+    ref = _generate(sharp_tiny_model_dir, "torch", max_num_batched_tokens=budget)
+    assert _generate(sharp_tiny_model_dir, "triton", max_num_batched_tokens=budget) == ref

@@ -106,3 +106,27 @@ def random_batch(rng: random.Random, max_seqs: int, max_len: int) -> tuple[list[
     seq_lens = [rng.randint(1, max_len) for _ in range(n)]
     q_lens = [rng.choice([1, 1, rng.randint(1, s)]) if s > 1 else 1 for s in seq_lens]
     return q_lens, seq_lens
+
+
+def sharpen_checkpoint(src, dst, qk: float = 6.0, vo: float = 12.0, mlp: float = 8.0):
+    """Copy a random-weight Llama checkpoint with its layers' weights scaled up.
+
+    At the default init (std 0.02) a tiny Llama with tied embeddings is dominated by its embeddings and
+    greedily repeats its last input token whatever attention computes, so an end-to-end comparison would
+    not notice a broken kernel. Scaled like this, attention is peaked and the layers decide the tokens:
+    scaling the attention scores by 1.05 changes the greedy tokens, by 1.0001 it does not.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for w, f in ((a.q_proj, qk), (a.k_proj, qk), (a.v_proj, vo), (a.o_proj, vo)):
+                w.weight.mul_(f)
+            for w in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                w.weight.mul_(mlp)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
