@@ -38,8 +38,6 @@ if [[ $print_only == 1 ]]; then
     exit 0
 fi
 
-command -v go >/dev/null || die "the 'go' command is not on PATH (need Go >= 1.26)"
-
 stamp="$bindir/.inputs.sha256"
 inputs_hash="$(cat "$here/go.mod" "$here/go.sum" "$here/tools.go" \
     "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/etcd/main.go" "$0" | sha256sum | cut -d' ' -f1)"
@@ -54,6 +52,7 @@ if [[ $force == 0 ]] && all_present && [[ -f "$stamp" ]] && [[ "$(cat "$stamp")"
     exit 0
 fi
 
+command -v go >/dev/null || die "the 'go' command is not on PATH (need Go >= 1.26)"
 mkdir -p "$bindir"
 export GOFLAGS="${GOFLAGS:-} -mod=readonly -buildvcs=false"
 nice_cmd=(nice -n "${BUILD_NICE:-10}")

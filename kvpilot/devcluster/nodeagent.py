@@ -268,6 +268,8 @@ class NodeAgent:
 
     def _report(self, pod: dict, runner: PodRunner) -> None:
         status = runner.status()
+        if not status:
+            return  # not computed yet
         # Conditions keep their lastTransitionTime while unchanged: the ReplicaSet
         # controller measures minReadySeconds from the Ready transition.
         old = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}

@@ -80,6 +80,8 @@ class PodRunner:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _started_at: str = field(default_factory=now)
     _grace_req: float = 30.0
+    initialized: bool = False  # volumes written and init containers done
+    _last_status: dict = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -100,16 +102,26 @@ class PodRunner:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            self._prepare()
-        except Exception as e:  # noqa: BLE001 - any setup failure is reported on the pod
-            log.warning("pod %s: setup failed: %s", self.key, e)
-            with self._lock:
-                self.error = str(e)
+        # Setup is retried, as the kubelet does: a Secret or ConfigMap the pod
+        # needs may be created after the pod.
         while not self._stop.is_set():
-            if self.error is None:
+            try:
+                self._prepare()
                 with self._lock:
-                    self._tick()
+                    self.error, self.initialized = None, True
+                break
+            except Exception as e:  # noqa: BLE001 - any setup failure is reported on the pod
+                log.warning("pod %s: setup failed (retrying): %s", self.key, e)
+                with self._lock:
+                    self.error = str(e)
+                    self.containers = []
+                    if self.net is not None and not self.pod["spec"].get("hostNetwork"):
+                        self.network.remove_pod(self.net)
+                    self.net = None
+                self._stop.wait(2)
+        while not self._stop.is_set():
+            with self._lock:
+                self._tick()
             self._stop.wait(0.2)
         # Stopping happens on this thread because it forked the containers:
         # their PR_SET_PDEATHSIG would SIGKILL them the moment it exits.
@@ -198,10 +210,6 @@ class PodRunner:
             self.network.remove_pod(self.net)
         shutil.rmtree(self.pod_dir, ignore_errors=True)
 
-    def pids(self) -> list[int]:
-        with self._lock:
-            return [c.proc.pid for c in self.containers if c.proc is not None and c.proc.poll() is None]
-
     # ---- supervision -----------------------------------------------------
     def _tick(self) -> None:
         policy = self.pod["spec"].get("restartPolicy", "Always")
@@ -209,7 +217,8 @@ class PodRunner:
         for c in self.containers:
             if c.proc is not None and c.proc.poll() is not None:
                 self._on_exit(c, t)
-            if c.proc is None and c.exit_info is None or (c.exit_info and self._should_restart(c, policy)):
+            never_started = c.proc is None and c.exit_info is None
+            if never_started or (c.exit_info is not None and self._should_restart(c, policy)):
                 if t >= c.next_start:
                     self._start_container(c)
             if c.proc is not None:
@@ -316,9 +325,17 @@ class PodRunner:
 
     # ---- status ----------------------------------------------------------
     def status(self) -> dict:
-        """The pod status as the kubelet would report it (phase, IPs, containers, conditions)."""
-        with self._lock:
-            return self._status()
+        """The pod status as the kubelet would report it (phase, IPs, containers, conditions).
+
+        While the runner thread is busy (a probe, a liveness kill) the previous
+        status is returned, so one slow pod never stalls the agent's loop.
+        """
+        if self._lock.acquire(timeout=0.1):
+            try:
+                self._last_status = self._status()
+            finally:
+                self._lock.release()
+        return self._last_status
 
     def _status(self) -> dict:
         spec = self.pod["spec"]
@@ -380,7 +397,7 @@ class PodRunner:
         started = self.net is not None
         conds = [
             ("PodReadyToStartContainers", started),
-            ("Initialized", bool(self.containers) or self.error is None and started),
+            ("Initialized", self.initialized),
             ("ContainersReady", all_ready),
             ("Ready", all_ready),
         ]

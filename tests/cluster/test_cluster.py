@@ -321,3 +321,38 @@ def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> No
     elapsed = time.monotonic() - t0
     assert 1.5 <= elapsed < 10, elapsed
     assert not pid_alive(pid)
+
+
+def test_pod_waits_for_a_secret_created_later(cluster: Cluster, namespace: str) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "needs-secret"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "x",
+                    "command": ["sh", "-c", 'test "$KEY" = late && exec sleep 600'],
+                    "env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "late", "key": "k"}}}],
+                }
+            ],
+        },
+    }
+    cluster.core.create_namespaced_pod(namespace, pod)
+
+    def waiting_reason() -> str | None:
+        st = cluster.core.read_namespaced_pod("needs-secret", namespace).status
+        cs = st.container_statuses or []
+        return cs[0].state.waiting.reason if cs and cs[0].state.waiting else None
+
+    assert wait_for(waiting_reason, 20, "the missing secret to be reported") == "CreateContainerConfigError"
+    cluster.kubectl("create", "secret", "generic", "late", "--from-literal=k=late", "-n", namespace)
+    wait_for(
+        lambda: cluster.core.read_namespaced_pod("needs-secret", namespace).status.phase == "Running",
+        20,
+        "the pod to start once its secret exists",
+    )
+    st = cluster.core.read_namespaced_pod("needs-secret", namespace).status
+    assert st.container_statuses[0].restart_count == 0
