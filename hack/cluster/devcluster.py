@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Launcher for `kvpilot.devcluster` that works from a source checkout.
+"""Launcher for `kvpilot.devcluster` that works from a checkout, installed or not.
 
-Running `python -m kvpilot.devcluster` from the repo root would put the root
-first on sys.path, where the `operator/` folder shadows the standard library's
-`operator` module. This script instead appends the root at the end.
+It appends the repo root to sys.path rather than prepending it (as `python -m`
+from the root would), so the root's `operator/` folder, which the installed
+package maps to `kvpilot.operator`, can never shadow the standard library's
+`operator` module.
 """
 
 import sys
