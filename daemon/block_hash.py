@@ -18,7 +18,9 @@ BlockHash = NewType("BlockHash", bytes)
 _ROOT = b"kvpilot-prefix-v1"
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: bytes = b"") -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: bytes = b""
+) -> BlockHash:
     h = hashlib.sha256()
     h.update(parent if parent is not None else _ROOT)
     h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))

@@ -83,6 +83,7 @@ class BlockPool:
         self._free = FreeBlockQueue(self.blocks)
         self._index: dict[BlockHash, KVBlock] = {}
         self._num_cached_free = 0
+        self._retired: list[dict[BlockHash, KVBlock]] = []
         self.epoch = 0
 
     # ---- state -------------------------------------------------------------------------------
@@ -120,10 +121,16 @@ class BlockPool:
     def reset(self) -> int:
         """Make every indexed block unreachable at once; returns how many were reachable."""
         evicted = len(self._index)
+        # Freeing a dict of 100k keys takes milliseconds: park it and let release_retired() free it
+        # after the reset has answered.
+        self._retired.append(self._index)
         self._index = {}
         self._num_cached_free = 0
         self.epoch += 1
         return evicted
+
+    def release_retired(self) -> None:
+        self._retired.clear()
 
     # ---- allocation --------------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:

@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's own context length
     enable_prefix_caching: bool = True
+    cpu_threads: int | None = None  # torch threads on the CPU; None: all cores but one
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
 
     def validate(self) -> None:

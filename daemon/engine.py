@@ -8,10 +8,13 @@ steps, so a reset can never race a step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
+
 from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.daemon.kv_cache_manager import KVCacheManager
@@ -21,7 +24,6 @@ from kvpilot.daemon.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.scheduler import Scheduler
 from kvpilot.kernels import select_ops
-from transformers import AutoConfig, AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         config.validate()
         self.device = config.torch_device()
+        if self.device.type == "cpu":
+            # Leave a core to the HTTP server and tokenizer: OpenMP threads that compete for every
+            # core spin-wait each other into a 5-10x slower step on small machines.
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         self.dtype = config.torch_dtype(self.device)
         self.model_dir = resolve_model_dir(config.model)
         hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -122,6 +128,7 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.kv.pool.release_retired()  # the index dropped by the last reset, freed off its clock
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
         finished = {r.request_id for r in self.scheduler.update(out, sampled)}

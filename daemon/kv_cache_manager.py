@@ -75,15 +75,21 @@ class KVCacheManager:
             held.extend(self.pool.allocate(need))
         return True
 
-    def cache_computed_blocks(self, req: Request) -> None:
-        """Index the request's blocks that became full and computed, unless a reset happened since its
-        KV began: KV computed across a reset must never be found after it."""
+    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Index the request's blocks that are full once its first `num_tokens` tokens are computed.
+
+        The scheduler calls this when it schedules the step that computes them, not after: inside one
+        forward pass every layer writes all new K/V before any attention reads it, so a request admitted
+        later in the same step may already share these blocks instead of computing them again.
+        Nothing is indexed if a reset happened since the request's KV began: KV computed across a reset
+        must never be found after it.
+        """
         if not self.enable_prefix_caching or req.cache_epoch != self.pool.epoch:
             return
         held = self._blocks.get(req.request_id)
         if not held:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         start = self._num_indexed[req.request_id]
         if num_full <= start:
             return

@@ -7,6 +7,7 @@ the block ids in each chunk say where a request's tokens live in them.
 from __future__ import annotations
 
 import torch
+
 from kvpilot.daemon.models import ForwardBatch
 from kvpilot.daemon.models.llama import LlamaForCausalLM
 from kvpilot.daemon.sampler import Sampler
@@ -21,7 +22,12 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.block_size = block_size

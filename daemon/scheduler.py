@@ -71,12 +71,15 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
                 plan.append((req, n))
                 budget -= n
                 i += 1
 
         # Admitting while preempting would only thrash: the freed blocks go to the preempted first.
-        while out.num_preempted == 0 and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            out.num_preempted == 0 and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
             req = self.waiting[0]
             hit = self.kv.find_prefix(req)
             n = min(req.num_tokens - hit.num_tokens, budget)
@@ -89,6 +92,7 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
             plan.append((req, n))
             budget -= n
 
@@ -106,7 +110,6 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.cache_computed_blocks(req)
             if not chunk.sample:
                 continue
             req.append_token(sampled[req.request_id])

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from kvpilot.daemon.models.llama import ForwardBatch, LlamaArgs, LlamaForCausalLM, rope_cache
 from kvpilot.kernels import Ops
-from safetensors import safe_open
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,7 +23,9 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture is not one the engine implements (e.g. encoder-only)."""
 
 
-def load_model(model_dir: Path, hf_config, ops: Ops, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:  # noqa: ANN001
+def load_model(
+    model_dir: Path, hf_config, ops: Ops, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:  # noqa: ANN001
     archs = getattr(hf_config, "architectures", None) or []
     cls = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if cls is None:

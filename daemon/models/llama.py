@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvpilot.kernels import AttentionMetadata, Ops
 from torch import nn
+
+from kvpilot.kernels import AttentionMetadata, Ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +85,21 @@ class LlamaAttention(nn.Module):
         self.scale = a.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor], rope: torch.Tensor, ops: Ops
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
+        ops: Ops,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous()
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        k = (
+            qkv[:, self.q_size : self.q_size + self.kv_size]
+            .reshape(t, self.num_kv_heads, self.head_dim)
+            .contiguous()
+        )
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         ops.rotary(q, k, batch.positions, rope)
         ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
@@ -139,11 +149,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_cache(args.head_dim, args.max_position, args.rope_theta), persistent=False)
+        self.lm_head = (
+            None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+        self.register_buffer(
+            "rope", rope_cache(args.head_dim, args.max_position, args.rope_theta), persistent=False
+        )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):

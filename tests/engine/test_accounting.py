@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.engine import LLMEngine
 from kvpilot.daemon.request import SamplingParams

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvpilot.daemon.block_hash import extend_block_hashes, hash_block
 from kvpilot.daemon.block_pool import BlockPool
 from kvpilot.daemon.kv_cache_manager import KVCacheManager
@@ -75,8 +76,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = Request("a", list(range(8)), SamplingParams())
     assert kv.allocate_slots(first, 8)
-    first.num_computed_tokens = 8
-    kv.cache_computed_blocks(first)
+    kv.cache_full_blocks(first, 8)
     kv.free(first)
     again = Request("b", list(range(8)), SamplingParams())
     hit = kv.find_prefix(again)

@@ -4,6 +4,7 @@ request is harmed by it."""
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.daemon.request import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -1,0 +1,216 @@
+"""Engine benchmark: the shared-prefix load through kvpilot and through transformers, TTFT cases, reset cost.
+
+One run, one JSON file under bench/results/. Ratios are against baselines measured in the same run.
+
+    python bench/engine.py                # the default load (16 requests x ~300 tokens, 64 new)
+    python bench/engine.py --quick        # a smaller load for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvpilot.daemon.block_hash import hash_block
+from kvpilot.daemon.block_pool import BlockPool
+from kvpilot.daemon.config import EngineConfig
+from kvpilot.daemon.engine import LLMEngine
+from kvpilot.daemon.request import SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+SYSTEM = (
+    "You are the on-call assistant of an inference platform team. The team runs many replicas of small "
+    "language models on Kubernetes. Every replica keeps a prefix cache of attention keys and values, so "
+    "prompts that share their beginning are computed once. Benchmarks flush these caches before every "
+    "run so that each run starts cold and measures what a new user would see; training pipelines flush "
+    "them after each weight update so that no stale values computed by the old weights are ever reused. "
+    "When you answer, be brief, precise and friendly. Prefer short sentences. Never invent numbers; if a "
+    "number is needed and you do not know it, say so. Use plain words rather than jargon, explain any "
+    "acronym the first time it appears, and keep every answer under one hundred words unless asked for "
+    "more. If a question is ambiguous, state the reading you chose before answering it."
+)
+QUESTIONS = [
+    "What is a prefix cache?", "Why flush caches between runs?", "What is time to first token?",
+    "How does paged attention work?", "What is continuous batching?", "Why is decode memory bound?",
+    "What is a KV block?", "What does preemption mean here?", "Why use bf16 on GPUs?", "What is an epoch?",
+    "What does a reset return?", "What is chunked prefill?", "Why is LRU eviction used?",
+    "What is a cache salt?", "What is an operator?", "What is a DaemonSet?",
+]  # fmt: skip
+
+
+def chat(tokenizer, question: str) -> list[int]:  # noqa: ANN001
+    ids = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run_kvpilot(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    engine.reset_prefix_cache()
+    before = engine.stats()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    secs = time.perf_counter() - start
+    after = engine.stats()
+    tokens = sum(len(o) for o in outs)
+    return {
+        "seconds": secs,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / secs,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "cache_hit_tokens": after.hit_tokens - before.hit_tokens,
+    }
+
+
+def run_transformers(model, prompts: list[list[int]], max_tokens: int, sharing: bool) -> dict:  # noqa: ANN001
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(
+        allow_block_sharing=sharing, page_size=16, num_blocks=1024, max_batch_tokens=2048
+    )
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    secs = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"seconds": secs, "output_tokens": tokens, "tokens_per_s": tokens / secs, "block_sharing": sharing}
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds until the first token of one request running alone, and its cached prompt tokens."""
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    cached = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            cached = o.num_cached_tokens
+    return time.perf_counter() - start, cached
+
+
+def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN001
+    long_prompt = chat(tokenizer, "Summarise the rules above in one line.")
+    new_suffix = chat(tokenizer, "Which rule matters most, and why?")
+    suffix_alone = tokenizer("Which rule matters most, and why?")["input_ids"]
+    cases: dict[str, list[float]] = {"cold_long_prompt": [], "cached_prefix_new_suffix": [], "suffix_alone": [],
+                                     "right_after_reset": []}  # fmt: skip
+    cached: dict[str, int] = {}
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        t, cached["cold_long_prompt"] = ttft(engine, long_prompt)
+        cases["cold_long_prompt"].append(t)
+        t, cached["cached_prefix_new_suffix"] = ttft(engine, new_suffix)
+        cases["cached_prefix_new_suffix"].append(t)
+        t, cached["suffix_alone"] = ttft(engine, suffix_alone)
+        cases["suffix_alone"].append(t)
+        engine.reset_prefix_cache()
+        t, cached["right_after_reset"] = ttft(engine, new_suffix)
+        cases["right_after_reset"].append(t)
+    med = {k: statistics.median(v) for k, v in cases.items()}
+    return {
+        "median_seconds": med,
+        "cached_tokens": cached,
+        "prompt_tokens": {
+            "long": len(long_prompt),
+            "new_suffix": len(new_suffix),
+            "suffix_alone": len(suffix_alone),
+        },
+        "cached_prefix_vs_suffix_alone": med["cached_prefix_new_suffix"] / med["suffix_alone"],
+        "cold_vs_cached_prefix": med["cold_long_prompt"] / med["cached_prefix_new_suffix"],
+    }
+
+
+def reset_latency(num_blocks: int, repeats: int = 20) -> dict:
+    pool = BlockPool(num_blocks)
+    times = []
+    for _ in range(repeats):
+        blocks = pool.allocate(num_blocks)
+        for i, b in enumerate(blocks):
+            pool.cache_block(b, hash_block(None, [i]))
+        pool.free(blocks)
+        start = time.perf_counter()
+        evicted = pool.reset()
+        times.append(time.perf_counter() - start)
+        assert evicted == num_blocks
+    return {
+        "cached_blocks": num_blocks,
+        "median_ms": statistics.median(times) * 1e3,
+        "max_ms": max(times) * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ttft-repeats", type=int, default=3)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="4 requests x 16 tokens, one TTFT repeat")
+    ap.add_argument("--output", type=Path, default=RESULTS / "engine.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.max_tokens, args.ttft_repeats = 4, 16, 1
+
+    engine = LLMEngine(EngineConfig(num_kv_blocks=4096))
+    tok = engine.tokenizer
+    prompts = [chat(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.requests)]
+    engine.generate([prompts[0]], SamplingParams(max_tokens=2))  # warm-up: first-call allocations
+
+    print(f"load: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.max_tokens} new tokens each")  # fmt: skip
+    results: dict = {"load": {"requests": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                              "max_tokens": args.max_tokens}}  # fmt: skip
+    results["kvpilot_prefix_caching"] = run_kvpilot(engine, prompts, args.max_tokens)
+    print("kvpilot, prefix caching on :", _fmt(results["kvpilot_prefix_caching"]))
+    engine.kv.enable_prefix_caching = False
+    results["kvpilot_no_prefix_caching"] = run_kvpilot(engine, prompts, args.max_tokens)
+    engine.kv.enable_prefix_caching = True
+    print("kvpilot, prefix caching off:", _fmt(results["kvpilot_no_prefix_caching"]))
+
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+        for sharing in (True, False):
+            key = f"transformers_generate_batch_{'sharing' if sharing else 'no_sharing'}"
+            try:
+                results[key] = run_transformers(model, prompts, args.max_tokens, sharing)
+                print(f"transformers generate_batch, sharing={sharing}:", _fmt(results[key]))
+            except Exception as e:  # noqa: BLE001 - record why the baseline could not run
+                results[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"transformers generate_batch, sharing={sharing}: failed: {e}")
+
+    results["ttft"] = ttft_cases(engine, tok, args.ttft_repeats)
+    print("TTFT (median s):", {k: round(v, 4) for k, v in results["ttft"]["median_seconds"].items()})
+    results["reset_latency"] = reset_latency(100_000)
+    print("reset with 100k cached blocks:", results["reset_latency"])
+
+    ours = results["kvpilot_prefix_caching"]["tokens_per_s"]
+    ratios = {"prefix_caching_on_vs_off": ours / results["kvpilot_no_prefix_caching"]["tokens_per_s"]}
+    for key in ("transformers_generate_batch_sharing", "transformers_generate_batch_no_sharing"):
+        if "tokens_per_s" in results.get(key, {}):
+            ratios[f"kvpilot_vs_{key}"] = ours / results[key]["tokens_per_s"]
+    results["ratios"] = ratios
+    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+                      "device": str(engine.device), "dtype": str(engine.dtype)}  # fmt: skip
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+def _fmt(r: dict) -> str:
+    return f"{r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)"
+
+
+if __name__ == "__main__":
+    main()
