@@ -43,7 +43,7 @@ def load_model(
     a = model.args
     model.rope = rope_cache(a.head_dim, a.max_position, a.rope_theta).to(device)
     model.load_weights(_iter_safetensors(files, dtype))
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def _iter_safetensors(files: list[Path], dtype: torch.dtype):  # noqa: ANN202
