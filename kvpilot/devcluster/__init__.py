@@ -2,7 +2,8 @@
 
 - binaries: builds/locates etcd, kube-apiserver, kube-controller-manager
 - controlplane: starts them on loopback, waits for readiness, writes kubeconfigs
-- nodeagent: a small kubelet that runs pods as local processes (podrunner, podspec)
+- nodeagent: a small kubelet that runs pods as local processes (podrunner, podspec,
+  scheduling for binding, logserver for `kubectl logs`)
 - netns: one network namespace per pod on a bridge (loopback addresses without root)
 - cli: `python -m kvpilot.devcluster up|down|run|agent`
 

@@ -192,6 +192,10 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",  # fewer moving parts on 2 CPUs
+                # `kubectl logs` goes apiserver -> node agent (logserver.py) at the Node's InternalIP.
+                f"--kubelet-client-certificate={keys.kubelet_client_cert}",
+                f"--kubelet-client-key={keys.kubelet_client_key}",
+                "--kubelet-preferred-address-types=InternalIP",
                 f"--v={self.verbose}",
             ],
         )

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kubernetes import client
 
-from . import scheduling
+from . import pki, scheduling
+from .logserver import LogServer
 from .netns import Network
 from .podrunner import PodRunner, now
 
@@ -65,6 +66,7 @@ class NodeAgent:
         nodes: list[NodeSpec],
         bind_pods: bool | None = None,
     ) -> None:
+        self.api = api
         self.core = client.CoreV1Api(api)
         self.coord = client.CoordinationV1Api(api)
         self.network = network
@@ -78,10 +80,12 @@ class NodeAgent:
         self.unschedulable: dict[str, str] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.logs: LogServer | None = None
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
         self.network.setup()
+        self._start_log_server()
         for spec in self.nodes.values():
             self._register(spec)
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._pod_loop, "pods")):
@@ -100,10 +104,39 @@ class NodeAgent:
         for t in stoppers:
             t.join()
         self.runners.clear()
+        if self.logs is not None:
+            self.logs.stop()
         self.network.teardown()
 
     def wait(self) -> None:
         self._stop.wait()
+
+    def _start_log_server(self) -> None:
+        ca = self.api.configuration.ssl_ca_cert  # the cluster CA, which signed the apiserver's client cert
+        if not ca:
+            log.warning("no cluster CA in the kubeconfig: kubectl logs will not work")
+            return
+        crt, key = pki.self_signed(self.workdir / "agent-pki", "node-agent", self.network.host_ip)
+        self.logs = LogServer(self.network.host_ip, crt, key, ca, self._log_file, self._pod_running)
+        self.logs.start()
+
+    def _runner(self, ns: str, name: str) -> PodRunner | None:
+        for r in list(self.runners.values()):
+            if r.pod["metadata"]["namespace"] == ns and r.pod["metadata"]["name"] == name:
+                return r
+        return None
+
+    def _log_file(self, ns: str, name: str, container: str) -> Path | None:
+        r = self._runner(ns, name)
+        names = (
+            {c["name"] for c in r.pod["spec"]["containers"] + (r.pod["spec"].get("initContainers") or [])}
+            if r
+            else ()
+        )
+        return r.pod_dir / "logs" / f"{container}.log" if r and container in names else None
+
+    def _pod_running(self, ns: str, name: str) -> bool:
+        return self._runner(ns, name) is not None and not self._stop.is_set()
 
     # ---- nodes -----------------------------------------------------------
     def _register(self, spec: NodeSpec) -> None:
@@ -175,7 +208,7 @@ class NodeAgent:
                 {"type": "InternalIP", "address": self.network.host_ip},
                 {"type": "Hostname", "address": spec.name},
             ],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.logs.port if self.logs else 0}},
             "nodeInfo": {
                 "machineID": spec.name,
                 "systemUUID": spec.name,

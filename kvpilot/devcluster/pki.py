@@ -20,6 +20,8 @@ class Pki:
     serving_key: Path
     sa_key: Path
     sa_pub: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -50,4 +52,31 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
     )  # fmt: skip
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-    return Pki(d / "ca.crt", d / "apiserver.crt", d / "apiserver.key", d / "sa.key", d / "sa.pub")
+    # The apiserver's client cert for the node agent's log endpoint (kubectl logs),
+    # which accepts only clients signed by this CA.
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "kubelet-client.key", cwd=d)
+    _openssl(
+        "req", "-new", "-key", "kubelet-client.key", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        "-out", "kubelet-client.csr", cwd=d,
+    )  # fmt: skip
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n")
+    _openssl(
+        "x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "30", "-extfile", "client.ext", "-out", "kubelet-client.crt", cwd=d,
+    )  # fmt: skip
+    return Pki(
+        d / "ca.crt", d / "apiserver.crt", d / "apiserver.key", d / "sa.key", d / "sa.pub",
+        d / "kubelet-client.crt", d / "kubelet-client.key",
+    )  # fmt: skip
+
+
+def self_signed(directory: Path, name: str, ip: str) -> tuple[Path, Path]:
+    """A self-signed serving cert for `ip` (the node agent's log endpoint)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key, crt = directory / f"{name}.key", directory / f"{name}.crt"
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", key.name, "-out", crt.name, "-days", "30", "-subj", f"/CN={name}",
+        "-addext", f"subjectAltName=IP:{ip}", cwd=directory,
+    )  # fmt: skip
+    return crt, key

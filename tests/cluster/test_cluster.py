@@ -152,6 +152,9 @@ def test_deployment_becomes_available_and_pods_serve_http(cluster: Cluster, web:
         ]
         # ...and the secret volume, its mountPath rewritten to a local folder.
         assert http_get(f"http://{p.status.pod_ip}:8080/greeting.txt") == "hello-from-secret"
+    # kubectl logs: apiserver -> the node agent's log endpoint -> the container's output.
+    logs = cluster.kubectl("logs", pods[0].metadata.name, "-n", web).stdout
+    assert '"GET /greeting.txt HTTP/1.1" 200' in logs
     if cluster.rootful:  # each pod lives in its own namespace, its IP on that namespace's eth0
         for p in pods:
             ns = cluster.netns_of(p)
