@@ -81,6 +81,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.logs: LogServer | None = None
+        self._since = now()  # lastTransitionTime of the node conditions
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -200,7 +201,7 @@ class NodeAgent:
                     "reason": r,
                     "message": "kvpilot node agent",
                     "lastHeartbeatTime": t,
-                    "lastTransitionTime": t,
+                    "lastTransitionTime": self._since,  # conditions never change
                 }
                 for ty, st, r in conds
             ],  # fmt: skip
