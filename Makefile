@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(VENV)/bin/kvpilot serve
 
-test: setup
+test: setup cluster-build
 	$(PY) -m pytest -q
 
 lint:

@@ -7,6 +7,7 @@ Greedy rows are one batched argmax. Random rows draw with the request's own gene
 from __future__ import annotations
 
 import torch
+
 from kvpilot.daemon.request import Request
 
 
