@@ -1,0 +1,110 @@
+"""Small stand-in servers that speak the documented reset replies of kvpilot, vLLM and SGLang.
+
+Used in-process by the unit tests and as a pod's command by the cluster tests (a daemon where the model
+is not the point): `python standin.py --engine kvpilot --host $(POD_IP) --port 8000 [--reset-status 500]`.
+Every reset call is counted (GET /calls) so tests can prove that no pod was reset twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+
+class Standin:
+    def __init__(self, engine: str = "kvpilot", reset_status: int = 200, delay: float = 0.0,
+                 busy_times: int = 0, token: str | None = None, body_success: bool = True) -> None:  # fmt: skip
+        self.engine = engine
+        self.reset_status = reset_status
+        self.delay = delay
+        self.busy_times = busy_times
+        self.token = token
+        self.body_success = body_success
+        self.epoch = 0
+        self.calls = 0  # reset calls received
+        self.resets = 0  # resets applied
+        self.inflight = 0
+        self.max_inflight = 0
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._reset(request)
+        finally:
+            self.inflight -= 1
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"error": {"message": "a valid admin token is required"}}, status=401)
+        if self.engine == "sglang":
+            if self.busy_times > 0:
+                self.busy_times -= 1
+                return web.Response(
+                    status=400,
+                    text="Cache not flushed because there are pending requests. #queue-req: 1, #running-req: 1",
+                )
+            self.resets += 1
+            return web.Response(
+                text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+        if self.reset_status != 200:
+            msg = {501: "this engine has no prefix cache to reset", 503: "the engine is not running"}
+            return web.json_response(
+                {"error": {"message": msg.get(self.reset_status, "the prefix cache reset failed on rank 0"),
+                           "type": "server_error", "param": None, "code": "x"}}, status=self.reset_status)  # fmt: skip
+        # Applied on receipt, replied after `delay`: a caller killed meanwhile leaves a reset that happened.
+        self.resets += 1
+        self.epoch += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.engine == "vllm":
+            return (
+                web.json_response({"success": self.body_success})
+                if not self.body_success
+                else web.Response(status=200)
+            )
+        return web.json_response({"success": True, "epoch": self.epoch, "evicted_blocks": 7, "in_flight_requests": 0,
+                                  "preempted_requests": 0, "duration_ms": 0.1,
+                                  "ranks": [{"rank": 0, "success": True}]})  # fmt: skip
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"epoch": self.epoch, "blocks_total": 64})
+
+    async def calls_(self, request: web.Request) -> web.Response:
+        return web.json_response({"calls": self.calls, "resets": self.resets, "epoch": self.epoch})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        path = "/flush_cache" if self.engine == "sglang" else "/reset_prefix_cache"
+        app.router.add_post(path, self.reset)
+        app.router.add_get("/prefix_cache", self.stats)
+        app.router.add_get("/calls", self.calls_)
+        app.router.add_get("/health", self.health)
+        return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", default="kvpilot")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reset-status", type=int, default=200)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--busy-times", type=int, default=0)
+    p.add_argument("--token", default=None)
+    a = p.parse_args()
+    s = Standin(a.engine, a.reset_status, a.delay, a.busy_times, a.token)
+    print(json.dumps(vars(a)), flush=True)
+    web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Pure builders and conditions: manifests as functions of an InferenceDeployment's spec."""
+
+from __future__ import annotations
+
+from kvpilot.operator import builders
+from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
+
+SPEC = {
+    "replicas": 3, "placement": "Deployment", "image": "img:1", "port": 8123,
+    "engine": {"blockSize": 16, "maxNumSeqs": 8, "kvCacheBlocks": 256, "enablePrefixCaching": False},
+    "adminTokenSecretRef": {"name": "admin", "key": "tok"}, "nodeSelector": {"gpu": "yes"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+    "resources": {"limits": {"nvidia.com/gpu": 1}},
+}  # fmt: skip
+
+
+def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_annotations() -> None:
+    d = builders.workload("llama", SPEC)
+    assert d["kind"] == "Deployment" and d["spec"]["replicas"] == 3
+    assert d["spec"]["selector"] == {"matchLabels": {"kvpilot.io/inference-deployment": "llama"}}
+    tpl = d["spec"]["template"]
+    assert tpl["metadata"]["labels"]["kvpilot.io/inference-deployment"] == "llama"
+    assert tpl["metadata"]["annotations"]["prometheus.io/port"] == "8123"
+    c = tpl["spec"]["containers"][0]
+    assert c["command"] == ["kvpilot"]
+    args = c["args"]
+    assert args[:5] == ["serve", "--host", "$(POD_IP)", "--port", "8123"]
+    for flag, value in [
+        ("--block-size", "16"),
+        ("--max-num-seqs", "8"),
+        ("--num-gpu-blocks-override", "256"),
+    ]:
+        assert args[args.index(flag) + 1] == value
+    assert "--no-enable-prefix-caching" in args and "--model" not in args
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    tok = next(e for e in c["env"] if e["name"] == "KVPILOT_ADMIN_TOKEN")
+    assert tok["valueFrom"]["secretKeyRef"] == {"name": "admin", "key": "tok"}
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert (
+        tpl["spec"]["nodeSelector"] == {"gpu": "yes"}
+        and tpl["spec"]["tolerations"][0]["operator"] == "Exists"
+    )
+
+
+def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
+    d = builders.workload("x", {"placement": "DaemonSet", "model": "/models/q"})
+    assert d["kind"] == "DaemonSet" and "replicas" not in d["spec"]
+    args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/q" and "--port" in args
+    assert not any(
+        e["name"] == "KVPILOT_ADMIN_TOKEN" for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+    )
+
+
+def test_service_selects_the_fleet_on_its_port() -> None:
+    s = builders.service("llama", SPEC)
+    assert s["spec"]["selector"] == builders.selector_labels("llama")
+    assert (
+        s["spec"]["ports"][0]["port"] == 8123
+        and builders.selector_string("llama") == "kvpilot.io/inference-deployment=llama"
+    )
+
+
+def test_drift_ignores_server_defaults_but_sees_edits() -> None:
+    want = builders.workload("a", SPEC)["spec"]
+    have = builders.workload("a", SPEC)["spec"]
+    have["revisionHistoryLimit"] = 10  # added by the API server
+    have["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    assert not builders.drifted(want, have)
+    have["replicas"] = 1
+    assert builders.drifted(want, have)
+    have = builders.workload("a", SPEC)["spec"]
+    have["template"]["spec"]["containers"][0]["args"].append("--extra")
+    assert builders.drifted(want, have)
+
+
+def test_reset_for_token_is_deterministic_per_token() -> None:
+    a = builders.reset_for_token("llama", "t1", SPEC)
+    assert a == builders.reset_for_token("llama", "t1", SPEC)
+    assert a["metadata"]["name"] != builders.reset_for_token("llama", "t2", SPEC)["metadata"]["name"]
+    assert a["spec"] == {"targetRef": {"name": "llama"}}
+
+
+def test_conditions_keep_transition_time_until_status_changes() -> None:
+    c = set_condition(None, "Available", False, "Down", "m", 1, now="2026-01-01T00:00:00Z")
+    c = set_condition(c, "Available", False, "Down", "m2", 2, now="2026-01-02T00:00:00Z")
+    assert get_condition(c, "Available")["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    c = set_condition(c, "Available", True, "Up", "m3", 3, now="2026-01-03T00:00:00Z")
+    cond = get_condition(c, "Available")
+    assert cond["lastTransitionTime"] == "2026-01-03T00:00:00Z" and cond["observedGeneration"] == 3
+    conds = fleet_conditions(None, desired=3, ready=3, updated=3, generation=1, workload_seen=True)
+    assert {x["type"]: x["status"] for x in conds} == {
+        "Available": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+    }
+    conds = fleet_conditions(
+        conds, desired=3, ready=1, updated=3, generation=1, workload_seen=True, stalled=True
+    )
+    assert {x["type"]: x["status"] for x in conds} == {
+        "Available": "False",
+        "Progressing": "True",
+        "Degraded": "True",
+    }
