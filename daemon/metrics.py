@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from kvpilot.daemon.outputs import CacheStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvpilot.daemon.outputs import CacheStats
 
 PREFIX = "kvpilot_"
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from kvpilot.daemon.auth import authorized
 from kvpilot.daemon.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.daemon.engine_loop import EngineDeadError, EngineLoop
@@ -32,7 +34,6 @@ from kvpilot.daemon.protocol import (
     parse_json_object,
     parse_reset_flag,
 )
-from prometheus_client import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +264,8 @@ async def _generate(
     try:
         while True:
             item = await sink.get()
-            if isinstance(item, BaseException):
-                raise item
+            if isinstance(item, BaseException):  # the engine died under this request: our fault, a 500
+                raise ApiError(500, "the engine failed while running this request", code="engine_error")
             now = time.monotonic()
             if first:
                 first = False

@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+
 from kvpilot.daemon.auth import AdminTokenError, authorized, load_admin_token
 
 from .conftest import ADMIN_TOKEN, MODEL, Server
