@@ -296,7 +296,7 @@ async def run_fanout(
 
             done = asyncio.Event()
 
-            async def progress() -> None:
+            async def progress(done: asyncio.Event) -> None:
                 # Live progress for `kubectl get pcr` / `kvpilot reset --wait`, at a bounded patch rate.
                 while not done.is_set():
                     try:
@@ -304,7 +304,7 @@ async def run_fanout(
                     except asyncio.TimeoutError:
                         await checkpoint(records)
 
-            flusher = asyncio.create_task(progress())
+            flusher = asyncio.create_task(progress(done))
             try:
                 await asyncio.gather(
                     *(limited(reset_pod, session, r, settings, deadline, pod_gone) for r in wave)
