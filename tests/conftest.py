@@ -6,6 +6,19 @@ from pathlib import Path
 
 import pytest
 
+# The shape of every tiny random-weight test model: small enough for the triton interpreter and for
+# property tests, with the default model's vocabulary so its tokenizer fits.
+TINY_MODEL_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
@@ -23,18 +36,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**TINY_MODEL_SHAPE, max_position_embeddings=512, tie_word_embeddings=True)
     torch.manual_seed(1234)
     LlamaForCausalLM(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)

@@ -12,19 +12,9 @@ from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.engine import LLMEngine
 from kvpilot.daemon.models import UnsupportedModelError
 from kvpilot.daemon.request import SamplingParams
+from tests.conftest import TINY_MODEL_SHAPE
 
 PROMPTS = [list(range(100, 137)), list(range(900, 905)), [7] * 20 + list(range(40, 60))]
-SMALL = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str) -> Path:
@@ -36,7 +26,7 @@ def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str) -> Path:
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     }[arch]
-    config = getattr(transformers, config_cls)(**SMALL, **extra)
+    config = getattr(transformers, config_cls)(**TINY_MODEL_SHAPE, max_position_embeddings=256, **extra)
     torch.manual_seed(7)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # larger weights than the init: clear argmax margins, no near-ties
