@@ -79,6 +79,7 @@ def container(spec: dict[str, Any]) -> dict[str, Any]:
                 "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "token")}},
             }
         )
+    env += copy.deepcopy(spec.get("env") or [])
     c: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),

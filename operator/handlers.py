@@ -34,7 +34,7 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
     await fleets.reconcile(memo.kube, body, logger)
 
 
-@kopf.timer(GROUP, VERSION, "inferencedeployments", interval=2.0, initial_delay=1.0)
+@kopf.timer(GROUP, VERSION, "inferencedeployments", interval=3.0, initial_delay=1.0)
 async def fleet_drift(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
     await fleets.reconcile(memo.kube, body, logger)
 
