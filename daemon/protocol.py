@@ -69,6 +69,7 @@ class GenerateRequest:
     include_usage: bool = False
     cache_salt: str | None = None
     max_tokens_given: bool = False
+    max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -329,6 +330,9 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
         include_usage=include_usage,
         cache_salt=_cache_salt(body),
         max_tokens_given=max_tokens is not None,
+        max_tokens_param="max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens",
     )
     return ChatRequest(req, messages, get_bool(body, "add_generation_prompt", True))
 

@@ -320,7 +320,7 @@ def _check_length(state: _State, prompt_ids: list[int], req: GenerateRequest, pa
         raise bad(
             f"This model's maximum context length is {limit} tokens; you requested {n + req.params.max_tokens} "
             f"tokens ({n} in the prompt, {req.params.max_tokens} for the completion)",
-            "max_tokens",
+            req.max_tokens_param,
             code="context_length_exceeded",
         )
     if not req.max_tokens_given:

@@ -134,7 +134,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         engine.model_name, engine.num_blocks, config.block_size, engine.max_model_len,
         "on" if config.enable_prefix_caching else "off", config.max_num_seqs,
     )  # fmt: skip
-    return asyncio.run(serve(engine, settings))
+    try:
+        return asyncio.run(serve(engine, settings))
+    except OSError as exc:  # most often: the port is taken
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return 1
 
 
 # name -> function adding the subcommand; others add `operator`, `reset`, `bench` here.
