@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 
 from aiohttp import web
 
@@ -100,8 +102,11 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--busy-times", type=int, default=0)
     p.add_argument("--token", default=None)
-    a = p.parse_args()
-    s = Standin(a.engine, a.reset_status, a.delay, a.busy_times, a.token)
+    # Also accepts `kvpilot serve ...` arguments (see shim/kvpilot): flags it does not know are ignored.
+    a, _ = p.parse_known_args([x for x in sys.argv[1:] if x != "serve"])
+    token = a.token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None
+    s = Standin(a.engine, int(os.environ.get("STANDIN_RESET_STATUS", a.reset_status)),
+                float(os.environ.get("STANDIN_DELAY", a.delay)), a.busy_times, token)  # fmt: skip
     print(json.dumps(vars(a)), flush=True)
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)
 

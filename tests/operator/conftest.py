@@ -1,0 +1,169 @@
+"""Fixtures for the operator's cluster tests: the dev cluster of tests/cluster, our CRDs, the operator's
+ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, and the operator as a subprocess.
+
+Pods run their `command` as local processes with the node agent's PATH (docs/cluster.md), so the venv's bin
+folder goes first on PATH before the cluster starts: `kvpilot serve` is then this checkout's daemon. Fleets
+whose daemon is not the point put shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+VENV_BIN = str(Path(sys.executable).parent)
+if not os.environ.get("PATH", "").startswith(VENV_BIN + os.pathsep):
+    os.environ["PATH"] = VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+SHIM_PATH = f"{HERE / 'shim'}{os.pathsep}{os.environ['PATH']}"
+if str(ROOT / "tests") not in sys.path:
+    sys.path.append(str(ROOT / "tests"))
+if str(HERE) not in sys.path:
+    sys.path.append(str(HERE))
+
+from cluster.conftest import Cluster, cluster, namespace, wait_for  # noqa: E402, F401
+
+from kvpilot.operator import rbac  # noqa: E402
+
+OP_NS = "kvpilot-system"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    """`python -m kvpilot.operator.main` under the RBAC-limited ServiceAccount's kubeconfig."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log = kubeconfig, log
+        self.proc: subprocess.Popen | None = None
+        self.metrics_port = self.liveness_port = 0
+
+    def start(self, *extra: str) -> None:
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        argv = [sys.executable, "-m", "kvpilot.operator.main", "--bind", "127.0.0.1",
+                "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), *extra]  # fmt: skip
+        out = open(self.log, "ab")  # noqa: SIM115 - kept by the child
+        self.proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        wait_for(self.healthy, 60, "the operator's /healthz")
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"operator exited: {self.log.read_text()[-3000:]}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
+            return r.status == 200
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash or an OOM kill would leave it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self, *extra: str) -> None:
+        self.stop()
+        self.start(*extra)
+
+
+def apply(cluster: Cluster, objs: object) -> None:  # noqa: F811
+    docs = objs if isinstance(objs, list) else [objs]
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in docs))
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    for crd in (
+        "inferencedeployments.kvpilot.io",
+        "prefixcacheresets.kvpilot.io",
+        "clusterkopfpeerings.kopf.dev",
+    ):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    cluster.kubectl("create", "namespace", OP_NS, check=False)
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", OP_NS, check=False).returncode == 0, 30, "sa"
+    )
+    apply(cluster, [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "kvpilot-operator", "namespace": OP_NS}},
+        rbac.cluster_role(), rbac.cluster_role_binding(OP_NS),
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpilot"}},
+    ])  # fmt: skip
+    token = cluster.kubectl(
+        "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
+    ).stdout.strip()
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "op",
+        "clusters": [{"name": "dev", "cluster": {"server": cluster.cp.url,
+                                                 "certificate-authority": str(cluster.cp.ca_cert)}}],
+        "users": [{"name": "op", "user": {"token": token}}],
+        "contexts": [{"name": "op", "context": {"cluster": "dev", "user": "op"}}],
+    }))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="session")
+def operator(
+    operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("operator-log") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    # kopf's finalizers would block namespace deletion without an operator: remove them while it is gone.
+    print(f"operator log: {op.log}")
+
+
+def wait_phase(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict:  # noqa: F811
+    def done() -> dict | None:
+        obj = cluster.kubectl_json("get", "pcr", name, "-n", ns)
+        return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+    return wait_for(done, timeout, f"PrefixCacheReset {ns}/{name} to finish")  # type: ignore[return-value]
+
+
+def pods_by_name(pcr: dict) -> dict[str, dict]:
+    return {p["name"]: p for p in pcr["status"]["pods"]}
+
+
+def time_it() -> float:
+    return time.monotonic()
