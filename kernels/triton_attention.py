@@ -29,6 +29,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -36,7 +37,39 @@ LOG2E = 1.4426950408889634
 # Tile sizes. BLOCK_M >= 16 and BLOCK_N >= 16 keep tl.dot legal on GPUs.
 BLOCK_M_PREFILL = 64
 BLOCK_M_DECODE = 16
-BLOCK_N = 64
+
+
+TILE_OVERRIDE: dict | None = None  # for experiments: dict(block_n=, num_warps=, num_stages=)
+
+
+def _tile(head_dim: int, block_m: int, dtype: torch.dtype, capability: tuple[int, int]) -> dict:
+    """KV tile and launch shape, chosen by compiling for sm_80 and sm_90 without a GPU
+    (tests/kernels/native_compile_check.py): no register spills, K/V loads pipelined through shared
+    memory, prefill tiles on wgmma on Hopper. Not yet tuned on hardware."""
+    if TILE_OVERRIDE is not None:
+        return dict(TILE_OVERRIDE)
+    hopper = capability[0] >= 9
+    prefill = block_m > BLOCK_M_DECODE
+    if dtype == torch.float32:
+        return dict(block_n=32, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return dict(block_n=64, num_warps=8 if prefill and not hopper else 4, num_stages=3)
+    if prefill and not hopper:
+        return dict(block_n=32, num_warps=8, num_stages=3)
+    return dict(block_n=32, num_warps=4, num_stages=2)
+
+
+def _fp32_dot_precision(device: torch.device) -> str:
+    """fp32 must not silently drop to TF32: 3xTF32 keeps about fp32 accuracy on tensor cores."""
+    return "tf32x3" if device.type == "cuda" and not _interpreting() else "ieee"
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return (9, 0)
+
+
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 SPLIT_TARGET_WAVES = 2  # split until (sequence, KV head, slice) programs fill this many waves of SMs
@@ -76,19 +109,12 @@ def _paged_attention_kernel(
     scale_log2,
     stride_qt,
     stride_qh,
-    stride_qd,
     stride_kn,
     stride_kb,
     stride_kh,
-    stride_kd,
-    stride_vn,
-    stride_vb,
-    stride_vh,
-    stride_vd,
     stride_os,
     stride_ot,
     stride_oh,
-    stride_od,
     stride_ms,
     stride_mt,
     stride_mh,
@@ -100,6 +126,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PADDED: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -129,7 +156,7 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -152,23 +179,22 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_head_off = kv_head.to(tl.int64)
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_kh
 
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_hi
         block = tl.load(table_row + k_pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        in_block = (k_pos % KV_BLOCK_SIZE).to(tl.int64)
-        k = tl.load(
-            k_cache_ptr
-            + block[None, :] * stride_kn
-            + in_block[None, :] * stride_kb
-            + kv_head_off * stride_kh
-            + d[:, None] * stride_kd,
-            mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        ).to(compute_dtype)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        # One 64-bit offset per token (K and V caches share their layout), 32-bit offsets along D.
+        row = block * stride_kn + (k_pos % KV_BLOCK_SIZE) * stride_kb
+        if D_PADDED:
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            kv_mask = k_ok[:, None]
+        k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(compute_dtype)
+        v = tl.load(v_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(compute_dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -177,15 +203,6 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vn
-            + in_block[:, None] * stride_vb
-            + kv_head_off * stride_vh
-            + d[None, :] * stride_vd,
-            mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(compute_dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(compute_dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -194,7 +211,7 @@ def _paged_attention_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=out_mask,
         )
@@ -205,7 +222,7 @@ def _paged_attention_kernel(
             + split_off * stride_os
             + token[:, None] * stride_ot
             + head[:, None] * stride_oh
-            + d[None, :] * stride_od,
+            + d[None, :],
             acc,
             mask=out_mask,
         )
@@ -227,7 +244,6 @@ def _merge_splits_kernel(
     stride_mt,
     stride_ot,
     stride_oh,
-    stride_od,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -253,9 +269,7 @@ def _merge_splits_kernel(
         other=0.0,
     )
     o = tl.sum(part * w[:, None], 0) / denom
-    tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_ok
-    )
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -297,13 +311,19 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    out = torch.empty_like(query)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches must share one layout with a contiguous head dimension")
+    if query.stride(-1) != 1:
+        query = query.contiguous()  # a unit stride along D is a compile-time fact: vector loads
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_seqs = len(meta.seq_lens_list)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = BLOCK_M_DECODE if meta.max_query_len <= 1 else BLOCK_M_PREFILL
+    if query.dtype == torch.float32:
+        block_m = min(block_m, 32 if head_dim <= 128 else 16)  # fp32 tiles are twice the bytes
     block_m = max(block_m, group_pad)
     block_q = block_m // group_pad
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -313,22 +333,28 @@ def paged_attention(
         )
     num_splits = max(1, int(num_splits))
 
-    upcast = _interpreting() and query.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
-    precision = "ieee" if query.dtype == torch.float32 or upcast else None  # None: the target's default
+    interpreting = _interpreting()
+    upcast = interpreting and query.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
+    precision = None  # the target's default; fp16/bf16 dots are exact products with fp32 sums anyway
+    if query.dtype == torch.float32 or upcast:
+        precision = _fp32_dot_precision(query.device)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    tile = _tile(head_dim, block_m, query.dtype, _capability(query.device))
     common = dict(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=tile["block_n"],
         BLOCK_D=block_d,
         HEAD_DIM=head_dim,
+        D_PADDED=block_d != head_dim,
         KV_BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         UPCAST=upcast,
         DOT_PRECISION=precision,
-        num_warps=4,
+        num_warps=tile["num_warps"],
+        num_stages=tile["num_stages"],
     )
     if num_splits == 1:
         target, m, lse_sum = out, out, out  # m/l are unused without splits
@@ -353,11 +379,10 @@ def paged_attention(
         meta.block_tables,
         num_seqs,
         scale * LOG2E,
-        *query.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
+        *query.stride()[:2],
+        *k_cache.stride()[:3],
         split_stride,
-        *ts,
+        *ts[:2],
         *ms,
         meta.block_tables.stride(0),
         **common,
@@ -373,7 +398,7 @@ def paged_attention(
             target.stride(2),
             m.stride(0),
             m.stride(1),
-            *out.stride(),
+            *out.stride()[:2],
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,

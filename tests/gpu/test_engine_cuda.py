@@ -4,6 +4,7 @@ paths run IEEE matmuls, so greedy choices do not flip on rounding)."""
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.engine import LLMEngine
 from kvpilot.daemon.request import SamplingParams

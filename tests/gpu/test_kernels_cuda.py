@@ -15,6 +15,7 @@ from kernel_cases import (
     build_attention_case,
     random_batch,
 )
+
 from kvpilot.kernels import reference
 
 pytestmark = pytest.mark.gpu

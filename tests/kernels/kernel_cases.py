@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from kvpilot.kernels import AttentionMetadata
 
 ELEMENTWISE_TOL = {

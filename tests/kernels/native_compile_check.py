@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run with TRITON_INTERPRET unset"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import native_specialize_impl  # noqa: E402
+
 from kvpilot.kernels import (  # noqa: E402
     triton_activation,
     triton_attention,
@@ -21,16 +26,10 @@ from kvpilot.kernels import (  # noqa: E402
     triton_norm,
     triton_rotary,
 )
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-_PTR = {
-    torch.float32: "*fp32",
-    torch.float16: "*fp16",
-    torch.bfloat16: "*bf16",
-    torch.int32: "*i32",
-    torch.int64: "*i64",
-}
+
+# A few bytes of stack are harmless (and ptxas sometimes chooses them); a real spill is hundreds.
+MAX_SPILL_BYTES = 64
 
 
 class _Recorder:
@@ -47,38 +46,68 @@ class _Recorder:
 
 
 def _compile(fn, args, kwargs, target):
+    """Specialise the arguments the way a real launch does (ints equal to 1 become constants, 16-byte
+    aligned pointers and multiples of 16 get divisibility hints), then compile."""
     params = fn.arg_names
     values = dict(zip(params, args))
     values.update({k: v for k, v in kwargs.items() if k in params})
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(params):
         v = values[name]
-        if fn.params[i].is_constexpr:
+        p = fn.params[i]
+        if p.is_constexpr:
             signature[name] = "constexpr"
             constexprs[name] = v
-        elif isinstance(v, torch.Tensor):
-            signature[name] = _PTR[v.dtype]
-        elif isinstance(v, bool):
-            signature[name] = "i1"
-        elif isinstance(v, int):
-            signature[name] = "i32"
-        elif isinstance(v, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{name}: {type(v)}")
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = spec
+        elif isinstance(spec, str):
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
     opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=target, options=opts)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts)
+
+
+def _resource_usage(compiled) -> dict[str, int]:
+    """REG and STACK (spill) per thread, from the cubin, with the cuobjdump triton ships."""
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = {}
+    for line in out.splitlines():
+        for field in line.replace(",", " ").split():
+            key, _, val = field.partition(":")
+            if key in ("REG", "STACK") and val.isdigit():
+                usage[key] = int(val)
+    return usage
 
 
 def _variants(quick: bool):
     from kernel_cases import MIXED_BATCH, build_attention_case
 
     dtypes = (torch.bfloat16,) if quick else (torch.float32, torch.float16, torch.bfloat16)
-    heads = ((1, 8, 128),) if quick else ((2, 1, 64), (2, 3, 128), (1, 8, 64))
+    heads = ((1, 8, 128), (2, 2, 256)) if quick else ((2, 1, 64), (2, 3, 128), (1, 8, 64), (2, 2, 256))
     for dtype in dtypes:
         for kv, group, d in heads:
             case = build_attention_case(
                 *MIXED_BATCH, num_kv_heads=kv, group=group, head_dim=d, block_size=16, dtype=dtype
+            )
+            decode = build_attention_case(
+                [1, 1], [40, 300], num_kv_heads=kv, group=group, head_dim=d, block_size=16, dtype=dtype
+            )
+            yield (
+                f"paged_attention decode {dtype} kv{kv}xg{group} d{d}",
+                lambda c=decode: triton_attention.paged_attention(
+                    c.query, c.k_cache, c.v_cache, c.meta, c.scale, num_splits=1
+                ),
             )
             for splits in (1, 4):
                 yield (
@@ -106,6 +135,8 @@ def main() -> int:
     argv = [a for a in sys.argv[1:] if a != "--quick"]
     sm = int(argv[0]) if argv else 90
     target = GPUTarget("cuda", sm, 32)
+    triton_attention._capability = lambda device: (sm // 10, sm % 10)  # tiles follow the target
+    triton_attention._fp32_dot_precision = lambda device: "tf32x3"  # what a CUDA launch uses
     kernels = {
         (triton_attention, "_paged_attention_kernel"),
         (triton_attention, "_merge_splits_kernel"),
@@ -123,8 +154,11 @@ def main() -> int:
         run()
         for fn, args, kwargs in list(calls):
             try:
-                _compile(fn, args, kwargs, target)
-                print(f"ok   sm_{sm} {label} {fn.__name__}")
+                compiled = _compile(fn, args, kwargs, target)
+                usage = _resource_usage(compiled)
+                if fn.__name__ == "_paged_attention_kernel" and usage.get("STACK", 0) > MAX_SPILL_BYTES:
+                    raise RuntimeError(f"registers spill to the stack: {usage}")
+                print(f"ok   sm_{sm} {label} {fn.__name__} {usage} smem={compiled.metadata.shared}")
             except Exception as e:  # noqa: BLE001 - report every failure, not the first
                 failed += 1
                 print(f"FAIL sm_{sm} {label} {fn.__name__}: {type(e).__name__}: {e}")

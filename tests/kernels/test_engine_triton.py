@@ -8,6 +8,7 @@ Uses the shared `tiny_model_dir` (tests/conftest.py: a 2-layer random-weight Lla
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.engine import LLMEngine
 from kvpilot.daemon.request import SamplingParams

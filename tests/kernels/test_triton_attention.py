@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from kernel_cases import ATTENTION_TOL, DTYPES, MIXED_BATCH, build_attention_case, random_batch
+
 from kvpilot.kernels import reference
 from kvpilot.kernels import triton_attention as ta
 
