@@ -27,7 +27,6 @@ from kvpilot.kernels import (  # noqa: E402
     triton_rotary,
 )
 
-
 # A few bytes of stack are harmless (and ptxas sometimes chooses them); a real spill is hundreds.
 MAX_SPILL_BYTES = 64
 

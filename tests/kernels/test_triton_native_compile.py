@@ -19,7 +19,11 @@ def test_kernels_compile_natively(sm):
     pytest.importorskip("triton.backends.nvidia", reason="this triton build has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(sm), "--quick"], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(SCRIPT), str(sm), "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert proc.returncode == 0 and lines and all(line.startswith("ok") for line in lines), (
