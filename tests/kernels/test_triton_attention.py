@@ -155,3 +155,24 @@ def test_empty_batch():
     )
     out = ta.paged_attention(case.query[:0], case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.shape == (0, 1, 64)
+
+
+def test_query_with_strided_head_dim():
+    """A query whose head dimension is not contiguous is copied, not misread."""
+    case = build_attention_case(
+        *MIXED_BATCH, num_kv_heads=2, group=2, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    strided = case.query.transpose(1, 2).contiguous().transpose(1, 2)  # same values, stride(-1) == H
+    assert strided.stride(-1) != 1
+    expected = reference.paged_attention(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    actual = ta.paged_attention(strided, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(actual, expected, **ATTENTION_TOL[torch.float32])
+
+
+def test_cache_layout_mismatch_is_refused():
+    case = build_attention_case(
+        [1], [5], num_kv_heads=2, group=1, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    v_other = case.v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # [N, B, Hkv, D] with other strides
+    with pytest.raises(ValueError, match="layout"):
+        ta.paged_attention(case.query, case.k_cache, v_other, case.meta, case.scale)
