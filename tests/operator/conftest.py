@@ -8,7 +8,6 @@ whose daemon is not the point put shim/ first on PATH in their pod env, where `k
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

@@ -400,3 +400,68 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
         and not can("delete", "inferencedeployments.kvpilot.io")
     )
     assert not can("list", "deployments.apps") and not can("update", "deployments.apps")
+
+
+CLI = """
+import argparse, sys
+from kvpilot.operator.cli import add_operator_parser, add_reset_parser
+p = argparse.ArgumentParser(prog="kvpilot")
+sub = p.add_subparsers(dest="command", required=True)
+add_operator_parser(sub)
+add_reset_parser(sub)
+args = p.parse_args(sys.argv[1:])
+sys.exit(args.handler(args))
+"""
+
+
+def test_reset_cli_waits_and_shows_every_pod(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    import subprocess
+    import sys
+
+    ns = namespace
+    apply_ns(cluster, ns, fleet("cli", {"replicas": 2, "env": STANDIN_ENV}))
+    wait_for(lambda: ready_replicas(cluster, ns, "cli", 2), 90, "2 ready stand-in daemons")
+    r = subprocess.run([sys.executable, "-c", CLI, "reset", "cli", "-n", ns, "--wait", "--kubeconfig",
+                        str(cluster.kubeconfig)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("prefixcachereset.kvpilot.io/cli-") and lines[-1].startswith(
+        "Succeeded: 2/2 pods reset"
+    )
+    for pod in fleet_pods(cluster, ns, "cli"):
+        assert any(pod["metadata"]["name"] in x and "Succeeded" in x and "epoch 1" in x for x in lines), (
+            r.stdout
+        )
+    bad = subprocess.run([sys.executable, "-c", CLI, "reset", "nope", "-n", ns, "--kubeconfig",
+                          str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "404" in bad.stderr
+
+
+def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator: OperatorProcess,
+                                     tmp_path) -> None:  # fmt: skip
+    """Peering: a second replica with a lower priority stays paused while the first lives, then takes over."""
+    ns = namespace
+    second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
+    second.start("--priority", "-100")
+    try:
+        apply_ns(cluster, ns, standin_deployment("pair", 2, {}))
+        wait_deployment_ready(cluster, ns, "pair", 2)
+        ips = pod_ips(cluster, ns, "app=pair")
+        apply_ns(cluster, ns, pcr("once", {"selector": {"matchLabels": {"app": "pair"}}}))
+        assert wait_phase(cluster, ns, "once", 30)["status"]["phase"] == "Succeeded"
+        time.sleep(2)
+        for ip in ips.values():
+            assert http("GET", f"http://{ip}:8000/calls")["calls"] == 1
+        assert second.metric("kvpilot_operator_reset_pod_requests_total") == 0  # it never called a pod
+        operator.stop()  # a graceful exit leaves the peering: the second replica resumes
+        apply_ns(cluster, ns, pcr("twice", {"selector": {"matchLabels": {"app": "pair"}}}))
+        assert wait_phase(cluster, ns, "twice", 60)["status"]["phase"] == "Succeeded"
+        for ip in ips.values():
+            assert http("GET", f"http://{ip}:8000/calls")["calls"] == 2
+        assert second.metric("kvpilot_operator_reset_pod_requests_total") == 2
+    finally:
+        second.stop()
+        if operator.proc is None or operator.proc.poll() is not None:
+            operator.start()

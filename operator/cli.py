@@ -1,0 +1,131 @@
+"""`kvpilot operator` and `kvpilot reset NAME [-n NS] [--wait]`.
+
+Wiring (kvpilot/cli.py): `from kvpilot.operator.cli import add_operator_parser, add_reset_parser` and
+`_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser`. Each sets
+`handler=` on its parser, which `kvpilot.cli.main` calls with the parsed args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, TextIO
+
+from kvpilot.operator.builders import GROUP, VERSION
+
+
+def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kvpilot.operator.main import add_arguments
+
+    p = subparsers.add_parser(
+        "operator",
+        help="run the Kubernetes operator (InferenceDeployment, PrefixCacheReset)",
+        description="Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.",
+    )
+    add_arguments(p)
+    p.set_defaults(handler=_run_operator)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from kvpilot.operator.main import run
+
+    return run(args)
+
+
+def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reset",
+        help="reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset)",
+        description="Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show each pod's "
+        "result as it arrives and exit 0 when it Succeeded, 1 when it Failed.",
+    )
+    p.add_argument("name", metavar="NAME", help="the InferenceDeployment")
+    p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
+    )
+    p.add_argument("--wait", action="store_true", help="show live per-pod progress until Complete or Failed")
+    p.add_argument("--reset-running-requests", action="store_true",
+                   help="also preempt running requests (no pre-reset KV used afterwards)")  # fmt: skip
+    p.add_argument(
+        "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="pods called at once (default 64)")
+    p.set_defaults(handler=_run_reset)
+
+
+def _client(kubeconfig: str | None) -> tuple[Any, str]:
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config(config_file=kubeconfig)
+        _, ctx = config.list_kube_config_contexts(config_file=kubeconfig)
+        ns = (ctx.get("context") or {}).get("namespace") or "default"
+    except config.ConfigException:
+        config.load_incluster_config()
+        ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read().strip()
+    return client.CustomObjectsApi(), ns
+
+
+def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec: dict[str, Any] = {"targetRef": {"name": name}}
+    if args.reset_running_requests:
+        spec["resetRunningRequests"] = True
+    if args.timeout_seconds is not None:
+        spec["timeoutSeconds"] = args.timeout_seconds
+    if args.max_concurrency is not None:
+        spec["maxConcurrency"] = args.max_concurrency
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PrefixCacheReset",
+            "metadata": {"generateName": f"{name[:50]}-"}, "spec": spec}  # fmt: skip
+
+
+def describe_pod(p: dict[str, Any]) -> str:
+    parts = [f"{p['name']:<40} {p.get('result', '?'):<12}"]
+    if p.get("result") == "Succeeded" and p.get("epoch") is not None:
+        parts.append(f"epoch {p['epoch']}, {p.get('evictedBlocks', 0)} blocks evicted")
+    elif p.get("message"):
+        parts.append(p["message"])
+    if p.get("durationSeconds") is not None:
+        parts.append(f"({p['durationSeconds']:.3f}s, {p.get('attempts', 0)} attempts)")
+    return " ".join(parts)
+
+
+def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    from kubernetes.client.rest import ApiException
+
+    api, default_ns = _client(args.kubeconfig)
+    ns = args.namespace or default_ns
+    try:
+        api.get_namespaced_custom_object(GROUP, VERSION, ns, "inferencedeployments", args.name)
+        obj = api.create_namespaced_custom_object(
+            GROUP, VERSION, ns, "prefixcacheresets", reset_body(args.name, args)
+        )
+    except ApiException as exc:
+        print(f"error: {exc.status} {exc.reason}: {exc.body}", file=sys.stderr)
+        return 2
+    name = obj["metadata"]["name"]
+    print(f"prefixcachereset.kvpilot.io/{name} created", file=out, flush=True)
+    if not args.wait:
+        return 0
+    shown: dict[str, str] = {}
+    phase = ""
+    while True:
+        obj = api.get_namespaced_custom_object(GROUP, VERSION, ns, "prefixcacheresets", name)
+        st = obj.get("status") or {}
+        if st.get("phase") != phase:
+            phase = st.get("phase") or "Pending"
+            print(f"phase {phase}" + (f": {st.get('targets', 0)} pods" if phase == "Running" else ""), file=out,
+                  flush=True)  # fmt: skip
+        for p in st.get("pods") or []:
+            if (
+                p.get("result") in ("Succeeded", "Failed", "Skipped", "NotSupported")
+                and shown.get(p["name"]) != p["result"]
+            ):
+                shown[p["name"]] = p["result"]
+                print("  " + describe_pod(p), file=out, flush=True)
+        if phase in ("Succeeded", "Failed"):
+            cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True"), {})
+            print(f"{phase}: {cond.get('message', '')}", file=out, flush=True)
+            return 0 if phase == "Succeeded" else 1
+        time.sleep(0.5)
