@@ -255,7 +255,7 @@ def _merge_splits_kernel(
     s_ok = s < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    ml_off = s * stride_ms + t * stride_mt + h
+    ml_off = s.to(tl.int64) * stride_ms + t * stride_mt + h
     m = tl.load(m_ptr + ml_off, mask=s_ok, other=float("-inf"))
     l_part = tl.load(l_ptr + ml_off, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
@@ -264,7 +264,7 @@ def _merge_splits_kernel(
     denom = tl.sum(w * l_part, 0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     part = tl.load(
-        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+        part_ptr + s[:, None].to(tl.int64) * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
