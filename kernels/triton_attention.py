@@ -18,7 +18,8 @@ block, each over one slice of the context, writing an unnormalised partial outpu
 and sum; a second kernel merges the slices. `choose_num_splits` is the heuristic.
 
 Softmax runs in base 2 (scale * log2(e) folded into the scores) and accumulates in fp32 whatever the
-input dtype. fp32 inputs use IEEE dot products (no TF32), so fp32 results match the reference closely.
+input dtype. fp32 inputs never drop silently to TF32: 3xTF32 dot products on CUDA, IEEE in the
+interpreter, so fp32 results match the reference closely.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ from kvpilot.kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
-# Tile sizes. BLOCK_M >= 16 and BLOCK_N >= 16 keep tl.dot legal on GPUs.
+# Query-tile rows. BLOCK_M >= 16 and BLOCK_N >= 16 keep tl.dot legal on GPUs.
 BLOCK_M_PREFILL = 64
 BLOCK_M_DECODE = 16
-
+# Split-K.
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 256
+SPLIT_TARGET_WAVES = 2  # split until (sequence, KV head, slice) programs fill this many waves of SMs
 
 TILE_OVERRIDE: dict | None = None  # for experiments: dict(block_n=, num_warps=, num_stages=)
 
@@ -68,11 +72,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)
     return (9, 0)
-
-
-MAX_SPLITS = 32
-MIN_TOKENS_PER_SPLIT = 256
-SPLIT_TARGET_WAVES = 2  # split until (sequence, KV head, slice) programs fill this many waves of SMs
 
 
 def _interpreting() -> bool:
