@@ -154,3 +154,12 @@ def test_rms_norm(ops, dtype, rows, hidden):
 def test_silu_and_mul(ops, dtype, shape):
     x = (torch.randn(shape, device=DEV) * 4).to(dtype)
     torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **ELEMENTWISE_TOL[dtype])
+
+
+def test_dispatch_on_cuda(monkeypatch):
+    from kvpilot.kernels import select_ops
+
+    monkeypatch.delenv("KVPILOT_KERNELS", raising=False)
+    assert select_ops("cuda").name == "triton"
+    monkeypatch.setenv("KVPILOT_KERNELS", "torch")
+    assert select_ops("cuda").name == "torch"
