@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from kvpilot.kernels import reference
 
 BACKENDS = ("torch", "triton")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kvpilot.kernels.metadata import AttentionMetadata
 
 
@@ -101,9 +102,10 @@ def _decode_batch(
     v = v_cache[tables].reshape(s, max_blocks * block_size, *v_cache.shape[2:])
     k = k.transpose(1, 2).to(q.dtype)  # [S, Hkv, L, D]
     v = v.transpose(1, 2).to(q.dtype)
-    valid = torch.arange(max_blocks * block_size, device=query.device)[None, :] < torch.tensor(
-        lens, device=query.device
-    )[:, None]
+    valid = (
+        torch.arange(max_blocks * block_size, device=query.device)[None, :]
+        < torch.tensor(lens, device=query.device)[:, None]
+    )
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
     )
