@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup serve test lint bench-engine
+.PHONY: setup serve test test-gpu lint bench-engine
 
 # setup is idempotent and quick once done: `make serve` and `make test` both start with it.
 setup: $(VENV)/.installed
@@ -20,6 +20,11 @@ serve: setup
 
 test: setup cluster-build
 	$(PY) -m pytest -q
+
+# The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
+# interpreter for the whole process it runs in).
+test-gpu: setup
+	$(PY) -m pytest -q tests/gpu
 
 lint:
 	$(VENV)/bin/ruff check .
