@@ -57,7 +57,10 @@ class FanoutSettings:
     backoff_base_s: float = 0.2
     backoff_max_s: float = 5.0
     progress_interval_s: float = 1.0
-    waves: int = 4  # write-ahead patches for the calls: at most this many (plus one per progress interval)
+    # Write-ahead patches (plus one per progress interval). None: 1 for engines that report an epoch (a
+    # restart then decides every in-flight pod exactly, so one patch suffices), 8 for the others (which bounds
+    # the pods whose outcome a crash leaves unknown to about an eighth).
+    waves: int | None = None
 
 
 def initial_records(targets: list[Target]) -> list[dict[str, Any]]:
@@ -264,11 +267,13 @@ async def run_fanout(
 ) -> list[dict[str, Any]]:
     """Reset every Pending pod in `records` (resuming Dispatched ones) and return `records`, all final."""
     engine = engine_for(settings.engine)
-    connector = aiohttp.TCPConnector(limit=settings.max_concurrency + 8, force_close=True)
+    # Keep-alive: a pod's epoch probe and its reset call share one connection.
+    connector = aiohttp.TCPConnector(limit=settings.max_concurrency + 8)
     async with aiohttp.ClientSession(connector=connector) as session:
         await resolve_in_doubt(session, records, settings, pod_gone)
         pending = [r for r in records if r.get("result") == "Pending"]
-        size = max(settings.max_concurrency, math.ceil(len(pending) / max(1, settings.waves)))
+        waves = settings.waves or (1 if engine.epoch_path is not None else 8)
+        size = max(settings.max_concurrency, math.ceil(len(pending) / waves))
         sem = asyncio.Semaphore(settings.max_concurrency)
 
         async def limited(coro_fn, *args):  # noqa: ANN001, ANN202

@@ -4,6 +4,7 @@ threads so the event loop never blocks, every call counted (metrics and the fan-
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from typing import Any
 
@@ -64,9 +65,14 @@ class Kube:
                 raise
 
     # ---- pods and secrets ------------------------------------------------
-    async def list_pods(self, ns: str, selector: str) -> list[client.V1Pod]:
-        r = await self.call("list", "pods", self.core.list_namespaced_pod, ns, label_selector=selector)
-        return list(r.items)
+    async def list_pods(self, ns: str, selector: str) -> list[dict[str, Any]]:
+        """Pods as plain dicts: the client's model classes take ~0.6 s to build 1000 pods on these CPUs."""
+
+        def fetch() -> list[dict[str, Any]]:
+            r = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
+            return json.loads(r.data)["items"]
+
+        return await self.call("list", "pods", fetch)
 
     async def get_pod(self, ns: str, name: str) -> client.V1Pod | None:
         try:

@@ -42,14 +42,15 @@ def label_selector(sel: dict[str, Any]) -> str:
     return ",".join(parts)
 
 
-def pod_target(pod: Any) -> Target:
-    ready = any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+def pod_target(pod: dict[str, Any]) -> Target:
+    meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
     reason = ""
-    if pod.metadata.deletion_timestamp is not None:
+    if meta.get("deletionTimestamp"):
         ready, reason = False, "pod is terminating"
     elif not ready:
-        reason = f"pod not Ready (phase {pod.status.phase})"
-    return Target(pod.metadata.name, pod.spec.node_name or "", pod.status.pod_ip or "", ready, reason)
+        reason = f"pod not Ready (phase {st.get('phase')})"
+    return Target(meta["name"], spec.get("nodeName", ""), st.get("podIP", ""), ready, reason)
 
 
 class Resolved:
@@ -111,19 +112,22 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger) -> dict[
             kube, obj, status.get("pods") or [], "Failed", reason, msg, status.get("startTime")
         )
 
+    running = {"phase": "Running", "target": target.description, "observedGeneration": gen}
     if status.get("phase") != "Running":
         # Resolve the targets once: pods that appear later are not part of this reset (like a Job's pods).
+        # Nothing is written yet: the first write-ahead checkpoint (before any call) records the targets and
+        # phase Running in one patch; a crash before it leaves nothing called and the reset starts over.
+        t_list = time.monotonic()
         records = initial_records([pod_target(p) for p in await kube.list_pods(ns, target.selector)])
+        logger.info("reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list)
         start = now_iso()
-        await _patch(kube, ns, name, {"phase": "Running", "target": target.description, "startTime": start,
-                                      "observedGeneration": gen, **_summary_status(records)})  # fmt: skip
         kopf.event(obj, type="Normal", reason="Started",
                    message=f"resetting the prefix caches of {len(records)} pods of {target.description}")  # fmt: skip
-        logger.info("reset %s/%s: %d targets", ns, name, len(records))
     else:
         records = [dict(r) for r in status.get("pods") or []]
         start = status["startTime"]
         logger.info("reset %s/%s: resuming from status", ns, name)
+    running["startTime"] = start
 
     started_at = _parse_time(start) or time.time()
     deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started_at)
@@ -136,7 +140,7 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger) -> dict[
     )  # fmt: skip
 
     async def checkpoint(recs: list[dict[str, Any]]) -> None:
-        await _patch(kube, ns, name, _summary_status(recs))
+        await _patch(kube, ns, name, {**running, **_summary_status(recs)})
 
     async def pod_gone(pod_name: str) -> str | None:
         pod = await kube.get_pod(ns, pod_name)
@@ -146,8 +150,10 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger) -> dict[
             return "pod terminating during the reset"
         return None
 
+    t_calls = time.monotonic()
     records = await run_fanout(records, settings, deadline, checkpoint, pod_gone)
     phase, reason, message = outcome(records)
+    logger.info("reset %s/%s: %s after %.3fs of calls", ns, name, message, time.monotonic() - t_calls)
     for r in [r for r in records if r["result"] == "Failed"][:_MAX_FAILURE_EVENTS]:
         kopf.event(
             obj, type="Warning", reason="PodResetFailed", message=f"{r['name']}: {r.get('message', '')}"
