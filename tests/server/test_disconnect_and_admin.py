@@ -49,6 +49,28 @@ def test_disconnect_mid_stream_frees_blocks_within_one_step(quiet: Server) -> No
     assert server.request("GET", "/health").status == 200
 
 
+def test_disconnect_while_waiting_for_a_non_streamed_reply_aborts_too(quiet: Server) -> None:
+    server = quiet
+    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    deadline = time.monotonic() + 30
+    while (busy := server.cache())["num_running"] == 0:
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.05)
+    steps_before = busy["engine_steps"]
+    sock.close()
+    while (stats := server.cache())["blocks_used"] or stats["num_running"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    assert stats["engine_steps"] - steps_before <= 2, (steps_before, stats)
+
+
 @pytest.mark.parametrize(
     ("header", "status"),
     [

@@ -1,4 +1,7 @@
-"""SIGTERM: stop accepting, let in-flight streams finish, exit 0. Runs its own server (no admin token)."""
+"""SIGTERM: stop accepting, let in-flight streams finish, exit 0.
+
+Runs its own server, also a second configuration: no admin token, prefix caching off.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +29,14 @@ def read_to_end(sock: socket.socket) -> bytes:
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path) -> None:  # noqa: ANN001
-    server = start_server(tmp_path, "--shutdown-timeout", "120")
+    server = start_server(tmp_path, "--shutdown-timeout", "120", "--no-enable-prefix-caching")
     try:
         # Without a configured token the admin route is open.
         assert server.request("POST", "/reset_prefix_cache").status == 200
+        # With prefix caching off, usage carries no cached_tokens and the stats say so.
+        r = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert r.status == 200 and "prompt_tokens_details" not in r.json()["usage"]
+        assert server.cache()["enable_prefix_caching"] is False
         socks = [open_stream(server, max_tokens=12) for _ in range(3)]
         server.proc.send_signal(signal.SIGTERM)
 
