@@ -88,9 +88,30 @@ def parse_json_object(raw: bytes) -> dict:
         ) from None
     except ValueError as exc:
         raise bad(str(exc)) from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    _reject_lone_surrogates(body)
     return body
+
+
+def _reject_lone_surrogates(body: dict) -> None:
+    """JSON may escape half a UTF-16 pair (`"\\ud800"`); such a string cannot be encoded, and would
+    fail deep inside the tokenizer or the engine's block hashing. Refuse it here, with its field."""
+    stack: list[tuple[str, Any]] = [(k, v) for k, v in body.items()]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad(f"'{path}' holds an unpaired UTF-16 surrogate, which is not valid Unicode",
+                          path.split("[")[0].split(".")[0]) from None  # fmt: skip
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 def _reject_constant(name: str) -> Any:
@@ -232,13 +253,23 @@ def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> Sa
         stop_token_ids = parsed
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=get_float(body, "temperature", 1.0, 0.0, 100.0),  # OpenAI's default: 1, sampled
+        temperature=_temperature(body),
         top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
         seed=seed,
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=get_bool(body, "ignore_eos", False),
     )
+
+
+GREEDY_EPS = 1e-5
+
+
+def _temperature(body: dict) -> float:
+    # OpenAI's default is 1 (sampled). Below GREEDY_EPS, logits / t overflows float32 into inf/nan and
+    # the sampler would fail for the whole batch; such a temperature means greedy anyway (vLLM does this).
+    t = get_float(body, "temperature", 1.0, 0.0, 100.0)
+    return 0.0 if t < GREEDY_EPS else t
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:

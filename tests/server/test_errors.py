@@ -26,6 +26,17 @@ CASES = [
     ("invalid-utf8", "POST", C, b'{"prompt": "\xff\xfe"}', 400, None),
     ("empty-body", "POST", C, b"", 400, None),
     ("json-array", "POST", C, b"[1, 2]", 400, None),
+    ("json-nested-too-deep", "POST", C, b"[" * 100000, 400, None),
+    ("lone-surrogate-prompt", "POST", C, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "prompt"),
+    ("lone-surrogate-cache-salt", "POST", C, b'{"prompt": "a", "cache_salt": "\\udfff"}', 400, "cache_salt"),
+    (
+        "lone-surrogate-chat",
+        "POST",
+        CH,
+        b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+        400,
+        "messages",
+    ),
     ("json-nan", "POST", C, b'{"prompt": "hi", "temperature": NaN}', 400, None),
     ("unknown-model", "POST", C, comp(model="gpt-17"), 404, "model"),
     ("model-not-string", "POST", C, comp(model=5), 400, "model"),
@@ -149,3 +160,11 @@ def test_still_healthy_and_serving_after_errors(server: Server) -> None:
     assert server.request("GET", "/health").status == 200
     r = server.request("POST", C, comp(max_tokens=2, temperature=0))
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_tiny_temperature_is_greedy_and_harmless(server: Server) -> None:
+    # 1e-300 overflows logits / t to inf in float32; it must neither fail the engine nor differ from greedy.
+    greedy = server.request("POST", C, comp(max_tokens=3, temperature=0)).json()["choices"][0]["text"]
+    r = server.request("POST", C, comp(max_tokens=3, temperature=1e-300))
+    assert r.status == 200 and r.json()["choices"][0]["text"] == greedy
+    assert server.request("GET", "/health").status == 200
