@@ -29,7 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """The request can never run here (too long for the context or the KV pool, duplicate id)."""
+    """The request can never run here (too long for the context or the KV pool, duplicate id).
+    `param` names the offending input, for the server's error reply."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -97,17 +102,20 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         if request_id in self._requests:
-            raise RequestRejected(f"request id {request_id!r} is already running")
+            raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
         if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate"
+                "tokens and at least one must be left to generate",
+                "prompt",
             )
         vocab = self.runner.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestRejected("cache_salt must be a string", "cache_salt")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt)
         self._requests[request_id] = req
         self.scheduler.add(req)

@@ -50,7 +50,7 @@ async def _generate(
         # Each engine request gets its own params: a batch of prompts must not share one mutable object.
         sink = await loop.add(request_id, prompt_ids, dataclasses.replace(req.params), req.cache_salt)
     except ValueError as exc:  # RequestRejected, SamplingError: the client's input
-        raise bad(str(exc), "prompt" if "prompt" in str(exc) else None) from None
+        raise bad(str(exc), getattr(exc, "param", None)) from None
     detok = IncrementalDetokenizer(state.engine.tokenizer)
     stops = StopStrings(req.stop)
     last = arrival

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from kvpilot.daemon.block_hash import BlockHash, extend_block_hashes
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range (the server turns this into a 400)."""
@@ -34,7 +36,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 class RequestStatus(enum.Enum):
@@ -76,7 +79,8 @@ class Request:
 
     @property
     def salt_bytes(self) -> bytes:
-        return self.cache_salt.encode() if self.cache_salt else b""
+        # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
+        return self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.salt_bytes)

@@ -76,3 +76,22 @@ def test_prompts_that_cannot_fit_are_refused(engine) -> None:  # noqa: ANN001
         engine.add_request("empty", [], SamplingParams())
     with pytest.raises(RequestRejected):
         engine.add_request("vocab", [10**9], SamplingParams())
+
+
+def test_tiny_temperature_is_greedy_and_odd_salts_hash(engine) -> None:  # noqa: ANN001
+    greedy = engine.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    tiny = engine.generate([PROMPT], SamplingParams(max_tokens=4, temperature=1e-300, ignore_eos=True))[0]
+    assert tiny == greedy
+    # A lone surrogate is a valid Python str: it must hash, not crash the step.
+    assert len(engine.generate([PROMPT], SamplingParams(max_tokens=2), cache_salt="\udfff")[0]) == 2
+
+
+def test_rejections_name_the_parameter(engine) -> None:  # noqa: ANN001
+    from kvpilot.daemon.engine import RequestRejected
+
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("float", [1.5, 2], SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("salt", PROMPT, SamplingParams(), cache_salt=b"bytes")
+    assert err.value.param == "cache_salt"
