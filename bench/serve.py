@@ -16,181 +16,20 @@ skipped is recorded. Results go to `bench/results/serve-<time>.json`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import aiohttp
+from kvpilot.loadgen import RunResult, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEM = (
-    "You are the support assistant of a bicycle shop. The shop sells road bikes, mountain bikes, "
-    "city bikes and spare parts, repairs any bike within two days, and is open from nine to six on "
-    "weekdays. Answer briefly and politely, and never invent prices. "
-) * 3
-QUESTIONS = [
-    "Do you repair electric bikes?", "When are you open on Friday?", "Can I rent a bike?",
-    "What brakes do road bikes use?", "Do you sell helmets?", "How long does a repair take?",
-    "Can you fix a flat tire today?", "Which bike is best for a city commute?",
-]  # fmt: skip
-
-
-@dataclass
-class RequestResult:
-    ttft: float
-    itls: list[float]
-    e2e: float
-    completion_tokens: int
-    prompt_tokens: int
-    cached_tokens: int | None
-    error: str | None = None
-
-
-@dataclass
-class RunResult:
-    server: str
-    concurrency: int
-    requests: int
-    errors: int
-    wall_s: float
-    output_tokens_per_s: float
-    requests_per_s: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    e2e_p50_s: float
-    cache_hit_rate_usage: float | None
-    cache_hit_rate_engine: float | None
-    reset: dict | str | None = None
-    sample_errors: list[str] = field(default_factory=list)
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
-
-
-async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int
-) -> RequestResult:
-    body = {
-        "model": model,
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
-        ],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    ttft, last, itls, usage = None, None, [], {}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            return RequestResult(0, [], 0, 0, 0, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            choices = event.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    itls.append(now - last)
-                last = now
-    end = time.perf_counter()
-    details = usage.get("prompt_tokens_details") or {}
-    return RequestResult(
-        ttft=ttft if ttft is not None else end - start,
-        itls=itls,
-        e2e=end - start,
-        completion_tokens=usage.get("completion_tokens", len(itls) + (ttft is not None)),
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        cached_tokens=details.get("cached_tokens"),
-    )
-
-
-async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tuple[int, dict | str]:
-    async with session.request(method, url) as resp:
-        text = await resp.text()
-        try:
-            return resp.status, json.loads(text)
-        except ValueError:
-            return resp.status, text[:200]
-
-
-async def run_once(
-    url: str, model: str, server: str, concurrency: int, n: int, max_tokens: int, headers: dict
-) -> RunResult:
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-        status, reply = await get_json(session, "POST", url + "/reset_prefix_cache")
-        reset = reply if status == 200 else f"HTTP {status}: not supported by this server"
-        before = await get_json(session, "GET", url + "/prefix_cache")
-        queue: asyncio.Queue = asyncio.Queue()
-        for i in range(n):
-            queue.put_nowait(i)
-        results: list[RequestResult] = []
-
-        async def client() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
-                try:
-                    results.append(await one_request(session, url, model, i, max_tokens))
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    results.append(RequestResult(0, [], 0, 0, 0, None, repr(exc)))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-        after = await get_json(session, "GET", url + "/prefix_cache")
-
-    ok = [r for r in results if r.error is None]
-    tokens = sum(r.completion_tokens for r in ok)
-    itls = [x for r in ok for x in r.itls]
-    usage_rate = None
-    if ok and all(r.cached_tokens is not None for r in ok):
-        usage_rate = sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
-    engine_rate = None
-    if before[0] == 200 and after[0] == 200:
-        q = after[1]["query_tokens"] - before[1]["query_tokens"]
-        engine_rate = (after[1]["hit_tokens"] - before[1]["hit_tokens"]) / q if q else None
-    return RunResult(
-        server=server,
-        concurrency=concurrency,
-        requests=len(results),
-        errors=len(results) - len(ok),
-        wall_s=wall,
-        output_tokens_per_s=tokens / wall if wall else 0.0,
-        requests_per_s=len(ok) / wall if wall else 0.0,
-        ttft_p50_ms=pct([r.ttft for r in ok], 50) * 1e3,
-        ttft_p99_ms=pct([r.ttft for r in ok], 99) * 1e3,
-        itl_p50_ms=pct(itls, 50) * 1e3,
-        itl_p99_ms=pct(itls, 99) * 1e3,
-        e2e_p50_s=statistics.median([r.e2e for r in ok]) if ok else float("nan"),
-        cache_hit_rate_usage=usage_rate,
-        cache_hit_rate_engine=engine_rate,
-        reset=reset,
-        sample_errors=[r.error for r in results if r.error][:3],
-    )
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -239,39 +78,26 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def sweep(url: str, model: str, server: str, args: argparse.Namespace, headers: dict) -> list[RunResult]:
-    # Warm-up (first-call costs: allocator, lazy init), then one cold run per concurrency.
-    asyncio.run(run_once(url, model, server, 1, 1, 2, headers))
-    runs = []
-    for c in args.concurrency:
-        n = max(args.min_requests, c * args.rounds)
-        r = asyncio.run(run_once(url, model, server, c, n, args.max_tokens, headers))
-        print(format_row(r), flush=True)
-        runs.append(r)
-    return runs
-
-
-def format_row(r: RunResult) -> str:
-    hit = "-" if r.cache_hit_rate_usage is None else f"{r.cache_hit_rate_usage:.2f}"
-    return (
-        f"{r.server:13s} c={r.concurrency:<3d} n={r.requests:<3d} err={r.errors} "
-        f"TTFT p50 {r.ttft_p50_ms:8.0f} ms p99 {r.ttft_p99_ms:8.0f} ms  ITL p50 {r.itl_p50_ms:6.0f} ms "
-        f"p99 {r.itl_p99_ms:6.0f} ms  {r.output_tokens_per_s:7.1f} tok/s  hit {hit}"
-    )
+def _sizes(args: argparse.Namespace) -> dict:
+    return {"rounds": args.rounds, "min_requests": args.min_requests, "max_tokens": args.max_tokens}
 
 
 def bench_kvpilot(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResult], str | None]:
     headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
     if args.url:
         model = args.model_name or "SmolLM2-135M-Instruct"
-        return sweep(args.url.rstrip("/"), model, "kvpilot", args, headers), None
+        return sweep(
+            args.url.rstrip("/"), model, "kvpilot", args.concurrency, headers=headers, **_sizes(args)
+        ), None
     port = free_port()
     cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max(args.concurrency)), *args.kvpilot_args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
     proc = start(cmd, env, logdir / "kvpilot.log", port, 600)
     try:
-        return sweep(f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", "kvpilot", args, {}), None
+        return sweep(
+            f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", "kvpilot", args.concurrency, **_sizes(args)
+        ), None
     finally:
         stop(proc)
 
@@ -302,7 +128,9 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
     except RuntimeError as exc:
         return [], f"transformers serve did not start: {exc}"
     try:
-        return sweep(f"http://127.0.0.1:{port}", model_dir, "transformers", args, {}), None
+        return sweep(
+            f"http://127.0.0.1:{port}", model_dir, "transformers", args.concurrency, **_sizes(args)
+        ), None
     finally:
         stop(proc)
 

@@ -2,7 +2,7 @@
 
 One subcommand per job; each is an `_add_<name>(subparsers)` function registered in `_COMMANDS` that
 declares its flags and sets `handler`. Handlers import their heavy dependencies (torch, kopf, ...) lazily,
-so `kvpilot --help` and the light subcommands start fast. Planned: `operator`, `reset`, `bench`.
+so `kvpilot --help` and the light subcommands start fast.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
+
+from kvpilot.operator.cli import add_operator_parser, add_reset_parser
 
 log = logging.getLogger("kvpilot")
 
@@ -141,9 +143,61 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-# name -> function adding the subcommand; others add `operator`, `reset`, `bench` here.
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="concurrency sweep against a running server, resetting its prefix cache before each run",
+        description="Sweep a shared-prefix chat load over concurrency levels against any OpenAI-compatible "
+        "server (kvpilot, vLLM, ...). Each run starts with POST /reset_prefix_cache so that every run "
+        "starts cold; --no-reset shows how much a warm cache skews the numbers.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="levels (default 1 4 16)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client in each run (default 2)")
+    p.add_argument("--min-requests", type=int, default=4, help="at least this many requests per run")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--no-reset", dest="reset", action="store_false", help="do not reset before each run")
+    p.add_argument("--output", default=None, help="write the runs as JSON to this file")
+    p.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import urllib.request
+    from dataclasses import asdict
+
+    from kvpilot.loadgen import sweep
+
+    url = args.url.rstrip("/")
+    token = os.environ.get("KVPILOT_ADMIN_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    model = args.model
+    if model is None:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+                model = json.load(r)["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            log.error("cannot list the models of %s (%s); pass --model", url, exc)
+            return 2
+    runs = sweep(url, model, model, args.concurrency, rounds=args.rounds, min_requests=args.min_requests,
+                 max_tokens=args.max_tokens, headers=headers, reset=args.reset)  # fmt: skip
+    if any(isinstance(r.reset, str) for r in runs):
+        log.warning("the server refused the reset (see `reset` in the runs): runs may have started warm")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"url": url, "model": model, "runs": [asdict(r) for r in runs]}, f, indent=2)
+        log.info("wrote %s", args.output)
+    return 1 if any(r.errors for r in runs) else 0
+
+
+# name -> function adding the subcommand.
 _COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "serve": _add_serve,
+    "operator": add_operator_parser,
+    "reset": add_reset_parser,
+    "bench": _add_bench,
 }
 
 

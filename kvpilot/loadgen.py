@@ -1,0 +1,221 @@
+"""Client-side load generator: a shared-prefix chat load over HTTP, swept over concurrency levels.
+
+Each run can start with `POST /reset_prefix_cache` (the use case of kvpilot: every run starts cold,
+then its requests share a long system prompt). Per run: TTFT p50/p99, inter-token latency p50/p99,
+output tokens/s, requests/s and the prefix-cache hit rate (from `usage.cached_tokens` and, on a
+kvpilot daemon, from `/prefix_cache`). Used by `kvpilot bench` and by bench/serve.py; it talks to any
+OpenAI-compatible server, so the same sweep runs against vLLM, SGLang or transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+SYSTEM = (
+    "You are the support assistant of a bicycle shop. The shop sells road bikes, mountain bikes, "
+    "city bikes and spare parts, repairs any bike within two days, and is open from nine to six on "
+    "weekdays. Answer briefly and politely, and never invent prices. "
+) * 3
+QUESTIONS = [
+    "Do you repair electric bikes?", "When are you open on Friday?", "Can I rent a bike?",
+    "What brakes do road bikes use?", "Do you sell helmets?", "How long does a repair take?",
+    "Can you fix a flat tire today?", "Which bike is best for a city commute?",
+]  # fmt: skip
+
+
+@dataclass
+class RequestResult:
+    ttft: float
+    itls: list[float]
+    e2e: float
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int | None
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    server: str
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    e2e_p50_s: float
+    cache_hit_rate_usage: float | None
+    cache_hit_rate_engine: float | None
+    reset: dict | str | None = None
+    sample_errors: list[str] = field(default_factory=list)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft, last, itls, usage = None, None, [], {}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            return RequestResult(0, [], 0, 0, 0, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            choices = event.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    itls.append(now - last)
+                last = now
+    end = time.perf_counter()
+    details = usage.get("prompt_tokens_details") or {}
+    return RequestResult(
+        ttft=ttft if ttft is not None else end - start,
+        itls=itls,
+        e2e=end - start,
+        completion_tokens=usage.get("completion_tokens", len(itls) + (ttft is not None)),
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=details.get("cached_tokens"),
+    )
+
+
+async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tuple[int, dict | str]:
+    async with session.request(method, url) as resp:
+        text = await resp.text()
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text[:200]
+
+
+async def run_once(
+    url: str,
+    model: str,
+    server: str,
+    concurrency: int,
+    n: int,
+    max_tokens: int,
+    headers: dict,
+    reset: bool = True,
+) -> RunResult:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+        reset_reply: dict | str | None = None
+        if reset:
+            status, reply = await get_json(session, "POST", url + "/reset_prefix_cache")
+            reset_reply = reply if status == 200 else f"HTTP {status}: {reply}"
+        before = await get_json(session, "GET", url + "/prefix_cache")
+        queue: asyncio.Queue = asyncio.Queue()
+        for i in range(n):
+            queue.put_nowait(i)
+        results: list[RequestResult] = []
+
+        async def client() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                try:
+                    results.append(await one_request(session, url, model, i, max_tokens))
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    results.append(RequestResult(0, [], 0, 0, 0, None, repr(exc)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+        after = await get_json(session, "GET", url + "/prefix_cache")
+
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.completion_tokens for r in ok)
+    itls = [x for r in ok for x in r.itls]
+    usage_rate = None
+    if ok and all(r.cached_tokens is not None for r in ok):
+        usage_rate = sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
+    engine_rate = None
+    if before[0] == 200 and after[0] == 200:
+        q = after[1]["query_tokens"] - before[1]["query_tokens"]
+        engine_rate = (after[1]["hit_tokens"] - before[1]["hit_tokens"]) / q if q else None
+    return RunResult(
+        server=server,
+        concurrency=concurrency,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        wall_s=wall,
+        output_tokens_per_s=tokens / wall if wall else 0.0,
+        requests_per_s=len(ok) / wall if wall else 0.0,
+        ttft_p50_ms=pct([r.ttft for r in ok], 50) * 1e3,
+        ttft_p99_ms=pct([r.ttft for r in ok], 99) * 1e3,
+        itl_p50_ms=pct(itls, 50) * 1e3,
+        itl_p99_ms=pct(itls, 99) * 1e3,
+        e2e_p50_s=statistics.median([r.e2e for r in ok]) if ok else float("nan"),
+        cache_hit_rate_usage=usage_rate,
+        cache_hit_rate_engine=engine_rate,
+        reset=reset_reply,
+        sample_errors=[r.error for r in results if r.error][:3],
+    )
+
+
+def sweep(
+    url: str,
+    model: str,
+    server: str,
+    concurrency: list[int],
+    *,
+    rounds: int = 2,
+    min_requests: int = 4,
+    max_tokens: int = 16,
+    headers: dict | None = None,
+    reset: bool = True,
+) -> list[RunResult]:
+    """Warm-up (first-call costs: allocator, lazy init), then one run per concurrency level, each
+    after a prefix-cache reset unless `reset` is False."""
+    headers = headers or {}
+    asyncio.run(run_once(url, model, server, 1, 1, 2, headers, reset))
+    runs = []
+    for c in concurrency:
+        n = max(min_requests, c * rounds)
+        r = asyncio.run(run_once(url, model, server, c, n, max_tokens, headers, reset))
+        print(format_row(r), flush=True)
+        runs.append(r)
+    return runs
+
+
+def format_row(r: RunResult) -> str:
+    hit = "-" if r.cache_hit_rate_usage is None else f"{r.cache_hit_rate_usage:.2f}"
+    return (
+        f"{r.server:13s} c={r.concurrency:<3d} n={r.requests:<3d} err={r.errors} "
+        f"TTFT p50 {r.ttft_p50_ms:8.0f} ms p99 {r.ttft_p99_ms:8.0f} ms  ITL p50 {r.itl_p50_ms:6.0f} ms "
+        f"p99 {r.itl_p99_ms:6.0f} ms  {r.output_tokens_per_s:7.1f} tok/s  hit {hit}"
+    )
