@@ -44,6 +44,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
     )
     p.add_argument("--device", default="auto", help="torch device (auto: cuda if available, else cpu)")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads on the CPU (default: all cores but one, which serves HTTP)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument(
         "--num-gpu-blocks-override",
@@ -115,6 +121,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        cpu_threads=args.cpu_threads,
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
