@@ -1,6 +1,10 @@
 # Entry points; each target is one command a newcomer can run.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Never put the checkout itself on sys.path: its folders operator/, daemon/ and kernels/ would shadow
+# the standard library's `operator` and the PyPI packages `daemon` and `kernels` (they are imported as
+# kvpilot.operator, ... through the package-dir mapping in pyproject.toml).
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup serve test test-gpu lint bench-engine
 

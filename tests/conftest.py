@@ -21,6 +21,11 @@ TINY_MODEL_SHAPE = dict(
 
 
 @pytest.fixture(scope="session")
+def tiny_model_shape() -> dict:
+    return dict(TINY_MODEL_SHAPE)
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per machine."""
     from kvpilot.daemon.default_model import ensure_default_model

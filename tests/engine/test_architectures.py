@@ -12,12 +12,11 @@ from kvpilot.daemon.config import EngineConfig
 from kvpilot.daemon.engine import LLMEngine
 from kvpilot.daemon.models import UnsupportedModelError
 from kvpilot.daemon.request import SamplingParams
-from tests.conftest import TINY_MODEL_SHAPE
 
 PROMPTS = [list(range(100, 137)), list(range(900, 905)), [7] * 20 + list(range(40, 60))]
 
 
-def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str) -> Path:
+def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str, shape: dict) -> Path:
     import transformers
     from transformers import AutoTokenizer
 
@@ -26,7 +25,7 @@ def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str) -> Path:
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     }[arch]
-    config = getattr(transformers, config_cls)(**TINY_MODEL_SHAPE, max_position_embeddings=256, **extra)
+    config = getattr(transformers, config_cls)(**shape, max_position_embeddings=256, **extra)
     torch.manual_seed(7)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # larger weights than the init: clear argmax margins, no near-ties
@@ -40,10 +39,12 @@ def make_checkpoint(root: Path, tokenizer_dir: Path, arch: str) -> Path:
 
 
 @pytest.mark.parametrize("arch", ["llama-untied", "qwen2", "mistral"])
-def test_architecture_matches_transformers(arch: str, tmp_path: Path, default_model_dir: Path) -> None:
+def test_architecture_matches_transformers(
+    arch: str, tmp_path: Path, default_model_dir: Path, tiny_model_shape: dict
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    ckpt = make_checkpoint(tmp_path, default_model_dir, arch)
+    ckpt = make_checkpoint(tmp_path, default_model_dir, arch, tiny_model_shape)
     engine = LLMEngine(EngineConfig(model=str(ckpt), num_kv_blocks=64))
     ours = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -53,15 +54,19 @@ def test_architecture_matches_transformers(arch: str, tmp_path: Path, default_mo
         assert got == ref[0, len(prompt) :].tolist()
 
 
-def test_qwen2_biases_are_loaded(tmp_path: Path, default_model_dir: Path) -> None:
-    ckpt = make_checkpoint(tmp_path, default_model_dir, "qwen2")
+def test_qwen2_biases_are_loaded(tmp_path: Path, default_model_dir: Path, tiny_model_shape: dict) -> None:
+    ckpt = make_checkpoint(tmp_path, default_model_dir, "qwen2", tiny_model_shape)
     engine = LLMEngine(EngineConfig(model=str(ckpt), num_kv_blocks=16))
     bias = engine.runner.model.layers[0].self_attn.qkv_proj.bias
     assert bias is not None and bias.abs().sum() > 0
 
 
-def test_bf16_runs_and_is_consistent_with_itself(tmp_path: Path, default_model_dir: Path) -> None:
-    ckpt = make_checkpoint(tmp_path, default_model_dir, "llama-untied")  # sharp weights: tokens vary
+def test_bf16_runs_and_is_consistent_with_itself(
+    tmp_path: Path, default_model_dir: Path, tiny_model_shape: dict
+) -> None:
+    ckpt = make_checkpoint(
+        tmp_path, default_model_dir, "llama-untied", tiny_model_shape
+    )  # sharp weights: tokens vary
     outs = []
     for caching in (False, True):
         engine = LLMEngine(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.daemon.request import SamplingParams
-from tests.engine.conftest import hf_greedy
+
+from .conftest import hf_greedy
 
 MAX_TOKENS = 32
 # ignore_eos keeps every request decoding to the end, so the pool really fills and preemption happens.
