@@ -36,10 +36,14 @@ async def _ensure(
                          "ownerReferences": desired["metadata"]["ownerReferences"]}, "spec": desired["spec"]}  # fmt: skip
     if builders.drifted(want, actual):
         await kube.patch(kind, ns, name, want)
-        kopf.event(
-            owner, type="Normal", reason="DriftRepaired", message=f"{kind} {name} put back to its spec"
-        )
-        logger.info("patched %s %s/%s back to its desired state", kind, ns, name)
+        # A new generation of our spec is a rollout; anything else means someone changed our object.
+        gen = owner["metadata"].get("generation")
+        if gen is not None and gen != (owner.get("status") or {}).get("observedGeneration"):
+            reason, what = "Updated", f"{kind} {name} updated to spec generation {gen}"
+        else:
+            reason, what = "DriftRepaired", f"{kind} {name} put back to its spec (it was changed)"
+        kopf.event(owner, type="Normal", reason=reason, message=what)
+        logger.info("%s", what)
     return actual
 
 
@@ -59,7 +63,8 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
 
 
 async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
-    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body["metadata"])}
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body["metadata"]),
+             "status": dict(body.get("status") or {})}  # fmt: skip
     meta, spec = body["metadata"], dict(body.get("spec") or {})
     status = dict(body.get("status") or {})
     ns, name = meta["namespace"], meta["name"]

@@ -8,7 +8,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import fleets, metrics, resets
-from kvpilot.operator.builders import GROUP, VERSION
+from kvpilot.operator.builders import GROUP, MANAGED_BY, VERSION
 from kvpilot.operator.kube import Kube
 
 _fleets: set[tuple[str, str]] = set()
@@ -34,9 +34,31 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
     await fleets.reconcile(memo.kube, body, logger)
 
 
-@kopf.timer(GROUP, VERSION, "inferencedeployments", interval=3.0, initial_delay=1.0)
-async def fleet_drift(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+@kopf.timer(GROUP, VERSION, "inferencedeployments", interval=30.0, initial_delay=5.0)
+async def fleet_resync(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    # A safety net only: changes to the owned objects arrive as events (below) within a second.
     await fleets.reconcile(memo.kube, body, logger)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
+@kopf.on.event("apps", "v1", "daemonsets", labels=MANAGED_BY)
+@kopf.on.event("", "v1", "services", labels=MANAGED_BY)
+async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo,
+                        **_: Any) -> None:  # fmt: skip
+    # An owned workload or Service changed (edited, deleted, pods became ready): reconcile its owner, which
+    # repairs drift and refreshes status.
+    owner = next((r for r in body["metadata"].get("ownerReferences") or []
+                  if r.get("kind") == "InferenceDeployment" and r.get("apiVersion") == f"{GROUP}/{VERSION}"), None)  # fmt: skip
+    if owner is None:
+        return
+    fleet = await memo.kube.get_cr("inferencedeployments", namespace, owner["name"])
+    if (
+        fleet is None
+        or fleet["metadata"]["uid"] != owner["uid"]
+        or fleet["metadata"].get("deletionTimestamp")
+    ):
+        return
+    await fleets.reconcile(memo.kube, fleet, logger)
 
 
 @kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)

@@ -23,8 +23,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
 
 
+class _QuietSuccess(logging.Filter):
+    """kopf logs every successful timer and event handler run at INFO; keep the log for what changed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (
+            msg.startswith(("Timer 'fleet_resync'", "Handler 'owned_changed'")) and msg.endswith("succeeded.")
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpilot.operator import handlers, metrics  # noqa: F401 - importing registers the handlers
+
+    logging.getLogger("kopf.objects").addFilter(_QuietSuccess())
 
     metrics.serve(args.metrics_port, args.bind)
     asyncio.run(

@@ -25,13 +25,15 @@ RULES: list[dict[str, Any]] = [
         "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
         "verbs": ["patch"],
     },  # fmt: skip
-    # Owned workloads: read to compare, create, patch back on drift, delete when placement changes.
+    # Owned workloads: watched (drift and readiness arrive as events), read to compare, created, patched back
+    # on drift, deleted when placement changes. kopf watches cluster-wide, so list/watch see every
+    # Deployment's spec; with `-n` the same rules can go into namespaced Roles.
     {
         "apiGroups": ["apps"],
         "resources": ["deployments", "daemonsets"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch"]},
     # Reset targets: list by label selector at start; get one when a call fails (deleted -> Skipped).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
     # The admin token of a fleet, read by name only (no list/watch: no other Secret is ever seen).

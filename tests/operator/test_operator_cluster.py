@@ -399,7 +399,8 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
         and not can("create", "pods")
         and not can("delete", "inferencedeployments.kvpilot.io")
     )
-    assert not can("list", "deployments.apps") and not can("update", "deployments.apps")
+    assert can("watch", "deployments.apps") and not can("update", "deployments.apps")
+    assert not can("delete", "services") and not can("create", "secrets") and not can("patch", "nodes")
 
 
 CLI = """
