@@ -29,7 +29,9 @@ async def _ensure(
             await kube.create(kind, ns, desired)
             logger.info("created %s %s/%s", kind, ns, name)
         except ApiException as exc:
-            if exc.status != 409:
+            # 409: made meanwhile by a concurrent reconcile. NamespaceTerminating: the namespace (and with it
+            # the InferenceDeployment) is going away; recreating what it deletes is neither possible nor wanted.
+            if exc.status != 409 and "NamespaceTerminating" not in str(exc.body or ""):
                 raise
         return None
     want = {"metadata": {"labels": desired["metadata"]["labels"],
