@@ -105,8 +105,8 @@ def main() -> None:
     # Also accepts `kvpilot serve ...` arguments (see shim/kvpilot): flags it does not know are ignored.
     a, _ = p.parse_known_args([x for x in sys.argv[1:] if x != "serve"])
     token = a.token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None
-    s = Standin(a.engine, int(os.environ.get("STANDIN_RESET_STATUS", a.reset_status)),
-                float(os.environ.get("STANDIN_DELAY", a.delay)), a.busy_times, token)  # fmt: skip
+    s = Standin(os.environ.get("STANDIN_ENGINE", a.engine), int(os.environ.get("STANDIN_RESET_STATUS", a.reset_status)),
+                float(os.environ.get("STANDIN_DELAY", a.delay)), int(os.environ.get("STANDIN_BUSY_TIMES", a.busy_times)), token)  # fmt: skip
     print(json.dumps(vars(a)), flush=True)
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)
 

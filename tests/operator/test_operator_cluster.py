@@ -164,6 +164,11 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
         operator.metric("kvpilot_operator_reset_pod_requests_total", result="Succeeded") >= calls_before + 3
     )
     assert infd(cluster, ns, "llm")["status"]["lastReset"]["name"] == "flush"
+    assert operator.metric("kvpilot_operator_ready_replicas", namespace=ns, deployment="llm") == 3
+    assert (
+        operator.metric("kvpilot_operator_reset_pods", namespace=ns, reset="flush", result="succeeded") == 3
+    )
+    assert operator.metric("kvpilot_operator_inference_deployments") >= 1
     out = cluster.kubectl("get", "pcr", "flush", "-n", ns).stdout
     assert "InferenceDeployment/llm" in out and "3/3" in out and "Succeeded" in out
     events = cluster.kubectl(
@@ -466,3 +471,40 @@ def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator:
         second.stop()
         if operator.proc is None or operator.proc.poll() is not None:
             operator.start()
+
+
+def test_vllm_and_sglang_fleets_by_selector(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster."""
+    ns = namespace
+    apply_ns(
+        cluster,
+        ns,
+        standin_deployment("vllm", 1, {"engine": "vllm"}, [{"name": "STANDIN_ENGINE", "value": "vllm"}]),
+    )
+    apply_ns(cluster, ns, standin_deployment("sglang", 1, {"engine": "sglang"}, [
+        {"name": "STANDIN_ENGINE", "value": "sglang"}, {"name": "STANDIN_BUSY_TIMES", "value": "2"}]))  # fmt: skip
+    wait_deployment_ready(cluster, ns, "vllm", 1)
+    wait_deployment_ready(cluster, ns, "sglang", 1)
+    apply_ns(cluster, ns, pcr("v", {"selector": {"matchLabels": {"engine": "vllm"}}, "engine": "vllm"}))
+    apply_ns(cluster, ns, pcr("s", {"selector": {"matchLabels": {"engine": "sglang"}}, "engine": "sglang",
+                                    "backoffLimit": 0, "timeoutSeconds": 30}))  # fmt: skip
+    v = wait_phase(cluster, ns, "v", 30)["status"]
+    assert v["phase"] == "Succeeded" and v["pods"][0]["httpStatus"] == 200 and v["pods"][0]["attempts"] == 1
+    s = wait_phase(cluster, ns, "s", 40)["status"]
+    # two busy 400s are retried although backoffLimit is 0; the third call flushes
+    assert (
+        s["phase"] == "Succeeded"
+        and s["pods"][0]["attempts"] == 3
+        and "Cache flushed" in s["pods"][0]["message"]
+    )
+
+
+def test_missing_target_fails_with_a_reason(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    apply_ns(cluster, namespace, pcr("ghost", {"targetRef": {"name": "nowhere"}}))
+    st = wait_phase(cluster, namespace, "ghost", 30)["status"]
+    cond = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert st["phase"] == "Failed" and cond["reason"] == "TargetNotFound" and "nowhere" in cond["message"]
