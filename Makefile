@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # kvpilot.operator, ... through the package-dir mapping in pyproject.toml).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup serve test test-gpu lint bench-engine
+.PHONY: setup serve demo test test-gpu lint bench-engine
 
 # setup is idempotent and quick once done: `make serve` and `make test` both start with it.
 setup: $(VENV)/.installed
@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 
 serve: setup
 	$(VENV)/bin/kvpilot serve
+
+# The whole story on this machine (root, Go): cluster, operator, 2 daemons, warm caches, one fleet reset.
+demo: setup cluster-build
+	bash hack/demo.sh
 
 test: setup cluster-build
 	$(PY) -m pytest -q

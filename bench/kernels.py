@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -206,7 +206,7 @@ def main() -> int:
 
     result = dict(
         benchmark="kernels",
-        time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        time=datetime.now(UTC).isoformat(timespec="seconds"),
         device=name,
         torch=torch.__version__,
         triton=triton.__version__,

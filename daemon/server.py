@@ -226,7 +226,7 @@ async def serve(engine: Any, settings: ServerSettings) -> int:
     await site.stop()  # stop listening; open connections finish their current request
     try:
         await asyncio.wait_for(state.idle.wait(), settings.shutdown_timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("grace period over with %d requests in flight; aborting them", state.in_flight)
     await runner.cleanup()
     log.info("stopped")

@@ -149,7 +149,7 @@ async def run_once(
                 i = queue.get_nowait()
                 try:
                     results.append(await one_request(session, url, model, i, max_tokens))
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     results.append(RequestResult(0, [], 0, 0, 0, None, repr(exc)))
 
         start = time.perf_counter()

@@ -50,7 +50,7 @@ class NodeSpec:
 
 
 def _micro_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _json(resp) -> dict:
@@ -372,7 +372,7 @@ class NodeAgent:
         renew = (lease.get("spec") or {}).get("renewTime")
         if not renew:
             return True
-        age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(renew.replace("Z", "+00:00"))
+        age = dt.datetime.now(dt.UTC) - dt.datetime.fromisoformat(renew.replace("Z", "+00:00"))
         return age.total_seconds() > 30
 
     def _bind(self, pending: list[dict], pods: list[dict]) -> None:
