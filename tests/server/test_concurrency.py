@@ -45,7 +45,7 @@ async def run_streams(server: Server, n: int, resets: dict | None = None) -> lis
                     resets["replies"].append((r.status, await r.json()))
                 try:
                     await asyncio.wait_for(stop.wait(), resets["every"])
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     stop = asyncio.Event()
