@@ -50,7 +50,7 @@ ask() {  # one chat request; prints the cached prompt tokens it was served with
     "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0,
     "messages": [{"role": "system", "content": "You are a terse assistant for an inference platform team. Answer in one short sentence."},
                  {"role": "user", "content": "What does a prefix cache do?"}]}' \
-  | python -c 'import json,sys; u=json.load(sys.stdin)["usage"]; print(f"prompt {u[\"prompt_tokens\"]} tokens, cached {u[\"prompt_tokens_details\"][\"cached_tokens\"]}")'
+  | python -c 'import json, sys; u = json.load(sys.stdin)["usage"]; print("prompt", u["prompt_tokens"], "tokens, cached", u["prompt_tokens_details"]["cached_tokens"])'
 }
 say "warming each pod's prefix cache: the second identical request is served from cache"
 for ip in $IPS; do echo "pod $ip: $(ask "$ip") -> $(ask "$ip")"; done
