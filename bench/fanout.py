@@ -27,8 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from the installed package
 
 STANDIN = r"""
 import asyncio, json, sys

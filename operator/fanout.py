@@ -127,7 +127,7 @@ async def read_epoch(session: aiohttp.ClientSession, rec: dict[str, Any], settin
             if resp.status != 200:
                 return None
             body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
     epoch = body.get("epoch") if isinstance(body, dict) else None
     return epoch if isinstance(epoch, int) else None
@@ -176,7 +176,7 @@ async def reset_pod(
                 status = resp.status
                 text = await resp.text()
             j = engine.judge(status, text)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             j, maybe_applied = Judgement(Verdict.TRANSIENT, f"no reply within {t:.1f}s"), True
         except aiohttp.ClientConnectorError as exc:  # never reached the pod: safe to retry
             j = Judgement(Verdict.TRANSIENT, f"cannot connect: {exc.os_error or exc}")
@@ -306,7 +306,7 @@ async def run_fanout(
                 while not done.is_set():
                     try:
                         await asyncio.wait_for(done.wait(), settings.progress_interval_s)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         await checkpoint(records)
 
             flusher = asyncio.create_task(progress(done))
