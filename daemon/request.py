@@ -33,6 +33,8 @@ class SamplingParams:
             raise SamplingError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise SamplingError("top_k must be 0 (off) or positive")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SamplingError("seed must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:

@@ -44,10 +44,14 @@ class Sampler:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            # Non-finite logits (an overflow) must not take the whole engine down in multinomial:
+            # this request degrades to greedy on what is finite.
+            return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest set whose mass reaches top_p (the first token always stays).
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > p.top_p
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
             probs = probs / probs.sum()

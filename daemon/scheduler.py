@@ -86,9 +86,9 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
-            self.kv.record_query(req.num_tokens, hit.num_tokens)
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission: a recompute after preemption is not a query
                 req.num_cached_tokens = hit.num_tokens
+                self.kv.record_query(req.num_tokens, hit.num_tokens)
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

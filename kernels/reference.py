@@ -106,6 +106,11 @@ def _decode_batch(
         torch.arange(max_blocks * block_size, device=query.device)[None, :]
         < torch.tensor(lens, device=query.device)[:, None]
     )
+    # Padding slots hold whatever an earlier owner left (block 0, the tail of the last block). A mask
+    # alone is not enough: 0 * NaN is NaN, so one tenant's overflowed KV would leak into others' rows.
+    slot_ok = valid[:, None, :, None]
+    k = torch.where(slot_ok, k, 0.0)
+    v = torch.where(slot_ok, v, 0.0)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
     )

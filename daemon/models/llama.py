@@ -40,6 +40,12 @@ class LlamaArgs:
             raise NotImplementedError(f"rope scaling {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         heads = cfg.num_attention_heads
+        max_position = cfg.max_position_embeddings
+        # Sliding-window attention is not implemented: serve only the context where it equals full
+        # attention rather than silently diverging from the model beyond the window.
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if window:
+            max_position = min(max_position, int(window))
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -50,7 +56,7 @@ class LlamaArgs:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=float(theta),
-            max_position=cfg.max_position_embeddings,
+            max_position=max_position,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 has biases on q/k/v and says so only through its model type.
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),

@@ -97,3 +97,22 @@ def test_reset_cost_does_not_walk_the_pool(num_blocks: int) -> None:
     # Reuse drops the stale key and never resurrects it.
     got = pool.allocate(1)[0]
     assert got.block_hash is None
+
+
+def test_stale_non_finite_kv_in_padding_never_reaches_a_decode_row() -> None:
+    import torch
+
+    from kvpilot.kernels import AttentionMetadata
+    from kvpilot.kernels.reference import paged_attention
+
+    torch.manual_seed(0)
+    k_cache = torch.randn(4, 4, 1, 8)
+    v_cache = torch.randn(4, 4, 1, 8)
+    meta = AttentionMetadata.build([1, 1], [2, 7], [[1], [2, 3]], torch.device("cpu"))
+    q = torch.randn(2, 2, 8)
+    clean = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    k_cache[0] = float("nan")  # block 0 pads the short row's table
+    v_cache[1, 2:] = float("inf")  # unused tail of the short row's own block
+    k_cache[3, 3:] = float("nan")  # unused tail of the long row's last block
+    dirty = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert torch.isfinite(dirty).all() and torch.allclose(clean, dirty)

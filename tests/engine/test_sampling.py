@@ -95,3 +95,22 @@ def test_rejections_name_the_parameter(engine) -> None:  # noqa: ANN001
     with pytest.raises(RequestRejected) as err:
         engine.add_request("salt", PROMPT, SamplingParams(), cache_salt=b"bytes")
     assert err.value.param == "cache_salt"
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    import torch
+
+    from kvpilot.daemon.request import Request
+    from kvpilot.daemon.sampler import Sampler
+
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    req = Request("p", [1], SamplingParams(temperature=1.0, top_p=0.5, seed=3))
+    sampler = Sampler()
+    assert {sampler.sample(logits[None], [req])[0] for _ in range(50)} == {0}
+    nan_row = torch.tensor([[float("nan"), 1.0, 2.0]])
+    assert sampler.sample(nan_row, [req]) == [2]  # degrades to greedy instead of raising
+
+
+def test_seed_out_of_range_is_refused(engine) -> None:  # noqa: ANN001
+    with pytest.raises(SamplingError):
+        engine.add_request("seed", PROMPT, SamplingParams(seed=2**64))
