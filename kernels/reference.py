@@ -26,6 +26,10 @@ def write_kv(
     slot = block_id * B + offset.
     """
     n, b = k_cache.shape[0], k_cache.shape[1]
+    # A request whose K/V overflowed is lost anyway; storing its inf/NaN would let it leak into other
+    # requests' rows through masked padding slots (0 * NaN is NaN), so the cache only holds finite values.
+    key = torch.nan_to_num(key, nan=0.0, posinf=0.0, neginf=0.0)
+    value = torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
     k_cache.view(n * b, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(n * b, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -98,19 +102,16 @@ def _decode_batch(
     rows = torch.tensor([meta.query_start_loc_list[i] for i in seq_ids], device=query.device)
     q = query.index_select(0, rows).unsqueeze(2)  # [S, H, 1, D]
     s = len(seq_ids)
-    k = k_cache[tables].reshape(s, max_blocks * block_size, *k_cache.shape[2:])  # [S, L, Hkv, D]
-    v = v_cache[tables].reshape(s, max_blocks * block_size, *v_cache.shape[2:])
+    width = max_blocks * block_size
+    k = k_cache[tables].reshape(s, width, *k_cache.shape[2:])  # [S, L, Hkv, D]
+    v = v_cache[tables].reshape(s, width, *v_cache.shape[2:])
     k = k.transpose(1, 2).to(q.dtype)  # [S, Hkv, L, D]
     v = v.transpose(1, 2).to(q.dtype)
+    # Padding slots (block 0, the tail of a last block) hold what an earlier owner left; masking them
+    # is enough because write_kv never stores a non-finite value (0 * NaN would be NaN).
     valid = (
-        torch.arange(max_blocks * block_size, device=query.device)[None, :]
-        < torch.tensor(lens, device=query.device)[:, None]
+        torch.arange(width, device=query.device)[None, :] < torch.tensor(lens, device=query.device)[:, None]
     )
-    # Padding slots hold whatever an earlier owner left (block 0, the tail of the last block). A mask
-    # alone is not enough: 0 * NaN is NaN, so one tenant's overflowed KV would leak into others' rows.
-    slot_ok = valid[:, None, :, None]
-    k = torch.where(slot_ok, k, 0.0)
-    v = torch.where(slot_ok, v, 0.0)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
     )

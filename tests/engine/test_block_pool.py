@@ -99,20 +99,25 @@ def test_reset_cost_does_not_walk_the_pool(num_blocks: int) -> None:
     assert got.block_hash is None
 
 
-def test_stale_non_finite_kv_in_padding_never_reaches_a_decode_row() -> None:
+def test_an_overflowed_request_never_leaks_into_other_decode_rows() -> None:
     import torch
 
     from kvpilot.kernels import AttentionMetadata
-    from kvpilot.kernels.reference import paged_attention
+    from kvpilot.kernels.reference import paged_attention, write_kv
 
     torch.manual_seed(0)
-    k_cache = torch.randn(4, 4, 1, 8)
-    v_cache = torch.randn(4, 4, 1, 8)
+    k_cache = torch.zeros(4, 4, 1, 8)
+    v_cache = torch.zeros(4, 4, 1, 8)
+    # Two live rows: 2 tokens in block 1, 7 tokens in blocks 2-3 (the last block's tail is padding).
+    live = torch.tensor([4, 5, 8, 9, 10, 11, 12, 13, 14])
+    write_kv(torch.randn(9, 1, 8), torch.randn(9, 1, 8), k_cache, v_cache, live)
     meta = AttentionMetadata.build([1, 1], [2, 7], [[1], [2, 3]], torch.device("cpu"))
     q = torch.randn(2, 2, 8)
     clean = paged_attention(q, k_cache, v_cache, meta, 0.3)
-    k_cache[0] = float("nan")  # block 0 pads the short row's table
-    v_cache[1, 2:] = float("inf")  # unused tail of the short row's own block
-    k_cache[3, 3:] = float("nan")  # unused tail of the long row's last block
+    # An earlier request overflowed into the padding slots both rows read: block 0 (table padding),
+    # block 1's tail and block 3's tail.
+    dead = torch.tensor([0, 1, 2, 3, 6, 7, 15])
+    bad = torch.full((7, 1, 8), float("nan"))
+    write_kv(bad, torch.full((7, 1, 8), float("inf")), k_cache, v_cache, dead)
     dirty = paged_attention(q, k_cache, v_cache, meta, 0.3)
     assert torch.isfinite(dirty).all() and torch.allclose(clean, dirty)
