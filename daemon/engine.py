@@ -7,6 +7,7 @@ steps, so a reset can never race a step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -207,7 +208,7 @@ class LLMEngine:
         ids = [f"gen-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {i: [] for i in ids}
         for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, _copy(params), cache_salt)
+            self.add_request(rid, prompt, dataclasses.replace(params or SamplingParams()), cache_salt)
         pending = set(ids)
         while pending:
             for o in self.step():
@@ -230,13 +231,6 @@ class LLMEngine:
         else:
             budget = self.config.kv_cache_memory_bytes
         return max(1, budget // per_block)
-
-
-def _copy(params: SamplingParams | None) -> SamplingParams:
-    p = params or SamplingParams()
-    return SamplingParams(
-        p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos
-    )
 
 
 def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:  # noqa: ANN001
