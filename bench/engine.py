@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.daemon.block_hash import hash_block
-from kvpilot.daemon.block_pool import BlockPool
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.block_hash import hash_block
+from kvpilot.daemon.engine.block_pool import BlockPool
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.request import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -117,7 +117,7 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
             [],
             "transformers serve needs fastapi and uvicorn (pip install 'transformers[serving]'), not installed",
         )
-    from kvpilot.daemon.default_model import ensure_default_model
+    from kvpilot.daemon.engine.default_model import ensure_default_model
 
     model_dir = str(ensure_default_model())
     port = free_port()

@@ -99,7 +99,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvpilot.daemon.auth import AdminTokenError, load_admin_token
+    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
 
     try:
         token = load_admin_token(args.admin_token_file)
@@ -107,9 +107,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
-    from kvpilot.daemon.config import EngineConfig
-    from kvpilot.daemon.engine import LLMEngine
-    from kvpilot.daemon.server import ServerSettings, serve
+    from kvpilot.daemon.engine.config import EngineConfig
+    from kvpilot.daemon.engine.engine import LLMEngine
+    from kvpilot.daemon.server.app import ServerSettings, serve
 
     config = EngineConfig(
         model=args.model,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvpilot.build_info import register_build_info
+
 REGISTRY = CollectorRegistry()
 _P = "kvpilot_operator_"
+register_build_info(REGISTRY)
 
 RESETS = Counter(_P + "resets_total", "PrefixCacheResets finished, by final phase",
                  ["namespace", "result"], registry=REGISTRY)  # fmt: skip

@@ -72,8 +72,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # no
 @pytest.fixture(scope="session")
 def make_engine(default_model_dir: Path):  # noqa: ANN201
     """Build an engine on the default model with overrides of the test's choosing."""
-    from kvpilot.daemon.config import EngineConfig
-    from kvpilot.daemon.engine import LLMEngine
+    from kvpilot.daemon.engine.config import EngineConfig
+    from kvpilot.daemon.engine.engine import LLMEngine
 
     def make(**overrides):  # noqa: ANN003, ANN202
         cfg = EngineConfig(model=str(default_model_dir), num_kv_blocks=overrides.pop("num_kv_blocks", 256))

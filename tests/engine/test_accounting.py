@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.request import SamplingParams
 
 SHARED_PREFIXES = [[], list(range(1000, 1012)), list(range(2000, 2020))]
 

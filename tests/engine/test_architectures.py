@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.models import UnsupportedModelError
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.models import UnsupportedModelError
+from kvpilot.daemon.engine.request import SamplingParams
 
 PROMPTS = [list(range(100, 137)), list(range(900, 905)), [7] * 20 + list(range(40, 60))]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.request import SamplingParams
 
 
 def test_different_salts_never_share_blocks(make_engine, shared_prefix_prompts) -> None:  # noqa: ANN001

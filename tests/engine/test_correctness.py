@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.request import SamplingParams
 
 from .conftest import hf_greedy
 

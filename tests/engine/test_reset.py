@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.request import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 

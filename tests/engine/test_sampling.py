@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.request import SamplingError, SamplingParams
+from kvpilot.daemon.engine.request import SamplingError, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):  # noqa: ANN001, ANN201
-    from kvpilot.daemon.config import EngineConfig
-    from kvpilot.daemon.engine import LLMEngine
+    from kvpilot.daemon.engine.config import EngineConfig
+    from kvpilot.daemon.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
 
@@ -68,7 +68,7 @@ def test_bad_parameters_are_refused(engine, params: SamplingParams) -> None:  # 
 
 
 def test_prompts_that_cannot_fit_are_refused(engine) -> None:  # noqa: ANN001
-    from kvpilot.daemon.engine import RequestRejected
+    from kvpilot.daemon.engine.engine import RequestRejected
 
     with pytest.raises(RequestRejected):
         engine.add_request("long", [5] * engine.max_model_len, SamplingParams())
@@ -87,7 +87,7 @@ def test_tiny_temperature_is_greedy_and_odd_salts_hash(engine) -> None:  # noqa:
 
 
 def test_rejections_name_the_parameter(engine) -> None:  # noqa: ANN001
-    from kvpilot.daemon.engine import RequestRejected
+    from kvpilot.daemon.engine.engine import RequestRejected
 
     with pytest.raises(RequestRejected) as err:
         engine.add_request("float", [1.5, 2], SamplingParams())
@@ -100,8 +100,8 @@ def test_rejections_name_the_parameter(engine) -> None:  # noqa: ANN001
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     import torch
 
-    from kvpilot.daemon.request import Request
-    from kvpilot.daemon.sampler import Sampler
+    from kvpilot.daemon.engine.request import Request
+    from kvpilot.daemon.engine.sampler import Sampler
 
     logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
     req = Request("p", [1], SamplingParams(temperature=1.0, top_p=0.5, seed=3))

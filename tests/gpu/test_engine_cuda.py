@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.request import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.request import SamplingParams
 
 PROMPTS = [
     list(range(100, 123)),  # 23 tokens: one full block and a partial one

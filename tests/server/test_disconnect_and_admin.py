@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvpilot.daemon.auth import AdminTokenError, authorized, load_admin_token
+from kvpilot.daemon.server.auth import AdminTokenError, authorized, load_admin_token
 
 from .conftest import ADMIN_TOKEN, MODEL, Server
 

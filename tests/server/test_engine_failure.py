@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.engine import LLMEngine
-from kvpilot.daemon.server import ServerSettings, create_app
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from kvpilot.daemon.detokenizer import IncrementalDetokenizer, StopStrings
+from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.daemon.models import ForwardBatch
-from kvpilot.daemon.models.llama import LlamaForCausalLM
-from kvpilot.daemon.sampler import Sampler
-from kvpilot.daemon.scheduler import SchedulerOutput
+from kvpilot.daemon.engine.models import ForwardBatch
+from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
+from kvpilot.daemon.engine.sampler import Sampler
+from kvpilot.daemon.engine.scheduler import SchedulerOutput
 from kvpilot.kernels import AttentionMetadata
 
 

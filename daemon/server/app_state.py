@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.daemon.engine_loop import EngineDeadError, EngineLoop
-from kvpilot.daemon.metrics import DaemonMetrics
+from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
+from kvpilot.daemon.server.metrics import DaemonMetrics
 
 
 @dataclass(slots=True)

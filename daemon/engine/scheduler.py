@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.kv_cache_manager import KVCacheManager
-from kvpilot.daemon.request import Request, RequestStatus
+from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

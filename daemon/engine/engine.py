@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from kvpilot.daemon.config import EngineConfig
-from kvpilot.daemon.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from kvpilot.daemon.kv_cache_manager import KVCacheManager
-from kvpilot.daemon.model_runner import ModelRunner, kv_bytes_per_block
-from kvpilot.daemon.models import load_model
-from kvpilot.daemon.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.request import Request, RequestStatus, SamplingParams
-from kvpilot.daemon.scheduler import Scheduler
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.model_runner import ModelRunner, kv_bytes_per_block
+from kvpilot.daemon.engine.models import load_model
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
+from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
+from kvpilot.daemon.engine.scheduler import Scheduler
 from kvpilot.kernels import select_ops
 
 log = logging.getLogger(__name__)

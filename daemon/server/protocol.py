@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpilot.daemon.block_pool import BlockPool, KVBlock
-from kvpilot.daemon.request import Request
+from kvpilot.daemon.engine.block_pool import BlockPool, KVBlock
+from kvpilot.daemon.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot.daemon.outputs import CacheStats
+from kvpilot.build_info import register_build_info
+from kvpilot.daemon.engine.outputs import CacheStats
 
 PREFIX = "kvpilot_"
 
@@ -103,6 +104,7 @@ class DaemonMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        register_build_info(r)
         r.register(EngineCollector(snapshot))
 
     def render(self) -> bytes:

@@ -19,11 +19,11 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.daemon.app_state import STATE, ServerState, running_loop
-from kvpilot.daemon.detokenizer import IncrementalDetokenizer, StopStrings
-from kvpilot.daemon.engine_loop import EngineDeadError
-from kvpilot.daemon.outputs import RequestOutput
-from kvpilot.daemon.protocol import (
+from kvpilot.daemon.engine.engine_loop import EngineDeadError
+from kvpilot.daemon.engine.outputs import RequestOutput
+from kvpilot.daemon.server.app_state import STATE, ServerState, running_loop
+from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
+from kvpilot.daemon.server.protocol import (
     ApiError,
     GenerateRequest,
     bad,

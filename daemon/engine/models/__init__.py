@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvpilot.daemon.models.llama import ForwardBatch, LlamaArgs, LlamaForCausalLM, rope_cache
+from kvpilot.daemon.engine.models.llama import ForwardBatch, LlamaArgs, LlamaForCausalLM, rope_cache
 from kvpilot.kernels import Ops
 
 ARCHITECTURES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.block_hash import BlockHash, extend_block_hashes
+from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 

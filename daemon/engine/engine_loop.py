@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpilot.daemon.outputs import CacheStats, RequestOutput
-from kvpilot.daemon.request import SamplingParams
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput
+from kvpilot.daemon.engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
 

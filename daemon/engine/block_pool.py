@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.block_hash import BlockHash
+from kvpilot.daemon.engine.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

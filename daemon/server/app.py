@@ -14,12 +14,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvpilot.daemon.app_state import STATE, ServerSettings, ServerState, running_loop
-from kvpilot.daemon.auth import authorized
-from kvpilot.daemon.engine_loop import EngineDeadError, EngineLoop
-from kvpilot.daemon.metrics import DaemonMetrics
-from kvpilot.daemon.openai_api import chat_completions, completions
-from kvpilot.daemon.protocol import (
+from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
+from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_loop
+from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.metrics import DaemonMetrics
+from kvpilot.daemon.server.openai_api import chat_completions, completions
+from kvpilot.daemon.server.protocol import (
     ApiError,
     parse_json_object,
     parse_reset_flag,

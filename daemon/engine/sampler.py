@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.daemon.request import Request
+from kvpilot.daemon.engine.request import Request
 
 
 class Sampler:

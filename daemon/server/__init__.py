@@ -1,0 +1,1 @@
+"""The HTTP server: aiohttp app, OpenAI routes, protocol, admin auth, metrics."""
