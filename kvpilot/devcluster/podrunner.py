@@ -81,6 +81,7 @@ class PodRunner:
     api_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_* (apiproxy.service_env)
     net: PodNet | None = None
     resolver: SpecResolver | None = None
+    hosts: Path | None = None  # the pod's /etc/hosts, when it has its own network namespace
     error: str | None = None
     containers: list[Container] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -151,13 +152,18 @@ class PodRunner:
         self.pod.setdefault("status", {})["podIP"] = self.net.ip
         self.pod["status"]["podIPs"] = [{"ip": self.net.ip}]
         self.pod["status"]["hostIP"] = self.host_ip
+        if self.net.netns and mountns.available():
+            self.hosts = self.pod_dir / "hosts"
+            self.hosts.write_text(
+                mountns.hosts_file(self.pod, self.net.ip, self.api_env["KUBERNETES_SERVICE_HOST"])
+            )
         self.resolver = resolver = SpecResolver(self.core, self.pod, self.pod_dir)
         resolver.prepare_volumes()
         base = {
             **self.api_env,
             "PATH": os.pathsep.join([IMAGE_BIN, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")]),
             "HOME": str(self.pod_dir),
-            "HOSTNAME": self.pod["metadata"]["name"],
+            "HOSTNAME": mountns.pod_hostname(self.pod),
             "KVPILOT_POD_DIR": str(self.pod_dir),
         }
         if os.environ.get("PYTHONPATH"):
@@ -213,7 +219,9 @@ class PodRunner:
         if sa_dir is None:  # automountServiceAccountToken: false
             sa_dir = self.pod_dir / "no-serviceaccount"
             sa_dir.mkdir(exist_ok=True)
-        return self.net.exec_prefix() + mountns.wrap(sa_dir)
+        binds = [(sa_dir, mountns.SA_PATH)] + ([(self.hosts, "/etc/hosts")] if self.hosts else [])
+        hostname = mountns.pod_hostname(self.pod) if self.hosts else None  # own network, own name
+        return self.net.exec_prefix() + mountns.wrap(binds, hostname)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
         logs = self.pod_dir / "logs"

@@ -37,7 +37,7 @@ SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Runs inside a pod with the venv's python3; prints one JSON line.
 IN_CLUSTER = textwrap.dedent(
     """
-    import json, logging, os
+    import json, logging, os, socket, ssl, urllib.request
     import kopf
     from kubernetes import client, config
 
@@ -53,6 +53,15 @@ IN_CLUSTER = textwrap.dedent(
         out["secrets"] = e.status
     info = kopf.login_via_client(logger=logging.getLogger(), settings=kopf.OperatorSettings())
     out["kopf_server"], out["kopf_token"] = info.server, bool(info.token)
+    out["hostname"] = socket.gethostname()
+    # kopf's fallback login: the token file and https://kubernetes.default.svc, by name.
+    sa = kopf.login_with_service_account(settings=kopf.OperatorSettings())
+    if out["port"] == "443":
+        req = urllib.request.Request(f"{sa.server}/api/v1/namespaces/{ns}/pods",
+                                     headers={"Authorization": f"Bearer {sa.token}"})
+        ctx = ssl.create_default_context(cafile=sa.ca_path)
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            out["by_name"] = resp.status
     print(json.dumps(out), flush=True)
     """
 )
@@ -149,6 +158,8 @@ def test_in_cluster_client_and_kopf_log_in_with_the_pods_service_account(
     assert out["kopf_token"] and out["kopf_server"] == f"https://{out['host']}:{out['port']}"
     if not out["host"].startswith("127."):  # a pod in its own network namespace: the bridge, port 443
         assert out["port"] == "443"
+        assert out["by_name"] == 200  # kubernetes.default.svc resolves (pod's /etc/hosts), TLS verifies
+        assert out["hostname"] == "client"  # its own UTS namespace, named after the pod
 
 
 def test_each_pod_sees_only_its_own_token(api: client.ApiClient, ns: str) -> None:

@@ -44,6 +44,22 @@ def test_sa_source_finds_the_mount_at_the_standard_path(tmp_path) -> None:
     assert mountns.sa_source({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}, dirs) is None
 
 
+def test_hosts_file_is_the_kubelets_plus_the_api_names() -> None:
+    pod = {
+        "metadata": {"name": "x" * 70},
+        "spec": {"hostAliases": [{"ip": "10.1.2.3", "hostnames": ["db", "db.local"]}]},
+    }
+    assert mountns.pod_hostname(pod) == "x" * 63  # the kernel's limit, as the kubelet cuts it
+    hosts = mountns.hosts_file(pod, "10.244.1.2", "10.244.0.1").splitlines()
+    assert "127.0.0.1\tlocalhost" in hosts
+    assert f"10.244.1.2\t{'x' * 63}" in hosts
+    assert (
+        "10.244.0.1\tkubernetes kubernetes.default kubernetes.default.svc kubernetes.default.svc.cluster.local"
+        in hosts
+    )
+    assert hosts[-1] == "10.1.2.3\tdb db.local"
+
+
 def test_proxy_copies_both_ways_and_half_closes() -> None:
     upstream = socket.create_server(("127.0.0.1", 0))
     received = []
