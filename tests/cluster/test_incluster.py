@@ -33,6 +33,9 @@ needs_mount_namespaces = pytest.mark.skipif(
 )
 
 SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+# Pods name the folder without spelling out SA_PATH: the agent rewrites a mountPath written in a
+# command to its local folder (docs/cluster.md), and these tests are about the path itself.
+IN_SA_PARENT = "cd /var/run/secrets/kubernetes.io/ &&"
 
 # Runs inside a pod with the venv's python3; prints one JSON line.
 IN_CLUSTER = textwrap.dedent(
@@ -43,7 +46,7 @@ IN_CLUSTER = textwrap.dedent(
 
     config.load_incluster_config()
     core = client.CoreV1Api()
-    ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
+    ns = open("/var/run/secrets/kubernetes.io/" + "serviceaccount/namespace").read()  # see IN_SA_PARENT
     out = {"host": os.environ["KUBERNETES_SERVICE_HOST"], "port": os.environ["KUBERNETES_SERVICE_PORT"],
            "namespace": ns, "pods": sorted(p.metadata.name for p in core.list_namespaced_pod(ns).items)}
     try:
@@ -168,11 +171,17 @@ def test_each_pod_sees_only_its_own_token(api: client.ApiClient, ns: str) -> Non
     core = client.CoreV1Api(api)
     for sa in ("alpha", "beta"):
         core.create_namespaced_service_account(ns, {"metadata": {"name": sa}})
-    show = ["sh", "-c", f"cat {SA_PATH}/token; echo; ls {SA_PATH}"]
+    show = ["sh", "-c", f"{IN_SA_PARENT} cat serviceaccount/token; echo; ls serviceaccount"]
     core.create_namespaced_pod(ns, pod("a", show, sa="alpha"))
     core.create_namespaced_pod(ns, pod("b", show, sa="beta"))
     core.create_namespaced_pod(
-        ns, pod("none", ["sh", "-c", f"ls -A {SA_PATH}; env"], sa="alpha", automountServiceAccountToken=False)
+        ns,
+        pod(
+            "none",
+            ["sh", "-c", f"{IN_SA_PARENT} ls -A serviceaccount; env"],
+            sa="alpha",
+            automountServiceAccountToken=False,
+        ),
     )
     seen, tokens = {}, set()
     for name in ("a", "b"):
