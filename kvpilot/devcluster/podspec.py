@@ -181,7 +181,7 @@ class SpecResolver:
                 continue
             try:
                 self._request_token(token, now)
-            except (client.ApiException, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - a failed renewal is retried, never stops the pod
                 log.warning("renewing the token %s failed (retrying in 10s): %s", token.path, e)
                 token.refresh_at = now + 10
 

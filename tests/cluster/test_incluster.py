@@ -155,15 +155,20 @@ def test_in_cluster_client_and_kopf_log_in_with_the_pods_service_account(
         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
     })  # fmt: skip
     core.create_namespaced_pod(ns, pod("client", ["python3", "-c", IN_CLUSTER], sa="reader"))
+    # kubectl's in-cluster mode too (what helm test hooks and scripts in pods use).
+    kubectl = "kubectl get pods -o name; kubectl get secrets 2>&1; true"
+    core.create_namespaced_pod(ns, pod("kubectl", ["sh", "-c", kubectl], sa="reader"))
     out = json.loads(finished(core, ns, "client").strip().splitlines()[-1])
     assert out["namespace"] == ns
-    assert out["pods"] == ["client"]  # allowed by the Role...
+    assert set(out["pods"]) <= {"client", "kubectl"} and "client" in out["pods"]  # allowed by the Role...
     assert out["secrets"] == 403  # ...and nothing more
     assert out["kopf_token"] and out["kopf_server"] == f"https://{out['host']}:{out['port']}"
     if not out["host"].startswith("127."):  # a pod in its own network namespace: the bridge, port 443
         assert out["port"] == "443"
         assert out["by_name"] == 200  # kubernetes.default.svc resolves (pod's /etc/hosts), TLS verifies
         assert out["hostname"] == "client"  # its own UTS namespace, named after the pod
+    said = finished(core, ns, "kubectl")
+    assert "pod/kubectl" in said and "forbidden" in said.lower()
 
 
 @needs_mount_namespaces
