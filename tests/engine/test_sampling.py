@@ -106,9 +106,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
     req = Request("p", [1], SamplingParams(temperature=1.0, top_p=0.5, seed=3))
     sampler = Sampler()
-    assert {sampler.sample(logits[None], [req])[0] for _ in range(50)} == {0}
+    assert {sampler.sample(logits[None], [req])[0][0] for _ in range(50)} == {0}
     nan_row = torch.tensor([[float("nan"), 1.0, 2.0]])
-    assert sampler.sample(nan_row, [req]) == [2]  # degrades to greedy instead of raising
+    assert sampler.sample(nan_row, [req])[0] == [2]  # degrades to greedy instead of raising
 
 
 def test_seed_out_of_range_is_refused(engine) -> None:  # noqa: ANN001
