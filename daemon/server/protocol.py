@@ -1,8 +1,9 @@
 """OpenAI request validation: raw JSON in, typed requests or an `ApiError` with OpenAI's error shape out.
 
-Every check names the offending `param`, so a client sees which field was wrong. Unknown fields are
-ignored (OpenAI clients send extras such as `user` or `metadata`); known fields that this server does not
-implement are refused when they ask for a non-default behaviour, rather than silently ignored.
+Every check names the offending `param`, so a client sees which field was wrong. A field this server
+does not implement (unknown, or known but unimplemented such as `guided_json`) is refused by name when
+it asks for a non-default behaviour, rather than silently ignored; the extras OpenAI clients send that
+change nothing (`user`, `metadata`, ...) are accepted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.daemon.engine.request import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -29,6 +30,7 @@ class ApiError(Exception):
         param: str | None = None,
         type_: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -36,6 +38,7 @@ class ApiError(Exception):
         self.param = param
         self.type = type_ or _default_type(status)
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -57,6 +60,14 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param, code=code)
 
 
+RETRY_AFTER_SECONDS = 1
+
+
+def unavailable(message: str, code: str) -> ApiError:
+    """Overloaded for now: 503 with Retry-After, so clients back off and come back."""
+    return ApiError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """What both endpoints reduce to: prompts (text or token ids) and how to sample and report them."""
@@ -70,6 +81,10 @@ class GenerateRequest:
     cache_salt: str | None = None
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -211,26 +226,35 @@ def _token_id_list(value: Any, name: str) -> list[int] | None:
     return None
 
 
+# Fields OpenAI clients send that change nothing here.
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice"}
+)
+SHARED_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+    "cache_salt",
+})  # fmt: skip
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+CHAT_FIELDS = SHARED_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools", "response_format",
+}  # fmt: skip
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise bad("only n=1 is supported", "n")
-    best_of = get_int(body, "best_of", 1)
-    if best_of != 1:
-        raise bad("only best_of=1 is supported", "best_of")
+    """Refuse what this server does not do rather than silently ignore it: an unknown field with a
+    non-default value, and known ones that ask for an unimplemented behaviour."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name not in known and name not in IGNORED_FIELDS and value not in (None, False, 0, "", [], {}):
+            raise bad(f"'{name}' is not supported by this server", name)
     for name in ("presence_penalty", "frequency_penalty"):
         if get_float(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(f"'{name}' is not supported; leave it at 0", name)
+            raise bad(f"'{name}' is not supported; leave it at 0 (repetition_penalty is)", name)
     if body.get("logit_bias"):
         raise bad("'logit_bias' is not supported", "logit_bias")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) and not (not chat and logprobs == 0 and not isinstance(logprobs, bool)):
-        raise bad("'logprobs' is not supported", "logprobs")
-    if body.get("top_logprobs"):
-        raise bad("'top_logprobs' is not supported", "top_logprobs")
     if not chat:
-        if get_bool(body, "echo", False):
-            raise bad("'echo' is not supported", "echo")
         if get_str(body, "suffix", None):
             raise bad("'suffix' is not supported", "suffix")
     else:
@@ -241,35 +265,33 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise bad('only response_format {"type": "text"} is supported', "response_format")
 
 
-def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int | None) -> SamplingParams:
+    """Sampling fields shared by both endpoints; max_tokens, n and logprobs are set by the caller."""
     top_k = get_int(body, "top_k", 0, lo=-1)
-    seed = get_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1)
     stop_ids = body.get("stop_token_ids")
     stop_token_ids: list[int] = []
     if stop_ids is not None:
         parsed = _token_id_list(stop_ids, "stop_token_ids")
         if parsed is None:
             raise bad("'stop_token_ids' must be an array of integers", "stop_token_ids")
+        if len(parsed) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
         stop_token_ids = parsed
-    return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=_temperature(body),
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else 16,
+        temperature=get_float(body, "temperature", 1.0, 0.0, 100.0),  # OpenAI's default: sampled
         top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k == -1 else top_k,
-        seed=seed,
-        stop_token_ids=tuple(stop_token_ids),
+        min_p=get_float(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        min_tokens=get_int(body, "min_tokens", 0, lo=0),
+        seed=get_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
+        stop_token_ids=frozenset(stop_token_ids),
         ignore_eos=get_bool(body, "ignore_eos", False),
     )
-
-
-GREEDY_EPS = 1e-5
-
-
-def _temperature(body: dict) -> float:
-    # OpenAI's default is 1 (sampled). Below GREEDY_EPS, logits / t overflows float32 into inf/nan and
-    # the sampler would fail for the whole batch; such a temperature means greedy anyway (vLLM does this).
-    t = get_float(body, "temperature", 1.0, 0.0, 100.0)
-    return 0.0 if t < GREEDY_EPS else t
+    if max_tokens is not None and params.min_tokens > max_tokens:
+        raise bad("'min_tokens' must not exceed max_tokens", "min_tokens")
+    return params
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
@@ -296,18 +318,45 @@ def parse_completion(body: dict, served: list[str]) -> GenerateRequest:
     model = resolve_model(body, served)
     _refuse_unsupported(body, chat=False)
     prompts = _prompts(body.get("prompt"))
-    max_tokens = get_int(body, "max_tokens", None, lo=1)
+    echo = get_bool(body, "echo", False)
+    max_tokens = get_int(body, "max_tokens", None, lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad("'max_tokens' must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
     stream, include_usage = _stream_fields(body)
+    params = _sampling(body, max_tokens)  # default 16: OpenAI's legacy default
+    n = get_int(body, "n", 1, lo=1, hi=MAX_SEQUENCES)
+    best_of = get_int(body, "best_of", n, lo=1, hi=MAX_SEQUENCES)
+    if best_of < n:
+        raise bad("'best_of' must be at least n", "best_of")
+    if best_of > n and stream:
+        raise bad("'best_of' greater than n cannot be streamed", "best_of")
+    params.n = best_of
+    logprobs = body.get("logprobs")
+    if isinstance(logprobs, bool):  # vLLM accepts a boolean here too
+        logprobs = 0 if logprobs else None
+    params.logprobs = get_int({"logprobs": logprobs}, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if echo and (params.logprobs is not None or max_tokens == 0):
+        params.prompt_logprobs = params.logprobs or 0
     return GenerateRequest(
         model=model,
         prompts=prompts,
-        params=_sampling(body, max_tokens, default_max_tokens=16),  # OpenAI's legacy default
+        params=params,
         stop=_stop_strings(body),
         stream=stream,
         include_usage=include_usage,
         cache_salt=_cache_salt(body),
         max_tokens_given=max_tokens is not None,
+        n=n,
+        echo=echo,
+        **_output_fields(body),
     )
+
+
+def _output_fields(body: dict) -> dict:
+    return {
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
+    }
 
 
 def _prompts(value: Any) -> list[str | list[int]]:
@@ -352,10 +401,19 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, lo=1)
     stream, include_usage = _stream_fields(body)
+    params = _sampling(body, max_tokens)  # without max_tokens: the room left in the context
+    params.n = get_int(body, "n", 1, lo=1, hi=MAX_SEQUENCES)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if get_bool(body, "logprobs", False):
+        params.logprobs = top or 0
+    elif top is not None:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     req = GenerateRequest(
         model=model,
         prompts=[],  # rendered by the server with the model's chat template
-        params=_sampling(body, max_tokens, default_max_tokens=1),  # replaced by the room left in context
+        params=params,
+        n=params.n,
+        **_output_fields(body),
         stop=_stop_strings(body),
         stream=stream,
         include_usage=include_usage,
