@@ -14,12 +14,15 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpilot import __version__
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, max_prompt_chars, running_loop
 from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.errors import ApiError, unavailable
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
-from kvpilot.daemon.server.protocol import ApiError, parse_json_object, parse_reset_flag, unavailable
+from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
+from kvpilot.daemon.server.schema import openapi
 from kvpilot.daemon.server.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/prefix_cache", prefix_cache)
+    app.router.add_get("/openapi.json", openapi_schema)
     app.on_startup.append(_start_engine_loop)
     app.on_cleanup.append(_stop_engine_loop)
     return app
@@ -140,6 +144,10 @@ async def models(request: web.Request) -> web.Response:
         for name in state.served
     ]
     return web.json_response({"object": "list", "data": data})
+
+
+async def openapi_schema(request: web.Request) -> web.Response:
+    return web.json_response(openapi(__version__))
 
 
 async def prefix_cache(request: web.Request) -> web.Response:

@@ -27,15 +27,8 @@ from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_loop
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
-from kvpilot.daemon.server.protocol import (
-    ApiError,
-    GenerateRequest,
-    bad,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-    unavailable,
-)
+from kvpilot.daemon.server.errors import ApiError, bad, unavailable
+from kvpilot.daemon.server.protocol import GenerateRequest, parse_chat, parse_completion, parse_json_object
 
 # One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
 # and the most likely alternatives.

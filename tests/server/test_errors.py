@@ -178,3 +178,22 @@ def test_tiny_temperature_is_greedy_and_harmless(server: Server) -> None:
     r = server.request("POST", C, comp(max_tokens=3, temperature=1e-300))
     assert r.status == 200 and r.json()["choices"][0]["text"] == greedy
     assert server.request("GET", "/health").status == 200
+
+
+def test_messages_name_the_field(server: Server) -> None:
+    err = server.request("POST", C, comp(top_p=1.5)).json()["error"]
+    assert err["param"] == "top_p" and "top_p" in err["message"] and "1" in err["message"]
+    err = server.request("POST", CH, chat(messages=[{"role": "wizard", "content": "x"}])).json()["error"]
+    assert "messages[0].role" in err["message"] and "user" in err["message"]
+
+
+def test_openapi_schema_describes_the_routes(server: Server) -> None:
+    r = server.request("GET", "/openapi.json")
+    assert r.status == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions"} <= set(
+        doc["paths"]
+    )
+    fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "logprobs", "echo", "best_of", "repetition_penalty", "min_tokens"} <= set(fields)
+    assert "ChatMessage" in doc["components"]["schemas"]
