@@ -97,6 +97,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="larger request bodies are refused with 413 (default 4 MiB)",
     )
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation may take from arrival; later ones are aborted with 504 (default: none)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=1024,
@@ -145,6 +151,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         admin_token=token,
         max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout,
     )
     log.info(
         "loaded %s: %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",

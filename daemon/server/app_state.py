@@ -26,6 +26,7 @@ class ServerSettings:
     admin_token: str | None = None
     max_body_bytes: int = 4 << 20  # a full 128k-token context as JSON fits well below this
     shutdown_timeout: float = 30.0  # SIGTERM grace period for in-flight requests
+    request_timeout: float | None = None  # a generation not done by then is aborted (504)
     text_workers: int = 2  # threads that tokenize, template and detokenize
     max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
 

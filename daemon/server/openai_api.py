@@ -164,7 +164,7 @@ async def _generate(
     echo: list = [prompt_text, None]
     try:
         while open_choices:
-            items = [await sink.get()]
+            items = [await _next(sink, state.settings.request_timeout, arrival)]
             while not sink.empty():
                 items.append(sink.get_nowait())
             outputs = []
@@ -192,6 +192,16 @@ async def _generate(
     finally:
         if engine_open:
             loop.abort(request_id)  # client gone, engine failed, or stopped at a stop string
+
+
+async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> Any:
+    if timeout is None:
+        return await sink.get()
+    try:
+        return await asyncio.wait_for(sink.get(), max(0.0, arrival + timeout - time.monotonic()))
+    except TimeoutError:
+        raise ApiError(504, f"the request did not finish within {timeout:g} s (--request-timeout)",
+                       code="deadline_exceeded") from None  # fmt: skip
 
 
 def _feed(state: ServerState, seqs: list[_Sequence], outputs: list[RequestOutput], prompt: list[int],

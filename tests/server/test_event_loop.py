@@ -1,4 +1,5 @@
-"""The event loop stays free while huge prompts are parsed and tokenized, and a full queue answers 503."""
+"""The event loop stays free while huge prompts are parsed and tokenized; a full queue answers 503 and
+a request past its deadline 504."""
 
 from __future__ import annotations
 
@@ -82,6 +83,22 @@ def test_full_queue_answers_503_with_retry_after(tmp_path) -> None:  # noqa: ANN
         assert refused and all(s == (503, "1") for s in refused), statuses
         r = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert r.status == 200  # the queue drained: served again
+    finally:
+        stop_server(server)
+
+
+def test_a_request_past_its_deadline_is_aborted(tmp_path) -> None:  # noqa: ANN001
+    server = start_server(tmp_path, "--request-timeout", "2")
+    try:
+        long = {"model": MODEL, "prompt": "hi", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+        start = time.monotonic()
+        late = server.request("POST", "/v1/completions", long)
+        assert late.status == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.body
+        assert time.monotonic() - start < 20
+        deadline = time.monotonic() + 30
+        while (c := server.cache())["blocks_used"] or c["num_running"]:  # aborted: its blocks are freed
+            assert time.monotonic() < deadline, c
+            time.sleep(0.1)
     finally:
         stop_server(server)
 
