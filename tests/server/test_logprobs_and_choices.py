@@ -9,16 +9,9 @@ import openai
 import pytest
 
 from .conftest import MODEL, Server
+from .test_openai_api import CHAT, PROMPT
 
 pytestmark = pytest.mark.timeout(300)
-
-PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "Name three colors."}]
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def sse(server: Server, path: str, body: dict) -> list[dict]:
