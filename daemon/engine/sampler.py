@@ -1,8 +1,8 @@
 """Next-token choice from the logits of the sampled positions, batched on the logits' device.
 
 Penalties and `min_tokens` reshape the logits of the rows that ask for them; greedy rows take one batched
-argmax; random rows are scaled, cut by top-k / top-p / min-p as one batch and drawn with the exponential
-race (argmax of p / q, q ~ Exp(1)), which equals drawing from p. Only seeded rows draw their noise from a
+argmax; random rows are scaled, cut by top-k / top-p / min-p as one batch and drawn by inverse CDF
+(cumulative sum, one uniform per row, binary search). Only seeded rows draw their uniform from a
 generator of their own, seeded from the request's seed, so a seeded request samples the same tokens
 whatever runs beside it. Logprobs come from the fp32 logits as the model produced them.
 """
@@ -14,9 +14,9 @@ import torch
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request
 
-# Top-p first looks at this many of the most likely tokens and sorts the whole vocabulary only for rows
-# whose top_p mass lies beyond them (a flat distribution at a high temperature).
-TOP_P_CANDIDATES = 256
+# Top-p looks at the most likely tokens in growing sets and sorts the whole vocabulary only when even the
+# larger set does not reach top_p (a flat distribution at a high temperature).
+TOP_P_CANDIDATES = (256, 4096)
 
 
 class Sampler:
@@ -69,11 +69,15 @@ class Sampler:
         if any(min_p):
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        noise = torch.empty_like(probs).exponential_()
+        # Inverse-CDF draw: one uniform per row (not one per vocabulary entry), so a seeded row's
+        # generator advances by one number per step whatever else is in the batch.
+        cdf = probs.cumsum(dim=-1)
+        uniform = torch.rand(len(requests), 1, device=dev)
         for i, req in enumerate(requests):
             if req.params.seed is not None:
-                noise[i].exponential_(generator=self._generator(req, dev))
-        drawn = torch.argmax(probs / noise, dim=-1)
+                uniform[i] = torch.rand(1, generator=self._generator(req, dev), device=dev)
+        target = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never lands on a zero-probability token
+        drawn = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         # Non-finite logits (an overflow) must not take the whole batch down: such a row degrades
         # to greedy on what is finite.
         bad = ~torch.isfinite(probs).all(dim=-1)
@@ -143,12 +147,10 @@ def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the first always stays)."""
     vocab = probs.shape[-1]
-    k = min(vocab, TOP_P_CANDIDATES)
-    while True:
+    for k in (*(min(c, vocab) for c in TOP_P_CANDIDATES), vocab):
         values, indices = torch.topk(probs, k, dim=-1)
         mass = values.cumsum(dim=-1)
         if k == vocab or bool((mass[:, -1] >= top_p).all()):
             break
-        k = vocab
     keep = (mass - values) < top_p[:, None]
     return torch.zeros_like(probs).scatter_(1, indices, values * keep)
