@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # Prompt tokens kept as left context of the first output token (vLLM keeps 5 as well).
@@ -20,7 +21,9 @@ class IncrementalDetokenizer:
     its leading space when it comes first, so the first output token needs its left neighbour.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
