@@ -120,6 +120,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        log.error("--request-timeout must be a positive number of seconds")
+        return 2
+
     from kvpilot.daemon.engine.config import EngineConfig
     from kvpilot.daemon.engine.engine import LLMEngine
     from kvpilot.daemon.server.app import ServerSettings, serve
