@@ -451,30 +451,38 @@ async def _stream(
                 "X-Accel-Buffering": "no",
             }
         )
-        await resp.prepare(request)
-        finals: dict[tuple[int, int], RequestOutput] = {}
-        started: set[int] = set()
         try:
-            async for i, d in _chain([first] if first is not None else [], events):
-                finals[(i, d.index)] = d.output
-                index = i * req.n + d.index
-                if chat and index not in started:
-                    started.add(index)
-                    role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}  # fmt: skip
-                    await resp.write(chunk([role]))
-                if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
-                    await resp.write(chunk([choice(index, d)]))
-        except (EngineDeadError, ApiError) as exc:
-            err = (
-                exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
-            )
-            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        if req.include_usage:
-            await resp.write(chunk([], _usage(state, finals), final=True))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            await resp.prepare(request)
+            await _write_events(resp, first, events, chunk, choice, state, req, chat, wants_logprobs)
+        except ConnectionResetError:
+            pass  # the client left mid-stream: leaving the block aborts its engine requests
         return resp
+
+
+async def _write_events(
+    resp: web.StreamResponse, first: tuple | None, events: AsyncIterator, chunk: Any, choice: Any,
+    state: ServerState, req: GenerateRequest, chat: bool, wants_logprobs: bool,
+) -> None:  # fmt: skip
+    finals: dict[tuple[int, int], RequestOutput] = {}
+    started: set[int] = set()
+    try:
+        async for i, d in _chain([first] if first is not None else [], events):
+            finals[(i, d.index)] = d.output
+            index = i * req.n + d.index
+            if chat and index not in started:
+                started.add(index)
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                await resp.write(chunk([role]))
+            if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
+                await resp.write(chunk([choice(index, d)]))
+    except (EngineDeadError, ApiError) as exc:
+        err = exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
+        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    if req.include_usage:
+        await resp.write(chunk([], _usage(state, finals), final=True))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:

@@ -175,3 +175,13 @@ def test_unknown_extension_is_named(quiet: Server) -> None:
     ok = quiet.request("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u1",
                                                    "guided_json": None})  # fmt: skip
     assert ok.status == 200
+
+
+def test_each_prompt_of_a_batch_gets_its_own_room(quiet: Server) -> None:
+    long, short = [504] * 505, [504, 3575]  # the test server's context is 512 tokens
+    body = {"model": MODEL, "prompt": [long, short], "temperature": 0, "ignore_eos": True}
+    r = quiet.request("POST", "/v1/completions", body)
+    assert r.status == 200, r.body
+    lengths = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
+    assert lengths == {0: "length", 1: "length"}
+    assert r.json()["usage"]["completion_tokens"] == 7 + 16  # the long prompt's room, OpenAI's default 16
