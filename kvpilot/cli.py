@@ -48,7 +48,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--cpu-threads",
         type=int,
         default=None,
-        help="torch threads on the CPU (default: all cores but one, which serves HTTP)",
+        help="torch threads on the CPU (default: the CPUs this process may use, from its affinity and "
+        "cgroup CPU quota, but one, which serves HTTP)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument(
@@ -95,6 +96,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=4 << 20,
         help="larger request bodies are refused with 413 (default 4 MiB)",
     )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation may take from arrival; later ones are aborted with 504 (default: none)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for the engine beyond which new ones get 503 with Retry-After (default 1024)",
+    )
     p.set_defaults(handler=_run_serve)
 
 
@@ -105,6 +118,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         token = load_admin_token(args.admin_token_file)
     except AdminTokenError as exc:
         log.error("%s", exc)
+        return 2
+
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        log.error("--request-timeout must be a positive number of seconds")
         return 2
 
     from kvpilot.daemon.engine.config import EngineConfig
@@ -122,6 +139,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads,
+        max_queued_requests=args.max_queued_requests,
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
@@ -137,6 +155,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         admin_token=token,
         max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout,
     )
     log.info(
         "loaded %s: %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",

@@ -100,10 +100,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    @property
-    def num_indexed_blocks(self) -> int:
-        return len(self._index)
-
     def is_cached(self, block: KVBlock) -> bool:
         return block.block_hash is not None and self._index.get(block.block_hash) is block
 

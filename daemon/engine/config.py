@@ -20,7 +20,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's own context length
     enable_prefix_caching: bool = True
-    cpu_threads: int | None = None  # torch threads on the CPU; None: all cores but one
+    max_queued_requests: int | None = 1024  # waiting requests beyond which new ones are refused (503)
+    cpu_threads: int | None = (
+        None  # torch threads on the CPU; None: usable CPUs (affinity, cgroup quota) but one
+    )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
 
     def validate(self) -> None:
@@ -28,6 +31,8 @@ class EngineConfig:
             raise ValueError("block_size must be a power of two between 1 and 128")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,29 +1,27 @@
-"""The engine: one step is schedule -> run the model -> advance the requests.
+"""The engine: one step is schedule -> run the model -> sample -> advance the requests.
 
 It is synchronous and single-threaded on purpose. Whoever drives it (the server's engine loop, a
 benchmark, a test) calls `step()` in a loop and calls `reset_prefix_cache()` / `stats()` between two
-steps, so a reset can never race a step.
+steps, so a reset can never race a step. Loading a checkpoint is `loader.py`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvpilot.daemon.engine.cpu_budget import engine_threads
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.loader import load
 from kvpilot.daemon.engine.model_runner import ModelRunner, kv_bytes_per_block
-from kvpilot.daemon.engine.models import load_model
-from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
-from kvpilot.daemon.engine.scheduler import Scheduler
+from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
+from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.kernels import select_ops
 
 log = logging.getLogger(__name__)
@@ -31,23 +29,16 @@ log = logging.getLogger(__name__)
 
 class RequestRejected(ValueError):
     """The request can never run here (too long for the context or the KV pool, duplicate id).
-    `param` names the offending input, for the server's error reply."""
+    `param` names the offending input and `code` the reason, for the server's error reply."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    if model is None or model == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model!r}: not a checkpoint directory (no config.json); models cannot be downloaded "
-            f"here, pass a local Hugging Face checkpoint directory or omit --model for {DEFAULT_MODEL_NAME}"
-        )
-    return path
+class QueueFull(RuntimeError):
+    """`max_queued_requests` requests are already waiting: try again later (the server's 503)."""
 
 
 class LLMEngine:
@@ -56,16 +47,15 @@ class LLMEngine:
         config.validate()
         self.device = config.torch_device()
         if self.device.type == "cpu":
-            # Leave a core to the HTTP server and tokenizer: OpenMP threads that compete for every
-            # core spin-wait each other into a 5-10x slower step on small machines.
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            # OpenMP threads that compete for more cores than the container may use spin-wait each
+            # other into a 5-10x slower step: follow the affinity mask and the cgroup CPU quota.
+            torch.set_num_threads(engine_threads(config.cpu_threads))
         self.dtype = config.torch_dtype(self.device)
-        self.model_dir = resolve_model_dir(config.model)
-        hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model_name = config.model or DEFAULT_MODEL_NAME
         self.ops = select_ops(self.device, config.kernel_backend)
-        model = load_model(self.model_dir, hf_config, self.ops, self.dtype, self.device)
+        loaded = load(config.model, self.ops, self.dtype, self.device)
+        self.model_name, self.model_dir, self.tokenizer = loaded.name, loaded.model_dir, loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        model = loaded.model
 
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(model)
         pool_tokens = self.num_blocks * config.block_size
@@ -75,20 +65,20 @@ class LLMEngine:
                 "KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, self.max_model_len
             )
             self.max_model_len = pool_tokens
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer)
 
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
-        self._requests: dict[str, Request] = {}
+        self.sampler = Sampler()
+        self._groups: dict[str, list[Request]] = {}
         self._resets = 0
         self._last_reset_time: float | None = None
         log.info(
-            "engine ready: model %s (%s) on %s/%s, ops=%s, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            "engine ready: model %s (%s) on %s/%s, ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             self.model_name, self.model_dir, self.device, str(self.dtype).removeprefix("torch."), self.ops.name,
-            self.num_blocks, config.block_size,
+            torch.get_num_threads(), self.num_blocks, config.block_size,
             self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20, self.max_model_len,
         )  # fmt: skip
 
@@ -99,38 +89,53 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
-    ) -> Request:
+    ) -> list[Request]:
+        """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
+        `request_id` and the sequence's `index`."""
         params = params or SamplingParams()
         params.validate()
-        if request_id in self._requests:
+        if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate",
-                "prompt",
-            )
-        vocab = self.runner.model.args.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        self._check_fits(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt)
-        self._requests[request_id] = req
-        self.scheduler.add(req)
-        return req
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFull(f"{limit} requests are already waiting")
+        seqs = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                list(prompt_token_ids),
+                dataclasses.replace(params, seed=params.seed_of(i)),
+                self.eos_token_ids,
+                cache_salt,
+                group_id=request_id,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        for follower in seqs[1:]:
+            follower.prompt_logprobs = None  # the first sequence scores the prompt for all
+        seqs[0].forks = seqs[1:]
+        self._groups[request_id] = seqs
+        self.scheduler.add(seqs[0])
+        return seqs
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.scheduler.abort(request_id)
-        if req is None:
+        """Abort every sequence of the request; False when it is not running."""
+        seqs = self._groups.pop(request_id, None)
+        if seqs is None:
             return False
-        self._forget(req)
+        for seq in seqs:
+            if seq.status is not RequestStatus.FINISHED and self.scheduler.abort(seq.request_id) is None:
+                seq.finish_reason, seq.status = "abort", RequestStatus.FINISHED  # not forked yet
+            self.sampler.forget(seq.request_id)
+        seqs[0].forks = []
         return True
 
     def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+        seqs = self._groups.get(request_id)
+        return seqs[0] if seqs else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -139,28 +144,90 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.kv.pool.release_retired()  # the index dropped by the last reset, freed off its clock
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
-        finished = {r.request_id for r in self.scheduler.update(out, sampled)}
-        results = []
-        for chunk in out.chunks:
-            req = chunk.request
-            if not chunk.sample or req.request_id not in sampled:
-                continue
-            done = req.request_id in finished
-            results.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[req.output_token_ids[-1]],
-                    finished=done,
-                    finish_reason=req.finish_reason if done else None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    num_output_tokens=len(req.output_token_ids),
-                )
+        if not out.chunks:
+            return []
+        logits = self.runner.execute(out)
+        sampled = self._sample(out, logits)
+        return [self._output(seq) for seq in self.scheduler.update(out, sampled)]
+
+    def _sample(
+        self, out: SchedulerOutput, logits: torch.Tensor
+    ) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Score prompt positions (prompt logprobs) and sample every chunk that reaches its end;
+        sequences forking off a chunk's request sample their first token from its logits row."""
+        rows: list[int] = []
+        seqs: list[Request] = []
+        first = 0
+        for c in out.chunks:
+            end = c.start + c.num_tokens
+            req = c.request
+            if req.prompt_logprobs is not None:
+                self._score_prompt(req, c.logits_from, min(end, req.num_prompt_tokens - 1), logits[first:])
+            first += end - c.logits_from
+            if c.sample:
+                for seq in (req, *(req.forks if not req.output_token_ids else ())):
+                    rows.append(first - 1)
+                    seqs.append(seq)
+        if not rows:
+            return {}
+        tokens, logprobs = self.sampler.sample(logits[rows], seqs)
+        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs)}
+
+    def _score_prompt(self, req: Request, start: int, stop: int, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens start+1 .. stop from the logits of positions start .. stop-1."""
+        if stop <= start:
+            return
+        targets = req.all_token_ids[start + 1 : stop + 1]
+        found = token_logprobs(logits[: stop - start], targets, [req.params.prompt_logprobs] * len(targets))
+        req.prompt_logprobs[start + 1 : stop + 1] = found
+
+    def _output(self, seq: Request) -> RequestOutput:
+        done = seq.status is RequestStatus.FINISHED
+        prompt_logprobs, new_logprobs = seq.prompt_logprobs, seq.new_logprobs
+        seq.prompt_logprobs = None  # delivered once; a recompute after preemption may hit the cache
+        seq.new_logprobs = []
+        out = RequestOutput(
+            request_id=seq.group_id,
+            index=seq.index,
+            new_token_ids=seq.output_token_ids[-1:] if seq.params.max_tokens else [],
+            finished=done,
+            finish_reason=seq.finish_reason if done else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_output_tokens=len(seq.output_token_ids),
+            logprobs=new_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=seq.cumulative_logprob,
+        )
+        if done:
+            self.sampler.forget(seq.request_id)
+            group = self._groups.get(seq.group_id, ())
+            if all(s.status is RequestStatus.FINISHED for s in group):
+                self._groups.pop(seq.group_id, None)
+        return out
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        """The one context-length check: the prompt, and the prompt plus an explicit max_tokens."""
+        if not prompt:
+            raise RequestRejected("the prompt is empty", "prompt")
+        n, limit = len(prompt), self.max_model_len
+        if n >= limit + (params.max_tokens == 0):
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
+                "(at least one token must be left for the completion)",
+                "prompt",
+                "context_length_exceeded",
             )
-            if done:
-                self._forget(req)
-        return results
+        if n + params.max_tokens > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens; you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion)",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        vocab = self.runner.model.args.vocab_size
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt):
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
 
     # ---- operations (call between steps) -----------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> ResetResult:
@@ -203,8 +270,9 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | None = None, cache_salt: str | None = None
     ) -> list[list[int]]:
-        """Run prompts to completion together (continuous batching); returns their output token ids.
-        Requests added by others keep running beside them; their outputs are not collected here."""
+        """Run prompts to completion together (continuous batching); returns their output token ids
+        (the first sequence's when n > 1). Requests added by others keep running beside them; their
+        outputs are not collected here."""
         ids = [f"gen-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {i: [] for i in ids}
         for rid, prompt in zip(ids, prompts):
@@ -212,16 +280,10 @@ class LLMEngine:
         pending = set(ids)
         while pending:
             for o in self.step():
-                if o.request_id in outputs:  # others' requests may share the batch
+                if o.request_id in outputs and o.index == 0:  # others' requests may share the batch
                     outputs[o.request_id].extend(o.new_token_ids)
-                    if o.finished:
-                        pending.discard(o.request_id)
+            pending = {i for i in pending if i in self._groups}
         return [outputs[i] for i in ids]
-
-    def _forget(self, req: Request) -> None:
-        self._requests.pop(req.request_id, None)
-        self.runner.sampler.forget(req.request_id)
-        assert req.status is RequestStatus.FINISHED
 
     def _blocks_from_memory(self, model) -> int:  # noqa: ANN001
         per_block = kv_bytes_per_block(model, self.config.block_size, self.dtype)
@@ -231,11 +293,3 @@ class LLMEngine:
         else:
             budget = self.config.kv_cache_memory_bytes
         return max(1, budget // per_block)
-
-
-def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:  # noqa: ANN001
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))

@@ -4,7 +4,7 @@ Why a thread (and not the event loop, nor a process):
 - `LLMEngine.step()` takes tens of milliseconds to seconds; on the event loop it would stall every
   connection (health checks, metrics scrapes, SSE writes) for that long.
 - The model's time is spent in torch ops, which release the GIL, so the event loop keeps running while
-  the engine thread computes. Tokenizing and detokenizing stay on the event loop, which is cheap.
+  the engine thread computes. (Tokenizing and detokenizing run in the server's own small thread pool.)
 - A separate process would need its own copy of the model and the KV pool (or shared memory) and IPC
   for every token; for one engine per daemon a thread gives the same isolation from the loop for free.
 
@@ -12,7 +12,8 @@ The engine is not thread-safe, so *every* engine call happens on that thread. Th
 only through commands (add, abort, call) that the thread drains between two steps. A reset or a stats
 query is therefore atomic with respect to scheduling: no step can run between its check and its act.
 
-Outputs flow back per request through an `asyncio.Queue`, fed in one `call_soon_threadsafe` per step.
+Outputs flow back per request (all its sequences) through one `asyncio.Queue`, fed in one
+`call_soon_threadsafe` per step.
 If the engine raises, the loop marks itself dead, fails every open request and pending command with
 `EngineDeadError` (the server answers 500/503) and stops: nothing waits forever on a dead engine.
 """
@@ -26,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput
@@ -74,7 +75,6 @@ class LoopState:
     stats: CacheStats | None = None
     steps: int = 0
     last_step_time: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -84,7 +84,8 @@ class EngineLoop:
         self.engine = engine
         self._loop = loop or asyncio.get_running_loop()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, asyncio.Queue] = {}  # touched by the engine thread only
+        # request id -> [its queue, sequences not finished yet]; touched by the engine thread only
+        self._sinks: dict[str, list] = {}
         self._lock = threading.Lock()  # orders "dead" against submissions, so no command is stranded
         self._dead = False
         self._error: str | None = None
@@ -121,8 +122,9 @@ class EngineLoop:
     ) -> asyncio.Queue:
         """Queue a request; returns its output queue once the engine accepted it.
 
-        Raises the engine's ValueError (RequestRejected, SamplingError) for bad input. The queue yields
-        `RequestOutput`s, and an `EngineDeadError` instance if the engine dies meanwhile.
+        Raises the engine's ValueError (RequestRejected, SamplingError) for bad input and QueueFull when
+        too many requests wait. The queue yields the `RequestOutput`s of all `params.n` sequences, and
+        an `EngineDeadError` instance if the engine dies meanwhile.
         """
         sink: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -199,7 +201,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return
-            self._sinks[cmd.request_id] = cmd.sink
+            self._sinks[cmd.request_id] = [cmd.sink, cmd.params.n]
             cmd.done.set_result(None)
         elif isinstance(cmd, _Abort):
             if self.engine.abort_request(cmd.request_id):
@@ -222,12 +224,14 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
+            entry = self._sinks.get(out.request_id)
+            if entry is None:
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
-            batch.append((sink, out))
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._sinks[out.request_id]
+            batch.append((entry[0], out))
         self._post(_put_all, batch)
 
     def _post(self, fn: Callable, arg: Any) -> None:
@@ -241,7 +245,7 @@ class EngineLoop:
             self._dead = True
             self._error = reason
         err = EngineDeadError(reason)
-        self._post(_put_all, [(sink, err) for sink in self._sinks.values()])
+        self._post(_put_all, [(sink, err) for sink, _ in self._sinks.values()])
         self._sinks.clear()
         while True:  # commands that raced in before `_dead` was set
             try:

@@ -32,6 +32,8 @@ class KVCacheManager:
         self._num_indexed: dict[str, int] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
+        # (source, destination) block copies the model runner must make before the next forward pass.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def epoch(self) -> int:
@@ -42,7 +44,8 @@ class KVCacheManager:
 
         At least the last token is always left to compute: the model must run on it to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: recompute rather than hit.
             return NO_HIT
         req.update_block_hashes(self.block_size)
         max_blocks = (req.num_tokens - 1) // self.block_size
@@ -62,9 +65,15 @@ class KVCacheManager:
         """Reserve blocks for `num_new_tokens` more tokens (after `hit`'s). False, and nothing changes,
         when the pool cannot fit them."""
         need = self._blocks_needed(req, num_new_tokens, hit)
-        if need > self._blocks_available(hit):
+        shared = self._shared_partial_block(req) if num_new_tokens > 0 else None
+        if need + (shared is not None) > self._blocks_available(hit):
             return False
         held = self._blocks.setdefault(req.request_id, [])
+        if shared is not None:  # copy on write: this sequence is about to write into a shared block
+            (copy,) = self.pool.allocate(1)
+            self.pending_copies.append((held[shared].block_id, copy.block_id))
+            self.pool.free([held[shared]])
+            held[shared] = copy
         if not held:
             req.cache_epoch = self.pool.epoch
             self._num_indexed[req.request_id] = len(hit.blocks)
@@ -98,6 +107,19 @@ class KVCacheManager:
             self.pool.cache_block(held[i], req.block_hashes[i])
         self._num_indexed[req.request_id] = num_full
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` continues from `parent`'s tokens: it shares all of parent's blocks (a reference
+        each); the last one, if partly filled, is copied when either of them first writes to it."""
+        blocks = self._blocks[parent.request_id]
+        self.pool.touch(blocks)
+        self._blocks[child.request_id] = list(blocks)
+        self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
+        child.cache_epoch = parent.cache_epoch
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, None)
         self._num_indexed.pop(req.request_id, None)
@@ -109,6 +131,14 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset()
+
+    def _shared_partial_block(self, req: Request) -> int | None:
+        """Index of the partly filled block the next token goes to, when another sequence holds it too."""
+        if req.num_computed_tokens % self.block_size == 0:
+            return None  # the next token starts a new block
+        held = self._blocks.get(req.request_id, ())
+        i = req.num_computed_tokens // self.block_size
+        return i if i < len(held) and held[i].ref_cnt > 1 else None
 
     def _blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit) -> int:
         held = len(self._blocks.get(req.request_id, ()))

@@ -1,4 +1,4 @@
-"""Turns a scheduled step into one packed forward pass and its sampled tokens.
+"""Turns a scheduled step into one packed forward pass and the logits the step needs.
 
 It owns the KV cache tensors (one K and one V tensor of [num_blocks, block_size, Hkv, D] per layer);
 the block ids in each chunk say where a request's tokens live in them.
@@ -10,7 +10,6 @@ import torch
 
 from kvpilot.daemon.engine.models import ForwardBatch
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
-from kvpilot.daemon.engine.sampler import Sampler
 from kvpilot.daemon.engine.scheduler import SchedulerOutput
 from kvpilot.kernels import AttentionMetadata
 
@@ -38,17 +37,20 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(a.num_layers)
         ]
-        self.sampler = Sampler()
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the step; returns the next token of every chunk that samples."""
-        if not out.chunks:
-            return {}
-        batch = self._prepare(out)
-        logits = self.model(batch, self.kv_caches)
-        sampled_reqs = [c.request for c in out.chunks if c.sample]
-        tokens = self.sampler.sample(logits, sampled_reqs)
-        return {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns the logits of positions `chunk.logits_from` to the chunk's end of
+        every chunk, in chunk order."""
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
+        return self.model(self._prepare(out), self.kv_caches)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def _prepare(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
@@ -62,8 +64,7 @@ class ModelRunner:
             pos = range(c.start, end)
             positions.extend(pos)
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
-            if c.sample:
-                logits_rows.append(len(input_ids) - 1)
+            logits_rows.extend(range(len(input_ids) - (end - c.logits_from), len(input_ids)))
         attn = AttentionMetadata.build(
             query_lens=[c.num_tokens for c in out.chunks],
             seq_lens=[c.start + c.num_tokens for c in out.chunks],

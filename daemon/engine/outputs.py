@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability (fp32, from the logits the sampler saw, before any sampling
+    parameter reshaped them) and the `k` most likely tokens at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request: the new tokens and, at the end, why it finished."""
+    """What one step produced for one sequence: the new tokens and, at the end, why it finished.
+
+    `request_id` is the caller's id; `index` tells the sequences of one request (n > 1) apart.
+    """
 
     request_id: str
+    index: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output
+    cumulative_logprob: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +67,6 @@ class CacheStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
-    extra: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -1,4 +1,9 @@
-"""A request as the engine sees it: token ids, sampling parameters and progress."""
+"""A request as the engine sees it: token ids, sampling parameters and progress.
+
+One API request becomes one group of `SamplingParams.n` sequences (`n`, or `best_of` when larger) that
+share the prompt: each sequence is a `Request`. The first (`index` 0) computes the prompt; the others
+wait in its `forks` and branch off when it samples its first token, sharing its KV blocks.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,13 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.daemon.engine.outputs import TokenLogprob
 
+# Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEQUENCES = 16  # n and best_of
 
 
 class SamplingError(ValueError):
@@ -16,30 +26,54 @@ class SamplingError(ValueError):
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
+    max_tokens: int = 16  # 0 only with prompt_logprobs: score the prompt, generate nothing
+    temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or the output
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    seed: int | None = None  # sequence i of a group uses seed + i
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    n: int = 1  # sequences that share the prompt
+    logprobs: int | None = None  # per output token: its logprob and the `logprobs` most likely ones
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise SamplingError("max_tokens must be at least 1")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise SamplingError("max_tokens must be at least 1 (0 only to score the prompt)")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingError("temperature must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise SamplingError("top_k must be 0 (off) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError("min_p must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise SamplingError("repetition_penalty must be in (0, 100]")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise SamplingError("min_tokens must be between 0 and max_tokens")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise SamplingError("seed must fit in 64 bits")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        if not 1 <= self.n <= MAX_SEQUENCES:
+            raise SamplingError(f"n and best_of must be between 1 and {MAX_SEQUENCES}")
+        if self.n > 1 and self.max_tokens == 0:
+            raise SamplingError("n > 1 needs max_tokens of at least 1")
+        for k in (self.logprobs, self.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise SamplingError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
-        # Below 1e-5 the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    def seed_of(self, index: int) -> int | None:
+        """Sequence `index`'s own seed: seeded choices differ from each other and still reproduce."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
 
 class RequestStatus(enum.Enum):
@@ -50,11 +84,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    request_id: str
+    request_id: str  # unique per sequence
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
+    eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    group_id: str = ""  # the caller's request id, shared by the sequences of one group
+    index: int = 0  # this sequence's place in its group
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -67,9 +103,19 @@ class Request:
     cache_epoch: int = -1
     num_preemptions: int = 0
     finish_reason: str | None = None
+    # Sequences of the group that branch off this one when it samples its first token.
+    forks: list[Request] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # Prompt logprobs by position (position 0 has none); filled as prefill chunks run.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Logprobs of the tokens sampled since the last output.
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +130,11 @@ class Request:
         # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
         return self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
 
+    @property
+    def stop_ids_blocked(self) -> bool:
+        """EOS and stop ids may not end the output yet (min_tokens)."""
+        return len(self.output_token_ids) < self.params.min_tokens
+
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.salt_bytes)
 
@@ -93,11 +144,14 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> str | None:
         """The finish reason once the last appended token ends the request, else None."""
+        if not self.output_token_ids:  # max_tokens 0: the prompt is scored, nothing is generated
+            return "length"
         last = self.output_token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in self.params.stop_token_ids:
-            return "stop"
+        if not self.stop_ids_blocked:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if last in self.params.stop_token_ids:
+                return "stop"
         if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

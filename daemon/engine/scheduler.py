@@ -12,7 +12,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus
+
+# A request that wants prompt logprobs needs the LM head on every prompt position: cap its prefill
+# chunks so one step's [tokens, vocab] fp32 logits stay small (256 x 49k x 4 B = 48 MiB).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,15 +31,22 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
 
+    @property
+    def logits_from(self) -> int:
+        """First position whose logits the step needs: every prompt position still to be scored
+        for prompt logprobs, else the last one when it samples, else none (the chunk's end)."""
+        end = self.start + self.num_tokens
+        if self.request.prompt_logprobs is not None and self.start < self.request.num_prompt_tokens - 1:
+            return self.start
+        return end - 1 if self.sample else end
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    # (source, destination) KV block copies to make before the forward pass (copy on write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -63,7 +75,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -82,7 +94,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             hit = self.kv.find_prefix(req)
-            n = min(req.num_tokens - hit.num_tokens, budget)
+            n = min(req.num_tokens - hit.num_tokens, budget, _chunk_cap(req))
             if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
@@ -100,25 +112,45 @@ class Scheduler:
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens
             out.chunks.append(ScheduledChunk(req, start, n, self.kv.block_ids(req), sample))
+        out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests by what the model computed; returns those that finished."""
-        finished = []
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]
+    ) -> list[Request]:
+        """Advance the scheduled requests by what the model computed; returns those that produced an
+        output (a token, or their end): the sampled ones and the sequences forked off them."""
+        advanced = []
         for chunk in out.chunks:
             req = chunk.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.sample:
                 continue
-            req.append_token(sampled[req.request_id])
-            reason = req.check_stop(self.max_model_len)
-            if reason is not None:
-                req.finish_reason = reason
-                self._finish(req)
-                finished.append(req)
-        return finished
+            if req.params.max_tokens == 0:  # the prompt is scored; nothing is generated
+                self._end(req, "length")
+                advanced.append(req)
+                continue
+            forks, req.forks = (req.forks, []) if not req.output_token_ids else ([], req.forks)
+            for child in forks:  # share the prompt's blocks before the parent may finish and free them
+                self.kv.fork(req, child)
+                child.num_computed_tokens = req.num_computed_tokens
+                child.num_cached_tokens = req.num_cached_tokens
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            for seq in (req, *forks):
+                self._advance(seq, *sampled[seq.request_id])
+                advanced.append(seq)
+        return advanced
+
+    def _advance(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
+        req.append_token(token_id)
+        if logprob is not None:
+            req.cumulative_logprob += logprob.logprob
+            if req.params.logprobs is not None:
+                req.new_logprobs.append(logprob)
+        reason = req.check_stop(self.max_model_len)
+        if reason is not None:
+            self._end(req, reason)
 
     def abort(self, request_id: str) -> Request | None:
         for req in self.waiting:
@@ -129,8 +161,7 @@ class Scheduler:
                 return req
         for req in self.running:
             if req.request_id == request_id:
-                req.finish_reason = "abort"
-                self._finish(req)
+                self._end(req, "abort")
                 return req
         return None
 
@@ -149,7 +180,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _finish(self, req: Request) -> None:
+    def _end(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
         self.running.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
+
+
+def _chunk_cap(req: Request) -> int:
+    return PROMPT_LOGPROBS_CHUNK if req.prompt_logprobs is not None else 1 << 62

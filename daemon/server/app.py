@@ -14,16 +14,16 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpilot import __version__
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
-from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_loop
+from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, max_prompt_chars, running_loop
 from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.errors import ApiError, unavailable
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
-from kvpilot.daemon.server.protocol import (
-    ApiError,
-    parse_json_object,
-    parse_reset_flag,
-)
+from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
+from kvpilot.daemon.server.schema import openapi
+from kvpilot.daemon.server.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,14 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
     served = list(settings.served_model_names) or [engine.model_name]
-    state = ServerState(engine, settings, served, metrics=None)  # type: ignore[arg-type]
+    state = ServerState(
+        engine,
+        settings,
+        served,
+        metrics=None,  # type: ignore[arg-type]
+        text=TextPool(settings.text_workers, settings.max_pending_prepare),
+        max_prompt_chars=max_prompt_chars(engine.tokenizer, engine.max_model_len),
+    )
     state.metrics = DaemonMetrics(lambda: state.loop.state.stats if state.loop else None)
     state.idle.set()
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
@@ -48,6 +55,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/prefix_cache", prefix_cache)
+    app.router.add_get("/openapi.json", openapi_schema)
     app.on_startup.append(_start_engine_loop)
     app.on_cleanup.append(_stop_engine_loop)
     return app
@@ -62,10 +70,11 @@ async def _start_engine_loop(app: web.Application) -> None:
 async def _stop_engine_loop(app: web.Application) -> None:
     if app[STATE].loop is not None:
         await app[STATE].loop.stop()
+    app[STATE].text.shutdown()
 
 
 def _error_response(err: ApiError, extra: dict | None = None) -> web.Response:
-    return web.json_response({**(extra or {}), **err.body()}, status=err.status)
+    return web.json_response({**(extra or {}), **err.body()}, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -81,6 +90,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return await handler(request)
     except ApiError as err:
         return _error_response(err)
+    except Busy as exc:
+        return _error_response(unavailable(str(exc), "queue_full"))
     except web.HTTPRequestEntityTooLarge:
         limit = state.settings.max_body_bytes
         return _error_response(
@@ -135,12 +146,15 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def openapi_schema(request: web.Request) -> web.Response:
+    return web.json_response(openapi(__version__))
+
+
 async def prefix_cache(request: web.Request) -> web.Response:
     state = request.app[STATE]
     loop = running_loop(state)
     stats = await loop.call(lambda engine: engine.stats())
     body = stats.to_dict()
-    body.pop("extra", None)
     body["enable_prefix_caching"] = bool(state.engine.config.enable_prefix_caching)
     body["engine_steps"] = loop.state.steps
     return web.json_response(body)
@@ -174,11 +188,6 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         ranks = [{"rank": 0, "success": False, "error": f"reset failed: {type(exc).__name__}"}]
         err = ApiError(500, "the prefix cache reset failed on rank 0", code="reset_failed")
         return _error_response(err, {"success": False, "ranks": ranks})
-    rank = result.to_dict()
-    if not result.success:
-        m.labels("failed").inc()
-        err = ApiError(500, f"the prefix cache reset failed on rank {result.rank}", code="reset_failed")
-        return _error_response(err, {"success": False, "ranks": [rank]})
     m.labels("success").inc()
     log.info(
         "prefix cache reset: epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
@@ -193,7 +202,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
             "in_flight_requests": result.in_flight_requests,
             "preempted_requests": result.preempted_requests,
             "duration_ms": result.duration_ms,
-            "ranks": [rank],
+            "ranks": [result.to_dict()],
         }
     )
 

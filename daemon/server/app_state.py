@@ -11,6 +11,11 @@ from aiohttp import web
 
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
 from kvpilot.daemon.server.metrics import DaemonMetrics
+from kvpilot.daemon.server.text_pool import TextPool
+
+# No token of a vocabulary decodes to more characters than its longest entry; 4x covers normalizers
+# that shrink text before splitting it (NFKC and friends).
+CHARS_PER_TOKEN_MARGIN = 4
 
 
 @dataclass(slots=True)
@@ -21,6 +26,9 @@ class ServerSettings:
     admin_token: str | None = None
     max_body_bytes: int = 4 << 20  # a full 128k-token context as JSON fits well below this
     shutdown_timeout: float = 30.0  # SIGTERM grace period for in-flight requests
+    request_timeout: float | None = None  # a generation not done by then is aborted (504)
+    text_workers: int = 2  # threads that tokenize, template and detokenize
+    max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
 
 
 @dataclass(slots=True)
@@ -29,6 +37,8 @@ class ServerState:
     settings: ServerSettings
     served: list[str]
     metrics: DaemonMetrics
+    text: TextPool
+    max_prompt_chars: int  # longer prompt texts cannot fit the context, whatever their tokens
     loop: EngineLoop | None = None
     draining: bool = False
     in_flight: int = 0
@@ -43,3 +53,8 @@ def running_loop(state: ServerState) -> EngineLoop:
     if state.loop is None or not state.loop.alive:
         raise EngineDeadError("the engine loop is not running")
     return state.loop
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return CHARS_PER_TOKEN_MARGIN * max(longest, 1) * max_model_len

@@ -45,4 +45,9 @@ def authorized(authorization_header: str | None, token: str | None) -> bool:
     scheme, _, presented = authorization_header.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(presented.strip().encode(), token.encode())
+    try:
+        # A header that is not valid UTF-8 reaches us with surrogate escapes: compare its raw bytes.
+        raw = presented.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, token.encode())

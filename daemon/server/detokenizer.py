@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+# Prompt tokens kept as left context of the first output token (vLLM keeps 5 as well).
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
@@ -12,13 +16,19 @@ class IncrementalDetokenizer:
     for SentencePiece (spaces depend on the previous token), so each step decodes the window
     `[prefix_offset:]` and emits what it adds over `[prefix_offset:read_offset]`. A window ending in
     U+FFFD is an unfinished character: hold it back until the next token completes it.
+
+    The window starts with the prompt's last tokens: SentencePiece decodes a word-initial token without
+    its leading space when it comes first, so the first output token needs its left neighbour.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._ids)
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         self._ids.extend(token_ids)
@@ -33,18 +43,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
 
 class StopStrings:
     """Holds back text that could be the start of a stop string; cuts the text at the first match.
 
-    The text after a stop string is never emitted, and the stop string itself is not part of the
-    output (OpenAI's behaviour).
+    The text after a stop string is never emitted; the stop string itself is not part of the output
+    (OpenAI's behaviour) unless `include_stop` (vLLM's include_stop_str_in_output).
     """
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self._stops = stops
+        self._include = include_stop
         self._text = ""
         self._sent = 0
 
@@ -57,10 +68,10 @@ class StopStrings:
         self._text += delta
         if self._stops:
             # A match must start at or after `_sent`: anything earlier was complete and checked before.
-            hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+            hits = [(i, len(s)) for s in self._stops if (i := self._text.find(s, self._sent)) >= 0]
             if hits:
-                end = min(hits)
-                return self._emit(end), True
+                start, length = min(hits)
+                return self._emit(start + length if self._include else start), True
         end = len(self._text) if final else len(self._text) - self._partial_match()
         return self._emit(end), False
 

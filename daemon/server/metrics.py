@@ -83,7 +83,14 @@ class DaemonMetrics:
         for result in ("success", "failed", "unavailable", "unauthorized"):
             self.resets.labels(result)  # present at 0, so rate() works from the first scrape
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of admitted requests (counted at their first token).",
+            registry=r,
+        )
+        self.prompt_tokens_cached = Counter(
+            PREFIX + "prompt_tokens_cached",
+            "Prompt tokens of admitted requests served from the prefix cache (not computed).",
+            registry=r,
         )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram(

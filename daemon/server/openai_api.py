@@ -1,8 +1,10 @@
 """The OpenAI generation routes: `/v1/completions` and `/v1/chat/completions`, streaming or not.
 
-A request becomes one engine request per prompt; tokens come back through the engine loop and are
-detokenized, cut at stop strings and sent as JSON or server-sent events. Whatever ends a handler early
-(client gone, error) aborts its engine requests, so their blocks are freed before the next step.
+A request is parsed, templated and tokenized in the text pool (off the event loop), then becomes one
+engine request per prompt, each running `best_of` (or `n`) sequences that share the prompt's KV blocks.
+Tokens come back through the engine loop and are detokenized (in the pool), cut at stop strings and
+sent as JSON or server-sent events. Whatever ends a handler early (client gone, error) aborts its engine
+requests, so their blocks are freed before the next step.
 """
 
 from __future__ import annotations
@@ -14,131 +16,80 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.engine_loop import EngineDeadError
-from kvpilot.daemon.engine.outputs import RequestOutput
+from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
+from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_loop
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
-from kvpilot.daemon.server.protocol import (
-    ApiError,
-    GenerateRequest,
-    bad,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-)
+from kvpilot.daemon.server.errors import ApiError, bad, unavailable
+from kvpilot.daemon.server.protocol import GenerateRequest, parse_chat, parse_completion, parse_json_object
+
+# One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
+# and the most likely alternatives.
+LogprobEntry = tuple[str, float | None, list[tuple[str, float]] | None]
 
 
 @dataclass(slots=True)
-class _Piece:
+class Prepared:
+    """A parsed and tokenized request."""
+
+    req: GenerateRequest
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # for echo
+    chat: bool
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine output adds to one choice."""
+
+    index: int  # the sequence's index within its prompt's group
     text: str
+    logprobs: list[LogprobEntry] | None
     finish_reason: str | None
     output: RequestOutput
+    echo: tuple[str, list[LogprobEntry] | None] | None = None  # the prompt, before the first delta
 
 
-async def _generate(
-    state: ServerState, request_id: str, prompt_ids: list[int], req: GenerateRequest, arrival: float
-) -> AsyncIterator[_Piece]:
-    """One prompt's text deltas; aborts the engine request if the consumer goes away early."""
-    loop = running_loop(state)
-    m = state.metrics
-    try:
-        # Each engine request gets its own params: a batch of prompts must not share one mutable object.
-        sink = await loop.add(request_id, prompt_ids, dataclasses.replace(req.params), req.cache_salt)
-    except ValueError as exc:  # RequestRejected, SamplingError: the client's input
-        raise bad(str(exc), getattr(exc, "param", None)) from None
-    detok = IncrementalDetokenizer(state.engine.tokenizer)
-    stops = StopStrings(req.stop)
-    last = arrival
-    first = True
-    finished = False
-    try:
-        while True:
-            item = await sink.get()
-            if isinstance(item, BaseException):  # the engine died under this request: our fault, a 500
-                raise ApiError(500, "the engine failed while running this request", code="engine_error")
-            now = time.monotonic()
-            if first:
-                first = False
-                m.ttft.observe(now - arrival)
-                m.prompt_tokens.inc(item.num_prompt_tokens)
-            else:
-                m.itl.observe(now - last)
-            last = now
-            m.generation_tokens.inc(len(item.new_token_ids))
-            text, stopped = stops.feed(detok.push(item.new_token_ids, item.finished), item.finished)
-            reason = "stop" if stopped else item.finish_reason if item.finished else None
-            if reason is not None:
-                finished = True
-                m.e2e.observe(now - arrival)
-                if stopped and not item.finished:
-                    loop.abort(request_id)
-            yield _Piece(text, reason, item)
-            if finished:
-                return
-    finally:
-        if not finished:
-            loop.abort(request_id)  # client gone or engine failed: free the blocks before the next step
+@dataclass(slots=True)
+class _Sequence:
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    started: bool = False
+    done: bool = False
 
 
-def _usage(state: ServerState, outputs: list[RequestOutput]) -> dict:
-    prompt = sum(o.num_prompt_tokens for o in outputs)
-    completion = sum(o.num_output_tokens for o in outputs)
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if state.engine.config.enable_prefix_caching:
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
-    return usage
+@dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    has_logprobs: bool = False
 
 
-def _check_length(state: ServerState, prompt_ids: list[int], req: GenerateRequest, param: str) -> None:
-    limit = state.engine.max_model_len
-    n = len(prompt_ids)
-    if n == 0:
-        raise bad("the prompt is empty after tokenization", param)
-    if n >= limit:
-        raise bad(
-            f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
-            "(at least one token must be left for the completion)",
-            param,
-            code="context_length_exceeded",
-        )
-    room = limit - n
-    if req.max_tokens_given and req.params.max_tokens > room:
-        raise bad(
-            f"This model's maximum context length is {limit} tokens; you requested {n + req.params.max_tokens} "
-            f"tokens ({n} in the prompt, {req.params.max_tokens} for the completion)",
-            req.max_tokens_param,
-            code="context_length_exceeded",
-        )
-    if not req.max_tokens_given:
-        req.params.max_tokens = min(req.params.max_tokens, room)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    arrival = time.monotonic()
-    req = parse_completion(parse_json_object(await request.read()), state.served)
+# ---- preparation (runs in the text pool) ------------------------------------------------------------
+def _prepare_completion(state: ServerState, raw: bytes) -> Prepared:
+    req = parse_completion(parse_json_object(raw), state.served)
     tok = state.engine.tokenizer
-    prompt_ids = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompts]
-    for ids in prompt_ids:
-        _check_length(state, ids, req, "prompt")
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    return await _respond(request, state, req, rid, prompt_ids, arrival, chat=False)
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    for text in texts:
+        _check_chars(state, text, "prompt")
+    # A batch call: the Rust tokenizer releases the GIL for it, so the event loop keeps running.
+    encoded = iter(tok(texts, add_special_tokens=True)["input_ids"] if texts else ())
+    prompts = [list(next(encoded)) if isinstance(p, str) else p for p in req.prompts]
+    echoed = [(p if isinstance(p, str) else _decode(tok, p)) if req.echo else "" for p in req.prompts]
+    return Prepared(req, prompts, echoed, chat=False)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    arrival = time.monotonic()
-    chat = parse_chat(parse_json_object(await request.read()), state.served)
-    req = chat.generate
+def _prepare_chat(state: ServerState, raw: bytes) -> Prepared:
+    chat = parse_chat(parse_json_object(raw), state.served)
     tok = state.engine.tokenizer
     try:
         text = tok.apply_chat_template(
@@ -146,62 +97,278 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
         raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
-    if not req.max_tokens_given:
-        req.params.max_tokens = state.engine.max_model_len  # clamped to the room left below
-    _check_length(state, ids, req, "messages")
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    return await _respond(request, state, req, rid, [ids], arrival, chat=True)
+    _check_chars(state, text, "messages")
+    ids = list(tok([text], add_special_tokens=False)["input_ids"][0])
+    return Prepared(chat.generate, [ids], [""], chat=True)
 
 
-async def _respond(
-    request: web.Request,
-    state: ServerState,
-    req: GenerateRequest,
-    rid: str,
-    prompts: list[list[int]],
-    arrival: float,
-    chat: bool,
-) -> web.StreamResponse:
+def _check_chars(state: ServerState, text: str, param: str) -> None:
+    """Refuse a text that is too long for the context without tokenizing it: no token covers more than
+    `max_token_chars` characters, so more characters than that times the context is surely too long."""
+    limit = state.engine.max_model_len
+    if len(text) > state.max_prompt_chars:
+        raise bad(
+            f"This model's maximum context length is {limit} tokens; the {param} has {len(text)} "
+            f"characters, more than {limit} tokens can hold",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    try:
+        return tok.decode(ids)
+    except (OverflowError, IndexError, TypeError, ValueError):
+        return ""  # ids outside the vocabulary: the engine refuses the prompt with a 400 right after
+
+
+def _params_for(state: ServerState, prep: Prepared, prompt: list[int]) -> SamplingParams:
+    """The prompt's own parameters: without max_tokens, what fits beside this prompt (not the
+    batch's shortest room); the engine checks the context for everything else."""
+    params = dataclasses.replace(prep.req.params)
+    if not prep.req.max_tokens_given:
+        room = state.engine.max_model_len - len(prompt)
+        params.max_tokens = max(1, room if prep.chat else min(params.max_tokens, room))
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+    return params
+
+
+# ---- generation ---------------------------------------------------------------------------------
+async def _generate(
+    state: ServerState, request_id: str, prompt: list[int], params: SamplingParams, prep: Prepared,
+    prompt_text: str, arrival: float,
+) -> AsyncIterator[Delta]:  # fmt: skip
+    """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
+    away early or every choice ended at a stop string."""
+    loop = running_loop(state)
+    req = prep.req
+    try:
+        sink = await loop.add(request_id, prompt, params, req.cache_salt)
+    except QueueFull as exc:
+        raise unavailable(str(exc), "queue_full") from None
+    except RequestRejected as exc:
+        raise bad(str(exc), _param_name(exc.param, req, prep.chat), exc.code) from None
+    except ValueError as exc:  # SamplingError: the client's input
+        raise bad(str(exc)) from None
+    tok = state.engine.tokenizer
+    seqs = [
+        _Sequence(
+            IncrementalDetokenizer(tok, prompt, req.skip_special_tokens),
+            StopStrings(req.stop, req.include_stop_str_in_output),
+        )
+        for _ in range(params.n)
+    ]
+    m = state.metrics
+    engine_open = open_choices = params.n
+    last = arrival
+    echo: list = [prompt_text, None]
+    try:
+        while open_choices:
+            items = [await _next(sink, state.settings.request_timeout, arrival)]
+            while not sink.empty():
+                items.append(sink.get_nowait())
+            outputs = []
+            for item in items:
+                if isinstance(item, BaseException):  # the engine died under this request: our fault
+                    raise ApiError(500, "the engine failed while running this request", code="engine_error")
+                engine_open -= item.finished
+                if not seqs[item.index].done:
+                    outputs.append(item)
+            now = time.monotonic()
+            if last == arrival:
+                m.ttft.observe(now - arrival)
+                m.prompt_tokens.inc(items[0].num_prompt_tokens)
+                m.prompt_tokens_cached.inc(items[0].num_cached_tokens)
+            else:
+                m.itl.observe(now - last)
+            last = now
+            m.generation_tokens.inc(sum(len(o.new_token_ids) for o in items))
+            deltas = await state.text.run(_feed, state, seqs, outputs, prompt, echo if req.echo else None)
+            for d in deltas:
+                if d.finish_reason is not None:
+                    open_choices -= 1
+                yield d
+        m.e2e.observe(time.monotonic() - arrival)
+    finally:
+        if engine_open:
+            loop.abort(request_id)  # client gone, engine failed, or stopped at a stop string
+
+
+async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> Any:
+    if timeout is None:
+        return await sink.get()
+    try:
+        return await asyncio.wait_for(sink.get(), max(0.0, arrival + timeout - time.monotonic()))
+    except TimeoutError:
+        raise ApiError(504, f"the request did not finish within {timeout:g} s (--request-timeout)",
+                       code="deadline_exceeded") from None  # fmt: skip
+
+
+def _feed(state: ServerState, seqs: list[_Sequence], outputs: list[RequestOutput], prompt: list[int],
+          echo: list | None) -> list[Delta]:  # fmt: skip
+    """Detokenize engine outputs into deltas (in the text pool)."""
+    tok = state.engine.tokenizer
+    deltas = []
+    for out in outputs:
+        seq = seqs[out.index]
+        if out.prompt_logprobs is not None and echo is not None:
+            first = (state.text.token_text(tok, prompt[0]), None, None)
+            echo[1] = [first, *(_entry(state, lp) for lp in out.prompt_logprobs[1:])]
+        text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
+        reason = "stop" if stopped else out.finish_reason if out.finished else None
+        seq.done = reason is not None
+        logprobs = [_entry(state, lp) for lp in out.logprobs] if out.logprobs is not None else None
+        delta = Delta(out.index, text, logprobs, reason, out)
+        if echo is not None and not seq.started:
+            delta.echo = (echo[0], echo[1])
+        seq.started = True
+        deltas.append(delta)
+    return deltas
+
+
+def _entry(state: ServerState, lp: TokenLogprob) -> LogprobEntry:
+    tok = state.engine.tokenizer
+    top = [(state.text.token_text(tok, t), v) for t, v in lp.top]
+    return state.text.token_text(tok, lp.token_id), lp.logprob, top
+
+
+def _param_name(param: str | None, req: GenerateRequest, chat: bool) -> str | None:
+    if param == "max_tokens":
+        return req.max_tokens_param
+    if param == "prompt" and chat:
+        return "messages"
+    return param
+
+
+def _usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> dict:
+    firsts = [o for (_, j), o in finals.items() if j == 0]  # the prompt counts once per prompt
+    prompt = sum(o.num_prompt_tokens for o in firsts)
+    completion = sum(o.num_output_tokens for o in finals.values())
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if state.engine.config.enable_prefix_caching:
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}
+    return usage
+
+
+# ---- routes -------------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _prepare_completion, "cmpl")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _prepare_chat, "chatcmpl")
+
+
+async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = time.monotonic()
+    raw = await request.read()
+    prep: Prepared = await state.text.prepare(prepare, state, raw)
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
+    gens = [
+        _generate(state, ids[i], p, _params_for(state, prep, p), prep, prep.prompt_texts[i], arrival)
+        for i, p in enumerate(prep.prompts)
+    ]
+    if prep.req.stream:
+        return await _stream(request, state, prep, rid, gens)
+    return await _complete(state, prep, rid, gens)
+
+
+async def _complete(
+    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
+) -> web.Response:
+    req = prep.req
     created = int(time.time())
-    # Each prompt of a batch is its own engine request; they run side by side.
-    ids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
-    gens = [_generate(state, ids[i], p, req, arrival) for i, p in enumerate(prompts)]
-    if req.stream:
-        return await _stream(request, state, req, rid, created, gens, chat)
-    texts = [""] * len(gens)
-    reasons: list[str | None] = [None] * len(gens)
-    finals: list[RequestOutput | None] = [None] * len(gens)
+    choices: dict[tuple[int, int], _Choice] = {}
+    echoes: dict[int, tuple[str, list[LogprobEntry] | None]] = {}
     async with _merged(gens) as events:
-        async for i, piece in events:
-            texts[i] += piece.text
-            reasons[i] = piece.finish_reason or reasons[i]
-            finals[i] = piece.output
-    usage = _usage(state, [f for f in finals if f is not None])
-    if chat:
-        choices = [
-            {"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
-             "finish_reason": reasons[0]}
-        ]  # fmt: skip
-        obj = "chat.completion"
-    else:
-        choices = [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
-            for i in range(len(gens))
-        ]
-        obj = "text_completion"
+        async for i, d in events:
+            c = choices.setdefault((i, d.index), _Choice())
+            if d.echo is not None:
+                echoes[i] = d.echo
+            c.text += d.text
+            if d.logprobs is not None:
+                c.has_logprobs = True
+                c.logprobs.extend(d.logprobs)
+            c.finish_reason = d.finish_reason or c.finish_reason
+            c.output = d.output
+    finals = {k: c.output for k, c in choices.items() if c.output is not None}
+    body_choices = []
+    for i in range(len(prep.prompts)):
+        group = sorted((j, c) for (p, j), c in choices.items() if p == i)
+        if req.params.n > req.n:  # best_of: the n sequences most likely as a whole
+            group.sort(key=lambda jc: -jc[1].output.cumulative_logprob)
+        for k, (_, c) in enumerate(group[: req.n]):
+            body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
+    obj = "chat.completion" if prep.chat else "text_completion"
     return web.json_response(
-        {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices, "usage": usage}
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": body_choices,
+            "usage": _usage(state, finals),
+        }  # fmt: skip
     )
 
 
+def _final_choice(prep: Prepared, index: int, c: _Choice, echo: tuple | None) -> dict:
+    wants_logprobs = prep.req.params.logprobs is not None
+    if prep.chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _chat_logprobs(c.logprobs) if wants_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+    text, entries = c.text, c.logprobs
+    if echo is not None:
+        text = echo[0] + text
+        entries = (echo[1] or []) + entries
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": _completion_logprobs(entries) if wants_logprobs else None,
+        "finish_reason": c.finish_reason,
+    }
+
+
+def _completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, top in entries:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(None if top is None else dict(top))
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def _chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(token, logprob), "top_logprobs": [item(t, v) for t, v in top or ()]}
+            for token, logprob, top in entries
+        ]
+    }
+
+
 @contextlib.asynccontextmanager
-async def _merged(gens: list[AsyncIterator[_Piece]]) -> AsyncIterator[AsyncIterator[tuple[int, _Piece]]]:
-    """Interleave several generations as (index, piece); an error in one ends all of them."""
+async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
+    """Interleave several generations as (index, delta); an error in one ends all of them."""
     if len(gens) == 1:
         gen = gens[0]
 
-        async def single() -> AsyncIterator[tuple[int, _Piece]]:
+        async def single() -> AsyncIterator[tuple[int, Delta]]:
             async for piece in gen:
                 yield 0, piece
 
@@ -214,7 +381,7 @@ async def _merged(gens: list[AsyncIterator[_Piece]]) -> AsyncIterator[AsyncItera
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, gen: AsyncIterator[_Piece]) -> None:
+    async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
         try:
             async for piece in gen:
                 await queue.put((i, piece))
@@ -226,7 +393,7 @@ async def _merged(gens: list[AsyncIterator[_Piece]]) -> AsyncIterator[AsyncItera
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
 
-    async def events() -> AsyncIterator[tuple[int, _Piece]]:
+    async def events() -> AsyncIterator[tuple[int, Delta]]:
         remaining = len(tasks)
         while remaining:
             i, item = await queue.get()
@@ -246,37 +413,33 @@ async def _merged(gens: list[AsyncIterator[_Piece]]) -> AsyncIterator[AsyncItera
 
 
 async def _stream(
-    request: web.Request,
-    state: ServerState,
-    req: GenerateRequest,
-    rid: str,
-    created: int,
-    gens: list[AsyncIterator[_Piece]],
-    chat: bool,
+    request: web.Request, state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
 ) -> web.StreamResponse:
+    req = prep.req
+    chat = prep.chat
+    created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    wants_logprobs = req.params.logprobs is not None
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            body["usage"] = usage
+    def chunk(choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
+        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
+                                "choices": choices}  # fmt: skip
+        if req.include_usage:  # as OpenAI: null on every chunk but the last
+            body["usage"] = usage if final else None
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-    def choice(i: int, text: str | None, reason: str | None, first: bool = False) -> dict:
-        if not chat:
-            return {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
-        delta: dict[str, Any] = {}
-        if first:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def choice(index: int, d: Delta) -> dict:
+        entries = d.logprobs
+        text = d.text
+        if chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            lp = _chat_logprobs(entries) if wants_logprobs and entries else None
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.echo is not None:
+            text = d.echo[0] + text
+            entries = (d.echo[1] or []) + (entries or [])
+        lp = _completion_logprobs(entries) if wants_logprobs and entries is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
     async with _merged(gens) as events:
         # Pull the first event before sending headers: an invalid request still gets a proper 4xx.
@@ -288,28 +451,38 @@ async def _stream(
                 "X-Accel-Buffering": "no",
             }
         )
-        await resp.prepare(request)
-        finals: dict[int, RequestOutput] = {}
-        if chat:
-            await resp.write(chunk([choice(0, "", None, first=True)]))
         try:
-            pending = [first] if first is not None else []
-            async for ev in _chain(pending, events):
-                i, piece = ev
-                finals[i] = piece.output
-                if piece.text or piece.finish_reason:
-                    text = piece.text if piece.text or not chat else None
-                    await resp.write(chunk([choice(i, text, piece.finish_reason)]))
-        except (EngineDeadError, ApiError) as exc:
-            err = (
-                exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
-            )
-            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        if req.include_usage:
-            await resp.write(chunk([], _usage(state, list(finals.values()))))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            await resp.prepare(request)
+            await _write_events(resp, first, events, chunk, choice, state, req, chat, wants_logprobs)
+        except ConnectionResetError:
+            pass  # the client left mid-stream: leaving the block aborts its engine requests
         return resp
+
+
+async def _write_events(
+    resp: web.StreamResponse, first: tuple | None, events: AsyncIterator, chunk: Any, choice: Any,
+    state: ServerState, req: GenerateRequest, chat: bool, wants_logprobs: bool,
+) -> None:  # fmt: skip
+    finals: dict[tuple[int, int], RequestOutput] = {}
+    started: set[int] = set()
+    try:
+        async for i, d in _chain([first] if first is not None else [], events):
+            finals[(i, d.index)] = d.output
+            index = i * req.n + d.index
+            if chat and index not in started:
+                started.add(index)
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                await resp.write(chunk([role]))
+            if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
+                await resp.write(chunk([choice(index, d)]))
+    except (EngineDeadError, ApiError) as exc:
+        err = exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
+        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    if req.include_usage:
+        await resp.write(chunk([], _usage(state, finals), final=True))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:

@@ -1,60 +1,17 @@
-"""OpenAI request validation: raw JSON in, typed requests or an `ApiError` with OpenAI's error shape out.
-
-Every check names the offending `param`, so a client sees which field was wrong. Unknown fields are
-ignored (OpenAI clients send extras such as `user` or `metadata`); known fields that this server does not
-implement are refused when they ask for a non-default behaviour, rather than silently ignored.
-"""
+"""OpenAI request parsing: raw bytes in, a `GenerateRequest` (what the routes run) or an `ApiError`
+naming the offending field out. The field types and ranges live in `schema.py` (pydantic)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvpilot.daemon.engine.request import SamplingParams
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024
-MAX_PROMPTS = 64
-
-
-class ApiError(Exception):
-    """An error to answer with `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_ or _default_type(status)
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _default_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 503:
-        return "service_unavailable_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param, code=code)
+from kvpilot.daemon.server.errors import ApiError, bad
+from kvpilot.daemon.server.schema import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(slots=True)
@@ -70,6 +27,17 @@ class GenerateRequest:
     cache_salt: str | None = None
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    generate: GenerateRequest
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -123,9 +91,7 @@ def _kind(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
+    if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
         return "a string"
@@ -134,279 +100,88 @@ def _kind(value: Any) -> str:
     return "an object"
 
 
-# ---- typed field readers (bool is not an int here, whatever Python thinks) -------------------------
-def get_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"'{name}' must be a boolean, not {_kind(value)}", name)
-    return value
+def _validate(model: type, body: dict) -> Any:
+    """The pydantic model of `body`; its first error as a 400 naming the field (`messages[0].role`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ""
+        for part in err["loc"]:
+            param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+        message = err["msg"].removeprefix("Value error, ")
+        raise bad(f"'{param}': {message}" if param else message, param or None) from None
 
 
-def get_int(
-    body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None
-) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer, not {_kind(value)}", name)
-    if lo is not None and value < lo:
-        raise bad(f"'{name}' must be at least {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise bad(f"'{name}' must be at most {hi}, got {value}", name)
-    return value
-
-
-def get_float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(f"'{name}' must be a number, not {_kind(value)}", name)
-    if value < lo or (lo_open and value == lo) or value > hi:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad(f"'{name}' must be in {interval}, got {value}", name)
-    return float(value)
-
-
-def get_str(body: dict, name: str, default: str | None) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad(f"'{name}' must be a string, not {_kind(value)}", name)
-    return value
-
-
-# ---- shared fields -------------------------------------------------------------------------------
-def resolve_model(body: dict, served: list[str]) -> str:
-    model = get_str(body, "model", served[0])
-    if model not in served:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served[0]}'", "model",
+def _resolve_model(name: str | None, served: list[str]) -> str:
+    if name is not None and name not in served:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served[0]}'", "model",
                        code="model_not_found")  # fmt: skip
     return served[0]
 
 
-def _stop_strings(body: dict) -> list[str]:
-    value = body.get("stop")
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise bad("'stop' must be a string or an array of strings", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise bad(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
-    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in items):
-        raise bad(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
-    return list(dict.fromkeys(items))
-
-
-def _token_id_list(value: Any, name: str) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        if any(t < 0 for t in value):
-            raise bad(f"'{name}' token ids must be non-negative", name)
-        return list(value)
-    return None
-
-
-def _refuse_unsupported(body: dict, chat: bool) -> None:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise bad("only n=1 is supported", "n")
-    best_of = get_int(body, "best_of", 1)
-    if best_of != 1:
-        raise bad("only best_of=1 is supported", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_float(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(f"'{name}' is not supported; leave it at 0", name)
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) and not (not chat and logprobs == 0 and not isinstance(logprobs, bool)):
-        raise bad("'logprobs' is not supported", "logprobs")
-    if body.get("top_logprobs"):
-        raise bad("'top_logprobs' is not supported", "top_logprobs")
-    if not chat:
-        if get_bool(body, "echo", False):
-            raise bad("'echo' is not supported", "echo")
-        if get_str(body, "suffix", None):
-            raise bad("'suffix' is not supported", "suffix")
-    else:
-        if body.get("tools"):
-            raise bad("tool calling is not supported", "tools")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise bad('only response_format {"type": "text"} is supported', "response_format")
-
-
-def _sampling(body: dict, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-    top_k = get_int(body, "top_k", 0, lo=-1)
-    seed = get_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1)
-    stop_ids = body.get("stop_token_ids")
-    stop_token_ids: list[int] = []
-    if stop_ids is not None:
-        parsed = _token_id_list(stop_ids, "stop_token_ids")
-        if parsed is None:
-            raise bad("'stop_token_ids' must be an array of integers", "stop_token_ids")
-        stop_token_ids = parsed
+def _params(r: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+    top_k = r.top_k or 0
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=_temperature(body),
-        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's legacy default; chat: the room left
+        temperature=1.0 if r.temperature is None else r.temperature,  # OpenAI's default: sampled
+        top_p=r.top_p or 1.0,
         top_k=0 if top_k == -1 else top_k,
-        seed=seed,
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=get_bool(body, "ignore_eos", False),
+        min_p=r.min_p or 0.0,
+        repetition_penalty=r.repetition_penalty or 1.0,
+        min_tokens=r.min_tokens or 0,
+        seed=r.seed,
+        stop_token_ids=frozenset(r.stop_token_ids or ()),
+        ignore_eos=bool(r.ignore_eos),
     )
 
 
-GREEDY_EPS = 1e-5
-
-
-def _temperature(body: dict) -> float:
-    # OpenAI's default is 1 (sampled). Below GREEDY_EPS, logits / t overflows float32 into inf/nan and
-    # the sampler would fail for the whole batch; such a temperature means greedy anyway (vLLM does this).
-    t = get_float(body, "temperature", 1.0, 0.0, 100.0)
-    return 0.0 if t < GREEDY_EPS else t
-
-
-def _stream_fields(body: dict) -> tuple[bool, bool]:
-    stream = get_bool(body, "stream", False)
-    opts = body.get("stream_options")
-    if opts is None:
-        return stream, False
-    if not isinstance(opts, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    if not stream:
-        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    return stream, get_bool(opts, "include_usage", False)
-
-
-def _cache_salt(body: dict) -> str | None:
-    salt = get_str(body, "cache_salt", None)
-    if salt is not None and not salt:
-        raise bad("'cache_salt' must be a non-empty string", "cache_salt")
-    return salt
+def _generate_request(r: CompletionRequest | ChatCompletionRequest, served: list[str], params: SamplingParams,
+                      **fields: Any) -> GenerateRequest:  # fmt: skip
+    return GenerateRequest(
+        model=_resolve_model(r.model, served),
+        params=params,
+        stop=r.stop or [],
+        stream=bool(r.stream),
+        include_usage=bool(r.stream_options and r.stream_options.include_usage),
+        cache_salt=r.cache_salt,
+        n=r.n or 1,
+        skip_special_tokens=r.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(r.include_stop_str_in_output),
+        **fields,
+    )
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
 def parse_completion(body: dict, served: list[str]) -> GenerateRequest:
-    model = resolve_model(body, served)
-    _refuse_unsupported(body, chat=False)
-    prompts = _prompts(body.get("prompt"))
-    max_tokens = get_int(body, "max_tokens", None, lo=1)
-    stream, include_usage = _stream_fields(body)
-    return GenerateRequest(
-        model=model,
-        prompts=prompts,
-        params=_sampling(body, max_tokens, default_max_tokens=16),  # OpenAI's legacy default
-        stop=_stop_strings(body),
-        stream=stream,
-        include_usage=include_usage,
-        cache_salt=_cache_salt(body),
-        max_tokens_given=max_tokens is not None,
+    r: CompletionRequest = _validate(CompletionRequest, body)
+    params = _params(r, r.max_tokens)
+    params.n = r.best_of or r.n or 1
+    params.logprobs = r.logprobs
+    if r.echo and (r.logprobs is not None or r.max_tokens == 0):
+        params.prompt_logprobs = r.logprobs or 0
+    return _generate_request(
+        r, served, params, prompts=r.prompt, max_tokens_given=r.max_tokens is not None, echo=bool(r.echo)
     )
-
-
-def _prompts(value: Any) -> list[str | list[int]]:
-    if value is None:
-        raise bad("'prompt' is required", "prompt")
-    if isinstance(value, str):
-        prompts: list[str | list[int]] = [value]
-    elif (ids := _token_id_list(value, "prompt")) is not None and value:
-        prompts = [ids]
-    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-        prompts = list(value)
-    elif isinstance(value, list) and value and all(_token_id_list(p, "prompt") for p in value):
-        prompts = [list(p) for p in value]
-    else:
-        raise bad(
-            "'prompt' must be a string, an array of strings, an array of token ids or an array of "
-            "arrays of token ids, and must not be empty",
-            "prompt",
-        )
-    if len(prompts) > MAX_PROMPTS:
-        raise bad(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-    if any(isinstance(p, str) and not p for p in prompts):
-        raise bad("'prompt' must not be an empty string", "prompt")
-    return prompts
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(slots=True)
-class ChatRequest:
-    generate: GenerateRequest
-    messages: list[dict[str, str]]
-    add_generation_prompt: bool = True
 
 
 def parse_chat(body: dict, served: list[str]) -> ChatRequest:
-    model = resolve_model(body, served)
-    _refuse_unsupported(body, chat=True)
-    messages = _messages(body.get("messages"))
-    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
-    if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, lo=1)
-    stream, include_usage = _stream_fields(body)
-    req = GenerateRequest(
-        model=model,
+    r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+    max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    params = _params(r, max_tokens)
+    params.n = r.n or 1
+    if r.logprobs:
+        params.logprobs = r.top_logprobs or 0
+    req = _generate_request(
+        r, served, params,
         prompts=[],  # rendered by the server with the model's chat template
-        params=_sampling(body, max_tokens, default_max_tokens=1),  # replaced by the room left in context
-        stop=_stop_strings(body),
-        stream=stream,
-        include_usage=include_usage,
-        cache_salt=_cache_salt(body),
         max_tokens_given=max_tokens is not None,
-        max_tokens_param="max_completion_tokens"
-        if body.get("max_completion_tokens") is not None
-        else "max_tokens",
-    )
-    return ChatRequest(req, messages, get_bool(body, "add_generation_prompt", True))
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if value is None:
-        raise bad("'messages' is required", "messages")
-    if not isinstance(value, list) or not value:
-        raise bad("'messages' must be a non-empty array", "messages")
-    out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad(f"'{where}' must be an object", where)
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", f"{where}.role")
-        content = msg.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append({"role": "system" if role == "developer" else role, "content": _content(content, where)})
-    return out
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise bad(
-                    f'\'{where}.content[{j}]\' must be a text part {{"type": "text", "text": ...}}; '
-                    "other content types are not supported",
-                    f"{where}.content",
-                )
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise bad(f"'{where}.content' must be a string or an array of text parts", f"{where}.content")
+        max_tokens_param="max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens",
+    )  # fmt: skip
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in r.messages
+    ]
+    return ChatRequest(req, messages, r.add_generation_prompt is not False)
 
 
 def parse_reset_flag(query_value: str | None, body: dict | None) -> bool:
@@ -418,6 +193,7 @@ def parse_reset_flag(query_value: str | None, body: dict | None) -> bool:
         if lowered in ("false", "0", "no", ""):
             return False
         raise bad("'reset_running_requests' must be true or false", "reset_running_requests")
-    if body:
-        return bool(get_bool(body, "reset_running_requests", False))
-    return False
+    value = (body or {}).get("reset_running_requests")
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"'reset_running_requests' must be a boolean, not {_kind(value)}", "reset_running_requests")
+    return bool(value)

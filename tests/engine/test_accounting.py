@@ -1,4 +1,5 @@
-"""Property test: random add / abort / step / reset sequences never leak or double-free a block.
+"""Property test: random add / abort / step / reset sequences never leak or double-free a block,
+with n > 1 requests forking (shared blocks, copy on write) among them.
 
 Runs on a tiny random-weight Llama (real loading path, real model runner) with a pool small enough
 that preemption happens often.
@@ -24,6 +25,7 @@ add_op = st.tuples(
     st.integers(1, 10),  # max_tokens
     st.integers(0, len(SHARED_PREFIXES) - 1),
     st.sampled_from([None, "tenant"]),
+    st.integers(1, 3),  # sequences sharing the prompt (n)
 )
 ops = st.lists(
     st.one_of(
@@ -69,10 +71,10 @@ def test_random_operations_keep_the_pool_consistent(engine: LLMEngine, ops: list
     finished: set[str] = set()
     for op in ops:
         if op[0] == "add":
-            _, n, max_tokens, prefix, salt = op
+            _, n, max_tokens, prefix, salt, seqs = op
             rid = f"q{len(added)}-{id(ops)}"
             prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt)
             added.append(rid)
         elif op[0] == "abort" and added:
             rid = added[op[1] % len(added)]

@@ -106,11 +106,28 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
     req = Request("p", [1], SamplingParams(temperature=1.0, top_p=0.5, seed=3))
     sampler = Sampler()
-    assert {sampler.sample(logits[None], [req])[0] for _ in range(50)} == {0}
+    assert {sampler.sample(logits[None], [req])[0][0] for _ in range(50)} == {0}
     nan_row = torch.tensor([[float("nan"), 1.0, 2.0]])
-    assert sampler.sample(nan_row, [req]) == [2]  # degrades to greedy instead of raising
+    assert sampler.sample(nan_row, [req])[0] == [2]  # degrades to greedy instead of raising
 
 
 def test_seed_out_of_range_is_refused(engine) -> None:  # noqa: ANN001
     with pytest.raises(SamplingError):
         engine.add_request("seed", PROMPT, SamplingParams(seed=2**64))
+
+
+def test_draws_follow_the_distribution_batched_and_seeded() -> None:
+    import torch
+
+    from kvpilot.daemon.engine.request import Request
+    from kvpilot.daemon.engine.sampler import Sampler
+
+    want = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = torch.log(want).expand(2000, 4).clone()
+    reqs = [
+        Request(f"d{i}", [1], SamplingParams(temperature=1.0, seed=i if i % 2 else None)) for i in range(2000)
+    ]
+    tokens, _ = Sampler().sample(logits, reqs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / len(tokens)
+    assert freq[3] == 0  # a zero-probability token is never drawn
+    assert (freq - want).abs().max() < 0.05, freq

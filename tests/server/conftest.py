@@ -146,3 +146,11 @@ def quiet(server: Server) -> Server:
         assert time.monotonic() < deadline, c
         time.sleep(0.2)
     return server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server):  # noqa: ANN201
+    """The official openai client on the shared server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -116,3 +116,17 @@ def test_admin_token_sources(tmp_path) -> None:  # noqa: ANN001
         load_admin_token(None, {"KVPILOT_ADMIN_TOKEN": " "})
     assert authorized(None, None) and authorized("anything", None)
     assert not authorized(None, "t") and not authorized("Bearer", "t") and authorized("Bearer t", "t")
+
+
+@pytest.mark.parametrize("raw", [b"Bearer \xff\xfe\xfd", b"Bearer " + ADMIN_TOKEN.encode() + b"\xc3"])
+def test_admin_token_that_is_not_utf8_is_401(server: Server, raw: bytes) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /reset_prefix_cache HTTP/1.1\r\nHost: x\r\nAuthorization: " + raw
+                 + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    sock.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"401", reply[:300]
+    assert json.loads(body)["error"]["type"] == "authentication_error"

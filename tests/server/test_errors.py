@@ -59,7 +59,17 @@ CASES = [
     ("top-p-above-one", "POST", C, comp(top_p=1.5), 400, "top_p"),
     ("top-k-negative", "POST", C, comp(top_k=-7), 400, "top_k"),
     ("seed-string", "POST", C, comp(seed="x"), 400, "seed"),
-    ("n-two", "POST", C, comp(n=2), 400, "n"),
+    ("n-too-many", "POST", C, comp(n=17), 400, "n"),
+    ("best-of-below-n", "POST", C, comp(n=3, best_of=2), 400, "best_of"),
+    ("best-of-streamed", "POST", C, comp(n=1, best_of=2, stream=True), 400, "best_of"),
+    ("unknown-extension", "POST", C, comp(guided_json={"type": "object"}), 400, "guided_json"),
+    ("chat-unknown-extension", "POST", CH, chat(guided_regex="a+"), 400, "guided_regex"),
+    ("chat-top-logprobs-alone", "POST", CH, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-top-logprobs-too-many", "POST", CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("stop-token-ids-too-many", "POST", C, comp(stop_token_ids=list(range(257))), 400, "stop_token_ids"),
+    ("repetition-penalty-zero", "POST", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("min-p-above-one", "POST", C, comp(min_p=1.5), 400, "min_p"),
+    ("min-tokens-above-max", "POST", C, comp(min_tokens=5, max_tokens=2), 400, "min_tokens"),
     ("stream-string", "POST", C, comp(stream="yes"), 400, "stream"),
     (
         "stream-options-without-stream",
@@ -71,8 +81,8 @@ CASES = [
     ),
     ("stop-number", "POST", C, comp(stop=5), 400, "stop"),
     ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
-    ("echo-true", "POST", C, comp(echo=True), 400, "echo"),
-    ("logprobs", "POST", C, comp(logprobs=5), 400, "logprobs"),
+    ("echo-string", "POST", C, comp(echo="yes"), 400, "echo"),
+    ("logprobs-too-many", "POST", C, comp(logprobs=21), 400, "logprobs"),
     ("cache-salt-number", "POST", C, comp(cache_salt=7), 400, "cache_salt"),
     ("presence-penalty", "POST", C, comp(presence_penalty=1.0), 400, "presence_penalty"),
     ("chat-missing-messages", "POST", CH, {"model": MODEL}, 400, "messages"),
@@ -168,3 +178,22 @@ def test_tiny_temperature_is_greedy_and_harmless(server: Server) -> None:
     r = server.request("POST", C, comp(max_tokens=3, temperature=1e-300))
     assert r.status == 200 and r.json()["choices"][0]["text"] == greedy
     assert server.request("GET", "/health").status == 200
+
+
+def test_messages_name_the_field(server: Server) -> None:
+    err = server.request("POST", C, comp(top_p=1.5)).json()["error"]
+    assert err["param"] == "top_p" and "top_p" in err["message"] and "1" in err["message"]
+    err = server.request("POST", CH, chat(messages=[{"role": "wizard", "content": "x"}])).json()["error"]
+    assert "messages[0].role" in err["message"] and "user" in err["message"]
+
+
+def test_openapi_schema_describes_the_routes(server: Server) -> None:
+    r = server.request("GET", "/openapi.json")
+    assert r.status == 200
+    doc = r.json()
+    assert doc["openapi"].startswith("3.") and {"/v1/completions", "/v1/chat/completions"} <= set(
+        doc["paths"]
+    )
+    fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "logprobs", "echo", "best_of", "repetition_penalty", "min_tokens"} <= set(fields)
+    assert "ChatMessage" in doc["components"]["schemas"]

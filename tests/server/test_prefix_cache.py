@@ -22,6 +22,7 @@ DAEMON_METRICS = [
     "kvpilot_num_requests_waiting",
     "kvpilot_num_preemptions_total",
     "kvpilot_prompt_tokens_total",
+    "kvpilot_prompt_tokens_cached_total",
     "kvpilot_generation_tokens_total",
     "kvpilot_time_to_first_token_seconds",
     "kvpilot_inter_token_latency_seconds",
@@ -68,6 +69,9 @@ def test_cached_tokens_then_reset(quiet: Server) -> None:
     assert after["kvpilot_prefix_cache_epoch"] == third["epoch"]
     assert after["kvpilot_prefix_cache_hits_total"] >= before["kvpilot_prefix_cache_hits_total"] + 2 * hit
     assert after["kvpilot_prefix_cache_queries_total"] > before["kvpilot_prefix_cache_queries_total"]
+    assert (
+        after["kvpilot_prompt_tokens_cached_total"] >= before["kvpilot_prompt_tokens_cached_total"] + 2 * hit
+    )
     assert after["kvpilot_generation_tokens_total"] >= before["kvpilot_generation_tokens_total"] + 8
     assert after["kvpilot_time_to_first_token_seconds_count"] == (
         before["kvpilot_time_to_first_token_seconds_count"] + 4
@@ -101,6 +105,28 @@ def test_metrics_expose_every_contract_name_with_help(server: Server) -> None:
     for state in ("free", "cached", "used"):
         assert f'kvpilot_kv_cache_blocks{{state="{state}"}}' in text
     assert 'kvpilot_time_to_first_token_seconds_bucket{le="0.1"}' in text
+
+
+def test_every_exposed_metric_is_documented_with_its_unit(server: Server) -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    daemon = doc.split("## Daemon", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        line.split("`")[1].split("{")[0]: line
+        for line in daemon.splitlines()
+        if line.startswith("| `kvpilot_")
+    }
+    exposed = {
+        line.split()[2]
+        for line in server.request("GET", "/metrics").body.decode().splitlines()
+        if line.startswith("# TYPE kvpilot_") and not line.split()[2].endswith("_created")
+    }  # fmt: skip (prometheus-client's *_created companions are timestamps of the series above)
+    for name in exposed:
+        documented = name if name in rows else f"{name}_total"
+        assert documented in rows, name
+        assert rows[documented].count("|") >= 5, rows[documented]  # metric, type, unit, meaning
+    assert set(DAEMON_METRICS) <= set(rows)
 
 
 def test_health_and_stats_shape(server: Server) -> None:
