@@ -30,10 +30,8 @@ def write_kv(
     slot = block_id * B + offset.
     """
     n, b = k_cache.shape[0], k_cache.shape[1]
-    # A request whose K/V overflowed is lost anyway; storing its inf/NaN would let it leak into other
-    # requests' rows through masked padding slots (0 * NaN is NaN), so the cache only holds finite values.
-    key = torch.nan_to_num(key, nan=0.0, posinf=0.0, neginf=0.0)
-    value = torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
+    # Stored as computed, inf/NaN included: attention never reads a slot outside the context of the
+    # sequence it computes (padding included), so what a request wrote can only reach its own rows.
     k_cache.view(n * b, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(n * b, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -168,18 +166,34 @@ def rotary(
 
     query: [T, H, D], key: [T, Hkv, D], positions: [T] int64,
     cos_sin_cache: [max_positions, D] float32 = cat(cos, sin) of the D/2 frequencies.
+    Computed as Hugging Face does, x * cos + rotate_half(x) * sin, with the same roundings.
     """
+    cos, sin = _rotary_tables(positions, cos_sin_cache)
     half = query.shape[-1] // 2
-    cs = cos_sin_cache.index_select(0, positions)
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
     for t in (query, key):
-        x1 = t[..., :half].float()
-        x2 = t[..., half:].float()
-        r1 = x1 * cos - x2 * sin
-        r2 = x2 * cos + x1 * sin
-        t[..., :half] = r1.to(t.dtype)
-        t[..., half:] = r2.to(t.dtype)
+        x = t.float()
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        t.copy_(x * cos + rotated * sin)
+
+
+# The last step's rotary tables: every layer of a step passes the same positions tensor, so the
+# per-token cos/sin rows are gathered once per step, by the first layer (a strong reference to the
+# positions keeps their identity from being reused by another tensor).
+_rotary_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each token's position, [T, 1, D] each, both halves repeated as HF lays them out."""
+    global _rotary_step
+    step = _rotary_step
+    if step is not None and step[0] is positions and step[1] is cos_sin_cache:
+        return step[2], step[3]
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions)
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :]
+    _rotary_step = (positions, cos_sin_cache, cos, sin)
+    return cos, sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
