@@ -90,6 +90,20 @@ def _attend_unit(
             k_tail.view(n, u.tail_len, *k_tail.shape[1:]),
             v_tail.view(n, u.tail_len, *v_tail.shape[1:]),
         )
+    elif u.prefix is None:
+        # A chunk over its own context only (a prompt's prefill): flash attention skips what the causal
+        # mask hides, and with as many queries as keys the mask is SDPA's own (no mask tensor).
+        square = n == u.tail_len
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k_tail.float().transpose(0, 1),
+            v_tail.float().transpose(0, 1),
+            attn_mask=None if square else u.bias,
+            is_causal=square,
+            scale=1.0,
+            enable_gqa=q.shape[1] != k_tail.shape[1],
+        )
+        return o.transpose(0, 1)
     else:
         shared.append((k_tail, v_tail))
         per_row = None
