@@ -69,8 +69,13 @@ def paged_attention(
     for u in plan.units:
         if isinstance(u.rows, slice):
             out[u.rows] = _attend_unit(q[u.rows], u, prefixes, k_flat, v_flat)
-        else:
-            out.index_copy_(0, u.rows, _attend_unit(q.index_select(0, u.rows), u, prefixes, k_flat, v_flat))
+            continue
+        o = _attend_unit(q.index_select(0, u.rows), u, prefixes, k_flat, v_flat)
+        if u.real_rows is None:
+            out.index_copy_(0, u.rows, o)
+        else:  # padded queries of a chunk batch: keep the real ones
+            dst, src = u.real_rows
+            out.index_copy_(0, dst, o.index_select(0, src))
     return out.to(query.dtype)
 
 
@@ -85,10 +90,10 @@ def _attend_unit(
     n = q.shape[0]
     shared = [] if u.prefix is None else [prefixes[u.prefix]]
     k_tail, v_tail = k_flat.index_select(0, u.tail_slots), v_flat.index_select(0, u.tail_slots)
-    if u.per_row_tail:
-        per_row = (
-            k_tail.view(n, u.tail_len, *k_tail.shape[1:]),
-            v_tail.view(n, u.tail_len, *v_tail.shape[1:]),
+    if u.num_seqs:
+        per_seq = (
+            k_tail.view(u.num_seqs, u.tail_len, *k_tail.shape[1:]),
+            v_tail.view(u.num_seqs, u.tail_len, *v_tail.shape[1:]),
         )
     elif u.prefix is None:
         # A chunk over its own context only (a prompt's prefill): flash attention skips what the causal
@@ -106,39 +111,55 @@ def _attend_unit(
         return o.transpose(0, 1)
     else:
         shared.append((k_tail, v_tail))
-        per_row = None
-    # A long chunk is taken in slices of rows, which bounds the memory its scores take.
+        per_seq = None
+    # A long chunk is taken in slices of rows (of whole sequences in a batch), which bounds the memory
+    # its scores take.
     width = u.bias.shape[1]
-    step = max(1, _MAX_SCORES // (q.shape[1] * width))
+    per = n // u.num_seqs if u.num_seqs else 1  # rows per slicing step's unit
+    step = max(1, _MAX_SCORES // (q.shape[1] * width * per)) * per
     if n <= step:
-        return _attend(q, shared, per_row, u.bias)
+        return _attend(q, shared, per_seq, u.bias)
     parts = []
     for r in range(0, n, step):
-        rows_per_row = None if per_row is None else (per_row[0][r : r + step], per_row[1][r : r + step])
-        parts.append(_attend(q[r : r + step], shared, rows_per_row, u.bias[r : r + step]))
+        seqs = (
+            None
+            if per_seq is None
+            else (per_seq[0][r // per : (r + step) // per], per_seq[1][r // per : (r + step) // per])
+        )
+        parts.append(_attend(q[r : r + step], shared, seqs, u.bias[r : r + step]))
     return torch.cat(parts)
 
 
 def _attend(
     q: torch.Tensor,
     shared: list[tuple[torch.Tensor, torch.Tensor]],
-    per_row: tuple[torch.Tensor, torch.Tensor] | None,
+    per_seq: tuple[torch.Tensor, torch.Tensor] | None,
     bias: torch.Tensor,
 ) -> torch.Tensor:
     """softmax(q K^T + bias) V in float32 over keys in parts, in this order: `shared` parts, [L, Hkv, D],
-    seen by every row, then an optional `per_row` part, [n, L, Hkv, D], each row its own keys.
+    seen by every row, then an optional `per_seq` part, [S, L, Hkv, D]: the rows are S sequences' rows
+    in order (n / S each) and each sequence sees its own keys.
 
     The scores of all parts go into one softmax, laid out [Hkv, n, group, keys]: grouped query heads
     are rows of their KV head's matmul, so K/V are never repeated per head."""
     n, heads, dim = q.shape
-    kv_heads = (shared[0][0] if shared else per_row[0]).shape[-2]
+    kv_heads = (shared[0][0] if shared else per_seq[0]).shape[-2]
     group = heads // kv_heads
-    q4 = q.view(n, kv_heads, group, dim)
-    qh = q4.permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
+    qh = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
     scores = [torch.matmul(qh, k.float().permute(1, 2, 0)).view(kv_heads, n, group, -1) for k, _ in shared]
-    if per_row is not None:
-        scores.append(torch.matmul(q4, per_row[0].float().permute(0, 2, 3, 1)).permute(1, 0, 2, 3))
-    s = torch.cat(scores, -1) if len(scores) > 1 else scores[0].contiguous()
+    if per_seq is not None:
+        seqs, tail = per_seq[0].shape[:2]
+        rows = n // seqs
+        qs = (
+            q.view(seqs, rows, kv_heads, group, dim)
+            .transpose(1, 2)
+            .reshape(seqs, kv_heads, rows * group, dim)
+        )
+        st = torch.matmul(qs, per_seq[0].float().permute(0, 2, 3, 1))  # [S, Hkv, rows * group, L]
+        scores.append(
+            st.view(seqs, kv_heads, rows, group, tail).transpose(0, 1).reshape(kv_heads, n, group, tail)
+        )
+    s = torch.cat(scores, -1) if len(scores) > 1 else scores[0]
     s.add_(bias[:, None, :])
     s.sub_(s.amax(-1, keepdim=True)).exp_()
     total = s.sum(-1, keepdim=True)
@@ -149,9 +170,11 @@ def _attend(
         part = torch.matmul(p, v.float().transpose(0, 1)).view(kv_heads, n, group, dim)
         out = part if out is None else out.add_(part)
         offset += length
-    if per_row is not None:
-        p = s[..., offset:].permute(1, 0, 2, 3)  # [n, Hkv, group, L]
-        part = torch.matmul(p, per_row[1].float().transpose(1, 2)).permute(1, 0, 2, 3)
+    if per_seq is not None:
+        p = s[..., offset:].reshape(kv_heads, seqs, rows, group, tail).transpose(0, 1)
+        p = p.reshape(seqs, kv_heads, rows * group, tail)
+        part = torch.matmul(p, per_seq[1].float().transpose(1, 2))  # [S, Hkv, rows * group, D]
+        part = part.view(seqs, kv_heads, rows, group, dim).transpose(0, 1).reshape(kv_heads, n, group, dim)
         out = part if out is None else out.add_(part)
     out = out.div_(total)
     return out.permute(1, 0, 2, 3).reshape(n, heads, dim)

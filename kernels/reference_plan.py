@@ -17,6 +17,10 @@ import torch
 
 from kvpilot.kernels.metadata import AttentionMetadata
 
+# Chunks of a group up to this many queries run as one batch (a prefix hit leaves each request a short
+# suffix to prefill; a burst of them would otherwise be one small attention call each).
+_BATCHED_CHUNK = 64
+
 
 @dataclass(frozen=True, slots=True)
 class SharedPrefix:
@@ -31,15 +35,18 @@ class SharedPrefix:
 class Unit:
     """Query rows attending to [their group's prefix] + their tails, in one softmax.
 
-    Decode rows (one query each) have a tail per row: `tail_slots` is [n * L], row-major. A chunk (one
-    sequence, several queries) has one tail its rows share: `tail_slots` is [L]."""
+    A batch (`num_seqs` > 0) holds several sequences, each with its own tail: the decode rows of a
+    group, or its short chunks with their queries padded to the longest (padding repeats a sequence's
+    last query; `real_rows` picks the real ones). `tail_slots` is then [num_seqs * L], row-major.
+    Otherwise the unit is one chunk whose queries share one tail, `tail_slots` [L]."""
 
-    rows: slice | torch.Tensor
+    rows: slice | torch.Tensor  # the unit's query rows, sequence by sequence
+    real_rows: tuple[torch.Tensor, torch.Tensor] | None  # (rows in the batch, their places in the unit)
     prefix: int | None  # index into AttentionPlan.prefixes
     tail_slots: torch.Tensor
     tail_len: int  # L
-    per_row_tail: bool
-    bias: torch.Tensor  # [n, P + L] float32: 0 where a key is visible, -inf where not
+    num_seqs: int
+    bias: torch.Tensor  # [rows, P + L] float32: 0 where a key is visible, -inf where not
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,48 +70,76 @@ def _build(meta: AttentionMetadata, block_size: int, device: torch.device) -> At
     starts, seq_lens = meta.query_start_loc_list, meta.seq_lens_list
     group_of, prefixes = _shared_prefixes(starts, seq_lens, meta.block_tables_list, block_size, device)
     table = meta.block_tables.to("cpu", torch.int64)
-    prefix_len = [0 if g is None else prefixes[g].length for g in group_of]
     units = []
-    decode_by_group: dict[int | None, list[int]] = {}
+    batches: dict[tuple[int | None, bool], list[int]] = {}  # (group, decode) -> sequences
     for i in range(len(seq_lens)):
         q_len = starts[i + 1] - starts[i]
-        if q_len == 1:
-            decode_by_group.setdefault(group_of[i], []).append(i)
+        g = group_of[i]
+        if q_len == 1 or (g is not None and q_len <= _BATCHED_CHUNK):
+            batches.setdefault((g, q_len == 1), []).append(i)
             continue
-        pos = torch.arange(prefix_len[i], seq_lens[i])
+        prefix_len = 0 if g is None else prefixes[g].length
+        pos = torch.arange(prefix_len, seq_lens[i])
         qpos = torch.arange(seq_lens[i] - q_len, seq_lens[i])
         units.append(
             Unit(
                 rows=slice(starts[i], starts[i + 1]),
-                prefix=group_of[i],
+                real_rows=None,
+                prefix=g,
                 tail_slots=(table[i, pos // block_size] * block_size + pos % block_size).to(device),
                 tail_len=len(pos),
-                per_row_tail=False,
-                bias=_bias(pos[None, :] <= qpos[:, None], prefix_len[i]).to(device),
+                num_seqs=0,
+                bias=_bias(pos[None, :] <= qpos[:, None], prefix_len).to(device),
             )
         )
-    for g, ids in decode_by_group.items():
-        first = torch.tensor([prefix_len[i] for i in ids])
-        lens = torch.tensor([seq_lens[i] for i in ids]) - first
-        width = int(lens.max())
-        offsets = torch.arange(width)
-        valid = offsets[None, :] < lens[:, None]
-        pos = torch.where(valid, first[:, None] + offsets, first[:, None])
-        slots = table[ids].gather(1, pos // block_size) * block_size + pos % block_size
-        rows = [starts[i] for i in ids]
+    for (g, _), ids in batches.items():
         units.append(
-            Unit(
-                rows=_rows(rows, device),
-                prefix=g,
-                tail_slots=slots.flatten().to(device),
-                tail_len=width,
-                per_row_tail=True,
-                bias=_bias(valid, 0 if g is None else prefixes[g].length).to(device),
+            _batch(
+                ids, g, 0 if g is None else prefixes[g].length, starts, seq_lens, table, block_size, device
             )
         )
     whole = slice(0, starts[-1])
     covers_all = len(units) == 1 and isinstance(units[0].rows, slice) and units[0].rows == whole
     return AttentionPlan(prefixes, units, covers_all)
+
+
+def _batch(
+    ids: list[int],
+    group: int | None,
+    prefix_len: int,
+    starts: list[int],
+    seq_lens: list[int],
+    table: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> Unit:
+    """Sequences `ids`, each attending to its tail (positions prefix_len.. of its context)."""
+    q_lens = torch.tensor([starts[i + 1] - starts[i] for i in ids])
+    lens = torch.tensor([seq_lens[i] for i in ids])
+    width = int((lens - prefix_len).max())
+    offsets = torch.arange(width)
+    in_tail = offsets[None, :] < (lens - prefix_len)[:, None]  # [S, L]
+    pos = torch.where(in_tail, prefix_len + offsets, prefix_len)  # padding: the tail's first slot
+    slots = table[ids].gather(1, pos // block_size) * block_size + pos % block_size
+    per_seq = int(q_lens.max())
+    j = torch.minimum(torch.arange(per_seq)[None, :], q_lens[:, None] - 1)  # [S, Q]: padding repeats the last
+    first_row = torch.tensor([starts[i] for i in ids])
+    qpos = (lens - q_lens)[:, None] + j
+    visible = in_tail[:, None, :] & (prefix_len + offsets <= qpos[:, :, None])  # [S, Q, L]
+    rows = (first_row[:, None] + j).flatten().tolist()
+    real_rows = None
+    if per_seq > 1:
+        real = (torch.arange(per_seq)[None, :] < q_lens[:, None]).flatten()
+        real_rows = (torch.tensor(rows)[real].to(device), real.nonzero().flatten().to(device))
+    return Unit(
+        rows=_rows(rows, device) if real_rows is None else torch.tensor(rows, device=device),
+        real_rows=real_rows,
+        prefix=group,
+        tail_slots=slots.flatten().to(device),
+        tail_len=width,
+        num_seqs=len(ids),
+        bias=_bias(visible.reshape(-1, width), prefix_len).to(device),
+    )
 
 
 def _shared_prefixes(
