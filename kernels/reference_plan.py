@@ -4,9 +4,10 @@ per step by the first layer and reused by all the others (they differ only in th
 Sequences whose block tables start with the same blocks (a shared system prompt served from the prefix
 cache) form a group: their queries attend to those blocks together, so each layer reads the shared keys
 once for the whole group instead of copying them out once per sequence. After its group's prefix, each
-sequence attends to its own tail: the decode rows of a group (one query each) together, with tails
-padded to the longest; each longer chunk on its own, with a causal mask. Padding repeats a sequence's
-own first tail slot, so no read ever leaves that sequence's context.
+sequence attends to its own tail: the decode rows of a group (one query each) as one batch, with tails
+padded to the longest; the group's short chunks as another batch, queries padded too; a long chunk on
+its own. Masks are additive biases (causal, padding). Padding repeats a sequence's own first tail slot,
+so no read ever leaves that sequence's context. A chunk in no group attends to its own context only.
 """
 
 from __future__ import annotations
