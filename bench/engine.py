@@ -4,14 +4,22 @@ One run, one JSON file under bench/results/. Ratios are against baselines measur
 
     python bench/engine.py                # the default load (16 requests x ~300 tokens, 64 new)
     python bench/engine.py --quick        # a smaller load for a smoke run
+    python bench/engine.py --against ../main   # also: this checkout vs another one, alternating runs
+
+`--against DIR` runs the load in two resident worker processes, one per checkout (each with its own
+`.venv`), alternately, so that both see the same machine load; it reports each side's tok/s and
+median decode step (a step where every request decodes one token) and their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,18 +70,43 @@ def chat(tokenizer, question: str) -> list[int]:  # noqa: ANN001
 def run_kvpilot(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     engine.reset_prefix_cache()
     before = engine.stats()
-    start = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    secs = time.perf_counter() - start
+    load = run_load(engine, prompts, max_tokens)
     after = engine.stats()
-    tokens = sum(len(o) for o in outs)
-    return {
-        "seconds": secs,
-        "output_tokens": tokens,
-        "tokens_per_s": tokens / secs,
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "cache_hit_tokens": after.hit_tokens - before.hit_tokens,
-    }
+    return {**load, "prompt_tokens": sum(len(p) for p in prompts),
+            "cache_hit_tokens": after.hit_tokens - before.hit_tokens}  # fmt: skip
+
+
+def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Run the load step by step; a step where every request decodes one token is a decode step."""
+    ids = [f"load-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens, decode_steps = 0, []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        s = engine.scheduler
+        decode_only = not s.waiting and all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
+        t0 = time.perf_counter()
+        tokens += len(engine.step())
+        if decode_only:
+            decode_steps.append(time.perf_counter() - t0)
+    secs = time.perf_counter() - start
+    return {"seconds": secs, "output_tokens": tokens, "tokens_per_s": tokens / secs,
+            "decode_steps": len(decode_steps),
+            "decode_step_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None}  # fmt: skip
+
+
+def worker() -> None:
+    """`--worker`: the other side of `--against`. This file runs under the other checkout's python and
+    code, so it only uses the engine API that every checkout since the daemon/engine split has.
+    stdin: one JSON line {"prompts", "max_tokens", "num_kv_blocks"}, then a line per run wanted."""
+    job = json.loads(sys.stdin.readline())
+    engine = LLMEngine(EngineConfig(num_kv_blocks=job["num_kv_blocks"]))
+    engine.generate([job["prompts"][0]], SamplingParams(max_tokens=2))  # warm-up
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for _ in sys.stdin:
+        engine.reset_prefix_cache()
+        print(json.dumps(run_load(engine, job["prompts"], job["max_tokens"])), flush=True)
 
 
 def run_transformers(model, prompts: list[list[int]], max_tokens: int, sharing: bool) -> dict:  # noqa: ANN001
@@ -134,6 +167,73 @@ def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN
     }
 
 
+class Worker:
+    """A resident worker process running the load on one checkout's code (its .venv, its sources)."""
+
+    def __init__(self, checkout: Path, job: dict) -> None:
+        python = checkout / ".venv" / "bin" / "python"
+        env = dict(os.environ, PYTHONSAFEPATH="1")
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--worker"], cwd=checkout, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        self.ready = self._reply()
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def against(checkout: Path, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+    """This checkout vs `checkout` on the same load, runs alternating between the two."""
+    job = {"prompts": prompts, "max_tokens": max_tokens, "num_kv_blocks": 1024}
+    sides = {"this": Worker(Path(__file__).resolve().parent.parent, job), "base": Worker(checkout, job)}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    try:
+        for _ in range(rounds):
+            for name, worker in sides.items():
+                runs[name].append(worker.run())
+                print(f"  {name}: {_fmt(runs[name][-1])}")
+    finally:
+        for worker in sides.values():
+            worker.close()
+    med = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                  "decode_step_ms": statistics.median(r["decode_step_ms"] for r in rs)}
+           for name, rs in runs.items()}  # fmt: skip
+    return {
+        "base_checkout": str(checkout.resolve()),
+        "base_commit": _git_head(checkout),
+        "this_commit": _git_head(Path(__file__).resolve().parent.parent),
+        "runs": runs,
+        "median": med,
+        "tokens_per_s_ratio": med["this"]["tokens_per_s"] / med["base"]["tokens_per_s"],
+        "decode_step_speedup": med["base"]["decode_step_ms"] / med["this"]["decode_step_ms"],
+    }
+
+
+def _git_head(checkout: Path) -> str | None:
+    proc = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(checkout), "status", "--porcelain", "-uno"], capture_output=True, text=True
+    )
+    return (
+        (proc.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")) if proc.returncode == 0 else None
+    )
+
+
 def reset_latency(num_blocks: int, repeats: int = 20) -> dict:
     pool = BlockPool(num_blocks)
     times = []
@@ -160,8 +260,13 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quick", action="store_true", help="4 requests x 16 tokens, one TTFT repeat")
+    ap.add_argument("--against", type=Path, help="another checkout (with its .venv) to compare this one with")
+    ap.add_argument("--against-rounds", type=int, default=3, help="runs per side with --against")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = ap.parse_args()
+    if args.worker:
+        return worker()
     if args.quick:
         args.requests, args.max_tokens, args.ttft_repeats = 4, 16, 1
 
@@ -193,6 +298,19 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - record why the baseline could not run
                 results[key] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"transformers generate_batch, sharing={sharing}: failed: {e}")
+        # The baselines take minutes and a shared machine's load drifts: kvpilot runs again after them,
+        # and the ratios use both of its runs, which bracket the baselines.
+        results["kvpilot_prefix_caching_again"] = run_kvpilot(engine, prompts, args.max_tokens)
+        print(
+            "kvpilot, prefix caching on, after the baselines:", _fmt(results["kvpilot_prefix_caching_again"])
+        )
+
+    if args.against:
+        print(f"this checkout vs {args.against}, alternating:")
+        results["against"] = against(args.against, prompts, args.max_tokens, args.against_rounds)
+        a = results["against"]
+        print(f"against {args.against}: {a['tokens_per_s_ratio']:.2f}x tok/s, decode step "
+              f"{a['median']['base']['decode_step_ms']:.1f} -> {a['median']['this']['decode_step_ms']:.1f} ms")  # fmt: skip
 
     results["ttft"] = ttft_cases(engine, tok, args.ttft_repeats)
     print("TTFT (median s):", {k: round(v, 4) for k, v in results["ttft"]["median_seconds"].items()})
@@ -201,6 +319,8 @@ def main() -> None:
 
     ours = results["kvpilot_prefix_caching"]["tokens_per_s"]
     ratios = {"prefix_caching_on_vs_off": ours / results["kvpilot_no_prefix_caching"]["tokens_per_s"]}
+    if "kvpilot_prefix_caching_again" in results:
+        ours = statistics.mean([ours, results["kvpilot_prefix_caching_again"]["tokens_per_s"]])
     for key in ("transformers_generate_batch_sharing", "transformers_generate_batch_no_sharing"):
         if "tokens_per_s" in results.get(key, {}):
             ratios[f"kvpilot_vs_{key}"] = ours / results[key]["tokens_per_s"]
@@ -214,7 +334,8 @@ def main() -> None:
 
 
 def _fmt(r: dict) -> str:
-    return f"{r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)"
+    step = f", decode step {r['decode_step_ms']:.1f} ms" if r.get("decode_step_ms") else ""
+    return f"{r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s{step})"
 
 
 if __name__ == "__main__":

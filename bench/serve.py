@@ -11,15 +11,27 @@ skipped is recorded. Results go to `bench/results/serve-<time>.json`.
     .venv/bin/python bench/serve.py                        # CPU default: 1, 4, 16 clients, 16 tokens
     .venv/bin/python bench/serve.py --concurrency 1 8 32 64 --max-tokens 128 --rounds 4   # bigger
     .venv/bin/python bench/serve.py --url http://host:8000 # an already running daemon
+    .venv/bin/python bench/serve.py --vs-generate-batch    # bench/engine.py's load over HTTP, see below
+
+`--vs-generate-batch`: bench/engine.py's shared-prefix load (16 chat requests sharing a ~295-token system
+prompt) sent at once as chat completions that stop at EOS (`--max-tokens` caps them, 64 by default here),
+against transformers `generate_batch` with block sharing on the same prompts, greedy, stopping at the
+same EOS, in this process and with the daemon's thread count. Runs alternate between the two (`--rounds`
+each); the daemon's prefix cache is reset before each of its runs. Output tokens/s = completion tokens
+/ wall time; the two sides' completions are compared token for token. Results go to
+`bench/results/serve-vs-generate-batch-<time>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
 import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +147,132 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
         stop(proc)
 
 
+# ---- --vs-generate-batch ---------------------------------------------------------------------------
+def _engine_bench():  # noqa: ANN202 - bench/engine.py, for its load (bench/ is not a package)
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", Path(__file__).resolve().parent / "engine.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _chat_load(url: str, model: str, questions: list[str], system: str, max_tokens: int) -> dict:
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, question: str) -> dict:
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}  # fmt: skip
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            reply = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {reply}")
+            return reply
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        async with session.post(url + "/reset_prefix_cache") as resp:
+            resp.raise_for_status()
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(one(session, q) for q in questions))
+        wall = time.perf_counter() - start
+    tokens = [r["usage"]["completion_tokens"] for r in replies]
+    return {
+        "seconds": wall,
+        "output_tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / wall,
+        "completion_tokens": tokens,
+        "finish_reasons": [r["choices"][0]["finish_reason"] for r in replies],
+        "cached_tokens": sum(
+            (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in replies
+        ),
+        "texts": [r["choices"][0]["message"]["content"] for r in replies],
+    }
+
+
+def _generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> dict:  # noqa: ANN001
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
+    cb = ContinuousBatchingConfig(
+        allow_block_sharing=True, page_size=16, num_blocks=1024, max_batch_tokens=2048
+    )
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    wall = time.perf_counter() - start
+    results = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+    eos = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
+    # The EOS token ends a completion; it is not part of its text (nor of kvpilot's completion_tokens? it
+    # is: OpenAI usage counts it), so both sides count it.
+    tokens = [len(o.generated_tokens) for o in results]
+    texts = [
+        tokenizer.decode([t for t in o.generated_tokens if t not in eos], skip_special_tokens=True)
+        for o in results
+    ]
+    return {"seconds": wall, "output_tokens": sum(tokens), "tokens_per_s": sum(tokens) / wall,
+            "completion_tokens": tokens, "texts": texts}  # fmt: skip
+
+
+def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpilot.daemon.engine.default_model import ensure_default_model
+
+    bench = _engine_bench()
+    questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]
+    model_dir = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [bench.chat(tokenizer, q) for q in questions]
+    threads = args.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
+    proc = start(cmd, env, logdir / "kvpilot.log", port, 600)
+    url = f"http://127.0.0.1:{port}"
+    runs: dict[str, list[dict]] = {"kvpilot_http": [], "transformers_generate_batch_sharing": []}
+    try:
+        torch.set_num_threads(threads)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        asyncio.run(_chat_load(url, "SmolLM2-135M-Instruct", questions[:1], bench.SYSTEM, 2))  # warm-up
+        for _ in range(args.rounds):
+            r = asyncio.run(
+                _chat_load(url, "SmolLM2-135M-Instruct", questions, bench.SYSTEM, args.max_tokens)
+            )
+            runs["kvpilot_http"].append(r)
+            print(
+                f"kvpilot over HTTP      : {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)",
+                flush=True,
+            )
+            r = _generate_batch(model, tokenizer, prompts, args.max_tokens)
+            runs["transformers_generate_batch_sharing"].append(r)
+            print(
+                f"transformers generate_batch: {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)",
+                flush=True,
+            )
+    finally:
+        stop(proc)
+    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    ours, theirs = runs["kvpilot_http"][-1], runs["transformers_generate_batch_sharing"][-1]
+    return {
+        "load": {
+            "requests": len(prompts),
+            "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": args.max_tokens,
+            "stop": "EOS",
+            "threads": threads,
+        },  # fmt: skip
+        "runs": runs,
+        "median_tokens_per_s": med,
+        "ratio_kvpilot_http_vs_generate_batch_sharing": med["kvpilot_http"]
+        / med["transformers_generate_batch_sharing"],
+        "same_completion_tokens": ours["completion_tokens"] == theirs["completion_tokens"],
+        "same_texts": ours["texts"] == theirs["texts"],
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -148,8 +286,14 @@ def main() -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--transformers-pythonpath", default=os.environ.get("KVPILOT_TRANSFORMERS_SERVE_PATH"),
                    help="a directory holding fastapi+uvicorn for `transformers serve`")  # fmt: skip
+    p.add_argument("--vs-generate-batch", action="store_true",
+                   help="bench/engine.py's load as chat requests stopping at EOS vs transformers generate_batch")  # fmt: skip
+    p.add_argument("--requests", type=int, default=16, help="requests of the --vs-generate-batch load")
+    p.add_argument("--cpu-threads", type=int, help="torch threads of both sides (default: all cores but one)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
+    if args.vs_generate_batch:
+        return run_vs_generate_batch(args)
 
     logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
     report: dict = {
@@ -174,6 +318,24 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} (server logs in {logdir})")
+    return 0
+
+
+def run_vs_generate_batch(args: argparse.Namespace) -> int:
+    if "--max-tokens" not in sys.argv:
+        args.max_tokens = 64
+    if "--rounds" not in sys.argv:
+        args.rounds = 2
+    logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
+    report = {"benchmark": "serve --vs-generate-batch", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "host": {"cpus": os.cpu_count(), "platform": sys.platform}, **vs_generate_batch(args, logdir)}  # fmt: skip
+    print(f"ratio: {report['ratio_kvpilot_http_vs_generate_batch_sharing']:.2f}x; same completions: "
+          f"{report['same_completion_tokens']} (tokens), {report['same_texts']} (text)")  # fmt: skip
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = args.output or ROOT / "bench" / "results" / f"serve-vs-generate-batch-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} (server log in {logdir})")
     return 0
 
 
