@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -25,6 +26,9 @@ from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.scheduler import Scheduler
 from kvpilot.kernels import select_ops
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         self._requests: dict[str, Request] = {}
         self._resets = 0
         self._last_reset_time: float | None = None
@@ -141,6 +146,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
         finished = {r.request_id for r in self.scheduler.update(out, sampled)}
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step
         results = []
         for chunk in out.chunks:
             req = chunk.request
@@ -172,6 +179,8 @@ class LLMEngine:
         evicted = self.kv.reset_prefix_cache()
         self._resets += 1
         self._last_reset_time = time.time()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # AllBlocksCleared is on its way before the reset answers
         return ResetResult(
             success=True,
             epoch=self.kv.epoch,
@@ -217,6 +226,21 @@ class LLMEngine:
                     if o.finished:
                         pending.discard(o.request_id)
         return [outputs[i] for i in ids]
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        if not self.config.kv_events_endpoint:
+            return None
+        from kvpilot.daemon.engine.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint, self.config.block_size
+        )
+        self.kv.pool.events = publisher.recorder
+        return publisher
 
     def _forget(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)

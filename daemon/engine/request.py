@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes, salt_key
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -81,8 +81,7 @@ class Request:
 
     @property
     def salt_bytes(self) -> bytes:
-        # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
-        return self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
+        return salt_key(self.cache_salt)
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.salt_bytes)
