@@ -52,11 +52,13 @@ class PrefixAware(RoundRobin):
     name = "prefix-aware"
     needs_prompts = True
 
-    def __init__(self, index: PrefixIndex, tokens_per_running_request: int = 256) -> None:
+    def __init__(self, index: PrefixIndex, tokens_per_running_request: int = 64) -> None:
         super().__init__()
         self.index = index
-        # What one request already running on a pod costs a newcomer there, in prompt tokens to compute:
-        # on these engines a running request slows every step about as much as a few blocks of prefill.
+        # What one request already open on a pod costs a newcomer there, in prompt tokens to compute.
+        # With continuous batching a decoding neighbour adds about one token of work per step, far less
+        # than a recomputed prefix, so a cached prefix stays put until its pod is several requests
+        # busier than the others (then one spill also warms a second pod for that prefix).
         self.load_tokens = tokens_per_running_request
 
     def predict(self, pods: list[Pod], prompts: Prompts) -> dict[str, int | None]:
