@@ -179,3 +179,14 @@ def test_a_restarted_router_rebuilds_its_index_from_replay(quiet_fleet: Fleet, t
         assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 48
     finally:
         stop_router(fresh)
+
+
+def test_bad_input_gets_the_pods_4xx_through_the_router(quiet_fleet: Fleet) -> None:
+    router = quiet_fleet.router
+    r = router.request("POST", "/v1/completions", body=None, headers={})
+    assert r.status == 400 and r.json()["error"]["message"], r.body
+    r = router.request("POST", "/v1/chat/completions", body={"model": MODEL, "messages": "hi"})
+    assert r.status == 400 and r.json()["error"]["param"] == "messages", r.body
+    r = router.request("POST", "/reset_prefix_cache?reset_running_requests=maybe", headers=router.admin())
+    assert r.status == 400, r.body
+    assert router.request("GET", "/health").status == 200
