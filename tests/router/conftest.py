@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -98,13 +97,7 @@ def start_router(tmp: Path, endpoints: list[str], *extra: str, token: str | None
 
 
 def stop_router(router: RouterProc) -> None:
-    if router.proc.poll() is None:
-        router.proc.send_signal(signal.SIGTERM)
-        try:
-            router.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            router.proc.kill()
-            router.proc.wait()
+    stop_server(router)  # type: ignore[arg-type]  # SIGTERM, then kill: the same for any process
     assert "Traceback" not in router.log(), router.log()[-4000:]
 
 

@@ -5,8 +5,8 @@ exactly the hits the engine then finds. Plus the pure parts: matching, distrust,
 from __future__ import annotations
 
 import pytest
+from engine.test_accounting import SHARED_PREFIXES, ops  # the same random operations as the pool's test
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvpilot.daemon.engine.block_hash import prompt_block_hashes
 from kvpilot.daemon.engine.config import EngineConfig
@@ -26,23 +26,6 @@ from kvpilot.router.policy import LeastLoad, PrefixAware, RoundRobin
 from kvpilot.router.prompts import Prompts
 
 BS = 4
-SHARED = [[], list(range(1000, 1012)), list(range(2000, 2020))]
-ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("add"),
-            st.integers(1, 28),
-            st.integers(1, 8),
-            st.integers(0, 2),
-            st.sampled_from([None, "tenant"]),
-        ),  # fmt: skip
-        st.tuples(st.just("abort"), st.integers(0, 30)),
-        st.tuples(st.just("step"), st.integers(1, 3)),
-        st.tuples(st.just("reset"), st.booleans()),
-    ),
-    min_size=1,
-    max_size=40,
-)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +55,7 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
     for op in ops:
         if op[0] == "add":
             _, n, max_tokens, prefix, salt = op
-            prompt = SHARED[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
+            prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
             # What the router predicts must be what the engine finds when it looks the prompt up.
             usable = (len(prompt) - 1) // BS
             keys = prompt_block_hashes(prompt[: usable * BS], BS, salt)
