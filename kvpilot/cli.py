@@ -220,8 +220,14 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
         description="Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' "
         "KV events), and reset every pod's prefix cache with one POST /reset_prefix_cache.",
     )
-    p.add_argument("--endpoints", required=True, metavar="URL,...",
-                   help="the pods' HTTP addresses, comma-separated: http://HOST:PORT,...")  # fmt: skip
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoints", metavar="URL,...",
+                       help="the pods' HTTP addresses, comma-separated: http://HOST:PORT,...")  # fmt: skip
+    where.add_argument("--fleet", metavar="NAME",
+                       help="route to the ready pods of Service NAME (an InferenceDeployment's), from its "
+                       "EndpointSlices (in-cluster, or the current kubeconfig)")  # fmt: skip
+    p.add_argument("-n", "--namespace", default=None,
+                   help="namespace of --fleet (default: the router's own namespace in-cluster, else default)")  # fmt: skip
     p.add_argument("--policy", default="prefix-aware", choices=["prefix-aware", "round-robin", "least-load"],
                    help="how a pod is chosen (default prefix-aware)")  # fmt: skip
     p.add_argument("--model", default=None,
@@ -242,20 +248,35 @@ def _run_router(args: argparse.Namespace) -> int:
 
     try:
         token = load_admin_token(args.admin_token_file)
-        pods = parse_endpoints(args.endpoints)
+        pods = parse_endpoints(args.endpoints) if args.endpoints else None
     except (AdminTokenError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    if args.fleet:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            log.error("--fleet needs the kubernetes client: pip install 'kvpilot[operator]'")
+            return 2
+    namespace = args.namespace or _own_namespace()
     settings = RouterSettings(host=args.host, port=args.port, policy=args.policy, admin_token=token,
                               reset_timeout_s=args.reset_timeout)  # fmt: skip
     try:
-        return asyncio.run(serve(pods, settings, args.model))
+        return asyncio.run(serve(settings, args.model, pods, args.fleet, namespace))
     except FileNotFoundError as exc:
         log.error("%s", exc)
         return 2
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 1
+
+
+def _own_namespace() -> str:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
 
 
 # name -> function adding the subcommand.

@@ -282,14 +282,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---- running -------------------------------------------------------------------------------------
-async def serve(pods: list[Pod], settings: RouterSettings, model: str | None) -> int:
+async def serve(settings: RouterSettings, model: str | None, pods: list[Pod] | None = None,
+                fleet_name: str | None = None, namespace: str = "default") -> int:  # fmt: skip
+    """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
     index = PrefixIndex()
     metrics_ = RouterMetrics()
     policy = make_policy(settings.policy, index)
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        fleet = Fleet(pods, index, metrics_, session)
+        fleet = Fleet(index, metrics_, session)
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -297,14 +299,23 @@ async def serve(pods: list[Pod], settings: RouterSettings, model: str | None) ->
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await fleet.start()
+        watch = None
+        if fleet_name is not None:
+            from kvpilot.router.discovery import EndpointSliceWatch
+
+            watch = EndpointSliceWatch(fleet_name, namespace, fleet.update)
+            watch.start()
+        else:
+            fleet.update(pods or [])
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("routing %s on http://%s:%d to %d pods (%s)", settings.policy, settings.host, settings.port,
-                 len(pods), ", ".join(p.name for p in pods))  # fmt: skip
+        log.info("routing %s on http://%s:%d to %s", settings.policy, settings.host, settings.port,
+                 f"the endpoints of {namespace}/{fleet_name}" if fleet_name else ", ".join(p.name for p in pods or []))  # fmt: skip
         await stop.wait()
         log.info("shutting down")
+        if watch is not None:
+            watch.stop()
         await runner.cleanup()
         await fleet.stop()
     return 0

@@ -66,32 +66,53 @@ def parse_endpoints(text: str) -> list[Pod]:
 
 
 class Fleet:
+    """The pods currently in the fleet; `update()` takes a new list (static, or from EndpointSlices)."""
+
     def __init__(
         self,
-        pods: list[Pod],
         index: PrefixIndex,
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         probe_interval_s: float = 2.0,
     ) -> None:
-        self.pods = pods
+        self.pods: list[Pod] = []
         self.index = index
         self.metrics = metrics
         self._session = session
         self._probe_interval_s = probe_interval_s
         self._ctx = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
 
     def ready_pods(self) -> list[Pod]:
         return [p for p in self.pods if p.ready]
 
-    async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(p), name=f"probe {p.name}") for p in self.pods]
+    def update(self, pods: list[Pod]) -> None:
+        """Follow `pods` from now on: new ones are probed, gone ones (or moved: new URL) are dropped
+        together with their index entries."""
+        old = {p.name: p for p in self.pods}
+        keep = []
+        for p in pods:
+            current = old.pop(p.name, None)
+            if current is not None and current.url == p.url:
+                keep.append(current)
+                continue
+            if current is not None:
+                self._tasks.pop(current.name).cancel()
+            keep.append(p)
+            self._tasks[p.name] = asyncio.create_task(self._watch(p), name=f"probe {p.name}")
+        for gone in old.values():
+            self._tasks.pop(gone.name).cancel()
+            self.index.clear(gone.name)
+            self.metrics.pod_ready.labels(gone.name).set(0)
+        if old or len(keep) != len(self.pods):
+            log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
+        self.pods = keep
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._ctx.term()
 
     def mark_unready(self, pod: Pod) -> None:
@@ -112,6 +133,7 @@ class Fleet:
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
+            self.index.clear(pod.name)  # whatever a cancelled stream applied last
 
     async def _healthy(self, pod: Pod) -> bool:
         try:

@@ -15,9 +15,9 @@ import pytest
 from server.conftest import ADMIN_TOKEN, Response, Server, free_port, start_server, stop_server
 
 
-def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN) -> Server:
-    return start_server(tmp, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-                        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}", token=token)  # fmt: skip
+def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
+    return start_server(tmp, "--host", host, "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
+                        "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}", token=token)  # fmt: skip
 
 
 @dataclass
@@ -65,21 +65,22 @@ class RouterProc:
         return self.log_path.read_text(errors="replace")
 
 
-def start_router(tmp: Path, endpoints: list[str], *extra: str, token: str | None = ADMIN_TOKEN,
-                 all_pods: bool = True) -> RouterProc:  # fmt: skip
+def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str | None = ADMIN_TOKEN,
+                 all_pods: bool = True, env: dict | None = None) -> RouterProc:  # fmt: skip
     """Start a router; return once every pod is ready and its KV events synced (or, with `all_pods`
     false, once the router serves at all)."""
     port = free_port()
     log_path = tmp / f"router-{port}.log"
-    args = [sys.executable, "-m", "kvpilot", "router", "--host", "127.0.0.1", "--port", str(port),
-            "--endpoints", ",".join(endpoints), *extra]  # fmt: skip
+    args = [sys.executable, "-m", "kvpilot", "router", "--host", "127.0.0.1", "--port", str(port), *extra]
+    if endpoints is not None:
+        args += ["--endpoints", ",".join(endpoints)]
     if token is not None:
         token_file = tmp / f"router-token-{port}"
         token_file.write_text(token + "\n")
         args += ["--admin-token-file", str(token_file)]
-    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
+    proc_env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"} | (env or {})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=proc_env)
     router = RouterProc(proc, port, log_path, token)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -87,7 +88,10 @@ def start_router(tmp: Path, endpoints: list[str], *extra: str, token: str | None
             raise RuntimeError(f"kvpilot router exited with {proc.returncode}:\n{router.log()}")
         try:
             h = router.health()
-            if all(p["ready"] and p["synced"] for p in h["pods"]) or (not all_pods and h["status"] == "ok"):
+            pods = h["pods"]
+            if (pods and all(p["ready"] and p["synced"] for p in pods)) or (
+                not all_pods and h["status"] == "ok"
+            ):
                 return router
         except (OSError, ValueError):
             pass
