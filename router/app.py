@@ -253,8 +253,14 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def _await_clear(r: Router, pod: Pod, before: int) -> None:
+    """Make the pod's entries reflect its reset before the router answers."""
     if pod.kv_events != "on":
         r.index.clear(pod.name)  # nothing indexed from it; keep it that way
+        return
+    # The pod recorded AllBlocksCleared before answering, and its publisher sends what it recorded
+    # before serving a replay: one replay now brings every batch up to and including the clear.
+    caught_up = [await s.catch_up() for s in pod.streams]
+    if all(caught_up) and r.index.clears(pod.name) > before:
         return
     if not await r.index.wait_cleared(pod.name, before, r.settings.clear_wait_s):
         log.warning("%s: no AllBlocksCleared within %.1fs of its reset; ignoring its events until one "

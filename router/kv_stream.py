@@ -119,20 +119,23 @@ class PodEventStream:
             return  # already applied through replay
         if seq > self.last_seq + 1:
             await self.catch_up(until=seq)
+            if seq <= self.last_seq:
+                return  # a concurrent catch-up (a fleet reset's) applied it meanwhile
         if seq > self.last_seq + 1:  # still missing: the pod no longer has them
             self._count(self.pod, "missed", seq - self.last_seq - 1)
             self.restart(f"batches {self.last_seq + 1}..{seq - 1} are lost")
         self._apply(seq, payload)
 
-    async def catch_up(self, until: int | None = None) -> None:
-        """Apply buffered batches after `last_seq` (up to `until`, exclusive) from the replay socket."""
+    async def catch_up(self, until: int | None = None) -> bool:
+        """Apply buffered batches after `last_seq` (up to `until`, exclusive) from the replay socket.
+        Without `until`, that is every batch the pod had sent when it answered. False if it did not."""
         if self.replay_endpoint is None:
-            return
+            return False
         start = self.last_seq + 1
         got = await fetch_replay(self._ctx, self.replay_endpoint, start)
         if got is None:
             log.warning("KV events of %s: replay did not answer", self.pod)
-            return
+            return False
         if got and got[0][0] > start:
             if self.last_seq >= 0:  # a hole in what we applied (at startup, older history is just gone)
                 self._count(self.pod, "missed", got[0][0] - start)
@@ -144,6 +147,7 @@ class PodEventStream:
             if seq > self.last_seq:
                 self._count(self.pod, "replayed", 1)
                 self._apply(seq, payload)
+        return True
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:

@@ -38,6 +38,7 @@ from kvpilot.daemon.engine.block_hash import BlockHash
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = -1
+_IDLE = object()  # the publisher thread found nothing queued
 HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_hash.py's keys for consumers
 
 
@@ -210,16 +211,23 @@ class KVEventPublisher:
     def _run(self) -> None:
         try:
             while True:
-                if self._replay is not None:
-                    while self._replay.poll(0):
-                        self._serve_replay()
                 try:
                     batch = self._queue.get(timeout=0.02)
                 except queue.Empty:
-                    continue
-                if batch is None:
-                    return
-                self._send(batch)
+                    batch = _IDLE
+                # Send everything queued before answering replays: a replay asked for after the daemon
+                # answered (a reset, say) then covers every batch recorded before that answer.
+                while batch is not _IDLE:
+                    if batch is None:
+                        return
+                    self._send(batch)
+                    try:
+                        batch = self._queue.get_nowait()
+                    except queue.Empty:
+                        batch = _IDLE
+                if self._replay is not None:
+                    while self._replay.poll(0):
+                        self._serve_replay()
         except Exception:  # noqa: BLE001 - events are advisory: the engine keeps serving without them
             log.exception("KV event publisher stopped")
         finally:
