@@ -135,7 +135,7 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
     status = 0
     try:
-        async with r.session.post(pod.url + request.path, data=raw, headers=headers) as up:
+        async with r.session.post(pod.url + request.path_qs, data=raw, headers=headers) as up:
             status = up.status
             out_headers = {h: up.headers[h] for h in FORWARD_RESPONSE_HEADERS if h in up.headers}
             out_headers[POD_HEADER] = pod.name
