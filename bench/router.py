@@ -8,10 +8,11 @@ brought in, while one that routes by cached prefix (prefix-aware) lets each pod 
 Both policies run in the same process against the same daemons; each run starts from a fleet reset
 through its router (cold caches). Per policy: the fleet's prefix hit rate (cached / prompt tokens, from
 `usage`), TTFT p50/p99, requests per pod, and for prefix-aware the predicted vs reported cached tokens.
-Then the prefix-aware router's fleet is reset through the router and every system prompt is sent once
-at once: predictions made from a stale index would show up as `stale_predictions` (must be 0).
+Then one probe (every system prompt once, at once) goes through the warm prefix-aware router just before
+and right after a fleet reset through it: before, the index predicts the cached prefixes; after, any
+prediction from a block the reset made unreachable shows up as `stale_predictions` (must be 0).
 
-    .venv/bin/python bench/router.py                  # 6 prompts x 8 users, 4 clients, 2 daemons
+    .venv/bin/python bench/router.py                  # 8 prompts x 6 users, 4 clients, 2 daemons, 2 repeats
     .venv/bin/python bench/router.py --prompts 8 --users 16 --concurrency 8
 
 Results go to bench/results/router.json.
@@ -194,12 +195,13 @@ def delta(after: dict, before: dict, name: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=6, help="shared system prompts (default 6)")
-    p.add_argument("--users", type=int, default=8, help="users per system prompt (default 8)")
+    p.add_argument("--prompts", type=int, default=8, help="shared system prompts (default 8)")
+    p.add_argument("--users", type=int, default=6, help="users per system prompt (default 6)")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     p.add_argument("--kv-blocks", type=int, default=64,
                    help="KV blocks per daemon (default 64: about half the system prompts fit)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=2, help="runs per policy, alternating (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(ROOT / "bench" / "results" / "router.json"))
     args = p.parse_args()
@@ -238,48 +240,71 @@ def main() -> int:
         # Warm-up (first-call costs), then cold caches for every measured run.
         asyncio.run(run_load(routers["round-robin"], work[:2], 2, 2))
 
-        runs = {}
-        for policy in ("round-robin", "prefix-aware"):
-            url = routers[policy]
-            asyncio.run(fleet_reset(url))
-            before = router_metrics(url)
-            start = time.perf_counter()
-            results = asyncio.run(run_load(url, work, args.concurrency, args.max_tokens))
-            wall = time.perf_counter() - start
-            after = router_metrics(url)
-            run = summarize(results) | {"wall_s": wall}
-            if policy == "prefix-aware":
+        # Alternate the policies (RR PA PA RR ...) so that drift in the machine's load hits both alike.
+        runs: list[dict] = []
+        order = [("round-robin", "prefix-aware"), ("prefix-aware", "round-robin")]
+        for rep in range(args.repeats):
+            for policy in order[rep % 2]:
+                url = routers[policy]
+                asyncio.run(fleet_reset(url))
+                before = router_metrics(url)
+                start = time.perf_counter()
+                results = asyncio.run(run_load(url, work, args.concurrency, args.max_tokens))
+                wall = time.perf_counter() - start
+                after = router_metrics(url)
+                run = {"policy": policy, "repeat": rep} | summarize(results) | {"wall_s": wall}
                 run["predicted_cached_tokens"] = delta(after, before, "predicted_cached_tokens_total")
                 run["reported_cached_tokens"] = delta(after, before, "reported_cached_tokens_total")
                 run["stale_predictions"] = delta(after, before, "stale_predictions_total")
-            runs[policy] = run
-            print(
-                f"{policy:13s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:7.0f} ms  "
-                f"p99 {run['ttft_p99_ms']:7.0f} ms  pods {run['requests_per_pod']}  {wall:.1f} s",
-                flush=True,
-            )
+                runs.append(run)
+                print(
+                    f"{policy:13s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:7.0f} ms  "
+                    f"p99 {run['ttft_p99_ms']:7.0f} ms  pods {run['requests_per_pod']}  {wall:.1f} s",
+                    flush=True,
+                )
 
-        # Right after a fleet reset, through the warm prefix-aware router: no prediction may come from
-        # blocks the reset made unreachable.
+        # The same probe (every system prompt once, all at once) through the warm prefix-aware router,
+        # just before and right after a fleet reset through it: before, the index predicts the cached
+        # prefixes; after, a prediction from a block the reset made unreachable would be stale.
         url = routers["prefix-aware"]
+        probe = [(s, "Hello?") for s in systems]
+
+        def probe_predictions() -> dict:
+            before = router_metrics(url)
+            results = asyncio.run(run_load(url, probe, len(probe), 2))
+            after = router_metrics(url)
+            return {
+                "requests": len(results),
+                "errors": sum(1 for r in results if "error" in r),
+                "predicted_cached_tokens": delta(after, before, "predicted_cached_tokens_total"),
+                "reported_cached_tokens": delta(after, before, "reported_cached_tokens_total"),
+                "stale_predictions": delta(after, before, "stale_predictions_total"),
+            }
+
+        before_reset = probe_predictions()
         reset_reply = asyncio.run(fleet_reset(url))
-        before = router_metrics(url)
-        after_reset = asyncio.run(run_load(url, [(s, "Hello?") for s in systems], len(systems), 2))
-        after = router_metrics(url)
-        stale = {
-            "requests": len(after_reset),
-            "predicted_cached_tokens": delta(after, before, "predicted_cached_tokens_total"),
-            "reported_cached_tokens": delta(after, before, "reported_cached_tokens_total"),
-            "stale_predictions": delta(after, before, "stale_predictions_total"),
-            "reset_epochs": {p["pod"]: p["epoch"] for p in reset_reply["pods"]},
-        }
+        stale = probe_predictions() | {"reset_epochs": {p["pod"]: p["epoch"] for p in reset_reply["pods"]},
+                                       "same_probe_before_reset": before_reset}  # fmt: skip
         print(f"after reset: {stale}", flush=True)
         events = router_metrics(url)
-        rr, pa = runs["round-robin"], runs["prefix-aware"]
+        per_policy = {}
+        for policy in ("prefix-aware", "round-robin"):
+            mine = [r for r in runs if r["policy"] == policy]
+            per_policy[policy] = {
+                "prefix_hit_rate": statistics.fmean(r["prefix_hit_rate"] for r in mine),
+                "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in mine),
+                "ttft_p99_ms": statistics.median(r["ttft_p99_ms"] for r in mine),
+                "errors": sum(r["errors"] for r in mine),
+            }
+        pa, rr = per_policy["prefix-aware"], per_policy["round-robin"]
+        print(f"prefix-aware vs round-robin: hit {pa['prefix_hit_rate']:.3f} vs {rr['prefix_hit_rate']:.3f}, "
+              f"TTFT p50 {pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms (median of {args.repeats} runs "
+              f"each); stale predictions after the reset: {stale['stale_predictions']:.0f}")  # fmt: skip
         doc = {
             "bench": "router",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": f"{os.cpu_count()} CPUs (shared)",
+            "machine": f"{os.cpu_count()} CPUs, shared with other work (load average "
+            f"{os.getloadavg()[0]:.1f} at the end)",
             "model": MODEL,
             "daemons": 2,
             "workload": {
@@ -289,9 +314,10 @@ def main() -> int:
                 "concurrency": args.concurrency,
                 "max_tokens": args.max_tokens,
                 "kv_blocks_per_daemon": args.kv_blocks,
+                "repeats": args.repeats,
                 "seed": args.seed,
             },  # fmt: skip
-            "runs": runs,
+            "summary": per_policy,
             "prefix_aware_vs_round_robin": {
                 "hit_rate": [pa["prefix_hit_rate"], rr["prefix_hit_rate"]],
                 "ttft_p50_ratio": pa["ttft_p50_ms"] / rr["ttft_p50_ms"],
@@ -301,6 +327,7 @@ def main() -> int:
                 r: total(events, "kv_event_batches_total", f'result="{r}"')
                 for r in ("received", "replayed", "missed")
             },  # fmt: skip
+            "runs": runs,
         }
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")
