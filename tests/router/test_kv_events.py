@@ -149,3 +149,35 @@ def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngin
         k for p in range(5) for k in prompt_block_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
     ]
     assert index.matched_blocks(keys[-2:], ["pod"]) == complete.matched_blocks(keys[-2:], ["pod"])
+
+
+def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -> None:  # noqa: ANN001
+    import aiohttp
+    from aiohttp import web
+
+    from kvpilot.daemon.server.app import create_app
+
+    async def get(engine: LLMEngine) -> tuple[int, dict]:
+        runner = web.AppRunner(create_app(engine))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/kv_events") as r:
+                return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    off = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8))
+    status, body = asyncio.run(get(off))
+    assert status == 404 and "--kv-events-endpoint" in body["error"]["message"]
+    on = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, kv_events_endpoint="tcp://0.0.0.0:*")
+    )
+    status, body = asyncio.run(get(on))  # the app's cleanup closes the publisher
+    assert status == 200, body
+    port = on.kv_events.endpoint.rsplit(":", 1)[1]
+    # a wildcard bind is named by the address the client reached
+    assert body["endpoint"] == f"tcp://127.0.0.1:{port}" and body["replay_endpoint"] is None
+    assert body["block_size"] == 16 and body["ranks"][0]["rank"] == 0
