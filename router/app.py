@@ -26,7 +26,7 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin
-from kvpilot.router.prompts import PromptReader, Prompts
+from kvpilot.router.prompts import PromptReader
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise _no_pod()
         decision = r.policy.choose(pods, prompts)
         try:
-            return await _proxy(request, r, decision, raw, prompts)
+            return await _proxy(request, r, decision, raw)
         except aiohttp.ClientConnectorError:
             # Never reached the pod, so nothing ran there: safe to send elsewhere.
             log.warning("%s is unreachable; trying another pod", decision.pod.name)
@@ -125,8 +125,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             tried.add(decision.pod.name)
 
 
-async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes,
-                 prompts: Prompts | None) -> web.StreamResponse:  # fmt: skip
+async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
     pod = decision.pod
     policy = r.policy.name
     r.metrics.decisions.labels(pod.name, policy, decision.reason).inc()
@@ -144,9 +143,16 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
                     resp = web.StreamResponse(status=up.status, headers=out_headers)
                     await resp.prepare(request)
                     tail = b""
-                    async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                        tail = (tail + chunk)[-16384:]
+                    try:
+                        async for chunk in up.content.iter_any():
+                            await resp.write(chunk)
+                            tail = (tail + chunk)[-16384:]
+                    except aiohttp.ClientError as exc:  # headers are sent: end the stream with an error event
+                        log.warning("%s failed mid-stream: %s", pod.name, exc)
+                        err = ApiError(
+                            502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway"
+                        )
+                        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                     await resp.write_eof()
                     _record_usage(r, decision, _sse_usage(tail))
                     return resp

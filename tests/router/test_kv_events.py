@@ -181,3 +181,43 @@ def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -
     # a wildcard bind is named by the address the client reached
     assert body["endpoint"] == f"tcp://127.0.0.1:{port}" and body["replay_endpoint"] is None
     assert body["block_size"] == 16 and body["ranks"][0]["rank"] == 0
+
+
+def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine) -> None:
+    """The pod goes away (its connection drops): its entries go; its successor's stream, numbered from 0
+    again, is followed."""
+    from kvpilot.daemon.engine.kv_events import KVEventPublisher
+
+    first = engine.kv_events
+
+    async def until(check, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def go() -> tuple[PrefixIndex, list]:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex()
+        stream = PodEventStream("pod", first.endpoint, first.replay_endpoint, index, lambda *a: None, ctx)
+        task = asyncio.create_task(stream.run())
+        await stream.synced.wait()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, engine.generate, [list(range(300, 340))], GREEDY)
+        await until(lambda: index.num_blocks("pod") == 2, "the first publisher's blocks")
+        first.close()  # the daemon stops
+        await until(lambda: index.num_blocks("pod") == 0, "the pod's entries to go with its connection")
+        engine.reset_prefix_cache()  # a restarted daemon starts empty...
+        second = KVEventPublisher(first.endpoint, first.replay_endpoint, BS)  # ...and counts from 0 again
+        engine.kv_events, engine.kv.pool.events = second, second.recorder
+        await loop.run_in_executor(None, engine.generate, [list(range(400, 456))], GREEDY)
+        await until(lambda: index.num_blocks("pod") == 3, "the second publisher's blocks")
+        keys = prompt_block_hashes(list(range(400, 448)), BS)
+        matched = index.matched_blocks(keys, ["pod"])["pod"]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.term()
+        return index, [matched]
+
+    index, (matched,) = asyncio.run(go())
+    assert matched == 3 and index.num_blocks("pod") == engine.kv.pool.num_indexed_blocks == 3
