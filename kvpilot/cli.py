@@ -85,6 +85,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="file holding the admin token for /reset_prefix_cache (else $KVPILOT_ADMIN_TOKEN)",
     )
     p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish KV cache events (vLLM's format, ZeroMQ PUB) on this address; default off",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="serve missed KV events again on this address (ZeroMQ ROUTER); needs --kv-events-endpoint",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -140,6 +152,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads,
         max_queued_requests=args.max_queued_requests,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
@@ -218,12 +232,79 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 1 if any(r.errors for r in runs) else 0
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "router",
+        help="run the fleet router (OpenAI reverse proxy, prefix-aware routing, fleet-wide reset)",
+        description="Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' "
+        "KV events), and reset every pod's prefix cache with one POST /reset_prefix_cache.",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoints", metavar="URL,...",
+                       help="the pods' HTTP addresses, comma-separated: http://HOST:PORT,...")  # fmt: skip
+    where.add_argument("--fleet", metavar="NAME",
+                       help="route to the ready pods of Service NAME (an InferenceDeployment's), from its "
+                       "EndpointSlices (in-cluster, or the current kubeconfig)")  # fmt: skip
+    p.add_argument("-n", "--namespace", default=None,
+                   help="namespace of --fleet (default: the router's own namespace in-cluster, else default)")  # fmt: skip
+    p.add_argument("--policy", default="prefix-aware", choices=["prefix-aware", "round-robin", "least-load"],
+                   help="how a pod is chosen (default prefix-aware)")  # fmt: skip
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory whose tokenizer the pods use (default: the embedded model)")  # fmt: skip
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--admin-token-file", default=None,
+                   help="admin token for /reset_prefix_cache, also sent to the pods (else $KVPILOT_ADMIN_TOKEN)")  # fmt: skip
+    p.add_argument("--reset-timeout", type=float, default=60.0,
+                   help="seconds a fleet reset may take before unfinished pods count as failed (default 60)")  # fmt: skip
+    p.set_defaults(handler=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
+    from kvpilot.router.app import RouterSettings, serve
+    from kvpilot.router.pods import parse_endpoints
+
+    try:
+        token = load_admin_token(args.admin_token_file)
+        pods = parse_endpoints(args.endpoints) if args.endpoints else None
+    except (AdminTokenError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+    if args.fleet:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            log.error("--fleet needs the kubernetes client: pip install 'kvpilot[operator]'")
+            return 2
+    namespace = args.namespace or _own_namespace()
+    settings = RouterSettings(host=args.host, port=args.port, policy=args.policy, admin_token=token,
+                              reset_timeout_s=args.reset_timeout)  # fmt: skip
+    try:
+        return asyncio.run(serve(settings, args.model, pods, args.fleet, namespace))
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return 1
+
+
+def _own_namespace() -> str:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
 # name -> function adding the subcommand.
 _COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "serve": _add_serve,
     "operator": add_operator_parser,
     "reset": add_reset_parser,
     "bench": _add_bench,
+    "router": _add_router,
 }
 
 

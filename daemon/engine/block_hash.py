@@ -2,7 +2,8 @@
 
 A block's key is sha256(parent key | token ids | extra keys). Chaining the parent makes the key name
 the whole prefix, not just the block's own tokens; sha256 makes it collision-resistant and the same in
-every process (Python's hash() is salted per process), so keys could be published to a router later.
+every process (Python's hash() is salted per process), so keys are published as KV events and the
+fleet router (`kvpilot.router`) computes the very same keys from a request's tokens with this module.
 Extra keys (e.g. a tenant's `cache_salt`) enter the first block only, which is enough: every later key
 chains from it, so two salts never share any block.
 """
@@ -28,6 +29,21 @@ def hash_block(
         h.update(b"\x00extra\x00")
         h.update(extra)
     return BlockHash(h.digest())
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The extra key a request's `cache_salt` adds to its first block (empty without a salt)."""
+    # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
+    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+
+
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The keys of every full block of `token_ids`, as the engine computes them for a request."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, block_size, salt_key(cache_salt))
+    return hashes
 
 
 def extend_block_hashes(

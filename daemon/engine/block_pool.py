@@ -13,8 +13,12 @@ very block, so stale keys are harmless and are dropped lazily when the block is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -85,6 +89,7 @@ class BlockPool:
         self._num_cached_free = 0
         self._retired: list[dict[BlockHash, KVBlock]] = []
         self.epoch = 0
+        self.events: KVEventRecorder | None = None  # set when KV events are published
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -107,12 +112,15 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self._index.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Index a full, computed, in-use block. A key that is already indexed keeps its first block."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Index a full, computed, in-use block; True if the key is new. A key that is already indexed
+        keeps its first block."""
         assert block.ref_cnt > 0, "only blocks held by a request are indexed"
-        if block_hash not in self._index:
-            self._index[block_hash] = block
-            block.block_hash = block_hash
+        if block_hash in self._index:
+            return False
+        self._index[block_hash] = block
+        block.block_hash = block_hash
+        return True
 
     def reset(self) -> int:
         """Make every indexed block unreachable at once; returns how many were reachable."""
@@ -123,6 +131,8 @@ class BlockPool:
         self._index = {}
         self._num_cached_free = 0
         self.epoch += 1
+        if self.events is not None:
+            self.events.all_cleared()
         return evicted
 
     def release_retired(self) -> None:
@@ -148,6 +158,8 @@ class BlockPool:
                 if self.is_cached(b):  # evicting the least recently used cached block
                     del self._index[b.block_hash]
                     self._num_cached_free -= 1
+                    if self.events is not None:
+                        self.events.block_removed(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)

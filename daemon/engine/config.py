@@ -25,6 +25,8 @@ class EngineConfig:
         None  # torch threads on the CPU; None: usable CPUs (affinity, cgroup quota) but one
     )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
+    kv_events_endpoint: str | None = None  # ZeroMQ PUB address for KV events (kv_events.py); None: off
+    kv_events_replay_endpoint: str | None = None  # ZeroMQ ROUTER address serving missed events again
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -35,6 +37,8 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("a KV events replay endpoint needs a KV events endpoint")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 

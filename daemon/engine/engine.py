@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
 from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.kernels import select_ops
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
         self.sampler = Sampler()
         self._groups: dict[str, list[Request]] = {}
+        self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         self._resets = 0
         self._last_reset_time: float | None = None
         log.info(
@@ -145,10 +150,17 @@ class LLMEngine:
         self.kv.pool.release_retired()  # the index dropped by the last reset, freed off its clock
         out = self.scheduler.schedule()
         if not out.chunks:
+            self._flush_kv_events()
             return []
         logits = self.runner.execute(out)
         sampled = self._sample(out, logits)
-        return [self._output(seq) for seq in self.scheduler.update(out, sampled)]
+        advanced = self.scheduler.update(out, sampled)
+        self._flush_kv_events()
+        return [self._output(seq) for seq in advanced]
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step
 
     def _sample(
         self, out: SchedulerOutput, logits: torch.Tensor
@@ -239,6 +251,8 @@ class LLMEngine:
         evicted = self.kv.reset_prefix_cache()
         self._resets += 1
         self._last_reset_time = time.time()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # AllBlocksCleared is on its way before the reset answers
         return ResetResult(
             success=True,
             epoch=self.kv.epoch,
@@ -284,6 +298,21 @@ class LLMEngine:
                     outputs[o.request_id].extend(o.new_token_ids)
             pending = {i for i in pending if i in self._groups}
         return [outputs[i] for i in ids]
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        if not self.config.kv_events_endpoint:
+            return None
+        from kvpilot.daemon.engine.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint, self.config.block_size
+        )
+        self.kv.pool.events = publisher.recorder
+        return publisher
 
     def _blocks_from_memory(self, model) -> int:  # noqa: ANN001
         per_block = kv_bytes_per_block(model, self.config.block_size, self.dtype)

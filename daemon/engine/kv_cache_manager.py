@@ -103,8 +103,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         req.update_block_hashes(self.block_size)
+        events = self.pool.events
         for i in range(start, num_full):
-            self.pool.cache_block(held[i], req.block_hashes[i])
+            if self.pool.cache_block(held[i], req.block_hashes[i]) and events is not None:
+                events.block_stored(req.block_hashes, i, req.all_token_ids)
         self._num_indexed[req.request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes, salt_key
 from kvpilot.daemon.engine.outputs import TokenLogprob
 
 # Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
@@ -127,8 +127,7 @@ class Request:
 
     @property
     def salt_bytes(self) -> bytes:
-        # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
-        return self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt else b""
+        return salt_key(self.cache_salt)
 
     @property
     def stop_ids_blocked(self) -> bool:

@@ -56,6 +56,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/prefix_cache", prefix_cache)
     app.router.add_get("/openapi.json", openapi_schema)
+    app.router.add_get("/kv_events", kv_events)
     app.on_startup.append(_start_engine_loop)
     app.on_cleanup.append(_stop_engine_loop)
     return app
@@ -71,6 +72,9 @@ async def _stop_engine_loop(app: web.Application) -> None:
     if app[STATE].loop is not None:
         await app[STATE].loop.stop()
     app[STATE].text.shutdown()
+    close = getattr(app[STATE].engine, "close", None)
+    if close is not None:
+        close()
 
 
 def _error_response(err: ApiError, extra: dict | None = None) -> web.Response:
@@ -158,6 +162,16 @@ async def prefix_cache(request: web.Request) -> web.Response:
     body["enable_prefix_caching"] = bool(state.engine.config.enable_prefix_caching)
     body["engine_steps"] = loop.state.steps
     return web.json_response(body)
+
+
+async def kv_events(request: web.Request) -> web.Response:
+    """Where this daemon publishes its KV events, so a router needs only its HTTP address."""
+    publisher = getattr(request.app[STATE].engine, "kv_events", None)
+    if publisher is None:
+        raise ApiError(
+            404, "KV events are off (start the daemon with --kv-events-endpoint)", code="not_found"
+        )
+    return web.json_response(publisher.describe(request.url.host))
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:

@@ -1,0 +1,333 @@
+"""The router's HTTP server: OpenAI routes proxied to a chosen pod, fleet-wide reset, health, metrics.
+
+A generation request is read once (to tokenize it for the policy), then its raw body goes unchanged to
+the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
+A client that hangs up cancels its handler, which closes the upstream connection, so the pod aborts the
+request within one engine step, as if the client had called the pod directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
+from kvpilot.router.fleet_reset import reset_pods
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.pods import Fleet, Pod
+from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin
+from kvpilot.router.prompts import PromptReader
+
+log = logging.getLogger(__name__)
+
+FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
+FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering")
+POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    policy: str = "prefix-aware"
+    admin_token: str | None = None
+    reset_timeout_s: float = 60.0
+    # After a pod's reset, how long its AllBlocksCleared event may take to arrive before the router
+    # empties that pod's entries itself (and ignores its events until the clear arrives).
+    clear_wait_s: float = 5.0
+    max_body_bytes: int = 4 << 20
+
+
+@dataclass(slots=True)
+class Router:
+    settings: RouterSettings
+    fleet: Fleet
+    index: PrefixIndex
+    policy: RoundRobin
+    reader: PromptReader | None
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession
+
+
+ROUTER = web.AppKey("kvpilot_router", Router)
+
+
+def make_policy(name: str, index: PrefixIndex) -> RoundRobin:
+    if name == "prefix-aware":
+        return PrefixAware(index)
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def create_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=router.settings.max_body_bytes, middlewares=[_errors])
+    app[ROUTER] = router
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return web.json_response(err.body(), status=err.status)
+    except web.HTTPRequestEntityTooLarge:
+        err = ApiError(413, "the request body is too large", code="request_too_large")
+        return web.json_response(err.body(), status=413)
+
+
+def _no_pod() -> ApiError:
+    return ApiError(503, "no pod of the fleet is ready", code="no_ready_pod")
+
+
+# ---- OpenAI routes -------------------------------------------------------------------------------
+async def generate(request: web.Request) -> web.StreamResponse:
+    r = request.app[ROUTER]
+    raw = await request.read()
+    prompts = None
+    if r.reader is not None and r.policy.needs_prompts:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # the pod answers the 400
+        prompts = await asyncio.to_thread(r.reader.read, request.path, body) if raw else None
+    tried: set[str] = set()
+    while True:
+        pods = [p for p in r.fleet.ready_pods() if p.name not in tried]
+        if not pods:
+            raise _no_pod()
+        decision = r.policy.choose(pods, prompts)
+        try:
+            return await _proxy(request, r, decision, raw)
+        except aiohttp.ClientConnectorError:
+            # Never reached the pod, so nothing ran there: safe to send elsewhere.
+            log.warning("%s is unreachable; trying another pod", decision.pod.name)
+            r.fleet.mark_unready(decision.pod)
+            tried.add(decision.pod.name)
+
+
+async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
+    pod = decision.pod
+    policy = r.policy.name
+    r.metrics.decisions.labels(pod.name, policy, decision.reason).inc()
+    headers = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
+    pod.in_flight += 1
+    r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
+    status = 0
+    try:
+        async with r.session.post(pod.url + request.path_qs, data=raw, headers=headers) as up:
+            status = up.status
+            out_headers = {h: up.headers[h] for h in FORWARD_RESPONSE_HEADERS if h in up.headers}
+            out_headers[POD_HEADER] = pod.name
+            try:
+                if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    resp = web.StreamResponse(status=up.status, headers=out_headers)
+                    await resp.prepare(request)
+                    tail = b""
+                    try:
+                        async for chunk in up.content.iter_any():
+                            await resp.write(chunk)
+                            tail = (tail + chunk)[-16384:]
+                    except aiohttp.ClientError as exc:  # headers are sent: end the stream with an error event
+                        log.warning("%s failed mid-stream: %s", pod.name, exc)
+                        err = ApiError(
+                            502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway"
+                        )
+                        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                    await resp.write_eof()
+                    _record_usage(r, decision, _sse_usage(tail))
+                    return resp
+                body = await up.read()
+                _record_usage(r, decision, _json_usage(body))
+                return web.Response(body=body, status=up.status, headers=out_headers)
+            except BaseException:
+                up.close()  # drop the connection: the pod sees the client leave and aborts
+                raise
+    except aiohttp.ClientConnectorError:
+        raise
+    except aiohttp.ClientError as exc:
+        log.warning("%s failed mid-request: %s", pod.name, exc)
+        raise ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway") from None
+    finally:
+        pod.in_flight -= 1
+        r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
+        r.metrics.requests.labels(pod.name, policy, str(status)).inc()
+
+
+def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
+    """Compare the predicted cached tokens with what the pod reported (when both are known)."""
+    if decision.predicted_cached_tokens is None or not isinstance(usage, dict):
+        return
+    details = usage.get("prompt_tokens_details")
+    reported = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(reported, int):
+        return
+    name = decision.pod.name
+    r.metrics.predicted.labels(name).inc(decision.predicted_cached_tokens)
+    r.metrics.reported.labels(name).inc(reported)
+    if reported < decision.predicted_cached_tokens:
+        r.metrics.stale.labels(name).inc()
+
+
+def _json_usage(body: bytes) -> dict | None:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc.get("usage") if isinstance(doc, dict) else None
+
+
+def _sse_usage(tail: bytes) -> dict | None:
+    """The usage chunk of a stream (sent last, when the client asked for stream_options.include_usage)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage")
+            except ValueError:
+                return None
+            return usage if isinstance(usage, dict) else None
+    return None
+
+
+async def models(request: web.Request) -> web.Response:
+    r = request.app[ROUTER]
+    for pod in r.fleet.ready_pods():
+        try:
+            async with r.session.get(pod.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as up:
+                return web.Response(body=await up.read(), status=up.status,
+                                    content_type="application/json")  # fmt: skip
+        except (TimeoutError, aiohttp.ClientError):
+            r.fleet.mark_unready(pod)
+    raise _no_pod()
+
+
+# ---- operations ----------------------------------------------------------------------------------
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    r = request.app[ROUTER]
+    if not authorized(request.headers.get("Authorization"), r.settings.admin_token):
+        r.metrics.resets.labels("unauthorized").inc()
+        raise ApiError(401, "a valid admin token is required: Authorization: Bearer <token>",
+                       code="invalid_admin_token")  # fmt: skip
+    raw = await request.read()
+    body = None
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "the body must be JSON", code="invalid_json") from None
+    flag = parse_reset_flag(
+        request.query.get("reset_running_requests"), body if isinstance(body, dict) else None
+    )
+    pods = list(r.fleet.pods)
+    clears_before = {p.name: r.index.clears(p.name) for p in pods}
+    results = await reset_pods(pods, r.settings.admin_token, flag, r.settings.reset_timeout_s)
+    # The index must not route on pre-reset blocks once we answer: wait for each reset pod's
+    # AllBlocksCleared (its earlier events come before it, in order), or drop its entries ourselves.
+    by_name = {p.name: p for p in pods}
+    waits = [_await_clear(r, by_name[res.pod], clears_before[res.pod]) for res in results if res.success]
+    await asyncio.gather(*waits)
+    failed = [res.pod for res in results if not res.success]
+    r.metrics.resets.labels("failed" if failed else "success").inc()
+    body_out: dict[str, Any] = {"success": not failed, "pods": [res.to_dict() for res in results]}
+    if failed:
+        log.warning("fleet reset failed on %s", ", ".join(failed))
+        err = ApiError(502, f"the prefix cache reset failed on {len(failed)} of {len(results)} pods: "
+                       + ", ".join(failed), code="reset_failed")  # fmt: skip
+        body_out.update(err.body())
+        return web.json_response(body_out, status=502)
+    log.info("fleet reset: %d pods", len(results))
+    return web.json_response(body_out)
+
+
+async def _await_clear(r: Router, pod: Pod, before: int) -> None:
+    """Make the pod's entries reflect its reset before the router answers."""
+    if pod.kv_events != "on":
+        r.index.clear(pod.name)  # nothing indexed from it; keep it that way
+        return
+    # The pod recorded AllBlocksCleared before answering, and its publisher sends what it recorded
+    # before serving a replay: one replay now brings every batch up to and including the clear.
+    caught_up = [await s.catch_up() for s in pod.streams]
+    if all(caught_up) and r.index.clears(pod.name) > before:
+        return
+    if not await r.index.wait_cleared(pod.name, before, r.settings.clear_wait_s):
+        log.warning("%s: no AllBlocksCleared within %.1fs of its reset; ignoring its events until one "
+                    "arrives", pod.name, r.settings.clear_wait_s)  # fmt: skip
+        r.index.distrust(pod.name)
+
+
+async def health(request: web.Request) -> web.Response:
+    r = request.app[ROUTER]
+    pods = [
+        {"pod": p.name, "url": p.url, "ready": p.ready, "in_flight": p.in_flight, "kv_events": p.kv_events,
+         "synced": p.synced(), "indexed_blocks": r.index.num_blocks(p.name)}
+        for p in r.fleet.pods
+    ]  # fmt: skip
+    ok = any(p.ready for p in r.fleet.pods)
+    return web.json_response({"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name,
+                              "pods": pods}, status=200 if ok else 503)  # fmt: skip
+
+
+async def metrics(request: web.Request) -> web.Response:
+    r = request.app[ROUTER]
+    for p in r.fleet.pods:
+        r.metrics.indexed_blocks.labels(p.name).set(r.index.num_blocks(p.name))
+    return web.Response(body=r.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---- running -------------------------------------------------------------------------------------
+async def serve(settings: RouterSettings, model: str | None, pods: list[Pod] | None = None,
+                fleet_name: str | None = None, namespace: str = "default") -> int:  # fmt: skip
+    """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
+    index = PrefixIndex()
+    metrics_ = RouterMetrics()
+    policy = make_policy(settings.policy, index)
+    reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        fleet = Fleet(index, metrics_, session)
+        router = Router(settings, fleet, index, policy, reader, metrics_, session)
+        app = create_app(router)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watch = None
+        if fleet_name is not None:
+            from kvpilot.router.discovery import EndpointSliceWatch
+
+            watch = EndpointSliceWatch(fleet_name, namespace, fleet.update)
+            watch.start()
+        else:
+            fleet.update(pods or [])
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        log.info("routing %s on http://%s:%d to %s", settings.policy, settings.host, settings.port,
+                 f"the endpoints of {namespace}/{fleet_name}" if fleet_name else ", ".join(p.name for p in pods or []))  # fmt: skip
+        await stop.wait()
+        log.info("shutting down")
+        if watch is not None:
+            watch.stop()
+        await runner.cleanup()
+        await fleet.stop()
+    return 0

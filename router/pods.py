@@ -1,0 +1,185 @@
+"""The fleet's pods as the router sees them: address, readiness, load, and their KV event streams.
+
+Each pod is probed on its own (GET /health every few seconds); once it answers, GET /kv_events tells
+where it publishes, and one `PodEventStream` per rank keeps the prefix index current. A pod that serves no
+KV events (404) is still routed to, by load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import zmq.asyncio
+
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_stream import PodEventStream
+from kvpilot.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Pod:
+    name: str
+    url: str  # http://host:port, no trailing slash
+    ready: bool = False
+    in_flight: int = 0
+    kv_events: str = "pending"  # pending (not asked yet) | off (the pod publishes none) | on
+    block_size: int | None = None  # of the pod's KV events; None while they are not followed
+    streams: list[PodEventStream] = field(default_factory=list)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
+
+    def synced(self) -> bool:
+        return bool(self.streams) and all(s.synced.is_set() for s in self.streams)
+
+
+def parse_endpoints(text: str) -> list[Pod]:
+    """`--endpoints http://a:8000,http://b:8000` -> pods named host:port."""
+    pods, seen = [], set()
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        url = item if "://" in item else f"http://{item}"
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--endpoints: {item!r} is not an http://HOST:PORT address")
+        name = f"{parts.hostname}:{parts.port or 80}"
+        if name in seen:
+            raise ValueError(f"--endpoints: {name} is listed twice")
+        seen.add(name)
+        pods.append(Pod(name, f"{parts.scheme}://{parts.netloc}"))
+    if not pods:
+        raise ValueError("--endpoints: no address given")
+    return pods
+
+
+class Fleet:
+    """The pods currently in the fleet; `update()` takes a new list (static, or from EndpointSlices)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        probe_interval_s: float = 2.0,
+    ) -> None:
+        self.pods: list[Pod] = []
+        self.index = index
+        self.metrics = metrics
+        self._session = session
+        self._probe_interval_s = probe_interval_s
+        self._ctx = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def ready_pods(self) -> list[Pod]:
+        return [p for p in self.pods if p.ready]
+
+    def update(self, pods: list[Pod]) -> None:
+        """Follow `pods` from now on: new ones are probed, gone ones (or moved: new URL) are dropped
+        together with their index entries."""
+        old = {p.name: p for p in self.pods}
+        keep = []
+        for p in pods:
+            current = old.pop(p.name, None)
+            if current is not None and current.url == p.url:
+                keep.append(current)
+                continue
+            if current is not None:
+                self._tasks.pop(current.name).cancel()
+            keep.append(p)
+            self._tasks[p.name] = asyncio.create_task(self._watch(p), name=f"probe {p.name}")
+        for gone in old.values():
+            self._tasks.pop(gone.name).cancel()
+            self.index.clear(gone.name)
+            self.metrics.pod_ready.labels(gone.name).set(0)
+        if old or len(keep) != len(self.pods):
+            log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
+        self.pods = keep
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._ctx.term()
+
+    def mark_unready(self, pod: Pod) -> None:
+        pod.ready = False
+        self.metrics.pod_ready.labels(pod.name).set(0)
+
+    async def _watch(self, pod: Pod) -> None:
+        streams: list[asyncio.Task] = []
+        try:
+            while True:
+                pod.ready = await self._healthy(pod)
+                self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
+                if pod.ready and pod.kv_events == "pending":
+                    streams = await self._follow_events(pod)
+                self.metrics.indexed_blocks.labels(pod.name).set(self.index.num_blocks(pod.name))
+                await asyncio.sleep(self._probe_interval_s)
+        finally:
+            for t in streams:
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            self.index.clear(pod.name)  # whatever a cancelled stream applied last
+
+    async def _healthy(self, pod: Pod) -> bool:
+        try:
+            async with self._session.get(pod.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
+        try:
+            async with self._session.get(pod.url + "/kv_events", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 404:
+                    pod.kv_events = "off"
+                    log.info("%s publishes no KV events: routed by load only", pod.name)
+                    return []
+                if r.status != 200:
+                    return []
+                info = await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return []
+        ranks = info.get("ranks") or [info]
+        pod.block_size = int(info["block_size"])
+        pod.streams = [
+            PodEventStream(
+                pod.name,
+                r["endpoint"],
+                r.get("replay_endpoint"),
+                self.index,
+                self.metrics.count_kv,
+                self._ctx,
+            )  # fmt: skip
+            for r in ranks
+        ]
+        pod.kv_events = "on"
+        log.info("%s: following KV events at %s", pod.name, ", ".join(r["endpoint"] for r in ranks))
+        return [asyncio.create_task(_run_forever(s), name=f"kv events {pod.name}") for s in pod.streams]
+
+
+async def _run_forever(stream: PodEventStream) -> None:
+    """A stream that fails (bad address, a bug) is restarted after a pause rather than lost."""
+    while True:
+        try:
+            await stream.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - logged; the router keeps routing meanwhile
+            log.exception("KV events of %s failed; retrying", stream.pod)
+        stream.restart("stream failed")
+        await asyncio.sleep(1.0)

@@ -1,0 +1,142 @@
+"""Two real daemons publishing KV events, and `kvpilot router` processes in front of them, on loopback."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from server.conftest import ADMIN_TOKEN, Response, Server, free_port, start_server, stop_server
+
+
+def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
+    return start_server(tmp, "--host", host, "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
+                        "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}", token=token)  # fmt: skip
+
+
+@dataclass
+class RouterProc:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    token: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                timeout: float = 120.0) -> Response:  # fmt: skip
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            raw = json.dumps(body).encode() if body is not None else None
+            conn.request(
+                method, path, body=raw, headers={"Content-Type": "application/json", **(headers or {})}
+            )
+            resp = conn.getresponse()
+            return Response(resp.status, dict(resp.getheaders()), resp.read())
+        finally:
+            conn.close()
+
+    def admin(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def health(self) -> dict:
+        return self.request("GET", "/health").json()
+
+    def pod(self, name: str) -> dict:
+        return next(p for p in self.health()["pods"] if p["pod"] == name)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in self.request("GET", "/metrics").body.decode().splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str | None = ADMIN_TOKEN,
+                 all_pods: bool = True, env: dict | None = None) -> RouterProc:  # fmt: skip
+    """Start a router; return once every pod is ready and its KV events synced (or, with `all_pods`
+    false, once the router serves at all)."""
+    port = free_port()
+    log_path = tmp / f"router-{port}.log"
+    args = [sys.executable, "-m", "kvpilot", "router", "--host", "127.0.0.1", "--port", str(port), *extra]
+    if endpoints is not None:
+        args += ["--endpoints", ",".join(endpoints)]
+    if token is not None:
+        token_file = tmp / f"router-token-{port}"
+        token_file.write_text(token + "\n")
+        args += ["--admin-token-file", str(token_file)]
+    proc_env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"} | (env or {})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=proc_env)
+    router = RouterProc(proc, port, log_path, token)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvpilot router exited with {proc.returncode}:\n{router.log()}")
+        try:
+            h = router.health()
+            pods = h["pods"]
+            if (pods and all(p["ready"] and p["synced"] for p in pods)) or (
+                not all_pods and h["status"] == "ok"
+            ):
+                return router
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"kvpilot router did not become ready:\n{router.log()}")
+
+
+def stop_router(router: RouterProc) -> None:
+    stop_server(router)  # type: ignore[arg-type]  # SIGTERM, then kill: the same for any process
+    assert "Traceback" not in router.log(), router.log()[-4000:]
+
+
+@dataclass
+class Fleet:
+    daemons: list[Server]
+    router: RouterProc
+
+    def by_name(self, name: str) -> Server:
+        return next(d for d in self.daemons if f"127.0.0.1:{d.port}" == name)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    tmp = tmp_path_factory.mktemp("fleet")
+    daemons = [start_daemon(tmp), start_daemon(tmp)]
+    router = None
+    try:
+        router = start_router(tmp, [d.url for d in daemons])
+        yield Fleet(daemons, router)
+    finally:
+        if router is not None:
+            stop_router(router)
+        for d in daemons:
+            stop_server(d)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
+
+
+@pytest.fixture
+def quiet_fleet(fleet: Fleet) -> Fleet:
+    """The shared fleet with no request left running on any pod by an earlier test."""
+    deadline = time.monotonic() + 60
+    for d in fleet.daemons:
+        while (c := d.cache())["num_running"] or c["num_waiting"]:
+            assert time.monotonic() < deadline, c
+            time.sleep(0.2)
+    return fleet

@@ -1,0 +1,123 @@
+"""The router's index, fed only by KV events, equals the engine's own prefix index after every step,
+whatever the sequence of add / abort / step / reset (with preemption and LRU eviction), and predicts
+exactly the hits the engine then finds. Plus the pure parts: matching, distrust, policies, endpoints."""
+
+from __future__ import annotations
+
+import pytest
+from engine.test_accounting import SHARED_PREFIXES, ops  # the same random operations as the pool's test
+from hypothesis import HealthCheck, given, settings
+
+from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    EventBatch,
+    KVEventRecorder,
+    decode_batch,
+    encode_batch,
+)
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.pods import Pod, parse_endpoints
+from kvpilot.router.policy import LeastLoad, PrefixAware, RoundRobin
+from kvpilot.router.prompts import Prompts
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:  # noqa: ANN001
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=BS, num_kv_blocks=24,
+                                 max_num_batched_tokens=32, max_num_seqs=6))  # fmt: skip
+    eng.kv.pool.events = KVEventRecorder(BS)  # the publisher's recorder, without the sockets
+    return eng
+
+
+def sync(eng: LLMEngine, index: PrefixIndex) -> None:
+    # Through the wire encoding, as the router receives it.
+    batch = decode_batch(encode_batch(EventBatch(0.0, eng.kv.pool.events.drain())))
+    index.apply("pod", batch)
+    truth = set(eng.kv.pool._index)
+    assert index.num_blocks("pod") == len(truth)
+    assert all(index.matched_blocks([k], ["pod"])["pod"] == 1 for k in truth)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops)
+def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list) -> None:
+    index = PrefixIndex()
+    engine.reset_prefix_cache()
+    engine.kv.pool.events.drain()
+    added: list[str] = []
+    for op in ops:
+        if op[0] == "add":
+            _, n, max_tokens, prefix, salt = op
+            prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
+            # What the router predicts must be what the engine finds when it looks the prompt up.
+            usable = (len(prompt) - 1) // BS
+            keys = prompt_block_hashes(prompt[: usable * BS], BS, salt)
+            predicted = index.matched_blocks(keys, ["pod"])["pod"] * BS
+            rid = f"q{len(added)}-{id(ops)}"
+            req = engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
+            assert engine.kv.find_prefix(req).num_tokens == predicted
+            added.append(rid)
+        elif op[0] == "abort" and added:
+            engine.abort_request(added[op[1] % len(added)])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if engine.has_unfinished_requests():
+                    engine.step()
+        elif op[0] == "reset":
+            engine.reset_prefix_cache(reset_running_requests=op[1])
+        sync(engine, index)
+    for rid in added:
+        engine.abort_request(rid)
+    engine.kv.pool.events.drain()
+
+
+def test_matching_stops_at_the_first_missing_block_and_distrust_holds_until_a_clear() -> None:
+    index = PrefixIndex()
+    index.store("a", [b"1", b"2", b"3"])
+    index.store("b", [b"1", b"3"])
+    assert index.matched_blocks([b"1", b"2", b"3"], ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.distrust("a")
+    index.apply("a", EventBatch(0.0, [BlockStored([b"1"], None, [0] * 4, 4)]))
+    assert index.num_blocks("a") == 0  # pre-reset events still arriving are ignored
+    index.apply("a", EventBatch(0.0, [AllBlocksCleared(), BlockStored([b"1"], None, [0] * 4, 4)]))
+    assert index.num_blocks("a") == 1 and index.clears("a") == 1
+
+
+def pod(name: str, in_flight: int = 0) -> Pod:
+    p = Pod(name, f"http://{name}", ready=True, in_flight=in_flight, kv_events="on", block_size=BS)
+    return p
+
+
+def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    prompt = list(range(40))  # 9 usable blocks of 4
+    index.store("b:1", prompt_block_hashes(prompt[:36], BS))
+    a, b = pod("a:1"), pod("b:1")
+    pa = PrefixAware(index)
+    d = pa.choose([a, b], Prompts([prompt], None))
+    assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "prefix", 36)
+    # another tenant's salt shares nothing
+    assert pa.choose([a, b], Prompts([prompt], "other")).predicted_cached_tokens == 0
+    b.in_flight = 1  # 36 cached tokens outweigh one open request (64 tokens)? no: 40-36+64 > 40
+    assert pa.choose([a, b], Prompts([prompt], None)).pod is a
+    assert LeastLoad().choose([a, b], None).pod is a
+    rr = RoundRobin()
+    assert [rr.choose([a, b], None).pod for _ in range(3)] == [a, b, a]
+
+
+def test_endpoints_are_parsed_and_checked() -> None:
+    pods = parse_endpoints("http://10.0.0.1:8000, 10.0.0.2:8001")
+    assert [(p.name, p.url, p.port) for p in pods] == [
+        ("10.0.0.1:8000", "http://10.0.0.1:8000", 8000), ("10.0.0.2:8001", "http://10.0.0.2:8001", 8001)
+    ]  # fmt: skip
+    for bad in ("", "ftp://x:1", "http://a:1,http://a:1"):
+        with pytest.raises(ValueError):
+            parse_endpoints(bad)

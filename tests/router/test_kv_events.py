@@ -1,0 +1,223 @@
+"""KV events from a real engine: vLLM's wire layout, the same keys the router computes, replay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_stream import PodEventStream, fetch_replay
+
+pytestmark = pytest.mark.timeout(300)
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def replay_all(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    async def go() -> list[tuple[int, bytes]] | None:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await fetch_replay(ctx, endpoint, start)
+        finally:
+            ctx.term()
+
+    got = asyncio.run(go())
+    assert got is not None, "the replay socket did not answer"
+    return got
+
+
+def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
+    """The publisher thread sends asynchronously: wait until it has buffered `n` batches."""
+    deadline = time.monotonic() + 10
+    while len(got := replay_all(endpoint)) < n:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+@pytest.fixture
+def engine(tiny_model_dir):  # noqa: ANN001, ANN201
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=12, block_size=BS, max_model_len=160,
+                                 kv_events_endpoint="tcp://127.0.0.1:*",
+                                 kv_events_replay_endpoint="tcp://127.0.0.1:*"))  # fmt: skip
+    yield eng
+    eng.close()
+
+
+def test_off_by_default_records_nothing(tiny_model_dir) -> None:  # noqa: ANN001
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8))
+    assert eng.kv_events is None and eng.kv.pool.events is None
+    eng.generate([list(range(10, 50))], GREEDY)
+
+
+def test_stored_removed_cleared_on_the_wire_and_replayed(engine: LLMEngine) -> None:
+    pub = engine.kv_events
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks
+    salt = "tenant-a"
+    engine.generate([prompt], GREEDY, cache_salt=salt)
+    first = wait_replayed(pub.replay_endpoint, 1)
+    # vLLM's layout: [ts, events, data_parallel_rank], events as tagged arrays
+    raw = msgpack.unpackb(first[0][1], raw=False)
+    assert isinstance(raw[0], float) and raw[2] == 0
+    assert raw[1][0][0] == "BlockStored" and raw[1][0][4] == BS
+    batch = decode_batch(first[0][1])
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert len(stored) == 1, batch  # consecutive blocks of one chain travel together
+    expected = prompt_block_hashes(prompt, BS, salt)  # the router's computation: the same keys
+    assert stored[0].block_hashes == expected
+    assert stored[0].parent_block_hash is None
+    assert stored[0].token_ids == prompt[: 2 * BS]
+
+    # A pool of 12 blocks: five more distinct prompts of 3 full blocks each evict older cached blocks.
+    for k in range(5):
+        engine.generate([list(range(1000 + 100 * k, 1000 + 100 * k + 50))], GREEDY)
+    result = engine.reset_prefix_cache()
+    assert result.success
+    got = wait_replayed(pub.replay_endpoint, 7)
+    seqs = [s for s, _ in got]
+    assert seqs == list(range(len(seqs))), seqs  # monotonic, no gaps
+    events = [e for _, p in got for e in decode_batch(p).events]
+    assert any(isinstance(e, BlockRemoved) for e in events), events
+    assert isinstance(events[-1], AllBlocksCleared)
+
+    # Applying the stream in order gives the engine's own index: empty after the reset.
+    index = PrefixIndex()
+    for _, p in got:
+        index.apply("pod", decode_batch(p))
+    assert index.num_blocks("pod") == 0 and index.clears("pod") == 1
+    # ...and before the reset, exactly the blocks the engine had indexed.
+    index = PrefixIndex()
+    for _, p in got[:-1]:
+        index.apply("pod", decode_batch(p))
+    assert index.num_blocks("pod") == result.evicted_blocks
+    # replay from the middle returns only the tail
+    assert [s for s, _ in replay_all(pub.replay_endpoint, start=2)] == seqs[2:]
+
+
+def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngine) -> None:
+    """The consumer reads the live PUB stream but loses two batches; replay fills the hole, and its
+    index ends equal to one built from the complete stream."""
+    pub = engine.kv_events
+
+    async def go() -> tuple[PrefixIndex, dict]:
+        ctx = zmq.asyncio.Context()
+        counts: dict[str, int] = {}
+
+        def count(pod: str, result: str, n: int) -> None:
+            counts[result] = counts.get(result, 0) + n
+
+        index = PrefixIndex()
+        stream = PodEventStream("pod", pub.endpoint, pub.replay_endpoint, index, count, ctx)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        await asyncio.sleep(0.3)  # let the subscription reach the publisher
+        loop = asyncio.get_running_loop()
+        prompts = [list(range(200 + 60 * k, 200 + 60 * k + 40)) for k in range(5)]
+        work = loop.run_in_executor(None, lambda: [engine.generate([p], GREEDY) for p in prompts])
+        received = 0
+        while received < 5:
+            frames = await asyncio.wait_for(sub.recv_multipart(), 30)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            received += 1
+            if seq in (1, 2):
+                continue  # dropped by this consumer
+            await stream.on_message(seq, frames[2])
+        await work
+        sub.close(linger=0)
+        ctx.term()
+        return index, counts
+
+    index, counts = asyncio.run(go())
+    complete = PrefixIndex()
+    for _, p in replay_all(pub.replay_endpoint):
+        complete.apply("pod", decode_batch(p))
+    assert counts.get("replayed") == 2 and not counts.get("missed"), counts
+    assert index.num_blocks("pod") == complete.num_blocks("pod") == engine.kv.pool.num_indexed_blocks
+    keys = [
+        k for p in range(5) for k in prompt_block_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
+    ]
+    assert index.matched_blocks(keys[-2:], ["pod"]) == complete.matched_blocks(keys[-2:], ["pod"])
+
+
+def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -> None:  # noqa: ANN001
+    import aiohttp
+    from aiohttp import web
+
+    from kvpilot.daemon.server.app import create_app
+
+    async def get(engine: LLMEngine) -> tuple[int, dict]:
+        runner = web.AppRunner(create_app(engine))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/kv_events") as r:
+                return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    off = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8))
+    status, body = asyncio.run(get(off))
+    assert status == 404 and "--kv-events-endpoint" in body["error"]["message"]
+    on = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, kv_events_endpoint="tcp://0.0.0.0:*")
+    )
+    status, body = asyncio.run(get(on))  # the app's cleanup closes the publisher
+    assert status == 200, body
+    port = on.kv_events.endpoint.rsplit(":", 1)[1]
+    # a wildcard bind is named by the address the client reached
+    assert body["endpoint"] == f"tcp://127.0.0.1:{port}" and body["replay_endpoint"] is None
+    assert body["block_size"] == 16 and body["ranks"][0]["rank"] == 0
+
+
+def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine) -> None:
+    """The pod goes away (its connection drops): its entries go; its successor's stream, numbered from 0
+    again, is followed."""
+    from kvpilot.daemon.engine.kv_events import KVEventPublisher
+
+    first = engine.kv_events
+
+    async def until(check, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + 20
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def go() -> tuple[PrefixIndex, list]:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex()
+        stream = PodEventStream("pod", first.endpoint, first.replay_endpoint, index, lambda *a: None, ctx)
+        task = asyncio.create_task(stream.run())
+        await stream.synced.wait()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, engine.generate, [list(range(300, 340))], GREEDY)
+        await until(lambda: index.num_blocks("pod") == 2, "the first publisher's blocks")
+        first.close()  # the daemon stops
+        await until(lambda: index.num_blocks("pod") == 0, "the pod's entries to go with its connection")
+        engine.reset_prefix_cache()  # a restarted daemon starts empty...
+        second = KVEventPublisher(first.endpoint, first.replay_endpoint, BS)  # ...and counts from 0 again
+        engine.kv_events, engine.kv.pool.events = second, second.recorder
+        await loop.run_in_executor(None, engine.generate, [list(range(400, 456))], GREEDY)
+        await until(lambda: index.num_blocks("pod") == 3, "the second publisher's blocks")
+        keys = prompt_block_hashes(list(range(400, 448)), BS)
+        matched = index.matched_blocks(keys, ["pod"])["pod"]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.term()
+        return index, [matched]
+
+    index, (matched,) = asyncio.run(go())
+    assert matched == 3 and index.num_blocks("pod") == engine.kv.pool.num_indexed_blocks == 3

@@ -1,0 +1,192 @@
+"""`kvpilot router` in front of two real daemons, driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+from server.conftest import ADMIN_TOKEN, MODEL, free_port
+
+from .conftest import Fleet, start_router, stop_router
+
+pytestmark = pytest.mark.timeout(600)
+
+# ~70 tokens with the chat template: four full blocks shared by every user of this "assistant".
+SYSTEM = (
+    "You are the support assistant of the Northwind bicycle shop. Answer in one short sentence. "
+    "The shop opens at nine and closes at six, repairs take two days, tyres cost twenty euros, "
+    "inner tubes cost six euros, and a full service costs sixty euros including new brake pads."
+)
+
+
+def client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(fleet: Fleet, system: str, user: str, **kw) -> tuple[str, openai.types.chat.ChatCompletion]:  # noqa: ANN003
+    raw = client(fleet).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=2, temperature=0, **kw,
+    )  # fmt: skip
+    return raw.headers["x-kvpilot-pod"], raw.parse()
+
+
+def wait_indexed(fleet: Fleet, pod: str) -> None:
+    deadline = time.monotonic() + 10
+    while fleet.router.pod(pod)["indexed_blocks"] == 0:
+        assert time.monotonic() < deadline, fleet.router.health()
+        time.sleep(0.05)
+
+
+def test_shared_prefix_lands_where_it_is_cached(quiet_fleet: Fleet) -> None:
+    fleet = quiet_fleet
+    m0 = fleet.router.metrics()
+    first, c = ask(fleet, SYSTEM + " (affinity)", "When do you open?")
+    assert c.usage.prompt_tokens_details.cached_tokens == 0
+    wait_indexed(fleet, first)
+    for user in ("How much is a tyre?", "Do you fix brakes?", "What does a service cost?"):
+        pod, c = ask(fleet, SYSTEM + " (affinity)", user)
+        assert pod == first, (pod, first)
+        assert c.usage.prompt_tokens_details.cached_tokens >= 48, c.usage
+    m = fleet.router.metrics()
+    key = f'kvpilot_router_predicted_cached_tokens_total{{pod="{first}"}}'
+    predicted = m[key] - m0.get(key, 0)
+    reported = m[key.replace("predicted", "reported")] - m0.get(key.replace("predicted", "reported"), 0)
+    assert predicted == reported > 0, (predicted, reported)  # the index predicted the pod exactly
+    stale = f'kvpilot_router_stale_predictions_total{{pod="{first}"}}'
+    assert m.get(stale, 0) == m0.get(stale, 0)
+    assert (
+        m[f'kvpilot_router_routing_decisions_total{{pod="{first}",policy="prefix-aware",reason="prefix"}}']
+        >= 3
+    )
+
+
+def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
+    fleet = quiet_fleet
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    direct = openai.OpenAI(base_url=fleet.daemons[0].url + "/v1", api_key="x", max_retries=0)
+    want = direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    chunks = list(client(fleet).chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert len(chunks) >= 4 and text == want.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    models = client(fleet).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_client_disconnect_aborts_on_the_pod(quiet_fleet: Fleet) -> None:
+    fleet = quiet_fleet
+    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", fleet.router.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    received = b""
+    while received.count(b"data: ") < 2:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    head = received.split(b"\r\n\r\n", 1)[0].decode()
+    pod = next(
+        line.split(":", 1)[1].strip()
+        for line in head.split("\r\n")
+        if line.lower().startswith("x-kvpilot-pod")
+    )
+    daemon = fleet.by_name(pod)
+    assert daemon.cache()["num_running"] == 1
+    sock.close()
+    deadline = time.monotonic() + 30
+    while (stats := daemon.cache())["num_running"] or stats["blocks_used"]:
+        assert time.monotonic() < deadline, stats  # 400 tokens would take minutes: it was aborted
+        time.sleep(0.05)
+    assert fleet.router.pod(pod)["in_flight"] == 0
+
+
+def test_reset_through_the_router_reaches_every_pod_and_empties_the_index(quiet_fleet: Fleet) -> None:
+    fleet = quiet_fleet
+    pod, _ = ask(fleet, SYSTEM + " (reset)", "Are you open on Sunday?")
+    wait_indexed(fleet, pod)
+    assert fleet.router.request("POST", "/reset_prefix_cache").status == 401
+    epochs = {f"127.0.0.1:{d.port}": d.cache()["epoch"] for d in fleet.daemons}
+    r = fleet.router.request("POST", "/reset_prefix_cache", headers=fleet.router.admin())
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["success"] is True
+    assert {p["pod"]: p["epoch"] for p in body["pods"]} == {k: v + 1 for k, v in epochs.items()}
+    assert all(p["success"] and p["status"] == 200 for p in body["pods"])
+    # Exact at the answer: no entry of any pod survives the reset.
+    assert all(p["indexed_blocks"] == 0 for p in fleet.router.health()["pods"])
+    for d in fleet.daemons:
+        assert d.cache()["epoch"] == epochs[f"127.0.0.1:{d.port}"] + 1
+    m0 = fleet.router.metrics()
+    _, c = ask(fleet, SYSTEM + " (reset)", "Are you open on Sunday?")
+    assert c.usage.prompt_tokens_details.cached_tokens == 0
+    m = fleet.router.metrics()
+    stale = sum(
+        v - m0.get(k, 0) for k, v in m.items() if k.startswith("kvpilot_router_stale_predictions_total")
+    )
+    assert stale == 0
+
+
+def test_a_pod_that_fails_the_reset_makes_the_router_answer_502(quiet_fleet: Fleet, tmp_path) -> None:  # noqa: ANN001
+    fleet = quiet_fleet
+    good = fleet.daemons[0]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    router = start_router(tmp_path, [good.url, dead], "--policy", "round-robin", "--reset-timeout", "5",
+                          all_pods=False)  # fmt: skip
+    wrong = start_router(tmp_path, [good.url], "--policy", "round-robin", token=ADMIN_TOKEN + "-other")
+    try:
+        epoch = good.cache()["epoch"]
+        r = router.request("POST", "/reset_prefix_cache", headers=router.admin())
+        assert r.status == 502, r.body
+        body = r.json()
+        assert body["success"] is False and dead.removeprefix("http://") in body["error"]["message"]
+        pods = {p["pod"]: p for p in body["pods"]}
+        assert pods[f"127.0.0.1:{good.port}"]["success"] is True
+        assert pods[dead.removeprefix("http://")]["success"] is False
+        assert good.cache()["epoch"] == epoch + 1
+        # A pod that refuses the router's token (its own differs) fails the fleet reset too.
+        r = wrong.request("POST", "/reset_prefix_cache", headers=wrong.admin())
+        assert r.status == 502, r.body
+        (pod,) = r.json()["pods"]
+        assert pod["success"] is False and pod["status"] == 401
+    finally:
+        stop_router(router)
+        stop_router(wrong)
+
+
+def test_a_restarted_router_rebuilds_its_index_from_replay(quiet_fleet: Fleet, tmp_path) -> None:  # noqa: ANN001
+    fleet = quiet_fleet
+    pod, _ = ask(fleet, SYSTEM + " (replay)", "Can I rent a bike?")
+    wait_indexed(fleet, pod)
+    fresh = start_router(tmp_path, [d.url for d in fleet.daemons])
+    try:
+        assert fresh.pod(pod)["indexed_blocks"] == fleet.router.pod(pod)["indexed_blocks"] > 0
+        m = fresh.metrics()
+        assert m[f'kvpilot_router_kv_event_batches_total{{pod="{pod}",result="replayed"}}'] > 0
+        c = openai.OpenAI(base_url=fresh.url + "/v1", api_key="x", max_retries=0)
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": SYSTEM + " (replay)"}, {"role": "user", "content": "Hi"}],
+        )  # fmt: skip
+        assert raw.headers["x-kvpilot-pod"] == pod
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 48
+    finally:
+        stop_router(fresh)
+
+
+def test_bad_input_gets_the_pods_4xx_through_the_router(quiet_fleet: Fleet) -> None:
+    router = quiet_fleet.router
+    r = router.request("POST", "/v1/completions", body=None, headers={})
+    assert r.status == 400 and r.json()["error"]["message"], r.body
+    r = router.request("POST", "/v1/chat/completions", body={"model": MODEL, "messages": "hi"})
+    assert r.status == 400 and r.json()["error"]["param"] == "messages", r.body
+    r = router.request("POST", "/reset_prefix_cache?reset_running_requests=maybe", headers=router.admin())
+    assert r.status == 400, r.body
+    assert router.request("GET", "/health").status == 200
