@@ -207,7 +207,7 @@ def test_progress_is_best_effort() -> None:
 
 
 def test_timeout_fails_slow_pods_within_the_deadline() -> None:
-    s = [Standin(delay=5.0), Standin()]
+    s = [Standin(delay=2.5), Standin()]
     records, _ = run(s, timeout_s=1.0, request_timeout_s=1.0, retries_per_pod=0)
     assert max(r.duration_s or 0 for r in records) < 1.5
     r = by_name(records)
@@ -215,7 +215,7 @@ def test_timeout_fails_slow_pods_within_the_deadline() -> None:
 
 
 def test_stop_gives_calls_in_flight_a_bounded_grace_and_leaves_the_rest_pending() -> None:
-    s = [Standin(delay=0.2), Standin(delay=30.0)] + [Standin() for _ in range(4)]
+    s = [Standin(delay=0.2), Standin(delay=3.0)] + [Standin() for _ in range(4)]
     port = free_port()
 
     async def go() -> tuple[list[PodRecord], float]:
@@ -232,7 +232,7 @@ def test_stop_gives_calls_in_flight_a_bounded_grace_and_leaves_the_rest_pending(
 
     records, took = asyncio.run(go())
     r = by_name(records)
-    assert took < 1.0  # the 30 s call is abandoned after the 0.5 s grace
+    assert took < 1.0  # the 3 s call is abandoned after the 0.5 s grace
     assert r["pod-0"]["result"] == "Succeeded"  # finished within the grace
     assert r["pod-1"]["result"] == "Pending"  # in doubt: a restarted operator calls it again
     assert [r[f"pod-{i}"]["result"] for i in range(2, 6)] == ["Pending"] * 4  # never started
