@@ -27,17 +27,18 @@ RULES: list[dict[str, Any]] = [
         "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
         "verbs": ["patch"],
     },  # fmt: skip
-    # Owned workloads: watched (edits and readiness arrive as events), server-side applied (patch; it also
-    # creates), read and deleted when placement changes. kopf watches cluster-wide (label-selected by the API
-    # server, but RBAC cannot be narrowed by label); with `-n` the same rules can go into namespaced Roles.
+    # Owned workloads: watched (edits and readiness arrive as events), server-side applied (patch, and create:
+    # an apply that creates the object needs both), read and deleted when placement changes. kopf watches
+    # cluster-wide (label-selected by the API server, but RBAC cannot be narrowed by label); with `-n` the same
+    # rules can go into namespaced Roles.
     {
         "apiGroups": ["apps"],
         "resources": ["deployments", "daemonsets"],
-        "verbs": ["get", "list", "watch", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # Which ReplicaSets belong to a fleet's Deployment: its token goes only to the pods they run.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch"]},
     # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's

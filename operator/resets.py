@@ -96,6 +96,7 @@ class Plan:
     token: str | None
     container: str | None  # the engine container that must be running; None: any container
     controllers: frozenset[str] | None  # uids that must control a pod (its fleet's workload), None: any
+    waits_for_pods: bool = False  # a fleet that wants pods but has none to call yet is waited for
 
 
 def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
@@ -160,17 +161,19 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
     name = spec["targetRef"]["name"]
     while (fleet := await with_retries(f"InferenceDeployment {ns}/{name}",
                                        lambda: kube.get_cr(FLEETS, ns, name), deadline)) is None:  # fmt: skip
-        if time.monotonic() + 1.0 >= deadline:  # waited for it to appear until the deadline
+        if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
             raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found")
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
     fspec = fleet.get("spec") or {}
     ref = builders.token_secret_ref(name, fspec)
     token = (
         await _token(kube, ns, ref, deadline, f"the admin token of {name}", labelled=False) if ref else None
     )
     controllers = await _fleet_controllers(kube, ns, fleet, deadline)
+    wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
     return Plan(f"InferenceDeployment/{name}", builders.selector_string(name),
-                int(spec.get("port") or fspec.get("port", 8000)), token, builders.CONTAINER, controllers)  # fmt: skip
+                int(spec.get("port") or fspec.get("port", 8000)), token, builders.CONTAINER, controllers,
+                wants_pods)  # fmt: skip
 
 
 def outcome(records: Sequence[PodRecord], min_success_ratio: float = 1.0,
@@ -210,7 +213,7 @@ def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
         engine=spec.get("engine", "kvpilot"), port=plan.port, scheme=spec.get("scheme", "http"),
         token=plan.token, reset_running_requests=bool(spec.get("resetRunningRequests")),
         timeout_s=float(spec.get("timeoutSeconds", 60)),
-        request_timeout_s=float(spec.get("requestTimeoutSeconds", 10)),
+        request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
         max_concurrency=int(spec.get("maxConcurrency", 64)), retries_per_pod=int(spec.get("retriesPerPod", 3)),
     )  # fmt: skip
 
@@ -241,7 +244,8 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     spec, status = obj["spec"], obj.get("status") or {}
     start = status.get("startTime") or now_iso()
-    deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - (_parse_time(start) or 0))
+    started = _parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
+    deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started if started else 0)
     if status.get("phase") == "Running" and spec.get("resetRunningRequests"):
         return await _finish(kube, obj, None, "Failed", "Interrupted",
                              "the operator restarted while this reset ran; with resetRunningRequests a pod is "
@@ -250,11 +254,21 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
     if status.get("phase") == "Running":
         logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
     try:
-        plan = await resolve(kube, ns, spec, deadline)
-        t_list = time.monotonic()
-        pods, version = await with_retries("list pods", lambda: kube.list_pods(ns, plan.selector), deadline)
-        records = initial_records([pod_target(p, plan) for p in pods])
-        logger.info("reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list)
+        while True:
+            plan = await resolve(kube, ns, spec, deadline)
+            t_list = time.monotonic()
+            pods, version = await with_retries(
+                "list pods", lambda sel=plan.selector: kube.list_pods(ns, sel), deadline
+            )
+            records = initial_records([pod_target(p, plan) for p in pods])
+            logger.info(
+                "reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list
+            )
+            if any(r.result == "Pending" for r in records) or not plan.waits_for_pods:
+                break
+            if time.monotonic() >= deadline - 1.0:
+                break  # NoTargets
+            await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
         running = {"phase": "Running", "target": plan.description, "startTime": start,
                    "observedGeneration": obj["metadata"].get("generation")}  # fmt: skip
         if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all

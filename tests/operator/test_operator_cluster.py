@@ -484,8 +484,8 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
     assert can("get", "secrets") and not can("list", "secrets") and not can("watch", "secrets")
     assert not can("update", "secrets") and not can("delete", "secrets") and not can("get", "pods")
     # owner references that block deletion (kopf.adopt) need this under OwnerReferencesPermissionEnforcement
-    assert can("update", "inferencedeployments.kvpilot.io/finalizers")
-    assert not can("create", "events.events.k8s.io") and not can("create", "deployments.apps")
+    assert can("update", "inferencedeployments.kvpilot.io", "--subresource=finalizers")
+    assert not can("create", "events.events.k8s.io") and not can("update", "services")
     assert (
         not can("delete", "pods")
         and not can("create", "pods")
