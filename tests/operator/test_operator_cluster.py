@@ -218,13 +218,9 @@ def test_failed_skipped_and_not_supported_pods(
     assert "PodResetFailed" in events
 
 
-@pytest.mark.parametrize("engine", ["kvpilot", "vllm"])
-def test_operator_killed_mid_fanout_every_pod_still_reset(
-    cluster: Cluster, namespace: str, operator: OperatorProcess, engine: str
-) -> None:
+def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engine: str) -> None:
     """At-least-once: a restarted operator calls the pods again, so every pod ends Succeeded (vLLM-style
     pods too, which report no epoch to tell whether a call in flight took effect)."""
-    ns = namespace
     env = [{"name": "STANDIN_DELAY", "value": "2"}, {"name": "STANDIN_ENGINE", "value": engine}]
     apply_ns(cluster, ns, standin_deployment("slowfleet", 4, {}, env))
     wait_deployment_ready(cluster, ns, "slowfleet", 4)
@@ -248,6 +244,18 @@ def test_operator_killed_mid_fanout_every_pod_still_reset(
     resets = {name: http("GET", f"http://{ip}:8000/calls")["resets"] for name, ip in ips.items()}
     assert all(n >= 1 for n in resets.values()), resets  # never fewer than one
     assert sum(resets.values()) >= 5, resets  # the pods done before the crash were called again
+
+
+def test_kvpilot_fleet_operator_killed_mid_fanout(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    killed_mid_fanout(cluster, namespace, operator, "kvpilot")
+
+
+def test_vllm_fleet_operator_killed_mid_fanout(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    killed_mid_fanout(cluster, namespace, operator, "vllm")
 
 
 def test_reset_running_requests_stays_at_most_once(
@@ -418,13 +426,13 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
     )
     applies1 = operator.metric("kvpilot_operator_api_calls_total", verb="apply", resource="deployments")
     assert dep1["metadata"]["generation"] == dep0["metadata"]["generation"]
-    assert (
-        dep1["metadata"]["resourceVersion"] == dep0["metadata"]["resourceVersion"]
-    )  # nothing written at all
+    # nothing written at all
+    assert dep1["metadata"]["resourceVersion"] == dep0["metadata"]["resourceVersion"]
     assert events1 == events0, cluster.kubectl("get", "events", "-n", ns).stdout
     assert applies1 - applies0 <= 3, f"{applies1 - applies0} applies in 20 s: a loop"
     assert dep1["metadata"]["annotations"]["team.example/owner"] == "ml"
-    managers = {m["manager"] for m in dep1["metadata"]["managedFields"] if m["operation"] == "Apply"}
+    fields = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns, "--show-managed-fields")["metadata"]
+    managers = {m["manager"] for m in fields["managedFields"] if m["operation"] == "Apply"}
     assert managers == {"kvpilot-operator"}
 
 
