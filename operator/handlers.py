@@ -24,8 +24,10 @@ SHUTDOWN_GRACE_S = 10.0
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Handler bookkeeping in our own annotations only: status belongs to the CRD schemas (it would be pruned).
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpilot.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvpilot.io")
+    # Not under kvpilot.io/ itself: kopf leaves annotations under its prefix out of the diff, and a change of
+    # kvpilot.io/reset-prefix-cache must reach the update handler.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.kvpilot.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.kvpilot.io")
     settings.persistence.finalizer = "kvpilot.io/operator"
     settings.posting.level = logging.WARNING  # Events come from our code, not from kopf's log lines
     settings.watching.server_timeout = 300

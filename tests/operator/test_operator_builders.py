@@ -131,3 +131,24 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
         "Degraded": "True",
         "Ready": "False",
     }
+
+
+def test_crds_have_no_stray_keys() -> None:
+    """A comma in an unquoted flow-mapping description makes extra null keys; the API server drops them on
+    create and refuses the next `kubectl apply -f crds/`."""
+    import pathlib
+
+    import yaml
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                assert v is not None, f"{path}.{k} is null"
+                walk(v, f"{path}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    for f in sorted((pathlib.Path(__file__).parents[2] / "crds").glob("*.yaml")):
+        for doc in yaml.safe_load_all(f.read_text()):
+            walk(doc, f.name)

@@ -22,6 +22,10 @@ FLEET = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "me
          "spec": {"replicas": 2, "env": STANDIN_ENV}}  # fmt: skip
 
 
+def tail(log: Path) -> str:
+    return log.read_text()[-3000:] if log.exists() else "(not started)"
+
+
 def readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"On Kubernetes.*?```bash\n(.*?)```", text, re.S)
@@ -62,7 +66,7 @@ def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: 
             r = subprocess.run(
                 cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
             )
-            assert r.returncode == 0, f"{cmd}: {r.stdout}{r.stderr}\noperator log:\n{log.read_text()[-3000:]}"
+            assert r.returncode == 0, f"{cmd}: {r.stdout}{r.stderr}\noperator log:\n{tail(log)}"
             if cmd.startswith("kvpilot reset"):
                 assert "Succeeded: AllPodsReset: 2/2 pods reset" in r.stdout, r.stdout
             if cmd == "kubectl get pcr":
