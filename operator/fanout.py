@@ -215,7 +215,7 @@ async def reset_pod(
 
 
 async def run_fanout(
-    records: list[PodRecord],
+    records: Sequence[PodRecord] | Sequence[Target],
     settings: FanoutSettings,
     deadline: float | None = None,
     checkpoint: Checkpoint | None = None,
@@ -223,8 +223,11 @@ async def run_fanout(
     limiter: asyncio.Semaphore | None = None,
     stop: asyncio.Event | None = None,
 ) -> list[PodRecord]:
-    """Reset every Pending record's target; return `records`, all final unless `stop` was set (then the
-    targets not decided within the shutdown grace stay Pending)."""
+    """Reset every Pending record's target (targets are made records first); return the records, all final
+    unless `stop` was set (then the targets not decided within the shutdown grace stay Pending)."""
+    if records and isinstance(records[0], Target):
+        records = initial_records(records)  # type: ignore[arg-type]
+    records = list(records)  # type: ignore[arg-type]
     deadline = deadline if deadline is not None else time.monotonic() + settings.timeout_s
     queue: asyncio.Queue[PodRecord] = asyncio.Queue()
     for rec in records:

@@ -249,7 +249,7 @@ def test_base_url_targets_for_the_router() -> None:
                 Target("a", url=f"http://127.0.7.1:{port}"),
                 Target("b", url=f"http://127.0.7.2:{port}/"),
             ]
-            return await run_fanout(initial_records(targets), FanoutSettings())
+            return await run_fanout(targets, FanoutSettings())  # plain targets, no records needed
 
     assert [r.result for r in asyncio.run(go())] == ["Succeeded", "Succeeded"]
     assert [x.resets for x in s] == [1, 1]
