@@ -136,7 +136,7 @@ def _backoff(settings: FanoutSettings, n: int) -> float:
     return cap * random.uniform(0.5, 1.0)
 
 
-def _finish(rec: PodRecord, result: str, message: str, started: float, j: Judgement | None = None) -> None:
+def _decide(rec: PodRecord, result: str, message: str, started: float, j: Judgement | None = None) -> None:
     rec.result, rec.message = result, message
     rec.duration_s = round(time.monotonic() - started, 4)
     if j is not None:
@@ -177,12 +177,12 @@ async def reset_pod(
     last = ""
     while True:
         if pod_gone is not None and (reason := await pod_gone(rec.target)):
-            _finish(rec, "Skipped", reason, started)
+            _decide(rec, "Skipped", reason, started)
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0.01:
             why = f"; last: {last}" if last else ""
-            _finish(rec, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
+            _decide(rec, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
             metrics.POD_REQUESTS.labels("Failed", "deadline").inc()
             return
         rec.attempts += 1
@@ -193,19 +193,19 @@ async def reset_pod(
         rec.http_status = status
         metrics.POD_REQUESTS.labels(j.verdict.value, str(status)).inc()
         if j.verdict is Verdict.SUCCEEDED:
-            _finish(rec, "Succeeded", j.message, started, j)
+            _decide(rec, "Succeeded", j.message, started, j)
             return
         if j.verdict is Verdict.NOT_SUPPORTED:
-            _finish(rec, "NotSupported", j.message, started)
+            _decide(rec, "NotSupported", j.message, started)
             return
         if j.verdict is Verdict.FAILED:
-            _finish(rec, "Failed", j.message, started)
+            _decide(rec, "Failed", j.message, started)
             return
         last = j.message
         if j.verdict is Verdict.TRANSIENT:
             transient += 1
             if transient > settings.retries_per_pod:
-                _finish(rec, "Failed", f"{last} (gave up after {rec.attempts} attempts, retriesPerPod "
+                _decide(rec, "Failed", f"{last} (gave up after {rec.attempts} attempts, retriesPerPod "
                         f"{settings.retries_per_pod})", started)  # fmt: skip
                 return
         else:

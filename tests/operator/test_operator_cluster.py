@@ -448,6 +448,7 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: 
 
     cluster.kubectl("annotate", "infd/ann", "-n", ns, "kvpilot.io/reset-prefix-cache=deploy-42")
     first = wait_for(lambda: owned_resets() or None, 30, "a PrefixCacheReset for the annotation")[0]
+    assert first["spec"]["ttlSecondsAfterFinished"] == 86400  # annotation-made resets do not pile up
     r = wait_phase(cluster, ns, first["metadata"]["name"], 30)
     assert r["status"]["phase"] == "Succeeded" and r["status"]["succeeded"] == 2
     wait_for(lambda: infd(cluster, ns, "ann")["status"].get("lastReset", {}).get("name") == first["metadata"]["name"],
