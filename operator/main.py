@@ -45,9 +45,14 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
 
     kube = Kube()
     crd = "kopfpeerings.kopf.dev" if namespaces else "clusterkopfpeerings.kopf.dev"
-    found = client.ApiextensionsV1Api(kube.api).list_custom_resource_definition(
-        field_selector=f"metadata.name={crd}"
-    )
+    try:
+        found = client.ApiextensionsV1Api(kube.api).list_custom_resource_definition(
+            field_selector=f"metadata.name={crd}"
+        )
+    except ApiException as exc:
+        log.warning("cannot look for the CRD %s (HTTP %s %s): assuming peering; if the peering object %s is "
+                    "missing, kopf waits without acting", crd, exc.status, exc.reason, name)  # fmt: skip
+        return True
     if not found.items:
         log.warning("CRD %s is not installed (kubectl apply -f crds/): running standalone, without peering; "
                     "run one replica only", crd)  # fmt: skip
@@ -64,7 +69,8 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
         log.info("created the peering object %s", name)
     except ApiException as exc:
         if exc.status != 409:  # 409: it exists
-            raise
+            log.warning("cannot create the peering object %s (HTTP %s %s): if it is missing, kopf waits without "
+                        "acting; create it or run with --standalone", name, exc.status, exc.reason)  # fmt: skip
     return True
 
 
