@@ -74,12 +74,30 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
     return True
 
 
+def warn_about_equal_peers(name: str, priority: int) -> None:
+    """kopf pauses every replica of equal priority: say so at startup instead of idling in silence."""
+    from kvpilot.operator.kube import Kube
+
+    try:
+        obj = Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
+    except Exception:  # noqa: BLE001 - namespaced peering, or no access: nothing to say
+        return
+    same = [peer for peer, info in (obj.get("status") or {}).items()
+            if isinstance(info, dict) and info.get("priority") == priority]  # fmt: skip
+    if same:
+        log.warning("peering %s already lists %s with priority %d: replicas of equal priority all pause (kopf's "
+                    "rule); run one replica (supported mode) or give them distinct --priority",
+                    name, ", ".join(same), priority)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpilot.operator import handlers, metrics
 
     logging.getLogger("kopf.objects").addFilter(_QuietSuccess())
     handlers.MAX_CALLS_IN_FLIGHT = args.max_calls_in_flight
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
+    if not standalone and not args.namespace:
+        warn_about_equal_peers(args.peering, args.priority)
     log.info("kvpilot operator: watching %s, %s; metrics on %s:%d, GET /healthz on %s:%d",
              ", ".join(args.namespace) or "all namespaces",
              "standalone (no peering)" if standalone else f"peering {args.peering!r} with priority {args.priority}",

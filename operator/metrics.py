@@ -31,6 +31,8 @@ RESETS_IN_PROGRESS = Gauge(_P + "resets_in_progress", "PrefixCacheResets this op
                            registry=REGISTRY)  # fmt: skip
 RECONCILE_ERRORS = Counter(_P + "reconcile_errors_total", "Handler runs that raised (kopf retries them)",
                            ["kind"], registry=REGISTRY)  # fmt: skip
+for _kind in ("InferenceDeployment", "PrefixCacheReset"):  # 0 from the start: rate() needs the series
+    RECONCILE_ERRORS.labels(_kind)
 API_CALLS = Counter(_P + "api_calls_total", "Kubernetes API calls made by the operator's own code",
                     ["verb", "resource"], registry=REGISTRY)  # fmt: skip
 STATUS_PATCHES = Counter(_P + "reset_status_patches_total", "Status patches written to PrefixCacheResets",

@@ -162,6 +162,9 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     )
     assert infd(cluster, ns, "llm")["status"]["lastReset"]["name"] == "flush"
     assert operator.metric("kvpilot_operator_ready_replicas", namespace=ns, deployment="llm") == 3
+    assert operator.metric("kvpilot_operator_desired_replicas", namespace=ns, deployment="llm") == 3
+    assert operator.metric("kvpilot_operator_resets_in_progress") == 0
+    assert 'kvpilot_operator_reconcile_errors_total{kind="PrefixCacheReset"}' in operator.metrics()
     assert (
         operator.metric("kvpilot_operator_reset_pods", namespace=ns, reset="flush", result="succeeded") == 3
     )
@@ -551,6 +554,11 @@ def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator:
     ns = namespace
     second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
     second.start("--priority", "-100")
+    # a replica of the same priority would pause with it: it says so at startup
+    third = OperatorProcess(operator.kubeconfig, tmp_path / "third.log")
+    third.start()
+    third.stop()
+    assert "replicas of equal priority all pause" in third.log.read_text()
     try:
         apply_ns(cluster, ns, standin_deployment("pair", 2, {}))
         wait_deployment_ready(cluster, ns, "pair", 2)
