@@ -158,8 +158,9 @@ def _follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tup
             continue
         st = obj.get("status") or {}
         phase = st.get("phase") or "Pending"
-        line = f"phase {phase}" + (f": {st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, "
-                                   f"{st.get('skipped', 0)} skipped" if st.get("targets") is not None else "")  # fmt: skip
+        line = f"phase {phase}"
+        if st.get("targets") is not None:
+            line += f": {st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
         if line != last:
             print(line, file=out, flush=True)
             last = line

@@ -1,6 +1,7 @@
-"""Reconcile an InferenceDeployment: its admin token Secret, workload and Service as the builders say (server-side
-apply: what we no longer set is removed, what others set is kept, a no-op writes nothing), its status, and
-the annotation trigger. Idempotent: called on create/update/resume and on every event of an owned object."""
+"""Reconcile an InferenceDeployment: its admin token Secret, workload and Service as the builders say
+(server-side apply: what we no longer set is removed, what others set is kept, a no-op writes nothing), its
+status, and the annotation trigger. Idempotent: called on create/update/resume and on every event of an owned
+object."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class PodWatch:
     async def gone(self, target: Target) -> str | None:
         now = self.pods.get(target.name)
         if now is None:
-            return "pod deleted during the reset"
+            return "pod deleted (or no longer selected) during the reset"
         uid, ip, terminating = now
         if uid != target.uid:
             return "pod replaced during the reset (new uid); not called"

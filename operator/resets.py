@@ -300,8 +300,8 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
     return await _finish(kube, obj, records, phase, reason, message, start)
 
 
-async def _fan_out(kube: Kube, ns: str, plan: Plan, records: list[PodRecord], pods: list[dict[str, Any]], version: str,
-                   settings: FanoutSettings, deadline: float, checkpoint: Any, stopped: Any,
+async def _fan_out(kube: Kube, ns: str, plan: Plan, records: list[PodRecord], pods: list[dict[str, Any]],
+                   version: str, settings: FanoutSettings, deadline: float, checkpoint: Any, stopped: Any,
                    limiter: asyncio.Semaphore | None) -> list[PodRecord]:  # fmt: skip
     """run_fanout with a pod watch behind pod_gone and the daemon's stop flag behind `stop`."""
     watch = PodWatch(kube, ns, plan.selector, pods, version)
