@@ -261,6 +261,28 @@ def test_vllm_fleet_operator_killed_mid_fanout(
     killed_mid_fanout(cluster, namespace, operator, "vllm")
 
 
+def test_graceful_stop_mid_fanout_is_bounded_and_the_next_operator_finishes(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns = namespace
+    apply_ns(cluster, ns, standin_deployment("grace", 3, {}, [{"name": "STANDIN_DELAY", "value": "30"}]))
+    wait_deployment_ready(cluster, ns, "grace", 3)
+    apply_ns(cluster, ns, pcr("g", {"selector": {"matchLabels": {"app": "grace"}}, "timeoutSeconds": 300,
+                                    "requestTimeoutSeconds": 60}))  # fmt: skip
+    wait_for(lambda: (cluster.kubectl_json("get", "pcr", "g", "-n", ns).get("status") or {}).get("phase") == "Running",
+             30, "the reset running")  # fmt: skip
+    time.sleep(1)  # the three 30 s calls are in flight
+    t0 = time.monotonic()
+    operator.stop()  # SIGTERM: calls in flight get the shutdown grace, then the daemon is cancelled
+    took = time.monotonic() - t0
+    assert took < 14, f"stopping took {took:.1f}s"
+    assert operator.proc is not None and operator.proc.returncode is not None
+    assert cluster.kubectl_json("get", "pcr", "g", "-n", ns)["status"]["phase"] == "Running"
+    operator.start()
+    st = wait_phase(cluster, ns, "g", 120)["status"]
+    assert st["phase"] == "Succeeded" and st["succeeded"] == 3, st
+
+
 def test_reset_running_requests_stays_at_most_once(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
