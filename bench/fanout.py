@@ -1,14 +1,16 @@
 """Fan-out of one PrefixCacheReset to N pods through the real API server, against a plain sequential loop.
 
-    .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64]
+    .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64] [--reply-delay-ms 0 20]
 
 What runs: etcd + kube-apiserver + kube-controller-manager (kvpilot.devcluster.ControlPlane); N Pod objects
-bound to a Node that no agent runs, whose status (Ready, podIP 127.88.x.y) this script writes itself; one
+bound to a Node that no agent runs, whose status (Running, a running container, podIP 127.88.x.y) this
+script writes itself; one
 stand-in process answering the daemon's reset reply on all N loopback addresses (port 8000), each address
 with its own epoch; the operator as a subprocess (`python -m kvpilot.operator.main --standalone`). Measured:
 seconds from creating the PrefixCacheReset to phase Succeeded (polled every 20 ms), status patches and API
-calls the operator made for it (its own counters), and the same N reset calls as a sequential loop of
-urllib requests. Writes bench/results/fanout.json. Not a test: it prints numbers.
+calls the operator made for it (its own counters), the size of the finished object and of its status, and the
+same N reset calls as a sequential loop of urllib requests. Writes bench/results/fanout-N.json. Not a test: it
+prints numbers (tests/operator/test_operator_scale.py runs it at 5,000 pods and checks the result).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ def make_pods(core, ns: str, n: int) -> None:  # noqa: ANN001
         core.create_namespaced_pod(ns, pod)
         core.patch_namespaced_pod_status(name, ns, {"status": {
             "phase": "Running", "podIP": ip_of(i), "podIPs": [{"ip": ip_of(i)}], "hostIP": "127.0.0.1",
+            "containerStatuses": [{"name": "d", "ready": True, "restartCount": 0, "image": "x", "imageID": "",
+                                   "state": {"running": {"startedAt": now}}}],
             "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})  # fmt: skip
 
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
@@ -125,16 +129,20 @@ def one_round(custom, ns: str, port: int, mport: int, args: argparse.Namespace, 
         time.sleep(0.02)
     fanout_s = time.perf_counter() - t0
     st = obj["status"]
+    object_bytes, status_bytes = len(json.dumps(obj)), len(json.dumps(st))
     time.sleep(0.5)  # the final metric updates
     patches = metric(mport, "kvpilot_operator_reset_status_patches_total") - patches0
     calls = metric(mport, "kvpilot_operator_api_calls_total") - calls0
-    seq_s = sequential(args.pods, port)
-    return {
-        "reply_delay_ms": delay_ms, "phase": st["phase"], "succeeded": st["succeeded"],
+    out = {
+        "reply_delay_ms": delay_ms, "phase": st["phase"], "succeeded": st["succeeded"], "targets": st["targets"],
         "create_to_complete_s": round(fanout_s, 3), "operator_status_patches": int(patches),
-        "operator_api_calls": int(calls), "sequential_loop_s": round(seq_s, 3),
-        "sequential_over_fanout": round(seq_s / fanout_s, 2),
+        "operator_api_calls": int(calls), "status_bytes": status_bytes, "object_bytes": object_bytes,
+        "status_pod_entries": len(st.get("pods") or []),
     }  # fmt: skip
+    if args.sequential:
+        seq_s = sequential(args.pods, port)
+        out |= {"sequential_loop_s": round(seq_s, 3), "sequential_over_fanout": round(seq_s / fanout_s, 2)}
+    return out
 
 
 def main() -> int:
@@ -143,8 +151,11 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--reply-delay-ms", type=float, nargs="+", default=[0.0, 20.0],
                     help="stand-in reply delay per round (default 0 and 20 ms)")  # fmt: skip
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fanout.json"))
+    ap.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the same calls as a sequential loop (default on)")  # fmt: skip
+    ap.add_argument("--out", default=None, help="JSON result (default bench/results/fanout-PODS.json)")
     args = ap.parse_args()
+    args.out = args.out or str(ROOT / "bench" / "results" / f"fanout-{args.pods}.json")
 
     from kubernetes import client, config
 
@@ -205,9 +216,10 @@ def main() -> int:
         "rounds": rounds,
         "setup_pods_s": round(setup_s, 1),
         "note": "create_to_complete: from creating the PrefixCacheReset to reading phase Succeeded; it includes "
-        "kopf noticing it, one pod list, the epoch probe of every pod (crash safety), N reset calls and the status "
-        "patches. The sequential loop is N POSTs only. reply_delay_ms models a daemon answering a reset at the "
-        "next engine step boundary.",
+        "kopf noticing it, one pod list, the pod watch, N reset calls in a sliding window and the status patches "
+        "(one at the start, one per second of progress, one final). status_bytes: the finished status (counts "
+        "and at most 100 pod entries). The sequential loop is N POSTs only. reply_delay_ms models a daemon "
+        "answering a reset at the next engine step boundary.",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_1m": os.getloadavg()[0]},
     }  # fmt: skip

@@ -41,7 +41,7 @@ spec:
   adminTokenSecretRef: {name: kvpilot-admin}
 EOF
 echo "waiting for both daemons to load the model and turn Ready (a minute or two on a small CPU)..."
-kubectl -n $NS wait --for=condition=Available infd/llm --timeout=600s
+kubectl -n $NS wait --for=condition=Ready infd/llm --timeout=600s
 kubectl -n $NS get infd,pods -o wide
 
 IPS=$(kubectl -n $NS get pods -l kvpilot.io/inference-deployment=llm -o jsonpath='{.items[*].status.podIP}')

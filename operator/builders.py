@@ -6,14 +6,20 @@ The handlers adopt what these return (ownerReferences) and create or patch it; n
 from __future__ import annotations
 
 import copy
+import hashlib
+import math
 from typing import Any
 
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
+FLEETS = "inferencedeployments"  # plural names of our resources
+RESETS = "prefixcacheresets"
 FLEET_LABEL = "kvpilot.io/inference-deployment"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
 RESET_ANNOTATION = "kvpilot.io/reset-prefix-cache"
 CONTAINER = "kvpilot"
+ADMIN_TOKEN_LABEL = "kvpilot.io/admin-token"  # value "true": a Secret that selector resets may send to pods
+ANNOTATION_RESET_TTL_S = 86400  # annotation-created resets are deleted a day after they finished
 
 # engine field -> `kvpilot serve` flag (DESIGN section 1: flag names follow vLLM's)
 _ENGINE_FLAGS = {
@@ -32,8 +38,18 @@ def selector_labels(name: str) -> dict[str, str]:
     return {FLEET_LABEL: name}
 
 
+def label_selector(sel: dict[str, Any]) -> str:
+    """A LabelSelector (matchLabels, matchExpressions) as the string the list and watch APIs take."""
+    parts = [f"{k}={v}" for k, v in sorted((sel.get("matchLabels") or {}).items())]
+    for e in sel.get("matchExpressions") or []:
+        op, key, vals = e["operator"], e["key"], ",".join(e.get("values") or [])
+        parts.append({"In": f"{key} in ({vals})", "NotIn": f"{key} notin ({vals})", "Exists": key,
+                      "DoesNotExist": f"!{key}"}[op])  # fmt: skip
+    return ",".join(parts)
+
+
 def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+    return label_selector({"matchLabels": selector_labels(name)})
 
 
 def pod_labels(name: str) -> dict[str, str]:
@@ -44,6 +60,38 @@ def pod_labels(name: str) -> dict[str, str]:
         "app.kubernetes.io/component": "inference",
         **MANAGED_BY,
     }
+
+
+def token_secret_ref(name: str, spec: dict[str, Any]) -> dict[str, str] | None:
+    """The Secret key holding the fleet's admin token: its own adminTokenSecretRef, else the Secret the
+    operator generates for it; None only when the spec opts out (disableAdminToken)."""
+    ref = spec.get("adminTokenSecretRef")
+    if ref:
+        return {"name": ref["name"], "key": ref.get("key", "token")}
+    if spec.get("disableAdminToken"):
+        return None
+    return {"name": f"{name}-admin-token", "key": "token"}
+
+
+def generated_token_secret(name: str, token: str) -> dict[str, Any]:
+    """The Secret the operator creates once for a fleet without adminTokenSecretRef (never updated: a new
+    token would lock the running pods' token out)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{name}-admin-token", "labels": {**selector_labels(name), **MANAGED_BY}},
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
+
+
+def cpu_threads(spec: dict[str, Any]) -> int | None:
+    """Whole CPUs of the container's CPU limit (rounded up), or None without a limit."""
+    q = str(((spec.get("resources") or {}).get("limits") or {}).get("cpu", "")).strip()
+    if not q:
+        return None
+    cores = float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+    return max(1, math.ceil(cores))
 
 
 def serve_args(spec: dict[str, Any]) -> list[str]:
@@ -61,22 +109,24 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
             args += [flag, str(engine[field])]
     if engine.get("enablePrefixCaching") is False:
         args.append("--no-enable-prefix-caching")
+    if (threads := cpu_threads(spec)) is not None:
+        args += ["--cpu-threads", str(threads)]  # torch threads follow the CPU limit, not the node's cores
     return args
 
 
-def container(spec: dict[str, Any]) -> dict[str, Any]:
+def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     port = int(spec.get("port", 8000))
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
-    ref = spec.get("adminTokenSecretRef")
+    ref = token_secret_ref(name, spec)
     if ref:
         # The token comes from the Secret at pod start; it never appears in the pod spec or in args.
         env.append(
             {
                 "name": "KVPILOT_ADMIN_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "token")}},
+                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
             }
         )
     env += copy.deepcopy(spec.get("env") or [])
@@ -104,24 +154,30 @@ def container(spec: dict[str, Any]) -> dict[str, Any]:
             "failureThreshold": 6,
         },
     }
-    if spec.get("resources"):
-        c["resources"] = copy.deepcopy(spec["resources"])
+    for field, key in (("resources", "resources"), ("volumeMounts", "volumeMounts"),
+                       ("securityContext", "securityContext"), ("startupProbe", "startupProbe")):  # fmt: skip
+        if spec.get(field):
+            c[key] = copy.deepcopy(spec[field])
     return c
 
 
 def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     port = int(spec.get("port", 8000))
     pod_spec: dict[str, Any] = {
-        "containers": [container(spec)],
+        "containers": [container(name, spec)],
         # The daemon drains in-flight requests on SIGTERM (its --shutdown-timeout is 30 s).
         "terminationGracePeriodSeconds": 35,
         "enableServiceLinks": False,
-        "automountServiceAccountToken": False,  # the daemon never talks to the API server
+        # The daemon never talks to the API server; a ServiceAccount the user names may be for something else
+        # (e.g. a cloud identity that reads the model store), so its token is mounted then.
+        "automountServiceAccountToken": bool(spec.get("serviceAccountName")),
     }
-    if spec.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(spec["nodeSelector"])
-    if spec.get("tolerations"):
-        pod_spec["tolerations"] = copy.deepcopy(spec["tolerations"])
+    for field in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "volumes",
+                  "imagePullSecrets", "priorityClassName"):  # fmt: skip
+        if spec.get(field):
+            pod_spec[field] = copy.deepcopy(spec[field])
+    if spec.get("podSecurityContext"):
+        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
     return {
         "metadata": {
             "labels": pod_labels(name),
@@ -170,27 +226,9 @@ def service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def drifted(desired: Any, actual: Any) -> bool:
-    """True when `actual` lacks something `desired` says. Fields the API server or controllers add
-    (defaults, status) are ignored, so a freshly created object never counts as drifted."""
-    if isinstance(desired, dict):
-        if not isinstance(actual, dict):
-            return True
-        return any(drifted(v, actual.get(k)) for k, v in desired.items())
-    if isinstance(desired, list):
-        if not isinstance(actual, list) or len(actual) != len(desired):
-            return True
-        return any(drifted(d, a) for d, a in zip(desired, actual))
-    if isinstance(desired, (int, float)) and isinstance(actual, str):
-        return str(desired) != actual
-    return desired != actual
-
-
-def reset_for_token(name: str, token: str, owner_spec: dict[str, Any]) -> dict[str, Any]:
+def reset_for_token(name: str, token: str) -> dict[str, Any]:
     """The PrefixCacheReset that the annotation token asks for. Its name is a function of the token, so a
     second attempt (after a crash or a conflict) finds the first one instead of resetting twice."""
-    import hashlib
-
     digest = hashlib.sha256(token.encode()).hexdigest()[:10]
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -200,5 +238,5 @@ def reset_for_token(name: str, token: str, owner_spec: dict[str, Any]) -> dict[s
             "labels": {FLEET_LABEL: name, **MANAGED_BY},
             "annotations": {RESET_ANNOTATION: token[:253]},
         },
-        "spec": {"targetRef": {"name": name}},
+        "spec": {"targetRef": {"name": name}, "ttlSecondsAfterFinished": ANNOTATION_RESET_TTL_S},
     }

@@ -8,11 +8,12 @@ Wiring (kvpilot/cli.py): `from kvpilot.operator.cli import add_operator_parser, 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, TextIO
 
-from kvpilot.operator.builders import GROUP, VERSION
+from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
 
 
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,15 +38,19 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "reset",
         help="reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset)",
-        description="Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show each pod's "
-        "result as it arrives and exit 0 when it Succeeded, 1 when it Failed.",
+        description="Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and "
+        "each pod that did not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an "
+        "error (no such InferenceDeployment, no cluster), 3 when --timeout passed first.",
     )
     p.add_argument("name", metavar="NAME", help="the InferenceDeployment")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
     )
-    p.add_argument("--wait", action="store_true", help="show live per-pod progress until Complete or Failed")
+    p.add_argument("--wait", action="store_true", help="follow the reset until Complete or Failed")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="with --wait: give up waiting after this many seconds (default: the reset's "
+                   "timeoutSeconds + 30)")  # fmt: skip
     p.add_argument("--reset-running-requests", action="store_true",
                    help="also preempt running requests (no pre-reset KV used afterwards)")  # fmt: skip
     p.add_argument(
@@ -91,41 +96,88 @@ def describe_pod(p: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def _api_error(exc: Exception) -> str:
     from kubernetes.client.rest import ApiException
 
-    api, default_ns = _client(args.kubeconfig)
+    if isinstance(exc, ApiException):
+        try:
+            msg = json.loads(exc.body or "{}").get("message") or exc.reason
+        except ValueError:
+            msg = exc.reason
+        return f"{exc.status} {msg}"
+    return f"cannot reach the Kubernetes API: {exc}"
+
+
+def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    import urllib3
+    from kubernetes.client.rest import ApiException
+
+    errors = (ApiException, urllib3.exceptions.HTTPError, OSError)
+    try:
+        api, default_ns = _client(args.kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - no kubeconfig and not in a cluster
+        print(f"error: no Kubernetes configuration: {exc}", file=sys.stderr)
+        return 2
     ns = args.namespace or default_ns
     try:
-        api.get_namespaced_custom_object(GROUP, VERSION, ns, "inferencedeployments", args.name)
-        obj = api.create_namespaced_custom_object(
-            GROUP, VERSION, ns, "prefixcacheresets", reset_body(args.name, args)
-        )
-    except ApiException as exc:
-        print(f"error: {exc.status} {exc.reason}: {exc.body}", file=sys.stderr)
+        api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, args.name)
+    except errors as exc:
+        if isinstance(exc, ApiException) and exc.status == 404:
+            print(f"error: InferenceDeployment {ns}/{args.name} not found", file=sys.stderr)
+        else:
+            print(f"error: reading InferenceDeployment {ns}/{args.name}: {_api_error(exc)}", file=sys.stderr)
+        return 2
+    try:
+        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, RESETS, reset_body(args.name, args))
+    except errors as exc:
+        print(f"error: creating the PrefixCacheReset: {_api_error(exc)}", file=sys.stderr)
         return 2
     name = obj["metadata"]["name"]
     print(f"prefixcachereset.kvpilot.io/{name} created", file=out, flush=True)
     if not args.wait:
         return 0
+    limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
+    return _follow(api, ns, name, time.monotonic() + limit, out, errors)
+
+
+def _follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tuple) -> int:
+    """Print progress until the reset finishes: counts when they move, each pod that did not succeed."""
+    from kubernetes.client.rest import ApiException
+
     shown: dict[str, str] = {}
-    phase = ""
-    while True:
-        obj = api.get_namespaced_custom_object(GROUP, VERSION, ns, "prefixcacheresets", name)
+    last = ""
+    while time.monotonic() < until:
+        try:
+            obj = api.get_namespaced_custom_object(GROUP, VERSION, ns, RESETS, name)
+        except errors as exc:
+            if isinstance(exc, ApiException) and exc.status == 404:
+                print(f"error: PrefixCacheReset {ns}/{name} was deleted", file=sys.stderr)
+                return 2
+            print(f"warning: {_api_error(exc)}; retrying", file=sys.stderr)
+            time.sleep(1.0)
+            continue
         st = obj.get("status") or {}
-        if st.get("phase") != phase:
-            phase = st.get("phase") or "Pending"
-            print(f"phase {phase}" + (f": {st.get('targets', 0)} pods" if phase == "Running" else ""), file=out,
-                  flush=True)  # fmt: skip
+        phase = st.get("phase") or "Pending"
+        line = f"phase {phase}"
+        if st.get("targets") is not None:
+            line += f": {st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
+        if line != last:
+            print(line, file=out, flush=True)
+            last = line
+        done = phase in ("Succeeded", "Failed")
         for p in st.get("pods") or []:
-            if (
-                p.get("result") in ("Succeeded", "Failed", "Skipped", "NotSupported")
-                and shown.get(p["name"]) != p["result"]
-            ):
+            final = p.get("result") in ("Failed", "Skipped", "NotSupported") or (
+                done and p.get("result") == "Succeeded"
+            )
+            if final and shown.get(p["name"]) != p["result"]:
                 shown[p["name"]] = p["result"]
                 print("  " + describe_pod(p), file=out, flush=True)
-        if phase in ("Succeeded", "Failed"):
+        if done:
+            if st.get("podsOmitted"):
+                print(f"  ... {st['podsOmitted']} more pods (status keeps 100 entries)", file=out, flush=True)
             cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True"), {})
-            print(f"{phase}: {cond.get('message', '')}", file=out, flush=True)
+            print(f"{phase}: {cond.get('reason', '')}: {cond.get('message', '')}", file=out, flush=True)
             return 0 if phase == "Succeeded" else 1
         time.sleep(0.5)
+    print(f"error: PrefixCacheReset {ns}/{name} did not finish before --timeout", file=sys.stderr)
+    return 3

@@ -17,16 +17,15 @@ def set_condition(
     status: bool | str,
     reason: str,
     message: str,
-    generation: int | None = None,
+    generation: int,
     now: str | None = None,
 ) -> list[dict[str, Any]]:
     """A new list with condition `type_` set; others are kept as they are."""
     status_s = status if isinstance(status, str) else ("True" if status else "False")
     out = [dict(c) for c in conditions or []]
     old = next((c for c in out if c.get("type") == type_), None)
-    cond = {"type": type_, "status": status_s, "reason": reason, "message": message}
-    if generation is not None:
-        cond["observedGeneration"] = generation
+    cond = {"type": type_, "status": status_s, "reason": reason, "message": message,
+            "observedGeneration": generation}  # fmt: skip
     if old is not None and old.get("status") == status_s and old.get("lastTransitionTime"):
         cond["lastTransitionTime"] = old["lastTransitionTime"]
     else:
@@ -51,15 +50,19 @@ def fleet_conditions(
     workload_seen: bool,
     stalled: bool = False,
 ) -> list[dict[str, Any]]:
-    """Available / Progressing / Degraded of an InferenceDeployment from its workload's counts."""
+    """Ready / Available / Progressing / Degraded of an InferenceDeployment from its workload's counts.
+
+    Available: some pod serves (or none is wanted). Ready: every wanted pod is ready and runs the current
+    spec (what `kubectl wait --for=condition=Ready` waits for)."""
     conds = list(old or [])
     if not workload_seen:
-        conds = set_condition(
-            conds, "Available", False, "WorkloadMissing", "the workload is being created", generation
-        )
-        conds = set_condition(conds, "Progressing", True, "Creating", "creating the workload", generation)
-        return set_condition(conds, "Degraded", False, "WorkloadMissing", "nothing runs yet", generation)
-    available = ready >= desired if desired > 0 else True
+        for type_, status, msg in (("Ready", False, "the workload is being created"),
+                                   ("Available", False, "the workload is being created"),
+                                   ("Progressing", True, "creating the workload"),
+                                   ("Degraded", False, "nothing runs yet")):  # fmt: skip
+            conds = set_condition(conds, type_, status, "WorkloadMissing", msg, generation)
+        return conds
+    available = ready > 0 or desired == 0
     conds = set_condition(
         conds, "Available", available, "MinimumReplicasAvailable" if available else "MinimumReplicasUnavailable",
         f"{ready}/{desired} replicas ready", generation,
@@ -72,8 +75,14 @@ def fleet_conditions(
     # Degraded: fewer ready than wanted and the workload controller has given up making progress
     # (Deployment Progressing=False, ProgressDeadlineExceeded); pods that are merely loading are Progressing.
     degraded = ready < desired and stalled
-    return set_condition(
+    conds = set_condition(
         conds, "Degraded", degraded, "ProgressDeadlineExceeded" if degraded else "AsExpected",
         f"only {ready}/{desired} replicas ready and the rollout stalled" if degraded else f"{ready} replicas ready",
+        generation,
+    )  # fmt: skip
+    all_ready = not progressing
+    return set_condition(
+        conds, "Ready", all_ready, "AllReplicasReady" if all_ready else "ReplicasNotReady",
+        f"{ready}/{desired} replicas ready and updated" if all_ready else f"{ready}/{desired} ready, {updated} updated",
         generation,
     )  # fmt: skip

@@ -18,8 +18,8 @@ class Verdict(enum.Enum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"  # final: the pod said no (4xx) or the reply is not a success
     NOT_SUPPORTED = "NotSupported"
-    TRANSIENT = "Transient"  # retried up to backoffLimit: 5xx, connection errors, timeouts
-    BUSY = "Busy"  # retried until the deadline without counting against backoffLimit
+    TRANSIENT = "Transient"  # retried up to retriesPerPod: 5xx, 408, 429, connection errors, timeouts
+    BUSY = "Busy"  # retried until the deadline without counting against retriesPerPod
 
 
 @dataclass(frozen=True, slots=True)

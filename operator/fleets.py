@@ -1,52 +1,59 @@
-"""Reconcile an InferenceDeployment: its workload and Service as the builders say, its status, and the
-annotation trigger. Idempotent: called on create/update/resume and by a timer (drift repair)."""
+"""Reconcile an InferenceDeployment: its admin token Secret, workload and Service as the builders say
+(server-side apply: what we no longer set is removed, what others set is kept, a no-op writes nothing), its
+status, and the annotation trigger. Idempotent: called on create/update/resume and on every event of an owned
+object."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import secrets
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import builders, metrics
+from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import fleet_conditions
 from kvpilot.operator.kube import ApiException, Kube
 
-FLEETS = "inferencedeployments"
 _KEEP_TOKENS = 20
 
 
-async def _ensure(
-    kube: Kube, owner: dict[str, Any], desired: dict[str, Any], logger: logging.Logger
-) -> dict | None:
-    """Create `desired` or patch it back where someone changed what we set; return what is there."""
-    kind, ns, name = desired["kind"], owner["metadata"]["namespace"], desired["metadata"]["name"]
+def _terminating_namespace(exc: ApiException) -> bool:
+    # The namespace (and with it the InferenceDeployment) is going away: recreating what it deletes is
+    # neither possible nor wanted.
+    return "NamespaceTerminating" in str(exc.body or "") or "being terminated" in str(exc.body or "")
+
+
+async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: logging.Logger) -> None:
+    """A fleet without adminTokenSecretRef gets a random token of its own, made once (never logged)."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    spec = owner.get("spec") or {}
+    if spec.get("adminTokenSecretRef") or spec.get("disableAdminToken"):
+        return
+    ref = builders.token_secret_ref(name, spec)
+    assert ref is not None
+    if await kube.secret(ns, ref["name"]) is not None:
+        return
+    body = builders.generated_token_secret(name, secrets.token_urlsafe(32))
+    kopf.adopt(body, owner=owner)
+    try:
+        await kube.create_secret(ns, body)
+        logger.info("created Secret %s/%s with a generated admin token", ns, ref["name"])
+    except ApiException as exc:
+        if exc.status != 409 and not _terminating_namespace(exc):
+            raise
+
+
+async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
     kopf.adopt(desired, owner=owner)
-    actual = await kube.read(kind, ns, name)
-    if actual is None:
-        try:
-            await kube.create(kind, ns, desired)
-            logger.info("created %s %s/%s", kind, ns, name)
-        except ApiException as exc:
-            # 409: made meanwhile by a concurrent reconcile. NamespaceTerminating: the namespace (and with it
-            # the InferenceDeployment) is going away; recreating what it deletes is neither possible nor wanted.
-            if exc.status != 409 and "NamespaceTerminating" not in str(exc.body or ""):
-                raise
-        return None
-    want = {"metadata": {"labels": desired["metadata"]["labels"],
-                         "ownerReferences": desired["metadata"]["ownerReferences"]}, "spec": desired["spec"]}  # fmt: skip
-    if builders.drifted(want, actual):
-        await kube.patch(kind, ns, name, want)
-        # A new generation of our spec is a rollout; anything else means someone changed our object.
-        gen = owner["metadata"].get("generation")
-        if gen is not None and gen != (owner.get("status") or {}).get("observedGeneration"):
-            reason, what = "Updated", f"{kind} {name} updated to spec generation {gen}"
-        else:
-            reason, what = "DriftRepaired", f"{kind} {name} put back to its spec (it was changed)"
-        kopf.event(owner, type="Normal", reason=reason, message=what)
-        logger.info("%s", what)
-    return actual
+    try:
+        return await kube.apply(owner["metadata"]["namespace"], desired)
+    except ApiException as exc:
+        if _terminating_namespace(exc):
+            return None
+        raise
 
 
 def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple[int, int, int, int, bool]:
@@ -65,25 +72,29 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
 
 
 async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
-    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(body["metadata"]),
-             "status": dict(body.get("status") or {})}  # fmt: skip
     meta, spec = body["metadata"], dict(body.get("spec") or {})
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
     status = dict(body.get("status") or {})
     ns, name = meta["namespace"], meta["name"]
     kind = builders.workload_kind(spec)
     other = "DaemonSet" if kind == "Deployment" else "Deployment"
+    gen = meta.get("generation")
 
-    wl = await _ensure(kube, owner, builders.workload(name, spec), logger)
-    await _ensure(kube, owner, builders.service(name, spec), logger)
+    await _ensure_token_secret(kube, owner, logger)
+    wl = await _apply(kube, owner, builders.workload(name, spec))
+    await _apply(kube, owner, builders.service(name, spec))
+    if gen is not None and gen != status.get("observedGeneration") and wl is not None:
+        kopf.event(
+            owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
+        )
     # placement changed: the workload of the other kind goes (only if it is ours)
     old = await kube.read(other, ns, name)
     if old is not None and any(
         r.get("uid") == meta["uid"] for r in old["metadata"].get("ownerReferences") or []
     ):
-        await kube.delete(other, ns, name)
+        await kube.delete(other, ns, name, old["metadata"]["uid"])
 
     desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
-    gen = meta.get("generation")
     new: dict[str, Any] = {
         "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
         "selector": builders.selector_string(name), "observedGeneration": gen, "workload": f"{kind}/{name}",
@@ -94,10 +105,10 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
     tokens = list(status.get("resetTokens") or [])
     if token and token not in tokens:
-        pcr = builders.reset_for_token(name, token, spec)
+        pcr = builders.reset_for_token(name, token)
         kopf.adopt(pcr, owner=owner)
         try:
-            await kube.create_cr("prefixcacheresets", ns, pcr)
+            await kube.create_cr(RESETS, ns, pcr)
             kopf.event(owner, type="Normal", reason="ResetRequested",
                        message=f"PrefixCacheReset {pcr['metadata']['name']} for annotation token {token!r}")  # fmt: skip
         except ApiException as exc:
@@ -106,5 +117,6 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
         new["resetTokens"] = (tokens + [token])[-_KEEP_TOKENS:]
 
     metrics.READY_REPLICAS.labels(ns, name).set(ready)
+    metrics.DESIRED_REPLICAS.labels(ns, name).set(desired)
     if any(status.get(k) != v for k, v in new.items()):
         await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))

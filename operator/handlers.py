@@ -2,42 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kopf
 
 from kvpilot.operator import fleets, metrics, resets
-from kvpilot.operator.builders import GROUP, MANAGED_BY, VERSION
+from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION
 from kvpilot.operator.kube import Kube
 
 _fleets: set[tuple[str, str]] = set()
+# Calls to pods in flight across all resets of this process (`kvpilot operator --max-calls-in-flight`).
+MAX_CALLS_IN_FLIGHT = 512
+# How long a stopping operator lets calls in flight finish (a reset's shutdown grace is a little shorter).
+SHUTDOWN_GRACE_S = 10.0
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Handler bookkeeping in our own annotations only: status belongs to the CRD schemas (it would be pruned).
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpilot.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvpilot.io")
+    # Not under kvpilot.io/ itself: kopf leaves annotations under its prefix out of the diff, and a change of
+    # kvpilot.io/reset-prefix-cache must reach the update handler.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.kvpilot.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.kvpilot.io")
     settings.persistence.finalizer = "kvpilot.io/operator"
     settings.posting.level = logging.WARNING  # Events come from our code, not from kopf's log lines
     settings.watching.server_timeout = 300
+    # Owned objects are watched with the label selector applied by the API server: only ours reach us.
+    managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+    for group, plural in (("apps", "deployments"), ("apps", "daemonsets"), ("", "services")):
+        settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
+    memo.limiter = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
 
-@kopf.on.create(GROUP, VERSION, "inferencedeployments")
-@kopf.on.update(GROUP, VERSION, "inferencedeployments")
-@kopf.on.resume(GROUP, VERSION, "inferencedeployments")
+@contextlib.asynccontextmanager
+async def _counted(kind: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(kind).inc()
+        raise
+
+
+@kopf.on.create(GROUP, VERSION, FLEETS)
+@kopf.on.update(GROUP, VERSION, FLEETS)
+@kopf.on.resume(GROUP, VERSION, FLEETS)
 async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
     _fleets.add((body["metadata"]["namespace"], body["metadata"]["name"]))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
-    await fleets.reconcile(memo.kube, body, logger)
-
-
-@kopf.timer(GROUP, VERSION, "inferencedeployments", interval=30.0, initial_delay=5.0)
-async def fleet_resync(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
-    # A safety net only: changes to the owned objects arrive as events (below) within a second.
-    await fleets.reconcile(memo.kube, body, logger)
+    async with _counted("InferenceDeployment"):
+        await fleets.reconcile(memo.kube, body, logger)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
@@ -46,34 +64,35 @@ async def fleet_resync(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo,
 async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo,
                         **_: Any) -> None:  # fmt: skip
     # An owned workload or Service changed (edited, deleted, pods became ready): reconcile its owner, which
-    # repairs drift and refreshes status.
+    # applies it again (a no-op unless someone changed our fields) and refreshes status.
     owner = next((r for r in body["metadata"].get("ownerReferences") or []
                   if r.get("kind") == "InferenceDeployment" and r.get("apiVersion") == f"{GROUP}/{VERSION}"), None)  # fmt: skip
     if owner is None:
         return
-    fleet = await memo.kube.get_cr("inferencedeployments", namespace, owner["name"])
+    fleet = await memo.kube.get_cr(FLEETS, namespace, owner["name"])
     if (
         fleet is None
         or fleet["metadata"]["uid"] != owner["uid"]
         or fleet["metadata"].get("deletionTimestamp")
     ):
         return
-    await fleets.reconcile(memo.kube, fleet, logger)
+    async with _counted("InferenceDeployment"):
+        await fleets.reconcile(memo.kube, fleet, logger)
 
 
-@kopf.on.delete(GROUP, VERSION, "inferencedeployments", optional=True)
+@kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)
 def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
     _fleets.discard((namespace, name))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
-    try:
-        metrics.READY_REPLICAS.remove(namespace, name)
-    except KeyError:
-        pass
+    for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, name)
 
 
-@kopf.daemon(GROUP, VERSION, "prefixcacheresets", cancellation_timeout=1.0)
+@kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S)
 async def reset_runs(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
                      memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
     # A daemon, not a create handler: it starts for every PrefixCacheReset the operator sees, also after a
-    # restart, and `drive` continues from status (or only waits for the TTL when the reset is finished).
-    await resets.drive(memo.kube, namespace, name, logger, stopped)
+    # restart, and `drive` starts an interrupted reset over (or only waits for the TTL when it is finished).
+    async with _counted("PrefixCacheReset"):
+        await resets.drive(memo.kube, namespace, name, logger, stopped, memo.limiter)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import kopf
 
+log = logging.getLogger("kvpilot.operator")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", action="append", default=[],
@@ -16,36 +18,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standalone", action="store_true",
                    help="no peering: for a single replica (two standalone replicas would both act)")  # fmt: skip
     p.add_argument("--peering", default="kvpilot",
-                   help="kopf peering object shared by the replicas; only the highest priority acts")  # fmt: skip
+                   help="kopf peering object shared by the replicas; created when missing (default kvpilot)")  # fmt: skip
     p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
     p.add_argument("--liveness-port", type=int, default=8080, help="port of GET /healthz (default 8080)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
+    p.add_argument("--max-calls-in-flight", type=int, default=512,
+                   help="reset calls to pods in flight at once, across all resets (default 512)")  # fmt: skip
 
 
 class _QuietSuccess(logging.Filter):
-    """kopf logs every successful timer and event handler run at INFO; keep the log for what changed."""
+    """kopf logs every successful event handler run at INFO; keep the log for what changed."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not (
-            msg.startswith(("Timer 'fleet_resync'", "Handler 'owned_changed'")) and msg.endswith("succeeded.")
+        return not (msg.startswith("Handler 'owned_changed'") and msg.endswith("succeeded."))
+
+
+def ensure_peering(name: str, namespaces: list[str]) -> bool:
+    """Make sure the peering object exists (kopf waits silently for a missing one). Returns False, after a
+    warning, when the peering CRDs are not installed: the operator then runs standalone."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from kvpilot.operator.kube import Kube
+
+    kube = Kube()
+    crd = "kopfpeerings.kopf.dev" if namespaces else "clusterkopfpeerings.kopf.dev"
+    try:
+        found = client.ApiextensionsV1Api(kube.api).list_custom_resource_definition(
+            field_selector=f"metadata.name={crd}"
         )
+    except ApiException as exc:
+        log.warning("cannot look for the CRD %s (HTTP %s %s): assuming peering; if the peering object %s is "
+                    "missing, kopf waits without acting", crd, exc.status, exc.reason, name)  # fmt: skip
+        return True
+    if not found.items:
+        log.warning("CRD %s is not installed (kubectl apply -f crds/): running standalone, without peering; "
+                    "run one replica only", crd)  # fmt: skip
+        return False
+    body = {"apiVersion": "kopf.dev/v1", "metadata": {"name": name}}
+    try:
+        if namespaces:
+            for ns in namespaces:
+                kube.custom.create_namespaced_custom_object("kopf.dev", "v1", ns, "kopfpeerings",
+                                                            {**body, "kind": "KopfPeering"})  # fmt: skip
+        else:
+            kube.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
+                                                     {**body, "kind": "ClusterKopfPeering"})  # fmt: skip
+        log.info("created the peering object %s", name)
+    except ApiException as exc:
+        if exc.status != 409:  # 409: it exists
+            log.warning("cannot create the peering object %s (HTTP %s %s): if it is missing, kopf waits without "
+                        "acting; create it or run with --standalone", name, exc.status, exc.reason)  # fmt: skip
+    return True
+
+
+def warn_about_equal_peers(name: str, priority: int) -> None:
+    """kopf pauses every replica of equal priority: say so at startup instead of idling in silence."""
+    from kvpilot.operator.kube import Kube
+
+    try:
+        obj = Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
+    except Exception:  # noqa: BLE001 - namespaced peering, or no access: nothing to say
+        return
+    same = [peer for peer, info in (obj.get("status") or {}).items()
+            if isinstance(info, dict) and info.get("priority") == priority]  # fmt: skip
+    if same:
+        log.warning("peering %s already lists %s with priority %d: replicas of equal priority all pause (kopf's "
+                    "rule); run one replica (supported mode) or give them distinct --priority",
+                    name, ", ".join(same), priority)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator import handlers, metrics  # noqa: F401 - importing registers the handlers
+    from kvpilot.operator import handlers, metrics
 
     logging.getLogger("kopf.objects").addFilter(_QuietSuccess())
-
+    handlers.MAX_CALLS_IN_FLIGHT = args.max_calls_in_flight
+    standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
+    if not standalone and not args.namespace:
+        warn_about_equal_peers(args.peering, args.priority)
+    log.info("kvpilot operator: watching %s, %s; metrics on %s:%d, GET /healthz on %s:%d",
+             ", ".join(args.namespace) or "all namespaces",
+             "standalone (no peering)" if standalone else f"peering {args.peering!r} with priority {args.priority}",
+             args.bind, args.metrics_port, args.bind, args.liveness_port)  # fmt: skip
     metrics.serve(args.metrics_port, args.bind)
     asyncio.run(
         kopf.operator(
             clusterwide=not args.namespace,
             namespaces=args.namespace,
-            standalone=args.standalone,
+            standalone=standalone,
             priority=args.priority,
-            peering_name=None if args.standalone else args.peering,
+            peering_name=None if standalone else args.peering,
             liveness_endpoint=f"http://{args.bind}:{args.liveness_port}/healthz",
         )
     )
@@ -55,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpilot operator", description=__doc__)
     add_arguments(p)
-    p.add_argument("--log-level", default="INFO")
+    # `kvpilot --log-level L operator` (or `kvpilot operator --log-level L`) sets it through kvpilot.cli.
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)

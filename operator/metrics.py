@@ -25,6 +25,14 @@ INFERENCE_DEPLOYMENTS = Gauge(
 )
 READY_REPLICAS = Gauge(_P + "ready_replicas", "Ready daemon pods per InferenceDeployment",
                        ["namespace", "deployment"], registry=REGISTRY)  # fmt: skip
+DESIRED_REPLICAS = Gauge(_P + "desired_replicas", "Daemon pods wanted per InferenceDeployment (replicas, or the "
+                         "DaemonSet's scheduled nodes)", ["namespace", "deployment"], registry=REGISTRY)  # fmt: skip
+RESETS_IN_PROGRESS = Gauge(_P + "resets_in_progress", "PrefixCacheResets this operator is running now",
+                           registry=REGISTRY)  # fmt: skip
+RECONCILE_ERRORS = Counter(_P + "reconcile_errors_total", "Handler runs that raised (kopf retries them)",
+                           ["kind"], registry=REGISTRY)  # fmt: skip
+for _kind in ("InferenceDeployment", "PrefixCacheReset"):  # 0 from the start: rate() needs the series
+    RECONCILE_ERRORS.labels(_kind)
 API_CALLS = Counter(_P + "api_calls_total", "Kubernetes API calls made by the operator's own code",
                     ["verb", "resource"], registry=REGISTRY)  # fmt: skip
 STATUS_PATCHES = Counter(_P + "reset_status_patches_total", "Status patches written to PrefixCacheResets",

@@ -14,6 +14,8 @@ RULES: list[dict[str, Any]] = [
         "resources": ["inferencedeployments"],
         "verbs": ["get", "list", "watch", "patch"],
     },
+    # Owner references with blockOwnerDeletion (kopf.adopt) need this under OwnerReferencesPermissionEnforcement.
+    {"apiGroups": ["kvpilot.io"], "resources": ["inferencedeployments/finalizers"], "verbs": ["update"]},
     # Also create (annotation trigger) and delete (ttlSecondsAfterFinished) resets.
     {
         "apiGroups": ["kvpilot.io"],
@@ -25,23 +27,27 @@ RULES: list[dict[str, Any]] = [
         "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
         "verbs": ["patch"],
     },  # fmt: skip
-    # Owned workloads: watched (drift and readiness arrive as events), read to compare, created, patched back
-    # on drift, deleted when placement changes. kopf watches cluster-wide, so list/watch see every
-    # Deployment's spec; with `-n` the same rules can go into namespaced Roles.
+    # Owned workloads: watched (edits and readiness arrive as events), server-side applied (patch, and create:
+    # an apply that creates the object needs both), read and deleted when placement changes. kopf watches
+    # cluster-wide (label-selected by the API server, but RBAC cannot be narrowed by label); with `-n` the same
+    # rules can go into namespaced Roles.
     {
         "apiGroups": ["apps"],
         "resources": ["deployments", "daemonsets"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch"]},
-    # Reset targets: list by label selector at start; get one when a call fails (deleted -> Skipped).
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-    # The admin token of a fleet, read by name only (no list/watch: no other Secret is ever seen).
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
-    # Events on start, per failed pod, at the end, and on drift repair.
+    # Which ReplicaSets belong to a fleet's Deployment: its token goes only to the pods they run.
+    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch"]},
+    # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
+    # generated token.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    # Events on start, per failed pod, at the end, and on rollouts.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
-    # kopf: discovers resources through CRDs, and its peering (two replicas never both act).
+    # kopf: discovers resources through CRDs, and its peering (two replicas never both act); the operator
+    # creates its peering object when it is missing.
     {
         "apiGroups": ["apiextensions.k8s.io"],
         "resources": ["customresourcedefinitions"],
@@ -51,7 +57,7 @@ RULES: list[dict[str, Any]] = [
     {
         "apiGroups": ["kopf.dev"],
         "resources": ["clusterkopfpeerings", "kopfpeerings"],
-        "verbs": ["get", "list", "watch", "patch"],
+        "verbs": ["get", "list", "watch", "patch", "create"],
     },  # fmt: skip
 ]
 

@@ -1,29 +1,83 @@
-"""A PrefixCacheReset from start to finish: resolve targets, fan out, write status in few patches, report.
+"""A PrefixCacheReset from start to finish: resolve the targets and the token, fan out, write status, report.
 
-Everything that must survive an operator restart is in status (targets, per-pod results, Dispatched marks),
-so `drive` can be called again at any time and continues where the last run stopped.
+Every reset ends within its timeoutSeconds (counted from status.startTime, so a restart does not extend it):
+API errors that may pass (5xx, 429, no connection) are retried until then, others fail the reset with a reason
+at once, and a target that does not exist yet is waited for until then.
+
+Flushing twice is harmless, not flushing is the failure, so the fan-out is at-least-once: a reset that an
+operator restart interrupted starts over (every pod is called again). With resetRunningRequests a second call
+is not harmless (it preempts running requests again), so there it stays at-most-once: `phase: Running` is
+written before the first call, and a restarted operator that finds it ends the reset Failed (Interrupted)
+without calling anyone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import json
 import logging
+import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
-from kvpilot.operator import metrics
-from kvpilot.operator.builders import selector_string
+from kvpilot.operator import builders, metrics
+from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, set_condition
-from kvpilot.operator.fanout import FanoutSettings, Target, initial_records, outcome, run_fanout, summarize
-from kvpilot.operator.kube import ApiException, Kube
+from kvpilot.operator.fanout import FanoutSettings, PodRecord, Target, initial_records, run_fanout, summarize
+from kvpilot.operator.kube import ApiException, Kube, is_transient
+from kvpilot.operator.podwatch import PodWatch
 
-RESETS = "prefixcacheresets"
-FLEETS = "inferencedeployments"
 DONE = ("Succeeded", "Failed")
+MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
+_FINAL_PATCH_GRACE_S = 30.0  # how long the final status write is retried past the deadline
+
+
+class ResetFailure(Exception):
+    """The reset cannot go on: it ends Failed with this reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+_API_REASONS = {400: "InvalidRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body or "{}").get("message") or str(exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
+
+
+async def with_retries(what: str, call: Callable[[], Awaitable[Any]], deadline: float) -> Any:
+    """`call()`, retried with backoff on transient API errors until the deadline; any other API error (4xx)
+    ends the reset with a specific reason."""
+    n = 0
+    while True:
+        try:
+            return await call()
+        except ApiException as exc:
+            if not is_transient(exc):
+                raise ResetFailure(_API_REASONS.get(exc.status, "ApiError"),
+                                   f"{what}: HTTP {exc.status}: {_api_message(exc)}") from exc  # fmt: skip
+            last: BaseException = exc
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            last = exc
+        n += 1
+        delay = min(5.0, 0.2 * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
+        if time.monotonic() + delay >= deadline:
+            raise ResetFailure("ApiUnavailable", f"{what}: {last} (tried {n} times until timeoutSeconds)")
+        await asyncio.sleep(delay)
 
 
 def _parse_time(s: str | None) -> float | None:
@@ -32,59 +86,149 @@ def _parse_time(s: str | None) -> float | None:
     return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
 
 
-def label_selector(sel: dict[str, Any]) -> str:
-    """A LabelSelector as the string the list API takes."""
-    parts = [f"{k}={v}" for k, v in sorted((sel.get("matchLabels") or {}).items())]
-    for e in sel.get("matchExpressions") or []:
-        op, key, vals = e["operator"], e["key"], ",".join(e.get("values") or [])
-        parts.append({"In": f"{key} in ({vals})", "NotIn": f"{key} notin ({vals})", "Exists": key,
-                      "DoesNotExist": f"!{key}"}[op])  # fmt: skip
-    return ",".join(parts)
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a reset is aimed at, resolved from its spec."""
+
+    description: str  # InferenceDeployment/NAME or the selector
+    selector: str  # label selector of the candidate pods
+    port: int
+    token: str | None
+    container: str | None  # the engine container that must be running; None: any container
+    controllers: frozenset[str] | None  # uids that must control a pod (its fleet's workload), None: any
+    waits_for_pods: bool = False  # a fleet that wants pods but has none to call yet is waited for
 
 
-def pod_target(pod: dict[str, Any]) -> Target:
+def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
+    """A candidate pod as a target: called when it has an IP and a running engine container (Ready or not:
+    a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
     meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-    reason = ""
+    skip = ""
+    controller = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), {})
+    running = {
+        c.get("name") for c in st.get("containerStatuses") or [] if "running" in (c.get("state") or {})
+    }
     if meta.get("deletionTimestamp"):
-        ready, reason = False, "pod is terminating"
-    elif not ready:
-        reason = f"pod not Ready (phase {st.get('phase')})"
-    return Target(meta["name"], spec.get("nodeName", ""), st.get("podIP", ""), ready, reason)
+        skip = "pod is terminating"
+    elif plan.controllers is not None and controller.get("uid") not in plan.controllers:
+        skip = "pod is not run by the InferenceDeployment's workload: its admin token is not sent there"
+    elif not st.get("podIP"):
+        skip = f"pod has no IP (phase {st.get('phase')})"
+    elif (plan.container not in running) if plan.container else not running:
+        skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
+    return Target(meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""),
+                  skip_reason=skip)  # fmt: skip
 
 
-class Resolved:
-    def __init__(self, description: str, selector: str, port: int, token_ref: dict[str, Any] | None) -> None:
-        self.description, self.selector, self.port, self.token_ref = description, selector, port, token_ref
+async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why: str, labelled: bool) -> str:
+    secret = await with_retries(f"Secret {ns}/{ref['name']}", lambda: kube.secret(ns, ref["name"]), deadline)
+    if secret is None:
+        raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) not found")
+    if labelled and secret["labels"].get(builders.ADMIN_TOKEN_LABEL) != "true":
+        raise ResetFailure("AdminTokenNotAllowed", f"Secret {ns}/{ref['name']} is not labelled "
+                           f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
+                           "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)")  # fmt: skip
+    key = ref.get("key", "token")
+    if not secret["data"].get(key, "").strip():
+        raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) has no key {key!r}")
+    return secret["data"][key].strip()
 
 
-async def resolve(kube: Kube, ns: str, spec: dict[str, Any]) -> Resolved:
-    """What the reset is aimed at; raises kopf.PermanentError with a reason when the target is missing."""
-    if spec.get("targetRef"):
-        name = spec["targetRef"]["name"]
-        fleet = await kube.get_cr(FLEETS, ns, name)
-        if fleet is None:
-            raise kopf.PermanentError(f"InferenceDeployment {ns}/{name} not found")
-        fspec = fleet.get("spec") or {}
-        port = spec.get("port") or fspec.get("port", 8000)
-        return Resolved(f"InferenceDeployment/{name}", selector_string(name), int(port),
-                        spec.get("adminTokenSecretRef") or fspec.get("adminTokenSecretRef"))  # fmt: skip
-    sel = label_selector(spec["selector"])
-    return Resolved(sel, sel, int(spec.get("port") or 8000), spec.get("adminTokenSecretRef"))
+async def _fleet_controllers(kube: Kube, ns: str, fleet: dict[str, Any], deadline: float) -> frozenset[str]:
+    """uids of the objects that directly control the fleet's pods: its DaemonSet, or the ReplicaSets of its
+    Deployment. A pod that only carries the fleet's labels is not among them."""
+    name, uid = fleet["metadata"]["name"], fleet["metadata"]["uid"]
+    kind = builders.workload_kind(fleet.get("spec") or {})
+    wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
+    if wl is None or not any(r.get("uid") == uid and r.get("controller")
+                             for r in wl["metadata"].get("ownerReferences") or []):  # fmt: skip
+        return frozenset()
+    if kind == "DaemonSet":
+        return frozenset({wl["metadata"]["uid"]})
+    sel = builders.selector_string(name)
+    rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
+    return frozenset(rs["metadata"]["uid"] for rs in rsets if any(
+        r.get("uid") == wl["metadata"]["uid"] and r.get("controller") for r in rs["metadata"].get("ownerReferences") or []))  # fmt: skip
 
 
-def _summary_status(records: list[dict[str, Any]]) -> dict[str, Any]:
+async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) -> Plan:
+    """The reset's targets and token; raises ResetFailure with a reason when it cannot go on."""
+    if not spec.get("targetRef"):
+        sel = builders.label_selector(spec["selector"])
+        ref = spec.get("adminTokenSecretRef")
+        token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", labelled=True) if ref else None
+        return Plan(sel, sel, int(spec.get("port") or 8000), token, None, None)
+    name = spec["targetRef"]["name"]
+    while (fleet := await with_retries(f"InferenceDeployment {ns}/{name}",
+                                       lambda: kube.get_cr(FLEETS, ns, name), deadline)) is None:  # fmt: skip
+        if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
+            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found")
+        await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
+    fspec = fleet.get("spec") or {}
+    ref = builders.token_secret_ref(name, fspec)
+    token = (
+        await _token(kube, ns, ref, deadline, f"the admin token of {name}", labelled=False) if ref else None
+    )
+    controllers = await _fleet_controllers(kube, ns, fleet, deadline)
+    wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
+    return Plan(f"InferenceDeployment/{name}", builders.selector_string(name),
+                int(spec.get("port") or fspec.get("port", 8000)), token, builders.CONTAINER, controllers,
+                wants_pods)  # fmt: skip
+
+
+def outcome(records: Sequence[PodRecord], min_success_ratio: float = 1.0,
+            allow_no_targets: bool = False) -> tuple[str, str, str]:  # fmt: skip
+    """(phase, reason, message) once every pod has a final result. Skipped pods serve no traffic and do not
+    count; of the pods called, at least min_success_ratio must have been reset (default: all)."""
     c = summarize(records)
-    return {**c, "progress": f"{c['succeeded']}/{c['targets']}", "pods": records}
+    called = c["targets"] - c["skipped"]
+    detail = (f"{c['succeeded']}/{c['targets']} pods reset, {c['failed']} failed, {c['skipped']} skipped, "
+              f"{c['notSupported']} not supported")  # fmt: skip
+    if called == 0:
+        if allow_no_targets:
+            return "Succeeded", "NoTargets", f"no pod to reset ({detail})"
+        return "Failed", "NoTargets", f"no pod with an IP and a running engine container ({detail})"
+    bad = next((r for r in records if r.result in ("Failed", "NotSupported")), None)
+    if bad is None:
+        return "Succeeded", "AllPodsReset", detail
+    first = f"; {bad.name}: {bad.message}"
+    if c["succeeded"] >= min_success_ratio * called:
+        return "Succeeded", "MinSuccessRatioMet", f"{detail} (minSuccessRatio {min_success_ratio:g}){first}"
+    if not c["failed"]:
+        return "Failed", "ResetNotSupported", detail + first
+    return "Failed", "PodsFailed", detail + first
 
 
-async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, stopped: Any = None) -> None:
+def pod_status(records: Sequence[PodRecord]) -> dict[str, Any]:
+    """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries."""
+    c = summarize(records)
+    order = {"Failed": 0, "NotSupported": 1, "Skipped": 2, "Pending": 3, "Succeeded": 4}
+    shown = sorted(records, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
+    return {**c, "progress": f"{c['succeeded']}/{c['targets']}", "pods": [r.as_status() for r in shown],
+            "podsOmitted": len(records) - len(shown)}  # fmt: skip
+
+
+def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
+    return FanoutSettings(
+        engine=spec.get("engine", "kvpilot"), port=plan.port, scheme=spec.get("scheme", "http"),
+        token=plan.token, reset_running_requests=bool(spec.get("resetRunningRequests")),
+        timeout_s=float(spec.get("timeoutSeconds", 60)),
+        request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
+        max_concurrency=int(spec.get("maxConcurrency", 64)), retries_per_pod=int(spec.get("retriesPerPod", 3)),
+    )  # fmt: skip
+
+
+async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, stopped: Any = None,
+                limiter: asyncio.Semaphore | None = None) -> None:  # fmt: skip
     obj = await kube.get_cr(RESETS, ns, name)
     if obj is None:
         return
-    status = obj.get("status") or {}
-    if status.get("phase") not in DONE:
-        obj = await _run(kube, obj, logger)
+    if (obj.get("status") or {}).get("phase") not in DONE:
+        metrics.RESETS_IN_PROGRESS.inc()
+        try:
+            obj = await _run(kube, obj, logger, stopped, limiter)
+        finally:
+            metrics.RESETS_IN_PROGRESS.dec()
     if obj is not None:
         await _expire(kube, obj, logger, stopped)
 
@@ -94,97 +238,118 @@ async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict
     return await kube.patch_status(RESETS, ns, name, status)
 
 
-async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger) -> dict[str, Any] | None:
+async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any,
+               limiter: asyncio.Semaphore | None) -> dict[str, Any] | None:  # fmt: skip
+    """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     spec, status = obj["spec"], obj.get("status") or {}
-    gen = obj["metadata"].get("generation")
+    start = status.get("startTime") or now_iso()
+    started = _parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
+    deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started if started else 0)
+    if status.get("phase") == "Running" and spec.get("resetRunningRequests"):
+        return await _finish(kube, obj, None, "Failed", "Interrupted",
+                             "the operator restarted while this reset ran; with resetRunningRequests a pod is "
+                             "never called twice (a second call preempts running requests again): create a new "
+                             "PrefixCacheReset to reset the pods again", start)  # fmt: skip
+    if status.get("phase") == "Running":
+        logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
     try:
-        target = await resolve(kube, ns, spec)
-        token = None
-        if target.token_ref:
-            token = await kube.secret_value(
-                ns, target.token_ref["name"], target.token_ref.get("key", "token")
+        while True:
+            plan = await resolve(kube, ns, spec, deadline)
+            t_list = time.monotonic()
+            pods, version = await with_retries(
+                "list pods", lambda sel=plan.selector: kube.list_pods(ns, sel), deadline
             )
-    except (kopf.PermanentError, KeyError, ApiException) as exc:
-        reason = "TargetNotFound" if isinstance(exc, kopf.PermanentError) else "AdminTokenUnavailable"
-        msg = str(exc) if not isinstance(exc, ApiException) else f"admin token Secret: {exc.reason}"
-        return await _finish(
-            kube, obj, status.get("pods") or [], "Failed", reason, msg, status.get("startTime")
-        )
-
-    running = {"phase": "Running", "target": target.description, "observedGeneration": gen}
-    if status.get("phase") != "Running":
-        # Resolve the targets once: pods that appear later are not part of this reset (like a Job's pods).
-        # Nothing is written yet: the first write-ahead checkpoint (before any call) records the targets and
-        # phase Running in one patch; a crash before it leaves nothing called and the reset starts over.
-        t_list = time.monotonic()
-        records = initial_records([pod_target(p) for p in await kube.list_pods(ns, target.selector)])
-        logger.info("reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list)
-        start = now_iso()
+            records = initial_records([pod_target(p, plan) for p in pods])
+            logger.info(
+                "reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list
+            )
+            if any(r.result == "Pending" for r in records) or not plan.waits_for_pods:
+                break
+            if time.monotonic() >= deadline - 1.0:
+                break  # NoTargets
+            await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
+        running = {"phase": "Running", "target": plan.description, "startTime": start,
+                   "observedGeneration": obj["metadata"].get("generation")}  # fmt: skip
+        if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
+            await with_retries("status", lambda: _patch(kube, ns, name, {**running, **pod_status(records)}),
+                               deadline)  # fmt: skip
+        else:  # progress for people only: a failed write does not hold the reset up
+            try:
+                await _patch(kube, ns, name, {**running, **pod_status(records)})
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("reset %s/%s: progress not written: %s", ns, name, exc)
         kopf.event(obj, type="Normal", reason="Started",
-                   message=f"resetting the prefix caches of {len(records)} pods of {target.description}")  # fmt: skip
-    else:
-        records = [dict(r) for r in status.get("pods") or []]
-        start = status["startTime"]
-        logger.info("reset %s/%s: resuming from status", ns, name)
-    running["startTime"] = start
-
-    started_at = _parse_time(start) or time.time()
-    deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started_at)
-    settings = FanoutSettings(
-        engine=spec.get("engine", "kvpilot"), port=target.port, token=token,
-        reset_running_requests=bool(spec.get("resetRunningRequests")),
-        timeout_s=float(spec.get("timeoutSeconds", 60)),
-        request_timeout_s=float(spec.get("requestTimeoutSeconds", 10)),
-        max_concurrency=int(spec.get("maxConcurrency", 64)), backoff_limit=int(spec.get("backoffLimit", 3)),
-    )  # fmt: skip
-
-    async def checkpoint(recs: list[dict[str, Any]]) -> None:
-        await _patch(kube, ns, name, {**running, **_summary_status(recs)})
-
-    async def pod_gone(pod_name: str) -> str | None:
-        pod = await kube.get_pod(ns, pod_name)
-        if pod is None:
-            return "pod deleted during the reset"
-        if pod.metadata.deletion_timestamp is not None:
-            return "pod terminating during the reset"
-        return None
-
-    t_calls = time.monotonic()
-    records = await run_fanout(records, settings, deadline, checkpoint, pod_gone)
-    phase, reason, message = outcome(records)
-    logger.info("reset %s/%s: %s after %.3fs of calls", ns, name, message, time.monotonic() - t_calls)
-    for r in [r for r in records if r["result"] == "Failed"][:_MAX_FAILURE_EVENTS]:
-        kopf.event(
-            obj, type="Warning", reason="PodResetFailed", message=f"{r['name']}: {r.get('message', '')}"
+                   message=f"resetting the prefix caches of {len(records)} pods of {plan.description}")  # fmt: skip
+        records = await _fan_out(kube, ns, plan, records, pods, version, settings_for(spec, plan), deadline,
+                                 lambda recs: _patch(kube, ns, name, {**running, **pod_status(recs)}),
+                                 stopped, limiter)  # fmt: skip
+    except ResetFailure as f:
+        logger.warning("reset %s/%s: %s: %s", ns, name, f.reason, f.message)
+        return await _finish(kube, obj, None, "Failed", f.reason, f.message, start)
+    if any(r.result == "Pending" for r in records):
+        logger.info(
+            "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
+        return None
+    phase, reason, message = outcome(records, float(spec.get("minSuccessRatio", 1.0)),
+                                     bool(spec.get("allowNoTargets")))  # fmt: skip
+    logger.info("reset %s/%s: %s", ns, name, message)
+    for r in [r for r in records if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
+        kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
     return await _finish(kube, obj, records, phase, reason, message, start)
 
 
-async def _finish(kube: Kube, obj: dict[str, Any], records: list[dict[str, Any]], phase: str, reason: str,
-                  message: str, start: str | None) -> dict[str, Any]:  # fmt: skip
+async def _fan_out(kube: Kube, ns: str, plan: Plan, records: list[PodRecord], pods: list[dict[str, Any]],
+                   version: str, settings: FanoutSettings, deadline: float, checkpoint: Any, stopped: Any,
+                   limiter: asyncio.Semaphore | None) -> list[PodRecord]:  # fmt: skip
+    """run_fanout with a pod watch behind pod_gone and the daemon's stop flag behind `stop`."""
+    watch = PodWatch(kube, ns, plan.selector, pods, version)
+    watch.start()
+    stop = asyncio.Event()
+
+    async def bridge() -> None:
+        if stopped is not None:
+            await stopped.wait()
+            stop.set()
+
+    bridging = asyncio.create_task(bridge())
+    try:
+        return await run_fanout(records, settings, deadline, checkpoint, watch.gone, limiter, stop)
+    finally:
+        bridging.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await bridging
+        await watch.stop()
+
+
+async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodRecord] | None, phase: str, reason: str,
+                  message: str, start: str) -> dict[str, Any]:  # fmt: skip
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    gen = obj["metadata"].get("generation")
+    gen = obj["metadata"].get("generation") or 1
     conds = (obj.get("status") or {}).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     end = now_iso()
-    new = await _patch(kube, ns, name, {"phase": phase, "completionTime": end, "startTime": start or end,
-                                        "conditions": conds, "observedGeneration": gen,
-                                        **_summary_status(records)})  # fmt: skip
+    body = {"phase": phase, "completionTime": end, "startTime": start, "conditions": conds,
+            "observedGeneration": gen, **(pod_status(records) if records is not None else {})}  # fmt: skip
+    new = await with_retries("final status", lambda: _patch(kube, ns, name, body),
+                             time.monotonic() + _FINAL_PATCH_GRACE_S)  # fmt: skip
     kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
     metrics.RESETS.labels(ns, phase).inc()
-    if start and (t0 := _parse_time(start)) is not None:
+    if (t0 := _parse_time(start)) is not None:
         metrics.RESET_DURATION.observe(max(0.0, time.time() - t0))
-    metrics.record_reset_pods(ns, name, summarize(records))
+    metrics.record_reset_pods(ns, name, summarize(records or []))
     target = (obj["spec"].get("targetRef") or {}).get("name")
     if target:
         try:
             await kube.patch_status(
                 FLEETS, ns, target, {"lastReset": {"name": name, "time": end, "result": phase}}
             )
-        except ApiException as exc:
+        except ApiException as exc:  # the fleet's status is informative; the reset's own status is written
             if exc.status != 404:
-                raise
+                logging.getLogger(__name__).warning(
+                    "lastReset of %s/%s not written: %s", ns, target, exc.reason
+                )
     return new
 
 
@@ -194,10 +359,12 @@ async def _expire(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopp
     done_at = _parse_time((obj.get("status") or {}).get("completionTime"))
     if ttl is None or done_at is None:
         return
-    while (left := done_at + ttl - time.time()) > 0:
-        if stopped is not None and stopped:
-            return
-        await asyncio.sleep(min(left, 1.0))
+    left = done_at + ttl - time.time()
+    if left > 0:
+        if stopped is None:
+            await asyncio.sleep(left)
+        elif await stopped.wait(left):
+            return  # the operator stops; the next one deletes it
     logger.info("deleting %s: ttlSecondsAfterFinished %ss passed", obj["metadata"]["name"], ttl)
     await kube.delete_cr(
         RESETS, obj["metadata"]["namespace"], obj["metadata"]["name"], obj["metadata"]["uid"]

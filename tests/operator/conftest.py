@@ -27,6 +27,9 @@ VENV_BIN = str(Path(sys.executable).parent)
 if not os.environ.get("PATH", "").startswith(VENV_BIN + os.pathsep):
     os.environ["PATH"] = VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 SHIM_PATH = f"{HERE / 'shim'}{os.pathsep}{os.environ['PATH']}"
+STANDIN_ENV = [
+    {"name": "PATH", "value": SHIM_PATH}
+]  # a fleet's pod env: `kvpilot` is shim/kvpilot, a stand-in
 if str(ROOT / "tests") not in sys.path:
     sys.path.append(str(ROOT / "tests"))
 if str(HERE) not in sys.path:
@@ -109,7 +112,8 @@ def apply(cluster: Cluster, objs: object) -> None:  # noqa: F811
 
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
-    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only."""
+    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
+    The peering object is not made here: the operator makes it (as for a user who follows the README)."""
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     for crd in (
         "inferencedeployments.kvpilot.io",
@@ -124,7 +128,6 @@ def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFacto
     apply(cluster, [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "kvpilot-operator", "namespace": OP_NS}},
         rbac.cluster_role(), rbac.cluster_role_binding(OP_NS),
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpilot"}},
     ])  # fmt: skip
     token = cluster.kubectl(
         "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
@@ -148,7 +151,6 @@ def operator(
     op.start()
     yield op
     op.stop()
-    # kopf's finalizers would block namespace deletion without an operator: remove them while it is gone.
     print(f"operator log: {op.log}")
 
 

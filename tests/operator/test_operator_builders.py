@@ -47,8 +47,10 @@ def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
     assert d["kind"] == "DaemonSet" and "replicas" not in d["spec"]
     args = d["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/q" and "--port" in args
-    assert not any(
-        e["name"] == "KVPILOT_ADMIN_TOKEN" for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+    env = d["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert (
+        next(e for e in env if e["name"] == "KVPILOT_ADMIN_TOKEN")["valueFrom"]["secretKeyRef"]["name"]
+        == "x-admin-token"
     )
 
 
@@ -61,24 +63,47 @@ def test_service_selects_the_fleet_on_its_port() -> None:
     )
 
 
-def test_drift_ignores_server_defaults_but_sees_edits() -> None:
-    want = builders.workload("a", SPEC)["spec"]
-    have = builders.workload("a", SPEC)["spec"]
-    have["revisionHistoryLimit"] = 10  # added by the API server
-    have["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
-    assert not builders.drifted(want, have)
-    have["replicas"] = 1
-    assert builders.drifted(want, have)
-    have = builders.workload("a", SPEC)["spec"]
-    have["template"]["spec"]["containers"][0]["args"].append("--extra")
-    assert builders.drifted(want, have)
+def test_generated_admin_token_unless_a_secret_is_named_or_the_spec_opts_out() -> None:
+    env = lambda spec: builders.workload("f", spec)["spec"]["template"]["spec"]["containers"][0]["env"]  # noqa: E731
+    tok = next(e for e in env({}) if e["name"] == "KVPILOT_ADMIN_TOKEN")
+    assert tok["valueFrom"]["secretKeyRef"] == {"name": "f-admin-token", "key": "token"}
+    assert not any(e["name"] == "KVPILOT_ADMIN_TOKEN" for e in env({"disableAdminToken": True}))
+    secret = builders.generated_token_secret("f", "abc")
+    assert secret["metadata"]["name"] == "f-admin-token" and secret["stringData"] == {"token": "abc"}
+    # the generated Secret is not offered to selector resets
+    assert builders.ADMIN_TOKEN_LABEL not in secret["metadata"]["labels"]
+
+
+def test_gpu_node_fields_reach_the_pod_and_cpu_limit_sets_threads() -> None:
+    spec = {"serviceAccountName": "reader", "affinity": {"nodeAffinity": {}},
+            "imagePullSecrets": [{"name": "reg"}], "volumes": [{"name": "models", "hostPath": {"path": "/m"}}],
+            "volumeMounts": [{"name": "models", "mountPath": "/models"}], "securityContext": {"runAsNonRoot": True},
+            "podSecurityContext": {"fsGroup": 1000}, "startupProbe": {"httpGet": {"path": "/health", "port": "http"}},
+            "resources": {"limits": {"cpu": "2500m", "nvidia.com/gpu": 1}}}  # fmt: skip
+    pod = builders.workload("g", spec)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["serviceAccountName"] == "reader" and pod["automountServiceAccountToken"] is True
+    assert pod["imagePullSecrets"] == [{"name": "reg"}] and pod["volumes"][0]["name"] == "models"
+    assert pod["affinity"] == {"nodeAffinity": {}} and pod["securityContext"] == {"fsGroup": 1000}
+    assert c["volumeMounts"][0]["mountPath"] == "/models" and c["securityContext"]["runAsNonRoot"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["args"][c["args"].index("--cpu-threads") + 1] == "3"
+    assert builders.cpu_threads({"resources": {"limits": {"cpu": "0.5"}}}) == 1
+    assert builders.cpu_threads({}) is None and "--cpu-threads" not in builders.serve_args({})
+
+
+def test_label_selector_strings() -> None:
+    sel = {"matchLabels": {"b": "2", "a": "1"}, "matchExpressions": [
+        {"key": "tier", "operator": "In", "values": ["x", "y"]}, {"key": "gpu", "operator": "Exists"},
+        {"key": "old", "operator": "DoesNotExist"}, {"key": "z", "operator": "NotIn", "values": ["q"]}]}  # fmt: skip
+    assert builders.label_selector(sel) == "a=1,b=2,tier in (x,y),gpu,!old,z notin (q)"
 
 
 def test_reset_for_token_is_deterministic_per_token() -> None:
-    a = builders.reset_for_token("llama", "t1", SPEC)
-    assert a == builders.reset_for_token("llama", "t1", SPEC)
-    assert a["metadata"]["name"] != builders.reset_for_token("llama", "t2", SPEC)["metadata"]["name"]
-    assert a["spec"] == {"targetRef": {"name": "llama"}}
+    a = builders.reset_for_token("llama", "t1")
+    assert a == builders.reset_for_token("llama", "t1")
+    assert a["metadata"]["name"] != builders.reset_for_token("llama", "t2")["metadata"]["name"]
+    assert a["spec"] == {"targetRef": {"name": "llama"}, "ttlSecondsAfterFinished": 86400}
 
 
 def test_conditions_keep_transition_time_until_status_changes() -> None:
@@ -93,12 +118,37 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
         "Available": "True",
         "Progressing": "False",
         "Degraded": "False",
+        "Ready": "True",
     }
+    for x in conds:  # every metav1.Condition field
+        assert set(x) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     conds = fleet_conditions(
         conds, desired=3, ready=1, updated=3, generation=1, workload_seen=True, stalled=True
     )
     assert {x["type"]: x["status"] for x in conds} == {
-        "Available": "False",
+        "Available": "True",  # one pod serves
         "Progressing": "True",
         "Degraded": "True",
+        "Ready": "False",
     }
+
+
+def test_crds_have_no_stray_keys() -> None:
+    """A comma in an unquoted flow-mapping description makes extra null keys; the API server drops them on
+    create and refuses the next `kubectl apply -f crds/`."""
+    import pathlib
+
+    import yaml
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                assert v is not None, f"{path}.{k} is null"
+                walk(v, f"{path}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    for f in sorted((pathlib.Path(__file__).parents[2] / "crds").glob("*.yaml")):
+        for doc in yaml.safe_load_all(f.read_text()):
+            walk(doc, f.name)

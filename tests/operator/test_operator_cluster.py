@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from conftest import (
     OP_NS,
-    SHIM_PATH,
+    STANDIN_ENV,
     Cluster,
     OperatorProcess,
     apply,
@@ -74,9 +74,6 @@ def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
     apply(cluster, obj)
 
 
-STANDIN_ENV = [{"name": "PATH", "value": SHIM_PATH}]  # `kvpilot` resolves to tests/operator/shim/kvpilot
-
-
 def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
     """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
     return {
@@ -122,7 +119,7 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     wait_for(lambda: ready_replicas(cluster, ns, "llm", 3), 300, "3 ready kvpilot daemons", interval=1)
     obj = infd(cluster, ns, "llm")
     conds = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
-    assert conds == {"Available": "True", "Progressing": "False", "Degraded": "False"}
+    assert conds == {"Available": "True", "Progressing": "False", "Degraded": "False", "Ready": "True"}
     assert obj["status"]["selector"] == "kvpilot.io/inference-deployment=llm"
     pods = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
     assert len(pods) == 3
@@ -165,6 +162,9 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     )
     assert infd(cluster, ns, "llm")["status"]["lastReset"]["name"] == "flush"
     assert operator.metric("kvpilot_operator_ready_replicas", namespace=ns, deployment="llm") == 3
+    assert operator.metric("kvpilot_operator_desired_replicas", namespace=ns, deployment="llm") == 3
+    assert operator.metric("kvpilot_operator_resets_in_progress") == 0
+    assert 'kvpilot_operator_reconcile_errors_total{kind="PrefixCacheReset"}' in operator.metrics()
     assert (
         operator.metric("kvpilot_operator_reset_pods", namespace=ns, reset="flush", result="succeeded") == 3
     )
@@ -189,72 +189,123 @@ def test_failed_skipped_and_not_supported_pods(
         wait_deployment_ready(cluster, ns, name, 2 if name == "ok" else 1)
     t0 = time.monotonic()
     apply_ns(cluster, ns, pcr("mixed", {"selector": {"matchLabels": {"fleet": "mixed"}}, "timeoutSeconds": 20,
-                                        "requestTimeoutSeconds": 15, "backoffLimit": 2}))  # fmt: skip
+                                        "requestTimeoutSeconds": 15, "retriesPerPod": 2}))  # fmt: skip
     slow = next(iter(pod_ips(cluster, ns, "app=slow")))
 
-    def slow_in_flight() -> bool:
+    def only_slow_left() -> bool:
         st = cluster.kubectl_json("get", "pcr", "mixed", "-n", ns).get("status") or {}
-        return any(p["name"] == slow and p["result"] == "Dispatched" for p in st.get("pods") or [])
+        return st.get("targets") == 5 and st.get("pending") == 1
 
-    wait_for(slow_in_flight, 30, "the slow pod's call in flight")
+    wait_for(only_slow_left, 30, "every pod but the slow one decided")
     cluster.kubectl("delete", "pod", slow, "-n", ns, "--wait=false")
     r = wait_phase(cluster, ns, "mixed", 40)
     elapsed = time.monotonic() - t0
     pods = pods_by_name(r)
-    by_app = {name: pods[name] for name in pods}
-    results = sorted((p["result"]) for p in by_app.values())
-    assert results == ["Failed", "NotSupported", "Skipped", "Succeeded", "Succeeded"], by_app
+    results = sorted(p["result"] for p in pods.values())
+    assert results == ["Failed", "NotSupported", "Skipped", "Succeeded", "Succeeded"], pods
     bad = next(p for p in pods.values() if p["result"] == "Failed")
     assert bad["httpStatus"] == 500 and "rank 0" in bad["message"] and bad["attempts"] == 3
     nosup = next(p for p in pods.values() if p["result"] == "NotSupported")
     assert nosup["httpStatus"] == 501 and nosup["attempts"] == 1
     assert pods[slow]["result"] == "Skipped" and "pod" in pods[slow]["message"]
     st = r["status"]
-    assert st["phase"] == "Failed" and (st["succeeded"], st["failed"], st["skipped"], st["notSupported"]) == (
-        2,
-        1,
-        1,
-        1,
-    )
+    assert st["phase"] == "Failed"
+    assert (st["succeeded"], st["failed"], st["skipped"], st["notSupported"]) == (2, 1, 1, 1)
     assert elapsed < 20 + 10, f"took {elapsed:.1f}s with timeoutSeconds 20"
     cond = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert cond["status"] == "True" and cond["reason"] == "PodsFailed" and bad["name"] in cond["message"]
+    assert set(cond) == {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     events = cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=mixed"
     ).stdout
     assert "PodResetFailed" in events
 
 
-def test_operator_killed_mid_fanout_resumes_without_a_second_reset(
+def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engine: str) -> None:
+    """At-least-once: a restarted operator calls the pods again, so every pod ends Succeeded (vLLM-style
+    pods too, which report no epoch to tell whether a call in flight took effect)."""
+    env = [{"name": "STANDIN_DELAY", "value": "2"}, {"name": "STANDIN_ENGINE", "value": engine}]
+    apply_ns(cluster, ns, standin_deployment("slowfleet", 4, {}, env))
+    wait_deployment_ready(cluster, ns, "slowfleet", 4)
+    ips = pod_ips(cluster, ns, "app=slowfleet")
+    apply_ns(cluster, ns, pcr("crash", {"selector": {"matchLabels": {"app": "slowfleet"}}, "maxConcurrency": 1,
+                                        "timeoutSeconds": 120, "engine": engine}))  # fmt: skip
+
+    def one_done() -> bool:
+        st = cluster.kubectl_json("get", "pcr", "crash", "-n", ns).get("status") or {}
+        return st.get("phase") == "Running" and st.get("succeeded", 0) >= 1
+
+    wait_for(one_done, 40, "the first pod reset")
+    time.sleep(0.5)  # the next call is in flight: the stand-in applies a reset on receipt
+    operator.kill()
+    assert cluster.kubectl_json("get", "pcr", "crash", "-n", ns)["status"]["phase"] == "Running"
+    # A higher peering priority takes over at once; the killed replica's peering entry has not expired yet.
+    operator.start("--priority", str(int(time.time()) % 100000 + 1))
+    r = wait_phase(cluster, ns, "crash", 90)
+    assert r["status"]["phase"] == "Succeeded" and r["status"]["succeeded"] == 4, r["status"]
+    assert all(p["result"] == "Succeeded" for p in r["status"]["pods"])
+    resets = {name: http("GET", f"http://{ip}:8000/calls")["resets"] for name, ip in ips.items()}
+    assert all(n >= 1 for n in resets.values()), resets  # never fewer than one
+    assert sum(resets.values()) >= 5, resets  # the pods done before the crash were called again
+
+
+def test_kvpilot_fleet_operator_killed_mid_fanout(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    killed_mid_fanout(cluster, namespace, operator, "kvpilot")
+
+
+def test_vllm_fleet_operator_killed_mid_fanout(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    killed_mid_fanout(cluster, namespace, operator, "vllm")
+
+
+def test_graceful_stop_mid_fanout_is_bounded_and_the_next_operator_finishes(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     ns = namespace
-    apply_ns(cluster, ns, standin_deployment("slowfleet", 3, {}, [{"name": "STANDIN_DELAY", "value": "3"}]))
-    wait_deployment_ready(cluster, ns, "slowfleet", 3)
-    ips = pod_ips(cluster, ns, "app=slowfleet")
-    apply_ns(cluster, ns, pcr("crash", {"selector": {"matchLabels": {"app": "slowfleet"}}, "maxConcurrency": 1,
-                                        "timeoutSeconds": 120}))  # fmt: skip
+    apply_ns(cluster, ns, standin_deployment("grace", 3, {}, [{"name": "STANDIN_DELAY", "value": "30"}]))
+    wait_deployment_ready(cluster, ns, "grace", 3)
+    apply_ns(cluster, ns, pcr("g", {"selector": {"matchLabels": {"app": "grace"}}, "timeoutSeconds": 300,
+                                    "requestTimeoutSeconds": 60}))  # fmt: skip
+    wait_for(lambda: (cluster.kubectl_json("get", "pcr", "g", "-n", ns).get("status") or {}).get("phase") == "Running",
+             30, "the reset running")  # fmt: skip
+    time.sleep(1)  # the three 30 s calls are in flight
+    t0 = time.monotonic()
+    operator.stop()  # SIGTERM: calls in flight get the shutdown grace, then the daemon is cancelled
+    took = time.monotonic() - t0
+    assert took < 14, f"stopping took {took:.1f}s"
+    assert operator.proc is not None and operator.proc.returncode is not None
+    assert cluster.kubectl_json("get", "pcr", "g", "-n", ns)["status"]["phase"] == "Running"
+    operator.start()
+    st = wait_phase(cluster, ns, "g", 120)["status"]
+    assert st["phase"] == "Succeeded" and st["succeeded"] == 3, st
 
-    def dispatched() -> bool:
-        st = cluster.kubectl_json("get", "pcr", "crash", "-n", ns).get("status") or {}
-        return any(p["result"] == "Dispatched" for p in st.get("pods") or [])
 
-    wait_for(dispatched, 30, "a reset call in flight")
-    time.sleep(0.5)  # the call has reached the stand-in, which applies the reset on receipt
+def test_reset_running_requests_stays_at_most_once(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """With resetRunningRequests a second call is not harmless: an interrupted reset ends Failed
+    (Interrupted) and no pod is called after the restart."""
+    ns = namespace
+    apply_ns(cluster, ns, standin_deployment("once", 3, {}, [{"name": "STANDIN_DELAY", "value": "2"}]))
+    wait_deployment_ready(cluster, ns, "once", 3)
+    ips = pod_ips(cluster, ns, "app=once")
+    apply_ns(cluster, ns, pcr("rr", {"selector": {"matchLabels": {"app": "once"}}, "maxConcurrency": 1,
+                                     "resetRunningRequests": True, "timeoutSeconds": 120}))  # fmt: skip
+    wait_for(lambda: (cluster.kubectl_json("get", "pcr", "rr", "-n", ns).get("status") or {}).get("phase") == "Running",
+             30, "the reset running")  # fmt: skip
+    time.sleep(0.5)
     operator.kill()
-    mid = cluster.kubectl_json("get", "pcr", "crash", "-n", ns)["status"]
-    assert mid["phase"] == "Running"
-    # A higher peering priority takes over at once; the killed replica's peering entry has not expired yet.
+    before = {name: http("GET", f"http://{ip}:8000/calls")["calls"] for name, ip in ips.items()}
     operator.start("--priority", str(int(time.time()) % 100000 + 1))
-    r = wait_phase(cluster, ns, "crash", 60)
-    assert r["status"]["phase"] == "Succeeded" and r["status"]["succeeded"] == 3
-    for name, ip in ips.items():
-        calls = http("GET", f"http://{ip}:8000/calls")
-        assert calls["resets"] == 1 and calls["calls"] == 1, f"{name} was reset {calls['resets']} times"
-    confirmed = [
-        p for p in r["status"]["pods"] if "confirmed after an operator restart" in p.get("message", "")
-    ]
-    assert confirmed, "the call in flight at the crash should have been confirmed from the pod's epoch"
+    st = wait_phase(cluster, ns, "rr", 60)["status"]
+    cond = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert st["phase"] == "Failed" and cond["reason"] == "Interrupted"
+    time.sleep(3)  # any call a restarted operator made would have reached the pods by now
+    after = {name: http("GET", f"http://{ip}:8000/calls")["calls"] for name, ip in ips.items()}
+    assert after == before and max(after.values()) <= 1, (before, after)
 
 
 BAD_SPECS = [
@@ -267,7 +318,15 @@ BAD_SPECS = [
      "requestTimeoutSeconds must not exceed timeoutSeconds"),
     ("pcr", {"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}, "In and NotIn need values"),
     ("pcr", {"targetRef": {"name": ""}}, "spec.targetRef.name"),
-    ("pcr", {"targetRef": {"name": "a"}, "backoffLimit": 1000}, "spec.backoffLimit"),
+    ("pcr", {"targetRef": {"name": "a"}, "retriesPerPod": 1000}, "spec.retriesPerPod"),
+    ("pcr", {"targetRef": {"name": "Not_A_DNS_Name"}}, "must be a DNS-1123 label"),
+    ("pcr", {"targetRef": {"name": "a" * 64}}, "spec.targetRef.name"),
+    ("pcr", {"targetRef": {"name": "a"}, "adminTokenSecretRef": {"name": "other-team"}},
+     "adminTokenSecretRef is for selector resets only"),
+    ("pcr", {"targetRef": {"name": "a"}, "minSuccessRatio": 1.5}, "spec.minSuccessRatio"),
+    ("infd", {"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits.cpu"),
+    ("infd", {"resources": {"limit": {"cpu": "1"}}}, 'unknown field "spec.resources.limit"'),
+    ("infd", {"adminTokenSecretRef": {"name": "x"}, "disableAdminToken": True}, "not both"),
     ("infd", {"replicas": -1}, "spec.replicas"),
     ("infd", {"placement": "StatefulSet"}, 'Unsupported value: "StatefulSet"'),
     ("infd", {"placement": "DaemonSet", "replicas": 3}, "replicas cannot be set with placement DaemonSet"),
@@ -288,6 +347,11 @@ def test_bad_specs_are_refused_by_the_api_server(
         r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
         assert r.returncode != 0, f"case {i} was accepted: {spec}"
         assert message in r.stderr, f"case {i}: {r.stderr}"
+    # an InferenceDeployment's name becomes a Service name and a label value: 63 characters, DNS-1035
+    for bad_name in ("x" * 64, "Upper", "9starts-with-a-digit"):
+        r = cluster.kubectl("apply", "-f", "-", input=json.dumps({**fleet(bad_name, {}), "metadata": {
+            "name": bad_name, "namespace": ns}}), check=False)  # fmt: skip
+        assert r.returncode != 0 and ("DNS-1035" in r.stderr or "metadata.name" in r.stderr), r.stderr
     # immutability: a valid reset cannot be edited afterwards
     apply_ns(cluster, ns, pcr("fixed", {"selector": {"matchLabels": {"none": "x"}}}))
     r = cluster.kubectl("patch", "pcr", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"maxConcurrency":2}}',
@@ -347,6 +411,56 @@ def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operato
              ["metadata"]["generation"], 30, "observedGeneration")  # fmt: skip
 
 
+def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns = namespace
+    spec = {"replicas": 1, "env": STANDIN_ENV, "nodeSelector": {"pool": "a", "tier": "t1"},
+            "resources": {"requests": {"cpu": "0.5"}, "limits": {"cpu": "0.5"}}}  # fmt: skip
+    cluster.kubectl("label", "node", "node-1", "pool=a", "tier=t1", "--overwrite")
+    apply_ns(cluster, ns, fleet("ssa", spec))
+
+    def template() -> dict:
+        return cluster.kubectl_json("get", "deployment", "ssa", "-n", ns)["spec"]["template"]["spec"]
+
+    wait_for(lambda: template()["nodeSelector"].get("pool") == "a", 30, "the Deployment")
+    assert template()["containers"][0]["resources"]["limits"]["cpu"] == "500m"  # normalized by the API server
+    # someone else's field on our Deployment is kept (server-side apply owns only what we set)
+    cluster.kubectl("annotate", "deployment/ssa", "-n", ns, "team.example/owner=ml")
+    # a nodeSelector key removed from the spec goes from the Deployment
+    apply_ns(cluster, ns, fleet("ssa", {**spec, "nodeSelector": {"pool": "a"}}))
+    wait_for(lambda: template()["nodeSelector"] == {"pool": "a"}, 30, "the nodeSelector key removed")
+    wait_for(lambda: ready_replicas(cluster, ns, "ssa", 1), 90, "the pod ready")
+    time.sleep(3)  # the rollout's last status writes
+    # cpu 0.5 (stored as 500m): no patch loop. Over 20 s of owned-object events (the pod turning ready,
+    # controllers writing status) the Deployment's spec stays at one generation and no Event repeats.
+    dep0 = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns)
+    applies0 = operator.metric("kvpilot_operator_api_calls_total", verb="apply", resource="deployments")
+    events0 = len(
+        cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ssa")[
+            "items"
+        ]
+    )
+    cluster.kubectl("annotate", "infd/ssa", "-n", ns, "poke=1")  # an update event: one more apply, a no-op
+    time.sleep(20)
+    dep1 = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns)
+    events1 = len(
+        cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ssa")[
+            "items"
+        ]
+    )
+    applies1 = operator.metric("kvpilot_operator_api_calls_total", verb="apply", resource="deployments")
+    assert dep1["metadata"]["generation"] == dep0["metadata"]["generation"]
+    # nothing written at all
+    assert dep1["metadata"]["resourceVersion"] == dep0["metadata"]["resourceVersion"]
+    assert events1 == events0, cluster.kubectl("get", "events", "-n", ns).stdout
+    assert applies1 - applies0 <= 3, f"{applies1 - applies0} applies in 20 s: a loop"
+    assert dep1["metadata"]["annotations"]["team.example/owner"] == "ml"
+    fields = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns, "--show-managed-fields")["metadata"]
+    managers = {m["manager"] for m in fields["managedFields"] if m["operation"] == "Apply"}
+    assert managers == {"kvpilot-operator"}
+
+
 def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
     ns = namespace
     apply_ns(cluster, ns, fleet("ann", {"replicas": 2, "env": STANDIN_ENV}))
@@ -359,6 +473,7 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: 
 
     cluster.kubectl("annotate", "infd/ann", "-n", ns, "kvpilot.io/reset-prefix-cache=deploy-42")
     first = wait_for(lambda: owned_resets() or None, 30, "a PrefixCacheReset for the annotation")[0]
+    assert first["spec"]["ttlSecondsAfterFinished"] == 86400  # annotation-made resets do not pile up
     r = wait_phase(cluster, ns, first["metadata"]["name"], 30)
     assert r["status"]["phase"] == "Succeeded" and r["status"]["succeeded"] == 2
     wait_for(lambda: infd(cluster, ns, "ann")["status"].get("lastReset", {}).get("name") == first["metadata"]["name"],
@@ -397,15 +512,21 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
     def can(*args: str) -> bool:
         return cluster.kubectl("auth", "can-i", "--as", sa, *args, check=False).stdout.strip() == "yes"
 
-    assert can("patch", "prefixcacheresets.kvpilot.io/status") and can("list", "pods")
+    assert (
+        can("patch", "prefixcacheresets.kvpilot.io/status") and can("list", "pods") and can("watch", "pods")
+    )
     assert can("get", "secrets") and not can("list", "secrets") and not can("watch", "secrets")
+    assert not can("update", "secrets") and not can("delete", "secrets") and not can("get", "pods")
+    # owner references that block deletion (kopf.adopt) need this under OwnerReferencesPermissionEnforcement
+    assert can("update", "inferencedeployments.kvpilot.io", "--subresource=finalizers")
+    assert not can("create", "events.events.k8s.io") and not can("update", "services")
     assert (
         not can("delete", "pods")
         and not can("create", "pods")
         and not can("delete", "inferencedeployments.kvpilot.io")
     )
     assert can("watch", "deployments.apps") and not can("update", "deployments.apps")
-    assert not can("delete", "services") and not can("create", "secrets") and not can("patch", "nodes")
+    assert not can("delete", "services") and not can("patch", "nodes") and not can("get", "services")
 
 
 CLI = """
@@ -433,16 +554,20 @@ def test_reset_cli_waits_and_shows_every_pod(
                         str(cluster.kubeconfig)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("prefixcachereset.kvpilot.io/cli-") and lines[-1].startswith(
-        "Succeeded: 2/2 pods reset"
-    )
+    assert lines[0].startswith("prefixcachereset.kvpilot.io/cli-")
+    assert lines[-1].startswith("Succeeded: AllPodsReset: 2/2 pods reset"), r.stdout
     for pod in fleet_pods(cluster, ns, "cli"):
         assert any(pod["metadata"]["name"] in x and "Succeeded" in x and "epoch 1" in x for x in lines), (
             r.stdout
         )
     bad = subprocess.run([sys.executable, "-c", CLI, "reset", "nope", "-n", ns, "--kubeconfig",
                           str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "404" in bad.stderr
+    assert bad.returncode == 2 and f"InferenceDeployment {ns}/nope not found" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    # --timeout: gives up waiting with its own exit code and message, no traceback
+    slow = subprocess.run([sys.executable, "-c", CLI, "reset", "cli", "-n", ns, "--wait", "--timeout", "0",
+                           "--kubeconfig", str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert slow.returncode == 3 and "did not finish before --timeout" in slow.stderr, slow.stderr
 
 
 def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator: OperatorProcess,
@@ -451,6 +576,11 @@ def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator:
     ns = namespace
     second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
     second.start("--priority", "-100")
+    # a replica of the same priority would pause with it: it says so at startup
+    third = OperatorProcess(operator.kubeconfig, tmp_path / "third.log")
+    third.start()
+    third.stop()
+    assert "replicas of equal priority all pause" in third.log.read_text()
     try:
         apply_ns(cluster, ns, standin_deployment("pair", 2, {}))
         wait_deployment_ready(cluster, ns, "pair", 2)
@@ -489,11 +619,11 @@ def test_vllm_and_sglang_fleets_by_selector(
     wait_deployment_ready(cluster, ns, "sglang", 1)
     apply_ns(cluster, ns, pcr("v", {"selector": {"matchLabels": {"engine": "vllm"}}, "engine": "vllm"}))
     apply_ns(cluster, ns, pcr("s", {"selector": {"matchLabels": {"engine": "sglang"}}, "engine": "sglang",
-                                    "backoffLimit": 0, "timeoutSeconds": 30}))  # fmt: skip
+                                    "retriesPerPod": 0, "timeoutSeconds": 30}))  # fmt: skip
     v = wait_phase(cluster, ns, "v", 30)["status"]
     assert v["phase"] == "Succeeded" and v["pods"][0]["httpStatus"] == 200 and v["pods"][0]["attempts"] == 1
     s = wait_phase(cluster, ns, "s", 40)["status"]
-    # two busy 400s are retried although backoffLimit is 0; the third call flushes
+    # two busy 400s are retried although retriesPerPod is 0; the third call flushes
     assert (
         s["phase"] == "Succeeded"
         and s["pods"][0]["attempts"] == 3
@@ -504,7 +634,111 @@ def test_vllm_and_sglang_fleets_by_selector(
 def test_missing_target_fails_with_a_reason(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    apply_ns(cluster, namespace, pcr("ghost", {"targetRef": {"name": "nowhere"}}))
-    st = wait_phase(cluster, namespace, "ghost", 30)["status"]
+    """A target that does not exist is waited for until timeoutSeconds, then the reset fails with a reason;
+    one that appears meanwhile is reset. `kubectl wait` for either condition returns."""
+    ns = namespace
+    t0 = time.monotonic()
+    apply_ns(cluster, ns, pcr("ghost", {"targetRef": {"name": "nowhere"}, "timeoutSeconds": 4}))
+    r = cluster.kubectl("wait", "--for=condition=Failed", "pcr/ghost", "-n", ns, "--timeout=30s", check=False)
+    assert r.returncode == 0, r.stderr
+    st = cluster.kubectl_json("get", "pcr", "ghost", "-n", ns)["status"]
     cond = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert st["phase"] == "Failed" and cond["reason"] == "TargetNotFound" and "nowhere" in cond["message"]
+    assert 3.5 < time.monotonic() - t0 < 20
+    # created before its fleet: waited for, then reset
+    apply_ns(cluster, ns, pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90}))
+    time.sleep(2)
+    apply_ns(cluster, ns, fleet("late", {"replicas": 1, "env": STANDIN_ENV}))
+    r = cluster.kubectl(
+        "wait", "--for=condition=Complete", "pcr/early", "-n", ns, "--timeout=100s", check=False
+    )
+    assert r.returncode == 0, cluster.kubectl("get", "pcr", "early", "-n", ns, "-o", "yaml").stdout
+
+
+def test_every_reset_ends_no_targets_and_refused_selectors(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns = namespace
+    apply_ns(cluster, ns, pcr("nothing", {"selector": {"matchLabels": {"app": "none"}}}))
+    apply_ns(cluster, ns, pcr("fine", {"selector": {"matchLabels": {"app": "none"}}, "allowNoTargets": True}))
+    # a label value the API server refuses (the CRD lets any string through): Failed at once, not retried forever
+    apply_ns(cluster, ns, pcr("badsel", {"selector": {"matchLabels": {"app": "not a valid value!"}}}))
+    for name, phase, reason in (("nothing", "Failed", "NoTargets"), ("fine", "Succeeded", "NoTargets"),
+                                ("badsel", "Failed", "InvalidRequest")):  # fmt: skip
+        st = wait_phase(cluster, ns, name, 30)["status"]
+        cond = next(c for c in st["conditions"] if c["status"] == "True")
+        assert (st["phase"], cond["reason"]) == (phase, reason), st
+
+
+def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | None = None) -> dict:
+    """A bare listening stand-in pod (not run by any fleet) that counts the calls it receives."""
+    dep = standin_deployment(name, 1, labels, env)
+    meta = {"name": name, "labels": dep["spec"]["template"]["metadata"]["labels"]}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": dep["spec"]["template"]["spec"]}
+
+
+def test_admin_tokens_go_only_where_their_owner_sent_them(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    import base64
+
+    ns = namespace
+    # Secure by default: a fleet without adminTokenSecretRef gets a generated token that its daemons require.
+    apply_ns(cluster, ns, fleet("sec", {"replicas": 2, "env": STANDIN_ENV}))
+    wait_for(lambda: ready_replicas(cluster, ns, "sec", 2), 90, "2 ready stand-in daemons")
+    secret = cluster.kubectl_json("get", "secret", "sec-admin-token", "-n", ns)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == infd(cluster, ns, "sec")["metadata"]["uid"]
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    fleet_ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "sec")}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http("POST", f"http://{next(iter(fleet_ips.values()))}:8000/reset_prefix_cache")
+    assert e.value.code == 401
+    assert (
+        "sec-admin-token" not in operator.log.read_text()
+        or secret["data"]["token"] not in operator.log.read_text()
+    )
+
+    # Listening pods that must never see someone else's token: one wearing the fleet's labels but run by
+    # something else, one that a PrefixCacheReset selects while naming another team's Secret.
+    cluster.kubectl("create", "configmap", "owner", "-n", ns)
+    cm_uid = cluster.kubectl_json("get", "configmap", "owner", "-n", ns)["metadata"]["uid"]
+    apply_ns(cluster, ns, standin_pod("rogue", {"kvpilot.io/inference-deployment": "sec"}, owner={
+        "apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": cm_uid, "controller": True}))  # fmt: skip
+    apply_ns(cluster, ns, standin_pod("listener", {"role": "listener"},
+                                      [{"name": "KVPILOT_ADMIN_TOKEN", "value": "listener-token"}]))  # fmt: skip
+    cluster.kubectl("create", "secret", "generic", "other-team", "-n", ns, "--from-literal=token=theirs")
+    for pod in ("rogue", "listener"):
+        cluster.kubectl("wait", "--for=condition=Ready", f"pod/{pod}", "-n", ns, "--timeout=60s")
+    ip = {
+        p: cluster.kubectl_json("get", "pod", p, "-n", ns)["status"]["podIP"] for p in ("rogue", "listener")
+    }
+
+    apply_ns(cluster, ns, pcr("steal", {"selector": {"matchLabels": {"role": "listener"}},
+                                        "adminTokenSecretRef": {"name": "other-team"}}))  # fmt: skip
+    st = wait_phase(cluster, ns, "steal", 30)["status"]
+    cond = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert (
+        st["phase"] == "Failed"
+        and cond["reason"] == "AdminTokenNotAllowed"
+        and "other-team" in cond["message"]
+    )
+
+    apply_ns(cluster, ns, pcr("fleet", {"targetRef": {"name": "sec"}}))
+    st = wait_phase(cluster, ns, "fleet", 30)["status"]
+    assert st["phase"] == "Succeeded" and (st["succeeded"], st["skipped"]) == (2, 1), st
+    rogue = pods_by_name({"status": st})["rogue"]
+    assert rogue["result"] == "Skipped" and "not run by the InferenceDeployment" in rogue["message"]
+    for pod in ("rogue", "listener"):
+        assert http("GET", f"http://{ip[pod]}:8000/calls")["calls"] == 0, f"{pod} was called"
+
+    # A Secret its owner labelled for kvpilot admin use may go to the pods a selector reset picks.
+    cluster.kubectl(
+        "create", "secret", "generic", "listener-admin", "-n", ns, "--from-literal=token=listener-token"
+    )
+    cluster.kubectl("label", "secret", "listener-admin", "-n", ns, "kvpilot.io/admin-token=true")
+    apply_ns(cluster, ns, pcr("allowed", {"selector": {"matchLabels": {"role": "listener"}},
+                                          "adminTokenSecretRef": {"name": "listener-admin"}}))  # fmt: skip
+    assert wait_phase(cluster, ns, "allowed", 30)["status"]["phase"] == "Succeeded"
+    assert http("GET", f"http://{ip['listener']}:8000/calls")["resets"] == 1

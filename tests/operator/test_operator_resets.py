@@ -6,45 +6,60 @@ import argparse
 
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
-from kvpilot.operator.fanout import Target, initial_records, outcome
-from kvpilot.operator.resets import label_selector, pod_target
+from kvpilot.operator.fanout import PodRecord
+from kvpilot.operator.resets import Plan, outcome, pod_status, pod_target
 
 
-def test_label_selector_strings() -> None:
-    sel = {"matchLabels": {"b": "2", "a": "1"}, "matchExpressions": [
-        {"key": "tier", "operator": "In", "values": ["x", "y"]}, {"key": "gpu", "operator": "Exists"},
-        {"key": "old", "operator": "DoesNotExist"}, {"key": "z", "operator": "NotIn", "values": ["q"]}]}  # fmt: skip
-    assert label_selector(sel) == "a=1,b=2,tier in (x,y),gpu,!old,z notin (q)"
-
-
-def pod(ready: bool = True, deleting: bool = False, ip: str = "10.0.0.1") -> dict:
-    meta = {"name": "p"} | ({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})
+def pod(ready: bool = True, deleting: bool = False, ip: str = "10.0.0.1", running: bool = True,
+        controller: str = "rs-1") -> dict:  # fmt: skip
+    meta = {"name": "p", "uid": "u1", "ownerReferences": [{"uid": controller, "controller": True}]}
+    meta |= {"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {}
+    state = {"running": {}} if running else {"waiting": {"reason": "CrashLoopBackOff"}}
     return {"metadata": meta, "spec": {"nodeName": "node-1"},
-            "status": {"phase": "Running", "podIP": ip,
+            "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "kvpilot", "state": state}],
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}  # fmt: skip
 
 
-def test_pod_target_readiness() -> None:
-    assert pod_target(pod()) == Target("p", "node-1", "10.0.0.1", True, "")
-    assert pod_target(pod(ready=False)).reason == "pod not Ready (phase Running)"
-    t = pod_target(pod(deleting=True))
-    assert not t.ready and t.reason == "pod is terminating"
-    recs = initial_records([pod_target(pod(ip=""))])
-    assert recs[0]["result"] == "Skipped" and recs[0]["message"] == "pod has no IP"
+PLAN = Plan("InferenceDeployment/f", "x=y", 8000, "t", "kvpilot", frozenset({"rs-1"}))
 
 
-def test_outcome_is_failed_when_any_pod_is_not_reset() -> None:
-    ok = {"name": "a", "result": "Succeeded"}
-    assert outcome([ok, {"name": "b", "result": "Skipped", "message": "x"}])[:2] == (
-        "Succeeded",
-        "AllPodsReset",
-    )
-    assert outcome([])[:2] == ("Succeeded", "NoTargets")
-    assert outcome([ok, {"name": "c", "result": "NotSupported"}])[:2] == ("Failed", "ResetNotSupported")
-    phase, reason, msg = outcome([ok, {"name": "d", "result": "Failed", "message": "HTTP 500: boom"}])
+def test_who_is_called_ready_or_not() -> None:
+    t = pod_target(pod(), PLAN)
+    assert (t.name, t.ip, t.node, t.uid, t.skip_reason) == ("p", "10.0.0.1", "node-1", "u1", "")
+    assert pod_target(pod(ready=False), PLAN).skip_reason == ""  # not Ready but running: called
+    assert pod_target(pod(deleting=True), PLAN).skip_reason == "pod is terminating"
+    assert pod_target(pod(ip=""), PLAN).skip_reason.startswith("pod has no IP")
+    assert "no running engine container 'kvpilot'" in pod_target(pod(running=False), PLAN).skip_reason
+    # a pod that only wears the fleet's labels never gets the fleet's token
+    assert "not run by the InferenceDeployment" in pod_target(pod(controller="stranger"), PLAN).skip_reason
+
+
+def rec(name: str, result: str, message: str = "") -> PodRecord:
+    return PodRecord(name, result=result, message=message)
+
+
+def test_outcome_policies() -> None:
+    ok = rec("a", "Succeeded")
+    assert outcome([ok, rec("b", "Skipped", "x")])[:2] == ("Succeeded", "AllPodsReset")
+    assert outcome([])[:2] == ("Failed", "NoTargets")
+    assert outcome([rec("s", "Skipped")])[:2] == ("Failed", "NoTargets")
+    assert outcome([], allow_no_targets=True)[:2] == ("Succeeded", "NoTargets")
+    assert outcome([ok, rec("c", "NotSupported")])[:2] == ("Failed", "ResetNotSupported")
+    phase, reason, msg = outcome([ok, rec("d", "Failed", "HTTP 500: boom")])
     assert (
         (phase, reason) == ("Failed", "PodsFailed") and "d: HTTP 500: boom" in msg and "1/2 pods reset" in msg
     )
+    assert outcome([ok, ok, ok, rec("d", "Failed")], min_success_ratio=0.75)[:2] == (
+        "Succeeded",
+        "MinSuccessRatioMet",
+    )
+
+
+def test_status_is_bounded_with_failures_first() -> None:
+    records = [rec(f"ok-{i:04d}", "Succeeded") for i in range(5000)] + [rec("zz-bad", "Failed", "HTTP 500")]
+    st = pod_status(records)
+    assert (st["targets"], st["succeeded"], st["failed"], st["progress"]) == (5001, 5000, 1, "5000/5001")
+    assert len(st["pods"]) == 100 and st["podsOmitted"] == 4901 and st["pods"][0]["name"] == "zz-bad"
 
 
 def test_cli_parsers_and_output() -> None:
@@ -55,7 +70,7 @@ def test_cli_parsers_and_output() -> None:
     a = p.parse_args(
         ["reset", "llm", "-n", "prod", "--wait", "--reset-running-requests", "--max-concurrency", "8"]
     )
-    assert (a.name, a.namespace, a.wait) == ("llm", "prod", True) and callable(a.handler)
+    assert (a.name, a.namespace, a.wait, a.timeout) == ("llm", "prod", True, None) and callable(a.handler)
     body = reset_body("llm", a)
     assert body["metadata"] == {"generateName": "llm-"}
     assert body["spec"] == {"targetRef": {"name": "llm"}, "resetRunningRequests": True, "maxConcurrency": 8}
@@ -70,6 +85,6 @@ def test_rbac_rules_grant_no_wildcards_and_no_secret_listing() -> None:
     for rule in rbac.RULES:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
     secrets = [r for r in rbac.RULES if "secrets" in r["resources"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
     role = rbac.cluster_role()
     assert role["kind"] == "ClusterRole" and role["rules"] == rbac.RULES
