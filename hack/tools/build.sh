@@ -25,7 +25,7 @@ for arg in "$@"; do
         --print-bindir) print_only=1 ;;
         -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         helm|controller-gen|crds|prometheus) wanted+=("$arg") ;;
-        *) echo "tools/build.sh: unknown argument: $arg (tools: ${all_tools[*]})" >&2; exit 2 ;;
+        *) echo "tools: unknown argument: $arg (tools: ${all_tools[*]})" >&2; exit 2 ;;
     esac
 done
 [[ ${#wanted[@]} -gt 0 ]] || wanted=("${all_tools[@]}")
@@ -45,8 +45,9 @@ prometheus_series="2.42.0"
 crd_files=(monitoring.coreos.com_servicemonitors.yaml monitoring.coreos.com_podmonitors.yaml
     monitoring.coreos.com_prometheusrules.yaml)
 
-die() { echo "tools/build.sh: ERROR: $*" >&2; exit 1; }
-step() { printf '[tools %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+LOG_TAG=tools
+# shellcheck source=../lib/gobuild.sh
+source "$here/../lib/gobuild.sh"
 gomod_version() { awk -v m="$2" '$1=="require" && $2==m {print $3}' "$1/go.mod"; }
 
 helm_version="$(gomod_version "$here/helm" helm.sh/helm/v3)"
@@ -58,7 +59,7 @@ promop_version="$(gomod_version "$here/crds" "$promop_module")"
 
 # inputs_hash TOOL: everything whose change must rebuild TOOL (this script included).
 inputs_hash() {
-    local files=("$0")
+    local files=("$0" "$here/../lib/gobuild.sh")
     case "$1" in
         helm) files+=("$here/helm/"{go.mod,go.sum,tools.go}) ;;
         controller-gen) files+=("$here/controller-gen/"{go.mod,go.sum,tools.go}) ;;
@@ -91,54 +92,29 @@ go_env() {
     export CGO_ENABLED=0  # static binaries, as the upstream releases are
 }
 
-# Fail fast, with the module's name, when the proxy does not serve something.
-go_download() {
-    local dir="$1" out
-    if ! out="$(cd "$dir" && go mod download 2>&1)"; then
-        echo "$out" >&2
-        die "a module needed by $dir/go.mod is not served by $(go env GOPROXY), or needs a newer Go; see above"
-    fi
-}
-
-# Prints a running count of compiled packages so a long first build shows it is alive.
-progress() {
-    local name="$1" n=0 line
-    while IFS= read -r line; do
-        if [[ "$line" == *" "* || "$line" == *:* ]]; then
-            echo "$line" >&2  # an error or warning, not a package path
-        else
-            n=$((n + 1))
-            if (( n % 100 == 0 )); then step "$name: $n packages compiled"; fi
-        fi
-    done
-    step "$name: $n packages compiled in this run"
-}
-
 go_build() {
     local name="$1" dir="$2" pkg="$3" ldflags="$4"
     go_env
-    step "$name: downloading modules (GOPROXY=$(go env GOPROXY))"
     go_download "$dir"
     step "$name: compiling $pkg"
     (cd "$dir" && "${nice_cmd[@]}" go build -v -trimpath -ldflags "$ldflags" \
-        -o "$bindir/$name.tmp" "$pkg" 2>&1) | progress "$name"
+        -o "$bindir/$name.tmp" "$pkg" 2>&1) | go_progress "$name"
     mv -f "$bindir/$name.tmp" "$bindir/$name"
 }
 
 build_helm() {
-    # The ldflags helm's own Makefile sets: its version, and the Kubernetes version it assumes for
-    # `helm template` / `helm lint` (client-go v0.X.Y -> 1.X).
+    # The ldflags helm's own Makefile sets: its version (no git commit: a module has none), and the
+    # Kubernetes version it assumes for `helm template` / `helm lint` (client-go v0.X.Y -> 1.X).
     local client_go minor ldflags="-s -w" v=helm.sh/helm/v3
     client_go="$(awk '$1=="k8s.io/client-go" {print $2}' "$here/helm/go.mod")"
     minor="$(echo "$client_go" | cut -d. -f2)"
     ldflags+=" -X $v/internal/version.version=$helm_version -X $v/internal/version.gitTreeState=clean"
-    ldflags+=" -X $v/internal/version.gitCommit=module-$helm_version"
     ldflags+=" -X $v/pkg/lint/rules.k8sVersionMajor=1 -X $v/pkg/lint/rules.k8sVersionMinor=$minor"
     ldflags+=" -X $v/pkg/chartutil.k8sVersionMajor=1 -X $v/pkg/chartutil.k8sVersionMinor=$minor"
     go_build helm "$here/helm" helm.sh/helm/v3/cmd/helm "$ldflags"
     local reported
     reported="$("$bindir/helm" version --short 2>&1)"
-    [[ "$reported" == "$helm_version"* ]] || die "helm version says '$reported', expected $helm_version"
+    [[ "$reported" == "$helm_version" ]] || die "helm version says '$reported', expected $helm_version"
 }
 
 build_controller_gen() {
@@ -151,7 +127,6 @@ build_controller_gen() {
 build_crds() {
     [[ -x "$bindir/controller-gen" ]] || die "controller-gen is missing; run: $0 controller-gen crds"
     go_env
-    step "crds: downloading $promop_module@$promop_version"
     go_download "$here/crds"
     local tmp name
     tmp="$(mktemp -d "$tools_dir/.crds.XXXXXX")"

@@ -76,7 +76,7 @@ def test_unknown_tool_is_refused_by_name() -> None:
 
 def test_versions_are_the_pinned_ones(bindir: Path) -> None:
     helm = run(bindir / "helm", "version", "--short")
-    assert helm.stdout.startswith(gomod_pin("helm", "helm.sh/helm/v3") + "+"), helm.stdout
+    assert helm.stdout.strip() == gomod_pin("helm", "helm.sh/helm/v3")
     cgen = run(bindir / "controller-gen", "--version")
     assert cgen.stdout.strip() == f"Version: {gomod_pin('controller-gen', 'sigs.k8s.io/controller-tools')}"
     for tool in ("prometheus", "promtool"):
