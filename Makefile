@@ -63,3 +63,9 @@ tools:
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:
 	@bash hack/tools/build.sh --print-bindir
+
+# ---- container image (docs/image.md): one image for daemon and operator, built with buildah (root)
+.PHONY: image
+
+image:
+	bash hack/image/build.sh
