@@ -142,6 +142,6 @@ buildah images --format '{{.Name}}:{{.Tag}}' | grep -F "$image:$version-" | grep
     | xargs -r buildah rmi >/dev/null 2>&1 || true
 buildah rmi --prune >/dev/null 2>&1 || true
 
-size="$(buildah images --format '{{.Size}}' "$ref" | head -1)"
+size="$(buildah images --format '{{.Size}}' "$ref" | sed -n 1p)"  # sed reads all: no SIGPIPE
 step "built $ref ($size) in $((SECONDS - t_build))s (all: $((SECONDS - t_start))s)"
 echo "$ref"
