@@ -146,36 +146,46 @@ build_crds() {
 }
 
 # Debian's package, unpacked (never installed: no service, no user, nothing under /usr).
+prometheus_candidate() {  # prints the version apt would take; fails unless it is of the pinned series
+    local v
+    v="$(apt-cache policy prometheus 2>/dev/null | awk '$1=="Candidate:" {print $2}')"
+    echo "$v"
+    [[ "$v" == "$prometheus_series"+* ]]
+}
+download_prometheus() {  # VERSION DIR
+    step "prometheus: apt-get download prometheus=$1"
+    (cd "$2" && apt-get download -q -o APT::Sandbox::User=root "prometheus=$1" >&2)
+}
 build_prometheus() {
     command -v apt-get >/dev/null || die "prometheus comes from Debian's package; apt-get is not available"
-    local version
-    version="$(apt-cache policy prometheus 2>/dev/null | awk '$1=="Candidate:" {print $2}')"
-    if [[ -z "$version" || "$version" == "(none)" ]]; then
-        step "prometheus: apt-get update (no package list yet)"
+    local version tmp reported
+    tmp="$(mktemp -d "$tools_dir/.prometheus.XXXXXX")"
+    scratch+=("$tmp")
+    # No package list yet, or a stale one (the archive moved on to a newer revision): update once.
+    if ! version="$(prometheus_candidate)" || ! download_prometheus "$version" "$tmp"; then
+        step "prometheus: apt-get update, then one more try"
         apt-get update -qq || die "apt-get update failed"
-        version="$(apt-cache policy prometheus 2>/dev/null | awk '$1=="Candidate:" {print $2}')"
+        version="$(prometheus_candidate)" \
+            || die "Debian offers prometheus '$version', expected the $prometheus_series series (bookworm)"
+        download_prometheus "$version" "$tmp" || die "apt-get download prometheus=$version failed"
     fi
-    [[ "$version" == "$prometheus_series"+* ]] \
-        || die "Debian offers prometheus '$version', expected the $prometheus_series series (bookworm)"
-    local root="$tools_dir/prometheus/$version" tmp
-    if [[ ! -x "$root/usr/bin/prometheus" ]]; then
-        tmp="$(mktemp -d "$tools_dir/.prometheus.XXXXXX")"
-        scratch+=("$tmp")
-        step "prometheus: apt-get download prometheus=$version"
-        (cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "prometheus=$version" >&2) || die "apt-get download prometheus failed"
-        dpkg -x "$tmp"/prometheus_*.deb "$tmp/root"
-        mkdir -p "$(dirname "$root")"
-        rm -rf "$root"
-        mv "$tmp/root" "$root"
-    fi
+    dpkg -x "$tmp"/prometheus_*.deb "$tmp/root"
+    mkdir -p "$tools_dir/prometheus"
+    rm -rf "$tools_dir/prometheus/$version"
+    mv "$tmp/root" "$tools_dir/prometheus/$version"
     ln -sfn "../prometheus/$version/usr/bin/prometheus" "$bindir/prometheus"
     ln -sfn "../prometheus/$version/usr/bin/promtool" "$bindir/promtool"
-    local reported
-    reported="$("$bindir/prometheus" --version 2>&1 | head -1)"
+    reported="$("$bindir/prometheus" --version 2>&1 | sed -n 1p)"  # sed reads all: no SIGPIPE
     [[ "$reported" == *"version $prometheus_series"* ]] || die "prometheus --version says '$reported'"
 }
 
 mkdir -p "$bindir"
+# One build at a time (tests and users may start several): the next waits, then finds it up to date.
+exec 9>"$tools_dir/.lock"
+if ! flock -n 9; then
+    step "waiting for another build of the tools to finish"
+    flock 9
+fi
 t_start=$SECONDS
 for tool in "${all_tools[@]}"; do
     [[ " ${wanted[*]} " == *" $tool "* ]] || continue

@@ -7,6 +7,7 @@ then validates monitoring objects against their schema.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
@@ -66,6 +67,24 @@ def test_a_second_run_changes_nothing(bindir: Path) -> None:
     for tool in ("helm", "controller-gen", "crds", "prometheus"):
         assert f"{tool}: up to date" in r.stderr, r.stderr
     assert before == {t: (bindir / t).resolve().stat().st_mtime_ns for t in TOOLS}
+
+
+def test_a_second_build_waits_for_the_first(bindir: Path) -> None:
+    """Builds take a lock: a second one waits (then finds everything up to date) instead of writing
+    the same binaries at the same time."""
+    with open(bindir.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # stands in for a build in progress
+        proc = subprocess.Popen(["bash", str(BUILD)], stderr=subprocess.PIPE, text=True)
+        try:
+            first_line = proc.stderr.readline()
+            assert "waiting for another build of the tools" in first_line
+            time.sleep(1)
+            assert proc.poll() is None, "the second build did not wait"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest
+    assert "helm: up to date" in rest
 
 
 def test_unknown_tool_is_refused_by_name() -> None:
