@@ -53,3 +53,8 @@ cluster-up: cluster-build
 
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
+
+# ---- Helm chart (docs/install.md): its CRDs and RBAC rules are generated from crds/ and operator/rbac.py
+.PHONY: chart-sync
+chart-sync: setup
+	$(PY) hack/chart/sync.py
