@@ -37,7 +37,11 @@ def main() -> int:
         "apiVersion": "kvpilot.io/v1alpha1",
         "kind": "PrefixCacheReset",
         "metadata": {"generateName": "helm-test-"},
-        "spec": {"selector": {"matchLabels": {"kvpilot.io/helm-test": "matches-no-pod"}}, "timeoutSeconds": 30},
+        "spec": {
+            "selector": {"matchLabels": {"kvpilot.io/helm-test": "matches-no-pod"}},
+            "allowNoTargets": True,  # no pod is the point: Succeeded, not Failed with reason NoTargets
+            "timeoutSeconds": 30,
+        },
     }
     name = call("POST", PATH, reset)["metadata"]["name"]
     print(f"created PrefixCacheReset {NS}/{name}", flush=True)
@@ -58,7 +62,10 @@ def main() -> int:
     if status.get("phase") == "Succeeded" and complete and complete[0].get("status") == "True":
         print(f"operator answered: phase Succeeded, Complete ({complete[0].get('reason')})")
         return 0
-    print(f"the operator did not finish {name} within {TIMEOUT_S:.0f}s: status {json.dumps(status)}", file=sys.stderr)
+    print(
+        f"the operator did not finish {name} within {TIMEOUT_S:.0f}s: status {json.dumps(status)}",
+        file=sys.stderr,
+    )
     return 1
 
 
