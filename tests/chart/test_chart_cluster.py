@@ -24,7 +24,8 @@ import pytest
 import yaml
 from cluster.conftest import Cluster, wait_for
 from monitoring.dashboards import DASHBOARDS, load, queries, substitute, variable_queries
-from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs
+from monitoring.kubernetes_sd import KubernetesSD
+from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
 
 from chart.conftest import CHART, Helm
 from chart.tools import tool
@@ -84,24 +85,23 @@ def is_ready(pod: dict) -> bool:
 def prometheus(
     cluster: Cluster, release: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Prometheus]:
-    """A real Prometheus whose scrape configs and rules come from the monitoring objects the chart installed."""
-    workdir = tmp_path_factory.mktemp("prometheus")
-    token = workdir / "token"
-    token.write_text(cluster.cp.admin.token)
-    api = {"api_server": cluster.cp.url, "tls_config": {"ca_file": str(cluster.cp.ca_cert)},
-           "authorization": {"credentials_file": str(token)}}  # fmt: skip
+    """A real Prometheus whose scrape configs and rules come from the monitoring objects the chart installed.
+    Debian's prometheus has no kubernetes_sd_configs: the same discovery is served over http_sd_configs."""
     monitors = {k: cluster.kubectl_json("get", k, "-n", RELEASE_NS)["items"]
                 for k in ("podmonitors", "servicemonitors", "prometheusrules")}  # fmt: skip
     assert [len(v) for v in monitors.values()] == [1, 1, 1], {k: len(v) for k, v in monitors.items()}
-    jobs = pod_monitor_jobs(monitors["podmonitors"][0], api) + service_monitor_jobs(
-        monitors["servicemonitors"][0], api
+    jobs = pod_monitor_jobs(monitors["podmonitors"][0]) + service_monitor_jobs(monitors["servicemonitors"][0])
+    sd = KubernetesSD(cluster.api)
+    workdir = tmp_path_factory.mktemp("prometheus")
+    prom = Prometheus(
+        tool("prometheus"), workdir, via_http_sd(jobs, sd), monitors["prometheusrules"][0]["spec"]["groups"]
     )
-    prom = Prometheus(tool("prometheus"), workdir, jobs, monitors["prometheusrules"][0]["spec"]["groups"])
     try:
         wait_for(prom.ready, 60, "prometheus /-/ready")
         yield prom
     finally:
         prom.stop()
+        sd.close()
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +128,11 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
 def test_every_rendered_object_passes_server_dry_run(
     cluster: Cluster, kube_helm: Helm, release: None
 ) -> None:
-    """With each toggle on and off (a second release name, so nothing clashes with the installed one)."""
+    """With each toggle on and off (a second release name, so nothing clashes with the installed one). A Pod
+    (the `helm test` hook's) is admitted only when its ServiceAccount exists, which a dry run never creates:
+    that one ServiceAccount is created for real first."""
     cluster.kubectl("create", "namespace", "team-a", check=False)
+    cluster.kubectl("create", "serviceaccount", "dryrun-kvpilot-test", "-n", RELEASE_NS)
     variants = {
         "defaults": [],
         "monitoring": [*MONITORING, "--set", "monitoring.force=true"],
@@ -143,6 +146,7 @@ def test_every_rendered_object_passes_server_dry_run(
         r = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=out, check=False)
         assert r.returncode == 0, f"{name}: {r.stderr}"
         assert r.stdout.count("(server dry run)") == len(objs), f"{name}: {r.stdout}"
+    cluster.kubectl("delete", "serviceaccount", "dryrun-kvpilot-test", "-n", RELEASE_NS)
 
 
 def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: None) -> None:
@@ -229,8 +233,9 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
             elif all(math.isnan(float(s["value"][1])) for s in result):
                 nan_only.append(f"{path.stem}: {where}")
     TIMINGS["dashboard_queries_verified"] = checked
-    assert not empty, "queries without data:\n" + "\n".join(empty)
-    assert not nan_only, "queries with only NaN:\n" + "\n".join(nan_only)
+    assert not empty + nan_only, (
+        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
+    )
 
     def evaluated() -> list[dict]:
         rules = [
@@ -305,11 +310,15 @@ def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, relea
     cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
-    left = cluster.kubectl("get", "all,sa,cm,role,rolebinding,podmonitors,servicemonitors,prometheusrules", "-A",
-                           "-l", selector, "-o", "name").stdout.split()  # fmt: skip
-    left += cluster.kubectl("get", "clusterrole,clusterrolebinding,clusterkopfpeerings", "-l", selector,
-                            "-o", "name").stdout.split()  # fmt: skip
-    assert left == [], left
+    namespaced = "deploy,rs,pods,svc,sa,cm,role,rolebinding,podmonitors,servicemonitors,prometheusrules"
+
+    def leftovers() -> list[str]:
+        names = cluster.kubectl("get", namespaced, "-A", "-l", selector, "-o", "name").stdout.split()
+        cluster_scoped = "clusterrole,clusterrolebinding,clusterkopfpeerings"
+        return names + cluster.kubectl("get", cluster_scoped, "-l", selector, "-o", "name").stdout.split()
+
+    # The operator pod takes up to its grace period to stop; the garbage collector removes its ReplicaSet.
+    wait_for(lambda: not leftovers(), 90, "every object of the release to be gone")
     crds = cluster.kubectl("get", "crd", "-o", "name").stdout.split()
     for crd in (
         "inferencedeployments.kvpilot.io",

@@ -1,7 +1,8 @@
 """A real Prometheus (`make tools`) for the tests: its scrape configs translated from the chart's PodMonitor
-and ServiceMonitor objects the way the Prometheus Operator generates them (Kubernetes service discovery
-against the dev cluster, the selector as `keep` rules, the standard target labels, then the objects' own
-relabelings), and its rules from the PrometheusRule."""
+and ServiceMonitor objects the way the Prometheus Operator generates them (Kubernetes service discovery,
+the selector as `keep` rules, the standard target labels, then the objects' own relabelings), and its rules
+from the PrometheusRule. `via_http_sd` swaps the discovery for kubernetes_sd.KubernetesSD where the binary
+lacks `kubernetes_sd_configs` (Debian's build)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from monitoring.kubernetes_sd import KubernetesSD
 
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
                  "regex": "regex", "modulus": "modulus", "replacement": "replacement", "action": "action"}  # fmt: skip
@@ -39,8 +42,11 @@ def _selector(meta: str, selector: dict[str, Any]) -> list[dict[str, Any]]:
              "regex": f"({v});true", "action": "keep"} for k, v in selector.get("matchLabels", {}).items()]  # fmt: skip
 
 
-def _sd(role: str, namespace_selector: dict[str, Any], own_ns: str, api: dict[str, Any]) -> dict[str, Any]:
-    sd: dict[str, Any] = {"role": role, **api}
+def _sd(
+    role: str, namespace_selector: dict[str, Any], own_ns: str, api: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A kubernetes_sd_config; `api`: api_server, tls_config, authorization (none: in-cluster)."""
+    sd: dict[str, Any] = {"role": role, **(api or {})}
     if not namespace_selector.get("any"):
         sd["namespaces"] = {"names": namespace_selector.get("matchNames") or [own_ns]}
     return sd
@@ -60,7 +66,7 @@ def _endpoint_job(kind: str, obj: dict[str, Any], i: int, ep: dict[str, Any], sd
     return job
 
 
-def pod_monitor_jobs(pm: dict[str, Any], api: dict[str, Any]) -> list[dict[str, Any]]:
+def pod_monitor_jobs(pm: dict[str, Any], api: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     spec, ns = pm["spec"], pm["metadata"]["namespace"]
     jobs = []
     for i, ep in enumerate(spec["podMetricsEndpoints"]):
@@ -79,7 +85,7 @@ def pod_monitor_jobs(pm: dict[str, Any], api: dict[str, Any]) -> list[dict[str, 
     return jobs
 
 
-def service_monitor_jobs(sm: dict[str, Any], api: dict[str, Any]) -> list[dict[str, Any]]:
+def service_monitor_jobs(sm: dict[str, Any], api: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     spec, ns = sm["spec"], sm["metadata"]["namespace"]
     jobs = []
     for i, ep in enumerate(spec["endpoints"]):
@@ -100,6 +106,19 @@ def service_monitor_jobs(sm: dict[str, Any], api: dict[str, Any]) -> list[dict[s
         sd = _sd("endpointslice", spec.get("namespaceSelector", {}), ns, api)
         jobs.append(_endpoint_job("serviceMonitor", sm, i, ep, sd, relabels))
     return jobs
+
+
+def via_http_sd(jobs: list[dict[str, Any]], sd: KubernetesSD) -> list[dict[str, Any]]:
+    """The same jobs with each kubernetes_sd_config served by `sd` over http_sd_configs."""
+    out = []
+    for job in jobs:
+        job = dict(job)
+        configs = job.pop("kubernetes_sd_configs")
+        job["http_sd_configs"] = [
+            sd.sd_config(c["role"], (c.get("namespaces") or {}).get("names")) for c in configs
+        ]
+        out.append(job)
+    return out
 
 
 def free_port() -> int:
