@@ -41,6 +41,7 @@ PROMPT = (
     "Chart test: a prompt whose prefix the second request finds cached. " + "Lorem ipsum dolor sit amet. " * 8
 )
 TIMINGS: dict[str, float] = {}
+INSTALL: dict[str, str] = {}  # helm install's output (NOTES.txt)
 
 
 def http(
@@ -63,8 +64,9 @@ def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Hel
 def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) -> Iterator[None]:
     """`helm install --wait` with every monitoring toggle on; the time to a Ready operator is recorded."""
     t0 = time.monotonic()
-    kube_helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
-              *MONITORING, timeout=400)  # fmt: skip
+    r = kube_helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
+                  *MONITORING, timeout=400)  # fmt: skip
+    INSTALL["notes"] = r.stdout
     TIMINGS["helm_install_to_ready_operator_s"] = round(time.monotonic() - t0, 2)
     yield
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", check=False)
@@ -157,6 +159,9 @@ def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: Non
     assert dep["status"]["readyReplicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert cluster.kubectl_json("get", "clusterkopfpeering", "kvpilot")["metadata"]["labels"][
         "app.kubernetes.io/instance"] == RELEASE  # fmt: skip
+    notes = INSTALL["notes"]  # the next two commands, and no warning: the monitoring API is served
+    assert "kind: InferenceDeployment" in notes and "kind: PrefixCacheReset" in notes, notes
+    assert "kubectl wait --for=condition=Complete" in notes and "WARNING" not in notes, notes
     print(f"helm install -> Ready operator: {TIMINGS['helm_install_to_ready_operator_s']} s")
 
 
