@@ -334,3 +334,19 @@ def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, relea
     print(f"chart timings: {TIMINGS}", file=sys.stderr)
     if os.environ.get("KVPILOT_CHART_TIMINGS"):
         Path(os.environ["KVPILOT_CHART_TIMINGS"]).write_text(json.dumps(TIMINGS, indent=2) + "\n")
+
+
+def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: Helm) -> None:
+    """With operator.watchNamespaces the operator has Roles in the watched namespace and a ClusterRole with
+    only the cluster-scoped rules, and still completes `helm test`'s PrefixCacheReset there."""
+    name = "kvpilot-ns"
+    kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--wait", "--timeout=5m",
+              "--set", f"operator.watchNamespaces={{{RELEASE_NS}}}", timeout=400)  # fmt: skip
+    try:
+        role = cluster.kubectl_json("get", "clusterrole", f"{name}-operator")
+        assert {r for rule in role["rules"] for r in rule["resources"]} == {
+            "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}  # fmt: skip
+        assert cluster.kubectl_json("get", "kopfpeering", "kvpilot", "-n", RELEASE_NS)
+        kube_helm("test", name, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
+    finally:
+        kube_helm("uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
