@@ -340,7 +340,7 @@ def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: H
     """With operator.watchNamespaces the operator has Roles in the watched namespace and a ClusterRole with
     only the cluster-scoped rules, and still completes `helm test`'s PrefixCacheReset there."""
     name = "kvpilot-ns"
-    kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--wait", "--timeout=5m",
+    kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
               "--set", f"operator.watchNamespaces={{{RELEASE_NS}}}", timeout=400)  # fmt: skip
     try:
         role = cluster.kubectl_json("get", "clusterrole", f"{name}-operator")
