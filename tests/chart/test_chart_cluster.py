@@ -70,6 +70,9 @@ def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) ->
     TIMINGS["helm_install_to_ready_operator_s"] = round(time.monotonic() - t0, 2)
     yield
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", check=False)
+    print(f"chart timings: {TIMINGS}", file=sys.stderr)
+    if os.environ.get("KVPILOT_CHART_TIMINGS"):
+        Path(os.environ["KVPILOT_CHART_TIMINGS"]).write_text(json.dumps(TIMINGS, indent=2) + "\n")
 
 
 def operator_pod(cluster: Cluster) -> dict:
@@ -238,9 +241,6 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
             elif all(math.isnan(float(s["value"][1])) for s in result):
                 nan_only.append(f"{path.stem}: {where}")
     TIMINGS["dashboard_queries_verified"] = checked
-    assert not empty + nan_only, (
-        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
-    )
 
     def evaluated() -> list[dict]:
         rules = [
@@ -254,6 +254,9 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     rules = wait_for(evaluated, 30, "every alert rule evaluated")
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     TIMINGS["alerts_loaded"] = len(rules)
+    assert not empty + nan_only, (
+        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
+    )
     firing = {a["labels"]["alertname"] for a in prometheus.api("/api/v1/alerts")["alerts"]}
     assert "KvpilotOperatorDown" not in firing and "KvpilotDaemonDown" not in firing
     print(f"verified against the live Prometheus: {checked} dashboard queries, {len(rules)} alert rules")
@@ -331,9 +334,6 @@ def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, relea
         "clusterkopfpeerings.kopf.dev",
     ):
         assert f"customresourcedefinition.apiextensions.k8s.io/{crd}" in crds
-    print(f"chart timings: {TIMINGS}", file=sys.stderr)
-    if os.environ.get("KVPILOT_CHART_TIMINGS"):
-        Path(os.environ["KVPILOT_CHART_TIMINGS"]).write_text(json.dumps(TIMINGS, indent=2) + "\n")
 
 
 def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: Helm) -> None:
