@@ -130,6 +130,14 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
     return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods["items"] if is_ready(p)}
 
 
+def wait_scraped(cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]) -> None:
+    def all_scraped() -> bool:
+        pods = {t["labels"].get("pod") for t in prometheus.targets() if t["health"] == "up"}
+        return set(fleet) <= pods and operator_pod(cluster)["metadata"]["name"] in pods
+
+    wait_for(all_scraped, 60, "prometheus scraping both daemons and the operator")
+
+
 def test_every_rendered_object_passes_server_dry_run(
     cluster: Cluster, kube_helm: Helm, release: None
 ) -> None:
@@ -169,10 +177,12 @@ def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: Non
 
 
 def test_reset_by_the_in_cluster_operator(
-    cluster: Cluster, fleet: dict[str, str], prometheus: Prometheus
+    cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]
 ) -> None:
-    """Traffic warms both caches, a PrefixCacheReset ends Complete 2/2, and the operator pod did it."""
+    """Traffic warms both caches, a PrefixCacheReset ends Complete 2/2, and the operator pod did it.
+    Prometheus scrapes everything first, so the counters' increases from here on are in its samples."""
     assert len(fleet) == 2
+    wait_scraped(cluster, prometheus, fleet)
     for ip in fleet.values():
         for _ in range(2):
             http(
@@ -216,12 +226,7 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     """After the traffic and the reset above: every target up, every panel, annotation and variable query of
     both dashboards returns data (Grafana's variables substituted), every alert rule loaded and evaluated."""
 
-    def all_scraped() -> bool:
-        targets = prometheus.targets()
-        pods = {t["labels"].get("pod") for t in targets if t["health"] == "up"}
-        return set(fleet) <= pods and operator_pod(cluster)["metadata"]["name"] in pods
-
-    wait_for(all_scraped, 60, "prometheus scraping both daemons and the operator")
+    wait_scraped(cluster, prometheus, fleet)
     jobs = {t["labels"]["job"] for t in prometheus.targets()}
     assert jobs == {"kvpilot-daemon", "kvpilot-operator"}, jobs
     # The reset and the last traffic must be in the samples: the operator has recorded it.
