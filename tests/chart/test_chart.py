@@ -5,8 +5,10 @@ naming the field."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -42,17 +44,15 @@ def test_chart_equals_its_sources() -> None:
         assert (CHART / "crds" / src.name).read_bytes() == src.read_bytes()
 
 
-def test_sync_check_notices_drift(tmp_path) -> None:  # noqa: ANN001
-    """The check can fail: with a CRD edited, it names the stale file."""
-    target = CHART / "crds" / "prefixcachereset.yaml"
-    saved = target.read_bytes()
-    try:
-        target.write_bytes(saved + b"# drift\n")
-        r = subprocess.run([sys.executable, str(ROOT / "hack" / "chart" / "sync.py"), "--check"],
-                           capture_output=True, text=True)  # fmt: skip
-        assert r.returncode == 1 and "charts/kvpilot/crds/prefixcachereset.yaml" in r.stderr
-    finally:
-        target.write_bytes(saved)
+def test_sync_check_notices_drift(tmp_path: Path) -> None:
+    """The check can fail: in a copy of the sources with one chart CRD edited, it names the stale file."""
+    for part in ("hack/chart", "crds", "charts/kvpilot"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    stale = tmp_path / "charts" / "kvpilot" / "crds" / "prefixcachereset.yaml"
+    stale.write_bytes(stale.read_bytes() + b"# drift\n")
+    r = subprocess.run([sys.executable, str(tmp_path / "hack" / "chart" / "sync.py"), "--check"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "charts/kvpilot/crds/prefixcachereset.yaml" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("values", [[], ["--set", "monitoring.force=true", "--set", "monitoring.podMonitor.enabled=true",
