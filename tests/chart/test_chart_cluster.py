@@ -126,8 +126,15 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
                      "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}]}}  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
     cluster.kubectl("wait", "--for=condition=Available", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
-    pods = cluster.kubectl_json("get", "pods", "-n", FLEET_NS, "-l", "kvpilot.io/inference-deployment=llm")
-    return {p["metadata"]["name"]: p["status"]["podIP"] for p in pods["items"] if is_ready(p)}
+
+    def ready_pods() -> dict[str, str]:
+        pods = cluster.kubectl_json(
+            "get", "pods", "-n", FLEET_NS, "-l", "kvpilot.io/inference-deployment=llm"
+        )
+        ready = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods["items"] if is_ready(p)}
+        return ready if len(ready) == 2 else {}
+
+    return wait_for(ready_pods, 300, "2 ready daemon pods", interval=1)  # type: ignore[return-value]
 
 
 def wait_scraped(cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]) -> None:
