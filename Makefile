@@ -69,3 +69,8 @@ tools-bindir:
 
 image:
 	bash hack/image/build.sh
+
+# ---- Helm chart (docs/install.md): its CRDs and RBAC rules are generated from crds/ and operator/rbac.py
+.PHONY: chart-sync
+chart-sync: setup
+	$(PY) hack/chart/sync.py

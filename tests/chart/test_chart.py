@@ -1,0 +1,210 @@
+"""The chart without a cluster: the real helm lints and renders it; each toggle adds or removes exactly its
+objects; the RBAC and CRDs equal their sources (operator/rbac.py, crds/); the schema refuses wrong values
+naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from chart.conftest import CHART, Helm, kinds
+from chart.tools import ROOT
+from kvpilot.operator import rbac
+
+MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")
+TOGGLES = {
+    "monitoring.podMonitor.enabled": "PodMonitor",
+    "monitoring.serviceMonitor.enabled": "ServiceMonitor",
+    "monitoring.prometheusRule.enabled": "PrometheusRule",
+}
+
+
+def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def test_chart_equals_its_sources() -> None:
+    """hack/chart/sync.py --check: chart CRDs are byte copies of crds/, files/rbac-rules.yaml is RULES."""
+    r = subprocess.run([sys.executable, str(ROOT / "hack" / "chart" / "sync.py"), "--check"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for src in (ROOT / "crds").glob("*.yaml"):
+        assert (CHART / "crds" / src.name).read_bytes() == src.read_bytes()
+
+
+def test_sync_check_notices_drift(tmp_path: Path) -> None:
+    """The check can fail: in a copy of the sources with one chart CRD edited, it names the stale file."""
+    for part in ("hack/chart", "crds", "charts/kvpilot"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    stale = tmp_path / "charts" / "kvpilot" / "crds" / "prefixcachereset.yaml"
+    stale.write_bytes(stale.read_bytes() + b"# drift\n")
+    r = subprocess.run([sys.executable, str(tmp_path / "hack" / "chart" / "sync.py"), "--check"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "charts/kvpilot/crds/prefixcachereset.yaml" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "monitoring.force=true", "--set", "monitoring.podMonitor.enabled=true",
+                                         "--set", "monitoring.serviceMonitor.enabled=true", "--set",
+                                         "monitoring.prometheusRule.enabled=true", "--set",
+                                         "monitoring.dashboards.enabled=true", "--set",
+                                         "operator.watchNamespaces={a,b}"]], ids=["defaults", "everything-on"])  # fmt: skip
+def test_lint_strict(helm: Helm, values: list[str]) -> None:
+    r = helm("lint", "--strict", str(CHART), *values)
+    assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout, r.stdout
+
+
+def test_defaults(helm: Helm) -> None:
+    objs = kinds(helm.template())
+    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                         "ClusterKopfPeering", "Role", "RoleBinding", "ConfigMap", "Pod"}  # fmt: skip
+    # The Role/RoleBinding/ConfigMap/Pod/second ServiceAccount are the `helm test` hook's, nothing else.
+    hooks = [o for k in ("Role", "RoleBinding", "ConfigMap", "Pod") for o in objs[k]]
+    assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "test" for o in hooks)
+
+    edit, operator_role, view = sorted(objs["ClusterRole"], key=lambda o: o["metadata"]["name"])
+    assert operator_role["metadata"]["name"] == "kvpilot-operator"
+    assert operator_role["rules"] == rbac.RULES  # rendered from operator/rbac.py, rule for rule
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {v for r in view["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
+
+    (dep,) = objs["Deployment"]
+    spec = dep["spec"]
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert c["command"] == ["kvpilot"] and "operator" in c["args"] and "--peering=kvpilot" in c["args"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"health": 8080, "metrics": 9090}
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # Longer than a reset call's default timeout (requestTimeoutSeconds 10) plus the final status write.
+    assert pod["terminationGracePeriodSeconds"] > 10
+    assert c["image"] == "ghcr.io/kvpilot/kvpilot:0.1.0" and c["imagePullPolicy"] == "IfNotPresent"
+    (svc,) = objs["Service"]
+    assert (
+        svc["spec"]["ports"][0]["name"] == "metrics"
+        and svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    )
+
+
+@pytest.mark.parametrize("value", TOGGLES)
+def test_monitor_toggles(helm: Helm, value: str) -> None:
+    kind = TOGGLES[value]
+    assert kind not in kinds(helm.template(*MONITORING_API)), "off by default"
+    assert kind in kinds(helm.template("--set", f"{value}=true", *MONITORING_API))
+    # Enabled, but the cluster does not serve monitoring.coreos.com/v1: nothing, unless forced.
+    assert kind not in kinds(helm.template("--set", f"{value}=true"))
+    assert kind in kinds(helm.template("--set", f"{value}=true", "--set", "monitoring.force=true"))
+    others = set(TOGGLES.values()) - {kind}
+    assert not others & set(kinds(helm.template("--set", f"{value}=true", *MONITORING_API)))
+
+
+def test_monitors_select_the_daemons_and_the_operator(helm: Helm) -> None:
+    objs = kinds(helm.template("--set", "monitoring.podMonitor.enabled=true", "--set",
+                               "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.labels.release=prom",
+                               *MONITORING_API))  # fmt: skip
+    (pm,) = objs["PodMonitor"]
+    (sm,) = objs["ServiceMonitor"]
+    assert pm["metadata"]["labels"]["release"] == "prom" and sm["metadata"]["labels"]["release"] == "prom"
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "inference",
+                                                     "app.kubernetes.io/managed-by": "kvpilot-operator"}  # fmt: skip
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    (svc,) = objs["Service"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["honorLabels"]
+
+
+def test_prometheus_rule_carries_the_alert_file(helm: Helm) -> None:
+    (rule,) = kinds(helm.template("--set", "monitoring.prometheusRule.enabled=true", *MONITORING_API))[
+        "PrometheusRule"
+    ]
+    assert rule["spec"] == yaml.safe_load((CHART / "alerts" / "kvpilot-alerts.yaml").read_text())
+    assert "{{ $labels.namespace }}" in json.dumps(rule["spec"]), (
+        "Prometheus templates pass through helm untouched"
+    )
+
+
+def test_dashboards_toggle(helm: Helm) -> None:
+    assert not [
+        c
+        for c in kinds(helm.template()).get("ConfigMap", [])
+        if "grafana_dashboard" in c["metadata"]["labels"]
+    ]
+    maps = [c for c in kinds(helm.template("--set", "monitoring.dashboards.enabled=true", "--set",
+                                           "monitoring.dashboards.namespace=grafana"))["ConfigMap"]
+            if c["metadata"]["labels"].get("grafana_dashboard") == "1"]  # fmt: skip
+    files = {p.name: json.loads(p.read_text()) for p in (CHART / "dashboards").glob("*.json")}
+    assert {k: json.loads(v) for c in maps for k, v in c["data"].items()} == files
+    assert {c["metadata"]["namespace"] for c in maps} == {"grafana"}
+
+
+def test_watch_namespaces(helm: Helm) -> None:
+    objs = kinds(helm.template("--set", "operator.watchNamespaces={team-a,team-b}"))
+    (dep,) = objs["Deployment"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    roles = [r for r in objs["Role"] if "helm.sh/hook" not in (r["metadata"].get("annotations") or {})]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    bindings = [
+        b for b in objs["RoleBinding"] if "helm.sh/hook" not in (b["metadata"].get("annotations") or {})
+    ]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    (cluster_role,) = [r for r in objs["ClusterRole"] if r["metadata"]["name"] == "kvpilot-operator"]
+    # Cluster-wide only what cannot be namespaced; together exactly RULES.
+    assert {r for _, r, _ in triples(cluster_role["rules"])} == {"customresourcedefinitions", "namespaces",
+                                                                 "clusterkopfpeerings"}  # fmt: skip
+    assert triples(cluster_role["rules"]) | triples(roles[0]["rules"]) == triples(rbac.RULES)
+    assert not triples(cluster_role["rules"]) & triples(roles[0]["rules"])
+    # kopf peers in each watched namespace (KopfPeering), not cluster-wide.
+    assert sorted(p["metadata"]["namespace"] for p in objs["KopfPeering"]) == ["team-a", "team-b"]
+    assert "ClusterKopfPeering" not in objs
+
+
+def test_peering_install_off(helm: Helm) -> None:
+    objs = kinds(helm.template("--set", "peering.install=false"))
+    assert "ClusterKopfPeering" not in objs and "KopfPeering" not in objs
+    assert "--peering=kvpilot" in objs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_values_reach_the_deployment(helm: Helm) -> None:
+    (dep,) = kinds(helm.template("--set", "image.repository=registry.local/kvpilot", "--set", "image.tag=dev",
+                                 "--set", "image.pullPolicy=Always", "--set", "operator.logLevel=DEBUG",
+                                 "--set", "operator.replicas=0"))["Deployment"]  # fmt: skip
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "registry.local/kvpilot:dev" and c["imagePullPolicy"] == "Always"
+    assert "--log-level=DEBUG" in c["args"] and dep["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--set", "operator.replica=2"], "replica"),  # a typo of replicas
+        (["--set", "operator.replicas=2"], "replicas"),  # two peers of equal priority would both pause
+        (["--set", "operator.replicas=one"], "replicas"),
+        (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "operator.logLevel=LOUD"], "logLevel"),
+        (["--set", "operator.watchNamespaces={Not_A_Namespace}"], "watchNamespaces"),
+        (["--set", "monitoring.podMonitor.enabled=yes please"], "enabled"),
+        (["--set", "monitoring.grafana=true"], "grafana"),
+        (["--set", "operator.resources.requests.cpu=lots"], "cpu"),
+        (["--set", "operator.terminationGracePeriodSeconds=5"], "terminationGracePeriodSeconds"),
+    ],
+)
+def test_schema_refuses_wrong_values(helm: Helm, args: list[str], field: str) -> None:
+    r = helm("template", "kvpilot", str(CHART), *args, check=False)
+    assert r.returncode != 0, r.stdout[:500]
+    assert "values don't meet the specifications of the schema" in r.stderr and field in r.stderr, r.stderr

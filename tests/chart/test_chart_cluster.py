@@ -1,0 +1,364 @@
+"""The chart on the dev cluster, in the order a user meets it (one install shared by the module):
+every rendered object passes the API server's dry run; `helm install --wait` runs the operator in the cluster;
+it runs an InferenceDeployment of 2 real daemons and resets them (no operator process outside the cluster);
+a real Prometheus, configured from the installed PodMonitor, ServiceMonitor and PrometheusRule, scrapes
+them and answers every dashboard query and loads every alert; `helm test`; namespace edit/view users get
+kvpilot's resources; `helm upgrade` rolls the operator; a wrong value is refused; `helm uninstall` leaves
+only the CRDs.
+
+Timings (install -> Ready, reset -> Complete) are printed and written to $KVPILOT_CHART_TIMINGS if set."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster.conftest import Cluster, wait_for
+from monitoring.dashboards import DASHBOARDS, load, queries, substitute, variable_queries
+from monitoring.kubernetes_sd import KubernetesSD
+from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
+
+from chart.conftest import CHART, Helm
+from chart.tools import tool
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+RELEASE, RELEASE_NS, FLEET_NS = "kvpilot", "kvpilot-system", "chart-fleet"
+OPERATOR = "kvpilot-operator"
+MONITORING = ["--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.podMonitor.interval=2s",
+              "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.serviceMonitor.interval=2s",
+              "--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.dashboards.enabled=true"]  # fmt: skip
+PROMPT = (
+    "Chart test: a prompt whose prefix the second request finds cached. " + "Lorem ipsum dolor sit amet. " * 8
+)
+TIMINGS: dict[str, float] = {}
+INSTALL: dict[str, str] = {}  # helm install's output (NOTES.txt)
+
+
+def http(
+    method: str, url: str, body: dict | None = None, token: str | None = None, timeout: float = 120
+) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+@pytest.fixture(scope="module")
+def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return Helm(tmp_path_factory.mktemp("helm-cluster"), kubeconfig=cluster.kubeconfig)
+
+
+@pytest.fixture(scope="module")
+def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) -> Iterator[None]:
+    """`helm install --wait` with every monitoring toggle on; the time to a Ready operator is recorded."""
+    t0 = time.monotonic()
+    r = kube_helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
+                  *MONITORING, timeout=400)  # fmt: skip
+    INSTALL["notes"] = r.stdout
+    TIMINGS["helm_install_to_ready_operator_s"] = round(time.monotonic() - t0, 2)
+    yield
+    kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", check=False)
+    print(f"chart timings: {TIMINGS}", file=sys.stderr)
+    if os.environ.get("KVPILOT_CHART_TIMINGS"):
+        Path(os.environ["KVPILOT_CHART_TIMINGS"]).write_text(json.dumps(TIMINGS, indent=2) + "\n")
+
+
+def operator_pod(cluster: Cluster) -> dict:
+    pods = cluster.kubectl_json("get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=operator")
+    live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+    assert len(live) == 1, [p["metadata"]["name"] for p in live]
+    return live[0]
+
+
+def is_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    cluster: Cluster, release: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Prometheus]:
+    """A real Prometheus whose scrape configs and rules come from the monitoring objects the chart installed.
+    Debian's prometheus has no kubernetes_sd_configs: the same discovery is served over http_sd_configs."""
+    monitors = {k: cluster.kubectl_json("get", k, "-n", RELEASE_NS)["items"]
+                for k in ("podmonitors", "servicemonitors", "prometheusrules")}  # fmt: skip
+    assert [len(v) for v in monitors.values()] == [1, 1, 1], {k: len(v) for k, v in monitors.items()}
+    jobs = pod_monitor_jobs(monitors["podmonitors"][0]) + service_monitor_jobs(monitors["servicemonitors"][0])
+    sd = KubernetesSD(cluster.api)
+    workdir = tmp_path_factory.mktemp("prometheus")
+    prom = Prometheus(
+        tool("prometheus"), workdir, via_http_sd(jobs, sd), monitors["prometheusrules"][0]["spec"]["groups"]
+    )
+    try:
+        wait_for(prom.ready, 60, "prometheus /-/ready")
+        yield prom
+    finally:
+        prom.stop()
+        sd.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: Cluster, release: None) -> dict[str, str]:
+    """An InferenceDeployment of 2 real daemons (the embedded model) with an admin token; pod name -> IP."""
+    cluster.kubectl("create", "namespace", FLEET_NS)
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", FLEET_NS, check=False).returncode == 0, 30, "sa"
+    )
+    cluster.kubectl(
+        "create", "secret", "generic", "admin", "-n", FLEET_NS, "--from-literal=token=chart-admin"
+    )
+    infd = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "llm", "namespace": FLEET_NS},
+            "spec": {"replicas": 2, "adminTokenSecretRef": {"name": "admin"},
+                     "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+                     "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}]}}  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
+    cluster.kubectl("wait", "--for=condition=Available", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
+
+    def ready_pods() -> dict[str, str]:
+        pods = cluster.kubectl_json(
+            "get", "pods", "-n", FLEET_NS, "-l", "kvpilot.io/inference-deployment=llm"
+        )
+        ready = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods["items"] if is_ready(p)}
+        return ready if len(ready) == 2 else {}
+
+    return wait_for(ready_pods, 300, "2 ready daemon pods", interval=1)  # type: ignore[return-value]
+
+
+def wait_scraped(cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]) -> None:
+    def all_scraped() -> bool:
+        pods = {t["labels"].get("pod") for t in prometheus.targets() if t["health"] == "up"}
+        return set(fleet) <= pods and operator_pod(cluster)["metadata"]["name"] in pods
+
+    wait_for(all_scraped, 60, "prometheus scraping both daemons and the operator")
+
+
+def test_every_rendered_object_passes_server_dry_run(
+    cluster: Cluster, kube_helm: Helm, release: None
+) -> None:
+    """With each toggle on and off (a second release name, so nothing clashes with the installed one). A Pod
+    (the `helm test` hook's) is admitted only when its ServiceAccount exists, which a dry run never creates:
+    that one ServiceAccount is created for real first."""
+    cluster.kubectl("create", "namespace", "team-a", check=False)
+    cluster.kubectl("create", "serviceaccount", "dryrun-kvpilot-test", "-n", RELEASE_NS)
+    variants = {
+        "defaults": [],
+        "monitoring": [*MONITORING, "--set", "monitoring.force=true"],
+        "namespaced": ["--set", "operator.watchNamespaces={team-a}"],
+        "no-peering": ["--set", "peering.install=false"],
+    }
+    for name, values in variants.items():
+        out = kube_helm("template", "dryrun", str(CHART), "-n", RELEASE_NS, "--set", "peering.name=dryrun",
+                        *values).stdout  # fmt: skip
+        objs = [d for d in yaml.safe_load_all(out) if d]
+        r = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=out, check=False)
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        assert r.stdout.count("(server dry run)") == len(objs), f"{name}: {r.stdout}"
+    cluster.kubectl("delete", "serviceaccount", "dryrun-kvpilot-test", "-n", RELEASE_NS)
+
+
+def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: None) -> None:
+    pod = operator_pod(cluster)
+    assert is_ready(pod)
+    assert pod["spec"]["serviceAccountName"] == OPERATOR
+    dep = cluster.kubectl_json("get", "deployment", OPERATOR, "-n", RELEASE_NS)
+    assert dep["status"]["readyReplicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert cluster.kubectl_json("get", "clusterkopfpeering", "kvpilot")["metadata"]["labels"][
+        "app.kubernetes.io/instance"] == RELEASE  # fmt: skip
+    notes = INSTALL["notes"]  # the next two commands, and no warning: the monitoring API is served
+    assert "kind: InferenceDeployment" in notes and "kind: PrefixCacheReset" in notes, notes
+    assert "kubectl wait --for=condition=Complete" in notes and "WARNING" not in notes, notes
+    print(f"helm install -> Ready operator: {TIMINGS['helm_install_to_ready_operator_s']} s")
+
+
+def test_reset_by_the_in_cluster_operator(
+    cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]
+) -> None:
+    """Traffic warms both caches, a PrefixCacheReset ends Complete 2/2, and the operator pod did it.
+    Prometheus scrapes everything first, so the counters' increases from here on are in its samples."""
+    assert len(fleet) == 2
+    wait_scraped(cluster, prometheus, fleet)
+    for ip in fleet.values():
+        for _ in range(2):
+            http(
+                "POST",
+                f"http://{ip}:8000/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+            )
+    # One refused reset (wrong token): the daemons count it as unauthorized.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http("POST", f"http://{next(iter(fleet.values()))}:8000/reset_prefix_cache", token="wrong")
+    assert e.value.code == 401
+
+    reset = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "PrefixCacheReset",
+             "metadata": {"name": "flush", "namespace": FLEET_NS}, "spec": {"targetRef": {"name": "llm"}}}  # fmt: skip
+    t0 = time.monotonic()
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(reset))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", FLEET_NS, "--timeout=120s")
+    TIMINGS["reset_apply_to_complete_s"] = round(time.monotonic() - t0, 2)
+    st = cluster.kubectl_json("get", "pcr", "flush", "-n", FLEET_NS)["status"]
+    assert (st["phase"], st["progress"], st["succeeded"], st["failed"]) == ("Succeeded", "2/2", 2, 0)
+    assert {p["name"] for p in st["pods"]} == set(fleet)
+    for ip in fleet.values():  # post-reset traffic: misses, then hits again
+        for _ in range(2):
+            http(
+                "POST",
+                f"http://{ip}:8000/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+            )
+    log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
+    assert "flush" in log, "the in-cluster operator's log should show the reset"
+    print(
+        f"PrefixCacheReset apply -> Complete (in-cluster operator): {TIMINGS['reset_apply_to_complete_s']} s"
+    )
+
+
+def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
+    cluster: Cluster,
+    fleet: dict[str, str],
+    prometheus: Prometheus,
+) -> None:
+    """After the traffic and the reset above: every target up, every panel, annotation and variable query of
+    both dashboards returns data (Grafana's variables substituted), every alert rule loaded and evaluated."""
+
+    wait_scraped(cluster, prometheus, fleet)
+    jobs = {t["labels"]["job"] for t in prometheus.targets()}
+    assert jobs == {"kvpilot-daemon", "kvpilot-operator"}, jobs
+    # The reset and the last traffic must be in the samples: the operator has recorded it.
+    wait_for(lambda: prometheus.query(f'kvpilot_operator_reset_pods{{namespace="{FLEET_NS}",reset="flush"}}'), 30,
+             "the reset in prometheus")  # fmt: skip
+    time.sleep(6)  # three more scrapes, so every rate() has two samples after the last request
+
+    variables = {"namespace": FLEET_NS, "deployment": "llm", "pod": ".*", "datasource": "prometheus"}
+    empty, nan_only, checked = [], [], 0
+    for path in DASHBOARDS:
+        board = load(path)
+        for where, expr in [*queries(board), *variable_queries(board)]:
+            result = prometheus.query(substitute(expr, "2m", "15m", variables))
+            checked += 1
+            if not result:
+                empty.append(f"{path.stem}: {where}: {expr}")
+            elif all(math.isnan(float(s["value"][1])) for s in result):
+                nan_only.append(f"{path.stem}: {where}")
+    TIMINGS["dashboard_queries_verified"] = checked
+
+    def evaluated() -> list[dict]:
+        rules = [
+            r
+            for g in prometheus.api("/api/v1/rules")["groups"]
+            for r in g["rules"]
+            if r["type"] == "alerting"
+        ]
+        return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else []
+
+    rules = wait_for(evaluated, 30, "every alert rule evaluated")
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    TIMINGS["alerts_loaded"] = len(rules)
+    assert not empty + nan_only, (
+        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
+    )
+    firing = {a["labels"]["alertname"] for a in prometheus.api("/api/v1/alerts")["alerts"]}
+    assert "KvpilotOperatorDown" not in firing and "KvpilotDaemonDown" not in firing
+    print(f"verified against the live Prometheus: {checked} dashboard queries, {len(rules)} alert rules")
+
+
+def test_helm_test_passes(kube_helm: Helm, release: None) -> None:
+    r = kube_helm("test", RELEASE, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
+    assert "Phase:          Succeeded" in r.stdout or "Succeeded" in r.stdout, r.stdout
+
+
+def test_namespace_edit_and_view_users_get_kvpilot_resources(cluster: Cluster, release: None) -> None:
+    dev = cluster.cp.users["dev"].token
+    for ns, role in (("team-edit", "edit"), ("team-view", "view")):
+        cluster.kubectl("create", "namespace", ns, check=False)
+        cluster.kubectl(
+            "create", "rolebinding", f"dev-{role}", f"--clusterrole={role}", "--user=dev", "-n", ns
+        )
+
+    def can(verb: str, resource: str, ns: str) -> bool:
+        r = cluster.kubectl("auth", "can-i", verb, resource, "-n", ns, token=dev, check=False)
+        return r.stdout.strip() == "yes"
+
+    wait_for(
+        lambda: can("create", "inferencedeployments.kvpilot.io", "team-edit"), 30, "aggregation into edit"
+    )
+    assert can("delete", "prefixcacheresets.kvpilot.io", "team-edit")
+    assert can("patch", "inferencedeployments.kvpilot.io/scale", "team-edit")
+    wait_for(lambda: can("list", "prefixcacheresets.kvpilot.io", "team-view"), 30, "aggregation into view")
+    assert not can("create", "prefixcacheresets.kvpilot.io", "team-view")
+    assert not can("get", "inferencedeployments.kvpilot.io", "default"), (
+        "no rights outside the bound namespaces"
+    )
+
+
+def test_wrong_value_is_refused_naming_the_field(kube_helm: Helm, release: None) -> None:
+    r = kube_helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values",
+                  "--set", "operator.logLevl=DEBUG", check=False)  # fmt: skip
+    assert r.returncode != 0 and "logLevl" in r.stderr, r.stderr
+    history = json.loads(kube_helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)
+    assert len(history) == 1, "a refused upgrade must not make a revision"
+
+
+def test_upgrade_with_a_changed_value_rolls_the_operator(
+    cluster: Cluster, kube_helm: Helm, release: None
+) -> None:
+    before = operator_pod(cluster)["metadata"]["uid"]
+    kube_helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values", "--set", "operator.logLevel=DEBUG",
+              "--wait", "--timeout=5m", timeout=400)  # fmt: skip
+    pod = wait_for(lambda: (p := operator_pod(cluster))["metadata"]["uid"] != before and is_ready(p) and p, 120,
+                   "a new Ready operator pod")  # fmt: skip
+    assert "--log-level=DEBUG" in pod["spec"]["containers"][0]["args"]
+    assert (
+        json.loads(kube_helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)[-1]["revision"] == 2
+    )
+
+
+def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, release: None) -> None:
+    # The fleet first: its finalizer is the operator's to remove.
+    cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
+    kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)
+    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
+    namespaced = "deploy,rs,pods,svc,sa,cm,role,rolebinding,podmonitors,servicemonitors,prometheusrules"
+
+    def leftovers() -> list[str]:
+        names = cluster.kubectl("get", namespaced, "-A", "-l", selector, "-o", "name").stdout.split()
+        cluster_scoped = "clusterrole,clusterrolebinding,clusterkopfpeerings"
+        return names + cluster.kubectl("get", cluster_scoped, "-l", selector, "-o", "name").stdout.split()
+
+    # The operator pod takes up to its grace period to stop; the garbage collector removes its ReplicaSet.
+    wait_for(lambda: not leftovers(), 90, "every object of the release to be gone")
+    crds = cluster.kubectl("get", "crd", "-o", "name").stdout.split()
+    for crd in (
+        "inferencedeployments.kvpilot.io",
+        "prefixcacheresets.kvpilot.io",
+        "clusterkopfpeerings.kopf.dev",
+    ):
+        assert f"customresourcedefinition.apiextensions.k8s.io/{crd}" in crds
+
+
+def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: Helm) -> None:
+    """With operator.watchNamespaces the operator has Roles in the watched namespace and a ClusterRole with
+    only the cluster-scoped rules, and still completes `helm test`'s PrefixCacheReset there."""
+    name = "kvpilot-ns"
+    kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
+              "--set", f"operator.watchNamespaces={{{RELEASE_NS}}}", timeout=400)  # fmt: skip
+    try:
+        role = cluster.kubectl_json("get", "clusterrole", f"{name}-operator")
+        assert {r for rule in role["rules"] for r in rule["resources"]} == {
+            "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}  # fmt: skip
+        assert cluster.kubectl_json("get", "kopfpeering", "kvpilot", "-n", RELEASE_NS)
+        kube_helm("test", name, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
+    finally:
+        kube_helm("uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
