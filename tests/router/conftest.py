@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from server.conftest import ADMIN_TOKEN, Response, Server, free_port, start_server, stop_server
+from server.conftest import ADMIN_TOKEN, Server, free_port, start_server, stop_server
 
 
 def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
@@ -20,49 +18,14 @@ def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.
                         "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}", token=token)  # fmt: skip
 
 
-@dataclass
-class RouterProc:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-    token: str | None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-                timeout: float = 120.0) -> Response:  # fmt: skip
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            raw = json.dumps(body).encode() if body is not None else None
-            conn.request(
-                method, path, body=raw, headers={"Content-Type": "application/json", **(headers or {})}
-            )
-            resp = conn.getresponse()
-            return Response(resp.status, dict(resp.getheaders()), resp.read())
-        finally:
-            conn.close()
-
-    def admin(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+class RouterProc(Server):
+    """A `kvpilot router` process: the daemon test helpers (request, admin, metrics, log) apply as is."""
 
     def health(self) -> dict:
         return self.request("GET", "/health").json()
 
     def pod(self, name: str) -> dict:
         return next(p for p in self.health()["pods"] if p["pod"] == name)
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in self.request("GET", "/metrics").body.decode().splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str | None = ADMIN_TOKEN,
@@ -101,7 +64,7 @@ def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str
 
 
 def stop_router(router: RouterProc) -> None:
-    stop_server(router)  # type: ignore[arg-type]  # SIGTERM, then kill: the same for any process
+    stop_server(router)
     assert "Traceback" not in router.log(), router.log()[-4000:]
 
 
