@@ -7,12 +7,10 @@ has no status to checkpoint into, and a reset is idempotent, so a caller simply 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.fanout import FanoutSettings, Target, initial_records, run_fanout
+from kvpilot.operator.fanout import FanoutSettings, Target, run_fanout
 from kvpilot.router.pods import Pod
 
 
@@ -33,43 +31,26 @@ class PodReset:
 async def reset_pods(
     pods: list[Pod], token: str | None, reset_running_requests: bool, timeout_s: float
 ) -> list[PodReset]:
-    # The fan-out addresses pods by IP and one port (as in a fleet); static endpoints may differ in port.
-    by_port: dict[int, list[Pod]] = {}
-    for p in pods:
-        by_port.setdefault(p.port, []).append(p)
-    deadline = time.monotonic() + timeout_s
-    groups = await asyncio.gather(
-        *(_reset_group(group, port, token, reset_running_requests, timeout_s, deadline)
-          for port, group in by_port.items())
-    )  # fmt: skip
-    return sorted((r for g in groups for r in g), key=lambda r: r.pod)
-
-
-async def _reset_group(pods: list[Pod], port: int, token: str | None, reset_running_requests: bool,
-                       timeout_s: float, deadline: float) -> list[PodReset]:  # fmt: skip
-    names = {p.host: p.name for p in pods}
-    records = initial_records([Target(name=p.host, ip=p.host) for p in pods])
     settings = FanoutSettings(
         engine="kvpilot",
-        port=port,
         token=token,
         reset_running_requests=reset_running_requests,
         timeout_s=timeout_s,
         request_timeout_s=min(10.0, timeout_s),
-        backoff_limit=2,
+        retries_per_pod=2,
     )
-    await run_fanout(records, settings, deadline, _no_checkpoint)
-    return [
-        PodReset(
-            pod=names[r["name"]],
-            success=r.get("result") == "Succeeded",
-            status=int(r.get("httpStatus", 0)),
-            epoch=r.get("epoch"),
-            error=None if r.get("result") == "Succeeded" else (r.get("message") or r.get("result")),
-        )
-        for r in records
-    ]
-
-
-async def _no_checkpoint(records: list[dict[str, Any]]) -> None:
-    return None
+    # Each target carries its own base URL: static endpoints may differ in port and scheme.
+    records = await run_fanout([Target(name=p.name, url=p.url) for p in pods], settings)
+    return sorted(
+        (
+            PodReset(
+                pod=r.name,
+                success=r.result == "Succeeded",
+                status=r.http_status or 0,
+                epoch=r.epoch,
+                error=None if r.result == "Succeeded" else (r.message or r.result),
+            )
+            for r in records
+        ),
+        key=lambda r: r.pod,
+    )

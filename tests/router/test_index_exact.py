@@ -54,14 +54,14 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
     added: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, n, max_tokens, prefix, salt = op
+            _, n, max_tokens, prefix, salt, seqs = op  # seqs > 1: forks sharing the prompt's blocks
             prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
             # What the router predicts must be what the engine finds when it looks the prompt up.
             usable = (len(prompt) - 1) // BS
             keys = prompt_block_hashes(prompt[: usable * BS], BS, salt)
             predicted = index.matched_blocks(keys, ["pod"])["pod"] * BS
             rid = f"q{len(added)}-{id(ops)}"
-            req = engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens), cache_salt=salt)
+            req = engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt)[0]
             assert engine.kv.find_prefix(req).num_tokens == predicted
             added.append(rid)
         elif op[0] == "abort" and added:

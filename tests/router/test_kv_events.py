@@ -144,7 +144,7 @@ def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngin
     for _, p in replay_all(pub.replay_endpoint):
         complete.apply("pod", decode_batch(p))
     assert counts.get("replayed") == 2 and not counts.get("missed"), counts
-    assert index.num_blocks("pod") == complete.num_blocks("pod") == engine.kv.pool.num_indexed_blocks
+    assert index.num_blocks("pod") == complete.num_blocks("pod") == len(engine.kv.pool._index)
     keys = [
         k for p in range(5) for k in prompt_block_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
     ]
@@ -220,4 +220,4 @@ def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine)
         return index, [matched]
 
     index, (matched,) = asyncio.run(go())
-    assert matched == 3 and index.num_blocks("pod") == engine.kv.pool.num_indexed_blocks == 3
+    assert matched == 3 and index.num_blocks("pod") == len(engine.kv.pool._index) == 3
