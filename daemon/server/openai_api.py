@@ -11,126 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.engine_loop import EngineDeadError
-from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
+from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_loop
+from kvpilot.daemon.server.choices import (
+    Choice,
+    Delta,
+    LogprobEntry,
+    Sequence,
+    chat_logprobs,
+    completion_logprobs,
+    feed,
+)
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.daemon.server.errors import ApiError, bad, unavailable
-from kvpilot.daemon.server.protocol import GenerateRequest, parse_chat, parse_completion, parse_json_object
-
-# One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
-# and the most likely alternatives.
-LogprobEntry = tuple[str, float | None, list[tuple[str, float]] | None]
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A parsed and tokenized request."""
-
-    req: GenerateRequest
-    prompts: list[list[int]]
-    prompt_texts: list[str]  # for echo
-    chat: bool
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one engine output adds to one choice."""
-
-    index: int  # the sequence's index within its prompt's group
-    text: str
-    logprobs: list[LogprobEntry] | None
-    finish_reason: str | None
-    output: RequestOutput
-    echo: tuple[str, list[LogprobEntry] | None] | None = None  # the prompt, before the first delta
-
-
-@dataclass(slots=True)
-class _Sequence:
-    detok: IncrementalDetokenizer
-    stops: StopStrings
-    started: bool = False
-    done: bool = False
-
-
-@dataclass(slots=True)
-class _Choice:
-    text: str = ""
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-    finish_reason: str | None = None
-    output: RequestOutput | None = None
-    has_logprobs: bool = False
-
-
-# ---- preparation (runs in the text pool) ------------------------------------------------------------
-def _prepare_completion(state: ServerState, raw: bytes) -> Prepared:
-    req = parse_completion(parse_json_object(raw), state.served)
-    tok = state.engine.tokenizer
-    texts = [p for p in req.prompts if isinstance(p, str)]
-    for text in texts:
-        _check_chars(state, text, "prompt")
-    # A batch call: the Rust tokenizer releases the GIL for it, so the event loop keeps running.
-    encoded = iter(tok(texts, add_special_tokens=True)["input_ids"] if texts else ())
-    prompts = [list(next(encoded)) if isinstance(p, str) else p for p in req.prompts]
-    echoed = [(p if isinstance(p, str) else _decode(tok, p)) if req.echo else "" for p in req.prompts]
-    return Prepared(req, prompts, echoed, chat=False)
-
-
-def _prepare_chat(state: ServerState, raw: bytes) -> Prepared:
-    chat = parse_chat(parse_json_object(raw), state.served)
-    tok = state.engine.tokenizer
-    try:
-        text = tok.apply_chat_template(
-            chat.messages, tokenize=False, add_generation_prompt=chat.add_generation_prompt
-        )
-    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
-        raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
-    _check_chars(state, text, "messages")
-    ids = list(tok([text], add_special_tokens=False)["input_ids"][0])
-    return Prepared(chat.generate, [ids], [""], chat=True)
-
-
-def _check_chars(state: ServerState, text: str, param: str) -> None:
-    """Refuse a text that is too long for the context without tokenizing it: no token covers more than
-    `max_token_chars` characters, so more characters than that times the context is surely too long."""
-    limit = state.engine.max_model_len
-    if len(text) > state.max_prompt_chars:
-        raise bad(
-            f"This model's maximum context length is {limit} tokens; the {param} has {len(text)} "
-            f"characters, more than {limit} tokens can hold",
-            param,
-            code="context_length_exceeded",
-        )
-
-
-def _decode(tok: Any, ids: list[int]) -> str:
-    try:
-        return tok.decode(ids)
-    except (OverflowError, IndexError, TypeError, ValueError):
-        return ""  # ids outside the vocabulary: the engine refuses the prompt with a 400 right after
-
-
-def _params_for(state: ServerState, prep: Prepared, prompt: list[int]) -> SamplingParams:
-    """The prompt's own parameters: without max_tokens, what fits beside this prompt (not the
-    batch's shortest room); the engine checks the context for everything else."""
-    params = dataclasses.replace(prep.req.params)
-    if not prep.req.max_tokens_given:
-        room = state.engine.max_model_len - len(prompt)
-        params.max_tokens = max(1, room if prep.chat else min(params.max_tokens, room))
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
-    return params
+from kvpilot.daemon.server.prepare import Prepared, params_for, prepare_chat, prepare_completion
+from kvpilot.daemon.server.protocol import GenerateRequest
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -152,7 +58,7 @@ async def _generate(
         raise bad(str(exc)) from None
     tok = state.engine.tokenizer
     seqs = [
-        _Sequence(
+        Sequence(
             IncrementalDetokenizer(tok, prompt, req.skip_special_tokens),
             StopStrings(req.stop, req.include_stop_str_in_output),
         )
@@ -183,7 +89,7 @@ async def _generate(
                 m.itl.observe(now - last)
             last = now
             m.generation_tokens.inc(sum(len(o.new_token_ids) for o in items))
-            deltas = await state.text.run(_feed, state, seqs, outputs, prompt, echo if req.echo else None)
+            deltas = await state.text.run(feed, state, seqs, outputs, prompt, echo if req.echo else None)
             for d in deltas:
                 if d.finish_reason is not None:
                     open_choices -= 1
@@ -202,34 +108,6 @@ async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> A
     except TimeoutError:
         raise ApiError(504, f"the request did not finish within {timeout:g} s (--request-timeout)",
                        code="deadline_exceeded") from None  # fmt: skip
-
-
-def _feed(state: ServerState, seqs: list[_Sequence], outputs: list[RequestOutput], prompt: list[int],
-          echo: list | None) -> list[Delta]:  # fmt: skip
-    """Detokenize engine outputs into deltas (in the text pool)."""
-    tok = state.engine.tokenizer
-    deltas = []
-    for out in outputs:
-        seq = seqs[out.index]
-        if out.prompt_logprobs is not None and echo is not None:
-            first = (state.text.token_text(tok, prompt[0]), None, None)
-            echo[1] = [first, *(_entry(state, lp) for lp in out.prompt_logprobs[1:])]
-        text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
-        reason = "stop" if stopped else out.finish_reason if out.finished else None
-        seq.done = reason is not None
-        logprobs = [_entry(state, lp) for lp in out.logprobs] if out.logprobs is not None else None
-        delta = Delta(out.index, text, logprobs, reason, out)
-        if echo is not None and not seq.started:
-            delta.echo = (echo[0], echo[1])
-        seq.started = True
-        deltas.append(delta)
-    return deltas
-
-
-def _entry(state: ServerState, lp: TokenLogprob) -> LogprobEntry:
-    tok = state.engine.tokenizer
-    top = [(state.text.token_text(tok, t), v) for t, v in lp.top]
-    return state.text.token_text(tok, lp.token_id), lp.logprob, top
 
 
 def _param_name(param: str | None, req: GenerateRequest, chat: bool) -> str | None:
@@ -256,11 +134,11 @@ def _usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> 
 
 # ---- routes -------------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _prepare_completion, "cmpl")
+    return await _serve(request, prepare_completion, "cmpl")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, _prepare_chat, "chatcmpl")
+    return await _serve(request, prepare_chat, "chatcmpl")
 
 
 async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamResponse:
@@ -271,7 +149,7 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [
-        _generate(state, ids[i], p, _params_for(state, prep, p), prep, prep.prompt_texts[i], arrival)
+        _generate(state, ids[i], p, params_for(state, prep, p), prep, prep.prompt_texts[i], arrival)
         for i, p in enumerate(prep.prompts)
     ]
     if prep.req.stream:
@@ -284,11 +162,11 @@ async def _complete(
 ) -> web.Response:
     req = prep.req
     created = int(time.time())
-    choices: dict[tuple[int, int], _Choice] = {}
+    choices: dict[tuple[int, int], Choice] = {}
     echoes: dict[int, tuple[str, list[LogprobEntry] | None]] = {}
     async with _merged(gens) as events:
         async for i, d in events:
-            c = choices.setdefault((i, d.index), _Choice())
+            c = choices.setdefault((i, d.index), Choice())
             if d.echo is not None:
                 echoes[i] = d.echo
             c.text += d.text
@@ -318,13 +196,13 @@ async def _complete(
     )
 
 
-def _final_choice(prep: Prepared, index: int, c: _Choice, echo: tuple | None) -> dict:
+def _final_choice(prep: Prepared, index: int, c: Choice, echo: tuple | None) -> dict:
     wants_logprobs = prep.req.params.logprobs is not None
     if prep.chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": c.text},
-            "logprobs": _chat_logprobs(c.logprobs) if wants_logprobs else None,
+            "logprobs": chat_logprobs(c.logprobs) if wants_logprobs else None,
             "finish_reason": c.finish_reason,
         }
     text, entries = c.text, c.logprobs
@@ -334,31 +212,8 @@ def _final_choice(prep: Prepared, index: int, c: _Choice, echo: tuple | None) ->
     return {
         "index": index,
         "text": text,
-        "logprobs": _completion_logprobs(entries) if wants_logprobs else None,
+        "logprobs": completion_logprobs(entries) if wants_logprobs else None,
         "finish_reason": c.finish_reason,
-    }
-
-
-def _completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, logprob, top in entries:
-        out["tokens"].append(token)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(None if top is None else dict(top))
-        out["text_offset"].append(offset)
-        offset += len(token)
-    return out
-
-
-def _chat_logprobs(entries: list[LogprobEntry]) -> dict:
-    def item(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**item(token, logprob), "top_logprobs": [item(t, v) for t, v in top or ()]}
-            for token, logprob, top in entries
-        ]
     }
 
 
@@ -433,12 +288,12 @@ async def _stream(
         text = d.text
         if chat:
             delta: dict[str, Any] = {"content": text} if text else {}
-            lp = _chat_logprobs(entries) if wants_logprobs and entries else None
+            lp = chat_logprobs(entries) if wants_logprobs and entries else None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         if d.echo is not None:
             text = d.echo[0] + text
             entries = (d.echo[1] or []) + (entries or [])
-        lp = _completion_logprobs(entries) if wants_logprobs and entries is not None else None
+        lp = completion_logprobs(entries) if wants_logprobs and entries is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
     async with _merged(gens) as events:

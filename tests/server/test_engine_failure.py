@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -52,16 +53,23 @@ def test_engine_error_fails_requests_and_marks_unhealthy(tiny_model_dir: Path) -
                     assert r.status == 200  # healthy first
                 assert (await s.get(url + "/health")).status == 200
 
-                engine.fail_after_steps = 2
-                long = {**body, "max_tokens": 50}
-                plain = s.post(url + "/v1/completions", json=long)
-                streamed = s.post(url + "/v1/completions", json={**long, "stream": True})
-                r1, r2 = await asyncio.wait_for(asyncio.gather(plain, streamed), 60)
+                # Both requests run (the stream has sent its headers) when the engine breaks.
+                long = {**body, "max_tokens": 400}
+                r2 = await s.post(url + "/v1/completions", json={**long, "stream": True})
+                assert r2.status == 200  # headers went out with the first token
+                first = await r2.content.readline()
+                plain = asyncio.create_task(s.post(url + "/v1/completions", json=long))
+                deadline = time.monotonic() + 60
+                while len(engine.scheduler.running) < 2:
+                    assert time.monotonic() < deadline and not plain.done()
+                    await asyncio.sleep(0.005)
+                engine.fail_after_steps = 0
+                r1 = await asyncio.wait_for(plain, 60)
                 assert r1.status == 500
                 err = (await r1.json())["error"]
                 assert err["code"] == "engine_error" and "injected" not in err["message"]
-                assert r2.status == 200  # headers went out with the first token
-                events = [line for line in (await r2.text()).splitlines() if line.startswith("data: ")]
+                text = first.decode() + await asyncio.wait_for(r2.text(), 60)
+                events = [line for line in text.splitlines() if line.startswith("data: ")]
                 assert json.loads(events[-2][6:])["error"]["code"] == "engine_error"
                 assert events[-1] == "data: [DONE]"
 

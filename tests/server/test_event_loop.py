@@ -78,7 +78,8 @@ def test_full_queue_answers_503_with_retry_after(tmp_path) -> None:  # noqa: ANN
     server = start_server(tmp_path, "--max-num-seqs", "1", "--max-queued-requests", "2")
     try:
         statuses = asyncio.run(flood(server, 8))
-        assert statuses.count(200) >= 3  # one running and two waiting were served
+        # At least the two that may wait were served (a third when the first was already running).
+        assert statuses.count(200) >= 2
         refused = [s for s in statuses if s != 200]
         assert refused and all(s == (503, "1") for s in refused), statuses
         r = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})

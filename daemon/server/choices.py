@@ -1,0 +1,94 @@
+"""One choice as it grows: engine outputs become deltas (detokenized with the prompt as context, cut at
+stop strings, logprobs as token texts), and logprobs take OpenAI's completion or chat shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
+from kvpilot.daemon.server.app_state import ServerState
+from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
+
+# One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
+# and the most likely alternatives.
+LogprobEntry = tuple[str, float | None, list[tuple[str, float]] | None]
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine output adds to one choice."""
+
+    index: int  # the sequence's index within its prompt's group
+    text: str
+    logprobs: list[LogprobEntry] | None
+    finish_reason: str | None
+    output: RequestOutput
+    echo: tuple[str, list[LogprobEntry] | None] | None = None  # the prompt, before the first delta
+
+
+@dataclass(slots=True)
+class Sequence:
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    started: bool = False
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Choice:
+    text: str = ""
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    has_logprobs: bool = False
+
+
+def feed(state: ServerState, seqs: list[Sequence], outputs: list[RequestOutput], prompt: list[int],
+          echo: list | None) -> list[Delta]:  # fmt: skip
+    """Detokenize engine outputs into deltas (in the text pool)."""
+    tok = state.engine.tokenizer
+    deltas = []
+    for out in outputs:
+        seq = seqs[out.index]
+        if out.prompt_logprobs is not None and echo is not None:
+            first = (state.text.token_text(tok, prompt[0]), None, None)
+            echo[1] = [first, *(entry(state, lp) for lp in out.prompt_logprobs[1:])]
+        text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
+        reason = "stop" if stopped else out.finish_reason if out.finished else None
+        seq.done = reason is not None
+        logprobs = [entry(state, lp) for lp in out.logprobs] if out.logprobs is not None else None
+        delta = Delta(out.index, text, logprobs, reason, out)
+        if echo is not None and not seq.started:
+            delta.echo = (echo[0], echo[1])
+        seq.started = True
+        deltas.append(delta)
+    return deltas
+
+
+def entry(state: ServerState, lp: TokenLogprob) -> LogprobEntry:
+    tok = state.engine.tokenizer
+    top = [(state.text.token_text(tok, t), v) for t, v in lp.top]
+    return state.text.token_text(tok, lp.token_id), lp.logprob, top
+
+
+def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, top in entries:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(None if top is None else dict(top))
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(token, logprob), "top_logprobs": [item(t, v) for t, v in top or ()]}
+            for token, logprob, top in entries
+        ]
+    }
