@@ -577,8 +577,10 @@ def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator:
     second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
     second.start("--priority", "-100")
     # a replica of the same priority would pause with it: it says so at startup
+    wait_for(lambda: any(p.get("priority") == -100 for p in (cluster.kubectl_json(
+        "get", "clusterkopfpeering", "kvpilot").get("status") or {}).values()), 30, "the second replica's peering entry")  # fmt: skip
     third = OperatorProcess(operator.kubeconfig, tmp_path / "third.log")
-    third.start()
+    third.start("--priority", "-100")
     third.stop()
     assert "replicas of equal priority all pause" in third.log.read_text()
     try:
