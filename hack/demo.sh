@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-export PATH="$ROOT/.venv/bin:$PATH"   # pods run `kvpilot serve` from this checkout's venv
+export PATH="$ROOT/.venv/bin:$PATH"   # this script's python and kvpilot (pods get the venv from the node agent)
 export PYTHONSAFEPATH=1
 DIR=$ROOT/.cluster
 export KUBECONFIG=$DIR/kubeconfig

@@ -1,9 +1,9 @@
 """Fixtures for the operator's cluster tests: the dev cluster of tests/cluster, our CRDs, the operator's
 ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, and the operator as a subprocess.
 
-Pods run their `command` as local processes with the node agent's PATH (docs/cluster.md), so the venv's bin
-folder goes first on PATH before the cluster starts: `kvpilot serve` is then this checkout's daemon. Fleets
-whose daemon is not the point put shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
+Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
+every pod's PATH (docs/cluster.md), so `kvpilot serve` is this checkout's daemon. Fleets whose daemon is not
+the point put shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
-if not os.environ.get("PATH", "").startswith(VENV_BIN + os.pathsep):
-    os.environ["PATH"] = VENV_BIN + os.pathsep + os.environ.get("PATH", "")
-SHIM_PATH = f"{HERE / 'shim'}{os.pathsep}{os.environ['PATH']}"
+# A pod env's PATH replaces the agent's: the stand-in's `python3` must still be the venv's.
+SHIM_PATH = os.pathsep.join([str(HERE / "shim"), VENV_BIN, os.environ.get("PATH", "/usr/bin:/bin")])
 STANDIN_ENV = [
     {"name": "PATH", "value": SHIM_PATH}
 ]  # a fleet's pod env: `kvpilot` is shim/kvpilot, a stand-in

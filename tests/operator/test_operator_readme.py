@@ -36,7 +36,7 @@ def readme_commands() -> list[str]:
 def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: OperatorProcess,
                                     tmp_path: Path) -> None:  # fmt: skip
     cmds = readme_commands()
-    assert cmds[:2] == ["kubectl apply -f crds/", "kvpilot operator"], cmds
+    assert cmds[:2] == ["kubectl apply -f crds/", ".venv/bin/kvpilot operator"], cmds
     # the user's shell: a kubeconfig whose context points at the namespace, the repo's files, their yaml
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(cluster.kubeconfig.read_text())
@@ -44,6 +44,7 @@ def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: 
     subprocess.run(["kubectl", "config", "set-context", "--current", f"--namespace={namespace}"], env=env, check=True,
                    capture_output=True)  # fmt: skip
     (tmp_path / "crds").symlink_to(ROOT / "crds")
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")  # the checkout's venv, as `make setup` left it
     (tmp_path / "my-inferencedeployment.yaml").write_text(yaml.safe_dump(FLEET))
 
     operator.stop()  # one operator per peering priority at a time; this test runs its own
@@ -53,7 +54,7 @@ def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: 
     try:
         for cmd in cmds:
             if (
-                cmd == "kvpilot operator"
+                cmd == ".venv/bin/kvpilot operator"
             ):  # the user runs it in another terminal; free ports instead of 8080/9090
                 lport = free_port()
                 op = subprocess.Popen(f"{cmd} --liveness-port {lport} --metrics-port {free_port()} --bind 127.0.0.1",
@@ -67,7 +68,7 @@ def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: 
                 cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
             )
             assert r.returncode == 0, f"{cmd}: {r.stdout}{r.stderr}\noperator log:\n{tail(log)}"
-            if cmd.startswith("kvpilot reset"):
+            if cmd.startswith(".venv/bin/kvpilot reset"):
                 assert "Succeeded: AllPodsReset: 2/2 pods reset" in r.stdout, r.stdout
             if cmd == "kubectl get pcr":
                 assert "InferenceDeployment/llm" in r.stdout and "2/2" in r.stdout, r.stdout
