@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from kvpilot.devcluster.controlplane import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "image" / "build.sh"
@@ -114,12 +115,6 @@ def test_image_is_lean_and_runs_as_non_root(image: str, container: str) -> None:
     assert "CACHE-WRITABLE" not in lines  # pods never write the model: a read-only root is fine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
     """Starts `argv` (a `kvpilot serve` on 127.0.0.1:port), checks /health, the model list and one
     completion, stops it."""
@@ -167,7 +162,7 @@ def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
 @needs_image
 def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
     # chroot isolation shares this machine's network: the daemon listens on loopback here.
-    port = _free_port()
+    port = free_port()
     argv = ["buildah", "run", "--isolation", "chroot", container, "--",
             "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
     serve_until_healthy(argv, port, tmp_path / "serve.log")
@@ -182,7 +177,7 @@ def test_kvpilot_serve_runs_on_a_read_only_root_with_an_empty_tmp(
     root = buildah("mount", container).stdout.strip()
     env = buildah("inspect", "--type", "image", "--format", "{{range .OCIv1.Config.Env}}{{println .}}{{end}}",
                   image).stdout.split()  # fmt: skip
-    port = _free_port()
+    port = free_port()
     inner = ["chroot", "--userspec=10001:10001", root, "/usr/bin/env", "-i", "HOME=/home/kvpilot", *env,
              "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
     setup = (
