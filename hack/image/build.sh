@@ -71,10 +71,22 @@ fi
 
 [[ $(id -u) == 0 ]] || die "building the image needs root (buildah with chroot isolation, mmdebstrap)"
 image_exists() { buildah inspect --type image "$1" >/dev/null 2>&1; }
-if [[ $force == 0 ]] && command -v buildah >/dev/null && image_exists "$ref"; then
-    step "up to date: $ref"
-    echo "$ref"
-    exit 0
+exit_if_built() {
+    if [[ $force == 0 ]] && command -v buildah >/dev/null && image_exists "$ref"; then
+        step "up to date: $ref"
+        echo "$ref"
+        exit 0
+    fi
+}
+exit_if_built
+
+# One build at a time (tests and users may start several): the next waits, then reuses the result.
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+if ! flock -n 9; then
+    step "waiting for another image build to finish"
+    flock 9
+    exit_if_built
 fi
 
 t_start=$SECONDS
@@ -83,6 +95,7 @@ for tool in buildah podman mmdebstrap; do command -v "$tool" >/dev/null || missi
 if [[ ${#missing[@]} -gt 0 ]]; then
     command -v apt-get >/dev/null || die "need ${missing[*]} and apt-get is not available to install them"
     step "installing ${missing[*]} (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
     if ! apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; then
         apt-get update -q >&2 && apt-get install -y -q --no-install-recommends "${missing[@]}" >&2 \
             || die "apt-get install ${missing[*]} failed"
@@ -92,7 +105,6 @@ fi
 if ! image_exists "$base_ref"; then
     tarball="$cache/base-$suite-$base_hash.tar"
     if [[ ! -f "$tarball" ]]; then
-        mkdir -p "$cache"
         step "making the base root filesystem (mmdebstrap $suite: $base_packages)"
         nice -n "${BUILD_NICE:-10}" mmdebstrap --quiet --variant=minbase --include="$base_packages" \
             "${dpkg_opts[@]}" --format=tar "$suite" "$tarball.tmp" "${mirrors[@]}" >&2 || die "mmdebstrap failed"

@@ -7,11 +7,11 @@ or test extras. The build is cached by a hash of its inputs, so a rerun with not
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from kvpilot.devcluster.controlplane import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "image" / "build.sh"
@@ -113,20 +115,10 @@ def test_image_is_lean_and_runs_as_non_root(image: str, container: str) -> None:
     assert "CACHE-WRITABLE" not in lines  # pods never write the model: a read-only root is fine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@needs_image
-def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
-    # chroot isolation shares this machine's network: the daemon listens on loopback here.
-    port = _free_port()
-    log_path = tmp_path / "serve.log"
+def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
+    """Starts `argv` (a `kvpilot serve` on 127.0.0.1:port), checks /health, the model list and one
+    completion, stops it."""
     with log_path.open("w") as log:
-        argv = ["buildah", "run", "--isolation", "chroot", container, "--",
-                "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -143,6 +135,20 @@ def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) ->
         assert body is not None, f"/health never answered 200: {log_path.read_text()[-3000:]}"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as resp:
             assert b"SmolLM2-135M-Instruct" in resp.read()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(
+                {
+                    "model": "SmolLM2-135M-Instruct",
+                    "prompt": "The capital of France is",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                }
+            ).encode(),  # fmt: skip
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            assert json.load(resp)["usage"]["completion_tokens"] == 4
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -151,3 +157,34 @@ def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) ->
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
     assert "converting the embedded default model" not in log_path.read_text()
+
+
+@needs_image
+def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
+    # chroot isolation shares this machine's network: the daemon listens on loopback here.
+    port = free_port()
+    argv = ["buildah", "run", "--isolation", "chroot", container, "--",
+            "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
+    serve_until_healthy(argv, port, tmp_path / "serve.log")
+
+
+@needs_image
+def test_kvpilot_serve_runs_on_a_read_only_root_with_an_empty_tmp(
+    image: str, container: str, tmp_path: Path
+) -> None:
+    """What a pod with `readOnlyRootFilesystem: true` and an emptyDir at /tmp gets: the image's root
+    mounted read-only, a fresh /tmp, the image's user and environment and nothing else."""
+    root = buildah("mount", container).stdout.strip()
+    env = buildah("inspect", "--type", "image", "--format", "{{range .OCIv1.Config.Env}}{{println .}}{{end}}",
+                  image).stdout.split()  # fmt: skip
+    port = free_port()
+    inner = ["chroot", "--userspec=10001:10001", root, "/usr/bin/env", "-i", "HOME=/home/kvpilot", *env,
+             "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
+    setup = (
+        f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
+        f"mount -t proc proc {root}/proc && mount --rbind /dev {root}/dev && "
+        f"mount -t tmpfs tmpfs {root}/tmp && "
+    )
+    # A private mount namespace (and pid namespace, so stopping it stops everything in it).
+    argv = ["unshare", "--mount", "--pid", "--fork", "sh", "-c", setup + 'exec "$@"', "sh", *inner]
+    serve_until_healthy(argv, port, tmp_path / "serve-ro.log")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from kvpilot.devcluster.controlplane import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "tools" / "build.sh"
@@ -122,14 +123,8 @@ def test_helm_creates_lints_and_renders_a_chart(bindir: Path, tmp_path: Path) ->
     assert bad.returncode != 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_prometheus_scrapes_and_promtool_queries_it(bindir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
