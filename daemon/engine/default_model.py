@@ -80,6 +80,7 @@ def _convert(src: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _COMPLETE_MARKER).write_text(f"converted from {src.name}\n")
+        tmp.chmod(0o755)  # mkdtemp made it private: other users (an image's runtime user) read it too
         if target.exists():
             shutil.rmtree(target)  # a leftover without the marker: an interrupted older attempt
         os.rename(tmp, target)
