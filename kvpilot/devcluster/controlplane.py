@@ -21,9 +21,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import binaries, pki, procs
+from . import binaries, netns, pki, procs
 
-SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod range (netns.POD_SUPERNET)
+SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod ranges (netns.Network.cidr)
+# Names and addresses the apiserver's certificate is valid for: loopback for the host, each slot's
+# bridge address for pods (the node agent forwards it, see apiproxy.py), and the in-cluster names
+# and ClusterIP of the `kubernetes` Service that a kubelet's pods use.
+SERVING_HOSTS = [
+    "127.0.0.1", "localhost", *netns.bridge_addresses(), "10.96.0.1", "kubernetes", "kubernetes.default",
+    "kubernetes.default.svc", "kubernetes.default.svc.cluster.local",
+]  # fmt: skip
 ADMIN_GROUPS = ("system:masters",)
 
 
@@ -148,7 +155,7 @@ class ControlPlane:
     def _start_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         wd = self.workdir
-        keys = pki.generate(wd / "pki", ["127.0.0.1", "localhost"])
+        keys = pki.generate(wd / "pki", SERVING_HOSTS)
         self._write_tokens()
 
         etcd_port, peer_port = free_port(), free_port()
@@ -188,7 +195,8 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={keys.sa_pub}",
                 f"--service-account-signing-key-file={keys.sa_key}",
-                # No real endpoints: the apiserver is on loopback, pods cannot reach it.
+                # No endpoints for the `kubernetes` Service: without kube-proxy its ClusterIP leads
+                # nowhere; pods reach the apiserver through the node agent's forwarder instead.
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",  # fewer moving parts on 2 CPUs

@@ -146,6 +146,11 @@ class Network:
         self._used.discard(net.ip)
 
 
+def bridge_addresses() -> list[str]:
+    """The bridge address of every slot: pods reach the API server there (see apiproxy.py)."""
+    return [Network(slot=n, rootful=True).host_ip for n in range(MAX_SLOTS)]
+
+
 def list_netns(prefix: str) -> list[str]:
     out = _ip("netns", "list", check=False).stdout
     return [ln.split()[0] for ln in out.splitlines() if ln.split() and ln.split()[0].startswith(f"{prefix}-")]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kubernetes import client
 
-from . import pki, scheduling
+from . import apiproxy, pki, scheduling
+from .apiproxy import ApiProxy
 from .logserver import LogServer
 from .netns import Network
 from .podrunner import PodRunner, now
@@ -81,12 +82,15 @@ class NodeAgent:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.logs: LogServer | None = None
+        self.api_proxy: ApiProxy | None = None
+        self.api_env: dict[str, str] = {}  # what every pod gets to find the apiserver
         self._since = now()  # lastTransitionTime of the node conditions
 
     # ---- lifecycle -------------------------------------------------------
     def start(self) -> None:
         self.network.setup()
         self._start_log_server()
+        self._start_api_access()
         for spec in self.nodes.values():
             self._register(spec)
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._pod_loop, "pods")):
@@ -107,6 +111,8 @@ class NodeAgent:
         self.runners.clear()
         if self.logs is not None:
             self.logs.stop()
+        if self.api_proxy is not None:
+            self.api_proxy.stop()
         self.network.teardown()
 
     def wait(self) -> None:
@@ -120,6 +126,17 @@ class NodeAgent:
         crt, key = pki.self_signed(self.workdir / "agent-pki", "node-agent", self.network.host_ip)
         self.logs = LogServer(self.network.host_ip, crt, key, ca, self._log_file, self._pod_running)
         self.logs.start()
+
+    def _start_api_access(self) -> None:
+        # Pods in network namespaces reach the loopback apiserver through the bridge, as a
+        # Service's port 443; loopback-mode pods share the host's network and use it directly.
+        target = apiproxy.endpoint(self.api.configuration.host)
+        if self.network.rootful:
+            self.api_proxy = ApiProxy((self.network.host_ip, apiproxy.SERVICE_PORT), target)
+            self.api_proxy.start()
+            self.api_env = apiproxy.service_env(self.network.host_ip, apiproxy.SERVICE_PORT)
+        else:
+            self.api_env = apiproxy.service_env(*target)
 
     def _runner(self, ns: str, name: str) -> PodRunner | None:
         for r in list(self.runners.values()):
@@ -293,7 +310,7 @@ class NodeAgent:
             node = pod["spec"]["nodeName"]
             runner = PodRunner(
                 pod=pod, core=self.core, network=self.network, node_index=self.node_index[node],
-                host_ip=self.network.host_ip, workdir=self.workdir,
+                host_ip=self.network.host_ip, workdir=self.workdir, api_env=self.api_env,
             )  # fmt: skip
             self.runners[uid] = runner
             log.info("starting pod %s on %s", runner.key, node)

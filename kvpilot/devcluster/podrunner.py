@@ -1,7 +1,8 @@
 """Runs one pod's containers as local processes and tracks their status.
 
 A PodRunner owns: the pod's network namespace (from netns.Network), its
-volume folders, one process group per container, restarts per restartPolicy
+volume folders (renewing projected tokens), one process group per container
+(each in its own mount namespace, mountns.py), restarts per restartPolicy
 (with a capped back-off) and readiness/liveness probes. It does not talk to
 the API about status itself: the node agent reads `status()` and patches the
 pod when it changes, so all API writes stay in one place.
@@ -15,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 import threading
 import time
 import urllib.error
@@ -22,11 +24,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import procs
+from . import mountns, procs
 from .netns import Network, PodNet
 from .podspec import SpecResolver
 
 log = logging.getLogger("kvpilot.devcluster.pod")
+# The dev cluster's "image" is the venv the node agent runs from: its bin folder (kvpilot,
+# python3 with the project's packages) comes first on every pod's PATH, as an image's PATH would.
+IMAGE_BIN = sysconfig.get_path("scripts")
 
 
 def now() -> str:
@@ -50,6 +55,7 @@ class Container:
     argv: list[str]
     env: dict[str, str]
     cwd: str
+    prefix: list[str] = field(default_factory=list)  # argv before the command: netns, mounts
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: str | None = None
@@ -72,7 +78,10 @@ class PodRunner:
     node_index: int
     host_ip: str
     workdir: Path
+    api_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_* (apiproxy.service_env)
     net: PodNet | None = None
+    resolver: SpecResolver | None = None
+    hosts: Path | None = None  # the pod's /etc/hosts, when it has its own network namespace
     error: str | None = None
     containers: list[Container] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -122,6 +131,7 @@ class PodRunner:
         while not self._stop.is_set():
             with self._lock:
                 self._tick()
+            self.resolver.refresh_tokens()  # outside the lock: an API call must not stall status()
             self._stop.wait(0.2)
         # Stopping happens on this thread because it forked the containers:
         # their PR_SET_PDEATHSIG would SIGKILL them the moment it exits.
@@ -142,12 +152,18 @@ class PodRunner:
         self.pod.setdefault("status", {})["podIP"] = self.net.ip
         self.pod["status"]["podIPs"] = [{"ip": self.net.ip}]
         self.pod["status"]["hostIP"] = self.host_ip
-        resolver = SpecResolver(self.core, self.pod, self.pod_dir)
+        if self.net.netns and mountns.available():
+            self.hosts = self.pod_dir / "hosts"
+            self.hosts.write_text(
+                mountns.hosts_file(self.pod, self.net.ip, self.api_env["KUBERNETES_SERVICE_HOST"])
+            )
+        self.resolver = resolver = SpecResolver(self.core, self.pod, self.pod_dir)
         resolver.prepare_volumes()
         base = {
-            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            **self.api_env,
+            "PATH": os.pathsep.join([IMAGE_BIN, os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")]),
             "HOME": str(self.pod_dir),
-            "HOSTNAME": self.pod["metadata"]["name"],
+            "HOSTNAME": mountns.pod_hostname(self.pod),
             "KVPILOT_POD_DIR": str(self.pod_dir),
         }
         if os.environ.get("PYTHONPATH"):
@@ -166,7 +182,9 @@ class PodRunner:
             )
             env = resolver.env(spec, base)
             cwd = resolver.rewrite_paths(spec.get("workingDir") or str(self.pod_dir), spec)
-            c = Container(spec=spec, argv=resolver.argv(spec, env), env=env, cwd=cwd)
+            c = Container(
+                spec=spec, argv=resolver.argv(spec, env), env=env, cwd=cwd, prefix=self._prefix(spec)
+            )
             t = time.monotonic()
             if spec.get("readinessProbe"):
                 c.readiness = Probe(
@@ -184,7 +202,7 @@ class PodRunner:
         for spec in self.pod["spec"].get("initContainers") or []:
             env = resolver.env(spec, base)
             argv = resolver.argv(spec, env)
-            proc = self._spawn(spec["name"], argv, env, str(self.pod_dir))
+            proc = self._spawn(spec["name"], self._prefix(spec) + argv, env, str(self.pod_dir))
             while proc.poll() is None:
                 if self._stop.wait(0.1):
                     procs.stop(proc, grace=1)
@@ -193,12 +211,24 @@ class PodRunner:
             if proc.returncode != 0:
                 raise RuntimeError(f"init container {spec['name']} exited with {proc.returncode}")
 
+    def _prefix(self, spec: dict) -> list[str]:
+        """What a container's command runs inside: the pod's network namespace, its own mounts."""
+        if not mountns.available():
+            return self.net.exec_prefix()
+        sa_dir = mountns.sa_source(spec, self.resolver.volume_dirs)
+        if sa_dir is None:  # automountServiceAccountToken: false
+            sa_dir = self.pod_dir / "no-serviceaccount"
+            sa_dir.mkdir(exist_ok=True)
+        binds = [(sa_dir, mountns.SA_PATH)] + ([(self.hosts, "/etc/hosts")] if self.hosts else [])
+        hostname = mountns.pod_hostname(self.pod) if self.hosts else None  # own network, own name
+        return self.net.exec_prefix() + mountns.wrap(binds, hostname)
+
     def _spawn(self, name: str, argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
         logs = self.pod_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         if not os.path.isdir(cwd):
             os.makedirs(cwd, exist_ok=True)
-        return procs.spawn(self.net.exec_prefix() + argv, log_path=logs / f"{name}.log", env=env, cwd=cwd)
+        return procs.spawn(argv, log_path=logs / f"{name}.log", env=env, cwd=cwd)
 
     def stop(self, grace: float) -> None:
         """SIGTERM every container, SIGKILL after `grace` seconds, then free the network."""
@@ -228,7 +258,7 @@ class PodRunner:
         if c.exit_info is not None:
             c.restarts += 1
             c.last_exit, c.exit_info = c.exit_info, None
-        c.proc = self._spawn(c.name, c.argv, c.env, c.cwd)
+        c.proc = self._spawn(c.name, c.prefix + c.argv, c.env, c.cwd)
         c.started_at = now()
         if c.readiness:
             c.readiness.passing, c.readiness.successes, c.readiness.failures = False, 0, 0
@@ -298,7 +328,7 @@ class PodRunner:
                 with socket.create_connection((self.net.ip, port), timeout=timeout):
                     return True
             if "exec" in spec:
-                argv = self.net.exec_prefix() + list(spec["exec"]["command"])
+                argv = c.prefix + list(spec["exec"]["command"])
                 r = subprocess.run(argv, env=c.env, cwd=c.cwd, capture_output=True, timeout=timeout)
                 return r.returncode == 0
         except (OSError, subprocess.TimeoutExpired, ValueError):

@@ -6,18 +6,26 @@ under the pod's directory, and every occurrence of the mountPath at the start
 of a path-like word in the container's command, args, env values and
 workingDir is rewritten to that folder. The folder is also exported as
 KVPILOT_VOLUME_<NAME> (upper-case, '-' -> '_') for programs that build paths.
+The one exception is the service-account folder, which in-cluster clients read
+from a fixed path: mountns.py mounts it there for each container.
+Projected service-account tokens are renewed as the kubelet renews them.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
+import logging
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
+log = logging.getLogger("kvpilot.devcluster.pod")
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -69,6 +77,28 @@ def field_value(pod: dict, path: str) -> str:
     return simple[path]
 
 
+DEFAULT_TOKEN_SECONDS = 3607  # what the ServiceAccount admission plugin puts in kube-api-access volumes
+
+
+@dataclass
+class ProjectedToken:
+    """A serviceAccountToken projection written to `path`, renewed at `refresh_at` (epoch s)."""
+
+    path: Path
+    source: dict
+    refresh_at: float = 0.0
+
+
+def refresh_time(issued: float, requested_seconds: int, expires: float) -> float:
+    """When the kubelet renews a projected token: after 80% of its lifetime, and at least daily.
+
+    The lifetime is the one requested: the apiserver may extend a 3607 s token to a
+    year for old clients, and the kubelet still renews it within the hour.
+    """
+    lifetime = min(requested_seconds, expires - issued)
+    return issued + min(0.8 * lifetime, 24 * 3600)
+
+
 class SpecResolver:
     """Reads Secrets/ConfigMaps/tokens the pod refers to, through the API."""
 
@@ -76,6 +106,7 @@ class SpecResolver:
         self.core, self.pod, self.pod_dir = core, pod, pod_dir
         self.ns = pod["metadata"]["namespace"]
         self.volume_dirs: dict[str, Path] = {}
+        self.tokens: list[ProjectedToken] = []
 
     # ---- volumes ---------------------------------------------------------
     def prepare_volumes(self) -> None:
@@ -138,27 +169,48 @@ class SpecResolver:
         elif "downwardAPI" in src:
             self._write_downward(d, src["downwardAPI"].get("items") or [])
         elif "serviceAccountToken" in src:
-            # The kubelet asks for a token bound to this pod; so do we.
-            sat = src["serviceAccountToken"]
-            body = {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenRequest",
-                "spec": {
-                    "audiences": [sat["audience"]] if sat.get("audience") else [],
-                    "expirationSeconds": sat.get("expirationSeconds", 3607),
-                    "boundObjectRef": {
-                        "apiVersion": "v1",
-                        "kind": "Pod",
-                        "name": self.pod["metadata"]["name"],
-                        "uid": self.pod["metadata"]["uid"],
-                    },
+            token = ProjectedToken(d / src["serviceAccountToken"]["path"], src["serviceAccountToken"])
+            self._request_token(token, time.time())
+            self.tokens.append(token)
+
+    def refresh_tokens(self, now: float | None = None) -> None:
+        """Renew each projected token that is due (refresh_time); a failure is retried in 10 s."""
+        now = time.time() if now is None else now
+        for token in self.tokens:
+            if now < token.refresh_at:
+                continue
+            try:
+                self._request_token(token, now)
+            except Exception as e:  # noqa: BLE001 - a failed renewal is retried, never stops the pod
+                log.warning("renewing the token %s failed (retrying in 10s): %s", token.path, e)
+                token.refresh_at = now + 10
+
+    def _request_token(self, token: ProjectedToken, now: float) -> None:
+        # The kubelet asks for a token bound to this pod (it dies with the pod); so do we.
+        ttl = token.source.get("expirationSeconds", DEFAULT_TOKEN_SECONDS)
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "audiences": [token.source["audience"]] if token.source.get("audience") else [],
+                "expirationSeconds": ttl,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": self.pod["metadata"]["name"],
+                    "uid": self.pod["metadata"]["uid"],
                 },
-            }
-            sa = self.pod["spec"].get("serviceAccountName") or "default"
-            resp = self.core.create_namespaced_service_account_token(
-                sa, self.ns, body, _preload_content=False
-            )
-            (d / sat["path"]).write_text(json.loads(resp.data)["status"]["token"])
+            },
+        }
+        sa = self.pod["spec"].get("serviceAccountName") or "default"
+        resp = self.core.create_namespaced_service_account_token(sa, self.ns, body, _preload_content=False)
+        status = json.loads(resp.data)["status"]
+        expires = dt.datetime.fromisoformat(status["expirationTimestamp"].replace("Z", "+00:00")).timestamp()
+        # Replace, never rewrite in place: a reader sees the old token or the new one, whole.
+        tmp = token.path.with_name(f".{token.path.name}.new")
+        tmp.write_text(status["token"])
+        tmp.replace(token.path)
+        token.refresh_at = refresh_time(now, ttl, expires)
 
     # ---- env and argv ----------------------------------------------------
     def rewrite_paths(self, text: str, container: dict) -> str:
