@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from kvpilot.devcluster.controlplane import free_port
 from monitoring.kubernetes_sd import KubernetesSD
 
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
@@ -119,12 +119,6 @@ def via_http_sd(jobs: list[dict[str, Any]], sd: KubernetesSD) -> list[dict[str, 
         ]
         out.append(job)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
