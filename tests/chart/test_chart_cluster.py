@@ -125,7 +125,7 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
                      "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
                      "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}]}}  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
-    cluster.kubectl("wait", "--for=condition=Available", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
+    cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
 
     def ready_pods() -> dict[str, str]:
         pods = cluster.kubectl_json(
