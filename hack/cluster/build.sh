@@ -23,8 +23,10 @@ for arg in "$@"; do
     esac
 done
 
-die() { echo "build.sh: ERROR: $*" >&2; exit 1; }
-step() { printf '[build.sh %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+LOG_TAG=build.sh
+# die, step, go_download and go_progress, shared with hack/tools/build.sh.
+# shellcheck source=../lib/gobuild.sh
+source "$here/../lib/gobuild.sh"
 
 # Versions come from the go.mod files, so there is a single place to bump them.
 k8s_version="$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$here/go.mod")"
@@ -39,7 +41,7 @@ if [[ $print_only == 1 ]]; then
 fi
 
 stamp="$bindir/.inputs.sha256"
-inputs_hash="$(cat "$here/go.mod" "$here/go.sum" "$here/tools.go" \
+inputs_hash="$(cat "$here/go.mod" "$here/go.sum" "$here/tools.go" "$here/../lib/gobuild.sh" \
     "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/etcd/main.go" "$0" | sha256sum | cut -d' ' -f1)"
 binaries=(kube-apiserver kube-controller-manager etcd)
 
@@ -57,18 +59,8 @@ mkdir -p "$bindir"
 export GOFLAGS="${GOFLAGS:-} -mod=readonly -buildvcs=false"
 nice_cmd=(nice -n "${BUILD_NICE:-10}")
 
-# Fail fast, with the module's name, when the proxy does not serve something:
-# downloading is cheap next to compiling, so do it all first.
-download() {
-    local dir="$1" out
-    step "checking and downloading modules for $(basename "$dir") (GOPROXY=$(go env GOPROXY))"
-    if ! out="$(cd "$dir" && go mod download 2>&1)"; then
-        echo "$out" | grep -E 'not found|404|410|disabled|invalid version|unknown revision|verifying|toolchain' >&2 || echo "$out" >&2
-        die "a module needed by $dir/go.mod is not served by $(go env GOPROXY), or needs a newer Go (try GOTOOLCHAIN=go1.27.3); see above"
-    fi
-}
-download "$here"
-download "$here/etcd"
+go_download "$here"
+go_download "$here/etcd"
 
 # Version ldflags, as kubernetes' hack/lib/version.sh sets them, so /version
 # reports the pinned release instead of v0.0.0-master.
@@ -83,27 +75,12 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldflags+=" -X ${pkg}.gitCommit=module-${k8s_version}"
 done
 
-# Prints a running count of compiled packages so a long first build shows
-# it is alive (go build -v names each package as it is built).
-progress() {
-    local name="$1" n=0 line
-    while IFS= read -r line; do
-        if [[ "$line" == *" "* || "$line" == *:* ]]; then
-            echo "$line" >&2  # an error or warning, not a package path
-        else
-            n=$((n + 1))
-            if (( n % 100 == 0 )); then step "$name: $n packages compiled"; fi
-        fi
-    done
-    step "$name: $n packages compiled in this run"
-}
-
 build() {
     local name="$1" dir="$2" pkg="$3" flags="$4" t0=$SECONDS
     step "building $name ($pkg)"
     # pipefail makes a failing go build fail the pipeline.
     (cd "$dir" && "${nice_cmd[@]}" go build -v -trimpath -ldflags "$flags" \
-        -o "$bindir/$name.tmp" "$pkg" 2>&1) | progress "$name"
+        -o "$bindir/$name.tmp" "$pkg" 2>&1) | go_progress "$name"
     mv -f "$bindir/$name.tmp" "$bindir/$name"
     step "built $bindir/$name in $((SECONDS - t0))s"
 }

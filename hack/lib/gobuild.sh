@@ -1,6 +1,5 @@
-# Helpers for scripts that compile Go tools from pinned modules (hack/tools/build.sh). Source it after
-# setting LOG_TAG, and hash this file into the build's stamp. hack/cluster/build.sh has the same
-# helpers inline; moving it onto this file changes its stamp (one relink of the cluster binaries).
+# Helpers for the scripts that compile Go tools from pinned modules (hack/cluster/build.sh,
+# hack/tools/build.sh). Source it after setting LOG_TAG, and hash this file into the build's stamp.
 
 die() { echo "$LOG_TAG: ERROR: $*" >&2; exit 1; }
 step() { printf '[%s %s] %s\n' "$LOG_TAG" "$(date +%H:%M:%S)" "$*" >&2; }
