@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,6 +16,8 @@ class AttentionMetadata:
     seq_lens: [S] int32, context length of each sequence including its new tokens.
     block_tables: [S, max_blocks] int32, the KV blocks of each sequence in order (padded with 0).
     The *_list fields are host copies, so CPU code never syncs on a device tensor.
+    reference_plan: the torch reference attention's per-step plan (`kernels/reference_plan.py`), built by
+    the first layer that runs and reused by the others.
     """
 
     query_start_loc: torch.Tensor
@@ -22,8 +25,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
+    block_tables_list: list[list[int]]
     max_query_len: int
     max_seq_len: int
+    reference_plan: Any = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -43,6 +48,7 @@ class AttentionMetadata:
             block_tables=table.to(device),
             query_start_loc_list=starts,
             seq_lens_list=list(seq_lens),
+            block_tables_list=[list(t) for t in block_tables],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )

@@ -100,13 +100,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = qkv[:, : self.q_size].reshape(t, self.num_heads, self.head_dim).contiguous()
-        k = (
-            qkv[:, self.q_size : self.q_size + self.kv_size]
-            .reshape(t, self.num_kv_heads, self.head_dim)
-            .contiguous()
-        )
-        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        # Strided views of the fused projection: every op takes them (unit stride along the head size).
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         ops.rotary(q, k, batch.positions, rope)
         ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
         o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale)
