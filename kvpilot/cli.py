@@ -108,6 +108,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=1024,
         help="requests waiting for the engine beyond which new ones get 503 with Retry-After (default 1024)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine-core processes behind this server, each with its own KV cache and scheduler, its "
+        "share of the CPUs or its own GPU (default 1: the engine runs in the server's process)",
+    )
     p.set_defaults(handler=_run_serve)
 
 
@@ -139,9 +147,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
+    if args.data_parallel_size < 1:
+        log.error("--data-parallel-size must be at least 1")
+        return 2
     try:
-        engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError) as exc:
+        if args.data_parallel_size > 1:
+            from kvpilot.daemon.engine.dp_engine import DataParallelEngine
+
+            engine = DataParallelEngine(config, args.data_parallel_size)
+        else:
+            engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("cannot start the engine: %s", exc)
         return 2
     settings = ServerSettings(
@@ -154,8 +170,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
     )
     log.info(
-        "loaded %s: %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
-        engine.model_name, engine.num_blocks, config.block_size, engine.max_model_len,
+        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
+        engine.model_name, args.data_parallel_size, engine.num_blocks, config.block_size, engine.max_model_len,
         "on" if config.enable_prefix_caching else "off", config.max_num_seqs,
     )  # fmt: skip
     try:
