@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from server.conftest import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(600)
