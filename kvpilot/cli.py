@@ -116,6 +116,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="engine-core processes behind this server, each with its own KV cache and scheduler, its "
         "share of the CPUs or its own GPU (default 1: the engine runs in the server's process)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="processes the model is sharded over by attention head (gloo on the CPU, NCCL on CUDA; "
+        "it must divide the model's head counts; default 1)",
+    )
     p.set_defaults(handler=_run_serve)
 
 
@@ -144,11 +152,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads,
         max_queued_requests=args.max_queued_requests,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
-    if args.data_parallel_size < 1:
-        log.error("--data-parallel-size must be at least 1")
+    if args.data_parallel_size < 1 or args.tensor_parallel_size < 1:
+        log.error("--data-parallel-size and --tensor-parallel-size must be at least 1")
+        return 2
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        log.error("--data-parallel-size and --tensor-parallel-size cannot be combined yet")
         return 2
     try:
         if args.data_parallel_size > 1:

@@ -25,6 +25,7 @@ class EngineConfig:
         None  # torch threads on the CPU; None: usable CPUs (affinity, cgroup quota) but one
     )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
+    tensor_parallel_size: int = 1  # processes the model is sharded over (tp.py)
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -35,6 +36,8 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 

@@ -131,5 +131,7 @@ def test_killed_rank_fails_its_requests_and_health(dp_server: Server, client) ->
 
 
 def test_bad_data_parallel_size_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="data-parallel-size must be at least 1"):
+    with pytest.raises(
+        RuntimeError, match="data-parallel-size and --tensor-parallel-size must be at least 1"
+    ):
         start_server(tmp_path, "--data-parallel-size", "0")
