@@ -5,6 +5,8 @@
 - nodeagent: a small kubelet that runs pods as local processes (podrunner, podspec,
   scheduling for binding, logserver for `kubectl logs`)
 - netns: one network namespace per pod on a bridge (loopback addresses without root)
+- apiproxy, mountns: what a kubelet gives pods to reach the API server (a forwarder and
+  KUBERNETES_SERVICE_* env; the ServiceAccount folder, /etc/hosts and hostname per container)
 - cli: `python -m kvpilot.devcluster up|down|run|agent`
 
 See docs/cluster.md.
