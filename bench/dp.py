@@ -5,8 +5,8 @@ On a 2-core machine DP=1 runs one engine with one thread (the other core serves 
 by default) and DP=2 runs two engines pinned to one core each. The ratio is the point; the absolute
 numbers depend on what else the machine runs, so the load average is recorded beside them.
 
-    .venv/bin/python bench/dp.py                                   # 16 clients, 32 tokens
-    .venv/bin/python bench/dp.py --concurrency 8 32 --max-tokens 64 --sizes 1 2 4
+    .venv/bin/python bench/dp.py                                   # DP 1 2 2 1, 16 clients, 32 tokens
+    .venv/bin/python bench/dp.py --concurrency 8 32 --max-tokens 64 --sizes 1 2 4 2 1
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
+    logdir.mkdir()
     port = free_port()
     cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--data-parallel-size", str(size), "--cpu-threads", "1",
@@ -57,20 +58,20 @@ def main() -> int:
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     load_before = os.getloadavg()
-    results: dict[int, list[dict]] = {}
+    rounds: list[tuple[int, list[dict]]] = []  # a size may repeat (1 2 2 1): drift on a shared machine
     with tempfile.TemporaryDirectory(prefix="kvpilot-bench-dp-") as tmp:
-        for size in args.sizes:
+        for i, size in enumerate(args.sizes):
             print(f"--- data-parallel-size {size}", flush=True)
-            results[size] = bench_size(size, args, Path(tmp))
+            rounds.append((size, bench_size(size, args, Path(tmp) / str(i))))
+    tok_s: dict[int, list[float]] = {}
+    for size, runs in rounds:  # mean over the rounds of a size, per concurrency level
+        tok_s.setdefault(size, [])
+        tok_s[size].append([r["output_tokens_per_s"] for r in runs])
+    mean = {size: [sum(col) / len(col) for col in zip(*per)] for size, per in tok_s.items()}
     base = args.sizes[0]
     ratios = {
-        str(size): [
-            round(r["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
-            if b["output_tokens_per_s"]
-            else None
-            for r, b in zip(runs, results[base])
-        ]
-        for size, runs in results.items()
+        str(size): [round(v / b, 3) if b else None for v, b in zip(values, mean[base])]
+        for size, values in mean.items()
     }
     out = {
         "bench": "dp",
@@ -83,7 +84,8 @@ def main() -> int:
         ).stdout.strip(),  # fmt: skip
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "tokens_per_s_ratio_vs_dp" + str(base): ratios,
-        "runs": {str(k): v for k, v in results.items()},
+        "mean_tokens_per_s": {str(k): v for k, v in mean.items()},
+        "rounds": [{"data_parallel_size": size, "runs": runs} for size, runs in rounds],
     }
     path = args.output or HERE / "results" / f"dp-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
