@@ -49,7 +49,11 @@ def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--sizes", type=int, nargs="+", default=[1, 2], help="data-parallel sizes (first: baseline)"
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 2, 1],
+        help="data-parallel sizes in run order, repeats averaged (first: baseline)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[16])
     p.add_argument("--rounds", type=int, default=2)
