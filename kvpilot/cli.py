@@ -120,6 +120,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=1024,
         help="requests waiting for the engine beyond which new ones get 503 with Retry-After (default 1024)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine-core processes behind this server, each with its own KV cache and scheduler, its "
+        "share of the CPUs or its own GPU (default 1: the engine runs in the server's process)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="processes the model is sharded over by attention head (gloo on the CPU, NCCL on CUDA; "
+        "it must divide the model's head counts; default 1)",
+    )
     p.set_defaults(handler=_run_serve)
 
 
@@ -154,12 +170,28 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.kv_cache_memory_bytes is not None:
         config.kv_cache_memory_bytes = args.kv_cache_memory_bytes
+    if args.data_parallel_size < 1 or args.tensor_parallel_size < 1:
+        log.error("--data-parallel-size and --tensor-parallel-size must be at least 1")
+        return 2
+    if args.data_parallel_size > 1 and args.tensor_parallel_size > 1:
+        log.error("--data-parallel-size and --tensor-parallel-size cannot be combined yet")
+        return 2
+    if args.data_parallel_size > 1 and args.kv_events_endpoint:
+        # Every rank would bind the same sockets, and a router keeps one index per pod, not per rank.
+        log.error("--kv-events-endpoint cannot be combined with --data-parallel-size > 1 yet")
+        return 2
     try:
-        engine = LLMEngine(config)
-    except (ValueError, FileNotFoundError) as exc:
+        if args.data_parallel_size > 1:
+            from kvpilot.daemon.engine.dp_engine import DataParallelEngine
+
+            engine = DataParallelEngine(config, args.data_parallel_size)
+        else:
+            engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("cannot start the engine: %s", exc)
         return 2
     settings = ServerSettings(
@@ -172,8 +204,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
     )
     log.info(
-        "loaded %s: %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
-        engine.model_name, engine.num_blocks, config.block_size, engine.max_model_len,
+        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
+        engine.model_name, args.data_parallel_size, engine.num_blocks, config.block_size, engine.max_model_len,
         "on" if config.enable_prefix_caching else "off", config.max_num_seqs,
     )  # fmt: skip
     try:

@@ -30,7 +30,10 @@ _ENGINE_FLAGS = {
     "kvCacheBlocks": "--num-gpu-blocks-override",
     "kvCacheMemoryBytes": "--kv-cache-memory-bytes",
     "dtype": "--dtype",
+    "dataParallelSize": "--data-parallel-size",
+    "tensorParallelSize": "--tensor-parallel-size",
 }
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -158,7 +161,17 @@ def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
                        ("securityContext", "securityContext"), ("startupProbe", "startupProbe")):  # fmt: skip
         if spec.get(field):
             c[key] = copy.deepcopy(spec[field])
+    if "resources" in c:
+        _gpus_per_pod(c["resources"], spec.get("engine") or {})
     return c
+
+
+def _gpus_per_pod(resources: dict[str, Any], engine: dict[str, Any]) -> None:
+    """A pod that asks for GPUs gets one per rank: data-parallel size x tensor-parallel size."""
+    gpus = int(engine.get("dataParallelSize") or 1) * int(engine.get("tensorParallelSize") or 1)
+    for kind in ("requests", "limits"):
+        if GPU_RESOURCE in (resources.get(kind) or {}):
+            resources[kind][GPU_RESOURCE] = gpus
 
 
 def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:

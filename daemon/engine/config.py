@@ -27,6 +27,7 @@ class EngineConfig:
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
     kv_events_endpoint: str | None = None  # ZeroMQ PUB address for KV events (kv_events.py); None: off
     kv_events_replay_endpoint: str | None = None  # ZeroMQ ROUTER address serving missed events again
+    tensor_parallel_size: int = 1  # processes the model is sharded over (tp.py)
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -39,6 +40,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV events replay endpoint needs a KV events endpoint")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
 

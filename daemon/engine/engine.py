@@ -60,8 +60,15 @@ class LLMEngine:
         self.model_name, self.model_dir, self.tokenizer = loaded.name, loaded.model_dir, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         model = loaded.model
+        tp = None
+        if config.tensor_parallel_size > 1:
+            from kvpilot.daemon.engine.tp import TensorParallel
+
+            tp = TensorParallel(config, model, self.device)  # shards `model`: rank 0 of the group
 
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(model)
+        if tp is not None:
+            tp.share_num_blocks(self.num_blocks)
         pool_tokens = self.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
         if pool_tokens < self.max_model_len:
@@ -75,14 +82,17 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
+        if tp is not None:
+            self.runner.on_step = tp.send_step
         self.sampler = Sampler()
         self._groups: dict[str, list[Request]] = {}
         self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         self._resets = 0
         self._last_reset_time: float | None = None
         log.info(
-            "engine ready: model %s (%s) on %s/%s, ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_name, self.model_dir, self.device, str(self.dtype).removeprefix("torch."), self.ops.name,
+            "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
+            self.model_name, self.model_dir, self.device, str(self.dtype).removeprefix("torch."),
+            config.tensor_parallel_size, self.ops.name,
             torch.get_num_threads(), self.num_blocks, config.block_size,
             self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20, self.max_model_len,
         )  # fmt: skip

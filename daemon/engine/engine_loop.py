@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,30 @@ class EngineLoop:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Call(fn, done))
         return await asyncio.wrap_future(done)
+
+    # ---- operations, as `DataParallelLoop` offers them over its ranks (here: rank 0 only) ----------
+    def rank_states(self) -> list[LoopState]:
+        return [self.state]
+
+    async def rank_stats(self) -> list[CacheStats]:
+        return [await self.call(lambda engine: engine.stats())]
+
+    async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
+        """The reset between two steps, as one rank's result (a failed one if it errs or times out).
+        Raises NotImplementedError when the engine has no prefix cache to reset, EngineDeadError when
+        the loop is not running."""
+        if not hasattr(self.engine, "reset_prefix_cache"):
+            raise NotImplementedError("this engine has no prefix cache to reset")
+        try:
+            reset = self.call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
+            return [await asyncio.wait_for(reset, timeout)]
+        except (EngineDeadError, NotImplementedError):
+            raise
+        except TimeoutError:
+            return [ResetResult.failed(0, f"no answer within {timeout:g} s")]
+        except Exception as exc:  # noqa: BLE001 - reported per rank, honestly, without a stack trace
+            log.exception("prefix cache reset failed")
+            return [ResetResult.failed(0, f"reset failed: {type(exc).__name__}")]
 
     def _submit(self, cmd: object) -> None:
         with self._lock:

@@ -48,6 +48,10 @@ class ResetResult:
     rank: int = 0
     error: str | None = None
 
+    @classmethod
+    def failed(cls, rank: int, error: str) -> ResetResult:
+        return cls(False, -1, 0, 0, 0, 0.0, rank=rank, error=error)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -67,6 +71,27 @@ class CacheStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+
+    @classmethod
+    def total(cls, ranks: list[CacheStats]) -> CacheStats:
+        """All data-parallel ranks as one cache: counts add up; the epoch, reset count and last reset
+        time are those every rank has reached (the oldest)."""
+        resets = [s.last_reset_time for s in ranks]
+        return cls(
+            epoch=min(s.epoch for s in ranks),
+            block_size=ranks[0].block_size,
+            blocks_total=sum(s.blocks_total for s in ranks),
+            blocks_free=sum(s.blocks_free for s in ranks),
+            blocks_cached=sum(s.blocks_cached for s in ranks),
+            blocks_used=sum(s.blocks_used for s in ranks),
+            query_tokens=sum(s.query_tokens for s in ranks),
+            hit_tokens=sum(s.hit_tokens for s in ranks),
+            resets=min(s.resets for s in ranks),
+            last_reset_time=None if None in resets else min(resets),
+            num_running=sum(s.num_running for s in ranks),
+            num_waiting=sum(s.num_waiting for s in ranks),
+            num_preemptions=sum(s.num_preemptions for s in ranks),
+        )
 
     @property
     def hit_rate(self) -> float:

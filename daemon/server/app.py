@@ -15,7 +15,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot import __version__
+from kvpilot.daemon.engine.dp_engine import DataParallelEngine
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
+from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, max_prompt_chars, running_loop
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.errors import ApiError, unavailable
@@ -44,7 +46,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         max_prompt_chars=max_prompt_chars(engine.tokenizer, engine.max_model_len),
     )
-    state.metrics = DaemonMetrics(lambda: state.loop.state.stats if state.loop else None)
+    state.metrics = DaemonMetrics(lambda: _rank_snapshots(state))
     state.idle.set()
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
     app[STATE] = state
@@ -64,7 +66,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
 
 async def _start_engine_loop(app: web.Application) -> None:
     state = app[STATE]
-    state.loop = EngineLoop(state.engine, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    if isinstance(state.engine, DataParallelEngine):
+        state.loop = state.engine.make_loop(loop)
+    else:
+        state.loop = EngineLoop(state.engine, loop)
     state.loop.start()
 
 
@@ -118,6 +124,15 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
             state.idle.set()
 
 
+def _rank_snapshots(state: ServerState) -> list[tuple[str | None, CacheStats]]:
+    """Each rank's latest published stats for the metrics, labelled by rank when there are several."""
+    if state.loop is None:
+        return []
+    states = state.loop.rank_states()
+    multi = len(states) > 1
+    return [(str(r) if multi else None, s.stats) for r, s in enumerate(states) if s.stats is not None]
+
+
 # ---- operations ----------------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
@@ -157,10 +172,11 @@ async def openapi_schema(request: web.Request) -> web.Response:
 async def prefix_cache(request: web.Request) -> web.Response:
     state = request.app[STATE]
     loop = running_loop(state)
-    stats = await loop.call(lambda engine: engine.stats())
-    body = stats.to_dict()
+    ranks = await loop.rank_stats()
+    body = CacheStats.total(ranks).to_dict()
     body["enable_prefix_caching"] = bool(state.engine.config.enable_prefix_caching)
     body["engine_steps"] = loop.state.steps
+    body["ranks"] = [{"rank": r, **s.to_dict()} for r, s in enumerate(ranks)]
     return web.json_response(body)
 
 
@@ -184,41 +200,40 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     raw = await request.read()
     body = parse_json_object(raw) if raw.strip() else None
     flag = parse_reset_flag(request.query.get("reset_running_requests"), body)
-    if not hasattr(state.engine, "reset_prefix_cache"):
-        m.labels("failed").inc()
-        raise ApiError(501, "this engine has no prefix cache to reset", code="not_supported")
     try:
-        loop = running_loop(state)
-        result = await loop.call(lambda engine: engine.reset_prefix_cache(flag))
+        if state.loop is None:
+            raise EngineDeadError("the engine loop is not running")
+        ranks = await state.loop.reset_ranks(flag, state.settings.reset_timeout)
     except EngineDeadError:
         m.labels("unavailable").inc()
         raise ApiError(503, "the engine is not running", code="engine_unavailable") from None
     except NotImplementedError:
         m.labels("failed").inc()
         raise ApiError(501, "this engine cannot reset its prefix cache", code="not_supported") from None
-    except Exception as exc:  # noqa: BLE001 - reported per rank, honestly, without a stack trace
-        log.exception("prefix cache reset failed")
+    entries = [r.to_dict() for r in ranks]
+    failed = [r for r in ranks if not r.success]
+    if failed:
         m.labels("failed").inc()
-        ranks = [{"rank": 0, "success": False, "error": f"reset failed: {type(exc).__name__}"}]
-        err = ApiError(500, "the prefix cache reset failed on rank 0", code="reset_failed")
-        return _error_response(err, {"success": False, "ranks": ranks})
+        names = ", ".join(f"{r.rank} ({r.error})" for r in failed)
+        log.error("prefix cache reset failed on rank %s", names)
+        err = ApiError(500, f"the prefix cache reset failed on rank {names}", code="reset_failed")
+        return _error_response(err, {"success": False, "ranks": entries})
     m.labels("success").inc()
+    result = {
+        "success": True,
+        "epoch": min(r.epoch for r in ranks),
+        "evicted_blocks": sum(r.evicted_blocks for r in ranks),
+        "in_flight_requests": sum(r.in_flight_requests for r in ranks),
+        "preempted_requests": sum(r.preempted_requests for r in ranks),
+        "duration_ms": max(r.duration_ms for r in ranks),
+        "ranks": entries,
+    }
     log.info(
-        "prefix cache reset: epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
-        result.epoch, result.evicted_blocks, result.in_flight_requests, result.preempted_requests,
-        result.duration_ms,
+        "prefix cache reset on %d rank(s): epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
+        len(ranks), result["epoch"], result["evicted_blocks"], result["in_flight_requests"],
+        result["preempted_requests"], result["duration_ms"],
     )  # fmt: skip
-    return web.json_response(
-        {
-            "success": True,
-            "epoch": result.epoch,
-            "evicted_blocks": result.evicted_blocks,
-            "in_flight_requests": result.in_flight_requests,
-            "preempted_requests": result.preempted_requests,
-            "duration_ms": result.duration_ms,
-            "ranks": [result.to_dict()],
-        }
-    )
+    return web.json_response(result)
 
 
 # ---- running -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.daemon.engine.dp_engine import DataParallelLoop
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.text_pool import TextPool
@@ -27,6 +28,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20  # a full 128k-token context as JSON fits well below this
     shutdown_timeout: float = 30.0  # SIGTERM grace period for in-flight requests
     request_timeout: float | None = None  # a generation not done by then is aborted (504)
+    reset_timeout: float = 60.0  # a rank whose reset has not answered by then fails the reset (500)
     text_workers: int = 2  # threads that tokenize, template and detokenize
     max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
 
@@ -39,7 +41,7 @@ class ServerState:
     metrics: DaemonMetrics
     text: TextPool
     max_prompt_chars: int  # longer prompt texts cannot fit the context, whatever their tokens
-    loop: EngineLoop | None = None
+    loop: EngineLoop | DataParallelLoop | None = None
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -49,7 +51,7 @@ class ServerState:
 STATE = web.AppKey("kvpilot_state", ServerState)
 
 
-def running_loop(state: ServerState) -> EngineLoop:
+def running_loop(state: ServerState) -> EngineLoop | DataParallelLoop:
     if state.loop is None or not state.loop.alive:
         raise EngineDeadError("the engine loop is not running")
     return state.loop

@@ -28,50 +28,70 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 class EngineCollector(Collector):
-    """Engine-side counters and gauges from the latest published `CacheStats`."""
+    """Engine-side counters and gauges from each rank's latest published `CacheStats`. With several
+    data-parallel ranks every sample carries a `rank` label (sum over it for the daemon's total); with
+    one, none, exactly as before ranks existed."""
 
-    def __init__(self, snapshot: Callable[[], CacheStats | None]) -> None:
+    def __init__(self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        s = self._snapshot()
-        if s is None:
+        ranks = self._snapshot()
+        if not ranks:
             return
-        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.query_tokens)
-        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.hit_tokens)
-        yield _gauge("prefix_cache_epoch", "Prefix cache epoch; each reset bumps it by one.", s.epoch)
-        yield _gauge(
+        rank_label = ["rank"] if ranks[0][0] is not None else []
+
+        def family(kind: type, name: str, doc: str, value: Callable[[CacheStats], float]) -> Metric:
+            m = kind(PREFIX + name, doc, labels=rank_label)
+            for rank, s in ranks:
+                m.add_metric([rank] if rank_label else [], value(s))
+            return m
+
+        C, G = CounterMetricFamily, GaugeMetricFamily
+        yield family(
+            C,
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            lambda s: s.query_tokens,
+        )
+        yield family(
+            C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.hit_tokens
+        )
+        yield family(
+            G, "prefix_cache_epoch", "Prefix cache epoch; each reset bumps it by one.", lambda s: s.epoch
+        )
+        yield family(
+            G,
             "prefix_cache_last_reset_timestamp_seconds",
             "Unix time of the last prefix cache reset (0: never reset).",
-            s.last_reset_time or 0.0,
+            lambda s: s.last_reset_time or 0.0,
         )
         blocks = GaugeMetricFamily(
             PREFIX + "kv_cache_blocks",
             "KV cache blocks by state: free (empty), cached (free but reusable by prefix), used (held).",
-            labels=["state"],
+            labels=["state", *rank_label],
         )
-        blocks.add_metric(["free"], s.blocks_free)
-        blocks.add_metric(["cached"], s.blocks_cached)
-        blocks.add_metric(["used"], s.blocks_used)
+        for rank, s in ranks:
+            extra = [rank] if rank_label else []
+            blocks.add_metric(["free", *extra], s.blocks_free)
+            blocks.add_metric(["cached", *extra], s.blocks_cached)
+            blocks.add_metric(["used", *extra], s.blocks_used)
         yield blocks
-        yield _gauge(
-            "kv_cache_usage_ratio", "Share of KV cache blocks held by requests (0-1).", s.usage_ratio
+        yield family(
+            G,
+            "kv_cache_usage_ratio",
+            "Share of KV cache blocks held by requests (0-1).",
+            lambda s: s.usage_ratio,
         )
-        yield _gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield _counter("num_preemptions", "Requests preempted to be recomputed later.", s.num_preemptions)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(PREFIX + name, doc, value=value)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield family(G, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        yield family(G, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        yield family(
+            C, "num_preemptions", "Requests preempted to be recomputed later.", lambda s: s.num_preemptions
+        )
 
 
 class DaemonMetrics:
-    def __init__(self, snapshot: Callable[[], CacheStats | None]) -> None:
+    def __init__(self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.resets = Counter(
