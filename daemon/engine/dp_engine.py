@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.daemon.engine.block_hash import prompt_block_hashes
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import available_cpus
-from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy, prompt_block_keys
+from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, LoopState
@@ -219,7 +220,7 @@ class DataParallelLoop:
             raise EngineDeadError(self.error or "the engine loop is not running")
         if request_id in self._requests or request_id in self._pending:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        keys = prompt_block_keys(prompt_token_ids, self.engine.config.block_size, cache_salt)
+        keys = prompt_block_hashes(prompt_token_ids, self.engine.config.block_size, cache_salt)
         alive = [r.rank for r in self._ranks if r.dead is None]
         rank = self._ranks[self._policy.choose(keys, [r.load for r in self._ranks], alive)]
         sink: asyncio.Queue = asyncio.Queue()

@@ -15,20 +15,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes
+from kvpilot.daemon.engine.block_hash import BlockHash
 
 DEFAULT_LOAD_SLACK = 4
 DEFAULT_KEYS_PER_RANK = 65536  # 32 bytes each: ~2 MiB of keys per rank at most
-
-
-def prompt_block_keys(
-    prompt_token_ids: list[int], block_size: int, cache_salt: str | None
-) -> list[BlockHash]:
-    """The keys of the prompt's full blocks, as the engine computes them (`Request.salt_bytes`)."""
-    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
-    keys: list[BlockHash] = []
-    extend_block_hashes(keys, prompt_token_ids, block_size, salt)
-    return keys
 
 
 class PrefixAwarePolicy:

@@ -61,7 +61,9 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
             keys = prompt_block_hashes(prompt[: usable * BS], BS, salt)
             predicted = index.matched_blocks(keys, ["pod"])["pod"] * BS
             rid = f"q{len(added)}-{id(ops)}"
-            req = engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt)[0]
+            req = engine.add_request(
+                rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt
+            )[0]
             assert engine.kv.find_prefix(req).num_tokens == predicted
             added.append(rid)
         elif op[0] == "abort" and added:
