@@ -59,7 +59,7 @@ inputs_hash() {
         cd "$root"
         printf '%s\n' "$base_ref"
         cat Containerfile .containerignore hack/image/build.sh hack/image/requirements.py
-        find pyproject.toml README.md kvpilot daemon kernels operator -type f \
+        find pyproject.toml README.md kvpilot daemon kernels operator router -type f \
             -not -path '*/__pycache__/*' -not -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     ) | sha256sum | cut -c1-12
 }

