@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+MAX_RANKS = 64  # per pod in status (the CRD's maxItems): a node has at most a few dozen accelerators
+
 
 class Verdict(enum.Enum):
     SUCCEEDED = "Succeeded"
@@ -28,6 +30,24 @@ class Judgement:
     message: str = ""
     epoch: int | None = None
     evicted_blocks: int | None = None
+    ranks: tuple[dict[str, Any], ...] | None = None  # kvpilot: one entry per data-parallel rank
+
+
+def _rank_entries(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    """The reply's `ranks` as status entries (camelCase, only well-typed fields), or None without any."""
+    ranks = body.get("ranks")
+    if not isinstance(ranks, list):
+        return None
+    out = []
+    for r in ranks[:MAX_RANKS]:
+        if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
+            continue
+        entry: dict[str, Any] = {"rank": r["rank"], "success": r.get("success") is True}
+        for src, dst in (("epoch", "epoch"), ("evicted_blocks", "evictedBlocks")):
+            if isinstance(r.get(src), int):
+                entry[dst] = r[src]
+        out.append(entry)
+    return tuple(out)
 
 
 def _body_json(text: str) -> Any:
@@ -98,6 +118,7 @@ class KvpilotEngine(Engine):
             evicted_blocks=body.get("evicted_blocks")
             if isinstance(body.get("evicted_blocks"), int)
             else None,
+            ranks=_rank_entries(body),
         )
 
 

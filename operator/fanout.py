@@ -80,6 +80,7 @@ class PodRecord:
     evicted_blocks: int | None = None
     message: str = ""
     duration_s: float | None = None
+    ranks: list[dict[str, Any]] | None = None  # per data-parallel rank, as the pod answered
     target: Target | None = field(default=None, repr=False, compare=False)
 
     def as_status(self) -> dict[str, Any]:
@@ -87,7 +88,8 @@ class PodRecord:
         out: dict[str, Any] = {"name": self.name, "result": self.result, "attempts": self.attempts}
         for key, value in (("node", self.node), ("ip", self.ip), ("httpStatus", self.http_status),
                            ("epoch", self.epoch), ("evictedBlocks", self.evicted_blocks),
-                           ("message", self.message), ("durationSeconds", self.duration_s)):  # fmt: skip
+                           ("message", self.message), ("durationSeconds", self.duration_s),
+                           ("ranks", self.ranks)):  # fmt: skip
             if value not in (None, ""):
                 out[key] = value
         return out
@@ -141,6 +143,7 @@ def _decide(rec: PodRecord, result: str, message: str, started: float, j: Judgem
     rec.duration_s = round(time.monotonic() - started, 4)
     if j is not None:
         rec.epoch, rec.evicted_blocks = j.epoch, j.evicted_blocks
+        rec.ranks = list(j.ranks) if j.ranks is not None else None
 
 
 async def _call(

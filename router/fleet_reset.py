@@ -21,11 +21,18 @@ class PodReset:
     status: int  # HTTP status of the last call (0: no reply)
     epoch: int | None
     error: str | None
+    ranks: list[dict[str, Any]] | None = None  # as the daemon names the fields (None: not reported)
 
     def to_dict(self) -> dict[str, Any]:
-        # The fan-out keeps each pod's verdict, not its reply body, so per-rank detail is not known here.
         return {"pod": self.pod, "success": self.success, "status": self.status, "epoch": self.epoch,
-                "ranks": None, "error": self.error}  # fmt: skip
+                "ranks": self.ranks, "error": self.error}  # fmt: skip
+
+
+def _daemon_ranks(ranks: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The fan-out's status entries (camelCase) back in the daemon's reply names."""
+    if ranks is None:
+        return None
+    return [{("evicted_blocks" if k == "evictedBlocks" else k): v for k, v in r.items()} for r in ranks]
 
 
 async def reset_pods(
@@ -49,6 +56,7 @@ async def reset_pods(
                 status=r.http_status or 0,
                 epoch=r.epoch,
                 error=None if r.result == "Succeeded" else (r.message or r.result),
+                ranks=_daemon_ranks(r.ranks),
             )
             for r in records
         ),

@@ -4,6 +4,7 @@ with SIGKILL makes /health 503 and fails its requests at once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from server.conftest import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
+
+from kvpilot.operator.fanout import FanoutSettings, Target, run_fanout
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,6 +87,18 @@ def test_reset_reaches_every_rank(dp_server: Server) -> None:
         assert f'kvpilot_kv_cache_blocks{{rank="{r["rank"]}",state="free"}}' in metrics
     unauthorized = dp_server.request("POST", "/reset_prefix_cache")
     assert unauthorized.status == 401
+
+
+def test_fleet_fanout_records_every_rank(dp_server: Server) -> None:
+    """The operator's (and router's) fan-out keeps each rank's answer in the pod's record."""
+    before = dp_server.cache()["ranks"]
+    [rec] = asyncio.run(
+        run_fanout([Target("dp-pod", url=dp_server.url)], FanoutSettings(token=ADMIN_TOKEN, timeout_s=60))
+    )
+    assert rec.result == "Succeeded", rec
+    assert [r["rank"] for r in rec.ranks] == [0, 1] and all(r["success"] for r in rec.ranks)
+    assert [r["epoch"] for r in rec.ranks] == [b["epoch"] + 1 for b in before]
+    assert rec.as_status()["ranks"] == rec.ranks
 
 
 def test_killed_rank_fails_its_requests_and_health(dp_server: Server, client) -> None:  # noqa: ANN001
