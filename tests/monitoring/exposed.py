@@ -26,7 +26,7 @@ def daemon_metric_names() -> set[str]:
     required = [f for f in dataclasses.fields(CacheStats)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
     stats = CacheStats(**{f.name: 0 for f in required})
-    return _sample_names(DaemonMetrics(lambda: stats).registry)
+    return _sample_names(DaemonMetrics(lambda: [(None, stats)]).registry)  # one rank, unlabelled
 
 
 def operator_metric_names() -> set[str]:

@@ -11,7 +11,7 @@ def test_rank_fields_become_serve_flags_and_gpus_per_pod() -> None:
         "engine": {"dataParallelSize": 2, "tensorParallelSize": 4},
         "resources": {"requests": {"cpu": "8", "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
     }
-    c = builders.container(spec)
+    c = builders.container("llm", spec)
     args = c["args"]
     assert args[args.index("--data-parallel-size") + 1] == "2"
     assert args[args.index("--tensor-parallel-size") + 1] == "4"
@@ -20,7 +20,9 @@ def test_rank_fields_become_serve_flags_and_gpus_per_pod() -> None:
 
 
 def test_cpu_pods_get_no_gpus_and_defaults_add_no_flags() -> None:
-    c = builders.container({"engine": {"dataParallelSize": 2}, "resources": {"requests": {"cpu": "4"}}})
+    c = builders.container(
+        "llm", {"engine": {"dataParallelSize": 2}, "resources": {"requests": {"cpu": "4"}}}
+    )
     assert c["resources"] == {"requests": {"cpu": "4"}}
     assert "--tensor-parallel-size" not in c["args"]
-    assert "--data-parallel-size" not in builders.container({})["args"]
+    assert "--data-parallel-size" not in builders.container("llm", {})["args"]
