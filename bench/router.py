@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,9 @@ import aiohttp
 from kvpilot.loadgen import pct
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # bench/serve.py's process helpers
+from serve import free_port, stop  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "bench-router-token"
 SHOPS = ["Northwind bikes", "Harbour books", "Alpine outfitters", "Lakeside bakery", "Metro phones",
@@ -64,12 +66,6 @@ def system_prompt(shop: str) -> str:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: list[str], log: Path, url: str, timeout: float = 600) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
     with open(log, "wb") as f:
@@ -91,17 +87,6 @@ def launch(args: list[str], log: Path, url: str, timeout: float = 600) -> subpro
     raise RuntimeError(f"{args[0]} did not become ready: {log.read_text()[-2000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# ---- load ----------------------------------------------------------------------------------------
 async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str, max_tokens: int) -> dict:
     body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
