@@ -55,10 +55,14 @@ cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
 
 # ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs
-.PHONY: tools tools-bindir
+.PHONY: tools tools-bindir aiperf
 
 tools:
 	bash hack/tools/build.sh
+
+# NVIDIA AIPerf alone (docs/router.md), in its own venv: then "$$(make -s tools-bindir)/aiperf".
+aiperf:
+	bash hack/tools/build.sh aiperf
 
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:
