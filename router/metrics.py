@@ -38,7 +38,7 @@ class RouterMetrics:
             _P + "pod_ready", "1 when the pod answers /health with 200", ["pod"], registry=r
         )
         self.resets = Counter(_P + "fleet_resets_total", "POST /reset_prefix_cache through the router, by result "
-                              "(success, failed, unauthorized)", ["result"], registry=r)  # fmt: skip
+                              "(success, failed, no_pods, unauthorized)", ["result"], registry=r)  # fmt: skip
 
     def count_kv(self, pod: str, result: str, n: int) -> None:
         self.kv_batches.labels(pod, result).inc(n)
