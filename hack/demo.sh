@@ -27,8 +27,23 @@ kubectl apply -f crds/ >/dev/null
 kubectl wait --for=condition=Established crd --all >/dev/null
 
 say "starting the operator (log: $DIR/operator.log)"
-kvpilot operator --standalone --bind 127.0.0.1 --liveness-port 18080 --metrics-port 19090 >"$DIR/operator.log" 2>&1 &
+# Free ports, not fixed ones: a busy 8080 or 9090 must not stop the demo.
+read -r LIVENESS_PORT METRICS_PORT < <(python -c '
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
+kvpilot operator --standalone --bind 127.0.0.1 --liveness-port "$LIVENESS_PORT" --metrics-port "$METRICS_PORT" \
+  >"$DIR/operator.log" 2>&1 &
 OPERATOR_PID=$!
+for _ in $(seq 60); do  # up within seconds; a failed start is shown, not waited on for minutes
+  if ! kill -0 "$OPERATOR_PID" 2>/dev/null; then
+    echo "the operator exited; the end of its log:" >&2; tail -20 "$DIR/operator.log" >&2; exit 1
+  fi
+  curl -sf "http://127.0.0.1:$LIVENESS_PORT/healthz" >/dev/null && break
+  sleep 1
+done
 
 say "deploying an InferenceDeployment of 2 kvpilot daemons with an admin token and a router"
 kubectl -n $NS create secret generic kvpilot-admin --from-literal=token="demo-$RANDOM$RANDOM" \
