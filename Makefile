@@ -31,7 +31,8 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(VENV)/bin/kvpilot serve
 
-# The whole story on this machine (root, Go): cluster, operator, 2 daemons, warm caches, one fleet reset.
+# The whole story on this machine (root, Go): cluster, operator, 2 daemons and their router, warm caches,
+# fleet resets (tests/operator/test_demo.py runs it).
 demo: setup cluster-build
 	bash hack/demo.sh
 
