@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster.conftest import Cluster, wait_for
-from monitoring.dashboards import DASHBOARDS, load, queries, substitute, variable_queries
+from monitoring.dashboards import DASHBOARDS, ROUTER_DASHBOARD, load, queries, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
 from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
 
@@ -231,7 +231,7 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     prometheus: Prometheus,
 ) -> None:
     """After the traffic and the reset above: every target up, every panel, annotation and variable query of
-    both dashboards returns data (Grafana's variables substituted), every alert rule loaded and evaluated."""
+    the daemon and operator dashboards returns data (Grafana's variables substituted), every alert rule loaded and evaluated."""
 
     wait_scraped(cluster, prometheus, fleet)
     jobs = {t["labels"]["job"] for t in prometheus.targets()}
@@ -243,7 +243,8 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
 
     variables = {"namespace": FLEET_NS, "deployment": "llm", "pod": ".*", "datasource": "prometheus"}
     empty, nan_only, checked = [], [], 0
-    for path in DASHBOARDS:
+    # The chart does not run a router yet: tests/monitoring/test_router_prometheus.py checks its dashboard.
+    for path in [p for p in DASHBOARDS if p != ROUTER_DASHBOARD]:
         board = load(path)
         for where, expr in [*queries(board), *variable_queries(board)]:
             result = prometheus.query(substitute(expr, "2m", "15m", variables))
