@@ -231,7 +231,8 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     prometheus: Prometheus,
 ) -> None:
     """After the traffic and the reset above: every target up, every panel, annotation and variable query of
-    the daemon and operator dashboards returns data (Grafana's variables substituted), every alert rule loaded and evaluated."""
+    the daemon and operator dashboards returns data (Grafana's variables substituted), every alert rule loaded
+    and evaluated."""
 
     wait_scraped(cluster, prometheus, fleet)
     jobs = {t["labels"]["job"] for t in prometheus.targets()}
