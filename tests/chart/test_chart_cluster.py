@@ -11,7 +11,6 @@ Timings (install -> Ready, reset -> Complete) are printed and written to $KVPILO
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster.conftest import Cluster, wait_for
-from monitoring.dashboards import DASHBOARDS, ROUTER_DASHBOARD, load, queries, substitute, variable_queries
+from monitoring.dashboards import DASHBOARDS, ROUTER_DASHBOARD
 from monitoring.kubernetes_sd import KubernetesSD
 from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
 
@@ -243,34 +242,17 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     time.sleep(6)  # three more scrapes, so every rate() has two samples after the last request
 
     variables = {"namespace": FLEET_NS, "deployment": "llm", "pod": ".*", "datasource": "prometheus"}
-    empty, nan_only, checked = [], [], 0
     # The chart does not run a router yet: tests/monitoring/test_router_prometheus.py checks its dashboard.
+    checked, unanswered = 0, []
     for path in [p for p in DASHBOARDS if p != ROUTER_DASHBOARD]:
-        board = load(path)
-        for where, expr in [*queries(board), *variable_queries(board)]:
-            result = prometheus.query(substitute(expr, "2m", "15m", variables))
-            checked += 1
-            if not result:
-                empty.append(f"{path.stem}: {where}: {expr}")
-            elif all(math.isnan(float(s["value"][1])) for s in result):
-                nan_only.append(f"{path.stem}: {where}")
+        n, bad = prometheus.unanswered(path, variables, "2m", "15m")
+        checked, unanswered = checked + n, unanswered + bad
     TIMINGS["dashboard_queries_verified"] = checked
 
-    def evaluated() -> list[dict]:
-        rules = [
-            r
-            for g in prometheus.api("/api/v1/rules")["groups"]
-            for r in g["rules"]
-            if r["type"] == "alerting"
-        ]
-        return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else []
-
-    rules = wait_for(evaluated, 30, "every alert rule evaluated")
+    rules = wait_for(prometheus.evaluated_alerts, 30, "every alert rule evaluated")
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     TIMINGS["alerts_loaded"] = len(rules)
-    assert not empty + nan_only, (
-        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
-    )
+    assert not unanswered, "\n".join(unanswered)
     firing = {a["labels"]["alertname"] for a in prometheus.api("/api/v1/alerts")["alerts"]}
     assert "KvpilotOperatorDown" not in firing and "KvpilotDaemonDown" not in firing
     print(f"verified against the live Prometheus: {checked} dashboard queries, {len(rules)} alert rules")

@@ -6,7 +6,6 @@ data that is not only NaN, and the router's alert rules evaluate without error a
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -19,7 +18,7 @@ from router.conftest import Fleet
 from router.test_router import SYSTEM, ask, wait_indexed
 from server.conftest import MODEL
 
-from monitoring.dashboards import ALERTS, ROUTER_DASHBOARD, load, queries, substitute, variable_queries
+from monitoring.dashboards import ALERTS, ROUTER_DASHBOARD
 from monitoring.prometheus import Prometheus
 
 pytestmark = pytest.mark.timeout(600)
@@ -74,18 +73,8 @@ def test_prometheus_answers_every_router_query(fleet: Fleet, prometheus: Prometh
     time.sleep(3)  # three more scrapes after the last request
 
     variables = {"namespace": NAMESPACE, "job": JOB, "pod": ".*", "datasource": "prometheus"}
-    board = load(ROUTER_DASHBOARD)
-    empty, nan_only, checked = [], [], 0
-    for where, expr in [*queries(board), *variable_queries(board)]:
-        result = prometheus.query(substitute(expr, "1m", "15m", variables))
-        checked += 1
-        if not result:
-            empty.append(f"{where}: {expr}")
-        elif all(math.isnan(float(s["value"][1])) for s in result):
-            nan_only.append(where)
-    assert not empty + nan_only, (
-        "queries without data:\n" + "\n".join(empty) + "\nonly NaN:\n" + "\n".join(nan_only)
-    )
+    checked, unanswered = prometheus.unanswered(ROUTER_DASHBOARD, variables, "1m", "15m")
+    assert not unanswered, "\n".join(unanswered)
     # The pod label is the pod routed to (honor_labels kept it), one value per daemon.
     pods = {
         s["metric"]["pod"] for s in prometheus.query(f'kvpilot_router_pod_ready{{namespace="{NAMESPACE}"}}')
@@ -96,12 +85,7 @@ def test_prometheus_answers_every_router_query(fleet: Fleet, prometheus: Prometh
 
 def test_router_alerts_evaluate_and_stay_silent(fleet: Fleet, prometheus: Prometheus) -> None:
     """Every pod ready and no KV event lost: both rules evaluate cleanly on the real metrics and select nothing."""
-
-    def evaluated() -> list[dict]:
-        rules = [r for g in prometheus.api("/api/v1/rules")["groups"] for r in g["rules"]]
-        return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else []
-
-    rules = wait_for(evaluated, 30, "every router alert rule evaluated")
+    rules = wait_for(prometheus.evaluated_alerts, 30, "every router alert rule evaluated")
     assert {r["name"] for r in rules} == {"KvpilotRouterNoReadyPod", "KvpilotRouterKVEventsMissed"}
     assert all(r["health"] == "ok" and r["state"] == "inactive" for r in rules), rules
     for r in rules:
