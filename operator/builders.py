@@ -34,6 +34,10 @@ _ENGINE_FLAGS = {
     "tensorParallelSize": "--tensor-parallel-size",
 }
 GPU_RESOURCE = "nvidia.com/gpu"
+# Where each daemon publishes its KV events when the fleet has a router (the router learns them from the
+# daemon's GET /kv_events, so these are not a contract with the router, only ports inside the pod).
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -114,7 +118,34 @@ def serve_args(spec: dict[str, Any]) -> list[str]:
         args.append("--no-enable-prefix-caching")
     if (threads := cpu_threads(spec)) is not None:
         args += ["--cpu-threads", str(threads)]  # torch threads follow the CPU limit, not the node's cores
-    return args
+    return args + kv_events_args(spec)
+
+
+def router_spec(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """`spec.router` when the router is enabled, else None."""
+    r = spec.get("router") or {}
+    return r if r.get("enabled") else None
+
+
+def kv_events_args(spec: dict[str, Any]) -> list[str]:
+    """Daemon flags that publish KV events, for fleets whose router routes by them (prefix-aware). Bound to
+    the pod's own IP, like the HTTP port."""
+    r = router_spec(spec)
+    if not r or r.get("policy", "prefix-aware") != "prefix-aware":
+        return []
+    return [
+        "--kv-events-endpoint", f"tcp://$(POD_IP):{KV_EVENTS_PORT}",
+        "--kv-events-replay-endpoint", f"tcp://$(POD_IP):{KV_EVENTS_REPLAY_PORT}",
+    ]  # fmt: skip
+
+
+def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    if not kv_events_args(spec):
+        return []
+    return [
+        {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
+    ]
 
 
 def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +171,7 @@ def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "command": ["kvpilot"],
         "args": serve_args(spec),
         "env": env,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}, *kv_events_ports(spec)],
         # /health is 200 only once the model is loaded and the engine loop runs: no traffic before that.
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},

@@ -49,11 +49,13 @@ def fleet_conditions(
     generation: int,
     workload_seen: bool,
     stalled: bool = False,
+    router: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Ready / Available / Progressing / Degraded of an InferenceDeployment from its workload's counts.
 
     Available: some pod serves (or none is wanted). Ready: every wanted pod is ready and runs the current
-    spec (what `kubectl wait --for=condition=Ready` waits for)."""
+    spec, and so are the wanted router pods, `router` (desired, ready), when the fleet has a router: Ready
+    is what `kubectl wait --for=condition=Ready` waits for before clients use status.endpoint."""
     conds = list(old or [])
     if not workload_seen:
         for type_, status, msg in (("Ready", False, "the workload is being created"),
@@ -81,6 +83,9 @@ def fleet_conditions(
         generation,
     )  # fmt: skip
     all_ready = not progressing
+    if all_ready and router is not None and router[1] < router[0]:
+        return set_condition(conds, "Ready", False, "RouterNotReady",
+                             f"{ready}/{desired} replicas ready; router {router[1]}/{router[0]} ready", generation)  # fmt: skip
     return set_condition(
         conds, "Ready", all_ready, "AllReplicasReady" if all_ready else "ReplicasNotReady",
         f"{ready}/{desired} replicas ready and updated" if all_ready else f"{ready}/{desired} ready, {updated} updated",

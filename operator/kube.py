@@ -26,6 +26,9 @@ _KINDS = {
     "DaemonSet": ("daemonsets", "apps", "daemon_set"),
     "Service": ("services", "core", "service"),
     "Secret": ("secrets", "core", "secret"),
+    "ServiceAccount": ("serviceaccounts", "core", "service_account"),
+    "Role": ("roles", "rbac", "role"),
+    "RoleBinding": ("rolebindings", "rbac", "role_binding"),
 }
 
 
@@ -50,6 +53,7 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.rbac = client.RbacAuthorizationV1Api(api)
 
     async def call(self, verb: str, resource: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         metrics.API_CALLS.labels(verb, resource).inc()
@@ -119,7 +123,8 @@ class Kube:
     # ---- owned objects: server-side apply ----------------------------------
     def _method(self, kind: str, verb: str) -> Any:
         _, group, stem = _KINDS[kind]
-        return getattr(self.apps if group == "apps" else self.core, f"{verb}_namespaced_{stem}")
+        api = {"apps": self.apps, "core": self.core, "rbac": self.rbac}[group]
+        return getattr(api, f"{verb}_namespaced_{stem}")
 
     async def apply(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as field manager kvpilot-operator, forced: fields we set are ours, fields we no

@@ -38,7 +38,23 @@ RULES: list[dict[str, Any]] = [
     },
     # Which ReplicaSets belong to a fleet's Deployment: its token goes only to the pods they run.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch"]},
+    # get and delete: a fleet's router Service goes when spec.router is disabled (read first: only if ours).
+    {
+        "apiGroups": [""],
+        "resources": ["services"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    # The fleet router's identity: a ServiceAccount, and a Role (bound to it) that reads the fleet's
+    # EndpointSlices. Applied, read and deleted like the router's Deployment.
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get", "create", "patch", "delete"]},
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    # Never used by the operator itself: Kubernetes lets it grant only what it holds (RBAC escalation
+    # prevention), and the router's Role grants exactly this.
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
     # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's

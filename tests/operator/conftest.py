@@ -8,6 +8,7 @@ the point put shim/ first on PATH in their pod env, where `kvpilot` is a stand-i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -107,6 +108,58 @@ class OperatorProcess:
 def apply(cluster: Cluster, objs: object) -> None:  # noqa: F811
     docs = objs if isinstance(objs, list) else [objs]
     cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in docs))
+
+
+PROMPT = "Prefix cache probe for the fleet. " + "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 120) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def cached_tokens(ip: str) -> int:
+    r = http(
+        "POST", f"http://{ip}:8000/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    )
+    return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def fleet_pods(cluster: Cluster, ns: str, name: str) -> list[dict]:  # noqa: F811
+    items = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"kvpilot.io/inference-deployment={name}")[
+        "items"
+    ]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def infd(cluster: Cluster, ns: str, name: str) -> dict:  # noqa: F811
+    return cluster.kubectl_json("get", "infd", name, "-n", ns)
+
+
+def ready_replicas(cluster: Cluster, ns: str, name: str, n: int) -> bool:  # noqa: F811
+    st = infd(cluster, ns, name).get("status") or {}
+    return st.get("readyReplicas") == n and st.get("replicas") == n
+
+
+def pcr(name: str, spec: dict) -> dict:
+    return {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "PrefixCacheReset",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def fleet(name: str, spec: dict) -> dict:
+    return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+            "spec": spec}  # fmt: skip
+
+
+def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:  # noqa: F811
+    obj = {**obj, "metadata": {**obj["metadata"], "namespace": ns}}
+    apply(cluster, obj)
 
 
 @pytest.fixture(scope="session")

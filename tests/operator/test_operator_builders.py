@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.operator import builders
+from kvpilot.operator import builders, router_objects
 from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
 
 SPEC = {
@@ -131,6 +131,57 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
         "Degraded": "True",
         "Ready": "False",
     }
+
+
+def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> None:
+    spec = {**SPEC, "model": "/models/q", "env": [{"name": "HF_HOME", "value": "/cache"}],
+            "volumes": [{"name": "m", "hostPath": {"path": "/models"}}],
+            "volumeMounts": [{"name": "m", "mountPath": "/models"}],
+            "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"}}  # fmt: skip
+    sa, role, binding, dep, svc = router_objects.objects("llama", "team-a", spec)
+    assert [o["kind"] for o in (sa, role, binding, dep, svc)] == ["ServiceAccount", "Role", "RoleBinding",
+                                                                 "Deployment", "Service"]  # fmt: skip
+    assert {o["metadata"]["name"] for o in (sa, role, binding, dep, svc)} == {"llama-router"}
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "team-a"}]
+    pod = dep["spec"]["template"]
+    # Router pods never carry the fleet's label: the fleet Service and resets must not take them for daemons.
+    assert builders.FLEET_LABEL not in pod["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"] == {"kvpilot.io/router": "llama"}
+    assert dep["spec"]["replicas"] == 2 and pod["spec"]["serviceAccountName"] == "llama-router"
+    c = pod["spec"]["containers"][0]
+    assert c["args"][:9] == ["router", "--fleet", "llama", "--namespace", "$(POD_NAMESPACE)", "--policy",
+                             "prefix-aware", "--host", "$(POD_IP)"]  # fmt: skip
+    assert c["args"][c["args"].index("--model") + 1] == "/models/q"  # the daemons' tokenizer
+    tok = next(e for e in c["env"] if e["name"] == "KVPILOT_ADMIN_TOKEN")
+    assert tok["valueFrom"]["secretKeyRef"] == {"name": "admin", "key": "tok"}
+    assert {"name": "HF_HOME", "value": "/cache"} in c["env"] and c["volumeMounts"] == spec["volumeMounts"]
+    assert "nodeSelector" not in pod["spec"] and "resources" not in c  # GPU placement is the daemons'
+    assert svc["spec"]["ports"][0]["port"] == 8080
+    args = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"
+    assert args[args.index("--kv-events-replay-endpoint") + 1] == "tcp://$(POD_IP):5558"
+    assert router_objects.endpoint("llama", "team-a", spec) == "http://llama-router.team-a.svc:8080"
+
+
+def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
+    for router in (None, {"enabled": False}, {"enabled": True, "policy": "least-load"}):
+        spec = {**SPEC, **({"router": router} if router else {})}
+        c = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]
+        assert "--kv-events-endpoint" not in c["args"] and [p["name"] for p in c["ports"]] == ["http"]
+    assert router_objects.endpoint("llama", "ns", SPEC) == "http://llama.ns.svc:8123"
+
+
+def test_ready_waits_for_the_router() -> None:
+    conds = fleet_conditions(None, 2, 2, 2, 1, True, router=(1, 0))
+    ready = get_condition(conds, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "RouterNotReady") and "router 0/1" in ready[
+        "message"
+    ]
+    assert (
+        get_condition(fleet_conditions(conds, 2, 2, 2, 1, True, router=(1, 1)), "Ready")["status"] == "True"
+    )
 
 
 def test_crds_have_no_stray_keys() -> None:

@@ -14,64 +14,20 @@ from conftest import (
     STANDIN_ENV,
     Cluster,
     OperatorProcess,
-    apply,
+    apply_ns,
+    cached_tokens,
+    fleet,
+    fleet_pods,
+    http,
+    infd,
+    pcr,
     pods_by_name,
+    ready_replicas,
     wait_for,
     wait_phase,
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
-
-PROMPT = "Prefix cache probe for the fleet. " + "The quick brown fox jumps over the lazy dog. " * 6
-
-
-def http(method: str, url: str, body: dict | None = None, timeout: float = 120) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
-
-
-def cached_tokens(ip: str) -> int:
-    r = http(
-        "POST", f"http://{ip}:8000/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-    )
-    return r["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def fleet_pods(cluster: Cluster, ns: str, name: str) -> list[dict]:
-    items = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"kvpilot.io/inference-deployment={name}")[
-        "items"
-    ]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def infd(cluster: Cluster, ns: str, name: str) -> dict:
-    return cluster.kubectl_json("get", "infd", name, "-n", ns)
-
-
-def ready_replicas(cluster: Cluster, ns: str, name: str, n: int) -> bool:
-    st = infd(cluster, ns, name).get("status") or {}
-    return st.get("readyReplicas") == n and st.get("replicas") == n
-
-
-def pcr(name: str, spec: dict) -> dict:
-    return {
-        "apiVersion": "kvpilot.io/v1alpha1",
-        "kind": "PrefixCacheReset",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
-
-
-def fleet(name: str, spec: dict) -> dict:
-    return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
-            "spec": spec}  # fmt: skip
-
-
-def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
-    obj = {**obj, "metadata": {**obj["metadata"], "namespace": ns}}
-    apply(cluster, obj)
 
 
 def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
@@ -526,7 +482,20 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
         and not can("delete", "inferencedeployments.kvpilot.io")
     )
     assert can("watch", "deployments.apps") and not can("update", "deployments.apps")
-    assert not can("delete", "services") and not can("patch", "nodes") and not can("get", "services")
+    assert (
+        not can("patch", "nodes")
+        and not can("list", "serviceaccounts")
+        and not can("update", "roles.rbac.authorization.k8s.io")
+    )
+    # A fleet router's objects: made, read and removed with spec.router; it may grant only what it holds
+    # (endpointslices, read-only), and nothing cluster-wide.
+    assert can("delete", "services") and can("create", "rolebindings.rbac.authorization.k8s.io")
+    assert can("watch", "endpointslices.discovery.k8s.io") and not can(
+        "create", "endpointslices.discovery.k8s.io"
+    )
+    assert not can("create", "clusterroles.rbac.authorization.k8s.io") and not can(
+        "bind", "clusterroles.rbac.authorization.k8s.io"
+    )
 
 
 CLI = """

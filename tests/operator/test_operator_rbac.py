@@ -78,7 +78,7 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
     op.start()
     try:
         fleet = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
-                 "metadata": {"namespace": "t"}, "spec": {"replicas": 1}}  # fmt: skip
+                 "metadata": {"namespace": "t"}, "spec": {"replicas": 1, "router": {"enabled": True}}}  # fmt: skip
         # Without the finalizers rule the plugin refuses the owned objects (which also shows it is on).
         apply(cp, copy.deepcopy(fleet) | {"metadata": {"name": "refused", "namespace": "t"}})
         wait_for(lambda: "cannot set blockOwnerDeletion" in op.log.read_text(), 60, "the plugin's refusal")
@@ -86,7 +86,17 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
         apply(cp, rbac.cluster_role())
         apply(cp, copy.deepcopy(fleet) | {"metadata": {"name": "owned", "namespace": "t"}})
         uid = json.loads(kubectl(cp, "get", "infd", "owned", "-n", "t", "-o", "json"))["metadata"]["uid"]
-        for kind, name in (("deployment", "owned"), ("service", "owned"), ("secret", "owned-admin-token")):
+        # ... the router's too, its Role included (granting endpointslices needs the operator to hold them).
+        router = [
+            (kind, "owned-router")
+            for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding")
+        ]
+        for kind, name in (
+            ("deployment", "owned"),
+            ("service", "owned"),
+            ("secret", "owned-admin-token"),
+            *router,
+        ):
 
             def owned(kind: str = kind, name: str = name) -> bool:
                 r = subprocess.run([KUBECTL, f"--kubeconfig={cp.kubeconfig}", "get", kind, name, "-n", "t", "-o",

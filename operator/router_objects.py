@@ -1,0 +1,182 @@
+"""Desired manifests of an InferenceDeployment's fleet router (`spec.router`): pure functions of its spec.
+
+The router (`kvpilot router --fleet NAME`) finds the daemons through the fleet Service's EndpointSlices, so it
+gets a ServiceAccount of its own and a Role that may read exactly those (get, list, watch endpointslices in
+the fleet's namespace). Its pods carry their own selector label, never the fleet's: the fleet Service and
+PrefixCacheResets must not pick up router pods as daemons.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from kvpilot.operator.builders import MANAGED_BY, router_spec, token_secret_ref
+
+ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
+ROUTER_PORT = 8080
+ROUTER_CONTAINER = "router"
+KINDS = ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount")  # deletion order when disabled
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {ROUTER_LABEL: name}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {
+        **router_selector(name),
+        "app.kubernetes.io/name": "kvpilot",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "router",
+        **MANAGED_BY,
+    }
+
+
+def endpoint(name: str, namespace: str, spec: dict[str, Any]) -> str:
+    """The URL clients use for this fleet: the router's Service when there is one, else the fleet's."""
+    if router_spec(spec):
+        return f"http://{router_name(name)}.{namespace}.svc:{ROUTER_PORT}"
+    return f"http://{name}.{namespace}.svc:{int(spec.get('port', 8000))}"
+
+
+def service_account(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+    }
+
+
+def role(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+
+
+def role_binding(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}],
+    }
+
+
+def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+    args = ["router", "--fleet", name, "--namespace", "$(POD_NAMESPACE)", "--policy",
+            r.get("policy", "prefix-aware"), "--host", "$(POD_IP)", "--port", str(ROUTER_PORT)]  # fmt: skip
+    if spec.get("model"):
+        args += ["--model", str(spec["model"])]  # the router tokenizes with the daemons' tokenizer
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    ref = token_secret_ref(name, spec)
+    if ref:
+        # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods.
+        env.append({"name": "KVPILOT_ADMIN_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})  # fmt: skip
+    env += copy.deepcopy(spec.get("env") or [])  # where the model (tokenizer) is cached, as for the daemons
+    c: dict[str, Any] = {
+        "name": ROUTER_CONTAINER,
+        "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),
+        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["kvpilot"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # /health is 503 until some daemon is ready: no traffic to a router that has nowhere to send it.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },  # fmt: skip
+        # Alive is "listening": a fleet scaled to zero must not get its router restarted in a loop.
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "initialDelaySeconds": 60,
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },  # fmt: skip
+    }
+    if r.get("resources"):
+        c["resources"] = copy.deepcopy(r["resources"])
+    for field in ("volumeMounts", "securityContext"):
+        if spec.get(field):
+            c[field] = copy.deepcopy(spec[field])
+    return c
+
+
+def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    r = router_spec(spec)
+    assert r is not None
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(name),
+        "automountServiceAccountToken": True,  # it watches EndpointSlices
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 10,
+        "containers": [_container(name, spec, r)],
+    }
+    # The fleet's volumes hold its model, whose tokenizer the router loads; no node placement fields (those
+    # are for the daemons' GPU nodes).
+    for field in ("volumes", "imagePullSecrets"):
+        if spec.get(field):
+            pod_spec[field] = copy.deepcopy(spec[field])
+    if spec.get("podSecurityContext"):
+        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "spec": {
+            "replicas": int(r.get("replicas", 1)),
+            "selector": {"matchLabels": router_selector(name)},
+            "template": {
+                "metadata": {
+                    "labels": router_labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ROUTER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },  # fmt: skip
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": router_name(name), "labels": router_labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector(name),
+            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def objects(name: str, namespace: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Everything the router needs, in creation order (the Role before the binding that names it)."""
+    return [service_account(name), role(name), role_binding(name, namespace), deployment(name, spec),
+            service(name)]  # fmt: skip
