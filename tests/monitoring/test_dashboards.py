@@ -27,7 +27,7 @@ from monitoring.dashboards import (
 )
 from monitoring.exposed import daemon_metric_names, operator_metric_names, served_metric_names
 
-ALL = {"namespace": ".*", "deployment": ".*", "job": ".*", "pod": ".*"}
+ALL = {"namespace": ".*", "deployment": ".*", "pod": ".*"}
 
 
 def test_three_dashboards_with_unique_uids() -> None:
@@ -43,9 +43,7 @@ def test_variables_and_datasource(path: Path) -> None:
     assert (
         variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     )
-    # The router's metrics carry no InferenceDeployment; its job variable picks the router's scrape job.
-    scope = ("namespace", "job", "pod") if path == ROUTER_DASHBOARD else ("namespace", "deployment", "pod")
-    for name in scope:
+    for name in ("namespace", "deployment", "pod"):
         assert variables[name]["type"] == "query" and variables[name]["includeAll"]
     for p in panels(board):
         assert p["datasource"]["uid"] == "${datasource}", p["title"]

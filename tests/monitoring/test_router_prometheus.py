@@ -1,6 +1,6 @@
 """The router dashboard and alerts against a real router: a real Prometheus scrapes `kvpilot router` in front of
-two daemons on loopback (tests/router's fleet) as docs/monitoring.md configures it (honor_labels, so `pod` is
-the pod routed to). After prefix-routed traffic, a request a pod refuses, a refused and a successful fleet
+two daemons on loopback (tests/router's fleet) with the labels the chart's router PodMonitor gives (job
+kvpilot-router, namespace, deployment; honor_labels, so `pod` is the daemon routed to). After prefix-routed traffic, a request a pod refuses, a refused and a successful fleet
 reset, every panel, annotation and variable query of router.json (Grafana's variables substituted) returns
 data that is not only NaN, and the router's alert rules evaluate without error and stay silent."""
 
@@ -23,15 +23,15 @@ from monitoring.prometheus import Prometheus
 
 pytestmark = pytest.mark.timeout(600)
 
-NAMESPACE, JOB = "router-ns", "kvpilot-router"
+NAMESPACE, DEPLOYMENT, JOB = "router-ns", "llm", "kvpilot-router"
 
 
 @pytest.fixture(scope="module")
 def prometheus(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    """Scrapes the fleet's router every second (a static target; `namespace` as Kubernetes discovery would
-    add it) and evaluates the router's alert rules."""
+    """Scrapes the fleet's router every second (a static target with the PodMonitor's target labels) and
+    evaluates the router's alert rules."""
     scrape = [{"job_name": JOB, "honor_labels": True,
-               "static_configs": [{"targets": [f"127.0.0.1:{fleet.router.port}"], "labels": {"namespace": NAMESPACE}}]}]  # fmt: skip
+               "static_configs": [{"targets": [f"127.0.0.1:{fleet.router.port}"], "labels": {"namespace": NAMESPACE, "deployment": DEPLOYMENT}}]}]  # fmt: skip
     groups = [g for g in yaml.safe_load(ALERTS.read_text())["groups"] if g["name"] == "kvpilot-router"]
     assert groups, "no kvpilot-router rule group"
     prom = Prometheus(
@@ -72,7 +72,7 @@ def test_prometheus_answers_every_router_query(fleet: Fleet, prometheus: Prometh
         wait_for(partial(prometheus.query, query), 30, "the last fleet reset in prometheus")
     time.sleep(3)  # three more scrapes after the last request
 
-    variables = {"namespace": NAMESPACE, "job": JOB, "pod": ".*", "datasource": "prometheus"}
+    variables = {"namespace": NAMESPACE, "deployment": DEPLOYMENT, "pod": ".*", "datasource": "prometheus"}
     checked, unanswered = prometheus.unanswered(ROUTER_DASHBOARD, variables, "1m", "15m")
     assert not unanswered, "\n".join(unanswered)
     # The pod label is the pod routed to (honor_labels kept it), one value per daemon.
