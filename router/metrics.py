@@ -38,8 +38,8 @@ class RouterMetrics:
             _P + "pod_ready", "1 when the pod answers /health with 200", ["pod"], registry=r
         )
         self.resets = Counter(_P + "fleet_resets_total", "POST /reset_prefix_cache through the router, by result "
-                              "(success, failed, unauthorized)", ["result"], registry=r)  # fmt: skip
-        for result in ("success", "failed", "unauthorized"):
+                              "(success, failed, no_pods, unauthorized)", ["result"], registry=r)  # fmt: skip
+        for result in ("success", "failed", "no_pods", "unauthorized"):
             self.resets.labels(result)
 
     def add_pod(self, pod: str) -> None:

@@ -69,7 +69,7 @@ def test_lint_strict(helm: Helm, values: list[str]) -> None:
 def test_defaults(helm: Helm) -> None:
     objs = kinds(helm.template())
     assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                         "ClusterKopfPeering", "Role", "RoleBinding", "ConfigMap", "Pod"}  # fmt: skip
+                         "Role", "RoleBinding", "ConfigMap", "Pod"}  # fmt: skip
     # The Role/RoleBinding/ConfigMap/Pod/second ServiceAccount are the `helm test` hook's, nothing else.
     hooks = [o for k in ("Role", "RoleBinding", "ConfigMap", "Pod") for o in objs[k]]
     assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "test" for o in hooks)
@@ -177,15 +177,24 @@ def test_watch_namespaces(helm: Helm) -> None:
                                                                  "clusterkopfpeerings"}  # fmt: skip
     assert triples(cluster_role["rules"]) | triples(roles[0]["rules"]) == triples(rbac.RULES)
     assert not triples(cluster_role["rules"]) & triples(roles[0]["rules"])
-    # kopf peers in each watched namespace (KopfPeering), not cluster-wide.
-    assert sorted(p["metadata"]["namespace"] for p in objs["KopfPeering"]) == ["team-a", "team-b"]
-    assert "ClusterKopfPeering" not in objs
 
 
-def test_peering_install_off(helm: Helm) -> None:
-    objs = kinds(helm.template("--set", "peering.install=false"))
+@pytest.mark.parametrize("values", [[], ["--set", "operator.watchNamespaces={team-a,team-b}"]],
+                         ids=["cluster-wide", "namespaced"])  # fmt: skip
+def test_peering_object_is_the_operators_not_the_charts(helm: Helm, values: list[str]) -> None:
+    """The operator makes its peering object when missing (it may exist already, made by an operator run by hand
+    or shared with another release): the chart renders none, only names it and lets the operator create it."""
+    objs = kinds(helm.template("--set", "peering.name=team", *values))
     assert "ClusterKopfPeering" not in objs and "KopfPeering" not in objs
-    assert "--peering=kvpilot" in objs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=team" in objs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    # ... which its rights allow: in each watched namespace, or cluster-wide.
+    if values:
+        roles = [r for r in objs["Role"] if "helm.sh/hook" not in (r["metadata"].get("annotations") or {})]
+        assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+        assert all(("kopf.dev", "kopfpeerings", "create") in triples(r["rules"]) for r in roles)
+    else:
+        (role,) = [r for r in objs["ClusterRole"] if r["metadata"]["name"] == "kvpilot-operator"]
+        assert ("kopf.dev", "clusterkopfpeerings", "create") in triples(role["rules"])
 
 
 def test_values_reach_the_deployment(helm: Helm) -> None:
@@ -210,6 +219,7 @@ def test_values_reach_the_deployment(helm: Helm) -> None:
         (["--set", "monitoring.grafana=true"], "grafana"),
         (["--set", "operator.resources.requests.cpu=lots"], "cpu"),
         (["--set", "operator.terminationGracePeriodSeconds=5"], "terminationGracePeriodSeconds"),
+        (["--set", "peering.install=false"], "install"),  # chart 0.1.0's; the operator owns the object now
     ],
 )
 def test_schema_refuses_wrong_values(helm: Helm, args: list[str], field: str) -> None:

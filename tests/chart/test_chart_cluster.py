@@ -5,7 +5,8 @@ the cluster); a real Prometheus, configured from the installed PodMonitors, Serv
 scrapes them, answers every daemon and operator dashboard query (the router's variables and labels too) and
 loads every alert; `helm test`; namespace edit/view users get
 kvpilot's resources; `helm upgrade` rolls the operator; a wrong value is refused; `helm uninstall` leaves
-only the CRDs.
+only the CRDs. kopf's peering object is the operator's, never the release's: upgrade and uninstall leave it as
+it is, and `helm install` after an operator run by hand (the README's order), which made it, succeeds.
 
 Timings (install -> Ready, reset -> Complete) are printed and written to $KVPILOT_CHART_TIMINGS if set."""
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -28,7 +31,8 @@ from monitoring.kubernetes_sd import KubernetesSD
 from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
 
 from chart.conftest import CHART, Helm
-from chart.tools import tool
+from chart.tools import ROOT, tool
+from kvpilot.devcluster.controlplane import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -75,8 +79,9 @@ def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) ->
         Path(os.environ["KVPILOT_CHART_TIMINGS"]).write_text(json.dumps(TIMINGS, indent=2) + "\n")
 
 
-def operator_pod(cluster: Cluster) -> dict:
-    pods = cluster.kubectl_json("get", "pods", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=operator")
+def operator_pod(cluster: Cluster, release: str = RELEASE) -> dict:
+    pods = cluster.kubectl_json("get", "pods", "-n", RELEASE_NS, "-l",
+                                f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={release}")  # fmt: skip
     live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
     assert len(live) == 1, [p["metadata"]["name"] for p in live]
     return live[0]
@@ -84,6 +89,15 @@ def operator_pod(cluster: Cluster) -> dict:
 
 def is_ready(pod: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def peering(cluster: Cluster) -> dict:
+    """kopf's ClusterKopfPeering kvpilot; its status has an entry per live operator (user@host/...)."""
+    return cluster.kubectl_json("get", "clusterkopfpeering", "kvpilot")
+
+
+def peers(cluster: Cluster) -> list[str]:
+    return list(peering(cluster).get("status") or {})
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +176,9 @@ def test_every_rendered_object_passes_server_dry_run(
         "defaults": [],
         "monitoring": [*MONITORING, "--set", "monitoring.force=true"],
         "namespaced": ["--set", "operator.watchNamespaces={team-a}"],
-        "no-peering": ["--set", "peering.install=false"],
     }
     for name, values in variants.items():
-        out = kube_helm("template", "dryrun", str(CHART), "-n", RELEASE_NS, "--set", "peering.name=dryrun",
-                        *values).stdout  # fmt: skip
+        out = kube_helm("template", "dryrun", str(CHART), "-n", RELEASE_NS, *values).stdout
         objs = [d for d in yaml.safe_load_all(out) if d]
         r = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=out, check=False)
         assert r.returncode == 0, f"{name}: {r.stderr}"
@@ -180,11 +192,19 @@ def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: Non
     assert pod["spec"]["serviceAccountName"] == OPERATOR
     dep = cluster.kubectl_json("get", "deployment", OPERATOR, "-n", RELEASE_NS)
     assert dep["status"]["readyReplicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
-    assert cluster.kubectl_json("get", "clusterkopfpeering", "kvpilot")["metadata"]["labels"][
-        "app.kubernetes.io/instance"] == RELEASE  # fmt: skip
+    # The operator made its peering object (helm did not: no ownership metadata) and peers in it.
+    meta = peering(cluster)["metadata"]
+    assert "meta.helm.sh/release-name" not in (meta.get("annotations") or {}), meta
+    assert "app.kubernetes.io/managed-by" not in (meta.get("labels") or {}), meta
+    wait_for(
+        lambda: any(f"@{pod['metadata']['name']}/" in p for p in peers(cluster)),
+        30,
+        "the operator's peer entry",
+    )
     notes = INSTALL["notes"]  # the next two commands, and no warning: the monitoring API is served
     assert "kind: InferenceDeployment" in notes and "kind: PrefixCacheReset" in notes, notes
     assert "kubectl wait --for=condition=Complete" in notes and "WARNING" not in notes, notes
+    assert "It peers in ClusterKopfPeering kvpilot, which it makes when missing" in notes, notes
     print(f"helm install -> Ready operator: {TIMINGS['helm_install_to_ready_operator_s']} s")
 
 
@@ -314,11 +334,15 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
     cluster: Cluster, kube_helm: Helm, release: None
 ) -> None:
     before = operator_pod(cluster)["metadata"]["uid"]
+    peering_uid = peering(cluster)["metadata"]["uid"]
     kube_helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values", "--set", "operator.logLevel=DEBUG",
               "--wait", "--timeout=5m", timeout=400)  # fmt: skip
     pod = wait_for(lambda: (p := operator_pod(cluster))["metadata"]["uid"] != before and is_ready(p) and p, 120,
                    "a new Ready operator pod")  # fmt: skip
     assert "--log-level=DEBUG" in pod["spec"]["containers"][0]["args"]
+    assert peering(cluster)["metadata"]["uid"] == peering_uid, (
+        "the upgrade must leave the peering object alone"
+    )
     assert (
         json.loads(kube_helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)[-1]["revision"] == 2
     )
@@ -327,6 +351,7 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, release: None) -> None:
     # The fleet first: its finalizer is the operator's to remove.
     cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
+    peering_uid = peering(cluster)["metadata"]["uid"]
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
     namespaced = "deploy,rs,pods,svc,sa,cm,role,rolebinding,podmonitors,servicemonitors,prometheusrules"
@@ -345,6 +370,8 @@ def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, relea
         "clusterkopfpeerings.kopf.dev",
     ):
         assert f"customresourcedefinition.apiextensions.k8s.io/{crd}" in crds
+    # The peering object is not the release's: other operators may peer in it.
+    assert peering(cluster)["metadata"]["uid"] == peering_uid
 
 
 def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: Helm) -> None:
@@ -361,3 +388,42 @@ def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: H
         kube_helm("test", name, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
     finally:
         kube_helm("uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
+
+
+def test_install_after_an_operator_run_by_hand(cluster: Cluster, kube_helm: Helm, tmp_path: Path) -> None:
+    """The README's order: `kubectl apply -f crds/` and `.venv/bin/kvpilot operator` first, which makes the
+    peering object (helm does not own it); then `helm install` succeeds, its operator peers in that same object
+    and completes `helm test`'s PrefixCacheReset; `helm uninstall` leaves the object."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev", "--timeout=60s"
+    )
+    cluster.kubectl(
+        "delete", "clusterkopfpeering", "kvpilot", "--ignore-not-found"
+    )  # e.g. the release's above
+    log = tmp_path / "operator.log"
+    kvpilot = Path(sys.executable).parent / "kvpilot"  # the checkout's .venv/bin/kvpilot
+    op = subprocess.Popen([kvpilot, "operator", "--bind", "127.0.0.1", "--liveness-port", str(free_port()),
+                           "--metrics-port", str(free_port())], env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+                          stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(lambda: "created the peering object kvpilot" in log.read_text(), 60, "the peering object")
+        wait_for(lambda: peers(cluster), 30, "the operator run by hand to peer")
+    finally:
+        os.killpg(op.pid, signal.SIGTERM)  # a graceful stop: it leaves the peering, the object stays
+        op.wait(30)
+    wait_for(lambda: not peers(cluster), 30, "the operator run by hand to leave the peering")
+    uid = peering(cluster)["metadata"]["uid"]
+
+    name = "kvpilot-after"
+    r = kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
+                  check=False, timeout=400)  # fmt: skip
+    try:
+        assert r.returncode == 0, r.stderr
+        pod = operator_pod(cluster, name)["metadata"]["name"]
+        wait_for(lambda: any(f"@{pod}/" in p for p in peers(cluster)), 30, "the chart's operator to peer")
+        assert peering(cluster)["metadata"]["uid"] == uid, "the peering object must not be made again"
+        kube_helm("test", name, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
+    finally:
+        kube_helm("uninstall", name, "-n", RELEASE_NS, "--wait", check=False)
+    assert peering(cluster)["metadata"]["uid"] == uid

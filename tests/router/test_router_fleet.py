@@ -53,6 +53,12 @@ def test_router_follows_the_fleets_endpointslices(cluster: Cluster, namespace: s
         wait_for(lambda: [p["pod"] for p in router.health()["pods"]] == ["llm-a"], 30, "llm-b to leave")
         r = router.request("POST", "/reset_prefix_cache", headers=router.admin())
         assert r.status == 200 and [p["pod"] for p in r.json()["pods"]] == ["llm-a"], r.body
+        # A fleet with no pod left: nothing is flushed, so the answer is not a success (503, which AIPerf
+        # retries while a fleet scales up).
+        cluster.kubectl("delete", "endpointslice", "llm-a", "-n", namespace)
+        wait_for(lambda: router.health()["pods"] == [], 30, "the last pod to leave")
+        r = router.request("POST", "/reset_prefix_cache", headers=router.admin())
+        assert r.status == 503 and r.json()["error"]["code"] == "no_pods", r.body
     finally:
         try:
             if router is not None:

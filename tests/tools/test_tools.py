@@ -20,7 +20,7 @@ from kvpilot.devcluster.controlplane import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "tools" / "build.sh"
-TOOLS = ("helm", "controller-gen", "prometheus", "promtool")
+TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf")
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
