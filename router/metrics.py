@@ -39,6 +39,16 @@ class RouterMetrics:
         )
         self.resets = Counter(_P + "fleet_resets_total", "POST /reset_prefix_cache through the router, by result "
                               "(success, failed, no_pods, unauthorized)", ["result"], registry=r)  # fmt: skip
+        for result in ("success", "failed", "no_pods", "unauthorized"):
+            self.resets.labels(result)
+
+    def add_pod(self, pod: str) -> None:
+        """Start a new pod's prediction and KV event counters at 0: a counter series born at its first
+        stale prediction or missed batch is an increase that rate(), increase() and the alerts never see."""
+        for counter in (self.predicted, self.reported, self.stale):
+            counter.labels(pod)
+        for result in ("received", "replayed", "missed"):
+            self.kv_batches.labels(pod, result)
 
     def count_kv(self, pod: str, result: str, n: int) -> None:
         self.kv_batches.labels(pod, result).inc(n)

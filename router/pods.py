@@ -99,6 +99,7 @@ class Fleet:
             if current is not None:
                 self._tasks.pop(current.name).cancel()
             keep.append(p)
+            self.metrics.add_pod(p.name)
             self._tasks[p.name] = asyncio.create_task(self._watch(p), name=f"probe {p.name}")
         for gone in old.values():
             self._tasks.pop(gone.name).cancel()

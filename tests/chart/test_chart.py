@@ -16,6 +16,7 @@ import yaml
 from chart.conftest import CHART, Helm, kinds
 from chart.tools import ROOT
 from kvpilot.operator import rbac
+from kvpilot.operator.router_objects import router_labels
 
 MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")
 TOGGLES = {
@@ -112,17 +113,24 @@ def test_monitor_toggles(helm: Helm, value: str) -> None:
     assert not others & set(kinds(helm.template("--set", f"{value}=true", *MONITORING_API)))
 
 
-def test_monitors_select_the_daemons_and_the_operator(helm: Helm) -> None:
+def test_monitors_select_the_daemons_routers_and_operator(helm: Helm) -> None:
     objs = kinds(helm.template("--set", "monitoring.podMonitor.enabled=true", "--set",
                                "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.labels.release=prom",
                                *MONITORING_API))  # fmt: skip
-    (pm,) = objs["PodMonitor"]
+    pm, routers = objs["PodMonitor"]
     (sm,) = objs["ServiceMonitor"]
-    assert pm["metadata"]["labels"]["release"] == "prom" and sm["metadata"]["labels"]["release"] == "prom"
+    assert {o["metadata"]["labels"]["release"] for o in (pm, routers, sm)} == {"prom"}
     assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "inference",
                                                      "app.kubernetes.io/managed-by": "kvpilot-operator"}  # fmt: skip
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    # The operator's router pods (router_objects.router_labels), with their `pod` label (the daemon) kept.
+    assert routers["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "router",
+                                                          "app.kubernetes.io/managed-by": "kvpilot-operator"}  # fmt: skip
+    assert routers["spec"]["selector"]["matchLabels"].items() <= router_labels("llm").items()
+    (ep,) = routers["spec"]["podMetricsEndpoints"]
+    assert ep["port"] == "http" and ep["honorLabels"] is True
+    assert {"targetLabel": "job", "replacement": "kvpilot-router"} in ep["relabelings"]
     (svc,) = objs["Service"]
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["honorLabels"]

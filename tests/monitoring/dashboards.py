@@ -12,6 +12,8 @@ import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvpilot"
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+# The router's dashboard: `kvpilot router` metrics (the chart's router PodMonitor scrapes them).
+ROUTER_DASHBOARD = CHART / "dashboards" / "router.json"
 ALERTS = CHART / "alerts" / "kvpilot-alerts.yaml"
 _LABEL_VALUES = re.compile(r"^label_values\((?:(?P<selector>.+),\s*)?(?P<label>\w+)\)$")
 METRIC_NAME = re.compile(r"\b(kvpilot_[a-z_]+|up)\b")

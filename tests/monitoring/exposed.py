@@ -1,15 +1,19 @@
-"""Sample names the daemon and the operator really expose, read from their own metric registries."""
+"""Sample names the daemon and the operator really expose, read from their own metric registries, and those a
+running router serves on /metrics."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 
-def _sample_names(registry: CollectorRegistry) -> set[str]:
+def _sample_names(families: Iterable[Metric]) -> set[str]:
+    """Every sample name of these families, whether or not a labelled one has samples yet."""
     names = set()
-    for family in registry.collect():
+    for family in families:
         if family.type == "histogram":
             names |= {family.name + s for s in ("_bucket", "_sum", "_count")}
         elif family.type == "counter":
@@ -26,10 +30,15 @@ def daemon_metric_names() -> set[str]:
     required = [f for f in dataclasses.fields(CacheStats)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
     stats = CacheStats(**{f.name: 0 for f in required})
-    return _sample_names(DaemonMetrics(lambda: [(None, stats)]).registry)  # one rank, unlabelled
+    return _sample_names(DaemonMetrics(lambda: [(None, stats)]).registry.collect())  # one rank, unlabelled
 
 
 def operator_metric_names() -> set[str]:
     from kvpilot.operator import metrics
 
-    return _sample_names(metrics.REGISTRY)
+    return _sample_names(metrics.REGISTRY.collect())
+
+
+def served_metric_names(metrics_text: str) -> set[str]:
+    """Sample names in a /metrics answer (the families it declares, with or without samples)."""
+    return _sample_names(text_string_to_metric_families(metrics_text))

@@ -7,6 +7,7 @@ lacks `kubernetes_sd_configs` (Debian's build)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from kvpilot.devcluster.controlplane import free_port
+from monitoring.dashboards import load, queries, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
 
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
@@ -159,6 +161,28 @@ class Prometheus:
 
     def targets(self) -> list[dict]:
         return self.api("/api/v1/targets", state="active")["activeTargets"]
+
+    def unanswered(
+        self, dashboard: Path, variables: dict[str, str], rate_interval: str, range_: str
+    ) -> tuple[int, list[str]]:
+        """Every panel, annotation and variable query of `dashboard`, sent as Grafana would: how many ran, and
+        those that returned no series or only NaN."""
+        board, checked, bad = load(dashboard), 0, []
+        for where, expr in [*queries(board), *variable_queries(board)]:
+            result = self.query(substitute(expr, rate_interval, range_, variables))
+            checked += 1
+            if not result:
+                bad.append(f"{dashboard.stem}: {where}: no data: {expr}")
+            elif all(math.isnan(float(s["value"][1])) for s in result):
+                bad.append(f"{dashboard.stem}: {where}: only NaN: {expr}")
+        return checked, bad
+
+    def evaluated_alerts(self) -> list[dict]:
+        """The alerting rules once each has been evaluated at least once (until then, [])."""
+        rules = [
+            r for g in self.api("/api/v1/rules")["groups"] for r in g["rules"] if r["type"] == "alerting"
+        ]
+        return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else []
 
     def stop(self) -> None:
         if self.proc.poll() is None:

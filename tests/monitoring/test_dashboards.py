@@ -1,7 +1,8 @@
 """The Grafana dashboards (charts/kvpilot/dashboards/*.json) without a cluster: the variables the issue asks
 for, every query valid PromQL once Grafana's variables are substituted (checked by the real promtool), and
-every metric they or the alerts use really exposed by the daemon or the operator. tests/chart/
-test_monitoring_live.py runs the same queries against a live Prometheus."""
+every metric they or the alerts use really exposed by the daemon, the operator or a running router.
+tests/chart/test_chart_cluster.py runs the daemon and operator queries against a live Prometheus,
+test_router_prometheus.py the router's."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 from chart.tools import tool
+from router.conftest import Fleet
 
 from monitoring.dashboards import (
     DASHBOARDS,
     METRIC_NAME,
+    ROUTER_DASHBOARD,
     alert_rules,
     load,
     panels,
@@ -22,14 +25,14 @@ from monitoring.dashboards import (
     substitute,
     variable_queries,
 )
-from monitoring.exposed import daemon_metric_names, operator_metric_names
+from monitoring.exposed import daemon_metric_names, operator_metric_names, served_metric_names
 
 ALL = {"namespace": ".*", "deployment": ".*", "pod": ".*"}
 
 
-def test_two_dashboards_with_unique_uids() -> None:
+def test_three_dashboards_with_unique_uids() -> None:
     boards = [load(p) for p in DASHBOARDS]
-    assert {b["title"] for b in boards} == {"kvpilot / Fleet cache", "kvpilot / Resets"}
+    assert {b["title"] for b in boards} == {"kvpilot / Fleet cache", "kvpilot / Resets", "kvpilot / Router"}
     assert len({b["uid"] for b in boards}) == len(boards)
 
 
@@ -81,10 +84,20 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout
 
 
-def test_only_exposed_metrics_are_used() -> None:
-    """Every metric a panel, annotation, variable or alert names is one the daemon or operator exposes
-    (`up` is Prometheus' own)."""
-    exposed = daemon_metric_names() | operator_metric_names() | {"up"}
+def test_router_panels() -> None:
+    titles = {p["title"] for p in panels(load(ROUTER_DASHBOARD))}
+    assert titles >= {"Requests per pod", "Routing decisions by pod, policy and reason",
+                      "Predicted vs reported cached tokens", "Prediction error per pod", "Stale predictions",
+                      "KV event batches by result", "KV event batches missed", "Pods ready and listed per router",
+                      "Fleet resets by result", "Pod answers other than 2xx"}  # fmt: skip
+
+
+def test_only_exposed_metrics_are_used(fleet: Fleet) -> None:
+    """Every metric a panel, annotation, variable or alert names is one the daemon or operator exposes, or
+    one a real `kvpilot router` serves on /metrics (`up` is Prometheus' own)."""
+    router = served_metric_names(fleet.router.request("GET", "/metrics").body.decode())
+    assert "kvpilot_router_requests_total" in router, router
+    exposed = daemon_metric_names() | operator_metric_names() | router | {"up"}
     used: dict[str, str] = {}
     for path in DASHBOARDS:
         board = load(path)
