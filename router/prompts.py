@@ -53,5 +53,9 @@ class PromptReader:
             return None
         except Exception:  # noqa: BLE001 - a chat template error: the pod answers it as a 400
             return None
+        if req.params.prompt_logprobs is not None:
+            # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
+            # route by, and predicting a hit would count as a stale prediction.
+            return None
         ids = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompts]
         return Prompts(ids, req.cache_salt)

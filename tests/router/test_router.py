@@ -64,6 +64,24 @@ def test_shared_prefix_lands_where_it_is_cached(quiet_fleet: Fleet) -> None:
     )
 
 
+def test_prompt_logprobs_predict_no_hit(quiet_fleet: Fleet) -> None:
+    """echo + logprobs makes the daemon compute every prompt position (no cache hit): the router must not
+    predict one, or its stale-prediction count would blame the index."""
+    fleet = quiet_fleet
+    c = openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="unused", max_retries=0)
+    prompt = SYSTEM + " (prompt logprobs)"
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    pod = raw.headers["x-kvpilot-pod"]
+    wait_indexed(fleet, pod)
+    m0 = fleet.router.metrics()
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0 and r.choices[0].logprobs.tokens
+    m = fleet.router.metrics()
+    for name in ("predicted_cached_tokens_total", "stale_predictions_total"):
+        key = f'kvpilot_router_{name}{{pod="{pod}"}}'
+        assert m.get(key, 0) == m0.get(key, 0), (name, m0.get(key), m.get(key))
+
+
 def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
     msgs = [{"role": "user", "content": "Name three colours."}]
