@@ -49,13 +49,13 @@ def fleet_conditions(
     generation: int,
     workload_seen: bool,
     stalled: bool = False,
-    router: tuple[int, int] | None = None,
+    router_problem: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Ready / Available / Progressing / Degraded of an InferenceDeployment from its workload's counts.
 
     Available: some pod serves (or none is wanted). Ready: every wanted pod is ready and runs the current
-    spec, and so are the wanted router pods, `router` (desired, ready), when the fleet has a router: Ready
-    is what `kubectl wait --for=condition=Ready` waits for before clients use status.endpoint."""
+    spec, and the router (when the fleet has one) has no `router_problem` (reason, message): Ready is what
+    `kubectl wait --for=condition=Ready` waits for before clients use status.endpoint."""
     conds = list(old or [])
     if not workload_seen:
         for type_, status, msg in (("Ready", False, "the workload is being created"),
@@ -83,9 +83,12 @@ def fleet_conditions(
         generation,
     )  # fmt: skip
     all_ready = not progressing
-    if all_ready and router is not None and router[1] < router[0]:
-        return set_condition(conds, "Ready", False, "RouterNotReady",
-                             f"{ready}/{desired} replicas ready; router {router[1]}/{router[0]} ready", generation)  # fmt: skip
+    # A fleet of no pods has a router that cannot be ready (its /health needs a ready pod): Ready as before.
+    if all_ready and router_problem is not None and desired > 0:
+        reason, message = router_problem
+        return set_condition(
+            conds, "Ready", False, reason, f"{ready}/{desired} replicas ready; {message}", generation
+        )
     return set_condition(
         conds, "Ready", all_ready, "AllReplicasReady" if all_ready else "ReplicasNotReady",
         f"{ready}/{desired} replicas ready and updated" if all_ready else f"{ready}/{desired} ready, {updated} updated",

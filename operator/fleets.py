@@ -15,15 +15,10 @@ import kopf
 from kvpilot.operator import builders, metrics, router_objects
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import fleet_conditions
-from kvpilot.operator.kube import ApiException, Kube
+from kvpilot.operator.fleet_router import reconcile_router
+from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 
 _KEEP_TOKENS = 20
-
-
-def _terminating_namespace(exc: ApiException) -> bool:
-    # The namespace (and with it the InferenceDeployment) is going away: recreating what it deletes is
-    # neither possible nor wanted.
-    return "NamespaceTerminating" in str(exc.body or "") or "being terminated" in str(exc.body or "")
 
 
 async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: logging.Logger) -> None:
@@ -42,7 +37,7 @@ async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: loggin
         await kube.create_secret(ns, body)
         logger.info("created Secret %s/%s with a generated admin token", ns, ref["name"])
     except ApiException as exc:
-        if exc.status != 409 and not _terminating_namespace(exc):
+        if exc.status != 409 and not namespace_terminating(exc):
             raise
 
 
@@ -51,7 +46,7 @@ async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> 
     try:
         return await kube.apply(owner["metadata"]["namespace"], desired)
     except ApiException as exc:
-        if _terminating_namespace(exc):
+        if namespace_terminating(exc):
             return None
         raise
 
@@ -71,31 +66,6 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
             st.get("updatedNumberScheduled", 0), False)  # fmt: skip
 
 
-async def _reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, Any],
-                            logger: logging.Logger) -> dict[str, Any] | None:  # fmt: skip
-    """Apply the router's objects when spec.router is enabled and return its status; when it was enabled
-    before (status.router is set), delete the ones this fleet owns. Gating the cleanup on status saves five
-    reads per reconcile of every fleet without a router; what a crash between creation and the status patch
-    leaves behind is still owned, and goes with the fleet."""
-    meta, spec = owner["metadata"], owner["spec"]
-    ns, name = meta["namespace"], meta["name"]
-    if builders.router_spec(spec):
-        applied = [await _apply(kube, owner, obj) for obj in router_objects.objects(name, ns, spec)]
-        dep = applied[3]
-        st = (dep or {}).get("status") or {}
-        return {"replicas": st.get("replicas", 0), "readyReplicas": st.get("readyReplicas", 0),
-                "service": router_objects.router_name(name)}  # fmt: skip
-    if status.get("router"):
-        for kind in router_objects.KINDS:
-            old = await kube.read(kind, ns, router_objects.router_name(name))
-            if old is not None and any(
-                r.get("uid") == meta["uid"] for r in old["metadata"].get("ownerReferences") or []
-            ):
-                await kube.delete(kind, ns, old["metadata"]["name"], old["metadata"]["uid"])
-        logger.info("router of %s/%s removed (spec.router.enabled is false)", ns, name)
-    return None
-
-
 async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     meta, spec = body["metadata"], dict(body.get("spec") or {})
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
@@ -108,7 +78,7 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     await _ensure_token_secret(kube, owner, logger)
     wl = await _apply(kube, owner, builders.workload(name, spec))
     await _apply(kube, owner, builders.service(name, spec))
-    router = await _reconcile_router(kube, owner, status, logger)
+    router = await reconcile_router(kube, owner, status, logger)
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
             owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
@@ -121,14 +91,12 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
         await kube.delete(other, ns, name, old["metadata"]["uid"])
 
     desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
-    router_ready = None if router is None else (int((builders.router_spec(spec) or {}).get("replicas", 1)),
-                                                router["readyReplicas"])  # fmt: skip
     new: dict[str, Any] = {
         "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
         "selector": builders.selector_string(name), "observedGeneration": gen, "workload": f"{kind}/{name}",
-        "endpoint": router_objects.endpoint(name, ns, spec), "router": router,
+        "endpoint": router_objects.endpoint(name, ns, spec), "router": router.status,
         "conditions": fleet_conditions(status.get("conditions"), desired, ready, updated, gen or 0,
-                                       wl is not None, stalled, router_ready),
+                                       wl is not None, stalled, None if router.ready else (router.reason, router.message)),
     }  # fmt: skip
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
@@ -149,3 +117,5 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     metrics.DESIRED_REPLICAS.labels(ns, name).set(desired)
     if any(status.get(k) != v for k, v in new.items()):
         await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))
+    if router.retry:  # status says what is wrong; look again later (the name may be freed, the API back)
+        raise kopf.TemporaryError(router.message, delay=60)

@@ -16,7 +16,7 @@ from kubernetes.client.rest import ApiException
 from kvpilot.operator import metrics
 from kvpilot.operator.builders import GROUP, VERSION
 
-__all__ = ["FIELD_MANAGER", "ApiException", "Kube", "is_transient"]
+__all__ = ["FIELD_MANAGER", "ApiException", "Kube", "is_transient", "namespace_terminating"]
 
 FIELD_MANAGER = "kvpilot-operator"
 
@@ -30,6 +30,12 @@ _KINDS = {
     "Role": ("roles", "rbac", "role"),
     "RoleBinding": ("rolebindings", "rbac", "role_binding"),
 }
+
+
+def namespace_terminating(exc: ApiException) -> bool:
+    """The namespace (and with it the owner) is going away: recreating what it deletes is neither possible
+    nor wanted."""
+    return "NamespaceTerminating" in str(exc.body or "") or "being terminated" in str(exc.body or "")
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
+from kvpilot.operator.fleet_router import deployment_state
 
 SPEC = {
     "replicas": 3, "placement": "Deployment", "image": "img:1", "port": 8123,
@@ -173,15 +174,29 @@ def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
     assert router_objects.endpoint("llama", "ns", SPEC) == "http://llama.ns.svc:8123"
 
 
-def test_ready_waits_for_the_router() -> None:
-    conds = fleet_conditions(None, 2, 2, 2, 1, True, router=(1, 0))
+def test_ready_waits_for_the_router_unless_no_pod_is_wanted() -> None:
+    conds = fleet_conditions(None, 2, 2, 2, 1, True, router_problem=("RouterNotReady", "router 0/1 ready"))
     ready = get_condition(conds, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "RouterNotReady") and "router 0/1" in ready[
         "message"
     ]
-    assert (
-        get_condition(fleet_conditions(conds, 2, 2, 2, 1, True, router=(1, 1)), "Ready")["status"] == "True"
-    )
+    assert get_condition(fleet_conditions(conds, 2, 2, 2, 1, True), "Ready")["status"] == "True"
+    # No pod wanted: the router cannot be ready (nothing to route to), and the fleet is as wanted.
+    zero = fleet_conditions(None, 0, 0, 0, 1, True, router_problem=("RouterNotReady", "router 0/1 ready"))
+    assert get_condition(zero, "Ready")["status"] == "True"
+
+
+def test_router_state_follows_the_deployment_rollout() -> None:
+    def dep(gen: int, observed: int, ready: int, updated: int) -> dict:
+        return {"metadata": {"generation": gen}, "status": {"observedGeneration": observed, "replicas": 2,
+                                                            "readyReplicas": ready, "updatedReplicas": updated}}  # fmt: skip
+
+    assert deployment_state("llm", 2, dep(3, 3, 2, 2)).ready
+    assert deployment_state("llm", 2, dep(3, 3, 2, 2)).status == {
+        "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "service": "llm-router"}  # fmt: skip
+    for rolling in (dep(4, 3, 2, 2), dep(3, 3, 2, 1), dep(3, 3, 1, 2)):  # not seen yet, old pods, unready
+        st = deployment_state("llm", 2, rolling)
+        assert not st.ready and st.reason == "RouterNotReady", rolling
 
 
 def test_crds_have_no_stray_keys() -> None:

@@ -13,7 +13,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import PROMPT, Cluster, OperatorProcess, apply_ns, fleet, fleet_pods, http, infd, wait_for
+from conftest import (
+    PROMPT,
+    STANDIN_ENV,
+    Cluster,
+    OperatorProcess,
+    apply_ns,
+    fleet,
+    fleet_pods,
+    http,
+    infd,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -145,3 +156,36 @@ def test_router_specs_the_api_server_refuses(
     ok = {**fleet("dp", {"replicas": 0, "router": {"enabled": True, "policy": "least-load"},
                          "engine": {"dataParallelSize": 2}}), "metadata": {"name": "dp", "namespace": namespace}}  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(ok))
+
+
+def test_a_taken_name_is_reported_never_adopted(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    ns = namespace
+    cluster.kubectl("create", "serviceaccount", "llm2-router", "-n", ns)  # the user's own, by chance
+    apply_ns(
+        cluster,
+        ns,
+        fleet("llm2", {"replicas": 1, "env": STANDIN_ENV, "router": {"enabled": True, "replicas": 0}}),
+    )
+
+    def ready_reason() -> str | None:
+        conds = (infd(cluster, ns, "llm2").get("status") or {}).get("conditions") or []
+        return next((c["reason"] for c in conds if c["type"] == "Ready"), None)
+
+    wait_for(lambda: ready_reason() == "RouterNameConflict", 60, "Ready=False RouterNameConflict")
+    sa = cluster.kubectl_json("get", "serviceaccount", "llm2-router", "-n", ns)
+    assert not sa["metadata"].get("ownerReferences")  # untouched
+    assert cluster.kubectl("get", "deployment", "llm2-router", "-n", ns, check=False).returncode != 0
+    events = cluster.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=llm2").stdout
+    assert "RouterNameConflict" in events and "ServiceAccount llm2-router already exists" in events
+    # The name freed (and the spec touched), the router is made.
+    cluster.kubectl("delete", "serviceaccount", "llm2-router", "-n", ns)
+    cluster.kubectl(
+        "patch", "infd", "llm2", "-n", ns, "--type=merge", "-p", '{"spec":{"router":{"policy":"least-load"}}}'
+    )
+    wait_for(lambda: cluster.kubectl("get", "deployment", "llm2-router", "-n", ns, check=False).returncode == 0, 60,
+             "the router's Deployment")  # fmt: skip
+    for kind in ROUTER_OBJECTS:
+        obj = cluster.kubectl_json("get", kind, "llm2-router", "-n", ns)
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "llm2", kind

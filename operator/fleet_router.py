@@ -1,0 +1,91 @@
+"""Reconcile an InferenceDeployment's router (`spec.router`): apply its objects (router_objects), report its
+state, and remove it when it is turned off. Only objects this fleet owns are ever written or deleted."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from kvpilot.operator import builders, router_objects
+from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
+
+
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    status: dict[str, Any] | None  # status.router; None: no router
+    ready: bool = True  # every wanted router pod is ready and runs the current spec
+    reason: str = ""  # why not (a CamelCase reason for the Ready condition)
+    message: str = ""
+    retry: bool = False  # a problem that a later reconcile may solve (an API error, a name taken)
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
+
+
+def _holder(obj: dict[str, Any]) -> str:
+    ref = next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    return f"{ref['kind']} {ref['name']}" if ref else "someone else (no controller owner)"
+
+
+def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> RouterState:
+    st = (dep or {}).get("status") or {}
+    ready, updated = st.get("readyReplicas", 0), st.get("updatedReplicas", 0)
+    status = {"replicas": st.get("replicas", 0), "readyReplicas": ready, "updatedReplicas": updated,
+              "service": router_objects.router_name(name)}  # fmt: skip
+    current = dep is not None and st.get("observedGeneration") == dep["metadata"].get("generation")
+    if current and ready >= desired and updated >= desired:
+        return RouterState(status)
+    return RouterState(status, False, "RouterNotReady",
+                       f"router {ready}/{desired} ready, {updated} updated")  # fmt: skip
+
+
+async def reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, Any],
+                           logger: logging.Logger) -> RouterState:  # fmt: skip
+    meta, spec = owner["metadata"], owner["spec"]
+    ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    rname = router_objects.router_name(name)
+    if not builders.router_spec(spec):
+        # Removal reads five objects, so it runs only when there may be something to remove: status says a
+        # router ran, or the spec just changed (a router that never reached status, e.g. after a crash).
+        if status.get("router") or meta.get("generation") != status.get("observedGeneration"):
+            await _remove(kube, ns, rname, uid, logger)
+        return RouterState(None)
+    objs = router_objects.objects(name, ns, spec)
+    try:
+        # Every name must be free or ours before anything is written: never adopt a user's ServiceAccount,
+        # Role or Service, nor half-build a router next to another fleet's.
+        for obj in objs:
+            live = await kube.read(obj["kind"], ns, rname)
+            if live is not None and not _owned_by(live, uid):
+                msg = (
+                    f"{obj['kind']} {rname} already exists and belongs to {_holder(live)}: rename one of them"
+                )
+                kopf.event(owner, type="Warning", reason="RouterNameConflict", message=msg)
+                return RouterState(None, False, "RouterNameConflict", msg, retry=True)
+        applied = []
+        for obj in objs:
+            kopf.adopt(obj, owner=owner)
+            applied.append(await kube.apply(ns, obj))
+    except ApiException as exc:
+        if namespace_terminating(exc):
+            return RouterState(None)
+        msg = f"applying the router's objects failed: HTTP {exc.status} {exc.reason}"
+        kopf.event(owner, type="Warning", reason="RouterFailed", message=msg)
+        return RouterState(status.get("router"), False, "RouterFailed", msg, retry=True)
+    dep = next(o for o in applied if o["kind"] == "Deployment")
+    return deployment_state(name, int((builders.router_spec(spec) or {}).get("replicas", 1)), dep)
+
+
+async def _remove(kube: Kube, ns: str, rname: str, uid: str, logger: logging.Logger) -> None:
+    removed = []
+    for kind in router_objects.KINDS:
+        old = await kube.read(kind, ns, rname)
+        if old is not None and _owned_by(old, uid):
+            await kube.delete(kind, ns, rname, old["metadata"]["uid"])
+            removed.append(kind)
+    if removed:
+        logger.info("router %s/%s removed (%s): spec.router.enabled is false", ns, rname, ", ".join(removed))
