@@ -81,6 +81,7 @@ class Fleet:
         self._session = session
         self._probe_interval_s = probe_interval_s
         self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.IPV6, 1)  # pods with IPv6 addresses (connecting to IPv4 ones is unchanged)
         self._tasks: dict[str, asyncio.Task] = {}
 
     def ready_pods(self) -> list[Pod]:

@@ -262,6 +262,11 @@ class KVEventPublisher:
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    if ":" in host:
+        # An IPv6 address (a pod's own on an IPv6 cluster): ZeroMQ refuses it unless told. Only then, since
+        # with the option an IPv4 bind reports itself as [::ffff:a.b.c.d], which IPv4-only consumers cannot dial.
+        sock.setsockopt(zmq.IPV6, 1)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:

@@ -8,7 +8,7 @@ import time
 
 import openai
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, free_port
+from server.conftest import ADMIN_TOKEN, MODEL, free_port, start_server, stop_server
 
 from .conftest import Fleet, start_router, stop_router
 
@@ -210,3 +210,27 @@ def test_bad_input_gets_the_pods_4xx_through_the_router(quiet_fleet: Fleet) -> N
     r = router.request("POST", "/reset_prefix_cache?reset_running_requests=maybe", headers=router.admin())
     assert r.status == 400, r.body
     assert router.request("GET", "/health").status == 200
+
+
+def test_kv_events_over_ipv6(tmp_path) -> None:  # noqa: ANN001
+    """A pod with an IPv6 address (an IPv6 cluster) binds its event sockets there and the router follows
+    them: ZeroMQ refuses IPv6 unless each side turns it on."""
+    ends = [f"tcp://::1:{free_port()}" for _ in range(2)]
+    daemon = start_server(tmp_path, "--kv-events-endpoint", ends[0], "--kv-events-replay-endpoint", ends[1],
+                          token=ADMIN_TOKEN)  # fmt: skip
+    router = None
+    try:
+        assert daemon.request("GET", "/kv_events").json()["endpoint"].startswith("tcp://[::1]:")
+        router = start_router(tmp_path, [daemon.url])  # returns once the pod's events are synced
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        c.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=1, temperature=0)
+        deadline = time.monotonic() + 10
+        while router.health()["pods"][0]["indexed_blocks"] == 0:
+            assert time.monotonic() < deadline, router.health()
+            time.sleep(0.05)
+    finally:
+        try:
+            if router is not None:
+                stop_router(router)
+        finally:
+            stop_server(daemon)
