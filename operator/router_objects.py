@@ -134,11 +134,15 @@ def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "terminationGracePeriodSeconds": 10,
         "containers": [_container(name, spec, r)],
     }
-    # The fleet's volumes hold its model, whose tokenizer the router loads; no node placement fields (those
-    # are for the daemons' GPU nodes).
-    for field in ("volumes", "imagePullSecrets"):
+    # The fleet's volumes hold its model, whose tokenizer the router loads; they may exist only on the fleet's
+    # nodes (hostPath, local volumes), so the router goes where the daemons may go: their nodeSelector,
+    # tolerations and node affinity. Not their pod (anti-)affinity, which is about the daemons' own labels.
+    for field in ("volumes", "imagePullSecrets", "nodeSelector", "tolerations"):
         if spec.get(field):
             pod_spec[field] = copy.deepcopy(spec[field])
+    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    if node_affinity:
+        pod_spec["affinity"] = {"nodeAffinity": copy.deepcopy(node_affinity)}
     if spec.get("podSecurityContext"):
         pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
     return {

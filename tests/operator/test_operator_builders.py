@@ -138,6 +138,8 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
     spec = {**SPEC, "model": "/models/q", "env": [{"name": "HF_HOME", "value": "/cache"}],
             "volumes": [{"name": "m", "hostPath": {"path": "/models"}}],
             "volumeMounts": [{"name": "m", "mountPath": "/models"}],
+            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+                         "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
             "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"}}  # fmt: skip
     sa, role, binding, dep, svc = router_objects.objects("llama", "team-a", spec)
     assert [o["kind"] for o in (sa, role, binding, dep, svc)] == ["ServiceAccount", "Role", "RoleBinding",
@@ -158,7 +160,11 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
     tok = next(e for e in c["env"] if e["name"] == "KVPILOT_ADMIN_TOKEN")
     assert tok["valueFrom"]["secretKeyRef"] == {"name": "admin", "key": "tok"}
     assert {"name": "HF_HOME", "value": "/cache"} in c["env"] and c["volumeMounts"] == spec["volumeMounts"]
-    assert "nodeSelector" not in pod["spec"] and "resources" not in c  # GPU placement is the daemons'
+    # The router goes where the fleet's volumes are: the daemons' nodes, not their pod (anti-)affinity.
+    assert pod["spec"]["nodeSelector"] == {"gpu": "yes"} and pod["spec"]["tolerations"] == SPEC["tolerations"]
+    assert (
+        pod["spec"]["affinity"] == {"nodeAffinity": spec["affinity"]["nodeAffinity"]} and "resources" not in c
+    )
     assert svc["spec"]["ports"][0]["port"] == 8080
     args = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"

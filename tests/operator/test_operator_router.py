@@ -141,6 +141,7 @@ def test_router_specs_the_api_server_refuses(
         ({"router": {"enabled": True, "policy": "fastest"}}, "Unsupported value"),
         ({"router": {"enabled": True}, "port": 5557}, "ports 5557 and 5558"),
         ({"router": {"enabled": True, "replicas": -1}}, "should be greater than or equal to 0"),
+        ({"env": [{"name": "POD_NAMESPACE", "value": "x"}]}, "set by the operator"),
     ]
     for spec, message in cases:
         doc = json.dumps({**fleet("bad", spec), "metadata": {"name": "bad", "namespace": namespace}})
