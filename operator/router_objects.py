@@ -131,7 +131,8 @@ def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "serviceAccountName": router_name(name),
         "automountServiceAccountToken": True,  # it watches EndpointSlices
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 10,
+        # After SIGTERM the router stops listening and lets open streams run to their end (as the daemons do).
+        "terminationGracePeriodSeconds": 35,
         "containers": [_container(name, spec, r)],
     }
     # The fleet's volumes hold its model, whose tokenizer the router loads; they may exist only on the fleet's

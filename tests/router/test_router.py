@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
@@ -96,6 +97,22 @@ def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
     models = client(fleet).models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_sigterm_lets_streams_in_flight_finish(quiet_fleet: Fleet, tmp_path) -> None:  # noqa: ANN001
+    """A router rollout (SIGTERM) stops taking requests but lets the open streams run to their end."""
+    router = start_router(tmp_path, [d.url for d in quiet_fleet.daemons])
+    try:
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        stream = iter(c.completions.create(model=MODEL, prompt="Count slowly: one, two,", max_tokens=96,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+        first = next(stream)
+        router.proc.send_signal(signal.SIGTERM)
+        chunks = [first, *stream]
+        assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) >= 96
+        assert router.proc.wait(60) == 0
+    finally:
+        stop_router(router)
 
 
 def test_client_disconnect_aborts_on_the_pod(quiet_fleet: Fleet) -> None:
