@@ -33,7 +33,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     # Owned objects are watched with the label selector applied by the API server: only ours reach us.
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-    for group, plural in (("apps", "deployments"), ("apps", "daemonsets"), ("", "services")):
+    for group, plural in (("apps", "deployments"), ("apps", "daemonsets"), ("", "services"), ("", "serviceaccounts"),
+                          ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):  # fmt: skip
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
     memo.limiter = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
@@ -61,9 +62,12 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
 @kopf.on.event("apps", "v1", "daemonsets", labels=MANAGED_BY)
 @kopf.on.event("", "v1", "services", labels=MANAGED_BY)
+@kopf.on.event("", "v1", "serviceaccounts", labels=MANAGED_BY)  # the router's identity (spec.router)
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", labels=MANAGED_BY)
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
 async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo,
                         **_: Any) -> None:  # fmt: skip
-    # An owned workload or Service changed (edited, deleted, pods became ready): reconcile its owner, which
+    # An owned object changed (edited, deleted, pods became ready): reconcile its owner, which
     # applies it again (a no-op unless someone changed our fields) and refreshes status.
     owner = next((r for r in body["metadata"].get("ownerReferences") or []
                   if r.get("kind") == "InferenceDeployment" and r.get("apiVersion") == f"{GROUP}/{VERSION}"), None)  # fmt: skip

@@ -45,12 +45,17 @@ RULES: list[dict[str, Any]] = [
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # The fleet router's identity: a ServiceAccount, and a Role (bound to it) that reads the fleet's
-    # EndpointSlices. Applied, read and deleted like the router's Deployment.
-    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get", "create", "patch", "delete"]},
+    # EndpointSlices. Applied, read and deleted like the router's Deployment, and watched (label-selected by
+    # the API server) so that an edit or a deletion is put back.
+    {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     {
         "apiGroups": ["rbac.authorization.k8s.io"],
         "resources": ["roles", "rolebindings"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # Never used by the operator itself: Kubernetes lets it grant only what it holds (RBAC escalation
     # prevention), and the router's Role grants exactly this.

@@ -484,7 +484,7 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
     assert can("watch", "deployments.apps") and not can("update", "deployments.apps")
     assert (
         not can("patch", "nodes")
-        and not can("list", "serviceaccounts")
+        and not can("create", "serviceaccounts", "--subresource=token")
         and not can("update", "roles.rbac.authorization.k8s.io")
     )
     # A fleet router's objects: made, read and removed with spec.router; it may grant only what it holds

@@ -118,6 +118,12 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     code, _, r = post(f"{router}/v1/completions", body)
     assert code == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
+    # Drift is put back: a deleted RoleBinding (the router would lose its EndpointSlices) comes back.
+    uid = cluster.kubectl_json("get", "rolebinding", "llm-router", "-n", ns)["metadata"]["uid"]
+    cluster.kubectl("delete", "rolebinding", "llm-router", "-n", ns)
+    wait_for(lambda: (cluster.kubectl("get", "rolebinding", "llm-router", "-n", ns, "-o", "jsonpath={.metadata.uid}",
+                                      check=False).stdout or uid) != uid, 60, "the RoleBinding to be made again")  # fmt: skip
+
     # Turning the router off removes what the operator made for it, and the endpoint is the fleet's again.
     cluster.kubectl(
         "patch", "infd", "llm", "-n", ns, "--type=merge", "-p", '{"spec":{"router":{"enabled":false}}}'
