@@ -201,10 +201,11 @@ def test_install_runs_the_operator_in_the_cluster(cluster: Cluster, release: Non
         30,
         "the operator's peer entry",
     )
-    notes = INSTALL["notes"]  # the next two commands, and no warning: the monitoring API is served
+    notes = INSTALL["notes"]  # the next commands, and no warning: the monitoring API is served
     assert "kind: InferenceDeployment" in notes and "kind: PrefixCacheReset" in notes, notes
     assert "kubectl wait --for=condition=Complete" in notes and "WARNING" not in notes, notes
     assert "It peers in ClusterKopfPeering kvpilot, which it makes when missing" in notes, notes
+    assert '{"spec": {"router": {"enabled": true}}}' in notes and "{.status.endpoint}" in notes, notes
     print(f"helm install -> Ready operator: {TIMINGS['helm_install_to_ready_operator_s']} s")
 
 
