@@ -68,6 +68,16 @@ def stop_router(router: RouterProc) -> None:
     assert "Traceback" not in router.log(), router.log()[-4000:]
 
 
+def stop_fleet(router: RouterProc | None, daemons: list[Server]) -> None:
+    """Stop the router (which raises on a traceback in its log) and, whatever it raised, the daemons."""
+    try:
+        if router is not None:
+            stop_router(router)
+    finally:
+        for d in daemons:
+            stop_server(d)
+
+
 @dataclass
 class Fleet:
     daemons: list[Server]
@@ -86,12 +96,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
         router = start_router(tmp, [d.url for d in daemons])
         yield Fleet(daemons, router)
     finally:
-        try:
-            if router is not None:
-                stop_router(router)  # raises on a traceback in its log: the daemons still stop
-        finally:
-            for d in daemons:
-                stop_server(d)
+        stop_fleet(router, daemons)
     for d in daemons:
         assert "Traceback" not in d.log(), d.log()[-4000:]
 

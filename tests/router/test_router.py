@@ -9,9 +9,9 @@ import time
 
 import openai
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, free_port, start_server, stop_server
+from server.conftest import ADMIN_TOKEN, MODEL, free_port, start_server
 
-from .conftest import Fleet, start_router, stop_router
+from .conftest import Fleet, start_router, stop_fleet, stop_router
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -246,8 +246,4 @@ def test_kv_events_over_ipv6(tmp_path) -> None:  # noqa: ANN001
             assert time.monotonic() < deadline, router.health()
             time.sleep(0.05)
     finally:
-        try:
-            if router is not None:
-                stop_router(router)
-        finally:
-            stop_server(daemon)
+        stop_fleet(router, [daemon])

@@ -8,9 +8,9 @@ import json
 import openai
 import pytest
 from cluster.conftest import Cluster, cluster, namespace, wait_for  # noqa: F401
-from server.conftest import MODEL, stop_server
+from server.conftest import MODEL
 
-from .conftest import start_daemon, start_router, stop_router
+from .conftest import start_daemon, start_router, stop_fleet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -60,9 +60,4 @@ def test_router_follows_the_fleets_endpointslices(cluster: Cluster, namespace: s
         r = router.request("POST", "/reset_prefix_cache", headers=router.admin())
         assert r.status == 503 and r.json()["error"]["code"] == "no_pods", r.body
     finally:
-        try:
-            if router is not None:
-                stop_router(router)  # raises on a traceback in its log: the daemons still stop
-        finally:
-            for d in daemons:
-                stop_server(d)
+        stop_fleet(router, daemons)
