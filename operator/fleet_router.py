@@ -11,6 +11,7 @@ import kopf
 
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
+from kvpilot.operator.owners import controller_ref, owned_by
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,13 +22,14 @@ class RouterState:
     message: str = ""
     retry: bool = False  # a problem that a later reconcile may solve (an API error, a name taken)
 
-
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
+    @property
+    def problem(self) -> tuple[str, str] | None:
+        """(reason, message) for the fleet's Ready condition, or None."""
+        return None if self.ready else (self.reason, self.message)
 
 
 def _holder(obj: dict[str, Any]) -> str:
-    ref = next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+    ref = controller_ref(obj)
     return f"{ref['kind']} {ref['name']}" if ref else "someone else (no controller owner)"
 
 
@@ -48,7 +50,8 @@ async def reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, 
     meta, spec = owner["metadata"], owner["spec"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     rname = router_objects.router_name(name)
-    if not builders.router_spec(spec):
+    wanted = builders.router_spec(spec)
+    if not wanted:
         # Removal reads five objects, so it runs only when there may be something to remove: status says a
         # router ran, or the spec just changed (a router that never reached status, e.g. after a crash).
         if status.get("router") or meta.get("generation") != status.get("observedGeneration"):
@@ -60,7 +63,7 @@ async def reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, 
         # Role or Service, nor half-build a router next to another fleet's.
         for obj in objs:
             live = await kube.read(obj["kind"], ns, rname)
-            if live is not None and not _owned_by(live, uid):
+            if live is not None and not owned_by(live, uid):
                 msg = (
                     f"{obj['kind']} {rname} already exists and belongs to {_holder(live)}: rename one of them"
                 )
@@ -77,15 +80,10 @@ async def reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, 
         kopf.event(owner, type="Warning", reason="RouterFailed", message=msg)
         return RouterState(status.get("router"), False, "RouterFailed", msg, retry=True)
     dep = next(o for o in applied if o["kind"] == "Deployment")
-    return deployment_state(name, int((builders.router_spec(spec) or {}).get("replicas", 1)), dep)
+    return deployment_state(name, int(wanted.get("replicas", 1)), dep)
 
 
 async def _remove(kube: Kube, ns: str, rname: str, uid: str, logger: logging.Logger) -> None:
-    removed = []
-    for kind in router_objects.KINDS:
-        old = await kube.read(kind, ns, rname)
-        if old is not None and _owned_by(old, uid):
-            await kube.delete(kind, ns, rname, old["metadata"]["uid"])
-            removed.append(kind)
+    removed = [kind for kind in router_objects.KINDS if await kube.delete_owned(kind, ns, rname, uid)]
     if removed:
         logger.info("router %s/%s removed (%s): spec.router.enabled is false", ns, rname, ", ".join(removed))

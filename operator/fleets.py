@@ -84,11 +84,7 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
             owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
         )
     # placement changed: the workload of the other kind goes (only if it is ours)
-    old = await kube.read(other, ns, name)
-    if old is not None and any(
-        r.get("uid") == meta["uid"] for r in old["metadata"].get("ownerReferences") or []
-    ):
-        await kube.delete(other, ns, name, old["metadata"]["uid"])
+    await kube.delete_owned(other, ns, name, meta["uid"])
 
     desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
     new: dict[str, Any] = {
@@ -96,7 +92,7 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
         "selector": builders.selector_string(name), "observedGeneration": gen, "workload": f"{kind}/{name}",
         "endpoint": router_objects.endpoint(name, ns, spec), "router": router.status,
         "conditions": fleet_conditions(status.get("conditions"), desired, ready, updated, gen or 0,
-                                       wl is not None, stalled, None if router.ready else (router.reason, router.message)),
+                                       wl is not None, stalled, router.problem),
     }  # fmt: skip
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)

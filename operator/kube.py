@@ -15,6 +15,7 @@ from kubernetes.client.rest import ApiException
 
 from kvpilot.operator import metrics
 from kvpilot.operator.builders import GROUP, VERSION
+from kvpilot.operator.owners import owned_by
 
 __all__ = ["FIELD_MANAGER", "ApiException", "Kube", "is_transient", "namespace_terminating"]
 
@@ -149,6 +150,15 @@ class Kube:
                 return None
             raise
         return self.api.sanitize_for_serialization(obj)
+
+    async def delete_owned(self, kind: str, ns: str, name: str, owner_uid: str) -> bool:
+        """Delete the object when `owner_uid` owns it, never someone else's of that name (it is read first).
+        True when it was deleted."""
+        old = await self.read(kind, ns, name)
+        if old is None or not owned_by(old, owner_uid):
+            return False
+        await self.delete(kind, ns, name, old["metadata"]["uid"])
+        return True
 
     async def delete(self, kind: str, ns: str, name: str, uid: str) -> None:
         try:

@@ -31,6 +31,7 @@ from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, set_condition
 from kvpilot.operator.fanout import FanoutSettings, PodRecord, Target, initial_records, run_fanout, summarize
 from kvpilot.operator.kube import ApiException, Kube, is_transient
+from kvpilot.operator.owners import controlled_by, controller_ref
 from kvpilot.operator.podwatch import PodWatch
 
 DONE = ("Succeeded", "Failed")
@@ -104,7 +105,7 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
     a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
     meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
     skip = ""
-    controller = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), {})
+    controller = controller_ref(pod) or {}
     running = {
         c.get("name") for c in st.get("containerStatuses") or [] if "running" in (c.get("state") or {})
     }
@@ -140,15 +141,13 @@ async def _fleet_controllers(kube: Kube, ns: str, fleet: dict[str, Any], deadlin
     name, uid = fleet["metadata"]["name"], fleet["metadata"]["uid"]
     kind = builders.workload_kind(fleet.get("spec") or {})
     wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
-    if wl is None or not any(r.get("uid") == uid and r.get("controller")
-                             for r in wl["metadata"].get("ownerReferences") or []):  # fmt: skip
+    if wl is None or not controlled_by(wl, uid):
         return frozenset()
     if kind == "DaemonSet":
         return frozenset({wl["metadata"]["uid"]})
     sel = builders.selector_string(name)
     rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
-    return frozenset(rs["metadata"]["uid"] for rs in rsets if any(
-        r.get("uid") == wl["metadata"]["uid"] and r.get("controller") for r in rs["metadata"].get("ownerReferences") or []))  # fmt: skip
+    return frozenset(rs["metadata"]["uid"] for rs in rsets if controlled_by(rs, wl["metadata"]["uid"]))
 
 
 async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) -> Plan:
