@@ -44,7 +44,8 @@ test: setup cluster-build tools
 test-gpu: setup
 	$(PY) -m pytest -q tests/gpu
 
-lint:
+# ruff is pinned in pyproject's test extras: another version may format the same code differently.
+lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
