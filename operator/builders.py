@@ -21,7 +21,7 @@ CONTAINER = "kvpilot"
 ADMIN_TOKEN_LABEL = "kvpilot.io/admin-token"  # value "true": a Secret that selector resets may send to pods
 ANNOTATION_RESET_TTL_S = 86400  # annotation-created resets are deleted a day after they finished
 
-# engine field -> `kvpilot serve` flag (DESIGN section 1: flag names follow vLLM's)
+# engine field -> `kvpilot serve` flag (flag names follow vLLM's, docs/server.md "Flags")
 _ENGINE_FLAGS = {
     "blockSize": "--block-size",
     "maxNumSeqs": "--max-num-seqs",

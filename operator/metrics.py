@@ -1,4 +1,5 @@
-"""Operator metrics (DESIGN section 4), served on their own port by main.py."""
+"""Operator metrics, served on their own port by main.py (names are a contract, listed with units in
+docs/metrics.md)."""
 
 from __future__ import annotations
 

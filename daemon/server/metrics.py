@@ -1,4 +1,4 @@
-"""Prometheus metrics of the daemon (names are a contract: DESIGN section 4).
+"""Prometheus metrics of the daemon (names are a contract, listed with units in docs/metrics.md).
 
 Two kinds, both on a per-app `CollectorRegistry` (so two servers in one process never collide):
 - what the server observes per request (latency histograms, token counters, reset outcomes) is
