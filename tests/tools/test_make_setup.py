@@ -1,4 +1,4 @@
-"""`make setup` through the real Makefile, offline: an existing venv is only refreshed (pip install), never made
+"""`make setup` through the real Makefile, offline: serving installs no test tools and says little; an existing venv is only refreshed (pip install), never made
 again with whichever `python3` is first on PATH; a missing one is made, and one whose interpreter is gone is
 removed and made anew, saying so.
 
@@ -61,12 +61,12 @@ def project(tmp_path: Path) -> Path:
     return work
 
 
-def make_setup(project: Path) -> subprocess.CompletedProcess:
+def make_setup(project: Path, target: str = "setup") -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{project.parent / 'other-python'}{os.pathsep}{os.environ['PATH']}",
            "PIP_CALLS": str(project.parent / "pip-calls")}  # fmt: skip
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
-        ["make", "setup"], cwd=project, env=env, capture_output=True, text=True, timeout=120
+        ["make", target], cwd=project, env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -80,7 +80,7 @@ def assert_refreshed(project: Path, r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     pip = calls(project, "pip-calls")
     assert len(pip) == 3 and all(c.startswith(f"{project / '.venv'} install ") for c in pip), pip
-    assert "-e .[test]" in pip[1], pip
+    assert "-e .[operator]" in pip[1], pip
     installed = project / ".venv" / ".installed"
     assert installed.stat().st_mtime >= (project / "pyproject.toml").stat().st_mtime
 
@@ -125,3 +125,30 @@ def test_a_venv_whose_python_is_gone_is_made_anew(project: Path) -> None:
     ), r.stdout
     assert calls(project, "python3-calls") == ["-m venv .venv"]
     assert not (venv / "stale").exists(), "the broken venv must be removed, not made over"
+
+
+def test_serving_installs_no_test_tools_and_says_little(project: Path) -> None:
+    """`make serve` on a fresh checkout: the runtime extras only, pip's chatter kept back, a few lines before the
+    server's own; `make setup-test` then adds the test extras to the same venv."""
+    r = make_setup(project)
+    assert_refreshed(project, r)
+    assert not any("test]" in c for c in calls(project, "pip-calls")), calls(project, "pip-calls")
+    before_server = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert len(before_server) < 20, before_server
+    assert not any("pip install" in line for line in before_server), before_server  # no command lines echoed
+
+    r = make_setup(project, "setup-test")
+    assert r.returncode == 0, r.stdout + r.stderr
+    pip = calls(project, "pip-calls")
+    assert len(pip) == 4 and "-e .[test]" in pip[3], pip
+
+
+def test_a_failing_pip_shows_its_output(project: Path) -> None:
+    """Quiet is only for success: when pip fails, its own words reach the user."""
+    make_venv(project / ".venv")
+    failing = "import sys; print('ERROR: no matching distribution for torch>=2.5'); sys.exit(1)"
+    pip_main = next((project / ".venv").glob("lib/python*/site-packages/pip/__main__.py"))
+    pip_main.write_text(failing)
+    r = make_setup(project)
+    assert r.returncode != 0
+    assert "no matching distribution for torch" in r.stdout + r.stderr, r.stdout + r.stderr
