@@ -32,19 +32,17 @@ class BenchSettings:
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        "bench",
-        help="concurrency sweep against a running server, resetting its prefix cache before each run",
-        description="Sweep a shared-prefix chat load over concurrency levels against any OpenAI-compatible "
-        "server (kvpilot, vLLM, ...). Each run starts with POST /reset_prefix_cache so that every run "
-        "starts cold; --no-reset shows how much a warm cache skews the numbers.",
-        handler=run_bench,
-    )
+    p = add_command(subparsers, "bench", run_bench)
     add_flags(p, BenchSettings)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Concurrency sweep against a running server, resetting its prefix cache before each run.
+
+    Sweep a shared-prefix chat load over concurrency levels against any OpenAI-compatible server (kvpilot,
+    vLLM, ...). Each run starts with POST /reset_prefix_cache so that every run starts cold; --no-reset
+    shows how much a warm cache skews the numbers.
+    """
     import json
     import os
     import urllib.request

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import re
 import typing
 from collections.abc import Callable, Sequence
@@ -43,16 +44,13 @@ def flag(
 
 
 def add_command(
-    subparsers: argparse._SubParsersAction,
-    name: str,
-    *,
-    help: str,
-    description: str,
-    handler: Callable[[argparse.Namespace], int],
+    subparsers: argparse._SubParsersAction, name: str, handler: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    """A subcommand's parser; `kvpilot.cli.main` calls `handler(args)`. No abbreviated flags: a prefix that
-    works today would break, or change meaning, when a longer flag is added."""
-    p = subparsers.add_parser(name, help=help, description=description, allow_abbrev=False)
+    """A subcommand's parser; `kvpilot.cli.main` calls `handler(args)`. The first paragraph of the handler's
+    docstring is the command's line in `kvpilot --help`, the rest its description. No abbreviated flags:
+    a prefix that works today would break, or change meaning, when a longer flag is added."""
+    summary, _, details = inspect.cleandoc(handler.__doc__ or "").partition("\n\n")
+    p = subparsers.add_parser(name, help=summary, description=details or summary, allow_abbrev=False)
     p.set_defaults(handler=handler)
     return p
 

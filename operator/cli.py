@@ -20,32 +20,22 @@ from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
     from kvpilot.operator.main import add_arguments
 
-    p = add_command(
-        subparsers,
-        "operator",
-        help="run the Kubernetes operator (InferenceDeployment, PrefixCacheReset)",
-        description="Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.",
-        handler=_run_operator,
-    )
+    p = add_command(subparsers, "operator", _run_operator)
     add_arguments(p)
 
 
 def _run_operator(args: argparse.Namespace) -> int:
+    """Run the Kubernetes operator (InferenceDeployment, PrefixCacheReset).
+
+    Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.
+    """
     from kvpilot.operator.main import run
 
     return run(args)
 
 
 def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        "reset",
-        help="reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset)",
-        description="Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and "
-        "each pod that did not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an "
-        "error (no such InferenceDeployment, no cluster), 3 when --timeout passed first.",
-        handler=_run_reset,
-    )
+    p = add_command(subparsers, "reset", _run_reset)
     p.add_argument("name", metavar="NAME", help="the InferenceDeployment")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
     p.add_argument(
@@ -112,6 +102,12 @@ def _api_error(exc: Exception) -> str:
 
 
 def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset).
+
+    Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and each pod that did
+    not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
+    InferenceDeployment, no cluster), 3 when --timeout passed first.
+    """
     import urllib3
     from kubernetes.client.rest import ApiException
 

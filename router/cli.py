@@ -15,14 +15,7 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        "router",
-        help="run the fleet router (OpenAI reverse proxy, prefix-aware routing, fleet-wide reset)",
-        description="Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' "
-        "KV events), and reset every pod's prefix cache with one POST /reset_prefix_cache.",
-        handler=run_router,
-    )
+    p = add_command(subparsers, "router", run_router)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--endpoints",
@@ -55,6 +48,11 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    """Run the fleet router (OpenAI reverse proxy, prefix-aware routing, fleet-wide reset).
+
+    Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' KV events), and
+    reset every pod's prefix cache with one POST /reset_prefix_cache.
+    """
     from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
     from kvpilot.router.app import serve
     from kvpilot.router.pods import parse_endpoints

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its fla
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv_events.py)
 
 
 @dataclass(slots=True)
@@ -54,19 +55,12 @@ class EngineConfig:
     )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
     kv_events_endpoint: str | None = field(
-        default=None,
-        metadata=flag(
-            "publish KV cache events (vLLM's format, ZeroMQ PUB) on this address",
-            metavar="tcp://HOST:PORT",
-            unset="off",
-        ),
+        default=None, metadata=flag("publish KV cache events (vLLM's format, ZeroMQ PUB) here", **ZMQ_ADDRESS)
     )
     kv_events_replay_endpoint: str | None = field(
         default=None,
         metadata=flag(
-            "serve missed KV events again on this address (ZeroMQ ROUTER); needs --kv-events-endpoint",
-            metavar="tcp://HOST:PORT",
-            unset="off",
+            "serve missed KV events again here (ZeroMQ ROUTER); needs --kv-events-endpoint", **ZMQ_ADDRESS
         ),
     )
     data_parallel_size: int = field(

@@ -14,13 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(
-        subparsers,
-        "serve",
-        help="run the inference daemon (OpenAI-compatible HTTP server)",
-        description="Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.",
-        handler=run_serve,
-    )
+    p = add_command(subparsers, "serve", run_serve)
     add_flags(p, EngineConfig, "engine")
     server = add_flags(p, ServerSettings, "server")
     server.add_argument(
@@ -31,6 +25,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Run the inference daemon (OpenAI-compatible HTTP server).
+
+    Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.
+    """
     from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
 
     try:
