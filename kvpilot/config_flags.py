@@ -1,8 +1,9 @@
-"""argparse plumbing every package's CLI shares: subcommand parsers, and flags generated from config dataclasses.
+"""What every package's CLI shares: subcommand parsers, and flags generated from config dataclasses.
 
 As vLLM registers `FrontendArgs` and `AsyncEngineArgs`, a config field becomes a flag when its metadata
 carries `flag(...)`: its help, and where they differ from the field's, vLLM's flag name, aliases, choices,
-metavar, nargs. The flag's default is the field's and nothing else's; the help shows it. `from_flags`
+metavar. The field's type gives the rest (`int | None` -> int, `list[int]` -> one or more, `bool` ->
+`--x` / `--no-x`). The flag's default is the field's and nothing else's; the help shows it. `from_flags`
 builds the config back from the parsed flags, and `flag_message` words a `validate()` error with the flags'
 names, so a config checks itself once for the CLI and for Python callers alike.
 """
@@ -122,6 +123,11 @@ def _value_type(hint: Any) -> Any:
 
 
 def _help(spec: FlagSpec, field: str, default: Any) -> str:
+    """The help with its default; argparse %-formats help strings, hence no raw % in it."""
+    return _with_default(spec, field, default).replace("%", "%%")
+
+
+def _with_default(spec: FlagSpec, field: str, default: Any) -> str:
     if default is None or default == []:
         return f"{spec.help} (default: {spec.unset})" if spec.unset else spec.help
     return f"{spec.help} (default {_shown(field, default)})"
