@@ -3,7 +3,7 @@
 Each run can start with `POST /reset_prefix_cache` (the use case of kvpilot: every run starts cold,
 then its requests share a long system prompt). Per run: TTFT p50/p99, inter-token latency p50/p99,
 output tokens/s, requests/s and the prefix-cache hit rate (from `usage.cached_tokens` and, on a
-kvpilot daemon, from `/prefix_cache`). Used by `kvpilot bench` and by bench/serve.py; it talks to any
+kvpilot daemon, from `/prefix_cache`). Used by `kvpilot bench` (bench_cli.py, which holds the defaults) and by bench/serve.py; it talks to any
 OpenAI-compatible server, so the same sweep runs against vLLM, SGLang or transformers.
 """
 
@@ -193,9 +193,9 @@ def sweep(
     server: str,
     concurrency: list[int],
     *,
-    rounds: int = 2,
-    min_requests: int = 4,
-    max_tokens: int = 16,
+    rounds: int,
+    min_requests: int,
+    max_tokens: int,
     headers: dict | None = None,
     reset: bool = True,
 ) -> list[RunResult]:

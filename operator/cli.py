@@ -1,8 +1,8 @@
 """`kvpilot operator` and `kvpilot reset NAME [-n NS] [--wait]`.
 
-Wiring (kvpilot/cli.py): `from kvpilot.operator.cli import add_operator_parser, add_reset_parser` and
-`_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser`. Each sets
-`handler=` on its parser, which `kvpilot.cli.main` calls with the parsed args.
+Wiring (kvpilot/cli.py): `_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser`.
+Each makes its parser with `kvpilot.config_flags.add_command`, which sets the `handler` that
+`kvpilot.cli.main` calls with the parsed args.
 """
 
 from __future__ import annotations
@@ -13,35 +13,29 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvpilot.config_flags import add_command
 from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
 
 
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
     from kvpilot.operator.main import add_arguments
 
-    p = subparsers.add_parser(
-        "operator",
-        help="run the Kubernetes operator (InferenceDeployment, PrefixCacheReset)",
-        description="Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.",
-    )
+    p = add_command(subparsers, "operator", _run_operator)
     add_arguments(p)
-    p.set_defaults(handler=_run_operator)
 
 
 def _run_operator(args: argparse.Namespace) -> int:
+    """Run the Kubernetes operator (InferenceDeployment, PrefixCacheReset).
+
+    Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.
+    """
     from kvpilot.operator.main import run
 
     return run(args)
 
 
 def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "reset",
-        help="reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset)",
-        description="Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and "
-        "each pod that did not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an "
-        "error (no such InferenceDeployment, no cluster), 3 when --timeout passed first.",
-    )
+    p = add_command(subparsers, "reset", _run_reset)
     p.add_argument("name", metavar="NAME", help="the InferenceDeployment")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
     p.add_argument(
@@ -57,7 +51,6 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="pods called at once (default 64)")
-    p.set_defaults(handler=_run_reset)
 
 
 def _client(kubeconfig: str | None) -> tuple[Any, str]:
@@ -109,6 +102,12 @@ def _api_error(exc: Exception) -> str:
 
 
 def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset).
+
+    Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and each pod that did
+    not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
+    InferenceDeployment, no cluster), 3 when --timeout passed first.
+    """
     import urllib3
     from kubernetes.client.rest import ApiException
 

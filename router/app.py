@@ -27,25 +27,13 @@ from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin
 from kvpilot.router.prompts import PromptReader
+from kvpilot.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
 FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering")
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
-
-
-@dataclass(slots=True)
-class RouterSettings:
-    host: str = "0.0.0.0"
-    port: int = 8080
-    policy: str = "prefix-aware"
-    admin_token: str | None = None
-    reset_timeout_s: float = 60.0
-    # After a pod's reset, how long its AllBlocksCleared event may take to arrive before the router
-    # empties that pod's entries itself (and ignores its events until the clear arrives).
-    clear_wait_s: float = 5.0
-    max_body_bytes: int = 4 << 20
 
 
 @dataclass(slots=True)

@@ -16,8 +16,6 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.pods import Pod
 from kvpilot.router.prompts import Prompts
 
-POLICIES = ("prefix-aware", "round-robin", "least-load")
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:

@@ -1,33 +1,84 @@
-"""Engine settings; the CLI flags of `kvpilot serve` map onto these one to one."""
+"""Engine settings. Each field with `flag(...)` metadata is a `kvpilot serve` flag (kvpilot/config_flags.py),
+named as vLLM names it; its default here is the flag's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from kvpilot.config_flags import flag
+
+if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its flags from this class
+    import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv_events.py)
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None is the embedded default model
-    dtype: str = "auto"  # auto: float32 on the CPU (no native bf16 there), bfloat16 on CUDA
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides the memory-derived block count
-    kv_cache_memory_bytes: int = 1 << 30  # KV budget on the CPU
+    model: str | None = field(
+        default=None,
+        metadata=flag("Hugging Face checkpoint directory", unset="the embedded SmolLM2-135M-Instruct"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=flag("weights and KV dtype (auto: float32 on CPU, bfloat16 on GPU)", choices=DTYPES),
+    )
+    device: str = field(default="auto", metadata=flag("torch device (auto: cuda if available, else cpu)"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV cache block"))
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=flag(
+            "number of KV cache blocks", name="--num-gpu-blocks-override", unset="derived from memory"
+        ),
+    )
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=flag("KV cache budget on the CPU in bytes"))
     gpu_memory_utilization: float = 0.85  # share of free GPU memory the KV cache may take
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's own context length
-    enable_prefix_caching: bool = True
-    max_queued_requests: int | None = 1024  # waiting requests beyond which new ones are refused (503)
-    cpu_threads: int | None = (
-        None  # torch threads on the CPU; None: usable CPUs (affinity, cgroup quota) but one
+    max_num_seqs: int = field(default=64, metadata=flag("most requests in one batch"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=flag("token budget of one step, prefill chunks included")
+    )
+    max_model_len: int | None = field(default=None, metadata=flag("context length", unset="the model's"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV of shared prompt prefixes"))
+    max_queued_requests: int | None = field(
+        default=1024,
+        metadata=flag("requests waiting for the engine beyond which new ones get 503 with Retry-After"),
+    )
+    cpu_threads: int | None = field(
+        default=None,
+        metadata=flag(
+            "torch threads on the CPU",
+            unset="the CPUs this process may use, from its affinity and cgroup CPU quota, but one, "
+            "which serves HTTP",
+        ),
     )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
-    kv_events_endpoint: str | None = None  # ZeroMQ PUB address for KV events (kv_events.py); None: off
-    kv_events_replay_endpoint: str | None = None  # ZeroMQ ROUTER address serving missed events again
-    tensor_parallel_size: int = 1  # processes the model is sharded over (tp.py)
+    kv_events_endpoint: str | None = field(
+        default=None, metadata=flag("publish KV cache events (vLLM's format, ZeroMQ PUB) here", **ZMQ_ADDRESS)
+    )
+    kv_events_replay_endpoint: str | None = field(
+        default=None,
+        metadata=flag(
+            "serve missed KV events again here (ZeroMQ ROUTER); needs --kv-events-endpoint", **ZMQ_ADDRESS
+        ),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "engine-core processes behind this server, each with its own KV cache and scheduler, its "
+            "share of the CPUs or its own GPU (1: the engine runs in the server's process)",
+            aliases=["-dp"],
+        ),
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "processes the model is sharded over by attention head (gloo on the CPU, NCCL on "
+            "CUDA; it must divide the model's head counts)",
+            aliases=["-tp"],
+        ),
+    )
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -40,17 +91,26 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV events replay endpoint needs a KV events endpoint")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
+        if self.data_parallel_size < 1 or self.tensor_parallel_size < 1:
+            raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.data_parallel_size > 1 and self.kv_events_endpoint:
+            # Every rank would bind the same sockets, and a router keeps one index per pod, not per rank.
+            raise ValueError("kv_events_endpoint cannot be combined with data_parallel_size > 1 yet")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

@@ -1,4 +1,4 @@
-"""What the daemon's routes share: settings, the engine, its loop, metrics, the drain state."""
+"""What the daemon's routes share: settings (settings.py), the engine, its loop, metrics, the drain state."""
 
 from __future__ import annotations
 
@@ -12,25 +12,12 @@ from aiohttp import web
 from kvpilot.daemon.engine.dp_engine import DataParallelLoop
 from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
 from kvpilot.daemon.server.metrics import DaemonMetrics
+from kvpilot.daemon.server.settings import ServerSettings
 from kvpilot.daemon.server.text_pool import TextPool
 
 # No token of a vocabulary decodes to more characters than its longest entry; 4x covers normalizers
 # that shrink text before splitting it (NFKC and friends).
 CHARS_PER_TOKEN_MARGIN = 4
-
-
-@dataclass(slots=True)
-class ServerSettings:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
-    admin_token: str | None = None
-    max_body_bytes: int = 4 << 20  # a full 128k-token context as JSON fits well below this
-    shutdown_timeout: float = 30.0  # SIGTERM grace period for in-flight requests
-    request_timeout: float | None = None  # a generation not done by then is aborted (504)
-    reset_timeout: float = 60.0  # a rank whose reset has not answered by then fails the reset (500)
-    text_workers: int = 2  # threads that tokenize, template and detokenize
-    max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
 
 
 @dataclass(slots=True)

@@ -1,0 +1,76 @@
+"""`kvpilot serve`: the daemon's flags, generated from EngineConfig and ServerSettings, and its start."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "serve", run_serve)
+    add_flags(p, EngineConfig, "engine")
+    server = add_flags(p, ServerSettings, "server")
+    server.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="file holding the admin token for /reset_prefix_cache (default: $KVPILOT_ADMIN_TOKEN)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the inference daemon (OpenAI-compatible HTTP server).
+
+    Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.
+    """
+    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
+
+    try:
+        token = load_admin_token(args.admin_token_file)
+    except AdminTokenError as exc:
+        log.error("%s", exc)
+        return 2
+    config = from_flags(EngineConfig, args)
+    settings = from_flags(ServerSettings, args, admin_token=token)
+    try:
+        config.validate()
+        settings.validate()
+    except ValueError as exc:
+        log.error("%s", flag_message(exc, EngineConfig, ServerSettings))
+        return 2
+
+    from kvpilot.daemon.engine.engine import LLMEngine
+    from kvpilot.daemon.server.app import serve
+
+    try:
+        if config.data_parallel_size > 1:
+            from kvpilot.daemon.engine.dp_engine import DataParallelEngine
+
+            engine = DataParallelEngine(config, config.data_parallel_size)
+        else:
+            engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    log.info(
+        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, "
+        "max_num_seqs %d",
+        engine.model_name,
+        config.data_parallel_size,
+        engine.num_blocks,
+        config.block_size,
+        engine.max_model_len,
+        "on" if config.enable_prefix_caching else "off",
+        config.max_num_seqs,
+    )
+    try:
+        return asyncio.run(serve(engine, settings))
+    except OSError as exc:  # most often: the port is taken
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
+        return 1

@@ -1,0 +1,91 @@
+"""`kvpilot router`: the router's flags, generated from RouterSettings, and its start."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
+from kvpilot.router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "router", run_router)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--endpoints",
+        metavar="URL,...",
+        help="the pods' HTTP addresses, comma-separated: http://HOST:PORT,...",
+    )
+    where.add_argument(
+        "--fleet",
+        metavar="NAME",
+        help="route to the ready pods of Service NAME (an InferenceDeployment's), from its EndpointSlices "
+        "(in-cluster, or the current kubeconfig)",
+    )
+    p.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        help="namespace of --fleet (default: the router's own namespace in-cluster, else default)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory whose tokenizer the pods use (default: the embedded model)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="admin token for /reset_prefix_cache, also sent to the pods (default: $KVPILOT_ADMIN_TOKEN)",
+    )
+    add_flags(p, RouterSettings)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Run the fleet router (OpenAI reverse proxy, prefix-aware routing, fleet-wide reset).
+
+    Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' KV events), and
+    reset every pod's prefix cache with one POST /reset_prefix_cache.
+    """
+    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
+    from kvpilot.router.app import serve
+    from kvpilot.router.pods import parse_endpoints
+
+    try:
+        token = load_admin_token(args.admin_token_file)
+        pods = parse_endpoints(args.endpoints) if args.endpoints else None
+        settings = from_flags(RouterSettings, args, admin_token=token)
+        settings.validate()
+    except (AdminTokenError, ValueError) as exc:
+        log.error("%s", flag_message(exc, RouterSettings))
+        return 2
+    if args.fleet:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            log.error("--fleet needs the kubernetes client: pip install 'kvpilot[operator]'")
+            return 2
+    namespace = args.namespace or own_namespace()
+    try:
+        return asyncio.run(serve(settings, args.model, pods, args.fleet, namespace))
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return 2
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
+        return 1
+
+
+def own_namespace() -> str:
+    """The namespace this pod runs in; default outside a cluster."""
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
