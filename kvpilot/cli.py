@@ -152,8 +152,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         log.error("--request-timeout must be a positive number of seconds")
         return 2
 
+    from kvpilot.daemon.engine.client import start_engine
     from kvpilot.daemon.engine.config import EngineConfig
-    from kvpilot.daemon.engine.engine import LLMEngine
     from kvpilot.daemon.server.app import ServerSettings, serve
 
     config = EngineConfig(
@@ -185,12 +185,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log.error("--kv-events-endpoint cannot be combined with --data-parallel-size > 1 yet")
         return 2
     try:
-        if args.data_parallel_size > 1:
-            from kvpilot.daemon.engine.dp_engine import DataParallelEngine
-
-            engine = DataParallelEngine(config, args.data_parallel_size)
-        else:
-            engine = LLMEngine(config)
+        engine = start_engine(config, args.data_parallel_size)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("cannot start the engine: %s", exc)
         return 2
@@ -203,11 +198,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         request_timeout=args.request_timeout,
     )
-    log.info(
-        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
-        engine.model_name, args.data_parallel_size, engine.num_blocks, config.block_size, engine.max_model_len,
-        "on" if config.enable_prefix_caching else "off", config.max_num_seqs,
-    )  # fmt: skip
     try:
         return asyncio.run(serve(engine, settings))
     except OSError as exc:  # most often: the port is taken
