@@ -122,7 +122,8 @@ def start_engine(config: EngineConfig, data_parallel_size: int = 1) -> EngineCli
         client = EngineLoop(LLMEngine(config))
     info = client.info
     log.info(
-        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, max_num_seqs %d",
+        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, "
+        "max_num_seqs %d",
         info.model_name,
         info.num_ranks,
         info.num_blocks,

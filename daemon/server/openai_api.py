@@ -4,8 +4,8 @@ A request goes forward through the layers once: it is parsed, templated and toke
 sampling parameters (`prepare.py`, in the text pool, off the event loop), then becomes one engine request
 per prompt (`EngineClient.add`), each running `best_of` (or `n`) sequences that share the prompt's KV
 blocks. Tokens come back through the engine client, are detokenized and cut at stop strings
-(`choices.py`, in the pool) and sent as JSON or server-sent events. Whatever ends a handler early (client gone, error) aborts its engine
-requests, so their blocks are freed before the next step.
+(`choices.py`, in the pool) and sent as JSON or server-sent events. Whatever ends a handler early
+(client gone, error) aborts its engine requests, so their blocks are freed before the next step.
 """
 
 from __future__ import annotations
