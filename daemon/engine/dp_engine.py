@@ -1,13 +1,13 @@
 """Data parallel: N engine-core processes (`dp_rank.py`) behind one API server.
 
-`DataParallelEngine` starts the ranks and waits until each has loaded the model; the server then asks
-it for its loop (`DataParallelLoop`), which has `EngineLoop`'s interface: add / abort / reset / stats,
-`alive`, `state`. Requests go to a rank by `dp_policy.PrefixAwarePolicy`; outputs come back per rank.
+`DataParallelEngine` starts the ranks and waits until each has loaded the model; `DataParallelLoop`
+drives them and is the server's `EngineClient` (`client.py`), as `EngineLoop` is for one engine.
+Requests go to a rank by `dp_policy.PrefixAwarePolicy`; outputs come back per rank.
 
 IPC is a pair of one-way `multiprocessing` pipes per rank carrying pickled tuples, not ZeroMQ:
 - a rank that dies (crash, OOM kill, SIGKILL) closes its end, so the server's reader sees EOF at once
   and fails that rank's requests; ZeroMQ sockets hide a dead peer and would need heartbeats;
-- the messages are the engine's own dataclasses (SamplingParams, RequestOutput, CacheStats), which
+- the messages are the engine's own dataclasses (EngineRequest, RequestOutput, CacheStats), which
   pickle as they are; nothing to keep in step with a second schema, and no extra dependency.
 The pipes are local and carry a few hundred bytes per request per step, far from being the bottleneck.
 
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.daemon.engine.client import EngineDeadError, EngineInfo, EngineRequest, LoopState
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import available_cpus
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
-from kvpilot.daemon.engine.engine_loop import EngineDeadError, LoopState
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
-from kvpilot.daemon.engine.request import SamplingError, SamplingParams
+from kvpilot.daemon.engine.request import SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class _Rank:
 
 
 class DataParallelEngine:
-    """The ranks, started and loaded; what the server needs of "the engine" (name, tokenizer, limits)."""
+    """The ranks, started and loaded, and what the server needs to know about them (`info`)."""
 
     def __init__(self, config: EngineConfig, size: int) -> None:
         if size < 2:
@@ -118,17 +118,22 @@ class DataParallelEngine:
                 self.ranks.append(_Rank(r, proc, inbox_w, outbox_r))
             from transformers import AutoTokenizer  # while the ranks load
 
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
             for rank in self.ranks:
                 self._wait_ready(rank)
         except BaseException:
             self.close()
             raise
         infos = [rank.info for rank in self.ranks]
-        self.model_name = infos[0].model_name
-        self.model_dir = model_dir
-        self.max_model_len = min(i.max_model_len for i in infos)
-        self.num_blocks = sum(i.num_blocks for i in infos)
+        self.info = EngineInfo(
+            model_name=infos[0].model_name,
+            max_model_len=min(i.max_model_len for i in infos),
+            tokenizer=tokenizer,
+            enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size,
+            num_blocks=sum(i.num_blocks for i in infos),
+            num_ranks=size,
+        )
 
     def _wait_ready(self, rank: _Rank) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -146,9 +151,6 @@ class DataParallelEngine:
         _, rank.info, stats = msg
         rank.state = LoopState(stats=stats)
 
-    def make_loop(self, loop: asyncio.AbstractEventLoop) -> DataParallelLoop:
-        return DataParallelLoop(self, loop)
-
     def close(self, grace: float = 0.0) -> None:
         """Wait up to `grace` seconds for the ranks to exit, then kill those still running."""
         deadline = time.monotonic() + grace
@@ -162,12 +164,13 @@ class DataParallelEngine:
 
 
 class DataParallelLoop:
-    """`EngineLoop`'s interface over the ranks. Everything but the reader threads runs on the event loop,
-    so the bookkeeping (open requests, pending replies) needs no lock."""
+    """The `EngineClient` of the ranks. Everything but the reader threads runs on the event loop, so the
+    bookkeeping (open requests, pending replies) needs no lock."""
 
-    def __init__(self, engine: DataParallelEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: DataParallelEngine) -> None:
         self.engine = engine
-        self._loop = loop
+        self.info = engine.info
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self._ranks = engine.ranks
         self._policy = PrefixAwarePolicy(len(self._ranks))
         self._requests: dict[str, list] = {}  # request id -> [rank, queue, sequences not finished]
@@ -177,26 +180,19 @@ class DataParallelLoop:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         for rank in self._ranks:
             threading.Thread(target=self._read, args=(rank,), name=f"kvpilot-rank{rank.rank}-outbox",
                              daemon=True).start()  # fmt: skip
 
     @property
     def alive(self) -> bool:
-        return not self._stopping and all(r.dead is None for r in self._ranks)
+        started = self._loop is not None
+        return started and not self._stopping and all(r.dead is None for r in self._ranks)
 
     @property
     def error(self) -> str | None:
         return "; ".join(r.dead for r in self._ranks if r.dead) or None
-
-    @property
-    def state(self) -> LoopState:
-        states = [r.state for r in self._ranks]
-        return LoopState(
-            stats=CacheStats.total([s.stats for s in states]),
-            steps=sum(s.steps for s in states),
-            last_step_time=max(s.last_step_time for s in states),
-        )
 
     def rank_states(self) -> list[LoopState]:
         return [r.state for r in self._ranks]
@@ -206,29 +202,24 @@ class DataParallelLoop:
         for rank in self._ranks:
             self._send(rank, ("stop",))
         self._fail_open(EngineDeadError("the engine loop has stopped"), None)
-        await self._loop.run_in_executor(None, self.engine.close, timeout)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close, timeout)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> asyncio.Queue:
+    async def add(self, request: EngineRequest) -> asyncio.Queue:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine loop is not running")
+        request_id = request.request_id
         if request_id in self._requests or request_id in self._pending:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        keys = prompt_block_hashes(prompt_token_ids, self.engine.config.block_size, cache_salt)
+        keys = prompt_block_hashes(request.prompt_token_ids, self.info.block_size, request.cache_salt)
         alive = [r.rank for r in self._ranks if r.dead is None]
         rank = self._ranks[self._policy.choose(keys, [r.load for r in self._ranks], alive)]
         sink: asyncio.Queue = asyncio.Queue()
-        verdict = self._loop.create_future()
+        verdict = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (rank.rank, verdict)
-        self._requests[request_id] = [rank.rank, sink, params.n]
+        self._requests[request_id] = [rank.rank, sink, request.params.n]
         rank.load += 1
-        self._send(rank, ("add", request_id, prompt_token_ids, params, cache_salt))
+        self._send(rank, ("add", request))
         try:
             error = await verdict
         except asyncio.CancelledError:
@@ -276,11 +267,14 @@ class DataParallelLoop:
                 results.append(ResetResult.failed(rank.rank, str(reply)))
         return results
 
+    def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
+        return None  # ranks do not publish KV events yet (`kvpilot serve` refuses the combination)
+
     async def _call(self, rank: _Rank, kind: str, *args: Any) -> Any:
         if rank.dead:
             raise EngineDeadError(rank.dead)
         call_id = next(self._call_ids)
-        reply = self._loop.create_future()
+        reply = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (rank.rank, reply)
         self._send(rank, (kind, call_id, *args))
         try:
@@ -309,6 +303,7 @@ class DataParallelLoop:
         self._post(self._on_death, rank, rank.process.exitcode)
 
     def _post(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None  # set by start(), before the reader threads run
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:

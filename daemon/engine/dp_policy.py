@@ -1,8 +1,9 @@
 """Which data-parallel rank gets a request: the rank that most likely holds its prefix, unless busier.
 
-Pure logic (no processes, no I/O), so the fleet router can share it for pods the way the daemon uses it
-for ranks. Each rank's recent prefixes are remembered as block keys (`block_hash.py`, the same keys the
-engines index), bounded LRU per rank; a reset forgets them. Load is the caller's count of open requests.
+Pure logic (no processes, no I/O); only the daemon's data-parallel loop uses it (the fleet router scores
+pods by their KV events instead, in `router/policy.py`). Each rank's recent prefixes are remembered as
+block keys (`block_hash.py`, the same keys the engines index), bounded LRU per rank; a reset forgets
+them. Load is the caller's count of open requests.
 
 Choice: among the live ranks whose load is within `load_slack` of the least loaded one, the one whose
 remembered keys cover the longest prefix of the prompt; ties go to the least loaded, then round robin

@@ -121,13 +121,13 @@ class RankWorker:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, request_id, prompt, params, cache_salt = msg
+            req = msg[1]  # an EngineRequest
             try:
-                self.engine.add_request(request_id, prompt, params, cache_salt)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
             except Exception as exc:  # noqa: BLE001 - handed back; the server maps it to a status
-                self.outbox.send(("added", request_id, describe_error(exc)))
+                self.outbox.send(("added", req.request_id, describe_error(exc)))
             else:
-                self.outbox.send(("added", request_id, None))
+                self.outbox.send(("added", req.request_id, None))
         elif kind == "abort":
             self.engine.abort_request(msg[1])
         elif kind == "reset":

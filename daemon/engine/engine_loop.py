@@ -1,4 +1,5 @@
-"""Drive the synchronous engine from an asyncio server: one dedicated thread, one command queue.
+"""Drive the synchronous engine from an asyncio server: one dedicated thread, one command queue. This is
+the `EngineClient` (`client.py`) of a single engine.
 
 Why a thread (and not the event loop, nor a process):
 - `LLMEngine.step()` takes tens of milliseconds to seconds; on the event loop it would stall every
@@ -28,26 +29,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvpilot.daemon.engine.client import EngineDeadError, EngineInfo, EngineRequest, LoopState
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (engine error or shutdown); it will not answer."""
-
-
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    request: EngineRequest
     sink: asyncio.Queue
     done: concurrent.futures.Future
 
@@ -68,21 +65,21 @@ class _Stop:
     pass
 
 
-@dataclass(slots=True)
-class LoopState:
-    """What the loop thread publishes for lock-free readers (metrics scrapes): replaced, never mutated."""
-
-    stats: CacheStats | None = None
-    steps: int = 0
-    last_step_time: float = 0.0
-
-
 class EngineLoop:
-    """Owns the engine thread. Create on the event loop; `start()`, then `add`/`abort`/`call`."""
+    """The `EngineClient` of one engine: owns the engine thread. `start()` on the event loop, then
+    `add`/`abort`/`call`."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._loop = loop or asyncio.get_running_loop()
+        self.info = EngineInfo(
+            model_name=engine.model_name,
+            max_model_len=engine.max_model_len,
+            tokenizer=engine.tokenizer,
+            enable_prefix_caching=engine.config.enable_prefix_caching,
+            block_size=engine.config.block_size,
+            num_blocks=engine.num_blocks,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> [its queue, sequences not finished yet]; touched by the engine thread only
         self._sinks: dict[str, list] = {}
@@ -94,6 +91,7 @@ class EngineLoop:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     @property
@@ -105,21 +103,18 @@ class EngineLoop:
         return self._error
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Stop after the current step; open requests are failed (the server drains them first)."""
-        try:
-            self._submit(_Stop())
-        except EngineDeadError:
-            pass
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        """Stop after the current step; open requests are failed (the server drains them first). Then
+        the engine's own resources (the KV events publisher) are released."""
+        if self._thread.ident is not None:  # started
+            try:
+                self._submit(_Stop())
+            except EngineDeadError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self.engine.close()
 
     # ---- API for the event loop ----------------------------------------------------------------
-    async def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> asyncio.Queue:
+    async def add(self, request: EngineRequest) -> asyncio.Queue:
         """Queue a request; returns its output queue once the engine accepted it.
 
         Raises the engine's ValueError (RequestRejected, SamplingError) for bad input and QueueFull when
@@ -128,11 +123,11 @@ class EngineLoop:
         """
         sink: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt_token_ids, params, cache_salt, sink, done))
+        self._submit(_Add(request, sink, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            self.abort(request_id)  # the client left while we queued: it may have been added anyway
+            self.abort(request.request_id)  # the client left while we queued: it may have been added anyway
             raise
         return sink
 
@@ -158,20 +153,21 @@ class EngineLoop:
 
     async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
         """The reset between two steps, as one rank's result (a failed one if it errs or times out).
-        Raises NotImplementedError when the engine has no prefix cache to reset, EngineDeadError when
-        the loop is not running."""
-        if not hasattr(self.engine, "reset_prefix_cache"):
-            raise NotImplementedError("this engine has no prefix cache to reset")
+        Raises EngineDeadError when the loop is not running."""
         try:
             reset = self.call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
             return [await asyncio.wait_for(reset, timeout)]
-        except (EngineDeadError, NotImplementedError):
+        except EngineDeadError:
             raise
         except TimeoutError:
             return [ResetResult.failed(0, f"no answer within {timeout:g} s")]
         except Exception as exc:  # noqa: BLE001 - reported per rank, honestly, without a stack trace
             log.exception("prefix cache reset failed")
             return [ResetResult.failed(0, f"reset failed: {type(exc).__name__}")]
+
+    def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
+        publisher = self.engine.kv_events
+        return None if publisher is None else publisher.describe(reached_host)
 
     def _submit(self, cmd: object) -> None:
         with self._lock:
@@ -220,12 +216,13 @@ class EngineLoop:
         if isinstance(cmd, _Add):
             if not cmd.done.set_running_or_notify_cancel():
                 return  # the caller gave up before we got to it
+            req = cmd.request
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return
-            self._sinks[cmd.request_id] = [cmd.sink, cmd.params.n]
+            self._sinks[req.request_id] = [cmd.sink, req.params.n]
             cmd.done.set_result(None)
         elif isinstance(cmd, _Abort):
             if self.engine.abort_request(cmd.request_id):
@@ -259,6 +256,7 @@ class EngineLoop:
         self._post(_put_all, batch)
 
     def _post(self, fn: Callable, arg: Any) -> None:
+        assert self._loop is not None  # set by start(), before the thread runs
         try:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:

@@ -1,7 +1,8 @@
 """The daemon's HTTP server: app factory, error middleware, operations routes, and the serve loop.
 
-`create_app(engine, settings)` builds the aiohttp application; `serve(engine, settings)` runs it until
-SIGTERM/SIGINT and drains. All engine access goes through `EngineLoop` (one engine thread).
+`create_app(engine, settings)` builds the aiohttp application around an `EngineClient` (from
+`start_engine`, `daemon/engine/client.py`); `serve(engine, settings)` runs it until SIGTERM/SIGINT and
+drains. The server knows the engine only through that client and its `EngineInfo`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot import __version__
-from kvpilot.daemon.engine.dp_engine import DataParallelEngine
-from kvpilot.daemon.engine.engine_loop import EngineDeadError, EngineLoop
+from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
-from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, max_prompt_chars, running_loop
+from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.errors import ApiError, unavailable
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
+from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
 from kvpilot.daemon.server.schema import openapi
 from kvpilot.daemon.server.text_pool import Busy, TextPool
@@ -35,18 +37,18 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 # ---- app -----------------------------------------------------------------------------------------
-def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Application:
+def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
-    served = list(settings.served_model_names) or [engine.model_name]
+    served = list(settings.served_model_names) or [engine.info.model_name]
     state = ServerState(
         engine,
         settings,
         served,
-        metrics=None,  # type: ignore[arg-type]
+        metrics=DaemonMetrics(lambda: _rank_snapshots(engine)),
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
-        max_prompt_chars=max_prompt_chars(engine.tokenizer, engine.max_model_len),
+        rules=PromptRules.of(engine.info, served),
+        token_texts=TokenTexts(engine.info.tokenizer),
     )
-    state.metrics = DaemonMetrics(lambda: _rank_snapshots(state))
     state.idle.set()
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
     app[STATE] = state
@@ -59,28 +61,18 @@ def create_app(engine: Any, settings: ServerSettings | None = None) -> web.Appli
     app.router.add_get("/prefix_cache", prefix_cache)
     app.router.add_get("/openapi.json", openapi_schema)
     app.router.add_get("/kv_events", kv_events)
-    app.on_startup.append(_start_engine_loop)
-    app.on_cleanup.append(_stop_engine_loop)
+    app.on_startup.append(_start_engine)
+    app.on_cleanup.append(_stop_engine)
     return app
 
 
-async def _start_engine_loop(app: web.Application) -> None:
-    state = app[STATE]
-    loop = asyncio.get_running_loop()
-    if isinstance(state.engine, DataParallelEngine):
-        state.loop = state.engine.make_loop(loop)
-    else:
-        state.loop = EngineLoop(state.engine, loop)
-    state.loop.start()
+async def _start_engine(app: web.Application) -> None:
+    app[STATE].engine.start()
 
 
-async def _stop_engine_loop(app: web.Application) -> None:
-    if app[STATE].loop is not None:
-        await app[STATE].loop.stop()
+async def _stop_engine(app: web.Application) -> None:
+    await app[STATE].engine.stop()
     app[STATE].text.shutdown()
-    close = getattr(app[STATE].engine, "close", None)
-    if close is not None:
-        close()
 
 
 def _error_response(err: ApiError, extra: dict | None = None) -> web.Response:
@@ -124,11 +116,9 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
             state.idle.set()
 
 
-def _rank_snapshots(state: ServerState) -> list[tuple[str | None, CacheStats]]:
+def _rank_snapshots(engine: EngineClient) -> list[tuple[str | None, CacheStats]]:
     """Each rank's latest published stats for the metrics, labelled by rank when there are several."""
-    if state.loop is None:
-        return []
-    states = state.loop.rank_states()
+    states = engine.rank_states()
     multi = len(states) > 1
     return [(str(r) if multi else None, s.stats) for r, s in enumerate(states) if s.stats is not None]
 
@@ -138,8 +128,8 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    if state.loop is None or not state.loop.alive:
-        reason = state.loop.error if state.loop else "starting"
+    if not state.engine.alive:
+        reason = state.engine.error or "starting"
         return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
     return web.json_response({"status": "ok"})
 
@@ -158,7 +148,7 @@ async def models(request: web.Request) -> web.Response:
             "created": state.created,
             "owned_by": "kvpilot",
             "root": state.served[0],
-            "max_model_len": state.engine.max_model_len,
+            "max_model_len": state.engine.info.max_model_len,
         }
         for name in state.served
     ]
@@ -170,24 +160,23 @@ async def openapi_schema(request: web.Request) -> web.Response:
 
 
 async def prefix_cache(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    loop = running_loop(state)
-    ranks = await loop.rank_stats()
+    engine = running_engine(request.app[STATE])
+    ranks = await engine.rank_stats()
     body = CacheStats.total(ranks).to_dict()
-    body["enable_prefix_caching"] = bool(state.engine.config.enable_prefix_caching)
-    body["engine_steps"] = loop.state.steps
+    body["enable_prefix_caching"] = engine.info.enable_prefix_caching
+    body["engine_steps"] = sum(s.steps for s in engine.rank_states())
     body["ranks"] = [{"rank": r, **s.to_dict()} for r, s in enumerate(ranks)]
     return web.json_response(body)
 
 
 async def kv_events(request: web.Request) -> web.Response:
     """Where this daemon publishes its KV events, so a router needs only its HTTP address."""
-    publisher = getattr(request.app[STATE].engine, "kv_events", None)
-    if publisher is None:
+    where = request.app[STATE].engine.describe_kv_events(request.url.host)
+    if where is None:
         raise ApiError(
             404, "KV events are off (start the daemon with --kv-events-endpoint)", code="not_found"
         )
-    return web.json_response(publisher.describe(request.url.host))
+    return web.json_response(where)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -201,15 +190,10 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     body = parse_json_object(raw) if raw.strip() else None
     flag = parse_reset_flag(request.query.get("reset_running_requests"), body)
     try:
-        if state.loop is None:
-            raise EngineDeadError("the engine loop is not running")
-        ranks = await state.loop.reset_ranks(flag, state.settings.reset_timeout)
+        ranks = await state.engine.reset_ranks(flag, state.settings.reset_timeout)
     except EngineDeadError:
         m.labels("unavailable").inc()
         raise ApiError(503, "the engine is not running", code="engine_unavailable") from None
-    except NotImplementedError:
-        m.labels("failed").inc()
-        raise ApiError(501, "this engine cannot reset its prefix cache", code="not_supported") from None
     entries = [r.to_dict() for r in ranks]
     failed = [r for r in ranks if not r.success]
     if failed:
@@ -237,7 +221,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 # ---- running -------------------------------------------------------------------------------------
-async def serve(engine: Any, settings: ServerSettings) -> int:
+async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     """Serve until SIGTERM or SIGINT, then drain: stop accepting, let in-flight requests finish within
     `shutdown_timeout`, stop the engine, return 0."""
     app = create_app(engine, settings)

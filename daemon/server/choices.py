@@ -4,9 +4,9 @@ stop strings, logprobs as token texts), and logprobs take OpenAI's completion or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
-from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
 
 # One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
@@ -43,20 +43,38 @@ class Choice:
     has_logprobs: bool = False
 
 
-def feed(state: ServerState, seqs: list[Sequence], outputs: list[RequestOutput], prompt: list[int],
-          echo: list | None) -> list[Delta]:  # fmt: skip
+class TokenTexts:
+    """Token ids as text, for logprobs; cached, as the vocabulary bounds the cache. Call in the text pool."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def feed(
+    texts: TokenTexts,
+    seqs: list[Sequence],
+    outputs: list[RequestOutput],
+    prompt: list[int],
+    echo: list | None,
+) -> list[Delta]:
     """Detokenize engine outputs into deltas (in the text pool)."""
-    tok = state.engine.tokenizer
     deltas = []
     for out in outputs:
         seq = seqs[out.index]
         if out.prompt_logprobs is not None and echo is not None:
-            first = (state.text.token_text(tok, prompt[0]), None, None)
-            echo[1] = [first, *(entry(state, lp) for lp in out.prompt_logprobs[1:])]
+            first = (texts(prompt[0]), None, None)
+            echo[1] = [first, *(entry(texts, lp) for lp in out.prompt_logprobs[1:])]
         text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
         reason = "stop" if stopped else out.finish_reason if out.finished else None
         seq.done = reason is not None
-        logprobs = [entry(state, lp) for lp in out.logprobs] if out.logprobs is not None else None
+        logprobs = [entry(texts, lp) for lp in out.logprobs] if out.logprobs is not None else None
         delta = Delta(out.index, text, logprobs, reason, out)
         if echo is not None and not seq.started:
             delta.echo = (echo[0], echo[1])
@@ -65,10 +83,9 @@ def feed(state: ServerState, seqs: list[Sequence], outputs: list[RequestOutput],
     return deltas
 
 
-def entry(state: ServerState, lp: TokenLogprob) -> LogprobEntry:
-    tok = state.engine.tokenizer
-    top = [(state.text.token_text(tok, t), v) for t, v in lp.top]
-    return state.text.token_text(tok, lp.token_id), lp.logprob, top
+def entry(texts: TokenTexts, lp: TokenLogprob) -> LogprobEntry:
+    top = [(texts(t), v) for t, v in lp.top]
+    return texts(lp.token_id), lp.logprob, top
 
 
 def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:

@@ -45,30 +45,14 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("%s", flag_message(exc, EngineConfig, ServerSettings))
         return 2
 
-    from kvpilot.daemon.engine.engine import LLMEngine
+    from kvpilot.daemon.engine.client import start_engine
     from kvpilot.daemon.server.app import serve
 
     try:
-        if config.data_parallel_size > 1:
-            from kvpilot.daemon.engine.dp_engine import DataParallelEngine
-
-            engine = DataParallelEngine(config, config.data_parallel_size)
-        else:
-            engine = LLMEngine(config)
+        engine = start_engine(config)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("cannot start the engine: %s", exc)
         return 2
-    log.info(
-        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, "
-        "max_num_seqs %d",
-        engine.model_name,
-        config.data_parallel_size,
-        engine.num_blocks,
-        config.block_size,
-        engine.max_model_len,
-        "on" if config.enable_prefix_caching else "off",
-        config.max_num_seqs,
-    )
     try:
         return asyncio.run(serve(engine, settings))
     except OSError as exc:  # most often: the port is taken

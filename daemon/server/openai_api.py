@@ -1,10 +1,11 @@
 """The OpenAI generation routes: `/v1/completions` and `/v1/chat/completions`, streaming or not.
 
-A request is parsed, templated and tokenized in the text pool (off the event loop), then becomes one
-engine request per prompt, each running `best_of` (or `n`) sequences that share the prompt's KV blocks.
-Tokens come back through the engine loop and are detokenized (in the pool), cut at stop strings and
-sent as JSON or server-sent events. Whatever ends a handler early (client gone, error) aborts its engine
-requests, so their blocks are freed before the next step.
+A request goes forward through the layers once: it is parsed, templated and tokenized with each prompt's
+sampling parameters (`prepare.py`, in the text pool, off the event loop), then becomes one engine request
+per prompt (`EngineClient.add`), each running `best_of` (or `n`) sequences that share the prompt's KV
+blocks. Tokens come back through the engine client, are detokenized and cut at stop strings
+(`choices.py`, in the pool) and sent as JSON or server-sent events. Whatever ends a handler early
+(client gone, error) aborts its engine requests, so their blocks are freed before the next step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
-from kvpilot.daemon.engine.engine_loop import EngineDeadError
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.daemon.server.app_state import STATE, ServerState, running_loop
+from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import (
     Choice,
     Delta,
@@ -35,7 +36,7 @@ from kvpilot.daemon.server.choices import (
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.daemon.server.errors import ApiError, bad, unavailable
-from kvpilot.daemon.server.prepare import Prepared, params_for, prepare_chat, prepare_completion
+from kvpilot.daemon.server.prepare import Prepared, prepare_chat, prepare_completion
 from kvpilot.daemon.server.protocol import GenerateRequest
 
 
@@ -46,17 +47,17 @@ async def _generate(
 ) -> AsyncIterator[Delta]:  # fmt: skip
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
-    loop = running_loop(state)
+    engine = running_engine(state)
     req = prep.req
     try:
-        sink = await loop.add(request_id, prompt, params, req.cache_salt)
+        sink = await engine.add(EngineRequest(request_id, prompt, params, req.cache_salt))
     except QueueFull as exc:
         raise unavailable(str(exc), "queue_full") from None
     except RequestRejected as exc:
         raise bad(str(exc), _param_name(exc.param, req, prep.chat), exc.code) from None
     except ValueError as exc:  # SamplingError: the client's input
         raise bad(str(exc)) from None
-    tok = state.engine.tokenizer
+    tok = engine.info.tokenizer
     seqs = [
         Sequence(
             IncrementalDetokenizer(tok, prompt, req.skip_special_tokens),
@@ -89,7 +90,9 @@ async def _generate(
                 m.itl.observe(now - last)
             last = now
             m.generation_tokens.inc(sum(len(o.new_token_ids) for o in items))
-            deltas = await state.text.run(feed, state, seqs, outputs, prompt, echo if req.echo else None)
+            deltas = await state.text.run(
+                feed, state.token_texts, seqs, outputs, prompt, echo if req.echo else None
+            )
             for d in deltas:
                 if d.finish_reason is not None:
                     open_choices -= 1
@@ -97,7 +100,7 @@ async def _generate(
         m.e2e.observe(time.monotonic() - arrival)
     finally:
         if engine_open:
-            loop.abort(request_id)  # client gone, engine failed, or stopped at a stop string
+            engine.abort(request_id)  # client gone, engine failed, or stopped at a stop string
 
 
 async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> Any:
@@ -127,7 +130,7 @@ def _usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> 
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
-    if state.engine.config.enable_prefix_caching:
+    if state.engine.info.enable_prefix_caching:
         usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}
     return usage
 
@@ -145,11 +148,11 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
     state = request.app[STATE]
     arrival = time.monotonic()
     raw = await request.read()
-    prep: Prepared = await state.text.prepare(prepare, state, raw)
+    prep: Prepared = await state.text.prepare(prepare, state.rules, raw)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [
-        _generate(state, ids[i], p, params_for(state, prep, p), prep, prep.prompt_texts[i], arrival)
+        _generate(state, ids[i], p, prep.params[i], prep, prep.prompt_texts[i], arrival)
         for i, p in enumerate(prep.prompts)
     ]
     if prep.req.stream:

@@ -1,5 +1,5 @@
-"""A request body becomes prompts of token ids: parsed, validated, templated and tokenized. Runs in the
-text pool, off the event loop."""
+"""A request body becomes prompts of token ids, each with its sampling parameters: parsed, validated,
+templated and tokenized. Runs in the text pool, off the event loop."""
 
 from __future__ import annotations
 
@@ -7,10 +7,28 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.daemon.engine.client import EngineInfo
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.errors import bad
 from kvpilot.daemon.server.protocol import GenerateRequest, parse_chat, parse_completion, parse_json_object
+
+# No token of a vocabulary decodes to more characters than its longest entry; 4x covers normalizers
+# that shrink text before splitting it (NFKC and friends).
+CHARS_PER_TOKEN_MARGIN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRules:
+    """What preparing a request needs: the model names served and the engine's tokenizer and context."""
+
+    served: list[str]
+    info: EngineInfo
+    max_prompt_chars: int  # longer prompt texts cannot fit the context, whatever their tokens
+
+    @classmethod
+    def of(cls, info: EngineInfo, served: list[str]) -> PromptRules:
+        longest = max((len(t) for t in info.tokenizer.get_vocab()), default=1)
+        return cls(served, info, CHARS_PER_TOKEN_MARGIN * max(longest, 1) * info.max_model_len)
 
 
 @dataclass(slots=True)
@@ -19,42 +37,46 @@ class Prepared:
 
     req: GenerateRequest
     prompts: list[list[int]]
+    params: list[SamplingParams]  # each prompt's own
     prompt_texts: list[str]  # for echo
     chat: bool
 
 
-def prepare_completion(state: ServerState, raw: bytes) -> Prepared:
-    req = parse_completion(parse_json_object(raw), state.served)
-    tok = state.engine.tokenizer
+def prepare_completion(rules: PromptRules, raw: bytes) -> Prepared:
+    req = parse_completion(parse_json_object(raw), rules.served)
+    tok = rules.info.tokenizer
     texts = [p for p in req.prompts if isinstance(p, str)]
     for text in texts:
-        _check_chars(state, text, "prompt")
+        _check_chars(rules, text, "prompt")
     # A batch call: the Rust tokenizer releases the GIL for it, so the event loop keeps running.
     encoded = iter(tok(texts, add_special_tokens=True)["input_ids"] if texts else ())
     prompts = [list(next(encoded)) if isinstance(p, str) else p for p in req.prompts]
     echoed = [(p if isinstance(p, str) else _decode(tok, p)) if req.echo else "" for p in req.prompts]
-    return Prepared(req, prompts, echoed, chat=False)
+    params = [_params_for(req, False, p, rules.info.max_model_len) for p in prompts]
+    return Prepared(req, prompts, params, echoed, chat=False)
 
 
-def prepare_chat(state: ServerState, raw: bytes) -> Prepared:
-    chat = parse_chat(parse_json_object(raw), state.served)
-    tok = state.engine.tokenizer
+def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
+    chat = parse_chat(parse_json_object(raw), rules.served)
+    tok = rules.info.tokenizer
     try:
         text = tok.apply_chat_template(
             chat.messages, tokenize=False, add_generation_prompt=chat.add_generation_prompt
         )
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
         raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
-    _check_chars(state, text, "messages")
+    _check_chars(rules, text, "messages")
     ids = list(tok([text], add_special_tokens=False)["input_ids"][0])
-    return Prepared(chat.generate, [ids], [""], chat=True)
+    params = _params_for(chat.generate, True, ids, rules.info.max_model_len)
+    return Prepared(chat.generate, [ids], [params], [""], chat=True)
 
 
-def _check_chars(state: ServerState, text: str, param: str) -> None:
-    """Refuse a text that is too long for the context without tokenizing it: no token covers more than
-    `max_token_chars` characters, so more characters than that times the context is surely too long."""
-    limit = state.engine.max_model_len
-    if len(text) > state.max_prompt_chars:
+def _check_chars(rules: PromptRules, text: str, param: str) -> None:
+    """Refuse a text that is too long for the context without tokenizing it: no token covers more
+    characters than the margin times the longest vocabulary entry, so more characters than that times
+    the context is surely too long."""
+    limit = rules.info.max_model_len
+    if len(text) > rules.max_prompt_chars:
         raise bad(
             f"This model's maximum context length is {limit} tokens; the {param} has {len(text)} "
             f"characters, more than {limit} tokens can hold",
@@ -70,12 +92,12 @@ def _decode(tok: Any, ids: list[int]) -> str:
         return ""  # ids outside the vocabulary: the engine refuses the prompt with a 400 right after
 
 
-def params_for(state: ServerState, prep: Prepared, prompt: list[int]) -> SamplingParams:
+def _params_for(req: GenerateRequest, chat: bool, prompt: list[int], max_model_len: int) -> SamplingParams:
     """The prompt's own parameters: without max_tokens, what fits beside this prompt (not the
     batch's shortest room); the engine checks the context for everything else."""
-    params = dataclasses.replace(prep.req.params)
-    if not prep.req.max_tokens_given:
-        room = state.engine.max_model_len - len(prompt)
-        params.max_tokens = max(1, room if prep.chat else min(params.max_tokens, room))
+    params = dataclasses.replace(req.params)
+    if not req.max_tokens_given:
+        room = max_model_len - len(prompt)
+        params.max_tokens = max(1, room if chat else min(params.max_tokens, room))
         params.min_tokens = min(params.min_tokens, params.max_tokens)
     return params

@@ -134,11 +134,6 @@ class CompletionRequest(_Request):
         return self
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: not used by chat templates here
 

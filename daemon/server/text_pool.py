@@ -26,7 +26,6 @@ class TextPool:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-text")
         self._max_pending = max_pending
         self._pending = 0
-        self._token_text: dict[int, str] = {}
 
     async def prepare(self, fn: Callable[..., T], *args: Any) -> T:
         """A request's preparation (parse, template, tokenize); Busy when too many wait."""
@@ -40,13 +39,6 @@ class TextPool:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-
-    def token_text(self, tokenizer: Any, token_id: int) -> str:
-        """One token as text, for logprobs (cached: the vocabulary bounds the cache). Call in the pool."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -155,10 +155,11 @@ def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -
     import aiohttp
     from aiohttp import web
 
+    from kvpilot.daemon.engine.engine_loop import EngineLoop
     from kvpilot.daemon.server.app import create_app
 
     async def get(engine: LLMEngine) -> tuple[int, dict]:
-        runner = web.AppRunner(create_app(engine))
+        runner = web.AppRunner(create_app(EngineLoop(engine)))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

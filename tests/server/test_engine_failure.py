@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.engine_loop import EngineLoop
 from kvpilot.daemon.server.app import ServerSettings, create_app
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +38,8 @@ def test_engine_error_fails_requests_and_marks_unhealthy(tiny_model_dir: Path) -
     engine = FaultyEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
 
     async def main() -> None:
-        server = TestServer(create_app(engine, ServerSettings(served_model_names=["tiny"])), host="127.0.0.1")
+        app = create_app(EngineLoop(engine), ServerSettings(served_model_names=["tiny"]))
+        server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         url = f"http://127.0.0.1:{server.port}"
         try:

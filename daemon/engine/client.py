@@ -1,0 +1,135 @@
+"""The contract between the HTTP server and the engine: `EngineClient`, `EngineInfo`, `start_engine`.
+
+The server never holds an engine, only a client of one. Two clients implement the contract:
+`EngineLoop` (`engine_loop.py`: one `LLMEngine` on a thread of the server's process) and
+`DataParallelLoop` (`dp_engine.py`: N rank processes). `start_engine` picks one for the config, so the
+server never asks which kind it has.
+
+Errors are part of the contract: `add` raises the engine's `RequestRejected` or `SamplingError` (both
+`ValueError`, the client's fault) and `QueueFull` (try again later); every call raises
+`EngineDeadError` once the client no longer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
+from kvpilot.daemon.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (engine error, a dead rank, or shutdown); it will not answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server needs to know about the engine it serves, fixed once the model is loaded."""
+
+    model_name: str
+    max_model_len: int  # the context every rank can hold
+    tokenizer: PreTrainedTokenizerBase
+    enable_prefix_caching: bool
+    block_size: int
+    num_blocks: int  # KV blocks, all ranks together
+    num_ranks: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the server hands it to the engine: `params.n` sequences sharing the prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class LoopState:
+    """What one rank last published for lock-free readers (metrics scrapes): replaced, never mutated."""
+
+    stats: CacheStats | None = None
+    steps: int = 0
+    last_step_time: float = 0.0
+
+
+class EngineClient(Protocol):
+    """The engine as the server drives it. Create it off the event loop (it loads the model), then
+    `start()` it on the event loop that will call it."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def start(self) -> None:
+        """Start serving; bound to the running event loop from then on."""
+
+    async def stop(self) -> None:
+        """Stop after the current step, fail what is still open, and release the engine (its threads,
+        processes and sockets). Safe to call when `start` never ran."""
+
+    @property
+    def alive(self) -> bool:
+        """Started, and every rank running."""
+
+    @property
+    def error(self) -> str | None:
+        """Why it is not alive, once it died (None while starting or running)."""
+
+    async def add(self, request: EngineRequest) -> asyncio.Queue:
+        """Queue a request; returns, once the engine accepted it, the queue that yields the
+        `RequestOutput`s of all its sequences (or an `EngineDeadError` if the engine dies meanwhile)."""
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget: the request's blocks are freed before the engine's next step."""
+
+    def rank_states(self) -> list[LoopState]:
+        """Each rank's latest published state, without waiting for a step (for metrics)."""
+
+    async def rank_stats(self) -> list[CacheStats]:
+        """Each rank's stats, read between two of its steps."""
+
+    async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
+        """Reset every rank's prefix cache between two of its steps: one result per rank, a failed one
+        for a rank that errs or does not answer within `timeout`."""
+
+    def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
+        """Where KV events are published (`GET /kv_events`), None when they are off."""
+
+
+def start_engine(config: EngineConfig) -> EngineClient:
+    """Load the model (on `config.data_parallel_size` rank processes when above 1) and return its client,
+    not started yet. Raises ValueError, FileNotFoundError or RuntimeError when the engine cannot start."""
+    # Imported here: both implementations import this module for the contract's types.
+    client: EngineClient
+    if config.data_parallel_size > 1:
+        from kvpilot.daemon.engine.dp_engine import DataParallelEngine, DataParallelLoop
+
+        client = DataParallelLoop(DataParallelEngine(config, config.data_parallel_size))
+    else:
+        from kvpilot.daemon.engine.engine import LLMEngine
+        from kvpilot.daemon.engine.engine_loop import EngineLoop
+
+        client = EngineLoop(LLMEngine(config))
+    info = client.info
+    log.info(
+        "loaded %s on %d rank(s): %d KV blocks x %d tokens, max_model_len %d, prefix caching %s, "
+        "max_num_seqs %d",
+        info.model_name,
+        info.num_ranks,
+        info.num_blocks,
+        info.block_size,
+        info.max_model_len,
+        "on" if info.enable_prefix_caching else "off",
+        config.max_num_seqs,
+    )
+    return client
