@@ -12,7 +12,8 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 from standin import Standin
 
-from kvpilot.fanout import FanoutSettings, PodResult, Target, run_fanout
+from kvpilot.fanout import FanoutSettings, OnCall, PodResult, Target, run_fanout
+from kvpilot.operator import metrics
 from kvpilot.operator.reset_status import pod_entry, summarize
 from kvpilot.operator.resets import outcome
 
@@ -53,7 +54,7 @@ class Recorder:
 
 
 def run(
-    standins: list[Standin], settings: FanoutSettings | None = None, **kw
+    standins: list[Standin], settings: FanoutSettings | None = None, on_call: OnCall | None = None, **kw
 ) -> tuple[list[PodResult], Recorder]:
     port = free_port()
     settings = settings or FanoutSettings()
@@ -62,9 +63,8 @@ def run(
 
     async def go() -> list[PodResult]:
         async with serving(standins, port) as targets:
-            return await run_fanout(
-                targets, settings, deadline=time.monotonic() + settings.timeout_s, checkpoint=rec
-            )
+            deadline = time.monotonic() + settings.timeout_s
+            return await run_fanout(targets, settings, deadline=deadline, checkpoint=rec, on_call=on_call)
 
     return asyncio.run(go()), rec
 
@@ -260,3 +260,22 @@ def test_base_url_targets_for_the_router() -> None:
 
     assert [r.result for r in asyncio.run(go())] == ["Succeeded", "Succeeded"]
     assert [x.resets for x in s] == [1, 1]
+
+
+def test_every_call_reaches_on_call_and_the_operator_counts_it() -> None:
+    """The fan-out counts nothing itself: the caller's on_call hears each call; the operator's hook counts
+    kvpilot_operator_reset_pod_requests_total{result, code}."""
+    heard: list[tuple[str, str]] = []
+    sample = ("kvpilot_operator_reset_pod_requests_total", {"result": "Transient", "code": "500"})
+    before = metrics.REGISTRY.get_sample_value(*sample) or 0.0
+
+    def on_call(verdict: str, code: str) -> None:
+        heard.append((verdict, code))
+        metrics.count_pod_call(verdict, code)
+
+    records, _ = run(
+        [Standin(), Standin(reset_status=500)], on_call=on_call, retries_per_pod=1, backoff_base_s=0.01
+    )
+    assert [r.result for r in records] == ["Succeeded", "Failed"]
+    assert sorted(heard) == [("Succeeded", "200"), ("Transient", "500"), ("Transient", "500")]
+    assert metrics.REGISTRY.get_sample_value(*sample) == before + 2
