@@ -13,11 +13,13 @@ import kopf
 from kvpilot.operator import fleets, metrics, resets
 from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION
 from kvpilot.operator.kube import Kube
+from kvpilot.operator.owners import owner_of_kind
 
+# The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics
+# registry it feeds is (a restarted operator counts again from its resume handlers).
 _fleets: set[tuple[str, str]] = set()
-# Calls to pods in flight across all resets of this process (`kvpilot operator --max-calls-in-flight`).
-MAX_CALLS_IN_FLIGHT = 512
 # How long a stopping operator lets calls in flight finish (a reset's shutdown grace is a little shorter).
+# A constant, not a knob: kopf reads it when the handler below is registered, at import.
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -37,7 +39,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
                           ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):  # fmt: skip
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
-    memo.limiter = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+    # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
+    memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
 
 
 @contextlib.asynccontextmanager
@@ -69,8 +72,7 @@ async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger,
                         **_: Any) -> None:  # fmt: skip
     # An owned object changed (edited, deleted, pods became ready): reconcile its owner, which
     # applies it again (a no-op unless someone changed our fields) and refreshes status.
-    owner = next((r for r in body["metadata"].get("ownerReferences") or []
-                  if r.get("kind") == "InferenceDeployment" and r.get("apiVersion") == f"{GROUP}/{VERSION}"), None)  # fmt: skip
+    owner = owner_of_kind(body, f"{GROUP}/{VERSION}", "InferenceDeployment")
     if owner is None:
         return
     fleet = await memo.kube.get_cr(FLEETS, namespace, owner["name"])

@@ -91,10 +91,9 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator import handlers, metrics
+    from kvpilot.operator import handlers, metrics  # noqa: F401 - importing handlers registers them with kopf
 
     logging.getLogger("kopf.objects").addFilter(_QuietSuccess())
-    handlers.MAX_CALLS_IN_FLIGHT = args.max_calls_in_flight
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
     if not standalone and not args.namespace:
         warn_about_equal_peers(args.peering, args.priority)
@@ -111,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             priority=args.priority,
             peering_name=None if standalone else args.peering,
             liveness_endpoint=f"http://{args.bind}:{args.liveness_port}/healthz",
+            # Read by the startup handler (handlers.configure); every handler's memo is a copy of this one.
+            memo=kopf.Memo(max_calls_in_flight=args.max_calls_in_flight),
         )
     )
     return 0

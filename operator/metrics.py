@@ -58,5 +58,10 @@ def record_reset_pods(namespace: str, reset: str, counts: dict[str, int]) -> Non
                 pass
 
 
+def count_pod_call(verdict: str, code: str) -> None:
+    """The fan-out's on_call hook: one reset call to a pod (or a pod's deadline passing before its next)."""
+    POD_REQUESTS.labels(verdict, code).inc()
+
+
 def serve(port: int, addr: str = "0.0.0.0") -> None:
     start_http_server(port, addr=addr, registry=REGISTRY)

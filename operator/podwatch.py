@@ -14,7 +14,7 @@ from typing import Any
 
 from kubernetes import watch
 
-from kvpilot.operator.fanout import Target
+from kvpilot.fanout import Target
 from kvpilot.operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,13 @@ class PodWatch:
         if ip != target.ip:
             return f"pod IP changed during the reset ({target.ip} -> {ip or 'none'}); not called"
         return None
+
+    async def __aenter__(self) -> PodWatch:
+        self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"podwatch-{self.ns}", daemon=True)

@@ -20,22 +20,22 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
+from kvpilot.fanout import FanoutSettings, PodResult, Target, initial_results, run_fanout
 from kvpilot.operator import builders, metrics
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, set_condition
-from kvpilot.operator.fanout import FanoutSettings, PodRecord, Target, initial_records, run_fanout, summarize
 from kvpilot.operator.kube import ApiException, Kube, is_transient
 from kvpilot.operator.owners import controlled_by, controller_ref
 from kvpilot.operator.podwatch import PodWatch
+from kvpilot.operator.reset_status import pod_status, summarize
 
 DONE = ("Succeeded", "Failed")
-MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
 _FINAL_PATCH_GRACE_S = 30.0  # how long the final status write is retried past the deadline
 
@@ -175,8 +175,9 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
                 wants_pods)  # fmt: skip
 
 
-def outcome(records: Sequence[PodRecord], min_success_ratio: float = 1.0,
-            allow_no_targets: bool = False) -> tuple[str, str, str]:  # fmt: skip
+def outcome(
+    records: Sequence[PodResult], min_success_ratio: float = 1.0, allow_no_targets: bool = False
+) -> tuple[str, str, str]:
     """(phase, reason, message) once every pod has a final result. Skipped pods serve no traffic and do not
     count; of the pods called, at least min_success_ratio must have been reset (default: all)."""
     c = summarize(records)
@@ -198,19 +199,10 @@ def outcome(records: Sequence[PodRecord], min_success_ratio: float = 1.0,
     return "Failed", "PodsFailed", detail + first
 
 
-def pod_status(records: Sequence[PodRecord]) -> dict[str, Any]:
-    """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries."""
-    c = summarize(records)
-    order = {"Failed": 0, "NotSupported": 1, "Skipped": 2, "Pending": 3, "Succeeded": 4}
-    shown = sorted(records, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
-    return {**c, "progress": f"{c['succeeded']}/{c['targets']}", "pods": [r.as_status() for r in shown],
-            "podsOmitted": len(records) - len(shown)}  # fmt: skip
-
-
 def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
     return FanoutSettings(
-        engine=spec.get("engine", "kvpilot"), port=plan.port, scheme=spec.get("scheme", "http"),
-        token=plan.token, reset_running_requests=bool(spec.get("resetRunningRequests")),
+        engine=spec.get("engine", "kvpilot"), port=plan.port, token=plan.token,
+        reset_running_requests=bool(spec.get("resetRunningRequests")),
         timeout_s=float(spec.get("timeoutSeconds", 60)),
         request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
         max_concurrency=int(spec.get("maxConcurrency", 64)), retries_per_pod=int(spec.get("retriesPerPod", 3)),
@@ -259,11 +251,12 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
             pods, version = await with_retries(
                 "list pods", lambda sel=plan.selector: kube.list_pods(ns, sel), deadline
             )
-            records = initial_records([pod_target(p, plan) for p in pods])
+            targets = [pod_target(p, plan) for p in pods]
+            before = initial_results(targets)  # what status shows until the fan-out's first checkpoint
             logger.info(
-                "reset %s/%s: listed %d pods in %.3fs", ns, name, len(records), time.monotonic() - t_list
+                "reset %s/%s: listed %d pods in %.3fs", ns, name, len(targets), time.monotonic() - t_list
             )
-            if any(r.result == "Pending" for r in records) or not plan.waits_for_pods:
+            if any(r.result == "Pending" for r in before) or not plan.waits_for_pods:
                 break
             if time.monotonic() >= deadline - 1.0:
                 break  # NoTargets
@@ -271,40 +264,45 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
         running = {"phase": "Running", "target": plan.description, "startTime": start,
                    "observedGeneration": obj["metadata"].get("generation")}  # fmt: skip
         if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
-            await with_retries("status", lambda: _patch(kube, ns, name, {**running, **pod_status(records)}),
+            await with_retries("status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}),
                                deadline)  # fmt: skip
         else:  # progress for people only: a failed write does not hold the reset up
             try:
-                await _patch(kube, ns, name, {**running, **pod_status(records)})
+                await _patch(kube, ns, name, {**running, **pod_status(before)})
             except Exception as exc:  # noqa: BLE001
                 logger.warning("reset %s/%s: progress not written: %s", ns, name, exc)
         kopf.event(obj, type="Normal", reason="Started",
-                   message=f"resetting the prefix caches of {len(records)} pods of {plan.description}")  # fmt: skip
-        records = await _fan_out(kube, ns, plan, records, pods, version, settings_for(spec, plan), deadline,
-                                 lambda recs: _patch(kube, ns, name, {**running, **pod_status(recs)}),
-                                 stopped, limiter)  # fmt: skip
+                   message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}")  # fmt: skip
+        async with PodWatch(kube, ns, plan.selector, pods, version) as watch, _stop_flag(stopped) as stop:
+            results = await run_fanout(
+                targets,
+                settings_for(spec, plan),
+                deadline=deadline,
+                checkpoint=lambda now: _patch(kube, ns, name, {**running, **pod_status(now)}),
+                pod_gone=watch.gone,  # asked before every call
+                limiter=limiter,
+                stop=stop,
+                on_call=metrics.count_pod_call,
+            )
     except ResetFailure as f:
         logger.warning("reset %s/%s: %s: %s", ns, name, f.reason, f.message)
         return await _finish(kube, obj, None, "Failed", f.reason, f.message, start)
-    if any(r.result == "Pending" for r in records):
+    if any(r.result == "Pending" for r in results):
         logger.info(
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
         return None
-    phase, reason, message = outcome(records, float(spec.get("minSuccessRatio", 1.0)),
+    phase, reason, message = outcome(results, float(spec.get("minSuccessRatio", 1.0)),
                                      bool(spec.get("allowNoTargets")))  # fmt: skip
     logger.info("reset %s/%s: %s", ns, name, message)
-    for r in [r for r in records if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
+    for r in [r for r in results if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
         kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
-    return await _finish(kube, obj, records, phase, reason, message, start)
+    return await _finish(kube, obj, results, phase, reason, message, start)
 
 
-async def _fan_out(kube: Kube, ns: str, plan: Plan, records: list[PodRecord], pods: list[dict[str, Any]],
-                   version: str, settings: FanoutSettings, deadline: float, checkpoint: Any, stopped: Any,
-                   limiter: asyncio.Semaphore | None) -> list[PodRecord]:  # fmt: skip
-    """run_fanout with a pod watch behind pod_gone and the daemon's stop flag behind `stop`."""
-    watch = PodWatch(kube, ns, plan.selector, pods, version)
-    watch.start()
+@contextlib.asynccontextmanager
+async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
+    """An asyncio.Event set when kopf's `stopped` flag is (the operator stops), for the fan-out's `stop`."""
     stop = asyncio.Event()
 
     async def bridge() -> None:
@@ -314,15 +312,14 @@ async def _fan_out(kube: Kube, ns: str, plan: Plan, records: list[PodRecord], po
 
     bridging = asyncio.create_task(bridge())
     try:
-        return await run_fanout(records, settings, deadline, checkpoint, watch.gone, limiter, stop)
+        yield stop
     finally:
         bridging.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await bridging
-        await watch.stop()
 
 
-async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodRecord] | None, phase: str, reason: str,
+async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | None, phase: str, reason: str,
                   message: str, start: str) -> dict[str, Any]:  # fmt: skip
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     gen = obj["metadata"].get("generation") or 1

@@ -1,17 +1,20 @@
-"""Reset every pod's prefix cache through the operator's fan-out core (one HTTP fan-out, not two).
-
-This is the only place the router touches `kvpilot.operator.fanout`: it turns pods into fan-out targets
-and the fan-out's per-pod records into the router's answer (DESIGN 2b). Nothing is persisted: the router
-has no status to checkpoint into, and a reset is idempotent, so a caller simply retries.
+"""Reset every pod's prefix cache through the shared fan-out (`kvpilot.fanout`, the one a PrefixCacheReset
+uses too): the router's pods become fan-out targets, and the per-pod results become the router's answer
+(docs/router.md, "POST /reset_prefix_cache"). Nothing is persisted: the router has no status to
+checkpoint into, and a reset is idempotent, so a caller simply retries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpilot.operator.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.fanout import FanoutSettings, PodResult, RankResult, Target, run_fanout
 from kvpilot.router.pods import Pod
+
+# Retries of a transient failure per pod, one fewer than a PrefixCacheReset's default (docs/router.md):
+# a dead pod is given up on sooner while the caller waits for the answer.
+RETRIES_PER_POD = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,15 +27,31 @@ class PodReset:
     ranks: list[dict[str, Any]] | None = None  # as the daemon names the fields (None: not reported)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pod": self.pod, "success": self.success, "status": self.status, "epoch": self.epoch,
-                "ranks": self.ranks, "error": self.error}  # fmt: skip
+        return {
+            "pod": self.pod,
+            "success": self.success,
+            "status": self.status,
+            "epoch": self.epoch,
+            "ranks": self.ranks,
+            "error": self.error,
+        }
 
 
-def _daemon_ranks(ranks: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The fan-out's status entries (camelCase) back in the daemon's reply names."""
-    if ranks is None:
-        return None
-    return [{("evicted_blocks" if k == "evictedBlocks" else k): v for k, v in r.items()} for r in ranks]
+def _rank_json(rank: RankResult) -> dict[str, Any]:
+    """A rank as the daemon reported it: fields it did not report are left out."""
+    return {key: value for key, value in asdict(rank).items() if value is not None}
+
+
+def _pod_reset(result: PodResult) -> PodReset:
+    ok = result.result == "Succeeded"
+    return PodReset(
+        pod=result.name,
+        success=ok,
+        status=result.http_status or 0,
+        epoch=result.epoch,
+        error=None if ok else (result.message or result.result),
+        ranks=None if result.ranks is None else [_rank_json(r) for r in result.ranks],
+    )
 
 
 async def reset_pods(
@@ -44,21 +63,8 @@ async def reset_pods(
         reset_running_requests=reset_running_requests,
         timeout_s=timeout_s,
         request_timeout_s=min(10.0, timeout_s),
-        retries_per_pod=2,
+        retries_per_pod=RETRIES_PER_POD,
     )
     # Each target carries its own base URL: static endpoints may differ in port and scheme.
-    records = await run_fanout([Target(name=p.name, url=p.url) for p in pods], settings)
-    return sorted(
-        (
-            PodReset(
-                pod=r.name,
-                success=r.result == "Succeeded",
-                status=r.http_status or 0,
-                epoch=r.epoch,
-                error=None if r.result == "Succeeded" else (r.message or r.result),
-                ranks=_daemon_ranks(r.ranks),
-            )
-            for r in records
-        ),
-        key=lambda r: r.pod,
-    )
+    results = await run_fanout([Target(name=p.name, url=p.url) for p in pods], settings)
+    return [_pod_reset(r) for r in results]  # sorted by pod name, as the fan-out returns them

@@ -21,7 +21,7 @@ PAGES = {
     "router": "docs/router.md",
     "operator": "docs/operator.md",
     "kvpilot": "docs/architecture.md",
-    "kvpilot/fanout": "docs/architecture.md",
+    "kvpilot/fanout": "docs/fanout.md",
     "kvpilot/devcluster": "docs/cluster.md",
     "hack": "docs/tools.md",
     "bench": "README.md",

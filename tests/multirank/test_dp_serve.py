@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from server.conftest import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
-from kvpilot.operator.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.operator.reset_status import pod_entry
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -96,9 +97,12 @@ def test_fleet_fanout_records_every_rank(dp_server: Server) -> None:
         run_fanout([Target("dp-pod", url=dp_server.url)], FanoutSettings(token=ADMIN_TOKEN, timeout_s=60))
     )
     assert rec.result == "Succeeded", rec
-    assert [r["rank"] for r in rec.ranks] == [0, 1] and all(r["success"] for r in rec.ranks)
-    assert [r["epoch"] for r in rec.ranks] == [b["epoch"] + 1 for b in before]
-    assert rec.as_status()["ranks"] == rec.ranks
+    assert [r.rank for r in rec.ranks] == [0, 1] and all(r.success for r in rec.ranks)
+    assert [r.epoch for r in rec.ranks] == [b["epoch"] + 1 for b in before]
+    assert pod_entry(rec)["ranks"] == [
+        {"rank": r.rank, "success": r.success, "epoch": r.epoch, "evictedBlocks": r.evicted_blocks}
+        for r in rec.ranks
+    ]
 
 
 def test_killed_rank_fails_its_requests_and_health(dp_server: Server, client) -> None:  # noqa: ANN001

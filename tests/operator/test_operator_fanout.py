@@ -12,7 +12,9 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 from standin import Standin
 
-from kvpilot.operator.fanout import FanoutSettings, PodRecord, Target, initial_records, run_fanout, summarize
+from kvpilot.fanout import FanoutSettings, OnCall, PodResult, Target, run_fanout
+from kvpilot.operator import metrics
+from kvpilot.operator.reset_status import pod_entry, summarize
 from kvpilot.operator.resets import outcome
 
 
@@ -45,30 +47,30 @@ class Recorder:
         self.snapshots: list[list[dict]] = []
         self.fail = fail
 
-    async def __call__(self, records: list[PodRecord]) -> None:
-        self.snapshots.append([r.as_status() for r in records])
+    async def __call__(self, records: list[PodResult]) -> None:
+        self.snapshots.append([pod_entry(r) for r in records])
         if self.fail:
             raise RuntimeError("the API server said no")
 
 
 def run(
-    standins: list[Standin], settings: FanoutSettings | None = None, **kw
-) -> tuple[list[PodRecord], Recorder]:
+    standins: list[Standin], settings: FanoutSettings | None = None, on_call: OnCall | None = None, **kw
+) -> tuple[list[PodResult], Recorder]:
     port = free_port()
     settings = settings or FanoutSettings()
     settings = dataclasses.replace(settings, port=port, **kw)
     rec = Recorder()
 
-    async def go() -> list[PodRecord]:
+    async def go() -> list[PodResult]:
         async with serving(standins, port) as targets:
-            records = initial_records(targets)
-            return await run_fanout(records, settings, time.monotonic() + settings.timeout_s, rec)
+            deadline = time.monotonic() + settings.timeout_s
+            return await run_fanout(targets, settings, deadline=deadline, checkpoint=rec, on_call=on_call)
 
     return asyncio.run(go()), rec
 
 
-def by_name(records: list[PodRecord]) -> dict[str, dict]:
-    return {r.name: r.as_status() for r in records}
+def by_name(records: list[PodResult]) -> dict[str, dict]:
+    return {r.name: pod_entry(r) for r in records}
 
 
 def test_three_kvpilot_pods_succeed_with_their_epochs() -> None:
@@ -146,13 +148,18 @@ def test_unreachable_pod_fails_and_a_gone_or_moved_pod_is_skipped_before_any_cal
         asked.append(t.name)
         return {"gone": "pod deleted", "moved": "pod IP changed"}.get(t.name)
 
-    async def go() -> list[PodRecord]:
+    async def go() -> list[PodResult]:
         async with serving([moved], port):
-            records = initial_records([Target("down", "127.0.7.200"), Target("gone", "127.0.7.201"),
-                                       Target("moved", "127.0.7.1"),
-                                       Target("noip", "", skip_reason="pod has no IP (phase Pending)")])  # fmt: skip
+            targets = [
+                Target("down", "127.0.7.200"),
+                Target("gone", "127.0.7.201"),
+                Target("moved", "127.0.7.1"),
+                Target("noip", "", skip_reason="pod has no IP (phase Pending)"),
+            ]
             st = FanoutSettings(port=port, retries_per_pod=1, backoff_base_s=0.01, token="fleet-a")
-            return await run_fanout(records, st, time.monotonic() + 10, Recorder(), pod_gone=gone)
+            return await run_fanout(
+                targets, st, deadline=time.monotonic() + 10, checkpoint=Recorder(), pod_gone=gone
+            )
 
     r = by_name(asyncio.run(go()))
     assert r["down"]["result"] == "Failed" and "cannot connect" in r["down"]["message"]
@@ -186,7 +193,7 @@ def test_concurrency_limit_and_the_global_cap_hold_on_one_server() -> None:
         async with serving([one], port):
             targets = [Target(f"p{i}", "127.0.7.1") for i in range(12)]  # 12 "pods" behind one address
             st = FanoutSettings(port=port, max_concurrency=4)
-            await asyncio.gather(*(run_fanout(initial_records(targets), st, limiter=cap) for _ in range(2)))
+            await asyncio.gather(*(run_fanout(targets, st, limiter=cap) for _ in range(2)))
 
     asyncio.run(go())
     assert one.calls == 24 and one.max_inflight == 5
@@ -197,10 +204,10 @@ def test_progress_is_best_effort() -> None:
     port = free_port()
     failing = Recorder(fail=True)
 
-    async def go() -> list[PodRecord]:
+    async def go() -> list[PodResult]:
         async with serving(s, port) as targets:
             st = FanoutSettings(port=port, max_concurrency=2, progress_interval_s=0.1)
-            return await run_fanout(initial_records(targets), st, checkpoint=failing)
+            return await run_fanout(targets, st, checkpoint=failing)
 
     records = asyncio.run(go())
     assert summarize(records)["succeeded"] == 4 and len(failing.snapshots) >= 3
@@ -218,13 +225,13 @@ def test_stop_gives_calls_in_flight_a_bounded_grace_and_leaves_the_rest_pending(
     s = [Standin(delay=0.2), Standin(delay=3.0)] + [Standin() for _ in range(4)]
     port = free_port()
 
-    async def go() -> tuple[list[PodRecord], float]:
+    async def go() -> tuple[list[PodResult], float]:
         async with serving(s, port) as targets:
             stop = asyncio.Event()
             st = FanoutSettings(
                 port=port, max_concurrency=2, request_timeout_s=60, timeout_s=60, shutdown_grace_s=0.5
             )
-            task = asyncio.create_task(run_fanout(initial_records(targets), st, stop=stop))
+            task = asyncio.create_task(run_fanout(targets, st, stop=stop))
             await asyncio.sleep(0.05)
             stop.set()
             t0 = time.monotonic()
@@ -243,7 +250,7 @@ def test_base_url_targets_for_the_router() -> None:
     s = [Standin(), Standin()]
     port = free_port()
 
-    async def go() -> list[PodRecord]:
+    async def go() -> list[PodResult]:
         async with serving(s, port):
             targets = [
                 Target("a", url=f"http://127.0.7.1:{port}"),
@@ -253,3 +260,22 @@ def test_base_url_targets_for_the_router() -> None:
 
     assert [r.result for r in asyncio.run(go())] == ["Succeeded", "Succeeded"]
     assert [x.resets for x in s] == [1, 1]
+
+
+def test_every_call_reaches_on_call_and_the_operator_counts_it() -> None:
+    """The fan-out counts nothing itself: the caller's on_call hears each call; the operator's hook counts
+    kvpilot_operator_reset_pod_requests_total{result, code}."""
+    heard: list[tuple[str, str]] = []
+    sample = ("kvpilot_operator_reset_pod_requests_total", {"result": "Transient", "code": "500"})
+    before = metrics.REGISTRY.get_sample_value(*sample) or 0.0
+
+    def on_call(verdict: str, code: str) -> None:
+        heard.append((verdict, code))
+        metrics.count_pod_call(verdict, code)
+
+    records, _ = run(
+        [Standin(), Standin(reset_status=500)], on_call=on_call, retries_per_pod=1, backoff_base_s=0.01
+    )
+    assert [r.result for r in records] == ["Succeeded", "Failed"]
+    assert sorted(heard) == [("Succeeded", "200"), ("Transient", "500"), ("Transient", "500")]
+    assert metrics.REGISTRY.get_sample_value(*sample) == before + 2

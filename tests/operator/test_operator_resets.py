@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from kvpilot.fanout import PodResult
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
-from kvpilot.operator.fanout import PodRecord
-from kvpilot.operator.resets import Plan, outcome, pod_status, pod_target
+from kvpilot.operator.reset_status import pod_status
+from kvpilot.operator.resets import Plan, outcome, pod_target
 
 
 def pod(ready: bool = True, deleting: bool = False, ip: str = "10.0.0.1", running: bool = True,
@@ -34,8 +35,8 @@ def test_who_is_called_ready_or_not() -> None:
     assert "not run by the InferenceDeployment" in pod_target(pod(controller="stranger"), PLAN).skip_reason
 
 
-def rec(name: str, result: str, message: str = "") -> PodRecord:
-    return PodRecord(name, result=result, message=message)
+def rec(name: str, result: str, message: str = "") -> PodResult:
+    return PodResult(name, result=result, message=message)
 
 
 def test_outcome_policies() -> None:

@@ -1,6 +1,7 @@
 """How each engine's reset endpoint is called and how its reply is judged.
 
-kvpilot: POST /reset_prefix_cache, JSON {"success": true, "epoch", "evicted_blocks", ...} (DESIGN section 2).
+kvpilot: POST /reset_prefix_cache, JSON {"success": true, "epoch", "evicted_blocks", "ranks", ...}
+         (docs/server.md, "POST /reset_prefix_cache").
 vLLM:    POST /reset_prefix_cache?reset_running_requests=..; success is read from the body when there is one
          (a 200 with "success": false is a failure); 404 when the server runs without VLLM_SERVER_DEV_MODE=1.
 SGLang:  POST /flush_cache; 200 when flushed, 400 while requests are pending (busy: retried until the deadline).
@@ -13,15 +14,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-MAX_RANKS = 64  # per pod in status (the CRD's maxItems): a node has at most a few dozen accelerators
+from kvpilot.fanout.results import RankResult
 
 
 class Verdict(enum.Enum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"  # final: the pod said no (4xx) or the reply is not a success
     NOT_SUPPORTED = "NotSupported"
-    TRANSIENT = "Transient"  # retried up to retriesPerPod: 5xx, 408, 429, connection errors, timeouts
-    BUSY = "Busy"  # retried until the deadline without counting against retriesPerPod
+    TRANSIENT = "Transient"  # retried up to retries_per_pod times: 5xx, 408, 429, connection errors, timeouts
+    BUSY = "Busy"  # retried until the deadline without counting against retries_per_pod
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,24 +31,28 @@ class Judgement:
     message: str = ""
     epoch: int | None = None
     evicted_blocks: int | None = None
-    ranks: tuple[dict[str, Any], ...] | None = None  # kvpilot: one entry per data-parallel rank
+    ranks: tuple[RankResult, ...] | None = None  # kvpilot: one entry per data-parallel rank
 
 
-def _rank_entries(body: dict[str, Any]) -> tuple[dict[str, Any], ...] | None:
-    """The reply's `ranks` as status entries (camelCase, only well-typed fields), or None without any."""
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _ranks(body: dict[str, Any]) -> tuple[RankResult, ...] | None:
+    """The reply's `ranks` (entries without an integer rank left out), or None when it has none."""
     ranks = body.get("ranks")
     if not isinstance(ranks, list):
         return None
-    out = []
-    for r in ranks[:MAX_RANKS]:
-        if not isinstance(r, dict) or not isinstance(r.get("rank"), int):
-            continue
-        entry: dict[str, Any] = {"rank": r["rank"], "success": r.get("success") is True}
-        for src, dst in (("epoch", "epoch"), ("evicted_blocks", "evictedBlocks")):
-            if isinstance(r.get(src), int):
-                entry[dst] = r[src]
-        out.append(entry)
-    return tuple(out)
+    return tuple(
+        RankResult(
+            rank=r["rank"],
+            success=r.get("success") is True,
+            epoch=_int_or_none(r.get("epoch")),
+            evicted_blocks=_int_or_none(r.get("evicted_blocks")),
+        )
+        for r in ranks
+        if isinstance(r, dict) and _int_or_none(r.get("rank")) is not None
+    )
 
 
 def _body_json(text: str) -> Any:
@@ -76,9 +81,6 @@ def _error_message(status: int, text: str) -> str:
 class Engine:
     name = "base"
     method = "POST"
-    # Path of a read-only stats endpoint that reports the cache epoch, or None. Used after an operator
-    # restart to tell whether a call that was in flight took effect (see fanout.py).
-    epoch_path: str | None = None
 
     def path(self, reset_running_requests: bool) -> str:
         raise NotImplementedError
@@ -98,7 +100,6 @@ class Engine:
 
 class KvpilotEngine(Engine):
     name = "kvpilot"
-    epoch_path = "/prefix_cache"
 
     def path(self, reset_running_requests: bool) -> str:
         return "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
@@ -114,11 +115,9 @@ class KvpilotEngine(Engine):
         return Judgement(
             Verdict.SUCCEEDED,
             "",
-            epoch=body.get("epoch") if isinstance(body.get("epoch"), int) else None,
-            evicted_blocks=body.get("evicted_blocks")
-            if isinstance(body.get("evicted_blocks"), int)
-            else None,
-            ranks=_rank_entries(body),
+            epoch=_int_or_none(body.get("epoch")),
+            evicted_blocks=_int_or_none(body.get("evicted_blocks")),
+            ranks=_ranks(body),
         )
 
 

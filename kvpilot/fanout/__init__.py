@@ -1,0 +1,28 @@
+"""Reset the prefix caches of a list of targets over HTTP: who is called, how often, with what result.
+
+Owned by neither the operator nor the router; both call it. A caller builds `Target`s (a name plus an IP or
+a base URL) and `FanoutSettings`, makes one `run_fanout` call, and maps the `PodResult`s it gets back to
+its own shape (the operator to PrefixCacheReset status, the router to its JSON answer). Nothing here knows
+Kubernetes, kopf or either caller's metrics.
+
+- `targets.py`: what is called, and the settings of one fan-out.
+- `engines.py`: how kvpilot's, vLLM's and SGLang's reset endpoints are called and their replies judged.
+- `caller.py`: the sliding-window caller: retries, backoff, deadline, shutdown grace.
+- `results.py`: per-pod and per-rank results, under the daemon's field names.
+"""
+
+from kvpilot.fanout.caller import Checkpoint, OnCall, PodGone, run_fanout
+from kvpilot.fanout.results import PodResult, RankResult, initial_results
+from kvpilot.fanout.targets import FanoutSettings, Target
+
+__all__ = [
+    "Checkpoint",
+    "FanoutSettings",
+    "OnCall",
+    "PodGone",
+    "PodResult",
+    "RankResult",
+    "Target",
+    "initial_results",
+    "run_fanout",
+]

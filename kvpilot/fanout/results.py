@@ -1,0 +1,51 @@
+"""What a fan-out reports: one `PodResult` per target, with one `RankResult` per data-parallel rank when
+the pod reports its ranks. Field names follow the daemon's reply (snake_case); callers rename them for
+their own audience."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpilot.fanout.targets import Target
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """One data-parallel rank's part of a pod's reset reply."""
+
+    rank: int
+    success: bool
+    epoch: int | None = None
+    evicted_blocks: int | None = None
+
+
+@dataclass(slots=True)
+class PodResult:
+    """The result of one target; `result` is Pending until it is final (Succeeded, Failed, Skipped or
+    NotSupported). The caller updates it in place, so a progress checkpoint sees it move."""
+
+    name: str
+    node: str = ""
+    ip: str = ""
+    result: str = "Pending"
+    http_status: int | None = None  # of the last call; 0: no reply
+    attempts: int = 0
+    epoch: int | None = None
+    evicted_blocks: int | None = None
+    message: str = ""
+    duration_s: float | None = None
+    ranks: list[RankResult] | None = None  # as the pod reported them; None: it reported none
+    target: Target | None = field(default=None, repr=False, compare=False)
+
+
+def initial_results(targets: Sequence[Target]) -> list[PodResult]:
+    """One Pending result per target, sorted by name; targets with a skip reason (or no address) are
+    Skipped. What a fan-out starts from, and what a caller shows before the first call."""
+    out = []
+    for t in sorted(targets, key=lambda t: t.name):
+        res = PodResult(t.name, t.node, t.ip, target=t)
+        if t.skip_reason or not (t.ip or t.url):
+            res.result, res.message = "Skipped", t.skip_reason or "no IP"
+        out.append(res)
+    return out

@@ -1,0 +1,40 @@
+"""What a fan-out calls (`Target`) and how (`FanoutSettings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One endpoint to reset: a pod as resolved when the reset starts, or any URL."""
+
+    name: str
+    ip: str = ""
+    node: str = ""
+    uid: str = ""  # the pod's identity, for the caller's pod_gone check; not used here
+    url: str = ""  # base URL (scheme://host:port); empty: http://ip:settings.port
+    skip_reason: str = ""  # non-empty: not called, reported Skipped with this reason
+
+
+@dataclass(frozen=True, slots=True)
+class FanoutSettings:
+    engine: str = "kvpilot"
+    port: int = 8000
+    token: str | None = None
+    reset_running_requests: bool = False
+    timeout_s: float = 60.0
+    request_timeout_s: float = 10.0
+    max_concurrency: int = 64
+    retries_per_pod: int = 3
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    progress_interval_s: float = 1.0
+    shutdown_grace_s: float = 5.0
+
+
+def base_url(target: Target, settings: FanoutSettings) -> str:
+    if target.url:
+        return target.url.rstrip("/")
+    host = f"[{target.ip}]" if ":" in target.ip else target.ip  # IPv6
+    return f"http://{host}:{settings.port}"

@@ -1,0 +1,69 @@
+"""PrefixCacheReset status from the fan-out's results: exact counts and bounded per-pod entries, under the
+CRD's camelCase names (crds/prefixcachereset.yaml, status.pods)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpilot.fanout import PodResult, RankResult
+
+MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
+MAX_RANKS = (
+    64  # status.pods[].ranks entries at most (the CRD's maxItems): a node has a few dozen accelerators
+)
+
+_COUNT_KEY = {
+    "Succeeded": "succeeded",
+    "Failed": "failed",
+    "Skipped": "skipped",
+    "NotSupported": "notSupported",
+}
+
+
+def summarize(results: Sequence[PodResult]) -> dict[str, int]:
+    """The status counts: targets and how many ended in each result (Pending: not final yet)."""
+    counts = dict.fromkeys(("succeeded", "failed", "skipped", "notSupported", "pending"), 0)
+    for r in results:
+        counts[_COUNT_KEY.get(r.result, "pending")] += 1
+    return {"targets": len(results), **counts}
+
+
+def rank_entry(rank: RankResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": rank.rank, "success": rank.success}
+    if rank.epoch is not None:
+        out["epoch"] = rank.epoch
+    if rank.evicted_blocks is not None:
+        out["evictedBlocks"] = rank.evicted_blocks
+    return out
+
+
+def pod_entry(result: PodResult) -> dict[str, Any]:
+    """One entry of status.pods (empty fields left out)."""
+    out: dict[str, Any] = {"name": result.name, "result": result.result, "attempts": result.attempts}
+    ranks = None if result.ranks is None else [rank_entry(r) for r in result.ranks[:MAX_RANKS]]
+    optional = {
+        "node": result.node,
+        "ip": result.ip,
+        "httpStatus": result.http_status,
+        "epoch": result.epoch,
+        "evictedBlocks": result.evicted_blocks,
+        "message": result.message,
+        "durationSeconds": result.duration_s,
+        "ranks": ranks,
+    }
+    out.update((key, value) for key, value in optional.items() if value not in (None, ""))
+    return out
+
+
+def pod_status(results: Sequence[PodResult]) -> dict[str, Any]:
+    """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries."""
+    counts = summarize(results)
+    order = {"Failed": 0, "NotSupported": 1, "Skipped": 2, "Pending": 3, "Succeeded": 4}
+    shown = sorted(results, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
+    return {
+        **counts,
+        "progress": f"{counts['succeeded']}/{counts['targets']}",
+        "pods": [pod_entry(r) for r in shown],
+        "podsOmitted": len(results) - len(shown),
+    }

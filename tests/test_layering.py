@@ -1,0 +1,77 @@
+"""The parts import each other only downwards: the router and the operator never import each other, and the
+reset fan-out both use imports neither of them (nor Kubernetes or kopf). Read from the source with `ast`,
+nothing imported, so an import inside a function counts as much as one at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# folder -> (its import name, the packages none of its modules may import)
+RULES = {
+    "router": ("kvpilot.router", ("kvpilot.operator",)),
+    "operator": ("kvpilot.operator", ("kvpilot.router",)),
+    "kvpilot/fanout": ("kvpilot.fanout", ("kvpilot.operator", "kvpilot.router", "kubernetes", "kopf")),
+}
+
+
+def imports(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute name) of everything a module of `package` imports, sorted by line. `from A import B`
+    counts as A.B, so `from kvpilot import operator` is seen; relative imports are resolved."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            out += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return sorted(out)
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_no_forbidden_import(folder: str) -> None:
+    import_name, forbidden = RULES[folder]
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    bad = []
+    for path in files:
+        package = ".".join([import_name, *path.relative_to(ROOT / folder).parent.parts])
+        for line, name in imports(path.read_text(), package):
+            if any(within(name, f) for f in forbidden):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def test_the_check_sees_every_form_of_import() -> None:
+    source = (
+        "import kopf\n"
+        "from kvpilot import operator\n"
+        "from ..operator.metrics import POD_REQUESTS\n"
+        "from . import pods\n"
+        "def f():\n"
+        "    import kubernetes.client\n"
+    )
+    assert imports(source, "kvpilot.router") == [
+        (1, "kopf"),
+        (2, "kvpilot.operator"),
+        (3, "kvpilot.operator.metrics.POD_REQUESTS"),
+        (4, "kvpilot.router.pods"),
+        (6, "kubernetes.client"),
+    ]
+    # and both callers' use of the fan-out is found in the real files
+    for folder, package, module in (
+        ("operator", "kvpilot.operator", "resets.py"),
+        ("router", "kvpilot.router", "fleet_reset.py"),
+    ):
+        found = imports((ROOT / folder / module).read_text(), package)
+        assert any(within(name, "kvpilot.fanout") for _, name in found), module
