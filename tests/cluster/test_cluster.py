@@ -19,7 +19,8 @@ import urllib.request
 import pytest
 from kubernetes import client
 
-from .conftest import NODES, Cluster, wait_for
+from support.cluster import NODES, Cluster
+from support.procs import wait_for
 
 pytestmark = pytest.mark.cluster
 

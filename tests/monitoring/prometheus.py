@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from kvpilot.devcluster.controlplane import free_port
 from monitoring.dashboards import load, queries, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
+from support.procs import free_port
 
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
                  "regex": "regex", "modulus": "modulus", "replacement": "replacement", "action": "action"}  # fmt: skip

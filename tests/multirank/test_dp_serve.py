@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
 from kvpilot.operator.fanout import FanoutSettings, Target, run_fanout
+from support.servers import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(600)
 

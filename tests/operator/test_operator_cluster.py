@@ -9,10 +9,11 @@ import time
 import urllib.request
 
 import pytest
-from conftest import (
+
+from support.cluster import Cluster
+from support.operator import (
     OP_NS,
     STANDIN_ENV,
-    Cluster,
     OperatorProcess,
     apply_ns,
     cached_tokens,
@@ -23,9 +24,9 @@ from conftest import (
     pcr,
     pods_by_name,
     ready_replicas,
-    wait_for,
     wait_phase,
 )
+from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server.conftest import free_port
+
+from support.procs import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
