@@ -82,3 +82,9 @@ def make_engine(default_model_dir: Path):  # noqa: ANN201
         return LLMEngine(cfg)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):  # noqa: ANN001, ANN201
+    """The default-model engine of one test module; modules that want other settings define their own."""
+    return make_engine()

@@ -14,11 +14,6 @@ SHARED = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
-    return make_engine()
-
-
-@pytest.fixture(scope="module")
 def shared_baseline(make_engine, shared_prefix_prompts) -> list[list[int]]:  # noqa: ANN001
     """Outputs with prefix caching off and one request at a time: the plainest way to run."""
     eng = make_engine(enable_prefix_caching=False, max_num_seqs=1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -14,12 +13,7 @@ from standin import Standin
 
 from kvpilot.operator.fanout import FanoutSettings, PodRecord, Target, initial_records, run_fanout, summarize
 from kvpilot.operator.resets import outcome
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.procs import free_port
 
 
 @asynccontextmanager

@@ -144,6 +144,12 @@ def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
     apply(cluster, obj)
 
 
+def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2) -> None:
+    """An InferenceDeployment of `replicas` stand-in daemons in `ns`, waited for until all are ready."""
+    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, "env": STANDIN_ENV}))
+    wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
+
+
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.

@@ -103,8 +103,16 @@ class RouterProc(Server):
 S = TypeVar("S", bound=Server)
 
 
-def _launch(kind: type[S], tmp: Path, command: str, args: list[str], token: str | None, env: dict | None,
-            ready: Callable[[S], object], timeout: float) -> S:  # fmt: skip
+def _launch(
+    kind: type[S],
+    tmp: Path,
+    command: str,
+    args: list[str],
+    token: str | None,
+    env: dict | None,
+    ready: Callable[[S], object],
+    timeout: float,
+) -> S:
     """`python -m kvpilot COMMAND --host 127.0.0.1 --port FREE ARGS` in its own process group, with
     `token` as its admin token file and without the caller's $KVPILOT_ADMIN_TOKEN; returns once
     `ready(process)` holds."""
@@ -123,8 +131,11 @@ def _launch(kind: type[S], tmp: Path, command: str, args: list[str], token: str 
 
 def start_server(tmp: Path, *extra: str, token: str | None = None, env: dict | None = None) -> Server:
     args = ["--num-gpu-blocks-override", "256", "--max-model-len", "512", *extra]
-    return _launch(Server, tmp, "serve", args, token, env,
-                   lambda s: s.request("GET", "/health", timeout=5).status == 200, timeout=300)  # fmt: skip
+
+    def ready(server: Server) -> bool:
+        return server.request("GET", "/health", timeout=5).status == 200
+
+    return _launch(Server, tmp, "serve", args, token, env, ready, timeout=300)
 
 
 def stop_server(server: Server) -> None:
