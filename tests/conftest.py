@@ -50,3 +50,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     LlamaForCausalLM(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Llama, weights scaled so that attention decides its greedy tokens (tests/kernels, gpu)."""
+    from support.kernel_cases import sharpen_checkpoint
+
+    return sharpen_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("sharp-tiny-llama"))
