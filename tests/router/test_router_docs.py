@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from support import ROOT
 from support.procs import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parents[2]
 SEP = "----- 8< -----"
 
 

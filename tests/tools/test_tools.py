@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support import ROOT
 from support.procs import free_port, spawn, stop
 
-ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "tools" / "build.sh"
 TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf")
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
