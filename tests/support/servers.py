@@ -1,6 +1,6 @@
-"""Real `kvpilot serve` and `kvpilot router` processes on loopback, and the `fleet` fixture: two daemons
-publishing KV events with a router in front of them (tests/router, tests/monitoring and the chart's and
-operator's cluster tests read it)."""
+"""Real `kvpilot serve` and `kvpilot router` processes on loopback, each in its own process group, and
+the `fleet` fixture: two daemons publishing KV events with a router in front of them (tests/router and
+tests/monitoring share it)."""
 
 from __future__ import annotations
 
