@@ -17,15 +17,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvpilot import benchkit
+from kvpilot.devcluster.procs import free_port
 from kvpilot.loadgen import sweep
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # bench/serve.py's server helpers
-from serve import free_port, start, stop  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -36,13 +35,13 @@ def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--data-parallel-size", str(size), "--cpu-threads", "1",
            "--max-num-seqs", str(max(args.concurrency))]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
-    proc = start(cmd, env, logdir / f"dp{size}.log", port, 900)
+    url = f"http://127.0.0.1:{port}"
+    proc = benchkit.launch(cmd, logdir / f"dp{size}.log", url, 900)
     try:
-        runs = sweep(f"http://127.0.0.1:{port}", MODEL, f"kvpilot-dp{size}", args.concurrency,
+        runs = sweep(url, MODEL, f"kvpilot-dp{size}", args.concurrency,
                      rounds=args.rounds, min_requests=args.min_requests, max_tokens=args.max_tokens)  # fmt: skip
     finally:
-        stop(proc)
+        benchkit.shutdown(proc)
     return [asdict(r) for r in runs]
 
 
@@ -78,11 +77,7 @@ def main() -> int:
         for size, values in mean.items()
     }
     out = {
-        "bench": "dp",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        **benchkit.header("dp", load_before),
         "git": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
         ).stdout.strip(),  # fmt: skip
@@ -91,9 +86,8 @@ def main() -> int:
         "mean_tokens_per_s": {str(k): v for k, v in mean.items()},
         "rounds": [{"data_parallel_size": size, "runs": runs} for size, runs in rounds],
     }
-    path = args.output or HERE / "results" / f"dp-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(ratios), "->", path)
+    benchkit.write(args.output or benchkit.default_path(HERE / "results", "dp"), out)
+    print(json.dumps(ratios))
     return 0
 
 

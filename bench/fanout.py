@@ -20,14 +20,14 @@ import concurrent.futures
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from the installed package
 
@@ -65,12 +65,6 @@ asyncio.run(main())
 
 def ip_of(i: int) -> str:
     return f"127.88.{i // 250}.{i % 250 + 1}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(port: int, name: str) -> float:
@@ -184,18 +178,19 @@ def main() -> int:
             make_pods(core, ns, args.pods)
             setup_s = time.perf_counter() - t0
             mport, lport = free_port(), free_port()
-            op = subprocess.Popen([sys.executable, "-m", "kvpilot.operator.main", "--standalone", "--bind",
-                                   "127.0.0.1", "--metrics-port", str(mport), "--liveness-port", str(lport),
-                                   "--log-level", "INFO"],
-                                  env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)}, start_new_session=True,
-                                  stdout=open(work / "operator.log", "wb"), stderr=subprocess.STDOUT)  # fmt: skip
+            argv = [sys.executable, "-m", "kvpilot.operator.main", "--standalone", "--bind", "127.0.0.1"]
+            argv += ["--metrics-port", str(mport), "--liveness-port", str(lport), "--log-level", "INFO"]
+            op_log = work / "operator.log"
+            op = spawn(argv, log_path=op_log, env={**os.environ, "KUBECONFIG": str(cp.kubeconfig)})
             procs.append(op)
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{lport}/healthz", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            healthz = f"http://127.0.0.1:{lport}/healthz"
+            wait_ready(
+                op,
+                lambda: urllib.request.urlopen(healthz, timeout=1).status == 200,
+                60,
+                "the operator",
+                op_log,
+            )
             time.sleep(1.0)  # the watch streams are open
             custom = client.CustomObjectsApi(api)
             for delay_ms in args.reply_delay_ms:
@@ -205,11 +200,7 @@ def main() -> int:
                 print(json.dumps(rounds[-1]), flush=True)
         finally:
             for p in procs:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                    p.wait(10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
+                stop(p, grace=10)
     result = {
         "pods": args.pods,
         "max_concurrency": args.max_concurrency,

@@ -12,14 +12,14 @@ itself is not timed, which flatters the baseline). bf16 by default. Writes JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kvpilot import benchkit
 
 # Datasheet HBM bandwidth (GB/s), matched by substring of the device name; the measured copy bandwidth
 # is reported too, since it is what a kernel can actually reach.
@@ -220,10 +220,7 @@ def main() -> int:
         baseline="torch scaled_dot_product_attention on pre-gathered contiguous K/V (gather not timed)",
         rows=rows,
     )
-    out = args.out or Path(__file__).parent / "results" / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    benchkit.write(args.out or benchkit.default_path(Path(__file__).parent / "results", "kernels"), result)
     return 0
 
 

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import aiohttp
 
+from kvpilot import benchkit
+from kvpilot.devcluster.procs import free_port
 from kvpilot.loadgen import pct
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))  # bench/serve.py's process helpers
-from serve import free_port, stop  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "bench-router-token"
@@ -66,25 +66,13 @@ def system_prompt(shop: str) -> str:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def launch(args: list[str], log: Path, url: str, timeout: float = 600) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpilot", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                body = json.load(r)
-                if r.status == 200 and all(p.get("synced", True) for p in body.get("pods", [])):
-                    return proc
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not become ready: {log.read_text()[-2000:]}")
+def launch(args: list[str], log: Path, url: str) -> subprocess.Popen:
+    """`python -m kvpilot ARGS`, ready once /health answers with every pod's KV events synced."""
+
+    def synced(health: dict) -> bool:
+        return all(p.get("synced", True) for p in health.get("pods", []))
+
+    return benchkit.launch([sys.executable, "-m", "kvpilot", *args], log, url, 600, ready=synced)
 
 
 async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str, max_tokens: int) -> dict:
@@ -320,7 +308,7 @@ def main() -> int:
         return 0 if stale["stale_predictions"] == 0 and not rr["errors"] and not pa["errors"] else 1
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            benchkit.shutdown(proc)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,55 +37,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvpilot import benchkit
+from kvpilot.devcluster.procs import free_port
 from kvpilot.loadgen import RunResult, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# ---- servers -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not healthy after {timeout:.0f} s")
-
-
-def start(cmd: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout)
-    except RuntimeError as exc:
-        stop(proc)
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError(f"{exc}: {' | '.join(tail)}") from None
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _sizes(args: argparse.Namespace) -> dict:
@@ -104,14 +58,13 @@ def bench_kvpilot(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResul
     port = free_port()
     cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max(args.concurrency)), *args.kvpilot_args]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
-    proc = start(cmd, env, logdir / "kvpilot.log", port, 600)
+    proc = benchkit.launch(cmd, logdir / "kvpilot.log", f"http://127.0.0.1:{port}", 600)
     try:
         return sweep(
             f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", "kvpilot", args.concurrency, **_sizes(args)
         ), None
     finally:
-        stop(proc)
+        benchkit.shutdown(proc)
 
 
 def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResult], str | None]:
@@ -136,7 +89,7 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
     cmd = [exe, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
            "--host", "127.0.0.1", "--port", str(port), model_dir]  # fmt: skip
     try:
-        proc = start(cmd, env, logdir / "transformers.log", port, 600)
+        proc = benchkit.launch(cmd, logdir / "transformers.log", f"http://127.0.0.1:{port}", 600, env=env)
     except RuntimeError as exc:
         return [], f"transformers serve did not start: {exc}"
     try:
@@ -144,7 +97,7 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
             f"http://127.0.0.1:{port}", model_dir, "transformers", args.concurrency, **_sizes(args)
         ), None
     finally:
-        stop(proc)
+        benchkit.shutdown(proc)
 
 
 # ---- --vs-generate-batch ---------------------------------------------------------------------------
@@ -229,9 +182,8 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
-    proc = start(cmd, env, logdir / "kvpilot.log", port, 600)
     url = f"http://127.0.0.1:{port}"
+    proc = benchkit.launch(cmd, logdir / "kvpilot.log", url, 600)
     runs: dict[str, list[dict]] = {"kvpilot_http": [], "transformers_generate_batch_sharing": []}
     try:
         torch.set_num_threads(threads)
@@ -253,7 +205,7 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
                 flush=True,
             )
     finally:
-        stop(proc)
+        benchkit.shutdown(proc)
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
     ours, theirs = runs["kvpilot_http"][-1], runs["transformers_generate_batch_sharing"][-1]
     return {
@@ -311,13 +263,8 @@ def main() -> int:
         report["servers"][name] = {"runs": [asdict(r) for r in runs], "skipped": skipped}
         if skipped:
             print(f"{name}: skipped: {skipped}", flush=True)
-    out = (
-        args.output
-        or ROOT / "bench" / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out} (server logs in {logdir})")
+    out = args.output or benchkit.default_path(ROOT / "bench" / "results", "serve")
+    benchkit.write(out, report, f" (server logs in {logdir})")
     return 0
 
 
@@ -331,11 +278,8 @@ def run_vs_generate_batch(args: argparse.Namespace) -> int:
               "host": {"cpus": os.cpu_count(), "platform": sys.platform}, **vs_generate_batch(args, logdir)}  # fmt: skip
     print(f"ratio: {report['ratio_kvpilot_http_vs_generate_batch_sharing']:.2f}x; same completions: "
           f"{report['same_completion_tokens']} (tokens), {report['same_texts']} (text)")  # fmt: skip
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out = args.output or ROOT / "bench" / "results" / f"serve-vs-generate-batch-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out} (server log in {logdir})")
+    out = args.output or benchkit.default_path(ROOT / "bench" / "results", "serve-vs-generate-batch")
+    benchkit.write(out, report, f" (server log in {logdir})")
     return 0
 
 

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpilot import benchkit
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -75,20 +77,15 @@ def main() -> int:
         print(rows[-1], flush=True)
     base = rows[0]["decode_step_s"]
     out = {
-        "bench": "tp",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        **benchkit.header("tp", load_before),
         "settings": {k: v for k, v in vars(args).items() if k not in ("output", "child")},
         "decode_step_ratio_vs_tp" + str(args.sizes[0]): {
             str(r["tp"]): round(r["decode_step_s"] / base, 3) for r in rows
         },
         "runs": rows,
     }
-    path = args.output or HERE / "results" / f"tp-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out["decode_step_ratio_vs_tp" + str(args.sizes[0])]), "->", path)
+    benchkit.write(args.output or benchkit.default_path(HERE / "results", "tp"), out)
+    print(json.dumps(out["decode_step_ratio_vs_tp" + str(args.sizes[0])]))
     return 0
 
 

@@ -1,10 +1,14 @@
-"""Fixtures shared by every test folder: the real default model and a tiny random-weight Llama."""
+"""Fixtures shared by every test folder: the real default model and a tiny random-weight Llama; and,
+registered once here, tests/support's: the process-group cleanup, the daemon/router fleet, the dev cluster
+and the operator."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["support.procs", "support.servers", "support.cluster", "support.operator"]
 
 # The shape of every tiny random-weight test model: small enough for the triton interpreter and for
 # property tests, with the default model's vocabulary so its tokenizer fits.
@@ -46,3 +50,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     LlamaForCausalLM(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Llama, weights scaled so that attention decides its greedy tokens (tests/kernels, gpu)."""
+    from support.kernel_cases import sharpen_checkpoint
+
+    return sharpen_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("sharp-tiny-llama"))

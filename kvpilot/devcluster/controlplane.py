@@ -12,7 +12,6 @@ import base64
 import json
 import secrets
 import shutil
-import socket
 import ssl
 import tempfile
 import time
@@ -41,13 +40,6 @@ class User:
     name: str
     token: str
     groups: tuple[str, ...] = ()
-
-
-def free_port() -> int:
-    """A port the kernel says is free now (good enough on a test machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StartupError(RuntimeError):
@@ -158,7 +150,7 @@ class ControlPlane:
         keys = pki.generate(wd / "pki", SERVING_HOSTS)
         self._write_tokens()
 
-        etcd_port, peer_port = free_port(), free_port()
+        etcd_port, peer_port = procs.free_port(), procs.free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         self._spawn(
             "etcd",
@@ -176,7 +168,7 @@ class ControlPlane:
         )
         self._wait("etcd", deadline, lambda: _http_ok(f"{etcd_url}/health"))
 
-        api_port = free_port()
+        api_port = procs.free_port()
         self.url = f"https://127.0.0.1:{api_port}"
         self._spawn(
             "kube-apiserver",

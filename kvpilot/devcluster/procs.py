@@ -2,7 +2,8 @@
 
 Every server we start gets its own process group, so stopping it also stops
 anything it forked. Live groups are remembered and killed at interpreter exit,
-so a crashed test run leaves no apiserver or pod process behind.
+so a crashed test run leaves no apiserver or pod process behind. The dev
+cluster, the tests (tests/support) and bench/ start their servers with these.
 """
 
 from __future__ import annotations
@@ -11,14 +12,22 @@ import atexit
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 _live: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A loopback port the kernel says is free now (good enough on a test machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn(
@@ -60,6 +69,35 @@ def _die_with_parent() -> None:
     _prctl(1, signal.SIGKILL)
 
 
+def wait_ready(
+    proc: subprocess.Popen,
+    ready: Callable[[], object],
+    timeout: float,
+    what: str,
+    log_path: Path | None = None,
+    interval: float = 0.5,
+) -> None:
+    """Poll `ready()` until it returns something truthy while `proc` runs. A probe that raises OSError
+    or ValueError (not listening yet, a half-written reply) counts as not ready. If `proc` exits or
+    `timeout` passes, its group is stopped and RuntimeError carries the tail of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(interval)
+    stop(proc)
+    raise RuntimeError(f"{what} was not ready after {timeout:.0f} s:\n{_tail(log_path)}")
+
+
+def _tail(log_path: Path | None, chars: int = 10000) -> str:
+    return log_path.read_text(errors="replace")[-chars:] if log_path and log_path.exists() else ""
+
+
 def group_alive(pgid: int) -> bool:
     """True while any process of the group exists (zombies of ours are reaped first)."""
     try:
@@ -71,10 +109,17 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
-def stop(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
-    """SIGTERM the process group, SIGKILL it after `grace` seconds; returns the exit code."""
+def stop(proc: subprocess.Popen, grace: float = 5.0, leader_only: bool = False) -> int | None:
+    """SIGTERM the process group, SIGKILL it after `grace` seconds; returns the exit code.
+
+    `leader_only`: SIGTERM only the leader, as Kubernetes signals a container's main process, so that a
+    server shuts its own children down in order; what is left of the group after `grace` is SIGKILLed."""
     pgid = proc.pid  # start_new_session makes the leader's pid the group id
-    _signal_group(pgid, signal.SIGTERM)
+    if leader_only:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    else:
+        _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if proc.poll() is not None and not group_alive(pgid):
@@ -94,6 +139,14 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> int | None:
     with _lock:
         _live.pop(proc.pid, None)
     return code
+
+
+def stop_all(grace: float = 5.0) -> None:
+    """Stop every process group spawned here that is still tracked (a test session's last teardown)."""
+    with _lock:
+        procs = list(_live.values())
+    for proc in procs:
+        stop(proc, grace)
 
 
 def forget(proc: subprocess.Popen) -> None:

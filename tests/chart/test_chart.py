@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chart.conftest import CHART, Helm, kinds
-from chart.tools import ROOT
+from chart.tools import CHART, Helm, kinds
 from kvpilot.operator import rbac
 from kvpilot.operator.router_objects import router_labels
+from support import ROOT
 
 MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")
 TOGGLES = {

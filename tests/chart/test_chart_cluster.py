@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster.conftest import Cluster, wait_for
 from monitoring.dashboards import DASHBOARDS, ROUTER_DASHBOARD, load, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
 from monitoring.prometheus import Prometheus, pod_monitor_jobs, service_monitor_jobs, via_http_sd
 
-from chart.conftest import CHART, Helm
-from chart.tools import ROOT, tool
-from kvpilot.devcluster.controlplane import free_port
+from chart.tools import CHART, Helm, tool
+from support import ROOT
+from support.cluster import Cluster
+from support.procs import free_port, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 

@@ -17,11 +17,24 @@ import urllib.error
 import urllib.request
 
 import pytest
+import yaml
 from kubernetes import client
 
-from .conftest import NODES, Cluster, wait_for
+from support.cluster import NODES, Cluster
+from support.procs import wait_for
 
 pytestmark = pytest.mark.cluster
+
+
+def workload(kind: str, name: str, pod_spec: str, replicas: int | None = None) -> str:
+    """A Deployment or DaemonSet of pods labelled app=NAME, as YAML; `pod_spec` is their pod spec (YAML)."""
+    pod = {"metadata": {"labels": {"app": name}}, "spec": yaml.safe_load(textwrap.dedent(pod_spec))}
+    spec = {"selector": {"matchLabels": {"app": name}}, "template": pod}
+    if replicas is not None:
+        spec = {"replicas": replicas, **spec}
+    obj = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
+    return yaml.safe_dump(obj, sort_keys=False)
+
 
 WEB = textwrap.dedent(
     """
@@ -30,39 +43,36 @@ WEB = textwrap.dedent(
     metadata: {name: web-secret}
     stringData: {greeting: hello-from-secret, token: s3cr3t}
     ---
-    apiVersion: apps/v1
-    kind: Deployment
-    metadata: {name: web}
-    spec:
-      replicas: 3
-      selector: {matchLabels: {app: web}}
-      template:
-        metadata: {labels: {app: web}}
-        spec:
-          terminationGracePeriodSeconds: 5
-          volumes:
-          - name: conf
-            secret: {secretName: web-secret}
-          containers:
-          - name: http
-            image: python:3.11-slim   # ignored by the node agent
-            command: [sh, -c]
-            args:
-            - >-
-              echo "$(POD_NAME) $(POD_NAMESPACE) $TOKEN" > index.html &&
-              cp /etc/web/greeting greeting.txt &&
-              exec python3 -m http.server 8080 --bind "$POD_IP"
-            env:
-            - {name: POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}
-            - {name: POD_NAME, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
-            - {name: POD_NAMESPACE, valueFrom: {fieldRef: {fieldPath: metadata.namespace}}}
-            - {name: TOKEN, valueFrom: {secretKeyRef: {name: web-secret, key: token}}}
-            ports: [{name: http, containerPort: 8080}]
-            volumeMounts: [{name: conf, mountPath: /etc/web}]
-            readinessProbe:
-              httpGet: {path: /, port: http}
-              periodSeconds: 1
     """
+) + workload(
+    "Deployment",
+    "web",
+    replicas=3,
+    pod_spec="""
+    terminationGracePeriodSeconds: 5
+    volumes:
+    - name: conf
+      secret: {secretName: web-secret}
+    containers:
+    - name: http
+      image: python:3.11-slim   # ignored by the node agent
+      command: [sh, -c]
+      args:
+      - >-
+        echo "$(POD_NAME) $(POD_NAMESPACE) $TOKEN" > index.html &&
+        cp /etc/web/greeting greeting.txt &&
+        exec python3 -m http.server 8080 --bind "$POD_IP"
+      env:
+      - {name: POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}
+      - {name: POD_NAME, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
+      - {name: POD_NAMESPACE, valueFrom: {fieldRef: {fieldPath: metadata.namespace}}}
+      - {name: TOKEN, valueFrom: {secretKeyRef: {name: web-secret, key: token}}}
+      ports: [{name: http, containerPort: 8080}]
+      volumeMounts: [{name: conf, mountPath: /etc/web}]
+      readinessProbe:
+        httpGet: {path: /, port: http}
+        periodSeconds: 1
+""",
 )
 
 
@@ -224,22 +234,16 @@ def test_service_account_without_rights_gets_403(cluster: Cluster, namespace: st
     assert err.value.status == 403
 
 
-DAEMONSET = textwrap.dedent(
-    """
-    apiVersion: apps/v1
-    kind: DaemonSet
-    metadata: {name: agent}
-    spec:
-      selector: {matchLabels: {app: agent}}
-      template:
-        metadata: {labels: {app: agent}}
-        spec:
-          terminationGracePeriodSeconds: 2
-          containers:
-          - name: sleeper
-            image: busybox
-            command: [sleep, "3600"]
-    """
+DAEMONSET = workload(
+    "DaemonSet",
+    "agent",
+    pod_spec="""
+    terminationGracePeriodSeconds: 2
+    containers:
+    - name: sleeper
+      image: busybox
+      command: [sleep, "3600"]
+""",
 )
 
 

@@ -24,8 +24,8 @@ from kubernetes import client, config
 
 from kvpilot.devcluster import mountns
 from kvpilot.devcluster.podspec import SpecResolver
-
-from .conftest import ROOT, wait_for
+from support import ROOT
+from support.procs import wait_for
 
 pytestmark = pytest.mark.cluster
 needs_mount_namespaces = pytest.mark.skipif(

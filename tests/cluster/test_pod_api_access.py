@@ -11,6 +11,7 @@ import threading
 
 from kvpilot.devcluster import apiproxy, mountns
 from kvpilot.devcluster.podspec import refresh_time
+from support.procs import free_port
 
 
 def test_token_renewed_at_80_percent_of_the_requested_lifetime() -> None:
@@ -74,9 +75,7 @@ def test_proxy_copies_both_ways_and_half_closes() -> None:
             conn.sendall(data[::-1])
 
     threading.Thread(target=serve, daemon=True).start()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        listen = probe.getsockname()
+    listen = ("127.0.0.1", free_port())
     proxy = apiproxy.ApiProxy(listen, upstream.getsockname())
     proxy.start()
     try:

@@ -61,14 +61,6 @@ def hf_model(default_model_dir: Path):  # noqa: ANN201
     return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    import torch
-
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="session")
 def make_engine(default_model_dir: Path):  # noqa: ANN201
     """Build an engine on the default model with overrides of the test's choosing."""
@@ -82,3 +74,9 @@ def make_engine(default_model_dir: Path):  # noqa: ANN201
         return LLMEngine(cfg)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):  # noqa: ANN001, ANN201
+    """The default-model engine of one test module; modules that want other settings define their own."""
+    return make_engine()

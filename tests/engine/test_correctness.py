@@ -6,16 +6,18 @@ import pytest
 
 from kvpilot.daemon.engine.request import SamplingParams
 
-from .conftest import hf_greedy
-
 MAX_TOKENS = 32
 # ignore_eos keeps every request decoding to the end, so the pool really fills and preemption happens.
 SHARED = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
-    return make_engine()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    """transformers' greedy continuation of `prompt`, the reference the engine must match."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,6 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(make_engine):  # noqa: ANN001, ANN201
-    return make_engine()
-
-
-@pytest.fixture(scope="module")
 def quiet_outputs(make_engine, shared_prefix_prompts) -> list[list[int]]:  # noqa: ANN001
     return make_engine(enable_prefix_caching=False).generate(shared_prefix_prompts[:4], PARAMS)
 

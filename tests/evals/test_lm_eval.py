@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from server.conftest import MODEL, start_server, stop_server
+
+from support.servers import MODEL, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -8,13 +8,8 @@ own process, `pytest tests/gpu`.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-# Tolerances and case builders are shared with the CPU suite.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
 
 
 def _skip_reason() -> str | None:
@@ -36,11 +31,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-@pytest.fixture(scope="session")
-def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
-    """The shared tiny Llama with weights scaled so that attention decides its greedy tokens."""
-    from kernel_cases import sharpen_checkpoint
-
-    return sharpen_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("sharp-tiny-llama"))

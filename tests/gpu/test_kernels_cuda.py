@@ -1,4 +1,4 @@
-"""The CPU suite's comparisons, natively on CUDA, over wider sweeps (see tests/kernels/kernel_cases.py
+"""The CPU suite's comparisons, natively on CUDA, over wider sweeps (see tests/support/kernel_cases.py
 for the tolerances)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import random
 
 import pytest
 import torch
-from kernel_cases import (
+
+from kvpilot.kernels import reference
+from support.kernel_cases import (
     ATTENTION_TOL,
     DTYPES,
     ELEMENTWISE_TOL,
@@ -15,8 +17,6 @@ from kernel_cases import (
     build_attention_case,
     random_batch,
 )
-
-from kvpilot.kernels import reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.devcluster.controlplane import free_port
+from support import ROOT
+from support.procs import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "image" / "build.sh"
 
 

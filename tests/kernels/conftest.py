@@ -24,11 +24,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/kernels/" in item.nodeid:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory):
-    """The shared tiny Llama with weights scaled so that attention decides its greedy tokens."""
-    from kernel_cases import sharpen_checkpoint
-
-    return sharpen_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("sharp-tiny-llama"))

@@ -2,7 +2,9 @@
 without a GPU: catches what the interpreter lets through (loop-carried types, dot shapes, constexpr
 misuse). Run as a script in a process where TRITON_INTERPRET is off; prints one line per variant.
 
-    python tests/kernels/native_compile_check.py [sm] [--quick]   # default sm 90; --quick: bf16 only
+    PYTHONPATH=tests python tests/kernels/native_compile_check.py [sm] [--quick]   # default sm 90; --quick: bf16 only
+
+(tests/ on PYTHONPATH: the shared cases are support.kernel_cases.)
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _resource_usage(compiled) -> dict[str, int]:
 
 
 def _variants(quick: bool):
-    from kernel_cases import MIXED_BATCH, build_attention_case
+    from support.kernel_cases import MIXED_BATCH, build_attention_case
 
     dtypes = (torch.bfloat16,) if quick else (torch.float32, torch.float16, torch.bfloat16)
     heads = ((1, 8, 128), (2, 2, 256)) if quick else ((2, 1, 64), (2, 3, 128), (1, 8, 64), (2, 2, 256))
@@ -165,5 +167,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

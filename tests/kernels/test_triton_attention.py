@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-from kernel_cases import ATTENTION_TOL, DTYPES, MIXED_BATCH, build_attention_case, random_batch
 
 from kvpilot.kernels import reference
 from kvpilot.kernels import triton_attention as ta
+from support.kernel_cases import ATTENTION_TOL, DTYPES, MIXED_BATCH, build_attention_case, random_batch
 
 # (num_kv_heads, group): GQA ratios 1, 3 and 8.
 HEADS = [(2, 1), (2, 3), (1, 8)]

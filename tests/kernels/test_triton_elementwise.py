@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DTYPES, ELEMENTWISE_TOL, build_attention_case
 
 from kvpilot.kernels import reference, triton_activation, triton_kv_write, triton_norm, triton_rotary
 from kvpilot.kernels.ops import select_ops
+from support.kernel_cases import DTYPES, ELEMENTWISE_TOL, build_attention_case
 
 
 def _rand(*shape, dtype, seed=0):

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("native_compile_check.py")
+TESTS = Path(__file__).resolve().parents[1]  # the script imports support.kernel_cases
 
 
 @pytest.mark.parametrize("sm", [80, 90])
 def test_kernels_compile_natively(sm):
     pytest.importorskip("triton.backends.nvidia", reason="this triton build has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(TESTS)}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(sm), "--quick"],
         env=env,

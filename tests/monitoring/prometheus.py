@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -18,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from kvpilot.devcluster.controlplane import free_port
 from monitoring.dashboards import load, queries, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
+from support.procs import free_port, spawn, stop
 
 _RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
                  "regex": "regex", "modulus": "modulus", "replacement": "replacement", "action": "action"}  # fmt: skip
@@ -136,7 +135,7 @@ class Prometheus:
         self.log = workdir / "prometheus.log"
         argv = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        self.proc = spawn(argv, log_path=self.log)
 
     def api(self, path: str, **params: str) -> Any:
         if self.proc.poll() is not None:
@@ -185,10 +184,4 @@ class Prometheus:
         return rules if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) else []
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop(self.proc, grace=20)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 from chart.tools import tool
-from router.conftest import Fleet
 
 from monitoring.dashboards import (
     DASHBOARDS,
@@ -26,6 +25,7 @@ from monitoring.dashboards import (
     variable_queries,
 )
 from monitoring.exposed import daemon_metric_names, operator_metric_names, served_metric_names
+from support.servers import Fleet
 
 ALL = {"namespace": ".*", "deployment": ".*", "pod": ".*"}
 

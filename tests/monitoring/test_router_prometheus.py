@@ -13,13 +13,12 @@ from functools import partial
 import pytest
 import yaml
 from chart.tools import tool
-from cluster.conftest import wait_for
-from router.conftest import Fleet
 from router.test_router import SYSTEM, ask, wait_indexed
-from server.conftest import MODEL
 
 from monitoring.dashboards import ALERTS, ROUTER_DASHBOARD
 from monitoring.prometheus import Prometheus
+from support.procs import wait_for
+from support.servers import MODEL, Fleet
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
 from kvpilot.fanout import FanoutSettings, Target, run_fanout
 from kvpilot.operator.reset_status import pod_entry
+from support.servers import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(600)
 

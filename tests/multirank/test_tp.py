@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from server.conftest import MODEL, start_server, stop_server
+
+from support.servers import MODEL, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(900)
 

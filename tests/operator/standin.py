@@ -12,24 +12,26 @@ import asyncio
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 
+@dataclass
 class Standin:
-    def __init__(self, engine: str = "kvpilot", reset_status: int = 200, delay: float = 0.0,
-                 busy_times: int = 0, token: str | None = None, body_success: bool = True) -> None:  # fmt: skip
-        self.engine = engine
-        self.reset_status = reset_status
-        self.delay = delay
-        self.busy_times = busy_times
-        self.token = token
-        self.body_success = body_success
-        self.epoch = 0
-        self.calls = 0  # reset calls received
-        self.resets = 0  # resets applied
-        self.inflight = 0
-        self.max_inflight = 0
+    """One stand-in daemon: how it answers a reset, and what it has seen."""
+
+    engine: str = "kvpilot"
+    reset_status: int = 200
+    delay: float = 0.0  # seconds between applying a reset and replying
+    busy_times: int = 0  # sglang: replies "not flushed, pending requests" this many times first
+    token: str | None = None
+    body_success: bool = True  # vllm: False replies {"success": false}
+    epoch: int = field(default=0, init=False)
+    calls: int = field(default=0, init=False)  # reset calls received
+    resets: int = field(default=0, init=False)  # resets applied
+    inflight: int = field(default=0, init=False)
+    max_inflight: int = field(default=0, init=False)
 
     async def reset(self, request: web.Request) -> web.Response:
         self.calls += 1

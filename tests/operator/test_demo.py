@@ -8,7 +8,8 @@ import re
 import subprocess
 
 import pytest
-from conftest import ROOT
+
+from support import ROOT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 

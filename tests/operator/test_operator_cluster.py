@@ -9,10 +9,11 @@ import time
 import urllib.request
 
 import pytest
-from conftest import (
+
+from support.cluster import Cluster
+from support.operator import (
     OP_NS,
     STANDIN_ENV,
-    Cluster,
     OperatorProcess,
     apply_ns,
     cached_tokens,
@@ -23,9 +24,10 @@ from conftest import (
     pcr,
     pods_by_name,
     ready_replicas,
-    wait_for,
+    standin_fleet,
     wait_phase,
 )
+from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -320,8 +322,7 @@ def test_bad_specs_are_refused_by_the_api_server(
 
 def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
     ns = namespace
-    apply_ns(cluster, ns, fleet("web", {"replicas": 2, "env": STANDIN_ENV}))
-    wait_for(lambda: ready_replicas(cluster, ns, "web", 2), 90, "2 ready stand-in daemons")
+    standin_fleet(cluster, ns, "web")
     obj = infd(cluster, ns, "web")
     dep = cluster.kubectl_json("get", "deployment", "web", "-n", ns)
     svc = cluster.kubectl_json("get", "service", "web", "-n", ns)
@@ -419,8 +420,7 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
 
 def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
     ns = namespace
-    apply_ns(cluster, ns, fleet("ann", {"replicas": 2, "env": STANDIN_ENV}))
-    wait_for(lambda: ready_replicas(cluster, ns, "ann", 2), 90, "2 ready stand-in daemons")
+    standin_fleet(cluster, ns, "ann")
     uid = infd(cluster, ns, "ann")["metadata"]["uid"]
 
     def owned_resets() -> list[dict]:
@@ -517,8 +517,7 @@ def test_reset_cli_waits_and_shows_every_pod(
     import sys
 
     ns = namespace
-    apply_ns(cluster, ns, fleet("cli", {"replicas": 2, "env": STANDIN_ENV}))
-    wait_for(lambda: ready_replicas(cluster, ns, "cli", 2), 90, "2 ready stand-in daemons")
+    standin_fleet(cluster, ns, "cli")
     r = subprocess.run([sys.executable, "-c", CLI, "reset", "cli", "-n", ns, "--wait", "--kubeconfig",
                         str(cluster.kubeconfig)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -657,8 +656,7 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
 
     ns = namespace
     # Secure by default: a fleet without adminTokenSecretRef gets a generated token that its daemons require.
-    apply_ns(cluster, ns, fleet("sec", {"replicas": 2, "env": STANDIN_ENV}))
-    wait_for(lambda: ready_replicas(cluster, ns, "sec", 2), 90, "2 ready stand-in daemons")
+    standin_fleet(cluster, ns, "sec")
     secret = cluster.kubectl_json("get", "secret", "sec-admin-token", "-n", ns)
     assert secret["metadata"]["ownerReferences"][0]["uid"] == infd(cluster, ns, "sec")["metadata"]["uid"]
     assert len(base64.b64decode(secret["data"]["token"])) >= 32

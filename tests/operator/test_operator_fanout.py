@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from contextlib import asynccontextmanager
 
@@ -16,12 +15,7 @@ from kvpilot.fanout import FanoutSettings, OnCall, PodResult, Target, run_fanout
 from kvpilot.operator import metrics
 from kvpilot.operator.reset_status import pod_entry, summarize
 from kvpilot.operator.resets import outcome
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.procs import free_port
 
 
 @asynccontextmanager

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, OperatorProcess, wait_for
 
 from kvpilot.devcluster import ControlPlane
 from kvpilot.operator import rbac
+from support import ROOT
+from support.operator import OperatorProcess
+from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

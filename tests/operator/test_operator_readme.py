@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, STANDIN_ENV, Cluster, OperatorProcess, free_port, wait_for
+
+from support import ROOT
+from support.cluster import Cluster
+from support.operator import STANDIN_ENV, OperatorProcess
+from support.procs import free_port, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

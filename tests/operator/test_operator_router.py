@@ -13,18 +13,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import (
-    PROMPT,
-    STANDIN_ENV,
-    Cluster,
-    OperatorProcess,
-    apply_ns,
-    fleet,
-    fleet_pods,
-    http,
-    infd,
-    wait_for,
-)
+
+from support.cluster import Cluster
+from support.operator import PROMPT, STANDIN_ENV, OperatorProcess, apply_ns, fleet, fleet_pods, http, infd
+from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, Server, free_port
 
-from .conftest import Fleet, RouterProc, start_router, stop_router
+from support import ROOT
+from support.procs import free_port
+from support.servers import ADMIN_TOKEN, MODEL, Fleet, RouterProc, Server, start_router, stop_router
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC_URL = "http://localhost:8080"  # the router's address in docs/router.md
 
 

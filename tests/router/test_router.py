@@ -9,9 +9,9 @@ import time
 
 import openai
 import pytest
-from server.conftest import ADMIN_TOKEN, MODEL, free_port, start_server
 
-from .conftest import Fleet, start_router, stop_fleet, stop_router
+from support.procs import free_port
+from support.servers import ADMIN_TOKEN, MODEL, Fleet, start_router, start_server, stop_fleet, stop_router
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,11 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from server.conftest import free_port
+
+from support import ROOT
+from support.procs import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parents[2]
 SEP = "----- 8< -----"
 
 

@@ -7,10 +7,10 @@ import json
 
 import openai
 import pytest
-from cluster.conftest import Cluster, cluster, namespace, wait_for  # noqa: F401
-from server.conftest import MODEL
 
-from .conftest import start_daemon, start_router, stop_fleet
+from support.cluster import Cluster
+from support.procs import wait_for
+from support.servers import MODEL, start_daemon, start_router, stop_fleet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import ADMIN_TOKEN, Server
+from support.servers import ADMIN_TOKEN, Server
 
 
 def run_bench(

@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from .conftest import MODEL, Server
+from support.servers import MODEL, Server
 
 pytestmark = pytest.mark.timeout(600)
 

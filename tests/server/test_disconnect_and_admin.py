@@ -9,8 +9,7 @@ import time
 import pytest
 
 from kvpilot.daemon.server.auth import AdminTokenError, authorized, load_admin_token
-
-from .conftest import ADMIN_TOKEN, MODEL, Server
+from support.servers import ADMIN_TOKEN, MODEL, Server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import MODEL, Server
+from support.servers import MODEL, Server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from .conftest import MODEL, Server, start_server, stop_server
+from support.servers import MODEL, Server, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(600)
 

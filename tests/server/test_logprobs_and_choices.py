@@ -8,7 +8,8 @@ import math
 import openai
 import pytest
 
-from .conftest import MODEL, Server
+from support.servers import MODEL, Server
+
 from .test_openai_api import CHAT, PROMPT
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ import asyncio
 import openai
 import pytest
 
-from .conftest import MODEL, Server
+from support.servers import MODEL, Server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import Server
+from support.servers import Server
 
 pytestmark = pytest.mark.timeout(300)
 

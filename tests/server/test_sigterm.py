@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from .conftest import start_server, stop_server
+from support.servers import start_server, stop_server
+
 from .test_disconnect_and_admin import open_stream
 
 pytestmark = pytest.mark.timeout(400)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import ROOT
 
 # Run by a venv's python: installs the recording pip into that venv (made --without-pip).
 PLANT_PIP = """\

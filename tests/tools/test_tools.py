@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.devcluster.controlplane import free_port
+from support import ROOT
+from support.procs import free_port, spawn, stop
 
-ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "hack" / "tools" / "build.sh"
 TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf")
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -132,11 +132,10 @@ def test_prometheus_scrapes_and_promtool_queries_it(bindir: Path, tmp_path: Path
     )
     check = run(bindir / "promtool", "check", "config", config)
     assert check.returncode == 0, check.stdout + check.stderr
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
+    proc = spawn(
         [bindir / "prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"],  # fmt: skip
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        log_path=tmp_path / "prometheus.log", cwd=tmp_path,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -147,9 +146,7 @@ def test_prometheus_scrapes_and_promtool_queries_it(bindir: Path, tmp_path: Path
             out = run(bindir / "promtool", "query", "instant", f"http://127.0.0.1:{port}", "up").stdout
         assert 'job="self"} => 1' in out, f"prometheus never scraped itself: {out!r}"
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        stop(proc, grace=30)
 
 
 @pytest.mark.cluster

@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real dev cluster (see docs/cluster.md).
+"""The dev cluster for tests against a real API server (see docs/cluster.md).
 
 The `cluster` fixture builds the binaries if needed (cached), starts etcd,
 kube-apiserver and kube-controller-manager in this process's control, and the
@@ -12,44 +12,20 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kubernetes import client, config
 
-ROOT = Path(__file__).resolve().parents[2]
-try:
-    import kvpilot.devcluster  # noqa: F401
-except ImportError:  # not installed: use the checkout (appended, see hack/cluster/devcluster.py)
-    sys.path.append(str(ROOT))
-
-from kubernetes import client, config  # noqa: E402
-
-from kvpilot.devcluster import ControlPlane, procs  # noqa: E402
+from kvpilot.devcluster import ControlPlane
+from support import ROOT
+from support.procs import spawn, stop, wait_for
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
 NODES = ("node-1", "node-2")
-
-
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25) -> object:
-    """Poll `check` until it returns something truthy; fail the test with `what` otherwise."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as e:  # noqa: BLE001 - remembered for the failure message
-            last_error = e
-        time.sleep(interval)
-    pytest.fail(
-        f"timed out after {timeout}s waiting for {what}"
-        + (f" (last error: {last_error})" if last_error else "")
-    )
 
 
 @dataclass
@@ -108,7 +84,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         agent_log = workdir / "agent.log"
         argv = [sys.executable, str(LAUNCHER), "agent", "--kubeconfig", str(cp.kubeconfig),
                 "--workdir", str(agent_dir), "--nodes", str(len(NODES)), "--gpus", "1"]  # fmt: skip
-        agent = procs.spawn(argv, log_path=agent_log)
+        agent = spawn(argv, log_path=agent_log)
 
         def agent_ready() -> str | None:
             if agent.poll() is not None:
@@ -123,7 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         )
     finally:
         if agent is not None:
-            procs.stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces
+            stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces
         cp.stop()
 
 

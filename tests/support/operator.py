@@ -1,9 +1,10 @@
-"""Fixtures for the operator's cluster tests: the dev cluster of tests/cluster, our CRDs, the operator's
-ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, and the operator as a subprocess.
+"""The operator's cluster tests' parts: our CRDs on the dev cluster (support.cluster), the operator's
+ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, the operator as a subprocess, and
+builders and probes of fleets and resets.
 
 Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
 every pod's PATH (docs/cluster.md), so `kvpilot serve` is this checkout's daemon. Fleets whose daemon is not
-the point put shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
+the point put tests/operator/shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,30 +22,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from kvpilot.operator import rbac
+from support import ROOT
+from support.cluster import Cluster
+from support.procs import free_port, spawn, stop, wait_for
+
+SHIM = ROOT / "tests" / "operator" / "shim"
 VENV_BIN = str(Path(sys.executable).parent)
 # A pod env's PATH replaces the agent's: the stand-in's `python3` must still be the venv's.
-SHIM_PATH = os.pathsep.join([str(HERE / "shim"), VENV_BIN, os.environ.get("PATH", "/usr/bin:/bin")])
+SHIM_PATH = os.pathsep.join([str(SHIM), VENV_BIN, os.environ.get("PATH", "/usr/bin:/bin")])
 STANDIN_ENV = [
     {"name": "PATH", "value": SHIM_PATH}
 ]  # a fleet's pod env: `kvpilot` is shim/kvpilot, a stand-in
-if str(ROOT / "tests") not in sys.path:
-    sys.path.append(str(ROOT / "tests"))
-if str(HERE) not in sys.path:
-    sys.path.append(str(HERE))
-
-from cluster.conftest import Cluster, cluster, namespace, wait_for  # noqa: E402, F401
-
-from kvpilot.operator import rbac  # noqa: E402
-
 OP_NS = "kvpilot-system"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OperatorProcess:
@@ -61,10 +50,7 @@ class OperatorProcess:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         argv = [sys.executable, "-m", "kvpilot.operator.main", "--bind", "127.0.0.1",
                 "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), *extra]  # fmt: skip
-        out = open(self.log, "ab")  # noqa: SIM115 - kept by the child
-        self.proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.proc = spawn(argv, log_path=self.log, env=env)
         wait_for(self.healthy, 60, "the operator's /healthz")
 
     def healthy(self) -> bool:
@@ -93,19 +79,15 @@ class OperatorProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop(self.proc, grace=15)
 
     def restart(self, *extra: str) -> None:
         self.stop()
         self.start(*extra)
 
 
-def apply(cluster: Cluster, objs: object) -> None:  # noqa: F811
+def apply(cluster: Cluster, objs: object) -> None:
     docs = objs if isinstance(objs, list) else [objs]
     cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in docs))
 
@@ -127,18 +109,18 @@ def cached_tokens(ip: str) -> int:
     return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def fleet_pods(cluster: Cluster, ns: str, name: str) -> list[dict]:  # noqa: F811
+def fleet_pods(cluster: Cluster, ns: str, name: str) -> list[dict]:
     items = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"kvpilot.io/inference-deployment={name}")[
         "items"
     ]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
-def infd(cluster: Cluster, ns: str, name: str) -> dict:  # noqa: F811
+def infd(cluster: Cluster, ns: str, name: str) -> dict:
     return cluster.kubectl_json("get", "infd", name, "-n", ns)
 
 
-def ready_replicas(cluster: Cluster, ns: str, name: str, n: int) -> bool:  # noqa: F811
+def ready_replicas(cluster: Cluster, ns: str, name: str, n: int) -> bool:
     st = infd(cluster, ns, name).get("status") or {}
     return st.get("readyReplicas") == n and st.get("replicas") == n
 
@@ -157,13 +139,19 @@ def fleet(name: str, spec: dict) -> dict:
             "spec": spec}  # fmt: skip
 
 
-def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:  # noqa: F811
+def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
     obj = {**obj, "metadata": {**obj["metadata"], "namespace": ns}}
     apply(cluster, obj)
 
 
+def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2) -> None:
+    """An InferenceDeployment of `replicas` stand-in daemons in `ns`, waited for until all are ready."""
+    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, "env": STANDIN_ENV}))
+    wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
+
+
 @pytest.fixture(scope="session")
-def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
     The peering object is not made here: the operator makes it (as for a user who follows the README)."""
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
@@ -206,7 +194,7 @@ def operator(
     print(f"operator log: {op.log}")
 
 
-def wait_phase(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict:  # noqa: F811
+def wait_phase(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict:
     def done() -> dict | None:
         obj = cluster.kubectl_json("get", "pcr", name, "-n", ns)
         return obj if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None

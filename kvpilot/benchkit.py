@@ -1,0 +1,74 @@
+"""What the benchmarks in bench/ share: servers started in their own process group and waited for,
+the machine and its load beside the numbers (they depend on what else runs there), and one JSON file
+per run. bench/ scripts run as files (`python bench/x.py`) and so cannot import each other; what they
+share lives here, on kvpilot.devcluster.procs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvpilot.devcluster.procs import spawn, stop, wait_ready
+
+
+def health(url: str) -> dict:
+    """GET URL/health: its JSON body ({} when it is not JSON); raises OSError unless it answers 2xx."""
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        raw = r.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def launch(
+    argv: Sequence[str],
+    log: Path,
+    url: str,
+    timeout: float,
+    env: dict | None = None,
+    ready: Callable[[dict], bool] = lambda body: True,
+) -> subprocess.Popen:
+    """Start `argv` in its own process group (output to `log`; by default without the caller's
+    $KVPILOT_ADMIN_TOKEN) and return once URL/health answers and `ready(its body)` holds."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
+    proc = spawn(argv, log_path=log, env=env)
+    wait_ready(proc, lambda: ready(health(url)), timeout, Path(argv[0]).name + " " + " ".join(argv[1:4]), log)
+    return proc
+
+
+def shutdown(proc: subprocess.Popen) -> None:
+    """SIGTERM the server as Kubernetes would; what is left of its group is killed after 60 s."""
+    stop(proc, grace=60, leader_only=True)
+
+
+def header(bench: str, load_before: tuple[float, float, float]) -> dict:
+    """The first keys of a run's JSON: which bench, when (UTC), on how many CPUs, under what load before
+    and after the run."""
+    return {
+        "bench": bench,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def default_path(results: Path, name: str) -> Path:
+    """`results/NAME-YYYYmmdd-HHMMSS.json` (UTC): one file per run, never overwritten by the next."""
+    return results / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+
+
+def write(path: Path, doc: dict, note: str = "") -> Path:
+    """Write `doc` as indented JSON to `path` (its folder made if missing) and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}{note}")
+    return path

@@ -1,0 +1,39 @@
+"""Free ports and child processes for tests, on kvpilot.devcluster.procs: every process a test starts
+runs in its own process group, and whatever a test left running is stopped, group and all, when the
+session ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvpilot.devcluster.procs import free_port, spawn, stop, stop_all, wait_ready
+
+__all__ = ["free_port", "spawn", "stop", "wait_ready", "wait_for"]
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25) -> object:
+    """Poll `check` until it returns something truthy; fail the test with `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - remembered for the failure message
+            last_error = e
+        time.sleep(interval)
+    pytest.fail(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f" (last error: {last_error})" if last_error else "")
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session() -> Iterator[None]:
+    """The first fixture set up, the last torn down: any group a test or fixture left running stops."""
+    yield
+    stop_all()

@@ -1,0 +1,218 @@
+"""Real `kvpilot serve` and `kvpilot router` processes on loopback, each in its own process group, and
+the `fleet` fixture: two daemons publishing KV events with a router in front of them (tests/router and
+tests/monitoring share it)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from support.procs import free_port, spawn, stop, wait_ready
+
+ADMIN_TOKEN = "test-admin-token-4d1f"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict
+    body: bytes
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    token: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict | list | None = None,
+        headers: dict | None = None,
+        timeout: float = 120.0,
+    ) -> Response:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            raw = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=raw, headers=hdrs)
+            resp = conn.getresponse()
+            return Response(resp.status, dict(resp.getheaders()), resp.read())
+        finally:
+            conn.close()
+
+    def admin(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def reset(self, **query: str) -> dict:
+        qs = "&".join(f"{k}={v}" for k, v in query.items())
+        r = self.request("POST", "/reset_prefix_cache" + (f"?{qs}" if qs else ""), headers=self.admin())
+        assert r.status == 200, r.body
+        return r.json()
+
+    def cache(self) -> dict:
+        r = self.request("GET", "/prefix_cache")
+        assert r.status == 200, r.body
+        return r.json()
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {'name{labels}': value}."""
+        text = self.request("GET", "/metrics").body.decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class RouterProc(Server):
+    """A `kvpilot router` process: the daemon test helpers (request, admin, metrics, log) apply as is."""
+
+    def health(self) -> dict:
+        return self.request("GET", "/health").json()
+
+    def pod(self, name: str) -> dict:
+        return next(p for p in self.health()["pods"] if p["pod"] == name)
+
+
+S = TypeVar("S", bound=Server)
+
+
+def _launch(
+    kind: type[S],
+    tmp: Path,
+    command: str,
+    args: list[str],
+    token: str | None,
+    env: dict | None,
+    ready: Callable[[S], object],
+    timeout: float,
+) -> S:
+    """`python -m kvpilot COMMAND --host 127.0.0.1 --port FREE ARGS` in its own process group, with
+    `token` as its admin token file and without the caller's $KVPILOT_ADMIN_TOKEN; returns once
+    `ready(process)` holds."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvpilot", command, "--host", "127.0.0.1", "--port", str(port), *args]
+    if token is not None:
+        token_file = tmp / f"{command}-token-{port}"
+        token_file.write_text(token + "\n")
+        argv += ["--admin-token-file", str(token_file)]
+    proc_env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"} | (env or {})
+    log_path = tmp / f"{command}-{port}.log"
+    process = kind(spawn(argv, log_path=log_path, env=proc_env), port, log_path, token)
+    wait_ready(process.proc, lambda: ready(process), timeout, f"kvpilot {command}", log_path, interval=0.3)
+    return process
+
+
+def start_server(tmp: Path, *extra: str, token: str | None = None, env: dict | None = None) -> Server:
+    args = ["--num-gpu-blocks-override", "256", "--max-model-len", "512", *extra]
+
+    def ready(server: Server) -> bool:
+        return server.request("GET", "/health", timeout=5).status == 200
+
+    return _launch(Server, tmp, "serve", args, token, env, ready, timeout=300)
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM the daemon (or router) as Kubernetes would; its whole group is killed after 60 s."""
+    stop(server.proc, grace=60, leader_only=True)
+
+
+def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
+    return start_server(tmp, "--host", host, "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
+                        "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}", token=token)  # fmt: skip
+
+
+def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str | None = ADMIN_TOKEN,
+                 all_pods: bool = True, env: dict | None = None) -> RouterProc:  # fmt: skip
+    """Start a router; return once every pod is ready and its KV events synced (or, with `all_pods`
+    false, once the router serves at all)."""
+    args = [*extra, *(["--endpoints", ",".join(endpoints)] if endpoints is not None else [])]
+
+    def ready(router: RouterProc) -> bool:
+        h = router.health()
+        pods = h["pods"]
+        return bool(pods and all(p["ready"] and p["synced"] for p in pods)) or (
+            not all_pods and h["status"] == "ok"
+        )
+
+    return _launch(RouterProc, tmp, "router", args, token, env, ready, timeout=120)
+
+
+def stop_router(router: RouterProc) -> None:
+    stop_server(router)
+    assert "Traceback" not in router.log(), router.log()[-4000:]
+
+
+def stop_fleet(router: RouterProc | None, daemons: list[Server]) -> None:
+    """Stop the router (which raises on a traceback in its log) and, whatever it raised, the daemons."""
+    try:
+        if router is not None:
+            stop_router(router)
+    finally:
+        for d in daemons:
+            stop_server(d)
+
+
+def wait_idle(*servers: Server) -> None:
+    """Wait until no request an earlier test started is running or waiting on any of `servers`."""
+    deadline = time.monotonic() + 60
+    for s in servers:
+        while (c := s.cache())["num_running"] or c["num_waiting"]:
+            assert time.monotonic() < deadline, c
+            time.sleep(0.2)
+
+
+@dataclass
+class Fleet:
+    daemons: list[Server]
+    router: RouterProc
+
+    def by_name(self, name: str) -> Server:
+        return next(d for d in self.daemons if f"127.0.0.1:{d.port}" == name)
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    daemons = [start_daemon(tmp), start_daemon(tmp)]
+    router = None
+    try:
+        router = start_router(tmp, [d.url for d in daemons])
+        yield Fleet(daemons, router)
+    finally:
+        stop_fleet(router, daemons)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
+
+
+@pytest.fixture
+def quiet_fleet(fleet: Fleet) -> Fleet:
+    """The shared fleet with no request left running on any pod by an earlier test."""
+    wait_idle(*fleet.daemons)
+    return fleet
