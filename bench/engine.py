@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.benchkit import engine_ttft
 from kvpilot.daemon.engine.block_hash import hash_block
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.config import EngineConfig
@@ -124,17 +125,6 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int, sharing: 
     return {"seconds": secs, "output_tokens": tokens, "tokens_per_s": tokens / secs, "block_sharing": sharing}
 
 
-def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
-    """Seconds until the first token of one request running alone, and its cached prompt tokens."""
-    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
-    start = time.perf_counter()
-    cached = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            cached = o.num_cached_tokens
-    return time.perf_counter() - start, cached
-
-
 def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN001
     long_prompt = chat(tokenizer, "Summarise the rules above in one line.")
     new_suffix = chat(tokenizer, "Which rule matters most, and why?")
@@ -144,14 +134,14 @@ def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN
     cached: dict[str, int] = {}
     for _ in range(repeats):
         engine.reset_prefix_cache()
-        t, cached["cold_long_prompt"] = ttft(engine, long_prompt)
+        t, cached["cold_long_prompt"] = engine_ttft(engine, long_prompt)
         cases["cold_long_prompt"].append(t)
-        t, cached["cached_prefix_new_suffix"] = ttft(engine, new_suffix)
+        t, cached["cached_prefix_new_suffix"] = engine_ttft(engine, new_suffix)
         cases["cached_prefix_new_suffix"].append(t)
-        t, cached["suffix_alone"] = ttft(engine, suffix_alone)
+        t, cached["suffix_alone"] = engine_ttft(engine, suffix_alone)
         cases["suffix_alone"].append(t)
         engine.reset_prefix_cache()
-        t, cached["right_after_reset"] = ttft(engine, new_suffix)
+        t, cached["right_after_reset"] = engine_ttft(engine, new_suffix)
         cases["right_after_reset"].append(t)
     med = {k: statistics.median(v) for k, v in cases.items()}
     return {

@@ -103,14 +103,14 @@ def bench_decode(args, batch: int, ctx: int) -> dict:
     t_ms = _bench(lambda: ta.paged_attention(q, kc, vc, meta, scale))
     kv_bytes = 2 * batch * ctx * hkv * d * 2
     io_bytes = kv_bytes + 2 * q.numel() * 2
-    row = dict(
-        kind="decode",
-        batch=batch,
-        context=ctx,
-        num_splits=splits,
-        triton_ms=t_ms,
-        triton_gbps=io_bytes / (t_ms * 1e-3) / 1e9,
-    )
+    row = {
+        "kind": "decode",
+        "batch": batch,
+        "context": ctx,
+        "num_splits": splits,
+        "triton_ms": t_ms,
+        "triton_gbps": io_bytes / (t_ms * 1e-3) / 1e9,
+    }
     kg, vg = _gathered(kc, tables, ctx), _gathered(vc, tables, ctx)
     qs = q.view(batch, h, 1, d)
     s_ms = _bench_or_none(

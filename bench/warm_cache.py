@@ -15,11 +15,11 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from kvpilot.benchkit import engine_ttft
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
@@ -29,17 +29,6 @@ TEXT = (
     "Every replica keeps a prefix cache of attention keys and values, so prompts that share their beginning "
     "are computed once; benchmarks flush it before every run so that each run starts cold. "
 )
-
-
-def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
-    """Seconds until the first token of one request running alone, and how many prompt tokens were cached."""
-    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
-    start = time.perf_counter()
-    cached = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            cached = out.num_cached_tokens
-    return time.perf_counter() - start, cached
 
 
 def prompt_of(engine: LLMEngine, length: int) -> list[int]:
@@ -52,8 +41,8 @@ def measure(engine: LLMEngine, length: int, repeats: int) -> dict:
     cold, warm, cached = [], [], 0
     for _ in range(repeats):
         engine.reset_prefix_cache()
-        cold.append(ttft(engine, prompt)[0])
-        t, cached = ttft(engine, prompt)
+        cold.append(engine_ttft(engine, prompt)[0])
+        t, cached = engine_ttft(engine, prompt)
         warm.append(t)
     c, w = statistics.median(cold), statistics.median(warm)
     return {

@@ -1,7 +1,7 @@
-"""What the benchmarks in bench/ share: servers started in their own process group and waited for,
-the machine and its load beside the numbers (they depend on what else runs there), and one JSON file
-per run. bench/ scripts run as files (`python bench/x.py`) and so cannot import each other; what they
-share lives here, on kvpilot.devcluster.procs."""
+"""What the benchmarks in bench/ share: servers started in their own process group and waited for, one
+request's time to first token in an engine, the machine and its load beside the numbers (they depend on what
+else runs there), and one JSON file per run. bench/ scripts run as files (`python bench/x.py`) and so cannot
+import each other; what they share lives here, on kvpilot.devcluster.procs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpilot.devcluster.procs import spawn, stop, wait_ready
+
+if TYPE_CHECKING:  # the engine imports torch: only the benches that measure it load it
+    from kvpilot.daemon.engine.engine import LLMEngine
 
 
 def health(url: str) -> dict:
@@ -72,3 +76,16 @@ def write(path: Path, doc: dict, note: str = "") -> Path:
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}{note}")
     return path
+
+
+def engine_ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds until the first token of one request running alone in `engine`, and its cached prompt tokens."""
+    from kvpilot.daemon.engine.request import SamplingParams
+
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    return time.perf_counter() - start, cached

@@ -12,16 +12,9 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-force=0
-print_only=0
-for arg in "$@"; do
-    case "$arg" in
-        --force) force=1 ;;
-        --print-bindir) print_only=1 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-        *) echo "build.sh: unknown argument: $arg" >&2; exit 2 ;;
-    esac
-done
+# shellcheck source=../lib/buildflags.sh
+source "$here/../lib/buildflags.sh"
+parse_build_flags build.sh --print-bindir "$@"
 
 LOG_TAG=build.sh
 # die, step, go_download and go_progress, shared with hack/tools/build.sh.

@@ -15,16 +15,9 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-force=0
-print_only=0
-for arg in "$@"; do
-    case "$arg" in
-        --force) force=1 ;;
-        --print-ref) print_only=1 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-        *) echo "image/build.sh: unknown argument: $arg" >&2; exit 2 ;;
-    esac
-done
+# shellcheck source=../lib/buildflags.sh
+source "$root/hack/lib/buildflags.sh"
+parse_build_flags image/build.sh --print-ref "$@"
 
 die() { echo "image/build.sh: ERROR: $*" >&2; exit 1; }
 step() { printf '[image %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
