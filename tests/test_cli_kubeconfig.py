@@ -29,7 +29,10 @@ CASES = {
     "kubeconfig-nowhere": ("nowhere", ["no kubeconfig", "names no file", "make cluster-up"]),
     "garbage-yaml": ("garbage", ["is not valid YAML", "(line ", "make cluster-up"]),
     "not-a-mapping": ("list", ["is not a kubeconfig", "make cluster-up"]),
-    "no-current-context": ("nocontext", ["has no current context", "kubectl config use-context", "dev, other"]),
+    "no-current-context": (
+        "nocontext",
+        ["has no current context", "kubectl config use-context", "dev, other"],
+    ),
 }
 FILES = {"garbage": "apiVersion: v1\nclusters: [oops\n", "list": "- 1\n- 2\n", "nocontext": NO_CONTEXT}
 
