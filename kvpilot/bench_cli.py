@@ -48,7 +48,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import urllib.request
     from dataclasses import asdict
 
-    from kvpilot.loadgen import sweep
+    from kvpilot.loadgen import LEGEND, describe_load, format_table, sweep
 
     bench = from_flags(BenchSettings, args)
     try:
@@ -67,6 +67,15 @@ def run_bench(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError, IndexError) as exc:
             log.error("cannot list the models of %s (%s); pass --model", url, exc)
             return 2
+    print(
+        describe_load(
+            url, model, bench.concurrency, bench.rounds, bench.min_requests, bench.max_tokens, bench.reset
+        ),
+        LEGEND,
+        "",
+        sep="\n",
+        flush=True,
+    )
     runs = sweep(
         url,
         model,
@@ -78,6 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
         headers=headers,
         reset=bench.reset,
     )
+    print("\nall runs:", format_table(runs), sep="\n", flush=True)
     if any(isinstance(r.reset, str) for r in runs):
         log.warning("the server refused the reset (see `reset` in the runs): runs may have started warm")
     if bench.output:

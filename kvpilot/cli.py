@@ -1,7 +1,7 @@
 """The `kvpilot` command line.
 
 It only dispatches: each package owns its subcommand (daemon/server/cli.py `serve`, router/cli.py
-`router`, operator/cli.py `operator` and `reset`, kvpilot/bench_cli.py `bench`), an
+`router`, operator/cli.py `operator`, `reset` and `endpoint`, kvpilot/bench_cli.py `bench`), an
 `add_<name>_parser(subparsers)` registered in `_COMMANDS` that declares its flags (kvpilot/config_flags.py)
 and sets `handler`. Handlers import their heavy dependencies (torch, kopf, ...) lazily, so `kvpilot --help`
 and the light subcommands start fast.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from kvpilot.bench_cli import add_bench_parser
 from kvpilot.daemon.server.cli import add_serve_parser
-from kvpilot.operator.cli import add_operator_parser, add_reset_parser
+from kvpilot.operator.cli import add_endpoint_parser, add_operator_parser, add_reset_parser
 from kvpilot.router.cli import add_router_parser
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -26,6 +26,7 @@ _COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "serve": add_serve_parser,
     "operator": add_operator_parser,
     "reset": add_reset_parser,
+    "endpoint": add_endpoint_parser,
     "bench": add_bench_parser,
     "router": add_router_parser,
 }

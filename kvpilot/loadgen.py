@@ -212,6 +212,65 @@ def sweep(
     return runs
 
 
+def describe_load(
+    url: str, model: str, concurrency: list[int], rounds: int, min_requests: int, max_tokens: int, reset: bool
+) -> str:
+    """What a sweep is about to do, for the lines above its rows."""
+    levels = " ".join(map(str, concurrency))
+    requests = " ".join(str(max(min_requests, c * rounds)) for c in concurrency)
+    cache = (
+        "prefix cache reset before each run (POST /reset_prefix_cache): every run starts cold"
+        if reset
+        else "prefix cache not reset (--no-reset): a run can hit what the runs before it cached"
+    )
+    return "\n".join(
+        [
+            f"server {url}, model {model}",
+            f"load: concurrency {levels} (one run each, after a warm-up request), {requests} requests per run "
+            f"({rounds} per client, at least {min_requests})",
+            f"prompt: streamed chat completions, a {len(SYSTEM)}-character system prompt shared by all requests "
+            f"and one of {len(QUESTIONS)} short questions; max tokens {max_tokens}, temperature 0",
+            cache,
+        ]
+    )
+
+
+# Every column of format_row and format_table, in order.
+LEGEND = """columns (each run's line as it ends starts with the model's name):
+  c, n, err      clients sending at once (concurrency), requests sent, requests that failed
+  TTFT p50, p99  time to the first token, median and 99th percentile
+  ITL p50, p99   inter-token latency (between streamed tokens), median and 99th percentile
+  tok/s, req/s   output tokens and finished requests per second over the run
+  hit            share of the prompt tokens served from the prefix cache (usage.cached_tokens / prompt_tokens;
+                 - when the server does not report them); the shared system prompt makes it high once cached
+  reset          the reset's answer before the run: epoch N (kvpilot), ok, refused (HTTP status), - when off"""
+
+
+def format_table(runs: list[RunResult]) -> str:
+    """All runs of a sweep, one line each under a header (the final summary of `kvpilot bench`)."""
+    lines = [
+        f"{'c':>4} {'n':>4} {'err':>4} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>6} "
+        f"{'tok/s':>8} {'req/s':>6} {'hit':>5}  reset",
+        f"{'':>4} {'':>4} {'':>4} {'ms':>9} {'ms':>7} {'ms':>8} {'ms':>6}",
+    ]
+    for r in runs:
+        hit = "-" if r.cache_hit_rate_usage is None else f"{r.cache_hit_rate_usage:.2f}"
+        lines.append(
+            f"{r.concurrency:>4d} {r.requests:>4d} {r.errors:>4d} {r.ttft_p50_ms:>9.0f} {r.ttft_p99_ms:>7.0f} "
+            f"{r.itl_p50_ms:>8.0f} {r.itl_p99_ms:>6.0f} {r.output_tokens_per_s:>8.1f} {r.requests_per_s:>6.2f} "
+            f"{hit:>5}  {_reset_word(r.reset)}"
+        )
+    return "\n".join(lines)
+
+
+def _reset_word(reply: dict | str | None) -> str:
+    if reply is None:
+        return "-"
+    if isinstance(reply, str):  # run_once's "HTTP 401: ..." for a refusal, else a 200 that was not JSON
+        return f"refused ({reply.split(':')[0]})" if reply.startswith("HTTP ") else "ok"
+    return f"epoch {reply['epoch']}" if "epoch" in reply else "ok"
+
+
 def format_row(r: RunResult) -> str:
     hit = "-" if r.cache_hit_rate_usage is None else f"{r.cache_hit_rate_usage:.2f}"
     return (

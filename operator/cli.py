@@ -1,6 +1,7 @@
-"""`kvpilot operator` and `kvpilot reset NAME [-n NS] [--wait]`.
+"""`kvpilot operator`, `kvpilot reset NAME [-n NS] [--wait]` and `kvpilot endpoint NAME [-n NS]`.
 
-Wiring (kvpilot/cli.py): `_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser`.
+Wiring (kvpilot/cli.py): `_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser;
+_COMMANDS["endpoint"] = add_endpoint_parser`.
 Each makes its parser with `kvpilot.config_flags.add_command`, which sets the `handler` that
 `kvpilot.cli.main` calls with the parsed args.
 """
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 from typing import Any, TextIO
 
 from kvpilot.config_flags import add_command
+from kvpilot.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
 
 
@@ -29,18 +32,23 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     Run the kvpilot operator (kopf) against the current kubeconfig or in-cluster.
     """
-    from kvpilot.operator.main import run
+    from kvpilot.operator.main import start
 
-    return run(args)
+    return start(args)
 
 
-def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command(subparsers, "reset", _run_reset)
+def _add_target(p: argparse.ArgumentParser) -> None:
+    """NAME, -n and --kubeconfig: the InferenceDeployment a command is about."""
     p.add_argument("name", metavar="NAME", help="the InferenceDeployment")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)"
     )
+
+
+def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "reset", _run_reset)
+    _add_target(p)
     p.add_argument("--wait", action="store_true", help="follow the reset until Complete or Failed")
     p.add_argument("--timeout", type=float, default=None,
                    help="with --wait: give up waiting after this many seconds (default: the reset's "
@@ -51,19 +59,6 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="pods called at once (default 64)")
-
-
-def _client(kubeconfig: str | None) -> tuple[Any, str]:
-    from kubernetes import client, config
-
-    try:
-        config.load_kube_config(config_file=kubeconfig)
-        _, ctx = config.list_kube_config_contexts(config_file=kubeconfig)
-        ns = (ctx.get("context") or {}).get("namespace") or "default"
-    except config.ConfigException:
-        config.load_incluster_config()
-        ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read().strip()
-    return client.CustomObjectsApi(), ns
 
 
 def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -109,22 +104,17 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     InferenceDeployment, no cluster), 3 when --timeout passed first.
     """
     import urllib3
+    from kubernetes import client
     from kubernetes.client.rest import ApiException
 
     errors = (ApiException, urllib3.exceptions.HTTPError, OSError)
     try:
-        api, default_ns = _client(args.kubeconfig)
-    except Exception as exc:  # noqa: BLE001 - no kubeconfig and not in a cluster
-        print(f"error: no Kubernetes configuration: {exc}", file=sys.stderr)
-        return 2
+        default_ns = load(args.kubeconfig)
+    except KubeconfigError as exc:
+        return fail(exc)
     ns = args.namespace or default_ns
-    try:
-        api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, args.name)
-    except errors as exc:
-        if isinstance(exc, ApiException) and exc.status == 404:
-            print(f"error: InferenceDeployment {ns}/{args.name} not found", file=sys.stderr)
-        else:
-            print(f"error: reading InferenceDeployment {ns}/{args.name}: {_api_error(exc)}", file=sys.stderr)
+    api = client.CustomObjectsApi()
+    if _read_fleet(api, ns, args.name) is None:
         return 2
     try:
         obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, RESETS, reset_body(args.name, args))
@@ -137,6 +127,21 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 0
     limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
     return _follow(api, ns, name, time.monotonic() + limit, out, errors)
+
+
+def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+    """The InferenceDeployment; None after saying on stderr why there is none."""
+    import urllib3
+    from kubernetes.client.rest import ApiException
+
+    try:
+        return api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, name)
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        if isinstance(exc, ApiException) and exc.status == 404:
+            print(f"error: InferenceDeployment {ns}/{name} not found", file=sys.stderr)
+        else:
+            print(f"error: reading InferenceDeployment {ns}/{name}: {_api_error(exc)}", file=sys.stderr)
+        return None
 
 
 def _follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tuple) -> int:
@@ -180,3 +185,95 @@ def _follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tup
         time.sleep(0.5)
     print(f"error: PrefixCacheReset {ns}/{name} did not finish before --timeout", file=sys.stderr)
     return 3
+
+
+def add_endpoint_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = add_command(subparsers, "endpoint", _run_endpoint)
+    _add_target(p)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--in-cluster",
+        dest="where",
+        action="store_const",
+        const="cluster",
+        help="print status.endpoint, the Service's DNS name (for clients in a pod)",
+    )
+    where.add_argument(
+        "--from-host",
+        dest="where",
+        action="store_const",
+        const="host",
+        help="print the address of a ready pod behind that Service (for clients outside the "
+        "cluster network that can reach pod IPs, as on the dev cluster)",
+    )
+
+
+def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Print a URL of an InferenceDeployment that works from here: the router's, else the fleet's.
+
+    Where the Service's DNS name resolves (in a pod): status.endpoint, http://NAME-router.NS.svc:8080 with the
+    router on, else http://NAME.NS.svc:PORT. Where it does not (outside the cluster; the dev cluster has no
+    DNS or kube-proxy at all): the address of a ready pod behind that Service, a router pod when the router is
+    on, else a daemon pod; stderr says which. --in-cluster or --from-host decides instead of the DNS lookup.
+    Exit 0 with the URL on stdout, 1 when there is none yet (no status.endpoint, no ready pod), 2 on an error.
+    """
+    from urllib.parse import urlsplit
+
+    from kubernetes import client
+
+    from kvpilot.router.discovery import SERVICE_LABEL, pods_from_slices
+
+    try:
+        default_ns = load(args.kubeconfig)
+    except KubeconfigError as exc:
+        return fail(exc)
+    ns = args.namespace or default_ns
+    if (obj := _read_fleet(client.CustomObjectsApi(), ns, args.name)) is None:
+        return 2
+    endpoint = (obj.get("status") or {}).get("endpoint")
+    if not endpoint:
+        print(
+            f"error: InferenceDeployment {ns}/{args.name} has no status.endpoint yet: is the operator running "
+            "(`kvpilot operator`, or the Helm chart's)?",
+            file=sys.stderr,
+        )
+        return 1
+    host = urlsplit(endpoint).hostname or ""
+    if (args.where or ("cluster" if _resolves(host) else "host")) == "cluster":
+        print(endpoint, file=out)
+        return 0
+    service = host.split(".")[0]  # NAME-router or NAME: the Service behind status.endpoint
+    try:
+        slices = client.DiscoveryV1Api().list_namespaced_endpoint_slice(
+            ns, label_selector=f"{SERVICE_LABEL}={service}"
+        )
+    except Exception as exc:  # noqa: BLE001 - ApiException or no answer: one line either way
+        print(
+            f"error: reading the EndpointSlices of Service {ns}/{service}: {_api_error(exc)}", file=sys.stderr
+        )
+        return 2
+    pods = pods_from_slices(client.ApiClient().sanitize_for_serialization(slices.items))
+    if not pods:
+        print(
+            f"error: no ready pod behind Service {ns}/{service} yet; wait with `kubectl wait "
+            f"--for=condition=Ready infd/{args.name} -n {ns}`",
+            file=sys.stderr,
+        )
+        return 1
+    kind = "daemon" if service == args.name else "router"
+    print(
+        f"{host} does not resolve here (outside the cluster): this is {kind} pod {pods[0].name}'s address; "
+        f"in a pod use {endpoint}",
+        file=sys.stderr,
+    )
+    print(pods[0].url, file=out)
+    return 0
+
+
+def _resolves(host: str) -> bool:
+    """Whether this machine can resolve `host`: a Service's name resolves in a pod, not on the host."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return True

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from kvpilot.kubeconfig import load
 from kvpilot.operator import metrics
 from kvpilot.operator.builders import GROUP, VERSION
 from kvpilot.operator.owners import owned_by
@@ -49,10 +49,7 @@ def is_transient(exc: BaseException) -> bool:
 class Kube:
     def __init__(self, api: client.ApiClient | None = None) -> None:
         if api is None:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-                config.load_incluster_config()
-            else:
-                config.load_kube_config()
+            load()  # in-cluster, else the kubeconfig (kvpilot.kubeconfig)
             cfg = client.Configuration.get_default_copy()
             cfg.connection_pool_maxsize = 32
             api = client.ApiClient(cfg)

@@ -27,14 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reset calls to pods in flight at once, across all resets (default 512)")  # fmt: skip
 
 
-class _QuietSuccess(logging.Filter):
-    """kopf logs every successful event handler run at INFO; keep the log for what changed."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not (msg.startswith("Handler 'owned_changed'") and msg.endswith("succeeded."))
-
-
 def ensure_peering(name: str, namespaces: list[str]) -> bool:
     """Make sure the peering object exists (kopf waits silently for a missing one). Returns False, after a
     warning, when the peering CRDs are not installed: the operator then runs standalone."""
@@ -91,9 +83,9 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator import handlers, metrics  # noqa: F401 - importing handlers registers them with kopf
+    from kvpilot.operator import handlers, logs, metrics  # noqa: F401 - importing handlers registers them with kopf
 
-    logging.getLogger("kopf.objects").addFilter(_QuietSuccess())
+    logs.install()
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
     if not standalone and not args.namespace:
         warn_about_equal_peers(args.peering, args.priority)
@@ -124,6 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return start(args)
+
+
+def start(args: argparse.Namespace) -> int:
+    """`run` once the Kubernetes credentials load; a missing or broken kubeconfig is one line and exit 2."""
+    from kvpilot.kubeconfig import KubeconfigError, fail, load
+
+    try:
+        load()
+    except KubeconfigError as exc:
+        return fail(exc)
     return run(args)
 
 

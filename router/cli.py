@@ -11,8 +11,6 @@ from kvpilot.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
 
 def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "router", run_router)
@@ -32,7 +30,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
         "-n",
         "--namespace",
         default=None,
-        help="namespace of --fleet (default: the router's own namespace in-cluster, else default)",
+        help="namespace of --fleet (default: the router's own namespace in-cluster, else the kubeconfig context's)",
     )
     p.add_argument(
         "--model",
@@ -65,13 +63,20 @@ def run_router(args: argparse.Namespace) -> int:
     except (AdminTokenError, ValueError) as exc:
         log.error("%s", flag_message(exc, RouterSettings))
         return 2
+    namespace = args.namespace or "default"
     if args.fleet:
         try:
             import kubernetes  # noqa: F401
         except ImportError:
             log.error("--fleet needs the kubernetes client: pip install 'kvpilot[operator]'")
             return 2
-    namespace = args.namespace or own_namespace()
+        from kvpilot.kubeconfig import KubeconfigError, fail, load
+
+        try:
+            default_ns = load()
+        except KubeconfigError as exc:
+            return fail(exc)
+        namespace = args.namespace or default_ns
     try:
         return asyncio.run(serve(settings, args.model, pods, args.fleet, namespace))
     except FileNotFoundError as exc:
@@ -80,12 +85,3 @@ def run_router(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1
-
-
-def own_namespace() -> str:
-    """The namespace this pod runs in; default outside a cluster."""
-    try:
-        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"

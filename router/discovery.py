@@ -45,12 +45,11 @@ class EndpointSliceWatch:
     """Calls `on_change(pods)` on the event loop with the fleet's ready pods, at start and on every change."""
 
     def __init__(self, name: str, namespace: str, on_change: Callable[[list[Pod]], None]) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        from kvpilot.kubeconfig import load
+
+        load()  # run_router checked it: in-cluster, else the kubeconfig
         self._api = client.DiscoveryV1Api()
         self._client = client
         self.name = name

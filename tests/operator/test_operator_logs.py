@@ -1,13 +1,16 @@
 """The operator's log filter on kopf's own loggers and messages: a retried startup 429 is INFO, a pause in
-favour of a higher-priority peer is a WARNING that says what to do, probes and routine successes are dropped."""
+favour of a higher-priority peer is a WARNING that says what to do, probes and routine successes are dropped;
+and through the real operator process on the dev cluster, no access line for its probes."""
 
 from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import OperatorProcess
 
 from kvpilot.operator import logs
 
@@ -69,3 +72,18 @@ def test_a_quietened_line_below_the_log_level_is_dropped(captured: io.StringIO) 
         "Request attempt #1/9 failed; will retry: GET /apis -> APITooManyRequestsError(429)"
     )
     assert captured.getvalue() == ""
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_the_operator_logs_no_access_line_for_probes(operator: OperatorProcess) -> None:
+    """Through the real operator process (`python -m kvpilot.operator.main`): probes answered, none logged
+    (aiohttp's access log would write `"GET /healthz HTTP/1.1" 200` for each)."""
+    for _ in range(5):
+        assert operator.healthy()
+    time.sleep(1)  # the access log line is written after the reply
+    lines = operator.log.read_text().splitlines()
+    assert any("kvpilot operator: watching" in line for line in lines), lines
+    assert not [line for line in lines if "GET /healthz HTTP" in line], lines
+    # The API server's 429 while a just-made CRD's storage initializes, when it came, was retried at INFO.
+    assert not [line for line in lines if " ERROR " in line and "TooManyRequests" in line], lines

@@ -1,0 +1,56 @@
+"""Every CLI command that talks to Kubernetes turns a missing or broken kubeconfig into one line that names the
+problem and the fix, and exits 2: no traceback (kvpilot/kubeconfig.py). Run as a user types them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMANDS = {
+    "operator": ["-m", "kvpilot", "operator"],
+    "operator-main": ["-m", "kvpilot.operator.main"],
+    "reset": ["-m", "kvpilot", "reset", "llm"],
+    "router": ["-m", "kvpilot", "router", "--fleet", "llm"],
+    "endpoint": ["-m", "kvpilot", "endpoint", "llm"],
+}
+NO_CONTEXT = """apiVersion: v1
+kind: Config
+clusters: [{name: dev, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: dev, user: {token: x}}]
+contexts: [{name: dev, context: {cluster: dev, user: dev}}, {name: other, context: {cluster: dev, user: dev}}]
+"""
+# case -> (KUBECONFIG to set, or None; what the line says)
+CASES = {
+    "no-file": (None, ["no kubeconfig", "KUBECONFIG is not set", "make cluster-up", "export KUBECONFIG="]),
+    "kubeconfig-nowhere": ("nowhere", ["no kubeconfig", "names no file", "make cluster-up"]),
+    "garbage-yaml": ("garbage", ["is not valid YAML", "(line ", "make cluster-up"]),
+    "not-a-mapping": ("list", ["is not a kubeconfig", "make cluster-up"]),
+    "no-current-context": (
+        "nocontext",
+        ["has no current context", "kubectl config use-context", "dev, other"],
+    ),
+}
+FILES = {"garbage": "apiVersion: v1\nclusters: [oops\n", "list": "- 1\n- 2\n", "nocontext": NO_CONTEXT}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_broken_kubeconfig_is_one_line_with_the_fix(command: str, case: str, tmp_path: Path) -> None:
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    kubeconfig, says = CASES[case]
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config
+    if kubeconfig:
+        env["KUBECONFIG"] = str(tmp_path / kubeconfig)
+    proc = subprocess.run(
+        [sys.executable, *COMMANDS[command]], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert all(s in lines[0] for s in says), lines[0]
