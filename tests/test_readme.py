@@ -50,7 +50,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.section}: {self.commands[0]}"
+        first = self.commands[0].removesuffix("\\").strip()  # a line continued on the next
+        return f"{self.section}: {first}"
 
 
 def readme_blocks() -> list[Block]:
@@ -74,8 +75,8 @@ def user_env() -> dict[str, str]:
 def copy_checkout(dest: Path) -> None:
     """Tracked and untracked-not-ignored files with their mtimes (`cp -p`), and the checkout's venv linked:
     a copied pyproject.toml newer than .venv/.installed would make `make serve` reinstall into that venv."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")  # fmt: skip
+    ls = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    files = subprocess.run(ls, cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
     for f in filter(None, files):
         src = ROOT / f
         if src.is_file() or src.is_symlink():
@@ -106,9 +107,16 @@ def check_ports_free() -> None:
 
 def start(block: Block, cwd: Path, log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:  # a file, not a pipe: a block's background job may outlive the block
-        return subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.script], cwd=cwd, env=user_env(),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        argv = ["bash", "-euo", "pipefail", "-c", block.script]
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=user_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
@@ -200,6 +208,11 @@ def test_readme_blocks_in_order(tmp_path: Path, capsys: pytest.CaptureFixture[st
                     f"{block.name} failed ({rc}):\n{tail(log)}\noperator.log:\n{tail(copy / 'operator.log')}"
                 )
             durations[block.name] = round(time.monotonic() - t0, 1)
+            if block.section == "Try it" and block.commands[0].startswith(
+                "curl"
+            ):  # each reply on its own line
+                replies = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
+                assert len(replies) == 3 and all(json.loads(r) for r in replies), tail(log)
             if block.section == "On Kubernetes":
                 operator_group = proc
                 after_kubernetes(copy, proc)
@@ -210,9 +223,8 @@ def test_readme_blocks_in_order(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert (ROOT / ".venv" / ".installed").stat().st_mtime == installed, (
             "make reinstalled the shared venv"
         )
-        assert [name.split(":")[0] for name in durations] == [
-            "Try it", "Try it", "On Kubernetes", "Install with Helm", "Monitoring"
-        ], durations  # fmt: skip
+        sections = [name.split(":")[0] for name in durations]
+        assert sections == ["Try it", "Try it", "On Kubernetes", "Install with Helm", "Monitoring"], durations
     finally:
         for proc in groups:
             stop_group(proc)

@@ -120,8 +120,16 @@ def notes(helm: Helm, tmp_path: Path, *args: str) -> str:
     shutil.copytree(CHART, chart)
     shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
     (chart / "templates" / "notes.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
-    out = helm("template", "kvpilot", str(chart), "--namespace", "kvpilot-system",
-               "--show-only", "templates/notes.yaml", *args).stdout  # fmt: skip
+    out = helm(
+        "template",
+        "kvpilot",
+        str(chart),
+        "--namespace",
+        "kvpilot-system",
+        "--show-only",
+        "templates/notes.yaml",
+        *args,
+    ).stdout
     return yaml.safe_load(out)["notes"]
 
 
