@@ -216,8 +216,10 @@ def test_readme_blocks_in_order(tmp_path: Path, capsys: pytest.CaptureFixture[st
             if block.section == "On Kubernetes":
                 operator_group = proc
                 after_kubernetes(copy, proc)
-            if block.section == "Install with Helm":  # helm test passed with the hand-run operator up
-                assert operator_group is not None and group_alive(operator_group), tail(copy / "operator.log")
+            if block.section == "Install with Helm":  # helm test passed with the hand-run operator up, paused
+                oplog = tail(copy / "operator.log", 20000)
+                assert operator_group is not None and group_alive(operator_group), oplog
+                assert "priority=100" in oplog and "including self" not in oplog, oplog
             if block.section == "Monitoring":
                 assert "prometheusrule.monitoring.coreos.com/" in log.read_text(), tail(log)
         assert (ROOT / ".venv" / ".installed").stat().st_mtime == installed, (
