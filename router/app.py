@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
+from kvpilot.daemon.server.replies import json_response
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.metrics import RouterMetrics
@@ -77,10 +78,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
-        return web.json_response(err.body(), status=err.status)
+        return json_response(err.body(), status=err.status)
     except web.HTTPRequestEntityTooLarge:
         err = ApiError(413, "the request body is too large", code="request_too_large")
-        return web.json_response(err.body(), status=413)
+        return json_response(err.body(), status=413)
 
 
 def _no_pod() -> ApiError:
@@ -246,9 +247,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         err = ApiError(502, f"the prefix cache reset failed on {len(failed)} of {len(results)} pods: "
                        + ", ".join(failed), code="reset_failed")  # fmt: skip
         body_out.update(err.body())
-        return web.json_response(body_out, status=502)
+        return json_response(body_out, status=502)
     log.info("fleet reset: %d pods", len(results))
-    return web.json_response(body_out)
+    return json_response(body_out)
 
 
 async def _await_clear(r: Router, pod: Pod, before: int) -> None:
@@ -275,7 +276,7 @@ async def health(request: web.Request) -> web.Response:
         for p in r.fleet.pods
     ]  # fmt: skip
     ok = any(p.ready for p in r.fleet.pods)
-    return web.json_response({"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name,
+    return json_response({"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name,
                               "pods": pods}, status=200 if ok else 503)  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
+from kvpilot.daemon.server.replies import json_response
 from kvpilot.daemon.server.schema import openapi
 from kvpilot.daemon.server.text_pool import Busy, TextPool
 
@@ -76,7 +77,7 @@ async def _stop_engine(app: web.Application) -> None:
 
 
 def _error_response(err: ApiError, extra: dict | None = None) -> web.Response:
-    return web.json_response({**(extra or {}), **err.body()}, status=err.status, headers=err.headers)
+    return json_response({**(extra or {}), **err.body()}, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -127,11 +128,11 @@ def _rank_snapshots(engine: EngineClient) -> list[tuple[str | None, CacheStats]]
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
-        return web.json_response({"status": "draining"}, status=503)
+        return json_response({"status": "draining"}, status=503)
     if not state.engine.alive:
         reason = state.engine.error or "starting"
-        return web.json_response({"status": "unhealthy", "reason": reason}, status=503)
-    return web.json_response({"status": "ok"})
+        return json_response({"status": "unhealthy", "reason": reason}, status=503)
+    return json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -152,11 +153,11 @@ async def models(request: web.Request) -> web.Response:
         }
         for name in state.served
     ]
-    return web.json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def openapi_schema(request: web.Request) -> web.Response:
-    return web.json_response(openapi(__version__))
+    return json_response(openapi(__version__))
 
 
 async def prefix_cache(request: web.Request) -> web.Response:
@@ -166,7 +167,7 @@ async def prefix_cache(request: web.Request) -> web.Response:
     body["enable_prefix_caching"] = engine.info.enable_prefix_caching
     body["engine_steps"] = sum(s.steps for s in engine.rank_states())
     body["ranks"] = [{"rank": r, **s.to_dict()} for r, s in enumerate(ranks)]
-    return web.json_response(body)
+    return json_response(body)
 
 
 async def kv_events(request: web.Request) -> web.Response:
@@ -176,7 +177,7 @@ async def kv_events(request: web.Request) -> web.Response:
         raise ApiError(
             404, "KV events are off (start the daemon with --kv-events-endpoint)", code="not_found"
         )
-    return web.json_response(where)
+    return json_response(where)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -217,10 +218,19 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         len(ranks), result["epoch"], result["evicted_blocks"], result["in_flight_requests"],
         result["preempted_requests"], result["duration_ms"],
     )  # fmt: skip
-    return web.json_response(result)
+    return json_response(result)
 
 
 # ---- running -------------------------------------------------------------------------------------
+def _local_url(host: str, port: int) -> str:
+    """The URL to type on this machine: a wildcard listen address is reached as localhost."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     """Serve until SIGTERM or SIGINT, then drain: stop accepting, let in-flight requests finish within
     `shutdown_timeout`, stop the engine, return 0."""
@@ -241,6 +251,11 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
         ", ".join(state.served), settings.host, settings.port,
         "required" if settings.admin_token else "off", settings.max_body_bytes,
     )  # fmt: skip
+    # The line a newcomer waits for (README.md, "Try it"): where to point curl, and that it goes in another shell.
+    url = _local_url(settings.host, runner.addresses[0][1])
+    log.info(
+        "ready: in another shell, try `curl -s %s/v1/models` or `.venv/bin/kvpilot bench --url %s`", url, url
+    )
     await stop.wait()
     log.info("shutting down: no new requests; draining %d in flight (up to %.0f s)",
              state.in_flight, settings.shutdown_timeout)  # fmt: skip

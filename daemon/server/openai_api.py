@@ -38,6 +38,7 @@ from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopString
 from kvpilot.daemon.server.errors import ApiError, bad, unavailable
 from kvpilot.daemon.server.prepare import Prepared, prepare_chat, prepare_completion
 from kvpilot.daemon.server.protocol import GenerateRequest
+from kvpilot.daemon.server.replies import json_response
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ async def _complete(
         for k, (_, c) in enumerate(group[: req.n]):
             body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
     obj = "chat.completion" if prep.chat else "text_completion"
-    return web.json_response(
+    return json_response(
         {
             "id": rid,
             "object": obj,

@@ -113,6 +113,38 @@ def test_monitor_toggles(helm: Helm, value: str) -> None:
     assert not others & set(kinds(helm.template("--set", f"{value}=true", *MONITORING_API)))
 
 
+def notes(helm: Helm, tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install` prints it. `helm template` never renders NOTES.txt, so a copy of the chart
+    renders it with `tpl` into one more object: the same values and capabilities, no cluster."""
+    chart = tmp_path / "kvpilot"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "notes.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+    out = helm(
+        "template",
+        "kvpilot",
+        str(chart),
+        "--namespace",
+        "kvpilot-system",
+        "--show-only",
+        "templates/notes.yaml",
+        *args,
+    ).stdout
+    return yaml.safe_load(out)["notes"]
+
+
+def test_notes_say_how_to_get_the_monitoring_api(helm: Helm, tmp_path: Path) -> None:
+    """Monitors enabled on a cluster without the Prometheus Operator's CRDs: the notes say none was created and
+    give the commands that apply the CRDs (as README's Monitoring block does); with the API served, no word."""
+    on = ("--set", "monitoring.podMonitor.enabled=true")
+    text = notes(helm, tmp_path, *on)
+    assert "does not serve\nmonitoring.coreos.com/v1" in text and "none was created" in text, text
+    assert 'kubectl apply --server-side -f "$(make -s tools-bindir)/../crds"' in text, text
+    assert "helm upgrade again" in text and "monitoring.force=true" in text, text
+    shutil.rmtree(tmp_path / "kvpilot")
+    assert "WARNING" not in notes(helm, tmp_path, *on, *MONITORING_API)
+
+
 def test_monitors_select_the_daemons_routers_and_operator(helm: Helm) -> None:
     objs = kinds(helm.template("--set", "monitoring.podMonitor.enabled=true", "--set",
                                "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.labels.release=prom",

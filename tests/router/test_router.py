@@ -229,6 +229,20 @@ def test_bad_input_gets_the_pods_4xx_through_the_router(quiet_fleet: Fleet) -> N
     assert router.request("GET", "/health").status == 200
 
 
+def test_the_routers_json_replies_end_with_a_newline(quiet_fleet: Fleet) -> None:
+    """So `curl -s` output ends its line; the pods' replies pass through as they are (theirs end so too)."""
+    router = quiet_fleet.router
+    replies = {
+        "health": router.request("GET", "/health"),
+        "unauthorized reset": router.request("POST", "/reset_prefix_cache"),
+        "reset": router.request("POST", "/reset_prefix_cache", headers=router.admin()),
+        "models": router.request("GET", "/v1/models"),
+        "pod's 400": router.request("POST", "/v1/completions", body=None, headers={}),
+    }
+    for name, r in replies.items():
+        assert r.body.endswith(b"}\n") and r.body.count(b"\n") == 1, (name, r.body[-200:])
+
+
 def test_kv_events_over_ipv6(tmp_path) -> None:  # noqa: ANN001
     """A pod with an IPv6 address (an IPv6 cluster) binds its event sockets there and the router follows
     them: ZeroMQ refuses IPv6 unless each side turns it on."""
