@@ -76,8 +76,9 @@ cluster-up: cluster-build
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
 
-# ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs
-.PHONY: tools tools-bindir aiperf
+# ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs, aiperf,
+# sglang-router
+.PHONY: tools tools-bindir aiperf sglang-router
 
 tools:
 	bash hack/tools/build.sh
@@ -85,6 +86,10 @@ tools:
 # NVIDIA AIPerf alone (docs/router.md), in its own venv: then "$$(make -s tools-bindir)/aiperf".
 aiperf:
 	bash hack/tools/build.sh aiperf
+
+# SGLang's router alone (tests/router/test_sglang_router.py), in its own venv: "$$(make -s tools-bindir)/sglang-router".
+sglang-router:
+	bash hack/tools/build.sh sglang-router
 
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:

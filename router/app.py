@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER
 from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
 from kvpilot.router.fleet_reset import reset_pods
@@ -33,7 +34,7 @@ from kvpilot.router.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
-FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering")
+FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
 
 

@@ -44,9 +44,7 @@ class PromptReader:
         try:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
-                text = tok.apply_chat_template(
-                    chat.messages, tokenize=False, add_generation_prompt=chat.add_generation_prompt
-                )
+                text = chat.render(tok)
                 return Prompts([tok.encode(text, add_special_tokens=False)], chat.generate.cache_salt)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong

@@ -36,9 +36,12 @@ from kvpilot.daemon.server.choices import (
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
 from kvpilot.daemon.server.errors import ApiError, bad, unavailable
+from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.daemon.server.prepare import Prepared, prepare_chat, prepare_completion
 from kvpilot.daemon.server.protocol import GenerateRequest
 from kvpilot.daemon.server.replies import json_response
+
+_IGNORED_LOG = IgnoredFieldLog()
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -150,6 +153,7 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
     arrival = time.monotonic()
     raw = await request.read()
     prep: Prepared = await state.text.prepare(prepare, state.rules, raw)
+    _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [
@@ -196,8 +200,14 @@ async def _complete(
             "model": req.model,
             "choices": body_choices,
             "usage": _usage(state, finals),
-        }  # fmt: skip
+        },
+        headers=_note_headers(req),
     )
+
+
+def _note_headers(req: GenerateRequest) -> dict[str, str]:
+    """The fields this reply ignored, for the client to see (bounded: fields.header_value)."""
+    return {IGNORED_FIELDS_HEADER: header_value(req.ignored_fields)} if req.ignored_fields else {}
 
 
 def _final_choice(prep: Prepared, index: int, c: Choice, echo: tuple | None) -> dict:
@@ -308,6 +318,7 @@ async def _stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
+                **_note_headers(req),
             }
         )
         try:

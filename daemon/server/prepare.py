@@ -60,9 +60,7 @@ def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
     chat = parse_chat(parse_json_object(raw), rules.served)
     tok = rules.info.tokenizer
     try:
-        text = tok.apply_chat_template(
-            chat.messages, tokenize=False, add_generation_prompt=chat.add_generation_prompt
-        )
+        text = chat.render(tok)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
         raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
     _check_chars(rules, text, "messages")

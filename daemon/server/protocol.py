@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.errors import ApiError, bad
+from kvpilot.daemon.server.fields import ignored_fields
 from kvpilot.daemon.server.schema import ChatCompletionRequest, CompletionRequest
 
 
@@ -31,6 +32,7 @@ class GenerateRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    ignored_fields: list[str] = field(default_factory=list)  # unknown fields, cleaned (fields.py)
 
 
 @dataclass(slots=True)
@@ -38,6 +40,18 @@ class ChatRequest:
     generate: GenerateRequest
     messages: list[dict[str, str]]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list | None = None
+
+    def render(self, tokenizer: Any) -> str:
+        """The prompt text, by the model's chat template (the daemon and the router's prediction alike)."""
+        return tokenizer.apply_chat_template(
+            self.messages,
+            tools=self.tools or None,
+            tokenize=False,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+        )
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -147,7 +161,8 @@ def _generate_request(r: CompletionRequest | ChatCompletionRequest, served: list
         cache_salt=r.cache_salt,
         n=r.n or 1,
         skip_special_tokens=r.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(r.include_stop_str_in_output),
+        include_stop_str_in_output=bool(r.include_stop_str_in_output or r.no_stop_trim),
+        ignored_fields=ignored_fields(r.model_extra or {}),
         **fields,
     )
 
@@ -181,7 +196,9 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in r.messages
     ]
-    return ChatRequest(req, messages, r.add_generation_prompt is not False)
+    # vLLM's rule: continuing the last message means no new assistant turn is opened.
+    cont = bool(r.continue_final_message)
+    return ChatRequest(req, messages, r.add_generation_prompt is not False and not cont, cont, r.tools)
 
 
 def parse_reset_flag(query_value: str | None, body: dict | None) -> bool:

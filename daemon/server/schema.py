@@ -1,8 +1,9 @@
 """The OpenAI request bodies as pydantic models: types, ranges and the OpenAPI schema in one place.
 
 Fields are strict (a boolean is not an integer, a string is not a number) and may be null (meaning the
-default). Checks that span fields, and fields that this server does not implement, raise `ApiError`
-naming the field, so the client sees which one was wrong.
+default). Checks that span fields, and fields asking for what this server does not implement, raise
+`ApiError` naming the field, so the client sees which one was wrong. Fields not modelled here are sorted
+by `fields.py` (accepted, refused or ignored).
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ TokenId = Annotated[int, Strict(), Field(ge=0)]
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_PROMPTS = 64
-# Fields OpenAI clients send that change nothing here.
-IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice"}
-)
+NO_REASONING_PARSER = "SGLang: accepted; no effect, this server has no reasoning parser"
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +53,7 @@ class _Request(BaseModel):
     min_tokens: Int | None = Field(None, ge=0, description="vLLM: EOS and stop ids cannot end earlier")
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
+    no_stop_trim: Bool | None = Field(None, description="SGLang: include_stop_str_in_output under its name")
     cache_salt: Str | None = Field(
         None, min_length=1, description="requests with different salts share no KV"
     )
@@ -77,9 +76,6 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _shared_checks(self) -> _Request:
-        for name, value in (self.model_extra or {}).items():
-            if name not in IGNORED_FIELDS and value not in (None, False, 0, "", [], {}):
-                raise bad(f"'{name}' is not supported by this server", name)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad(f"'{name}' is not supported; leave it at 0 (repetition_penalty is)", name)
@@ -175,7 +171,13 @@ class ChatCompletionRequest(_Request):
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool | None = None
-    tools: list[Any] | None = Field(None, description="not supported")
+    continue_final_message: Bool | None = Field(
+        None, description="vLLM: the last (assistant) message is left open and continued"
+    )
+    tools: list[Any] | None = Field(None, description="rendered by the chat template; replies are text")
+    tool_choice: Any = Field(None, description='"none" or "auto"; a forced call is not supported')
+    separate_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)
+    stream_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)
     response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
 
     @model_validator(mode="after")
@@ -185,8 +187,12 @@ class ChatCompletionRequest(_Request):
             raise bad("'min_tokens' must not exceed max_completion_tokens", "min_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if self.tools:
-            raise bad("tool calling is not supported", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            forced = 'forcing a tool call is not supported; tool_choice may be "none" or "auto"'
+            raise bad(forced, "tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            both = "'continue_final_message' and 'add_generation_prompt' cannot both be true"
+            raise bad(both, "continue_final_message")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad('only response_format {"type": "text"} is supported', "response_format")
         return self

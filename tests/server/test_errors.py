@@ -10,6 +10,7 @@ pytestmark = pytest.mark.timeout(300)
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def comp(**fields: object) -> dict:
@@ -131,7 +132,28 @@ CASES = [
     ("chat-missing-role", "POST", CH, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
     ("stop-too-many", "POST", C, comp(stop=[str(i) for i in range(17)]), 400, "stop"),
     ("too-many-prompts", "POST", C, comp(prompt=["hi"] * 65), 400, "prompt"),
-    ("chat-tools", "POST", CH, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat-forced-tool", "POST", CH, chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice"),
+    (
+        "chat-named-tool",
+        "POST",
+        CH,
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}),
+        400,
+        "tool_choice",
+    ),
+    ("logit-bias", "POST", C, comp(logit_bias={"1": 5}), 400, "logit_bias"),
+    ("chat-hidden-states", "POST", CH, chat(return_hidden_states=True), 400, "return_hidden_states"),
+    ("beam-search", "POST", C, comp(use_beam_search=True), 400, "use_beam_search"),
+    (
+        "chat-continue-and-prompt",
+        "POST",
+        CH,
+        chat(continue_final_message=True, add_generation_prompt=True),
+        400,
+        "continue_final_message",
+    ),
+    ("chat-reasoning-not-bool", "POST", CH, chat(separate_reasoning="yes"), 400, "separate_reasoning"),
+    ("no-stop-trim-not-bool", "POST", C, comp(no_stop_trim=1), 400, "no_stop_trim"),
     ("chat-json-mode", "POST", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("chat-unknown-model", "POST", CH, chat(model="nope"), 404, "model"),
     (
