@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvpilot import __version__
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
+from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.choices import TokenTexts
@@ -235,6 +236,7 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     """Serve until SIGTERM or SIGINT, then drain: stop accepting, let in-flight requests finish within
     `shutdown_timeout`, stop the engine, return 0."""
     app = create_app(engine, settings)
+    http_log.install()
     # handler_cancellation: a client that disconnects cancels its handler at once, whose `finally`
     # aborts the engine request, so its blocks are freed before the next step.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

@@ -1,0 +1,129 @@
+"""The real `sglang-router` (SGLang's router, from PyPI: `make sglang-router`) in front of two kvpilot
+daemons: it re-sends every request with its own defaults (`separate_reasoning`, `no_stop_trim`,
+`return_hidden_states`, `max_completion_tokens`, ...), and chats, completions and streams come through;
+its cache-aware policy sends a repeated prompt to the pod that cached it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from support import ROOT
+from support.procs import free_port, spawn, stop, wait_ready
+from support.servers import MODEL, Server, start_server, stop_server
+
+pytestmark = pytest.mark.timeout(600)
+
+HEADER = "x-kvpilot-ignored-fields"
+
+
+@pytest.fixture(scope="module")
+def sglang_router_bin() -> str:
+    """`make sglang-router` (a no-op once `make tools` ran, as in CI), from its own venv."""
+    r = subprocess.run(
+        ["make", "-s", "-C", ROOT, "sglang-router"], capture_output=True, text=True, timeout=900
+    )
+    if r.returncode != 0:
+        pytest.skip(f"sglang-router could not be installed (make sglang-router): {r.stderr[-2000:]}")
+    r = subprocess.run(["make", "-s", "-C", ROOT, "tools-bindir"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return str(Path(r.stdout.strip()) / "sglang-router")
+
+
+@dataclass
+class SglangFleet:
+    daemons: list[Server]
+    url: str
+    log_path: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _workers_healthy(port: int) -> bool:
+    """The router answers and counts both workers healthy (its /readiness)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/readiness")
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status == 200 and json.loads(body).get("healthy_workers") == 2
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def sglang_fleet(sglang_router_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangFleet]:
+    tmp = tmp_path_factory.mktemp("sglang")
+    daemons = [start_server(tmp), start_server(tmp)]
+    port = free_port()
+    argv = [sglang_router_bin, "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *(d.url for d in daemons), "--policy", "cache_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    log_path = tmp / "sglang-router.log"
+    proc = spawn(argv, log_path=log_path, cwd=tmp)  # outside the checkout, as a user runs it
+    try:
+        wait_ready(proc, lambda: _workers_healthy(port), 120, "sglang-router", log_path)
+        yield SglangFleet(daemons, f"http://127.0.0.1:{port}", log_path)
+    finally:
+        stop(proc, grace=10)
+        for d in daemons:
+            stop_server(d)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
+
+
+def test_chat_through_sglang_router(sglang_fleet: SglangFleet) -> None:
+    raw = sglang_fleet.client().chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, temperature=0
+    )
+    c = raw.parse()
+    assert c.choices[0].message.content and 1 <= c.usage.completion_tokens <= 4, c
+    # Every field sglang-router adds is one kvpilot knows: none is ignored.
+    assert HEADER not in raw.headers, raw.headers
+
+
+def test_completion_through_sglang_router(sglang_fleet: SglangFleet) -> None:
+    c = sglang_fleet.client().completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0
+    )
+    assert c.choices[0].text and c.usage.completion_tokens == 4, c
+
+
+def test_streams_through_sglang_router(sglang_fleet: SglangFleet) -> None:
+    client = sglang_fleet.client()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, temperature=0, stream=True))  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    pieces = list(client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(p.choices[0].text for p in pieces if p.choices)
+    assert pieces[-1].usage.completion_tokens == 4
+
+
+def test_cache_aware_policy_sends_repeats_to_one_pod(sglang_fleet: SglangFleet) -> None:
+    client = sglang_fleet.client()
+    before = [d.cache() for d in sglang_fleet.daemons]
+    system = f"Conversation {uuid.uuid4().hex}: you are a terse assistant of a bicycle shop. " * 4
+    cached = []
+    for question in ("When do you open?", "How much is a tyre?", "Do you fix brakes?", "Any bells?"):
+        c = client.chat.completions.create(
+            model=MODEL, max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )  # fmt: skip
+        cached.append(c.usage.prompt_tokens_details.cached_tokens)
+    after = [d.cache() for d in sglang_fleet.daemons]
+    # Each daemon's own /prefix_cache: one pod looked up every prompt and hit, the other saw none.
+    queried = [a["query_tokens"] - b["query_tokens"] for a, b in zip(after, before, strict=True)]
+    hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before, strict=True)]
+    assert sorted(q > 0 for q in queried) == [False, True], (queried, hits, cached)
+    assert max(hits) == sum(cached) and min(hits) == 0, (hits, cached)
+    assert cached[0] == 0 and all(n >= 48 for n in cached[1:]), cached  # the shared prefix, cached
