@@ -83,6 +83,34 @@ def test_prompt_logprobs_predict_no_hit(quiet_fleet: Fleet) -> None:
         assert m.get(key, 0) == m0.get(key, 0), (name, m0.get(key), m.get(key))
 
 
+def test_sglang_fields_and_a_continued_message_are_predicted_exactly(quiet_fleet: Fleet) -> None:
+    """The router reads bodies with the daemon's parsers and template (ChatRequest.render): a body with
+    SGLang's fields, an unknown one and continue_final_message is predicted as the pod caches it, and the
+    pod's X-Kvpilot-Ignored-Fields comes through."""
+    fleet = quiet_fleet
+    messages = [{"role": "system", "content": SYSTEM + " (continued)"},
+                {"role": "user", "content": "When do you open?"}, {"role": "assistant", "content": "We open at"}]  # fmt: skip
+    extra = {"separate_reasoning": True, "stream_reasoning": True, "no_stop_trim": False,
+             "return_hidden_states": False, "continue_final_message": True, "vendor_hint": 1}  # fmt: skip
+
+    def send() -> tuple[str, openai.types.chat.ChatCompletion, dict]:
+        raw = client(fleet).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_completion_tokens=2, temperature=0, extra_body=extra
+        )
+        return raw.headers["x-kvpilot-pod"], raw.parse(), raw.headers
+
+    first, _, headers = send()
+    assert headers["x-kvpilot-ignored-fields"] == "vendor_hint"
+    wait_indexed(fleet, first)
+    m0 = fleet.router.metrics()
+    pod, c, _ = send()
+    assert pod == first and c.usage.prompt_tokens_details.cached_tokens >= 48, c.usage
+    m = fleet.router.metrics()
+    key = f'kvpilot_router_predicted_cached_tokens_total{{pod="{first}"}}'
+    reported = key.replace("predicted", "reported")
+    assert m[key] - m0.get(key, 0) == m[reported] - m0.get(reported, 0) > 0
+
+
 def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
     msgs = [{"role": "user", "content": "Name three colours."}]
