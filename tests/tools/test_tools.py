@@ -20,7 +20,7 @@ from support import ROOT
 from support.procs import free_port, spawn, stop
 
 BUILD = ROOT / "hack" / "tools" / "build.sh"
-TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf")
+TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf", "sglang-router")
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
