@@ -29,7 +29,7 @@ for arg in "$@"; do
     case "$arg" in
         --force) force=1 ;;
         --print-bindir) print_only=1 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         helm|controller-gen|crds|prometheus|aiperf|sglang-router) wanted+=("$arg") ;;
         *) echo "tools: unknown argument: $arg (tools: ${all_tools[*]})" >&2; exit 2 ;;
     esac
