@@ -88,10 +88,19 @@ def test_sglang_fields_and_a_continued_message_are_predicted_exactly(quiet_fleet
     SGLang's fields, an unknown one and continue_final_message is predicted as the pod caches it, and the
     pod's X-Kvpilot-Ignored-Fields comes through."""
     fleet = quiet_fleet
-    messages = [{"role": "system", "content": SYSTEM + " (continued)"},
-                {"role": "user", "content": "When do you open?"}, {"role": "assistant", "content": "We open at"}]  # fmt: skip
-    extra = {"separate_reasoning": True, "stream_reasoning": True, "no_stop_trim": False,
-             "return_hidden_states": False, "continue_final_message": True, "vendor_hint": 1}  # fmt: skip
+    messages = [
+        {"role": "system", "content": SYSTEM + " (continued)"},
+        {"role": "user", "content": "When do you open?"},
+        {"role": "assistant", "content": "We open at"},
+    ]
+    extra = {
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+        "continue_final_message": True,
+        "vendor_hint": 1,
+    }
 
     def send() -> tuple[str, openai.types.chat.ChatCompletion, dict]:
         raw = client(fleet).chat.completions.with_raw_response.create(

@@ -65,9 +65,22 @@ def sglang_fleet(sglang_router_bin: str, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp("sglang")
     daemons = [start_server(tmp), start_server(tmp)]
     port = free_port()
-    argv = [sglang_router_bin, "launch", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *(d.url for d in daemons), "--policy", "cache_aware",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    argv = [
+        sglang_router_bin,
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *(d.url for d in daemons),
+        "--policy",
+        "cache_aware",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
     log_path = tmp / "sglang-router.log"
     proc = spawn(argv, log_path=log_path, cwd=tmp)  # outside the checkout, as a user runs it
     try:
@@ -100,11 +113,21 @@ def test_completion_through_sglang_router(sglang_fleet: SglangFleet) -> None:
 
 def test_streams_through_sglang_router(sglang_fleet: SglangFleet) -> None:
     client = sglang_fleet.client()
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=4, temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    pieces = list(client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    pieces = list(
+        client.completions.create(
+            model=MODEL, prompt="One, two,", max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(p.choices[0].text for p in pieces if p.choices)
     assert pieces[-1].usage.completion_tokens == 4
 
@@ -116,9 +139,11 @@ def test_cache_aware_policy_sends_repeats_to_one_pod(sglang_fleet: SglangFleet) 
     cached = []
     for question in ("When do you open?", "How much is a tyre?", "Do you fix brakes?", "Any bells?"):
         c = client.chat.completions.create(
-            model=MODEL, max_tokens=2, temperature=0,
+            model=MODEL,
+            max_tokens=2,
+            temperature=0,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        )  # fmt: skip
+        )
         cached.append(c.usage.prompt_tokens_details.cached_tokens)
     after = [d.cache() for d in sglang_fleet.daemons]
     # Each daemon's own /prefix_cache: one pod looked up every prompt and hit, the other saw none.

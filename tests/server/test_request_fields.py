@@ -20,13 +20,31 @@ C, CH = "/v1/completions", "/v1/chat/completions"
 HEADER = "X-Kvpilot-Ignored-Fields"
 # What sglang-router 0.3.2 re-sends for `{"model", "messages", "max_tokens": 3}` and for a streamed
 # completion (recorded from the real router in front of a capturing server).
-SGLANG_CHAT = {"messages": [{"role": "user", "content": "hi"}], "model": MODEL, "logprobs": False,
-               "max_completion_tokens": 3, "stream": False, "no_stop_trim": False, "ignore_eos": False,
-               "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
-               "stream_reasoning": True, "return_hidden_states": False}  # fmt: skip
-SGLANG_COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True, "echo": False,
-                     "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
-                     "return_hidden_states": False}  # fmt: skip
+SGLANG_CHAT = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "model": MODEL,
+    "logprobs": False,
+    "max_completion_tokens": 3,
+    "stream": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
+SGLANG_COMPLETION = {
+    "model": MODEL,
+    "prompt": "hi",
+    "max_tokens": 3,
+    "stream": True,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
 
 
 def unique(prefix: str) -> str:
@@ -47,9 +65,12 @@ def test_sglang_router_defaults_are_served(server: Server) -> None:
 
 def test_fields_that_ask_for_nothing_pass_unnamed(server: Server) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for extra in ({"logit_bias": {}, "return_hidden_states": False, "guided_json": None, "use_beam_search": False},
-                  {"tools": [tool], "tool_choice": "auto"}, {"tools": [tool], "tool_choice": "none"},
-                  {"tools": [], "user": "u1", "metadata": {"a": "b"}, "store": True, "parallel_tool_calls": True}):  # fmt: skip
+    for extra in (
+        {"logit_bias": {}, "return_hidden_states": False, "guided_json": None, "use_beam_search": False},
+        {"tools": [tool], "tool_choice": "auto"},
+        {"tools": [tool], "tool_choice": "none"},
+        {"tools": [], "user": "u1", "metadata": {"a": "b"}, "store": True, "parallel_tool_calls": True},
+    ):
         r = server.request("POST", CH, {**SGLANG_CHAT, **extra})
         assert r.status == 200, (extra, r.body)
         assert HEADER not in r.headers, extra
