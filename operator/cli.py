@@ -221,7 +221,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from kubernetes import client
 
-    from kvpilot.router.discovery import SERVICE_LABEL, pods_from_slices
+    from kvpilot.endpointslices import SERVICE_LABEL, ready_endpoints
 
     try:
         default_ns = load(args.kubeconfig)
@@ -252,7 +252,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             f"error: reading the EndpointSlices of Service {ns}/{service}: {_api_error(exc)}", file=sys.stderr
         )
         return 2
-    pods = pods_from_slices(client.ApiClient().sanitize_for_serialization(slices.items))
+    pods = ready_endpoints(client.ApiClient().sanitize_for_serialization(slices.items))
     if not pods:
         print(
             f"error: no ready pod behind Service {ns}/{service} yet; wait with `kubectl wait "
