@@ -35,8 +35,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     # Owned objects are watched with the label selector applied by the API server: only ours reach us.
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-    for group, plural in (("apps", "deployments"), ("apps", "daemonsets"), ("", "services"), ("", "serviceaccounts"),
-                          ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):  # fmt: skip
+    for group, plural in (
+        ("apps", "deployments"),
+        ("apps", "daemonsets"),
+        ("", "services"),
+        ("", "serviceaccounts"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("rbac.authorization.k8s.io", "rolebindings"),
+    ):
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
@@ -68,8 +74,9 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
 @kopf.on.event("", "v1", "serviceaccounts", labels=MANAGED_BY)  # the router's identity (spec.router)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", labels=MANAGED_BY)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
-async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo,
-                        **_: Any) -> None:  # fmt: skip
+async def owned_changed(
+    body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
     # An owned object changed (edited, deleted, pods became ready): reconcile its owner, which
     # applies it again (a no-op unless someone changed our fields) and refreshes status.
     owner = owner_of_kind(body, f"{GROUP}/{VERSION}", "InferenceDeployment")
@@ -96,8 +103,9 @@ def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S)
-async def reset_runs(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                     memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
+async def reset_runs(
+    namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
     # A daemon, not a create handler: it starts for every PrefixCacheReset the operator sees, also after a
     # restart, and `drive` starts an interrupted reset over (or only waits for the TTL when it is finished).
     async with _counted("PrefixCacheReset"):

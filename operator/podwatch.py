@@ -69,9 +69,14 @@ class PodWatch:
         while not self._stop.is_set():
             try:
                 self._watch = watch.Watch()
-                for ev in self._watch.stream(self.kube.core.list_namespaced_pod, self.ns,
-                                             label_selector=self.selector, resource_version=self.version,
-                                             timeout_seconds=10, allow_watch_bookmarks=True):  # fmt: skip
+                for ev in self._watch.stream(
+                    self.kube.core.list_namespaced_pod,
+                    self.ns,
+                    label_selector=self.selector,
+                    resource_version=self.version,
+                    timeout_seconds=10,
+                    allow_watch_bookmarks=True,
+                ):
                     pod = self.kube.api.sanitize_for_serialization(ev["object"])
                     self.version = pod["metadata"].get("resourceVersion") or self.version
                     if ev["type"] == "DELETED":

@@ -67,8 +67,10 @@ async def with_retries(what: str, call: Callable[[], Awaitable[Any]], deadline: 
             return await call()
         except ApiException as exc:
             if not is_transient(exc):
-                raise ResetFailure(_API_REASONS.get(exc.status, "ApiError"),
-                                   f"{what}: HTTP {exc.status}: {_api_message(exc)}") from exc  # fmt: skip
+                raise ResetFailure(
+                    _API_REASONS.get(exc.status, "ApiError"),
+                    f"{what}: HTTP {exc.status}: {_api_message(exc)}",
+                ) from exc
             last: BaseException = exc
         except Exception as exc:
             if not is_transient(exc):
@@ -117,8 +119,9 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
         skip = f"pod has no IP (phase {st.get('phase')})"
     elif (plan.container not in running) if plan.container else not running:
         skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
-    return Target(meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""),
-                  skip_reason=skip)  # fmt: skip
+    return Target(
+        meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
+    )
 
 
 async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why: str, labelled: bool) -> str:
@@ -126,9 +129,12 @@ async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why:
     if secret is None:
         raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) not found")
     if labelled and secret["labels"].get(builders.ADMIN_TOKEN_LABEL) != "true":
-        raise ResetFailure("AdminTokenNotAllowed", f"Secret {ns}/{ref['name']} is not labelled "
-                           f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
-                           "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)")  # fmt: skip
+        raise ResetFailure(
+            "AdminTokenNotAllowed",
+            f"Secret {ns}/{ref['name']} is not labelled "
+            f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
+            "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)",
+        )
     key = ref.get("key", "token")
     if not secret["data"].get(key, "").strip():
         raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) has no key {key!r}")
@@ -158,8 +164,11 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
         token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", labelled=True) if ref else None
         return Plan(sel, sel, int(spec.get("port") or 8000), token, None, None)
     name = spec["targetRef"]["name"]
-    while (fleet := await with_retries(f"InferenceDeployment {ns}/{name}",
-                                       lambda: kube.get_cr(FLEETS, ns, name), deadline)) is None:  # fmt: skip
+    while (
+        fleet := await with_retries(
+            f"InferenceDeployment {ns}/{name}", lambda: kube.get_cr(FLEETS, ns, name), deadline
+        )
+    ) is None:
         if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
             raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found")
         await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
@@ -170,9 +179,15 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
     )
     controllers = await _fleet_controllers(kube, ns, fleet, deadline)
     wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
-    return Plan(f"InferenceDeployment/{name}", builders.selector_string(name),
-                int(spec.get("port") or fspec.get("port", 8000)), token, builders.CONTAINER, controllers,
-                wants_pods)  # fmt: skip
+    return Plan(
+        f"InferenceDeployment/{name}",
+        builders.selector_string(name),
+        int(spec.get("port") or fspec.get("port", 8000)),
+        token,
+        builders.CONTAINER,
+        controllers,
+        wants_pods,
+    )
 
 
 def outcome(
@@ -182,8 +197,10 @@ def outcome(
     count; of the pods called, at least min_success_ratio must have been reset (default: all)."""
     c = summarize(records)
     called = c["targets"] - c["skipped"]
-    detail = (f"{c['succeeded']}/{c['targets']} pods reset, {c['failed']} failed, {c['skipped']} skipped, "
-              f"{c['notSupported']} not supported")  # fmt: skip
+    detail = (
+        f"{c['succeeded']}/{c['targets']} pods reset, {c['failed']} failed, {c['skipped']} skipped, "
+        f"{c['notSupported']} not supported"
+    )
     if called == 0:
         if allow_no_targets:
             return "Succeeded", "NoTargets", f"no pod to reset ({detail})"
@@ -201,16 +218,25 @@ def outcome(
 
 def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
     return FanoutSettings(
-        engine=spec.get("engine", "kvpilot"), port=plan.port, token=plan.token,
+        engine=spec.get("engine", "kvpilot"),
+        port=plan.port,
+        token=plan.token,
         reset_running_requests=bool(spec.get("resetRunningRequests")),
         timeout_s=float(spec.get("timeoutSeconds", 60)),
         request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
-        max_concurrency=int(spec.get("maxConcurrency", 64)), retries_per_pod=int(spec.get("retriesPerPod", 3)),
-    )  # fmt: skip
+        max_concurrency=int(spec.get("maxConcurrency", 64)),
+        retries_per_pod=int(spec.get("retriesPerPod", 3)),
+    )
 
 
-async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, stopped: Any = None,
-                limiter: asyncio.Semaphore | None = None) -> None:  # fmt: skip
+async def drive(
+    kube: Kube,
+    ns: str,
+    name: str,
+    logger: logging.Logger,
+    stopped: Any = None,
+    limiter: asyncio.Semaphore | None = None,
+) -> None:
     obj = await kube.get_cr(RESETS, ns, name)
     if obj is None:
         return
@@ -229,8 +255,9 @@ async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict
     return await kube.patch_status(RESETS, ns, name, status)
 
 
-async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any,
-               limiter: asyncio.Semaphore | None) -> dict[str, Any] | None:  # fmt: skip
+async def _run(
+    kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any, limiter: asyncio.Semaphore | None
+) -> dict[str, Any] | None:
     """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     spec, status = obj["spec"], obj.get("status") or {}
@@ -238,10 +265,17 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
     started = _parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
     deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started if started else 0)
     if status.get("phase") == "Running" and spec.get("resetRunningRequests"):
-        return await _finish(kube, obj, None, "Failed", "Interrupted",
-                             "the operator restarted while this reset ran; with resetRunningRequests a pod is "
-                             "never called twice (a second call preempts running requests again): create a new "
-                             "PrefixCacheReset to reset the pods again", start)  # fmt: skip
+        return await _finish(
+            kube,
+            obj,
+            None,
+            "Failed",
+            "Interrupted",
+            "the operator restarted while this reset ran; with resetRunningRequests a pod is "
+            "never called twice (a second call preempts running requests again): create a new "
+            "PrefixCacheReset to reset the pods again",
+            start,
+        )
     if status.get("phase") == "Running":
         logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
     try:
@@ -261,18 +295,27 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
             if time.monotonic() >= deadline - 1.0:
                 break  # NoTargets
             await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
-        running = {"phase": "Running", "target": plan.description, "startTime": start,
-                   "observedGeneration": obj["metadata"].get("generation")}  # fmt: skip
+        running = {
+            "phase": "Running",
+            "target": plan.description,
+            "startTime": start,
+            "observedGeneration": obj["metadata"].get("generation"),
+        }
         if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
-            await with_retries("status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}),
-                               deadline)  # fmt: skip
+            await with_retries(
+                "status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}), deadline
+            )
         else:  # progress for people only: a failed write does not hold the reset up
             try:
                 await _patch(kube, ns, name, {**running, **pod_status(before)})
             except Exception as exc:  # noqa: BLE001
                 logger.warning("reset %s/%s: progress not written: %s", ns, name, exc)
-        kopf.event(obj, type="Normal", reason="Started",
-                   message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}")  # fmt: skip
+        kopf.event(
+            obj,
+            type="Normal",
+            reason="Started",
+            message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
+        )
         async with PodWatch(kube, ns, plan.selector, pods, version) as watch, _stop_flag(stopped) as stop:
             results = await run_fanout(
                 targets,
@@ -292,8 +335,9 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
         return None
-    phase, reason, message = outcome(results, float(spec.get("minSuccessRatio", 1.0)),
-                                     bool(spec.get("allowNoTargets")))  # fmt: skip
+    phase, reason, message = outcome(
+        results, float(spec.get("minSuccessRatio", 1.0)), bool(spec.get("allowNoTargets"))
+    )
     logger.info("reset %s/%s: %s", ns, name, message)
     for r in [r for r in results if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
         kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
@@ -319,17 +363,31 @@ async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
             await bridging
 
 
-async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | None, phase: str, reason: str,
-                  message: str, start: str) -> dict[str, Any]:  # fmt: skip
+async def _finish(
+    kube: Kube,
+    obj: dict[str, Any],
+    records: list[PodResult] | None,
+    phase: str,
+    reason: str,
+    message: str,
+    start: str,
+) -> dict[str, Any]:
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     gen = obj["metadata"].get("generation") or 1
     conds = (obj.get("status") or {}).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     end = now_iso()
-    body = {"phase": phase, "completionTime": end, "startTime": start, "conditions": conds,
-            "observedGeneration": gen, **(pod_status(records) if records is not None else {})}  # fmt: skip
-    new = await with_retries("final status", lambda: _patch(kube, ns, name, body),
-                             time.monotonic() + _FINAL_PATCH_GRACE_S)  # fmt: skip
+    body = {
+        "phase": phase,
+        "completionTime": end,
+        "startTime": start,
+        "conditions": conds,
+        "observedGeneration": gen,
+        **(pod_status(records) if records is not None else {}),
+    }
+    new = await with_retries(
+        "final status", lambda: _patch(kube, ns, name, body), time.monotonic() + _FINAL_PATCH_GRACE_S
+    )
     kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
     metrics.RESETS.labels(ns, phase).inc()
     if (t0 := _parse_time(start)) is not None:
