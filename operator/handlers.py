@@ -119,6 +119,7 @@ async def reset_runs(namespace: str, name: str, stopped: kopf.DaemonStopped, log
 
 
 @kopf.on.event(GROUP, VERSION, RESETS)
-def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002 - kopf's name
+async def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002 - kopf's name
     # Every event, the initial listing included: a finished reset's TTL, without a daemon (and its finalizer).
+    # async: kopf runs sync handlers in threads, and the expiry tasks belong to the event loop.
     memo.expiry.seen(body, deleted=type == "DELETED")
