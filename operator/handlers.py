@@ -3,8 +3,8 @@
 Finalizers: kopf puts `kvpilot.io/operator` only on objects a daemon, a timer or a non-optional delete
 handler serves. That is a PrefixCacheReset while it runs (the daemon's filter drops it once it is finished,
 and kopf then removes the finalizer), and never an InferenceDeployment: what it owns is garbage-collected
-through ownerReferences, and its delete handler only drops gauges (optional). So nothing is left stuck when
-no operator runs: a running reset only until its operator is gone (see docs/install.md, uninstall).
+through ownerReferences, and its delete handler only drops gauges (optional). So once no operator runs,
+only a reset that was running when it went keeps a finalizer (docs/install.md, uninstall).
 """
 
 from __future__ import annotations
