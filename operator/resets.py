@@ -351,15 +351,14 @@ async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
 
 async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | None, phase: str, reason: str,
                   message: str, start: str) -> dict[str, Any]:  # fmt: skip
+    """The reset's end. Its final status write comes last: once it lands, the daemon's filter (`unfinished`)
+    no longer matches and kopf cancels the daemon at once, which is how the finalizer goes; so the Event,
+    the metrics and the target's lastReset come first."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     gen = obj["metadata"].get("generation") or 1
     conds = (obj.get("status") or {}).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     end = now_iso()
-    body = {"phase": phase, "completionTime": end, "startTime": start, "conditions": conds,
-            "observedGeneration": gen, **(pod_status(records) if records is not None else {})}  # fmt: skip
-    new = await with_retries("final status", lambda: _patch(kube, ns, name, body),
-                             time.monotonic() + _FINAL_PATCH_GRACE_S)  # fmt: skip
     kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
     metrics.RESETS.labels(ns, phase).inc()
     if (t0 := parse_time(start)) is not None:
@@ -376,4 +375,7 @@ async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | No
                 logging.getLogger(__name__).warning(
                     "lastReset of %s/%s not written: %s", ns, target, exc.reason
                 )
-    return new
+    body = {"phase": phase, "completionTime": end, "startTime": start, "conditions": conds,
+            "observedGeneration": gen, **(pod_status(records) if records is not None else {})}  # fmt: skip
+    return await with_retries("final status", lambda: _patch(kube, ns, name, body),
+                              time.monotonic() + _FINAL_PATCH_GRACE_S)  # fmt: skip
