@@ -71,7 +71,9 @@ def test_readme_kubernetes_commands(cluster: Cluster, namespace: str, operator: 
             if cmd.startswith(".venv/bin/kvpilot reset"):
                 assert "Succeeded: AllPodsReset: 2/2 pods reset" in r.stdout, r.stdout
             if cmd == "kubectl get pcr":
-                assert "InferenceDeployment/llm" in r.stdout and "2/2" in r.stdout, r.stdout
+                # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED (counts by default, not "2/2")
+                row = r.stdout.splitlines()[1].split()
+                assert row[1:7] == ["InferenceDeployment/llm", "Succeeded", "2", "2", "0", "0"], r.stdout
         assert "peering 'kvpilot' with priority 0" in log.read_text()
         assert cluster.kubectl("get", "clusterkopfpeering", "kvpilot", check=False).returncode == 0
         # the annotation made a second reset, which finishes too
