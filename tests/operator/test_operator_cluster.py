@@ -126,7 +126,10 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     )
     assert operator.metric("kvpilot_operator_inference_deployments") >= 1
     out = cluster.kubectl("get", "pcr", "flush", "-n", ns).stdout
-    assert "InferenceDeployment/llm" in out and "3/3" in out and "Succeeded" in out
+    # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED: counts by default, no longer "3/3"
+    assert out.splitlines()[1].split()[1:7] == ["InferenceDeployment/llm", "Succeeded", "3", "3", "0", "0"], (
+        out
+    )
     events = cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=flush"
     ).stdout
