@@ -11,6 +11,13 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def parse_time(s: str | None) -> float | None:
+    """A status timestamp (RFC 3339, as now_iso writes it) as a Unix time; None when unset."""
+    if not s:
+        return None
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
 def set_condition(
     conditions: list[dict[str, Any]] | None,
     type_: str,

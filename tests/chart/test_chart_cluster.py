@@ -423,7 +423,7 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 
 
 def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, release: None) -> None:
-    # The fleet first: its finalizer is the operator's to remove.
+    # Resets first, while the operator runs: only a running reset has a finalizer, the operator's to remove.
     cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
     peering_uid = peering(cluster)["metadata"]["uid"]
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)

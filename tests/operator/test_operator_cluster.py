@@ -161,7 +161,10 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     )
     assert operator.metric("kvpilot_operator_inference_deployments") >= 1
     out = cluster.kubectl("get", "pcr", "flush", "-n", ns).stdout
-    assert "InferenceDeployment/llm" in out and "3/3" in out and "Succeeded" in out
+    # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED: counts by default, no longer "3/3"
+    assert out.splitlines()[1].split()[1:7] == ["InferenceDeployment/llm", "Succeeded", "3", "3", "0", "0"], (
+        out
+    )
     events = cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=flush"
     ).stdout
@@ -833,11 +836,16 @@ def test_vllm_and_sglang_fleets_by_selector(
 def test_missing_target_fails_with_a_reason(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    """A target that does not exist is waited for until timeoutSeconds, then the reset fails with a reason;
-    one that appears meanwhile is reset. `kubectl wait` for either condition returns."""
+    """With waitForTarget, a target that does not exist is waited for until timeoutSeconds, then the reset
+    fails with a reason; one that appears meanwhile is reset. `kubectl wait` for either condition returns.
+    (Without waitForTarget it fails at once: test_operator_reset_ux.py.)"""
     ns = namespace
     t0 = time.monotonic()
-    apply_ns(cluster, ns, pcr("ghost", {"targetRef": {"name": "nowhere"}, "timeoutSeconds": 4}))
+    apply_ns(
+        cluster,
+        ns,
+        pcr("ghost", {"targetRef": {"name": "nowhere"}, "timeoutSeconds": 4, "waitForTarget": True}),
+    )
     r = cluster.kubectl("wait", "--for=condition=Failed", "pcr/ghost", "-n", ns, "--timeout=30s", check=False)
     assert r.returncode == 0, r.stderr
     st = cluster.kubectl_json("get", "pcr", "ghost", "-n", ns)["status"]
@@ -845,7 +853,11 @@ def test_missing_target_fails_with_a_reason(
     assert st["phase"] == "Failed" and cond["reason"] == "TargetNotFound" and "nowhere" in cond["message"]
     assert 3.5 < time.monotonic() - t0 < 20
     # created before its fleet: waited for, then reset
-    apply_ns(cluster, ns, pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90}))
+    apply_ns(
+        cluster,
+        ns,
+        pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90, "waitForTarget": True}),
+    )
     time.sleep(2)
     apply_ns(cluster, ns, fleet("late", {"replicas": 1, "env": STANDIN_ENV}))
     r = cluster.kubectl(
