@@ -10,22 +10,22 @@ import time
 
 import pytest
 import yaml
-from conftest import (
+
+from kvpilot.fanout import PodResult
+from kvpilot.operator.reset_status import MAX_NAMED, skipped_note
+from kvpilot.operator.resets import outcome
+from support.cluster import Cluster
+from support.operator import (
     STANDIN_ENV,
-    Cluster,
     OperatorProcess,
     apply_ns,
     fleet,
     fleet_pods,
     pcr,
     ready_replicas,
-    wait_for,
     wait_phase,
 )
-
-from kvpilot.fanout import PodResult
-from kvpilot.operator.reset_status import MAX_NAMED, skipped_note
-from kvpilot.operator.resets import outcome
+from support.procs import wait_for
 
 FINALIZER = "kvpilot.io/operator"
 COLUMNS = ["NAME", "TARGET", "PHASE", "TARGETS", "SUCCEEDED", "FAILED", "SKIPPED", "AGE"]
