@@ -50,11 +50,18 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "reset", _run_reset)
     _add_target(p)
     p.add_argument("--wait", action="store_true", help="follow the reset until Complete or Failed")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="with --wait: give up waiting after this many seconds (default: the reset's "
-                   "timeoutSeconds + 30)")  # fmt: skip
-    p.add_argument("--reset-running-requests", action="store_true",
-                   help="also preempt running requests (no pre-reset KV used afterwards)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="with --wait: give up waiting after this many seconds (default: the reset's "
+        "timeoutSeconds + 30)",
+    )
+    p.add_argument(
+        "--reset-running-requests",
+        action="store_true",
+        help="also preempt running requests (no pre-reset KV used afterwards)",
+    )
     p.add_argument(
         "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
     )
@@ -69,8 +76,12 @@ def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
         spec["timeoutSeconds"] = args.timeout_seconds
     if args.max_concurrency is not None:
         spec["maxConcurrency"] = args.max_concurrency
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PrefixCacheReset",
-            "metadata": {"generateName": f"{name[:50]}-"}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PrefixCacheReset",
+        "metadata": {"generateName": f"{name[:50]}-"},
+        "spec": spec,
+    }
 
 
 def describe_pod(p: dict[str, Any]) -> str:
@@ -221,7 +232,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from kubernetes import client
 
-    from kvpilot.router.discovery import SERVICE_LABEL, pods_from_slices
+    from kvpilot.endpointslices import SERVICE_LABEL, ready_endpoints
 
     try:
         default_ns = load(args.kubeconfig)
@@ -252,7 +263,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             f"error: reading the EndpointSlices of Service {ns}/{service}: {_api_error(exc)}", file=sys.stderr
         )
         return 2
-    pods = pods_from_slices(client.ApiClient().sanitize_for_serialization(slices.items))
+    pods = ready_endpoints(client.ApiClient().sanitize_for_serialization(slices.items))
     if not pods:
         print(
             f"error: no ready pod behind Service {ns}/{service} yet; wait with `kubectl wait "

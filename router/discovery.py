@@ -2,8 +2,8 @@
 
 The operator gives each InferenceDeployment a Service of the same name; Kubernetes keeps one or more
 EndpointSlices labelled `kubernetes.io/service-name=NAME` listing its pods. A thread lists and then watches
-them (the kubernetes client is synchronous) and hands each new set of pods to the event loop. Endpoints
-that are not ready (starting, terminating) are left out, like a Service would.
+them (the kubernetes client is synchronous) and hands each new set of pods to the event loop; which
+endpoints count is kvpilot.endpointslices' rule, shared with `kvpilot endpoint`.
 """
 
 from __future__ import annotations
@@ -14,31 +14,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvpilot.endpointslices import SERVICE_LABEL, ready_endpoints
 from kvpilot.router.pods import Pod
 
 log = logging.getLogger(__name__)
 
-SERVICE_LABEL = "kubernetes.io/service-name"
-
 
 def pods_from_slices(slices: list[dict[str, Any]], port_name: str = "http") -> list[Pod]:
     """Ready endpoints of the slices as pods, named after their Pod (else their address)."""
-    pods: dict[str, Pod] = {}
-    for s in slices:
-        ports = s.get("ports") or []
-        port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
-        if port is None and ports:
-            port = ports[0].get("port")
-        if port is None:
-            continue
-        for ep in s.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") is False or not ep.get("addresses"):
-                continue
-            ip = ep["addresses"][0]
-            host = f"[{ip}]" if ":" in ip else ip
-            name = (ep.get("targetRef") or {}).get("name") or f"{ip}:{port}"
-            pods[name] = Pod(name, f"http://{host}:{port}")
-    return sorted(pods.values(), key=lambda p: p.name)
+    return [Pod(e.name, e.url) for e in ready_endpoints(slices, port_name)]
 
 
 class EndpointSliceWatch:
@@ -75,9 +59,13 @@ class EndpointSliceWatch:
                 slices = {s.metadata.name: self._plain(s) for s in listed.items}
                 self._publish(slices)
                 w = watch.Watch()
-                for ev in w.stream(self._api.list_namespaced_endpoint_slice, self.namespace,
-                                   label_selector=selector, resource_version=listed.metadata.resource_version,
-                                   timeout_seconds=60):  # fmt: skip
+                for ev in w.stream(
+                    self._api.list_namespaced_endpoint_slice,
+                    self.namespace,
+                    label_selector=selector,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
                     obj = ev["object"]
                     if ev["type"] == "DELETED":
                         slices.pop(obj.metadata.name, None)

@@ -166,7 +166,7 @@ class Fleet:
                 self.index,
                 self.metrics.count_kv,
                 self._ctx,
-            )  # fmt: skip
+            )
             for r in ranks
         ]
         pod.kv_events = "on"

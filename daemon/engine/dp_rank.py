@@ -64,9 +64,20 @@ def rank_main(
         outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     outbox.send(
-        ("ready", RankInfo(rank, os.getpid(), engine.model_name, str(engine.model_dir), engine.max_model_len,
-                           engine.num_blocks, engine.runner.model.args.vocab_size), engine.stats())
-    )  # fmt: skip
+        (
+            "ready",
+            RankInfo(
+                rank,
+                os.getpid(),
+                engine.model_name,
+                str(engine.model_dir),
+                engine.max_model_len,
+                engine.num_blocks,
+                engine.runner.model.args.vocab_size,
+            ),
+            engine.stats(),
+        )
+    )
     log.info("rank %d ready (pid %d, cpus %s)", rank, os.getpid(), cpus or "all")
     try:
         RankWorker(rank, engine, inbox, outbox).run()

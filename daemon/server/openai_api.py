@@ -46,9 +46,14 @@ _IGNORED_LOG = IgnoredFieldLog()
 
 # ---- generation ---------------------------------------------------------------------------------
 async def _generate(
-    state: ServerState, request_id: str, prompt: list[int], params: SamplingParams, prep: Prepared,
-    prompt_text: str, arrival: float,
-) -> AsyncIterator[Delta]:  # fmt: skip
+    state: ServerState,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prep: Prepared,
+    prompt_text: str,
+    arrival: float,
+) -> AsyncIterator[Delta]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)
@@ -113,8 +118,11 @@ async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> A
     try:
         return await asyncio.wait_for(sink.get(), max(0.0, arrival + timeout - time.monotonic()))
     except TimeoutError:
-        raise ApiError(504, f"the request did not finish within {timeout:g} s (--request-timeout)",
-                       code="deadline_exceeded") from None  # fmt: skip
+        raise ApiError(
+            504,
+            f"the request did not finish within {timeout:g} s (--request-timeout)",
+            code="deadline_exceeded",
+        ) from None
 
 
 def _param_name(param: str | None, req: GenerateRequest, chat: bool) -> str | None:
@@ -291,8 +299,13 @@ async def _stream(
     wants_logprobs = req.params.logprobs is not None
 
     def chunk(choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
-        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
-                                "choices": choices}  # fmt: skip
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+        }
         if req.include_usage:  # as OpenAI: null on every chunk but the last
             body["usage"] = usage if final else None
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
@@ -330,9 +343,16 @@ async def _stream(
 
 
 async def _write_events(
-    resp: web.StreamResponse, first: tuple | None, events: AsyncIterator, chunk: Any, choice: Any,
-    state: ServerState, req: GenerateRequest, chat: bool, wants_logprobs: bool,
-) -> None:  # fmt: skip
+    resp: web.StreamResponse,
+    first: tuple | None,
+    events: AsyncIterator,
+    chunk: Any,
+    choice: Any,
+    state: ServerState,
+    req: GenerateRequest,
+    chat: bool,
+    wants_logprobs: bool,
+) -> None:
     finals: dict[tuple[int, int], RequestOutput] = {}
     started: set[int] = set()
     try:
@@ -341,8 +361,12 @@ async def _write_events(
             index = i * req.n + d.index
             if chat and index not in started:
                 started.add(index)
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
+                role = {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 await resp.write(chunk([role]))
             if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
                 await resp.write(chunk([choice(index, d)]))

@@ -31,10 +31,18 @@ cache="${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/image"
 # Documentation is left out (copyright files stay), as the slim Python images do.
 suite=bookworm
 base_packages=python3,python3-venv,ca-certificates
+# The mirrors are this machine's own (its apt sources say which Debian archive it may reach), or
+# DEBIAN_MIRROR and DEBIAN_SECURITY_MIRROR; no archive host is written into the project.
+# shellcheck source=../lib/aptmirror.sh
+source "$root/hack/lib/aptmirror.sh"
+debian_mirror="${DEBIAN_MIRROR:-$(apt_mirror "$suite")}"
+security_mirror="${DEBIAN_SECURITY_MIRROR:-$(apt_mirror "$suite-security")}"
+[[ -n "$debian_mirror" ]] || die "no Debian mirror for $suite in this machine's apt sources: set DEBIAN_MIRROR"
+[[ -n "$security_mirror" ]] || die "no Debian security mirror for $suite-security in this machine's apt sources: set DEBIAN_SECURITY_MIRROR"
 mirrors=(
-    "deb http://deb.debian.org/debian $suite main"
-    "deb http://deb.debian.org/debian $suite-updates main"
-    "deb http://deb.debian.org/debian-security $suite-security main"
+    "deb $debian_mirror $suite main"
+    "deb $debian_mirror $suite-updates main"
+    "deb $security_mirror $suite-security main"
 )
 dpkg_opts=(
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
