@@ -35,7 +35,6 @@ _CONSTRAINED = (
 # Features this server lacks: a value that asks for nothing (null, false, 0, "", [], {}) is accepted,
 # anything else is refused with the reason.
 UNSUPPORTED = {
-    "logit_bias": "'logit_bias' is not supported",
     "return_hidden_states": "'return_hidden_states' is not supported: this server returns no hidden states",
     "use_beam_search": "beam search is not supported",
     "prompt_logprobs": "'prompt_logprobs' is not supported; completions return them with echo and logprobs",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 import uuid
 
 import pytest
@@ -145,3 +147,15 @@ def test_continue_final_message_continues_the_assistant_turn(server: Server) -> 
     assert r.json()["usage"]["prompt_tokens"] == len(tok(expected, add_special_tokens=False)["input_ids"])
     closed = server.request("POST", CH, body).json()["usage"]["prompt_tokens"]
     assert closed > r.json()["usage"]["prompt_tokens"]  # the turn closed, a new one opened
+
+
+def test_an_http2_probe_is_refused_in_one_log_line(server: Server) -> None:
+    """SGLang's router opens each worker with HTTP/2 prior knowledge, then falls back to HTTP/1.1."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert s.recv(200).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    deadline = time.monotonic() + 10
+    while "refused with 400" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.05)
+    assert "Traceback" not in server.log()
