@@ -71,6 +71,7 @@ class EngineConfig:
             aliases=["-dp"],
         ),
     )
+    data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
         metadata=flag(
@@ -97,9 +98,6 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
-        if self.data_parallel_size > 1 and self.kv_events_endpoint:
-            # Every rank would bind the same sockets, and a router keeps one index per pod, not per rank.
-            raise ValueError("kv_events_endpoint cannot be combined with data_parallel_size > 1 yet")
 
     def torch_device(self) -> torch.device:
         import torch
