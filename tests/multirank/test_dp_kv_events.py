@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv_events import rank_endpoint
 from support.procs import free_port, wait_for
 from support.servers import Server, start_daemon, start_router, start_server, stop_fleet
@@ -48,6 +49,10 @@ def test_rank_endpoints_are_port_plus_rank() -> None:
     assert rank_endpoint("tcp://0.0.0.0:5557", 0) == "tcp://0.0.0.0:5557"
     assert rank_endpoint("tcp://[::1]:5557", 3) == "tcp://[::1]:5560"
     assert rank_endpoint("tcp://127.0.0.1:0", 1) == "tcp://127.0.0.1:0"  # any free port: /kv_events names it
+    two = dict(data_parallel_size=2, kv_events_endpoint="tcp://127.0.0.1:5557")
+    EngineConfig(**two, kv_events_replay_endpoint="tcp://127.0.0.1:5559").validate()
+    with pytest.raises(ValueError, match="overlap"):  # rank 1's events would take rank 0's replay port
+        EngineConfig(**two, kv_events_replay_endpoint="tcp://127.0.0.1:5558").validate()
 
 
 def test_each_rank_publishes_its_own_events_and_the_header_picks_the_rank(dp_daemon: Server) -> None:
