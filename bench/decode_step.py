@@ -45,8 +45,14 @@ def base_model(checkout: Path, model: torch.nn.Module) -> torch.nn.Module:
     """The other checkout's Llama on the other checkout's torch reference ops, with this model's weights."""
     reference = _load(checkout / "kernels" / "reference.py", "base_reference")
     llama = _load(checkout / "daemon" / "engine" / "models" / "llama.py", "base_llama")
-    ops = Ops("base-torch", reference.write_kv, reference.paged_attention, reference.rms_norm,
-              reference.rotary, reference.silu_and_mul)  # fmt: skip
+    ops = Ops(
+        "base-torch",
+        reference.write_kv,
+        reference.paged_attention,
+        reference.rms_norm,
+        reference.rotary,
+        reference.silu_and_mul,
+    )
     args = llama.LlamaArgs(**dataclasses.asdict(model.args))
     base = llama.LlamaForCausalLM(args, ops)
     base.load_state_dict(model.state_dict())
@@ -112,13 +118,19 @@ def main() -> int:
             "same_greedy_tokens": bool(torch.equal(logits["base"].argmax(-1), logits["this"].argmax(-1))),
         }
         r = results[kind]
-        print(f"{kind}: {r['tokens']} tokens of {r['sequences']} sequences: {med['base']:.1f} -> {med['this']:.1f} ms "
-              f"({r['speedup']:.2f}x), logits max |diff| {r['logits_max_abs_diff']:.2e}, "
-              f"same greedy tokens: {r['same_greedy_tokens']}")  # fmt: skip
+        print(
+            f"{kind}: {r['tokens']} tokens of {r['sequences']} sequences: {med['base']:.1f} -> {med['this']:.1f} ms "
+            f"({r['speedup']:.2f}x), logits max |diff| {r['logits_max_abs_diff']:.2e}, "
+            f"same greedy tokens: {r['same_greedy_tokens']}"
+        )
     results["against"] = {"checkout": str(args.against.resolve()), "commit": bench._git_head(args.against)}
     results["this_commit"] = bench._git_head(Path(__file__).resolve().parent.parent)
-    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
-                      "repeats": args.repeats}  # fmt: skip
+    results["env"] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor(),
+        "repeats": args.repeats,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.output}")

@@ -32,14 +32,34 @@ MODEL = "SmolLM2-135M-Instruct"
 def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
     logdir.mkdir()
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--data-parallel-size", str(size), "--cpu-threads", "1",
-           "--max-num-seqs", str(max(args.concurrency))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpilot",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        str(size),
+        "--cpu-threads",
+        "1",
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+    ]
     url = f"http://127.0.0.1:{port}"
     proc = benchkit.launch(cmd, logdir / f"dp{size}.log", url, 900)
     try:
-        runs = sweep(url, MODEL, f"kvpilot-dp{size}", args.concurrency,
-                     rounds=args.rounds, min_requests=args.min_requests, max_tokens=args.max_tokens)  # fmt: skip
+        runs = sweep(
+            url,
+            MODEL,
+            f"kvpilot-dp{size}",
+            args.concurrency,
+            rounds=args.rounds,
+            min_requests=args.min_requests,
+            max_tokens=args.max_tokens,
+        )
     finally:
         benchkit.shutdown(proc)
     return [asdict(r) for r in runs]
@@ -80,7 +100,7 @@ def main() -> int:
         **benchkit.header("dp", load_before),
         "git": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip(),  # fmt: skip
+        ).stdout.strip(),
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "tokens_per_s_ratio_vs_dp" + str(base): ratios,
         "mean_tokens_per_s": {str(k): v for k, v in mean.items()},

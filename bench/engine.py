@@ -51,12 +51,23 @@ SYSTEM = (
     "could not be reached must be named, with the reason, in the status of the reset that missed it."
 )
 QUESTIONS = [
-    "What is a prefix cache?", "Why flush caches between runs?", "What is time to first token?",
-    "How does paged attention work?", "What is continuous batching?", "Why is decode memory bound?",
-    "What is a KV block?", "What does preemption mean here?", "Why use bf16 on GPUs?", "What is an epoch?",
-    "What does a reset return?", "What is chunked prefill?", "Why is LRU eviction used?",
-    "What is a cache salt?", "What is an operator?", "What is a DaemonSet?",
-]  # fmt: skip
+    "What is a prefix cache?",
+    "Why flush caches between runs?",
+    "What is time to first token?",
+    "How does paged attention work?",
+    "What is continuous batching?",
+    "Why is decode memory bound?",
+    "What is a KV block?",
+    "What does preemption mean here?",
+    "Why use bf16 on GPUs?",
+    "What is an epoch?",
+    "What does a reset return?",
+    "What is chunked prefill?",
+    "Why is LRU eviction used?",
+    "What is a cache salt?",
+    "What is an operator?",
+    "What is a DaemonSet?",
+]
 
 
 def chat(tokenizer, question: str) -> list[int]:  # noqa: ANN001
@@ -73,8 +84,11 @@ def run_kvpilot(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) ->
     before = engine.stats()
     load = run_load(engine, prompts, max_tokens)
     after = engine.stats()
-    return {**load, "prompt_tokens": sum(len(p) for p in prompts),
-            "cache_hit_tokens": after.hit_tokens - before.hit_tokens}  # fmt: skip
+    return {
+        **load,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "cache_hit_tokens": after.hit_tokens - before.hit_tokens,
+    }
 
 
 def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -92,9 +106,13 @@ def run_load(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> di
         if decode_only:
             decode_steps.append(time.perf_counter() - t0)
     secs = time.perf_counter() - start
-    return {"seconds": secs, "output_tokens": tokens, "tokens_per_s": tokens / secs,
-            "decode_steps": len(decode_steps),
-            "decode_step_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None}  # fmt: skip
+    return {
+        "seconds": secs,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / secs,
+        "decode_steps": len(decode_steps),
+        "decode_step_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None,
+    }
 
 
 def worker() -> None:
@@ -129,8 +147,12 @@ def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN
     long_prompt = chat(tokenizer, "Summarise the rules above in one line.")
     new_suffix = chat(tokenizer, "Which rule matters most, and why?")
     suffix_alone = tokenizer("Which rule matters most, and why?")["input_ids"]
-    cases: dict[str, list[float]] = {"cold_long_prompt": [], "cached_prefix_new_suffix": [], "suffix_alone": [],
-                                     "right_after_reset": []}  # fmt: skip
+    cases: dict[str, list[float]] = {
+        "cold_long_prompt": [],
+        "cached_prefix_new_suffix": [],
+        "suffix_alone": [],
+        "right_after_reset": [],
+    }
     cached: dict[str, int] = {}
     for _ in range(repeats):
         engine.reset_prefix_cache()
@@ -163,8 +185,14 @@ class Worker:
     def __init__(self, checkout: Path, job: dict) -> None:
         python = checkout / ".venv" / "bin" / "python"
         env = dict(os.environ, PYTHONSAFEPATH="1")
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "--worker"], cwd=checkout, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [str(python), str(Path(__file__).resolve()), "--worker"],
+            cwd=checkout,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         self.ready = self._reply()
@@ -198,9 +226,13 @@ def against(checkout: Path, prompts: list[list[int]], max_tokens: int, rounds: i
     finally:
         for worker in sides.values():
             worker.close()
-    med = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-                  "decode_step_ms": statistics.median(r["decode_step_ms"] for r in rs)}
-           for name, rs in runs.items()}  # fmt: skip
+    med = {
+        name: {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+            "decode_step_ms": statistics.median(r["decode_step_ms"] for r in rs),
+        }
+        for name, rs in runs.items()
+    }
     return {
         "base_checkout": str(checkout.resolve()),
         "base_commit": _git_head(checkout),
@@ -265,10 +297,17 @@ def main() -> None:
     prompts = [chat(tok, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.requests)]
     engine.generate([prompts[0]], SamplingParams(max_tokens=2))  # warm-up: first-call allocations
 
-    print(f"load: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{args.max_tokens} new tokens each")  # fmt: skip
-    results: dict = {"load": {"requests": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-                              "max_tokens": args.max_tokens}}  # fmt: skip
+    print(
+        f"load: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+        f"{args.max_tokens} new tokens each"
+    )
+    results: dict = {
+        "load": {
+            "requests": len(prompts),
+            "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": args.max_tokens,
+        }
+    }
     results["kvpilot_prefix_caching"] = run_kvpilot(engine, prompts, args.max_tokens)
     print("kvpilot, prefix caching on :", _fmt(results["kvpilot_prefix_caching"]))
     engine.kv.enable_prefix_caching = False
@@ -299,8 +338,10 @@ def main() -> None:
         print(f"this checkout vs {args.against}, alternating:")
         results["against"] = against(args.against, prompts, args.max_tokens, args.against_rounds)
         a = results["against"]
-        print(f"against {args.against}: {a['tokens_per_s_ratio']:.2f}x tok/s, decode step "
-              f"{a['median']['base']['decode_step_ms']:.1f} -> {a['median']['this']['decode_step_ms']:.1f} ms")  # fmt: skip
+        print(
+            f"against {args.against}: {a['tokens_per_s_ratio']:.2f}x tok/s, decode step "
+            f"{a['median']['base']['decode_step_ms']:.1f} -> {a['median']['this']['decode_step_ms']:.1f} ms"
+        )
 
     results["ttft"] = ttft_cases(engine, tok, args.ttft_repeats)
     print("TTFT (median s):", {k: round(v, 4) for k, v in results["ttft"]["median_seconds"].items()})
@@ -315,8 +356,13 @@ def main() -> None:
         if "tokens_per_s" in results.get(key, {}):
             ratios[f"kvpilot_vs_{key}"] = ours / results[key]["tokens_per_s"]
     results["ratios"] = ratios
-    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
-                      "device": str(engine.device), "dtype": str(engine.dtype)}  # fmt: skip
+    results["env"] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor(),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+    }
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")

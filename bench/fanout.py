@@ -70,8 +70,11 @@ def ip_of(i: int) -> str:
 def metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-               if x.startswith(name + "{") or x.startswith(name + " "))  # fmt: skip
+    return sum(
+        float(x.rsplit(" ", 1)[1])
+        for x in text.splitlines()
+        if x.startswith(name + "{") or x.startswith(name + " ")
+    )
 
 
 def make_pods(core, ns: str, n: int) -> None:  # noqa: ANN001
@@ -88,11 +91,29 @@ def make_pods(core, ns: str, n: int) -> None:  # noqa: ANN001
             ),
         )
         core.create_namespaced_pod(ns, pod)
-        core.patch_namespaced_pod_status(name, ns, {"status": {
-            "phase": "Running", "podIP": ip_of(i), "podIPs": [{"ip": ip_of(i)}], "hostIP": "127.0.0.1",
-            "containerStatuses": [{"name": "d", "ready": True, "restartCount": 0, "image": "x", "imageID": "",
-                                   "state": {"running": {"startedAt": now}}}],
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}})  # fmt: skip
+        core.patch_namespaced_pod_status(
+            name,
+            ns,
+            {
+                "status": {
+                    "phase": "Running",
+                    "podIP": ip_of(i),
+                    "podIPs": [{"ip": ip_of(i)}],
+                    "hostIP": "127.0.0.1",
+                    "containerStatuses": [
+                        {
+                            "name": "d",
+                            "ready": True,
+                            "restartCount": 0,
+                            "image": "x",
+                            "imageID": "",
+                            "state": {"running": {"startedAt": now}},
+                        }
+                    ],
+                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+                }
+            },
+        )
 
     with concurrent.futures.ThreadPoolExecutor(16) as ex:
         list(ex.map(one, range(n)))
@@ -111,9 +132,18 @@ def one_round(custom, ns: str, port: int, mport: int, args: argparse.Namespace, 
     name = f"all-{int(delay_ms)}ms"
     patches0 = metric(mport, "kvpilot_operator_reset_status_patches_total")
     calls0 = metric(mport, "kvpilot_operator_api_calls_total")
-    body = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "PrefixCacheReset", "metadata": {"name": name},
-            "spec": {"selector": {"matchLabels": {"app": "bench"}}, "maxConcurrency": args.max_concurrency,
-                     "port": port, "timeoutSeconds": 300, "requestTimeoutSeconds": 60}}  # fmt: skip
+    body = {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "PrefixCacheReset",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"matchLabels": {"app": "bench"}},
+            "maxConcurrency": args.max_concurrency,
+            "port": port,
+            "timeoutSeconds": 300,
+            "requestTimeoutSeconds": 60,
+        },
+    }
     t0 = time.perf_counter()
     custom.create_namespaced_custom_object("kvpilot.io", "v1alpha1", ns, "prefixcacheresets", body)
     while True:
@@ -128,11 +158,17 @@ def one_round(custom, ns: str, port: int, mport: int, args: argparse.Namespace, 
     patches = metric(mport, "kvpilot_operator_reset_status_patches_total") - patches0
     calls = metric(mport, "kvpilot_operator_api_calls_total") - calls0
     out = {
-        "reply_delay_ms": delay_ms, "phase": st["phase"], "succeeded": st["succeeded"], "targets": st["targets"],
-        "create_to_complete_s": round(fanout_s, 3), "operator_status_patches": int(patches),
-        "operator_api_calls": int(calls), "status_bytes": status_bytes, "object_bytes": object_bytes,
+        "reply_delay_ms": delay_ms,
+        "phase": st["phase"],
+        "succeeded": st["succeeded"],
+        "targets": st["targets"],
+        "create_to_complete_s": round(fanout_s, 3),
+        "operator_status_patches": int(patches),
+        "operator_api_calls": int(calls),
+        "status_bytes": status_bytes,
+        "object_bytes": object_bytes,
         "status_pod_entries": len(st.get("pods") or []),
-    }  # fmt: skip
+    }
     if args.sequential:
         seq_s = sequential(args.pods, port)
         out |= {"sequential_loop_s": round(seq_s, 3), "sequential_over_fanout": round(seq_s / fanout_s, 2)}
@@ -143,10 +179,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pods", type=int, default=1000)
     ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--reply-delay-ms", type=float, nargs="+", default=[0.0, 20.0],
-                    help="stand-in reply delay per round (default 0 and 20 ms)")  # fmt: skip
-    ap.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time the same calls as a sequential loop (default on)")  # fmt: skip
+    ap.add_argument(
+        "--reply-delay-ms",
+        type=float,
+        nargs="+",
+        default=[0.0, 20.0],
+        help="stand-in reply delay per round (default 0 and 20 ms)",
+    )
+    ap.add_argument(
+        "--sequential",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the same calls as a sequential loop (default on)",
+    )
     ap.add_argument("--out", default=None, help="JSON result (default bench/results/fanout-PODS.json)")
     args = ap.parse_args()
     args.out = args.out or str(ROOT / "bench" / "results" / f"fanout-{args.pods}.json")
@@ -162,16 +207,32 @@ def main() -> int:
     with ControlPlane(workdir=work / "cp") as cp:
         api = config.new_client_from_config(config_file=str(cp.kubeconfig))
         core = client.CoreV1Api(api)
-        subprocess.run(["kubectl", f"--kubeconfig={cp.kubeconfig}", "apply", "-f", str(ROOT / "crds")], check=True,
-                       capture_output=True)  # fmt: skip
-        subprocess.run(["kubectl", f"--kubeconfig={cp.kubeconfig}", "wait", "--for=condition=Established",
-                        "crd/prefixcacheresets.kvpilot.io", "--timeout=60s"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["kubectl", f"--kubeconfig={cp.kubeconfig}", "apply", "-f", str(ROOT / "crds")],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [
+                "kubectl",
+                f"--kubeconfig={cp.kubeconfig}",
+                "wait",
+                "--for=condition=Established",
+                "crd/prefixcacheresets.kvpilot.io",
+                "--timeout=60s",
+            ],
+            check=True,
+            capture_output=True,
+        )
         core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name="bench-node")))
         ns = "bench"
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
         try:
-            standin = subprocess.Popen([sys.executable, "-c", STANDIN, str(args.pods), str(port)],
-                                       stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+            standin = subprocess.Popen(
+                [sys.executable, "-c", STANDIN, str(args.pods), str(port)],
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
             procs.append(standin)
             assert standin.stdout is not None and standin.stdout.readline().strip() == b"ready"
             t0 = time.perf_counter()
@@ -194,8 +255,11 @@ def main() -> int:
             time.sleep(1.0)  # the watch streams are open
             custom = client.CustomObjectsApi(api)
             for delay_ms in args.reply_delay_ms:
-                urllib.request.urlopen(urllib.request.Request(
-                    f"http://{ip_of(0)}:{port}/delay?s={delay_ms / 1000}", data=b"", method="POST"))  # fmt: skip
+                urllib.request.urlopen(
+                    urllib.request.Request(
+                        f"http://{ip_of(0)}:{port}/delay?s={delay_ms / 1000}", data=b"", method="POST"
+                    )
+                )
                 rounds.append(one_round(custom, ns, port, mport, args, delay_ms))
                 print(json.dumps(rounds[-1]), flush=True)
         finally:
@@ -211,9 +275,12 @@ def main() -> int:
         "(one at the start, one per second of progress, one final). status_bytes: the finished status (counts "
         "and at most 100 pod entries). The sequential loop is N POSTs only. reply_delay_ms models a daemon "
         "answering a reset at the next engine step boundary.",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1m": os.getloadavg()[0]},
-    }  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m": os.getloadavg()[0],
+        },
+    }
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

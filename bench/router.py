@@ -49,26 +49,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKEN = "bench-router-token"
-SHOPS = ["Northwind bikes", "Harbour books", "Alpine outfitters", "Lakeside bakery", "Metro phones",
-         "Green garden centre", "Riverside pharmacy", "Old town florist"]  # fmt: skip
-QUESTIONS = ["When do you open?", "Can I pay by card?", "Do you deliver?", "Is there parking?",
-             "Do you have a loyalty card?", "Can I return an item?", "Are you open on Sunday?",
-             "Do you sell gift cards?", "Where are you located?", "Can I order by phone?",
-             "Do you offer discounts for students?", "How long does delivery take?",
-             "Do you have a website?", "Can I reserve an item?", "Do you repair things?",
-             "Is the shop accessible by wheelchair?"]  # fmt: skip
+SHOPS = [
+    "Northwind bikes",
+    "Harbour books",
+    "Alpine outfitters",
+    "Lakeside bakery",
+    "Metro phones",
+    "Green garden centre",
+    "Riverside pharmacy",
+    "Old town florist",
+]
+QUESTIONS = [
+    "When do you open?",
+    "Can I pay by card?",
+    "Do you deliver?",
+    "Is there parking?",
+    "Do you have a loyalty card?",
+    "Can I return an item?",
+    "Are you open on Sunday?",
+    "Do you sell gift cards?",
+    "Where are you located?",
+    "Can I order by phone?",
+    "Do you offer discounts for students?",
+    "How long does delivery take?",
+    "Do you have a website?",
+    "Can I reserve an item?",
+    "Do you repair things?",
+    "Is the shop accessible by wheelchair?",
+]
 
 
 def system_prompt(shop: str) -> str:
-    return (f"You are the assistant of {shop}. Answer in one short, polite sentence and never invent "
-            f"facts. {shop} opens at nine and closes at six on weekdays, opens at ten on Saturdays and is "
-            f"closed on Sundays. {shop} accepts cards and cash, delivers within the city for five euros, "
-            f"has a loyalty card with a ten percent discount after ten visits, and takes returns within "
-            f"thirty days with a receipt. Parking is free behind the building of {shop}. Gift cards of "
-            f"twenty, fifty and one hundred euros are sold at the counter of {shop}, students get five "
-            f"percent off with a valid card, orders by phone are taken until five, and reserved items are "
-            f"kept for three days. The shop is accessible by wheelchair through the side entrance, and "
-            f"the staff of {shop} speak English, French and German.")  # fmt: skip
+    return (
+        f"You are the assistant of {shop}. Answer in one short, polite sentence and never invent "
+        f"facts. {shop} opens at nine and closes at six on weekdays, opens at ten on Saturdays and is "
+        f"closed on Sundays. {shop} accepts cards and cash, delivers within the city for five euros, "
+        f"has a loyalty card with a ten percent discount after ten visits, and takes returns within "
+        f"thirty days with a receipt. Parking is free behind the building of {shop}. Gift cards of "
+        f"twenty, fifty and one hundred euros are sold at the counter of {shop}, students get five "
+        f"percent off with a valid card, orders by phone are taken until five, and reserved items are "
+        f"kept for three days. The shop is accessible by wheelchair through the side entrance, and "
+        f"the staff of {shop} speak English, French and German."
+    )
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -82,9 +104,14 @@ def launch(args: list[str], log: Path, url: str) -> subprocess.Popen:
 
 
 async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str, max_tokens: int) -> dict:
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
     start = time.perf_counter()
     ttft, usage = None, {}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
@@ -102,9 +129,12 @@ async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str,
                 (c.get("delta") or {}).get("content") for c in event.get("choices") or []
             ):
                 ttft = time.perf_counter() - start
-    return {"pod": pod, "ttft": ttft if ttft is not None else time.perf_counter() - start,
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}  # fmt: skip
+    return {
+        "pod": pod,
+        "ttft": ttft if ttft is not None else time.perf_counter() - start,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
 
 
 async def run_load(url: str, work: list[tuple[str, str]], concurrency: int, max_tokens: int) -> list[dict]:
@@ -173,8 +203,20 @@ def delta(after: dict, before: dict, name: str) -> float:
 
 
 def serve_args(port: int, kv_blocks: int, token_file: Path, *extra: str) -> list[str]:
-    return ["serve", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks-override", str(kv_blocks),
-            "--max-num-seqs", "8", "--admin-token-file", str(token_file), *extra]  # fmt: skip
+    return [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-gpu-blocks-override",
+        str(kv_blocks),
+        "--max-num-seqs",
+        "8",
+        "--admin-token-file",
+        str(token_file),
+        *extra,
+    ]
 
 
 async def direct_reset(url: str) -> None:
@@ -186,21 +228,55 @@ async def direct_reset(url: str) -> None:
                 raise RuntimeError(f"reset failed: {await r.text()}")
 
 
-def data_parallel_runs(args: argparse.Namespace, work: list[tuple[str, str]], logdir: Path, token_file: Path,
-                       procs: list[subprocess.Popen]) -> dict:  # fmt: skip
+def data_parallel_runs(
+    args: argparse.Namespace,
+    work: list[tuple[str, str]],
+    logdir: Path,
+    token_file: Path,
+    procs: list[subprocess.Popen],
+) -> dict:
     """One DP=2 daemon: the router's exact per-rank routing vs the daemon's own choice of rank."""
     port, events = free_port(), free_port()
     daemon = f"http://127.0.0.1:{port}"
     # Rank r publishes on port + r: the replay sockets start past rank 1's events port.
-    procs.append(launch(serve_args(port, args.kv_blocks, token_file, "--data-parallel-size", "2",
-                                   "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-                                   "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{events + 2}"),
-                        logdir / "daemon-dp2.log", daemon))  # fmt: skip
+    procs.append(
+        launch(
+            serve_args(
+                port,
+                args.kv_blocks,
+                token_file,
+                "--data-parallel-size",
+                "2",
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{events}",
+                "--kv-events-replay-endpoint",
+                f"tcp://127.0.0.1:{events + 2}",
+            ),
+            logdir / "daemon-dp2.log",
+            daemon,
+        )
+    )
     rport = free_port()
     router = f"http://127.0.0.1:{rport}"
-    procs.append(launch(["router", "--host", "127.0.0.1", "--port", str(rport), "--policy", "prefix-aware",
-                         "--endpoints", daemon, "--admin-token-file", str(token_file)],
-                        logdir / "router-dp2.log", router))  # fmt: skip
+    procs.append(
+        launch(
+            [
+                "router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rport),
+                "--policy",
+                "prefix-aware",
+                "--endpoints",
+                daemon,
+                "--admin-token-file",
+                str(token_file),
+            ],
+            logdir / "router-dp2.log",
+            router,
+        )
+    )
     asyncio.run(run_load(daemon, work[:2], 2, 2))  # warm-up
     modes = {"router-per-rank": router, "daemon-choice": daemon}
     runs = []
@@ -214,8 +290,11 @@ def data_parallel_runs(args: argparse.Namespace, work: list[tuple[str, str]], lo
             run = {"mode": mode, "repeat": rep} | summarize(results) | {"wall_s": time.perf_counter() - start}
             del run["requests_per_pod"]  # one pod
             runs.append(run)
-            print(f"DP=2 {mode:15s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:7.0f} ms  "
-                  f"p99 {run['ttft_p99_ms']:7.0f} ms  {run['wall_s']:.1f} s", flush=True)  # fmt: skip
+            print(
+                f"DP=2 {mode:15s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:7.0f} ms  "
+                f"p99 {run['ttft_p99_ms']:7.0f} ms  {run['wall_s']:.1f} s",
+                flush=True,
+            )
     summary = {}
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
@@ -233,18 +312,27 @@ def main() -> int:
     p.add_argument("--users", type=int, default=6, help="users per system prompt (default 6)")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (default 4)")
-    p.add_argument("--kv-blocks", type=int, default=64,
-                   help="KV blocks per daemon (default 64: about half the system prompts fit)")  # fmt: skip
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=64,
+        help="KV blocks per daemon (default 64: about half the system prompts fit)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="runs per policy, alternating (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(ROOT / "bench" / "results" / "router.json"))
     args = p.parse_args()
 
     rng = random.Random(args.seed)
-    systems = [system_prompt(SHOPS[i % len(SHOPS)] + (f" {i // len(SHOPS) + 1}" if i >= len(SHOPS) else ""))
-               for i in range(args.prompts)]  # fmt: skip
-    work = [(s, QUESTIONS[u % len(QUESTIONS)] + (f" ({u})" if u >= len(QUESTIONS) else ""))
-            for s in systems for u in range(args.users)]  # fmt: skip
+    systems = [
+        system_prompt(SHOPS[i % len(SHOPS)] + (f" {i // len(SHOPS) + 1}" if i >= len(SHOPS) else ""))
+        for i in range(args.prompts)
+    ]
+    work = [
+        (s, QUESTIONS[u % len(QUESTIONS)] + (f" ({u})" if u >= len(QUESTIONS) else ""))
+        for s in systems
+        for u in range(args.users)
+    ]
     rng.shuffle(work)
 
     logdir = Path(tempfile.mkdtemp(prefix="bench-router-"))
@@ -256,18 +344,45 @@ def main() -> int:
         for i in range(2):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            procs.append(launch(serve_args(port, args.kv_blocks, token_file,
-                                           "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-                                           "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}"),
-                                logdir / f"daemon-{i}.log", url))  # fmt: skip
+            procs.append(
+                launch(
+                    serve_args(
+                        port,
+                        args.kv_blocks,
+                        token_file,
+                        "--kv-events-endpoint",
+                        f"tcp://127.0.0.1:{free_port()}",
+                        "--kv-events-replay-endpoint",
+                        f"tcp://127.0.0.1:{free_port()}",
+                    ),
+                    logdir / f"daemon-{i}.log",
+                    url,
+                )
+            )
             daemons.append(url)
         routers = {}
         for policy in ("round-robin", "prefix-aware"):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            procs.append(launch(["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                                 "--endpoints", ",".join(daemons), "--admin-token-file", str(token_file)],
-                                logdir / f"router-{policy}.log", url))  # fmt: skip
+            procs.append(
+                launch(
+                    [
+                        "router",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--policy",
+                        policy,
+                        "--endpoints",
+                        ",".join(daemons),
+                        "--admin-token-file",
+                        str(token_file),
+                    ],
+                    logdir / f"router-{policy}.log",
+                    url,
+                )
+            )
             routers[policy] = url
         # Warm-up (first-call costs), then cold caches for every measured run.
         asyncio.run(run_load(routers["round-robin"], work[:2], 2, 2))
@@ -315,8 +430,10 @@ def main() -> int:
 
         before_reset = probe_predictions()
         reset_reply = asyncio.run(fleet_reset(url))
-        stale = probe_predictions() | {"reset_epochs": {p["pod"]: p["epoch"] for p in reset_reply["pods"]},
-                                       "same_probe_before_reset": before_reset}  # fmt: skip
+        stale = probe_predictions() | {
+            "reset_epochs": {p["pod"]: p["epoch"] for p in reset_reply["pods"]},
+            "same_probe_before_reset": before_reset,
+        }
         print(f"after reset: {stale}", flush=True)
         events = router_metrics(url)
         per_policy = {}
@@ -329,16 +446,21 @@ def main() -> int:
                 "errors": sum(r["errors"] for r in mine),
             }
         pa, rr = per_policy["prefix-aware"], per_policy["round-robin"]
-        print(f"prefix-aware vs round-robin: hit {pa['prefix_hit_rate']:.3f} vs {rr['prefix_hit_rate']:.3f}, "
-              f"TTFT p50 {pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms (median of {args.repeats} runs "
-              f"each); stale predictions after the reset: {stale['stale_predictions']:.0f}")  # fmt: skip
+        print(
+            f"prefix-aware vs round-robin: hit {pa['prefix_hit_rate']:.3f} vs {rr['prefix_hit_rate']:.3f}, "
+            f"TTFT p50 {pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms (median of {args.repeats} runs "
+            f"each); stale predictions after the reset: {stale['stale_predictions']:.0f}"
+        )
         for proc in procs:
             benchkit.shutdown(proc)  # free the CPUs for the data-parallel daemon
         procs.clear()
         dp = data_parallel_runs(args, work, logdir, token_file, procs)
         exact, own = dp["summary"]["router-per-rank"], dp["summary"]["daemon-choice"]
-        print(f"DP=2 pod: hit {exact['prefix_hit_rate']:.3f} with the router's per-rank routing vs "
-              f"{own['prefix_hit_rate']:.3f} with the daemon's own choice", flush=True)  # fmt: skip
+        print(
+            f"DP=2 pod: hit {exact['prefix_hit_rate']:.3f} with the router's per-rank routing vs "
+            f"{own['prefix_hit_rate']:.3f} with the daemon's own choice",
+            flush=True,
+        )
         doc = {
             "bench": "router",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -355,7 +477,7 @@ def main() -> int:
                 "kv_blocks_per_daemon": args.kv_blocks,
                 "repeats": args.repeats,
                 "seed": args.seed,
-            },  # fmt: skip
+            },
             "summary": per_policy,
             "prefix_aware_vs_round_robin": {
                 "hit_rate": [pa["prefix_hit_rate"], rr["prefix_hit_rate"]],
@@ -366,7 +488,7 @@ def main() -> int:
             "kv_event_batches": {
                 r: total(events, "kv_event_batches_total", f'result="{r}"')
                 for r in ("received", "replayed", "missed")
-            },  # fmt: skip
+            },
             "runs": runs,
         }
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

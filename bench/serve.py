@@ -56,8 +56,19 @@ def bench_kvpilot(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResul
             args.url.rstrip("/"), model, "kvpilot", args.concurrency, headers=headers, **_sizes(args)
         ), None
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-num-seqs", str(max(args.concurrency)), *args.kvpilot_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpilot",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+        *args.kvpilot_args,
+    ]
     proc = benchkit.launch(cmd, logdir / "kvpilot.log", f"http://127.0.0.1:{port}", 600)
     try:
         return sweep(
@@ -86,8 +97,20 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
 
     model_dir = str(ensure_default_model())
     port = free_port()
-    cmd = [exe, "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-           "--host", "127.0.0.1", "--port", str(port), model_dir]  # fmt: skip
+    cmd = [
+        exe,
+        "serve",
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        model_dir,
+    ]
     try:
         proc = benchkit.launch(cmd, logdir / "transformers.log", f"http://127.0.0.1:{port}", 600, env=env)
     except RuntimeError as exc:
@@ -114,8 +137,12 @@ async def _chat_load(url: str, model: str, questions: list[str], system: str, ma
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, question: str) -> dict:
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}  # fmt: skip
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        }
         async with session.post(url + "/v1/chat/completions", json=body) as resp:
             reply = await resp.json()
             if resp.status != 200:
@@ -146,8 +173,12 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
+    gen = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     cb = ContinuousBatchingConfig(
         allow_block_sharing=True, page_size=16, num_blocks=1024, max_batch_tokens=2048
     )
@@ -163,8 +194,13 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int)
         tokenizer.decode([t for t in o.generated_tokens if t not in eos], skip_special_tokens=True)
         for o in results
     ]
-    return {"seconds": wall, "output_tokens": sum(tokens), "tokens_per_s": sum(tokens) / wall,
-            "completion_tokens": tokens, "texts": texts}  # fmt: skip
+    return {
+        "seconds": wall,
+        "output_tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / wall,
+        "completion_tokens": tokens,
+        "texts": texts,
+    }
 
 
 def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
@@ -180,8 +216,21 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     prompts = [bench.chat(tokenizer, q) for q in questions]
     threads = args.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpilot",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(args.requests),
+        "--cpu-threads",
+        str(threads),
+        *args.kvpilot_args,
+    ]
     url = f"http://127.0.0.1:{port}"
     proc = benchkit.launch(cmd, logdir / "kvpilot.log", url, 600)
     runs: dict[str, list[dict]] = {"kvpilot_http": [], "transformers_generate_batch_sharing": []}
@@ -215,7 +264,7 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
             "max_tokens": args.max_tokens,
             "stop": "EOS",
             "threads": threads,
-        },  # fmt: skip
+        },
         "runs": runs,
         "median_tokens_per_s": med,
         "ratio_kvpilot_http_vs_generate_batch_sharing": med["kvpilot_http"]
@@ -236,10 +285,16 @@ def main() -> int:
     p.add_argument("--model-name", help="model name for --url")
     p.add_argument("--kvpilot-args", nargs=argparse.REMAINDER, default=[], help="extra `kvpilot serve` flags")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--transformers-pythonpath", default=os.environ.get("KVPILOT_TRANSFORMERS_SERVE_PATH"),
-                   help="a directory holding fastapi+uvicorn for `transformers serve`")  # fmt: skip
-    p.add_argument("--vs-generate-batch", action="store_true",
-                   help="bench/engine.py's load as chat requests stopping at EOS vs transformers generate_batch")  # fmt: skip
+    p.add_argument(
+        "--transformers-pythonpath",
+        default=os.environ.get("KVPILOT_TRANSFORMERS_SERVE_PATH"),
+        help="a directory holding fastapi+uvicorn for `transformers serve`",
+    )
+    p.add_argument(
+        "--vs-generate-batch",
+        action="store_true",
+        help="bench/engine.py's load as chat requests stopping at EOS vs transformers generate_batch",
+    )
     p.add_argument("--requests", type=int, default=16, help="requests of the --vs-generate-batch load")
     p.add_argument("--cpu-threads", type=int, help="torch threads of both sides (default: all cores but one)")
     p.add_argument("--output", type=Path, default=None)
@@ -274,10 +329,16 @@ def run_vs_generate_batch(args: argparse.Namespace) -> int:
     if "--rounds" not in sys.argv:
         args.rounds = 2
     logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
-    report = {"benchmark": "serve --vs-generate-batch", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "host": {"cpus": os.cpu_count(), "platform": sys.platform}, **vs_generate_batch(args, logdir)}  # fmt: skip
-    print(f"ratio: {report['ratio_kvpilot_http_vs_generate_batch_sharing']:.2f}x; same completions: "
-          f"{report['same_completion_tokens']} (tokens), {report['same_texts']} (text)")  # fmt: skip
+    report = {
+        "benchmark": "serve --vs-generate-batch",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"cpus": os.cpu_count(), "platform": sys.platform},
+        **vs_generate_batch(args, logdir),
+    }
+    print(
+        f"ratio: {report['ratio_kvpilot_http_vs_generate_batch_sharing']:.2f}x; same completions: "
+        f"{report['same_completion_tokens']} (tokens), {report['same_texts']} (text)"
+    )
     out = args.output or benchkit.default_path(ROOT / "bench" / "results", "serve-vs-generate-batch")
     benchkit.write(out, report, f" (server log in {logdir})")
     return 0

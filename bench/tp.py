@@ -32,8 +32,9 @@ def measure(model: str | None, tp: int, batch: int, steps: int) -> dict:
     engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, cpu_threads=1, num_kv_blocks=512))
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", engine.tokenizer.encode(f"Request {i}: tell me about the number {i * 7}."),
-                           params)  # fmt: skip
+        engine.add_request(
+            f"r{i}", engine.tokenizer.encode(f"Request {i}: tell me about the number {i * 7}."), params
+        )
     t = time.perf_counter()
     engine.step()  # every prompt fits one prefill step
     prefill = time.perf_counter() - t

@@ -9,5 +9,6 @@ from kvpilot import __version__
 
 
 def register_build_info(registry: CollectorRegistry) -> None:
-    Gauge("kvpilot_build_info", "kvpilot version of this process (always 1).", ["version"],
-          registry=registry).labels(__version__).set(1)  # fmt: skip
+    Gauge(
+        "kvpilot_build_info", "kvpilot version of this process (always 1).", ["version"], registry=registry
+    ).labels(__version__).set(1)

@@ -23,10 +23,15 @@ SYSTEM = (
     "weekdays. Answer briefly and politely, and never invent prices. "
 ) * 3
 QUESTIONS = [
-    "Do you repair electric bikes?", "When are you open on Friday?", "Can I rent a bike?",
-    "What brakes do road bikes use?", "Do you sell helmets?", "How long does a repair take?",
-    "Can you fix a flat tire today?", "Which bike is best for a city commute?",
-]  # fmt: skip
+    "Do you repair electric bikes?",
+    "When are you open on Friday?",
+    "Can I rent a bike?",
+    "What brakes do road bikes use?",
+    "Do you sell helmets?",
+    "How long does a repair take?",
+    "Can you fix a flat tire today?",
+    "Which bike is best for a city commute?",
+]
 
 
 @dataclass

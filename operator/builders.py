@@ -51,8 +51,14 @@ def label_selector(sel: dict[str, Any]) -> str:
     parts = [f"{k}={v}" for k, v in sorted((sel.get("matchLabels") or {}).items())]
     for e in sel.get("matchExpressions") or []:
         op, key, vals = e["operator"], e["key"], ",".join(e.get("values") or [])
-        parts.append({"In": f"{key} in ({vals})", "NotIn": f"{key} notin ({vals})", "Exists": key,
-                      "DoesNotExist": f"!{key}"}[op])  # fmt: skip
+        parts.append(
+            {
+                "In": f"{key} in ({vals})",
+                "NotIn": f"{key} notin ({vals})",
+                "Exists": key,
+                "DoesNotExist": f"!{key}",
+            }[op]
+        )
     return ",".join(parts)
 
 
@@ -149,9 +155,11 @@ def kv_events_args(spec: dict[str, Any]) -> list[str]:
     if ports is None:
         return []
     return [
-        "--kv-events-endpoint", f"tcp://$(POD_IP):{ports[0][0]}",
-        "--kv-events-replay-endpoint", f"tcp://$(POD_IP):{ports[0][1]}",
-    ]  # fmt: skip
+        "--kv-events-endpoint",
+        f"tcp://$(POD_IP):{ports[0][0]}",
+        "--kv-events-replay-endpoint",
+        f"tcp://$(POD_IP):{ports[0][1]}",
+    ]
 
 
 def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -206,8 +214,12 @@ def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "failureThreshold": 6,
         },
     }
-    for field, key in (("resources", "resources"), ("volumeMounts", "volumeMounts"),
-                       ("securityContext", "securityContext"), ("startupProbe", "startupProbe")):  # fmt: skip
+    for field, key in (
+        ("resources", "resources"),
+        ("volumeMounts", "volumeMounts"),
+        ("securityContext", "securityContext"),
+        ("startupProbe", "startupProbe"),
+    ):
         if spec.get(field):
             c[key] = copy.deepcopy(spec[field])
     if "resources" in c:
@@ -234,8 +246,15 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         # (e.g. a cloud identity that reads the model store), so its token is mounted then.
         "automountServiceAccountToken": bool(spec.get("serviceAccountName")),
     }
-    for field in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "volumes",
-                  "imagePullSecrets", "priorityClassName"):  # fmt: skip
+    for field in (
+        "serviceAccountName",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "volumes",
+        "imagePullSecrets",
+        "priorityClassName",
+    ):
         if spec.get(field):
             pod_spec[field] = copy.deepcopy(spec[field])
     if spec.get("podSecurityContext"):

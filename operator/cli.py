@@ -50,11 +50,18 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(subparsers, "reset", _run_reset)
     _add_target(p)
     p.add_argument("--wait", action="store_true", help="follow the reset until Complete or Failed")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="with --wait: give up waiting after this many seconds (default: the reset's "
-                   "timeoutSeconds + 30)")  # fmt: skip
-    p.add_argument("--reset-running-requests", action="store_true",
-                   help="also preempt running requests (no pre-reset KV used afterwards)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="with --wait: give up waiting after this many seconds (default: the reset's "
+        "timeoutSeconds + 30)",
+    )
+    p.add_argument(
+        "--reset-running-requests",
+        action="store_true",
+        help="also preempt running requests (no pre-reset KV used afterwards)",
+    )
     p.add_argument(
         "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
     )
@@ -69,8 +76,12 @@ def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
         spec["timeoutSeconds"] = args.timeout_seconds
     if args.max_concurrency is not None:
         spec["maxConcurrency"] = args.max_concurrency
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PrefixCacheReset",
-            "metadata": {"generateName": f"{name[:50]}-"}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PrefixCacheReset",
+        "metadata": {"generateName": f"{name[:50]}-"},
+        "spec": spec,
+    }
 
 
 def describe_pod(p: dict[str, Any]) -> str:

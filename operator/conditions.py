@@ -11,6 +11,13 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def parse_time(s: str | None) -> float | None:
+    """A status timestamp (RFC 3339, as now_iso writes it) as a Unix time; None when unset."""
+    if not s:
+        return None
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
 def set_condition(
     conditions: list[dict[str, Any]] | None,
     type_: str,
@@ -24,8 +31,13 @@ def set_condition(
     status_s = status if isinstance(status, str) else ("True" if status else "False")
     out = [dict(c) for c in conditions or []]
     old = next((c for c in out if c.get("type") == type_), None)
-    cond = {"type": type_, "status": status_s, "reason": reason, "message": message,
-            "observedGeneration": generation}  # fmt: skip
+    cond = {
+        "type": type_,
+        "status": status_s,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
     if old is not None and old.get("status") == status_s and old.get("lastTransitionTime"):
         cond["lastTransitionTime"] = old["lastTransitionTime"]
     else:
@@ -58,30 +70,45 @@ def fleet_conditions(
     `kubectl wait --for=condition=Ready` waits for before clients use status.endpoint."""
     conds = list(old or [])
     if not workload_seen:
-        for type_, status, msg in (("Ready", False, "the workload is being created"),
-                                   ("Available", False, "the workload is being created"),
-                                   ("Progressing", True, "creating the workload"),
-                                   ("Degraded", False, "nothing runs yet")):  # fmt: skip
+        for type_, status, msg in (
+            ("Ready", False, "the workload is being created"),
+            ("Available", False, "the workload is being created"),
+            ("Progressing", True, "creating the workload"),
+            ("Degraded", False, "nothing runs yet"),
+        ):
             conds = set_condition(conds, type_, status, "WorkloadMissing", msg, generation)
         return conds
     available = ready > 0 or desired == 0
     conds = set_condition(
-        conds, "Available", available, "MinimumReplicasAvailable" if available else "MinimumReplicasUnavailable",
-        f"{ready}/{desired} replicas ready", generation,
-    )  # fmt: skip
+        conds,
+        "Available",
+        available,
+        "MinimumReplicasAvailable" if available else "MinimumReplicasUnavailable",
+        f"{ready}/{desired} replicas ready",
+        generation,
+    )
     progressing = updated < desired or ready < desired
     conds = set_condition(
-        conds, "Progressing", progressing, "RollingOut" if progressing else "RolloutComplete",
-        f"{updated}/{desired} replicas updated, {ready} ready", generation,
-    )  # fmt: skip
+        conds,
+        "Progressing",
+        progressing,
+        "RollingOut" if progressing else "RolloutComplete",
+        f"{updated}/{desired} replicas updated, {ready} ready",
+        generation,
+    )
     # Degraded: fewer ready than wanted and the workload controller has given up making progress
     # (Deployment Progressing=False, ProgressDeadlineExceeded); pods that are merely loading are Progressing.
     degraded = ready < desired and stalled
     conds = set_condition(
-        conds, "Degraded", degraded, "ProgressDeadlineExceeded" if degraded else "AsExpected",
-        f"only {ready}/{desired} replicas ready and the rollout stalled" if degraded else f"{ready} replicas ready",
+        conds,
+        "Degraded",
+        degraded,
+        "ProgressDeadlineExceeded" if degraded else "AsExpected",
+        f"only {ready}/{desired} replicas ready and the rollout stalled"
+        if degraded
+        else f"{ready} replicas ready",
         generation,
-    )  # fmt: skip
+    )
     all_ready = not progressing
     # A fleet of no pods has a router that cannot be ready (its /health needs a ready pod): Ready as before.
     if all_ready and router_problem is not None and desired > 0:
@@ -90,7 +117,12 @@ def fleet_conditions(
             conds, "Ready", False, reason, f"{ready}/{desired} replicas ready; {message}", generation
         )
     return set_condition(
-        conds, "Ready", all_ready, "AllReplicasReady" if all_ready else "ReplicasNotReady",
-        f"{ready}/{desired} replicas ready and updated" if all_ready else f"{ready}/{desired} ready, {updated} updated",
+        conds,
+        "Ready",
+        all_ready,
+        "AllReplicasReady" if all_ready else "ReplicasNotReady",
+        f"{ready}/{desired} replicas ready and updated"
+        if all_ready
+        else f"{ready}/{desired} ready, {updated} updated",
         generation,
-    )  # fmt: skip
+    )

@@ -36,17 +36,21 @@ def _holder(obj: dict[str, Any]) -> str:
 def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> RouterState:
     st = (dep or {}).get("status") or {}
     ready, updated = st.get("readyReplicas", 0), st.get("updatedReplicas", 0)
-    status = {"replicas": st.get("replicas", 0), "readyReplicas": ready, "updatedReplicas": updated,
-              "service": router_objects.router_name(name)}  # fmt: skip
+    status = {
+        "replicas": st.get("replicas", 0),
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "service": router_objects.router_name(name),
+    }
     current = dep is not None and st.get("observedGeneration") == dep["metadata"].get("generation")
     if current and ready >= desired and updated >= desired:
         return RouterState(status)
-    return RouterState(status, False, "RouterNotReady",
-                       f"router {ready}/{desired} ready, {updated} updated")  # fmt: skip
+    return RouterState(status, False, "RouterNotReady", f"router {ready}/{desired} ready, {updated} updated")
 
 
-async def reconcile_router(kube: Kube, owner: dict[str, Any], status: dict[str, Any],
-                           logger: logging.Logger) -> RouterState:  # fmt: skip
+async def reconcile_router(
+    kube: Kube, owner: dict[str, Any], status: dict[str, Any], logger: logging.Logger
+) -> RouterState:
     meta, spec = owner["metadata"], owner["spec"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     rname = router_objects.router_name(name)

@@ -60,10 +60,20 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
         stalled = any(
             c.get("type") == "Progressing" and c.get("status") == "False" for c in st.get("conditions") or []
         )
-        return (int(wl["spec"].get("replicas", 1)), st.get("replicas", 0), st.get("readyReplicas", 0),
-                st.get("updatedReplicas", 0), stalled)  # fmt: skip
-    return (st.get("desiredNumberScheduled", 0), st.get("currentNumberScheduled", 0), st.get("numberReady", 0),
-            st.get("updatedNumberScheduled", 0), False)  # fmt: skip
+        return (
+            int(wl["spec"].get("replicas", 1)),
+            st.get("replicas", 0),
+            st.get("readyReplicas", 0),
+            st.get("updatedReplicas", 0),
+            stalled,
+        )
+    return (
+        st.get("desiredNumberScheduled", 0),
+        st.get("currentNumberScheduled", 0),
+        st.get("numberReady", 0),
+        st.get("updatedNumberScheduled", 0),
+        False,
+    )
 
 
 async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
@@ -88,12 +98,25 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
 
     desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
     new: dict[str, Any] = {
-        "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
-        "selector": builders.selector_string(name), "observedGeneration": gen, "workload": f"{kind}/{name}",
-        "endpoint": router_objects.endpoint(name, ns, spec), "router": router.status,
-        "conditions": fleet_conditions(status.get("conditions"), desired, ready, updated, gen or 0,
-                                       wl is not None, stalled, router.problem),
-    }  # fmt: skip
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "selector": builders.selector_string(name),
+        "observedGeneration": gen,
+        "workload": f"{kind}/{name}",
+        "endpoint": router_objects.endpoint(name, ns, spec),
+        "router": router.status,
+        "conditions": fleet_conditions(
+            status.get("conditions"),
+            desired,
+            ready,
+            updated,
+            gen or 0,
+            wl is not None,
+            stalled,
+            router.problem,
+        ),
+    }
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
     tokens = list(status.get("resetTokens") or [])
@@ -102,8 +125,12 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
         kopf.adopt(pcr, owner=owner)
         try:
             await kube.create_cr(RESETS, ns, pcr)
-            kopf.event(owner, type="Normal", reason="ResetRequested",
-                       message=f"PrefixCacheReset {pcr['metadata']['name']} for annotation token {token!r}")  # fmt: skip
+            kopf.event(
+                owner,
+                type="Normal",
+                reason="ResetRequested",
+                message=f"PrefixCacheReset {pcr['metadata']['name']} for annotation token {token!r}",
+            )
         except ApiException as exc:
             if exc.status != 409:  # 409: made before a crash, before the token reached status
                 raise

@@ -1,4 +1,11 @@
-"""kopf handlers: doors to fleets.reconcile and resets.drive, nothing more."""
+"""kopf handlers: doors to fleets.reconcile, resets.drive and reset_expiry, nothing more.
+
+Finalizers: kopf puts `kvpilot.io/operator` only on objects a daemon, a timer or a non-optional delete
+handler serves. That is a PrefixCacheReset while it runs (the daemon's filter drops it once it is finished,
+and kopf then removes the finalizer), and never an InferenceDeployment: what it owns is garbage-collected
+through ownerReferences, and its delete handler only drops gauges (optional). So once no operator runs,
+only a reset that was running when it went keeps a finalizer (docs/install.md, uninstall).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from kvpilot.operator import fleets, metrics, resets
 from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.owners import owner_of_kind
+from kvpilot.operator.reset_expiry import Expiry
 
 # The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics
 # registry it feeds is (a restarted operator counts again from its resume handlers).
@@ -35,10 +43,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     # Owned objects are watched with the label selector applied by the API server: only ours reach us.
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-    for group, plural in (("apps", "deployments"), ("apps", "daemonsets"), ("", "services"), ("", "serviceaccounts"),
-                          ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")):  # fmt: skip
+    for group, plural in (
+        ("apps", "deployments"),
+        ("apps", "daemonsets"),
+        ("", "services"),
+        ("", "serviceaccounts"),
+        ("rbac.authorization.k8s.io", "roles"),
+        ("rbac.authorization.k8s.io", "rolebindings"),
+    ):
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
+    memo.expiry = Expiry(memo.kube)
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
     memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
 
@@ -68,8 +83,9 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
 @kopf.on.event("", "v1", "serviceaccounts", labels=MANAGED_BY)  # the router's identity (spec.router)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", labels=MANAGED_BY)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
-async def owned_changed(body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo,
-                        **_: Any) -> None:  # fmt: skip
+async def owned_changed(
+    body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
     # An owned object changed (edited, deleted, pods became ready): reconcile its owner, which
     # applies it again (a no-op unless someone changed our fields) and refreshes status.
     owner = owner_of_kind(body, f"{GROUP}/{VERSION}", "InferenceDeployment")
@@ -95,10 +111,23 @@ def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
             gauge.remove(namespace, name)
 
 
-@kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S)
-async def reset_runs(namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                     memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
-    # A daemon, not a create handler: it starts for every PrefixCacheReset the operator sees, also after a
-    # restart, and `drive` starts an interrupted reset over (or only waits for the TTL when it is finished).
+@kopf.on.cleanup()
+async def stop_expiry(memo: kopf.Memo, **_: Any) -> None:
+    await memo.expiry.close()
+
+
+@kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S, when=resets.unfinished)
+async def reset_runs(
+    namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    # A daemon, not a create handler: it starts for every unfinished PrefixCacheReset the operator sees, also
+    # after a restart, and `drive` starts an interrupted reset over. Finished ones match no daemon: no finalizer.
     async with _counted("PrefixCacheReset"):
         await resets.drive(memo.kube, namespace, name, logger, stopped, memo.limiter)
+
+
+@kopf.on.event(GROUP, VERSION, RESETS)
+async def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002 - kopf's name
+    # Every event, the initial listing included: a finished reset's TTL, without a daemon (and its finalizer).
+    # async: kopf runs sync handlers in threads, and the expiry tasks belong to the event loop.
+    memo.expiry.seen(body, deleted=type == "DELETED")

@@ -66,27 +66,48 @@ class Kube:
     # ---- kvpilot custom resources ---------------------------------------
     async def get_cr(self, plural: str, ns: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self.call("get", plural, self.custom.get_namespaced_custom_object,
-                                   GROUP, VERSION, ns, plural, name)  # fmt: skip
+            return await self.call(
+                "get", plural, self.custom.get_namespaced_custom_object, GROUP, VERSION, ns, plural, name
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
     async def patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("patch", f"{plural}/status", self.custom.patch_namespaced_custom_object_status,
-                               GROUP, VERSION, ns, plural, name, {"status": status},
-                               _content_type="application/merge-patch+json")  # fmt: skip
+        return await self.call(
+            "patch",
+            f"{plural}/status",
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            ns,
+            plural,
+            name,
+            {"status": status},
+            _content_type="application/merge-patch+json",
+        )
 
     async def create_cr(self, plural: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("create", plural, self.custom.create_namespaced_custom_object,
-                               GROUP, VERSION, ns, plural, body)  # fmt: skip
+        return await self.call(
+            "create", plural, self.custom.create_namespaced_custom_object, GROUP, VERSION, ns, plural, body
+        )
 
     async def delete_cr(self, plural: str, ns: str, name: str, uid: str) -> None:
         try:
-            await self.call("delete", plural, self.custom.delete_namespaced_custom_object, GROUP, VERSION, ns,
-                            plural, name, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
-                                                                      propagation_policy="Background"))  # fmt: skip
+            await self.call(
+                "delete",
+                plural,
+                self.custom.delete_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                ns,
+                plural,
+                name,
+                body=client.V1DeleteOptions(
+                    preconditions=client.V1Preconditions(uid=uid), propagation_policy="Background"
+                ),
+            )
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -118,8 +139,11 @@ class Kube:
                 return None
             raise
         data = {k: base64.b64decode(v).decode(errors="replace") for k, v in (s.data or {}).items()}
-        return {"labels": s.metadata.labels or {}, "ownerReferences": self.api.sanitize_for_serialization(
-            s.metadata.owner_references or []), "data": data}  # fmt: skip
+        return {
+            "labels": s.metadata.labels or {},
+            "ownerReferences": self.api.sanitize_for_serialization(s.metadata.owner_references or []),
+            "data": data,
+        }
 
     async def create_secret(self, ns: str, body: dict[str, Any]) -> None:
         await self.call("create", "secrets", self.core.create_namespaced_secret, ns, body)
@@ -134,9 +158,17 @@ class Kube:
         """Server-side apply as field manager kvpilot-operator, forced: fields we set are ours, fields we no
         longer set are removed, fields others set are kept. A no-op apply writes nothing."""
         kind = body["kind"]
-        obj = await self.call("apply", _KINDS[kind][0], self._method(kind, "patch"), body["metadata"]["name"], ns,
-                              body, field_manager=FIELD_MANAGER, force=True,
-                              _content_type="application/apply-patch+yaml")  # fmt: skip
+        obj = await self.call(
+            "apply",
+            _KINDS[kind][0],
+            self._method(kind, "patch"),
+            body["metadata"]["name"],
+            ns,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+        )
         return self.api.sanitize_for_serialization(obj)
 
     async def read(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
@@ -159,8 +191,14 @@ class Kube:
 
     async def delete(self, kind: str, ns: str, name: str, uid: str) -> None:
         try:
-            await self.call("delete", _KINDS[kind][0], self._method(kind, "delete"), name, ns,
-                            body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)))  # fmt: skip
+            await self.call(
+                "delete",
+                _KINDS[kind][0],
+                self._method(kind, "delete"),
+                name,
+                ns,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise

@@ -13,18 +13,33 @@ log = logging.getLogger("kvpilot.operator")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--namespace", action="append", default=[],
-                   help="watch only this namespace (repeatable; default: all namespaces)")  # fmt: skip
-    p.add_argument("--standalone", action="store_true",
-                   help="no peering: for a single replica (two standalone replicas would both act)")  # fmt: skip
-    p.add_argument("--peering", default="kvpilot",
-                   help="kopf peering object shared by the replicas; created when missing (default kvpilot)")  # fmt: skip
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: all namespaces)",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no peering: for a single replica (two standalone replicas would both act)",
+    )
+    p.add_argument(
+        "--peering",
+        default="kvpilot",
+        help="kopf peering object shared by the replicas; created when missing (default kvpilot)",
+    )
     p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
     p.add_argument("--liveness-port", type=int, default=8080, help="port of GET /healthz (default 8080)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
-    p.add_argument("--max-calls-in-flight", type=int, default=512,
-                   help="reset calls to pods in flight at once, across all resets (default 512)")  # fmt: skip
+    p.add_argument(
+        "--max-calls-in-flight",
+        type=int,
+        default=512,
+        help="reset calls to pods in flight at once, across all resets (default 512)",
+    )
 
 
 def ensure_peering(name: str, namespaces: list[str]) -> bool:
@@ -42,27 +57,43 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
             field_selector=f"metadata.name={crd}"
         )
     except ApiException as exc:
-        log.warning("cannot look for the CRD %s (HTTP %s %s): assuming peering; if the peering object %s is "
-                    "missing, kopf waits without acting", crd, exc.status, exc.reason, name)  # fmt: skip
+        log.warning(
+            "cannot look for the CRD %s (HTTP %s %s): assuming peering; if the peering object %s is "
+            "missing, kopf waits without acting",
+            crd,
+            exc.status,
+            exc.reason,
+            name,
+        )
         return True
     if not found.items:
-        log.warning("CRD %s is not installed (kubectl apply -f crds/): running standalone, without peering; "
-                    "run one replica only", crd)  # fmt: skip
+        log.warning(
+            "CRD %s is not installed (kubectl apply -f crds/): running standalone, without peering; "
+            "run one replica only",
+            crd,
+        )
         return False
     body = {"apiVersion": "kopf.dev/v1", "metadata": {"name": name}}
     try:
         if namespaces:
             for ns in namespaces:
-                kube.custom.create_namespaced_custom_object("kopf.dev", "v1", ns, "kopfpeerings",
-                                                            {**body, "kind": "KopfPeering"})  # fmt: skip
+                kube.custom.create_namespaced_custom_object(
+                    "kopf.dev", "v1", ns, "kopfpeerings", {**body, "kind": "KopfPeering"}
+                )
         else:
-            kube.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
-                                                     {**body, "kind": "ClusterKopfPeering"})  # fmt: skip
+            kube.custom.create_cluster_custom_object(
+                "kopf.dev", "v1", "clusterkopfpeerings", {**body, "kind": "ClusterKopfPeering"}
+            )
         log.info("created the peering object %s", name)
     except ApiException as exc:
         if exc.status != 409:  # 409: it exists
-            log.warning("cannot create the peering object %s (HTTP %s %s): if it is missing, kopf waits without "
-                        "acting; create it or run with --standalone", name, exc.status, exc.reason)  # fmt: skip
+            log.warning(
+                "cannot create the peering object %s (HTTP %s %s): if it is missing, kopf waits without "
+                "acting; create it or run with --standalone",
+                name,
+                exc.status,
+                exc.reason,
+            )
     return True
 
 
@@ -74,12 +105,19 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
         obj = Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
     except Exception:  # noqa: BLE001 - namespaced peering, or no access: nothing to say
         return
-    same = [peer for peer, info in (obj.get("status") or {}).items()
-            if isinstance(info, dict) and info.get("priority") == priority]  # fmt: skip
+    same = [
+        peer
+        for peer, info in (obj.get("status") or {}).items()
+        if isinstance(info, dict) and info.get("priority") == priority
+    ]
     if same:
-        log.warning("peering %s already lists %s with priority %d: replicas of equal priority all pause (kopf's "
-                    "rule); run one replica (supported mode) or give them distinct --priority",
-                    name, ", ".join(same), priority)  # fmt: skip
+        log.warning(
+            "peering %s already lists %s with priority %d: replicas of equal priority all pause (kopf's "
+            "rule); run one replica (supported mode) or give them distinct --priority",
+            name,
+            ", ".join(same),
+            priority,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,10 +127,17 @@ def run(args: argparse.Namespace) -> int:
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
     if not standalone and not args.namespace:
         warn_about_equal_peers(args.peering, args.priority)
-    log.info("kvpilot operator: watching %s, %s; metrics on %s:%d, GET /healthz on %s:%d",
-             ", ".join(args.namespace) or "all namespaces",
-             "standalone (no peering)" if standalone else f"peering {args.peering!r} with priority {args.priority}",
-             args.bind, args.metrics_port, args.bind, args.liveness_port)  # fmt: skip
+    log.info(
+        "kvpilot operator: watching %s, %s; metrics on %s:%d, GET /healthz on %s:%d",
+        ", ".join(args.namespace) or "all namespaces",
+        "standalone (no peering)"
+        if standalone
+        else f"peering {args.peering!r} with priority {args.priority}",
+        args.bind,
+        args.metrics_port,
+        args.bind,
+        args.liveness_port,
+    )
     metrics.serve(args.metrics_port, args.bind)
     asyncio.run(
         kopf.operator(

@@ -11,33 +11,62 @@ REGISTRY = CollectorRegistry()
 _P = "kvpilot_operator_"
 register_build_info(REGISTRY)
 
-RESETS = Counter(_P + "resets_total", "PrefixCacheResets finished, by final phase",
-                 ["namespace", "result"], registry=REGISTRY)  # fmt: skip
+RESETS = Counter(
+    _P + "resets_total",
+    "PrefixCacheResets finished, by final phase",
+    ["namespace", "result"],
+    registry=REGISTRY,
+)
 RESET_DURATION = Histogram(
-    _P + "reset_duration_seconds", "Seconds from a PrefixCacheReset's start to its completion",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=REGISTRY,
-)  # fmt: skip
-POD_REQUESTS = Counter(_P + "reset_pod_requests_total", "HTTP reset calls to pods, by verdict and HTTP code "
-                       "(0: no reply)", ["result", "code"], registry=REGISTRY)  # fmt: skip
-RESET_PODS = Gauge(_P + "reset_pods", "Pods per result of recent PrefixCacheResets",
-                   ["namespace", "reset", "result"], registry=REGISTRY)  # fmt: skip
+    _P + "reset_duration_seconds",
+    "Seconds from a PrefixCacheReset's start to its completion",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+POD_REQUESTS = Counter(
+    _P + "reset_pod_requests_total",
+    "HTTP reset calls to pods, by verdict and HTTP code (0: no reply)",
+    ["result", "code"],
+    registry=REGISTRY,
+)
+RESET_PODS = Gauge(
+    _P + "reset_pods",
+    "Pods per result of recent PrefixCacheResets",
+    ["namespace", "reset", "result"],
+    registry=REGISTRY,
+)
 INFERENCE_DEPLOYMENTS = Gauge(
     _P + "inference_deployments", "InferenceDeployments reconciled", registry=REGISTRY
 )
-READY_REPLICAS = Gauge(_P + "ready_replicas", "Ready daemon pods per InferenceDeployment",
-                       ["namespace", "deployment"], registry=REGISTRY)  # fmt: skip
-DESIRED_REPLICAS = Gauge(_P + "desired_replicas", "Daemon pods wanted per InferenceDeployment (replicas, or the "
-                         "DaemonSet's scheduled nodes)", ["namespace", "deployment"], registry=REGISTRY)  # fmt: skip
-RESETS_IN_PROGRESS = Gauge(_P + "resets_in_progress", "PrefixCacheResets this operator is running now",
-                           registry=REGISTRY)  # fmt: skip
-RECONCILE_ERRORS = Counter(_P + "reconcile_errors_total", "Handler runs that raised (kopf retries them)",
-                           ["kind"], registry=REGISTRY)  # fmt: skip
+READY_REPLICAS = Gauge(
+    _P + "ready_replicas",
+    "Ready daemon pods per InferenceDeployment",
+    ["namespace", "deployment"],
+    registry=REGISTRY,
+)
+DESIRED_REPLICAS = Gauge(
+    _P + "desired_replicas",
+    "Daemon pods wanted per InferenceDeployment (replicas, or the DaemonSet's scheduled nodes)",
+    ["namespace", "deployment"],
+    registry=REGISTRY,
+)
+RESETS_IN_PROGRESS = Gauge(
+    _P + "resets_in_progress", "PrefixCacheResets this operator is running now", registry=REGISTRY
+)
+RECONCILE_ERRORS = Counter(
+    _P + "reconcile_errors_total", "Handler runs that raised (kopf retries them)", ["kind"], registry=REGISTRY
+)
 for _kind in ("InferenceDeployment", "PrefixCacheReset"):  # 0 from the start: rate() needs the series
     RECONCILE_ERRORS.labels(_kind)
-API_CALLS = Counter(_P + "api_calls_total", "Kubernetes API calls made by the operator's own code",
-                    ["verb", "resource"], registry=REGISTRY)  # fmt: skip
-STATUS_PATCHES = Counter(_P + "reset_status_patches_total", "Status patches written to PrefixCacheResets",
-                         registry=REGISTRY)  # fmt: skip
+API_CALLS = Counter(
+    _P + "api_calls_total",
+    "Kubernetes API calls made by the operator's own code",
+    ["verb", "resource"],
+    registry=REGISTRY,
+)
+STATUS_PATCHES = Counter(
+    _P + "reset_status_patches_total", "Status patches written to PrefixCacheResets", registry=REGISTRY
+)
 
 _KEEP_RESETS = 50  # "for the latest resets": bounded label cardinality
 _recent: list[tuple[str, str]] = []

@@ -30,6 +30,7 @@ class PodWatch:
     def __init__(self, kube: Kube, ns: str, selector: str, pods: list[dict[str, Any]], version: str) -> None:
         self.kube, self.ns, self.selector, self.version = kube, ns, selector, version
         self.pods = {p["metadata"]["name"]: identity(p) for p in pods}
+        self._listed = {uid for uid, _, _ in self.pods.values()}  # the pods the reset started with
         self._stop = threading.Event()
         self._watch: watch.Watch | None = None
         self._thread: threading.Thread | None = None
@@ -46,6 +47,13 @@ class PodWatch:
         if ip != target.ip:
             return f"pod IP changed during the reset ({target.ip} -> {ip or 'none'}); not called"
         return None
+
+    def newcomers(self) -> list[str]:
+        """Pods selected now that the reset did not start with (replacements of deleted pods, a scale-up),
+        by name: they came up after the reset began, so nothing they cache predates it."""
+        return sorted(
+            n for n, (uid, _, terminating) in self.pods.items() if uid not in self._listed and not terminating
+        )
 
     async def __aenter__(self) -> PodWatch:
         self.start()
@@ -69,9 +77,14 @@ class PodWatch:
         while not self._stop.is_set():
             try:
                 self._watch = watch.Watch()
-                for ev in self._watch.stream(self.kube.core.list_namespaced_pod, self.ns,
-                                             label_selector=self.selector, resource_version=self.version,
-                                             timeout_seconds=10, allow_watch_bookmarks=True):  # fmt: skip
+                for ev in self._watch.stream(
+                    self.kube.core.list_namespaced_pod,
+                    self.ns,
+                    label_selector=self.selector,
+                    resource_version=self.version,
+                    timeout_seconds=10,
+                    allow_watch_bookmarks=True,
+                ):
                     pod = self.kube.api.sanitize_for_serialization(ev["object"])
                     self.version = pod["metadata"].get("resourceVersion") or self.version
                     if ev["type"] == "DELETED":

@@ -21,12 +21,12 @@ RULES: list[dict[str, Any]] = [
         "apiGroups": ["kvpilot.io"],
         "resources": ["prefixcacheresets"],
         "verbs": ["get", "list", "watch", "patch", "create", "delete"],
-    },  # fmt: skip
+    },
     {
         "apiGroups": ["kvpilot.io"],
         "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
         "verbs": ["patch"],
-    },  # fmt: skip
+    },
     # Owned workloads: watched (edits and readiness arrive as events), server-side applied (patch, and create:
     # an apply that creates the object needs both), read and deleted when placement changes. kopf watches
     # cluster-wide (label-selected by the API server, but RBAC cannot be narrowed by label); with `-n` the same
@@ -79,7 +79,7 @@ RULES: list[dict[str, Any]] = [
         "apiGroups": ["kopf.dev"],
         "resources": ["clusterkopfpeerings", "kopfpeerings"],
         "verbs": ["get", "list", "watch", "patch", "create"],
-    },  # fmt: skip
+    },
 ]
 
 
@@ -92,8 +92,9 @@ def cluster_role(name: str = CLUSTER_ROLE_NAME) -> dict[str, Any]:
     }
 
 
-def cluster_role_binding(sa_namespace: str, sa_name: str = "kvpilot-operator",
-                         role: str = CLUSTER_ROLE_NAME) -> dict[str, Any]:  # fmt: skip
+def cluster_role_binding(
+    sa_namespace: str, sa_name: str = "kvpilot-operator", role: str = CLUSTER_ROLE_NAME
+) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRoleBinding",

@@ -67,3 +67,42 @@ def pod_status(results: Sequence[PodResult]) -> dict[str, Any]:
         "pods": [pod_entry(r) for r in shown],
         "podsOmitted": len(results) - len(shown),
     }
+
+
+MAX_NAMED = 5  # pods named in a condition message, per list: the rest are counted (status.pods has them)
+_MAX_WHY = 120  # characters of one skip reason in a condition message
+
+
+def _names(names: Sequence[str], limit: int = MAX_NAMED) -> str:
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def skipped_note(results: Sequence[PodResult], newcomers: Sequence[str] = ()) -> str:
+    """The pods skipped and why, grouped by reason, and the pods created during the reset (what replaced
+    the deleted ones): a suffix for the Complete or Failed message, at most MAX_NAMED names per list, so a
+    reset with skipped pods never reads as a plain success. Empty when there is nothing to say."""
+    groups: dict[str, list[str]] = {}
+    skipped = [r for r in results if r.result == "Skipped"]
+    for r in skipped:
+        why = r.message or "not called"
+        groups.setdefault(why if len(why) <= _MAX_WHY else why[: _MAX_WHY - 3] + "...", []).append(r.name)
+    parts, named = [], 0
+    for why, names in groups.items():
+        if named >= MAX_NAMED:
+            break
+        take = names[: MAX_NAMED - named]
+        named += len(take)
+        parts.append(f"{', '.join(take)} ({why})")
+    note = ""
+    if parts:
+        left = len(skipped) - named
+        note = "; skipped " + "; ".join(parts) + (f"; {left} more skipped (status.pods)" if left else "")
+    if newcomers:
+        why = "created during the reset: nothing they cache predates it, not called"
+        note += (
+            f"; replaced by {_names(newcomers)} ({why})"
+            if skipped
+            else f"; new pods {_names(newcomers)} ({why})"
+        )
+    return note

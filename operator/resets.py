@@ -2,7 +2,11 @@
 
 Every reset ends within its timeoutSeconds (counted from status.startTime, so a restart does not extend it):
 API errors that may pass (5xx, 429, no connection) are retried until then, others fail the reset with a reason
-at once, and a target that does not exist yet is waited for until then.
+at once. A target that does not exist fails it at once (TargetNotFound) unless spec.waitForTarget asks to
+wait for it until then; an existing fleet whose pods are still coming is waited for.
+
+The first status write comes at first sight, before anything is resolved: phase Pending, the target as the
+spec names it and startTime, so `kubectl get pcr` never shows a blank TARGET or PHASE for long.
 
 Flushing twice is harmless, not flushing is the failure, so the fan-out is at-least-once: a reset that an
 operator restart interrupted starts over (every pod is called again). With resetRunningRequests a second call
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import logging
 import random
@@ -29,11 +32,11 @@ import kopf
 from kvpilot.fanout import FanoutSettings, PodResult, Target, initial_results, run_fanout
 from kvpilot.operator import builders, metrics
 from kvpilot.operator.builders import FLEETS, RESETS
-from kvpilot.operator.conditions import now_iso, set_condition
+from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube import ApiException, Kube, is_transient
 from kvpilot.operator.owners import controlled_by, controller_ref
 from kvpilot.operator.podwatch import PodWatch
-from kvpilot.operator.reset_status import pod_status, summarize
+from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
 
 DONE = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
@@ -67,8 +70,10 @@ async def with_retries(what: str, call: Callable[[], Awaitable[Any]], deadline: 
             return await call()
         except ApiException as exc:
             if not is_transient(exc):
-                raise ResetFailure(_API_REASONS.get(exc.status, "ApiError"),
-                                   f"{what}: HTTP {exc.status}: {_api_message(exc)}") from exc  # fmt: skip
+                raise ResetFailure(
+                    _API_REASONS.get(exc.status, "ApiError"),
+                    f"{what}: HTTP {exc.status}: {_api_message(exc)}",
+                ) from exc
             last: BaseException = exc
         except Exception as exc:
             if not is_transient(exc):
@@ -79,12 +84,6 @@ async def with_retries(what: str, call: Callable[[], Awaitable[Any]], deadline: 
         if time.monotonic() + delay >= deadline:
             raise ResetFailure("ApiUnavailable", f"{what}: {last} (tried {n} times until timeoutSeconds)")
         await asyncio.sleep(delay)
-
-
-def _parse_time(s: str | None) -> float | None:
-    if not s:
-        return None
-    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +116,9 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
         skip = f"pod has no IP (phase {st.get('phase')})"
     elif (plan.container not in running) if plan.container else not running:
         skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
-    return Target(meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""),
-                  skip_reason=skip)  # fmt: skip
+    return Target(
+        meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
+    )
 
 
 async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why: str, labelled: bool) -> str:
@@ -126,9 +126,12 @@ async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why:
     if secret is None:
         raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) not found")
     if labelled and secret["labels"].get(builders.ADMIN_TOKEN_LABEL) != "true":
-        raise ResetFailure("AdminTokenNotAllowed", f"Secret {ns}/{ref['name']} is not labelled "
-                           f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
-                           "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)")  # fmt: skip
+        raise ResetFailure(
+            "AdminTokenNotAllowed",
+            f"Secret {ns}/{ref['name']} is not labelled "
+            f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
+            "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)",
+        )
     key = ref.get("key", "token")
     if not secret["data"].get(key, "").strip():
         raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) has no key {key!r}")
@@ -150,6 +153,13 @@ async def _fleet_controllers(kube: Kube, ns: str, fleet: dict[str, Any], deadlin
     return frozenset(rs["metadata"]["uid"] for rs in rsets if controlled_by(rs, wl["metadata"]["uid"]))
 
 
+def describe(spec: dict[str, Any]) -> str:
+    """status.target, from the spec alone: InferenceDeployment/NAME, or the selector."""
+    if spec.get("targetRef"):
+        return f"InferenceDeployment/{spec['targetRef']['name']}"
+    return builders.label_selector(spec["selector"])
+
+
 async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) -> Plan:
     """The reset's targets and token; raises ResetFailure with a reason when it cannot go on."""
     if not spec.get("targetRef"):
@@ -158,10 +168,17 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
         token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", labelled=True) if ref else None
         return Plan(sel, sel, int(spec.get("port") or 8000), token, None, None)
     name = spec["targetRef"]["name"]
-    while (fleet := await with_retries(f"InferenceDeployment {ns}/{name}",
-                                       lambda: kube.get_cr(FLEETS, ns, name), deadline)) is None:  # fmt: skip
+    while (
+        fleet := await with_retries(
+            f"InferenceDeployment {ns}/{name}", lambda: kube.get_cr(FLEETS, ns, name), deadline
+        )
+    ) is None:
+        if not spec.get("waitForTarget"):
+            hint = "set spec.waitForTarget: true to wait for it until timeoutSeconds"
+            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found ({hint})")
         if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
-            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found")
+            waited = f"timeoutSeconds ({spec.get('timeoutSeconds', 60)}s, waitForTarget)"
+            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found within {waited}")
         await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
     fspec = fleet.get("spec") or {}
     ref = builders.token_secret_ref(name, fspec)
@@ -170,58 +187,89 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
     )
     controllers = await _fleet_controllers(kube, ns, fleet, deadline)
     wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
-    return Plan(f"InferenceDeployment/{name}", builders.selector_string(name),
-                int(spec.get("port") or fspec.get("port", 8000)), token, builders.CONTAINER, controllers,
-                wants_pods)  # fmt: skip
+    return Plan(
+        f"InferenceDeployment/{name}",
+        builders.selector_string(name),
+        int(spec.get("port") or fspec.get("port", 8000)),
+        token,
+        builders.CONTAINER,
+        controllers,
+        wants_pods,
+    )
 
 
 def outcome(
-    records: Sequence[PodResult], min_success_ratio: float = 1.0, allow_no_targets: bool = False
+    records: Sequence[PodResult],
+    min_success_ratio: float = 1.0,
+    allow_no_targets: bool = False,
+    newcomers: Sequence[str] = (),
 ) -> tuple[str, str, str]:
     """(phase, reason, message) once every pod has a final result. Skipped pods serve no traffic and do not
-    count; of the pods called, at least min_success_ratio must have been reset (default: all)."""
+    count; of the pods called, at least min_success_ratio must have been reset (default: all). The message
+    names the skipped pods with why, and `newcomers` (pods created during the reset) as their replacements."""
     c = summarize(records)
     called = c["targets"] - c["skipped"]
-    detail = (f"{c['succeeded']}/{c['targets']} pods reset, {c['failed']} failed, {c['skipped']} skipped, "
-              f"{c['notSupported']} not supported")  # fmt: skip
+    detail = (
+        f"{c['succeeded']}/{c['targets']} pods reset, {c['failed']} failed, {c['skipped']} skipped, "
+        f"{c['notSupported']} not supported"
+    )
+    note = skipped_note(records, newcomers)
     if called == 0:
         if allow_no_targets:
-            return "Succeeded", "NoTargets", f"no pod to reset ({detail})"
-        return "Failed", "NoTargets", f"no pod with an IP and a running engine container ({detail})"
+            return "Succeeded", "NoTargets", f"no pod to reset ({detail}){note}"
+        if not c["targets"]:
+            return "Failed", "NoTargets", f"no pod matched ({detail}){note}"
+        return "Failed", "NoTargets", f"no pod called ({detail}){note}"
     bad = next((r for r in records if r.result in ("Failed", "NotSupported")), None)
     if bad is None:
-        return "Succeeded", "AllPodsReset", detail
+        return "Succeeded", "AllPodsReset", detail + note
     first = f"; {bad.name}: {bad.message}"
     if c["succeeded"] >= min_success_ratio * called:
-        return "Succeeded", "MinSuccessRatioMet", f"{detail} (minSuccessRatio {min_success_ratio:g}){first}"
+        return (
+            "Succeeded",
+            "MinSuccessRatioMet",
+            f"{detail} (minSuccessRatio {min_success_ratio:g}){first}{note}",
+        )
     if not c["failed"]:
-        return "Failed", "ResetNotSupported", detail + first
-    return "Failed", "PodsFailed", detail + first
+        return "Failed", "ResetNotSupported", detail + first + note
+    return "Failed", "PodsFailed", detail + first + note
 
 
 def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
     return FanoutSettings(
-        engine=spec.get("engine", "kvpilot"), port=plan.port, token=plan.token,
+        engine=spec.get("engine", "kvpilot"),
+        port=plan.port,
+        token=plan.token,
         reset_running_requests=bool(spec.get("resetRunningRequests")),
         timeout_s=float(spec.get("timeoutSeconds", 60)),
         request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
-        max_concurrency=int(spec.get("maxConcurrency", 64)), retries_per_pod=int(spec.get("retriesPerPod", 3)),
-    )  # fmt: skip
+        max_concurrency=int(spec.get("maxConcurrency", 64)),
+        retries_per_pod=int(spec.get("retriesPerPod", 3)),
+    )
 
 
-async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, stopped: Any = None,
-                limiter: asyncio.Semaphore | None = None) -> None:  # fmt: skip
+def unfinished(status: dict[str, Any], **_: Any) -> bool:
+    """kopf's filter of the reset daemon: a finished reset runs nothing, so kopf keeps no finalizer on it."""
+    return (status or {}).get("phase") not in DONE
+
+
+async def drive(
+    kube: Kube,
+    ns: str,
+    name: str,
+    logger: logging.Logger,
+    stopped: Any = None,
+    limiter: asyncio.Semaphore | None = None,
+) -> None:
+    """Run the reset unless it is finished (its TTL is reset_expiry's)."""
     obj = await kube.get_cr(RESETS, ns, name)
-    if obj is None:
+    if obj is None or not unfinished(obj.get("status") or {}):
         return
-    if (obj.get("status") or {}).get("phase") not in DONE:
-        metrics.RESETS_IN_PROGRESS.inc()
-        try:
-            obj = await _run(kube, obj, logger, stopped, limiter)
-        finally:
-            metrics.RESETS_IN_PROGRESS.dec()
-    if obj is not None:
-        await _expire(kube, obj, logger, stopped)
+    metrics.RESETS_IN_PROGRESS.inc()
+    try:
+        await _run(kube, obj, logger, stopped, limiter)
+    finally:
+        metrics.RESETS_IN_PROGRESS.dec()
 
 
 async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
@@ -229,21 +277,36 @@ async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict
     return await kube.patch_status(RESETS, ns, name, status)
 
 
-async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any,
-               limiter: asyncio.Semaphore | None) -> dict[str, Any] | None:  # fmt: skip
+async def _run(
+    kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any, limiter: asyncio.Semaphore | None
+) -> dict[str, Any] | None:
     """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     spec, status = obj["spec"], obj.get("status") or {}
     start = status.get("startTime") or now_iso()
-    started = _parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
+    started = parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
     deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started if started else 0)
     if status.get("phase") == "Running" and spec.get("resetRunningRequests"):
-        return await _finish(kube, obj, None, "Failed", "Interrupted",
-                             "the operator restarted while this reset ran; with resetRunningRequests a pod is "
-                             "never called twice (a second call preempts running requests again): create a new "
-                             "PrefixCacheReset to reset the pods again", start)  # fmt: skip
+        return await _finish(
+            kube,
+            obj,
+            None,
+            "Failed",
+            "Interrupted",
+            "the operator restarted while this reset ran; with resetRunningRequests a pod is "
+            "never called twice (a second call preempts running requests again): create a new "
+            "PrefixCacheReset to reset the pods again",
+            start,
+        )
     if status.get("phase") == "Running":
         logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
+    elif not status.get("phase"):  # first sight: TARGET and PHASE for kubectl get, the deadline's start
+        gen = obj["metadata"].get("generation")
+        first = {"phase": "Pending", "target": describe(spec), "startTime": start, "observedGeneration": gen}
+        try:
+            await _patch(kube, ns, name, first)
+        except Exception as exc:  # noqa: BLE001 - for people only; the Running write follows
+            logger.warning("reset %s/%s: Pending not written: %s", ns, name, exc)
     try:
         while True:
             plan = await resolve(kube, ns, spec, deadline)
@@ -261,18 +324,27 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
             if time.monotonic() >= deadline - 1.0:
                 break  # NoTargets
             await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
-        running = {"phase": "Running", "target": plan.description, "startTime": start,
-                   "observedGeneration": obj["metadata"].get("generation")}  # fmt: skip
+        running = {
+            "phase": "Running",
+            "target": plan.description,
+            "startTime": start,
+            "observedGeneration": obj["metadata"].get("generation"),
+        }
         if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
-            await with_retries("status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}),
-                               deadline)  # fmt: skip
+            await with_retries(
+                "status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}), deadline
+            )
         else:  # progress for people only: a failed write does not hold the reset up
             try:
                 await _patch(kube, ns, name, {**running, **pod_status(before)})
             except Exception as exc:  # noqa: BLE001
                 logger.warning("reset %s/%s: progress not written: %s", ns, name, exc)
-        kopf.event(obj, type="Normal", reason="Started",
-                   message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}")  # fmt: skip
+        kopf.event(
+            obj,
+            type="Normal",
+            reason="Started",
+            message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
+        )
         async with PodWatch(kube, ns, plan.selector, pods, version) as watch, _stop_flag(stopped) as stop:
             results = await run_fanout(
                 targets,
@@ -284,6 +356,7 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
                 stop=stop,
                 on_call=metrics.count_pod_call,
             )
+            newcomers = watch.newcomers()  # the pods that replaced those skipped as gone, for the message
     except ResetFailure as f:
         logger.warning("reset %s/%s: %s: %s", ns, name, f.reason, f.message)
         return await _finish(kube, obj, None, "Failed", f.reason, f.message, start)
@@ -292,8 +365,8 @@ async def _run(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped:
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
         return None
-    phase, reason, message = outcome(results, float(spec.get("minSuccessRatio", 1.0)),
-                                     bool(spec.get("allowNoTargets")))  # fmt: skip
+    ratio, allow_none = float(spec.get("minSuccessRatio", 1.0)), bool(spec.get("allowNoTargets"))
+    phase, reason, message = outcome(results, ratio, allow_none, newcomers)
     logger.info("reset %s/%s: %s", ns, name, message)
     for r in [r for r in results if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
         kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
@@ -319,20 +392,26 @@ async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
             await bridging
 
 
-async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | None, phase: str, reason: str,
-                  message: str, start: str) -> dict[str, Any]:  # fmt: skip
+async def _finish(
+    kube: Kube,
+    obj: dict[str, Any],
+    records: list[PodResult] | None,
+    phase: str,
+    reason: str,
+    message: str,
+    start: str,
+) -> dict[str, Any]:
+    """The reset's end. Its final status write comes last: once it lands, the daemon's filter (`unfinished`)
+    no longer matches and kopf cancels the daemon at once, which is how the finalizer goes; so the Event,
+    the metrics and the target's lastReset come first."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     gen = obj["metadata"].get("generation") or 1
     conds = (obj.get("status") or {}).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     end = now_iso()
-    body = {"phase": phase, "completionTime": end, "startTime": start, "conditions": conds,
-            "observedGeneration": gen, **(pod_status(records) if records is not None else {})}  # fmt: skip
-    new = await with_retries("final status", lambda: _patch(kube, ns, name, body),
-                             time.monotonic() + _FINAL_PATCH_GRACE_S)  # fmt: skip
     kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
     metrics.RESETS.labels(ns, phase).inc()
-    if (t0 := _parse_time(start)) is not None:
+    if (t0 := parse_time(start)) is not None:
         metrics.RESET_DURATION.observe(max(0.0, time.time() - t0))
     metrics.record_reset_pods(ns, name, summarize(records or []))
     target = (obj["spec"].get("targetRef") or {}).get("name")
@@ -346,22 +425,14 @@ async def _finish(kube: Kube, obj: dict[str, Any], records: list[PodResult] | No
                 logging.getLogger(__name__).warning(
                     "lastReset of %s/%s not written: %s", ns, target, exc.reason
                 )
-    return new
-
-
-async def _expire(kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any) -> None:
-    """ttlSecondsAfterFinished: delete the finished resource when its time is up (also after a restart)."""
-    ttl = obj["spec"].get("ttlSecondsAfterFinished")
-    done_at = _parse_time((obj.get("status") or {}).get("completionTime"))
-    if ttl is None or done_at is None:
-        return
-    left = done_at + ttl - time.time()
-    if left > 0:
-        if stopped is None:
-            await asyncio.sleep(left)
-        elif await stopped.wait(left):
-            return  # the operator stops; the next one deletes it
-    logger.info("deleting %s: ttlSecondsAfterFinished %ss passed", obj["metadata"]["name"], ttl)
-    await kube.delete_cr(
-        RESETS, obj["metadata"]["namespace"], obj["metadata"]["name"], obj["metadata"]["uid"]
+    body = {
+        "phase": phase,
+        "completionTime": end,
+        "startTime": start,
+        "conditions": conds,
+        "observedGeneration": gen,
+        **(pod_status(records) if records is not None else {}),
+    }
+    return await with_retries(
+        "final status", lambda: _patch(kube, ns, name, body), time.monotonic() + _FINAL_PATCH_GRACE_S
     )

@@ -78,8 +78,19 @@ def role_binding(name: str, namespace: str) -> dict[str, Any]:
 
 
 def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
-    args = ["router", "--fleet", name, "--namespace", "$(POD_NAMESPACE)", "--policy",
-            r.get("policy", "prefix-aware"), "--host", "$(POD_IP)", "--port", str(ROUTER_PORT)]  # fmt: skip
+    args = [
+        "router",
+        "--fleet",
+        name,
+        "--namespace",
+        "$(POD_NAMESPACE)",
+        "--policy",
+        r.get("policy", "prefix-aware"),
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        str(ROUTER_PORT),
+    ]
     if spec.get("model"):
         args += ["--model", str(spec["model"])]  # the router tokenizes with the daemons' tokenizer
     env: list[dict[str, Any]] = [
@@ -89,8 +100,12 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
     ref = token_secret_ref(name, spec)
     if ref:
         # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods.
-        env.append({"name": "KVPILOT_ADMIN_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})  # fmt: skip
+        env.append(
+            {
+                "name": "KVPILOT_ADMIN_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
+            }
+        )
     env += copy.deepcopy(spec.get("env") or [])  # where the model (tokenizer) is cached, as for the daemons
     c: dict[str, Any] = {
         "name": ROUTER_CONTAINER,
@@ -106,7 +121,7 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
             "periodSeconds": 2,
             "timeoutSeconds": 2,
             "failureThreshold": 3,
-        },  # fmt: skip
+        },
         # Alive is "listening": a fleet scaled to zero must not get its router restarted in a loop.
         "livenessProbe": {
             "tcpSocket": {"port": "http"},
@@ -114,7 +129,7 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
-        },  # fmt: skip
+        },
     }
     if r.get("resources"):
         c["resources"] = copy.deepcopy(r["resources"])
@@ -160,7 +175,7 @@ def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(ROUTER_PORT),
                         "prometheus.io/path": "/metrics",
-                    },  # fmt: skip
+                    },
                 },
                 "spec": pod_spec,
             },
@@ -183,5 +198,10 @@ def service(name: str) -> dict[str, Any]:
 
 def objects(name: str, namespace: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Everything the router needs, in creation order (the Role before the binding that names it)."""
-    return [service_account(name), role(name), role_binding(name, namespace), deployment(name, spec),
-            service(name)]  # fmt: skip
+    return [
+        service_account(name),
+        role(name),
+        role_binding(name, namespace),
+        deployment(name, spec),
+        service(name),
+    ]

@@ -210,8 +210,7 @@ async def models(request: web.Request) -> web.Response:
     for pod in r.fleet.ready_pods():
         try:
             async with r.session.get(pod.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as up:
-                return web.Response(body=await up.read(), status=up.status,
-                                    content_type="application/json")  # fmt: skip
+                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
         except (TimeoutError, aiohttp.ClientError):
             r.fleet.mark_unready(pod)
     raise _no_pod()
@@ -222,8 +221,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     r = request.app[ROUTER]
     if not authorized(request.headers.get("Authorization"), r.settings.admin_token):
         r.metrics.resets.labels("unauthorized").inc()
-        raise ApiError(401, "a valid admin token is required: Authorization: Bearer <token>",
-                       code="invalid_admin_token")  # fmt: skip
+        raise ApiError(
+            401, "a valid admin token is required: Authorization: Bearer <token>", code="invalid_admin_token"
+        )
     raw = await request.read()
     body = None
     if raw.strip():
@@ -252,8 +252,11 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     body_out: dict[str, Any] = {"success": not failed, "pods": [res.to_dict() for res in results]}
     if failed:
         log.warning("fleet reset failed on %s", ", ".join(failed))
-        err = ApiError(502, f"the prefix cache reset failed on {len(failed)} of {len(results)} pods: "
-                       + ", ".join(failed), code="reset_failed")  # fmt: skip
+        err = ApiError(
+            502,
+            f"the prefix cache reset failed on {len(failed)} of {len(results)} pods: " + ", ".join(failed),
+            code="reset_failed",
+        )
         body_out.update(err.body())
         return json_response(body_out, status=502)
     log.info("fleet reset: %d pods", len(results))
@@ -274,21 +277,36 @@ async def _await_clear(r: Router, pod: Pod, before: dict[tuple[str, int], int]) 
         if ok and r.index.clears(holder) > before.get(holder, 0):
             continue
         if not await r.index.wait_cleared(holder, before.get(holder, 0), r.settings.clear_wait_s):
-            log.warning("%s rank %d: no AllBlocksCleared within %.1fs of its reset; ignoring its events until "
-                        "one arrives", pod.name, stream.rank, r.settings.clear_wait_s)  # fmt: skip
+            log.warning(
+                "%s rank %d: no AllBlocksCleared within %.1fs of its reset; ignoring its events until "
+                "one arrives",
+                pod.name,
+                stream.rank,
+                r.settings.clear_wait_s,
+            )
             r.index.distrust(holder)
 
 
 async def health(request: web.Request) -> web.Response:
     r = request.app[ROUTER]
     pods = [
-        {"pod": p.name, "url": p.url, "ready": p.ready, "in_flight": p.in_flight, "kv_events": p.kv_events,
-         "synced": p.synced(), "indexed_blocks": r.index.blocks_of(p.holders()), "ranks": p.num_ranks}
+        {
+            "pod": p.name,
+            "url": p.url,
+            "ready": p.ready,
+            "in_flight": p.in_flight,
+            "kv_events": p.kv_events,
+            "synced": p.synced(),
+            "indexed_blocks": r.index.blocks_of(p.holders()),
+            "ranks": p.num_ranks,
+        }
         for p in r.fleet.pods
-    ]  # fmt: skip
+    ]
     ok = any(p.ready for p in r.fleet.pods)
-    return json_response({"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name,
-                              "pods": pods}, status=200 if ok else 503)  # fmt: skip
+    return json_response(
+        {"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name, "pods": pods},
+        status=200 if ok else 503,
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -299,8 +317,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---- running -------------------------------------------------------------------------------------
-async def serve(settings: RouterSettings, model: str | None, pods: list[Pod] | None = None,
-                fleet_name: str | None = None, namespace: str = "default") -> int:  # fmt: skip
+async def serve(
+    settings: RouterSettings,
+    model: str | None,
+    pods: list[Pod] | None = None,
+    fleet_name: str | None = None,
+    namespace: str = "default",
+) -> int:
     """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
     index = PrefixIndex()
     metrics_ = RouterMetrics()
@@ -327,8 +350,15 @@ async def serve(settings: RouterSettings, model: str | None, pods: list[Pod] | N
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("routing %s on http://%s:%d to %s", settings.policy, settings.host, settings.port,
-                 f"the endpoints of {namespace}/{fleet_name}" if fleet_name else ", ".join(p.name for p in pods or []))  # fmt: skip
+        log.info(
+            "routing %s on http://%s:%d to %s",
+            settings.policy,
+            settings.host,
+            settings.port,
+            f"the endpoints of {namespace}/{fleet_name}"
+            if fleet_name
+            else ", ".join(p.name for p in pods or []),
+        )
         await stop.wait()
         log.info("shutting down")
         if watch is not None:

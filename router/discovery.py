@@ -59,9 +59,13 @@ class EndpointSliceWatch:
                 slices = {s.metadata.name: self._plain(s) for s in listed.items}
                 self._publish(slices)
                 w = watch.Watch()
-                for ev in w.stream(self._api.list_namespaced_endpoint_slice, self.namespace,
-                                   label_selector=selector, resource_version=listed.metadata.resource_version,
-                                   timeout_seconds=60):  # fmt: skip
+                for ev in w.stream(
+                    self._api.list_namespaced_endpoint_slice,
+                    self.namespace,
+                    label_selector=selector,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=60,
+                ):
                     obj = ev["object"]
                     if ev["type"] == "DELETED":
                         slices.pop(obj.metadata.name, None)

@@ -13,32 +13,61 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         register_build_info(r)
-        self.requests = Counter(_P + "requests_total", "Requests proxied to pods, by pod, policy and HTTP status "
-                                "(0: no reply)", ["pod", "policy", "code"], registry=r)  # fmt: skip
-        self.decisions = Counter(_P + "routing_decisions_total", "Routing decisions, by pod, policy and reason "
-                                 "(prefix: a cached prefix won; load: load decided)",
-                                 ["pod", "policy", "reason"], registry=r)  # fmt: skip
-        self.predicted = Counter(_P + "predicted_cached_tokens_total", "Prompt tokens the router predicted "
-                                 "the chosen pod had cached (requests whose usage reported cached_tokens)",
-                                 ["pod"], registry=r)  # fmt: skip
-        self.reported = Counter(_P + "reported_cached_tokens_total", "Prompt tokens the pod reported cached "
-                                "(usage.prompt_tokens_details.cached_tokens) for the same requests",
-                                ["pod"], registry=r)  # fmt: skip
-        self.stale = Counter(_P + "stale_predictions_total", "Requests for which the pod reported fewer cached "
-                             "tokens than the router predicted (its index held blocks the pod no longer had)",
-                             ["pod"], registry=r)  # fmt: skip
-        self.kv_batches = Counter(_P + "kv_event_batches_total", "KV event batches from pods: received live, "
-                                  "replayed (fetched from the replay socket) or missed (lost for good)",
-                                  ["pod", "result"], registry=r)  # fmt: skip
-        self.indexed_blocks = Gauge(_P + "indexed_blocks", "Prefix blocks the router's index holds per pod",
-                                    ["pod"], registry=r)  # fmt: skip
-        self.in_flight = Gauge(_P + "in_flight_requests", "Requests the router has open on each pod",
-                               ["pod"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            _P + "requests_total",
+            "Requests proxied to pods, by pod, policy and HTTP status (0: no reply)",
+            ["pod", "policy", "code"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            _P + "routing_decisions_total",
+            "Routing decisions, by pod, policy and reason (prefix: a cached prefix won; load: load decided)",
+            ["pod", "policy", "reason"],
+            registry=r,
+        )
+        self.predicted = Counter(
+            _P + "predicted_cached_tokens_total",
+            "Prompt tokens the router predicted "
+            "the chosen pod had cached (requests whose usage reported cached_tokens)",
+            ["pod"],
+            registry=r,
+        )
+        self.reported = Counter(
+            _P + "reported_cached_tokens_total",
+            "Prompt tokens the pod reported cached "
+            "(usage.prompt_tokens_details.cached_tokens) for the same requests",
+            ["pod"],
+            registry=r,
+        )
+        self.stale = Counter(
+            _P + "stale_predictions_total",
+            "Requests for which the pod reported fewer cached "
+            "tokens than the router predicted (its index held blocks the pod no longer had)",
+            ["pod"],
+            registry=r,
+        )
+        self.kv_batches = Counter(
+            _P + "kv_event_batches_total",
+            "KV event batches from pods: received live, "
+            "replayed (fetched from the replay socket) or missed (lost for good)",
+            ["pod", "result"],
+            registry=r,
+        )
+        self.indexed_blocks = Gauge(
+            _P + "indexed_blocks", "Prefix blocks the router's index holds per pod", ["pod"], registry=r
+        )
+        self.in_flight = Gauge(
+            _P + "in_flight_requests", "Requests the router has open on each pod", ["pod"], registry=r
+        )
         self.pod_ready = Gauge(
             _P + "pod_ready", "1 when the pod answers /health with 200", ["pod"], registry=r
         )
-        self.resets = Counter(_P + "fleet_resets_total", "POST /reset_prefix_cache through the router, by result "
-                              "(success, failed, no_pods, unauthorized)", ["result"], registry=r)  # fmt: skip
+        self.resets = Counter(
+            _P + "fleet_resets_total",
+            "POST /reset_prefix_cache through the router, by result (success, failed, no_pods, unauthorized)",
+            ["result"],
+            registry=r,
+        )
         for result in ("success", "failed", "no_pods", "unauthorized"):
             self.resets.labels(result)
 

@@ -179,7 +179,7 @@ class Fleet:
                 self.metrics.count_kv,
                 self._ctx,
                 rank=int(r.get("rank", 0)),
-            )  # fmt: skip
+            )
             for r in ranks
         ]
         pod.ranks = [s.rank for s in pod.streams]

@@ -197,8 +197,9 @@ class DataParallelLoop:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         for rank in self._ranks:
-            threading.Thread(target=self._read, args=(rank,), name=f"kvpilot-rank{rank.rank}-outbox",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._read, args=(rank,), name=f"kvpilot-rank{rank.rank}-outbox", daemon=True
+            ).start()
 
     @property
     def alive(self) -> bool:

@@ -68,9 +68,21 @@ def rank_main(
     pub = engine.kv_events
     events = RankEndpoints(rank, pub.endpoint, pub.replay_endpoint) if pub is not None else None
     outbox.send(
-        ("ready", RankInfo(rank, os.getpid(), engine.model_name, str(engine.model_dir), engine.max_model_len,
-                           engine.num_blocks, engine.runner.model.args.vocab_size, events), engine.stats())
-    )  # fmt: skip
+        (
+            "ready",
+            RankInfo(
+                rank,
+                os.getpid(),
+                engine.model_name,
+                str(engine.model_dir),
+                engine.max_model_len,
+                engine.num_blocks,
+                engine.runner.model.args.vocab_size,
+                events,
+            ),
+            engine.stats(),
+        )
+    )
     log.info("rank %d ready (pid %d, cpus %s)", rank, os.getpid(), cpus or "all")
     try:
         RankWorker(rank, engine, inbox, outbox).run()

@@ -91,11 +91,18 @@ class LLMEngine:
         self._last_reset_time: float | None = None
         log.info(
             "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_name, self.model_dir, self.device, str(self.dtype).removeprefix("torch."),
-            config.tensor_parallel_size, self.ops.name,
-            torch.get_num_threads(), self.num_blocks, config.block_size,
-            self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20, self.max_model_len,
-        )  # fmt: skip
+            self.model_name,
+            self.model_dir,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            config.tensor_parallel_size,
+            self.ops.name,
+            torch.get_num_threads(),
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20,
+            self.max_model_len,
+        )
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

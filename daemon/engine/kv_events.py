@@ -53,8 +53,16 @@ class BlockStored:
 
     def wire(self) -> list:
         # lora_id, medium, lora_name: kvpilot has no LoRA; None medium is the engine's own KV pool.
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size,
-                None, None, None]  # fmt: skip
+        return [
+            "BlockStored",
+            self.block_hashes,
+            self.parent_block_hash,
+            self.token_ids,
+            self.block_size,
+            None,
+            None,
+            None,
+        ]
 
 
 @dataclass(slots=True)
@@ -241,8 +249,9 @@ class KVEventPublisher:
         start_seq = int.from_bytes(start, "big", signed=True)
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big", signed=True),
-                                             payload))  # fmt: skip
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big", signed=True), payload)
+                )
         self._replay.send_multipart((client, b"", b"", END_OF_REPLAY.to_bytes(8, "big", signed=True), b""))
 
     def _close_sockets(self) -> None:

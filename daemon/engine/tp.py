@@ -128,8 +128,13 @@ class TensorParallel:
         ]
         for w in self.workers:
             w.start()
-        dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=size, timeout=GROUP_TIMEOUT)  # fmt: skip
+        dist.init_process_group(
+            _backend(device),
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=size,
+            timeout=GROUP_TIMEOUT,
+        )
         shard_model(model, 0, size)
         self.size = size
 
@@ -158,8 +163,13 @@ def shard_main(rank: int, config: EngineConfig, port: int, parent_pid: int, log_
     else:
         torch.set_num_threads(engine_threads(config.cpu_threads))
     dtype = config.torch_dtype(device)
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT)  # fmt: skip
+    dist.init_process_group(
+        _backend(device),
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=GROUP_TIMEOUT,
+    )
     model = load(config.model, select_ops(device, config.kernel_backend), dtype, device).model
     shard_model(model, rank, config.tensor_parallel_size)
     box: list = [None]

@@ -185,8 +185,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     m = state.metrics.resets
     if not authorized(request.headers.get("Authorization"), state.settings.admin_token):
         m.labels("unauthorized").inc()
-        raise ApiError(401, "a valid admin token is required: Authorization: Bearer <token>",
-                       code="invalid_admin_token")  # fmt: skip
+        raise ApiError(
+            401, "a valid admin token is required: Authorization: Bearer <token>", code="invalid_admin_token"
+        )
     raw = await request.read()
     body = parse_json_object(raw) if raw.strip() else None
     flag = parse_reset_flag(request.query.get("reset_running_requests"), body)
@@ -215,9 +216,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     }
     log.info(
         "prefix cache reset on %d rank(s): epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
-        len(ranks), result["epoch"], result["evicted_blocks"], result["in_flight_requests"],
-        result["preempted_requests"], result["duration_ms"],
-    )  # fmt: skip
+        len(ranks),
+        result["epoch"],
+        result["evicted_blocks"],
+        result["in_flight_requests"],
+        result["preempted_requests"],
+        result["duration_ms"],
+    )
     return json_response(result)
 
 
@@ -248,17 +253,23 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     await site.start()
     log.info(
         "serving %s on http://%s:%d (admin token %s, max body %d bytes)",
-        ", ".join(state.served), settings.host, settings.port,
-        "required" if settings.admin_token else "off", settings.max_body_bytes,
-    )  # fmt: skip
+        ", ".join(state.served),
+        settings.host,
+        settings.port,
+        "required" if settings.admin_token else "off",
+        settings.max_body_bytes,
+    )
     # The line a newcomer waits for (README.md, "Try it"): where to point curl, and that it goes in another shell.
     url = _local_url(settings.host, runner.addresses[0][1])
     log.info(
         "ready: in another shell, try `curl -s %s/v1/models` or `.venv/bin/kvpilot bench --url %s`", url, url
     )
     await stop.wait()
-    log.info("shutting down: no new requests; draining %d in flight (up to %.0f s)",
-             state.in_flight, settings.shutdown_timeout)  # fmt: skip
+    log.info(
+        "shutting down: no new requests; draining %d in flight (up to %.0f s)",
+        state.in_flight,
+        settings.shutdown_timeout,
+    )
     state.draining = True
     await site.stop()  # stop listening; open connections finish their current request
     try:

@@ -45,9 +45,15 @@ DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: an external router picks the 
 
 
 async def _generate(
-    state: ServerState, request_id: str, prompt: list[int], params: SamplingParams, prep: Prepared,
-    prompt_text: str, arrival: float, dp_rank: int | None,
-) -> AsyncIterator[Delta]:  # fmt: skip
+    state: ServerState,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prep: Prepared,
+    prompt_text: str,
+    arrival: float,
+    dp_rank: int | None,
+) -> AsyncIterator[Delta]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)
@@ -112,8 +118,11 @@ async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> A
     try:
         return await asyncio.wait_for(sink.get(), max(0.0, arrival + timeout - time.monotonic()))
     except TimeoutError:
-        raise ApiError(504, f"the request did not finish within {timeout:g} s (--request-timeout)",
-                       code="deadline_exceeded") from None  # fmt: skip
+        raise ApiError(
+            504,
+            f"the request did not finish within {timeout:g} s (--request-timeout)",
+            code="deadline_exceeded",
+        ) from None
 
 
 def _param_name(param: str | None, req: GenerateRequest, chat: bool) -> str | None:
@@ -173,8 +182,9 @@ def _requested_rank(value: str | None, num_ranks: int) -> int | None:
     except ValueError:
         rank = -1
     if not 0 <= rank < num_ranks:
-        raise bad(f"{DP_RANK_HEADER} must be an integer from 0 to {num_ranks - 1}, got {value!r}",
-                  DP_RANK_HEADER)  # fmt: skip
+        raise bad(
+            f"{DP_RANK_HEADER} must be an integer from 0 to {num_ranks - 1}, got {value!r}", DP_RANK_HEADER
+        )
     return rank
 
 
@@ -213,7 +223,7 @@ async def _complete(
             "model": req.model,
             "choices": body_choices,
             "usage": _usage(state, finals),
-        }  # fmt: skip
+        }
     )
 
 
@@ -298,8 +308,13 @@ async def _stream(
     wants_logprobs = req.params.logprobs is not None
 
     def chunk(choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
-        body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model,
-                                "choices": choices}  # fmt: skip
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+        }
         if req.include_usage:  # as OpenAI: null on every chunk but the last
             body["usage"] = usage if final else None
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
@@ -336,9 +351,16 @@ async def _stream(
 
 
 async def _write_events(
-    resp: web.StreamResponse, first: tuple | None, events: AsyncIterator, chunk: Any, choice: Any,
-    state: ServerState, req: GenerateRequest, chat: bool, wants_logprobs: bool,
-) -> None:  # fmt: skip
+    resp: web.StreamResponse,
+    first: tuple | None,
+    events: AsyncIterator,
+    chunk: Any,
+    choice: Any,
+    state: ServerState,
+    req: GenerateRequest,
+    chat: bool,
+    wants_logprobs: bool,
+) -> None:
     finals: dict[tuple[int, int], RequestOutput] = {}
     started: set[int] = set()
     try:
@@ -347,8 +369,12 @@ async def _write_events(
             index = i * req.n + d.index
             if chat and index not in started:
                 started.add(index)
-                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
+                role = {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 await resp.write(chunk([role]))
             if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
                 await resp.write(chunk([choice(index, d)]))

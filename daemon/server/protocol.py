@@ -74,8 +74,10 @@ def _reject_lone_surrogates(body: dict) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise bad(f"'{path}' holds an unpaired UTF-16 surrogate, which is not valid Unicode",
-                          path.split("[")[0].split(".")[0]) from None  # fmt: skip
+                raise bad(
+                    f"'{path}' holds an unpaired UTF-16 surrogate, which is not valid Unicode",
+                    path.split("[")[0].split(".")[0],
+                ) from None
         elif isinstance(value, dict):
             stack.extend((f"{path}.{k}", v) for k, v in value.items())
         elif isinstance(value, list):
@@ -115,8 +117,12 @@ def _validate(model: type, body: dict) -> Any:
 
 def _resolve_model(name: str | None, served: list[str]) -> str:
     if name is not None and name not in served:
-        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served[0]}'", "model",
-                       code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{served[0]}'",
+            "model",
+            code="model_not_found",
+        )
     return served[0]
 
 
@@ -136,8 +142,9 @@ def _params(r: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
     )
 
 
-def _generate_request(r: CompletionRequest | ChatCompletionRequest, served: list[str], params: SamplingParams,
-                      **fields: Any) -> GenerateRequest:  # fmt: skip
+def _generate_request(
+    r: CompletionRequest | ChatCompletionRequest, served: list[str], params: SamplingParams, **fields: Any
+) -> GenerateRequest:
     return GenerateRequest(
         model=_resolve_model(r.model, served),
         params=params,
@@ -173,11 +180,13 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
     if r.logprobs:
         params.logprobs = r.top_logprobs or 0
     req = _generate_request(
-        r, served, params,
+        r,
+        served,
+        params,
         prompts=[],  # rendered by the server with the model's chat template
         max_tokens_given=max_tokens is not None,
         max_tokens_param="max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens",
-    )  # fmt: skip
+    )
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in r.messages
     ]

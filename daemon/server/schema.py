@@ -153,8 +153,10 @@ class ChatMessage(BaseModel):
                     or part.get("type") != "text"
                     or not isinstance(part.get("text"), str)
                 ):
-                    raise ValueError('content parts must be text parts {"type": "text", "text": ...}; '
-                                     "other content types are not supported")  # fmt: skip
+                    raise ValueError(
+                        'content parts must be text parts {"type": "text", "text": ...}; '
+                        "other content types are not supported"
+                    )
                 parts.append(part["text"])
             return "\n".join(parts)
         raise ValueError("content must be a string or an array of text parts")
@@ -232,10 +234,16 @@ def openapi(version: str) -> dict:
         refs[model.__name__] = {"$ref": f"#/components/schemas/{model.__name__}"}
 
     def route(summary: str, model: str) -> dict:
-        return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-            "application/json": {"schema": refs[model]}}},
-            "responses": {"200": {"description": "OpenAI's response, or server-sent events with stream"},
-                          "400": {"description": "OpenAI's error JSON naming the field"}}}}  # fmt: skip
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": refs[model]}}},
+                "responses": {
+                    "200": {"description": "OpenAI's response, or server-sent events with stream"},
+                    "400": {"description": "OpenAI's error JSON naming the field"},
+                },
+            }
+        }
 
     return {
         "openapi": "3.1.0",

@@ -73,9 +73,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         for u in args.user:
             cp.write_kubeconfig(d / f"kubeconfig-{u}", user=u)
         run_agent(
-            kubeconfig, d / "pods", node_specs(args.nodes, args.gpus), stop,
+            kubeconfig,
+            d / "pods",
+            node_specs(args.nodes, args.gpus),
+            stop,
             on_ready=lambda agent: (d / "ready").write_text(cp.url + "\n"),
-        )  # fmt: skip
+        )
     (d / "ready").unlink(missing_ok=True)
     return 0
 
@@ -103,8 +106,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for u in args.user:
         argv += ["--user", u]
     with open(d / "cluster.log", "ab") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
     (d / "pid").write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -194,8 +198,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpilot.devcluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m kvpilot.devcluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("up", "run"):
         s = sub.add_parser(name)

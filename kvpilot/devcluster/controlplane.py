@@ -27,9 +27,15 @@ SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod ranges (netns.Network.
 # bridge address for pods (the node agent forwards it, see apiproxy.py), and the in-cluster names
 # and ClusterIP of the `kubernetes` Service that a kubelet's pods use.
 SERVING_HOSTS = [
-    "127.0.0.1", "localhost", *netns.bridge_addresses(), "10.96.0.1", "kubernetes", "kubernetes.default",
-    "kubernetes.default.svc", "kubernetes.default.svc.cluster.local",
-]  # fmt: skip
+    "127.0.0.1",
+    "localhost",
+    *netns.bridge_addresses(),
+    "10.96.0.1",
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+]
 ADMIN_GROUPS = ("system:masters",)
 
 

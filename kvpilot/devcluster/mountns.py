@@ -80,5 +80,18 @@ def wrap(binds: list[tuple[Path, str]], hostname: str | None = None) -> list[str
     tool = {name: shutil.which(name) or name for name in ("unshare", "sh", "mkdir", "mount", "hostname")}
     pairs = [str(arg) for local, target in binds for arg in (local, target)]
     uts = ["--uts"] if hostname else []
-    return [tool["unshare"], "--mount", *uts, "--propagation", "private", "--",
-            tool["sh"], "-c", _SCRIPT.format(**tool), "kvpilot-pod-mounts", hostname or "", *pairs, "--"]  # fmt: skip
+    return [
+        tool["unshare"],
+        "--mount",
+        *uts,
+        "--propagation",
+        "private",
+        "--",
+        tool["sh"],
+        "-c",
+        _SCRIPT.format(**tool),
+        "kvpilot-pod-mounts",
+        hostname or "",
+        *pairs,
+        "--",
+    ]

@@ -204,10 +204,12 @@ class NodeAgent:
 
     def _patch_node_status(self, spec: NodeSpec) -> None:
         t = now()
-        conds = [("MemoryPressure", "False", "KubeletHasSufficientMemory"),
-                 ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
-                 ("PIDPressure", "False", "KubeletHasSufficientPID"),
-                 ("Ready", "True", "KubeletReady")]  # fmt: skip
+        conds = [
+            ("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+            ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+            ("PIDPressure", "False", "KubeletHasSufficientPID"),
+            ("Ready", "True", "KubeletReady"),
+        ]
         status = {
             "capacity": spec.capacity(),
             "allocatable": spec.capacity(),
@@ -221,7 +223,7 @@ class NodeAgent:
                     "lastTransitionTime": self._since,  # conditions never change
                 }
                 for ty, st, r in conds
-            ],  # fmt: skip
+            ],
             "addresses": [
                 {"type": "InternalIP", "address": self.network.host_ip},
                 {"type": "Hostname", "address": spec.name},
@@ -238,7 +240,7 @@ class NodeAgent:
                 "kubeProxyVersion": "",
                 "operatingSystem": "linux",
                 "architecture": "amd64",
-            },  # fmt: skip
+            },
         }
         self.core.patch_node_status(
             spec.name, {"status": status}, _preload_content=False, _content_type=MERGE
@@ -309,9 +311,14 @@ class NodeAgent:
                 return
             node = pod["spec"]["nodeName"]
             runner = PodRunner(
-                pod=pod, core=self.core, network=self.network, node_index=self.node_index[node],
-                host_ip=self.network.host_ip, workdir=self.workdir, api_env=self.api_env,
-            )  # fmt: skip
+                pod=pod,
+                core=self.core,
+                network=self.network,
+                node_index=self.node_index[node],
+                host_ip=self.network.host_ip,
+                workdir=self.workdir,
+                api_env=self.api_env,
+            )
             self.runners[uid] = runner
             log.info("starting pod %s on %s", runner.key, node)
             runner.start()
@@ -338,9 +345,12 @@ class NodeAgent:
             return
         try:
             self.core.patch_namespaced_pod_status(
-                pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status},
-                _preload_content=False, _content_type=MERGE,
-            )  # fmt: skip
+                pod["metadata"]["name"],
+                pod["metadata"]["namespace"],
+                {"status": status},
+                _preload_content=False,
+                _content_type=MERGE,
+            )
             self.sent[uid] = key
         except client.ApiException as e:
             if e.status != 404:
@@ -361,9 +371,12 @@ class NodeAgent:
                     # grace 0 + uid precondition: the kubelet's final delete. The grace goes in the
                     # body too: this client sends the body's unset fields as null, overriding the query.
                     self.core.delete_namespaced_pod(
-                        meta["name"], meta["namespace"], grace_period_seconds=0,
-                        body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}, _preload_content=False,
-                    )  # fmt: skip
+                        meta["name"],
+                        meta["namespace"],
+                        grace_period_seconds=0,
+                        body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}},
+                        _preload_content=False,
+                    )
             except client.ApiException as e:
                 if e.status != 404:  # 404: already gone
                     log.warning("finalizing pod %s failed: %s %s", uid, e.status, e.reason)
@@ -432,13 +445,22 @@ class NodeAgent:
         uid = pod["metadata"]["uid"]
         if self.unschedulable.get(uid) == why:
             return
-        cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why,
-                "lastTransitionTime": now(), "lastProbeTime": None}  # fmt: skip
+        cond = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": why,
+            "lastTransitionTime": now(),
+            "lastProbeTime": None,
+        }
         try:
             self.core.patch_namespaced_pod_status(
-                pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": {"conditions": [cond]}},
-                _preload_content=False, _content_type=MERGE,
-            )  # fmt: skip
+                pod["metadata"]["name"],
+                pod["metadata"]["namespace"],
+                {"status": {"conditions": [cond]}},
+                _preload_content=False,
+                _content_type=MERGE,
+            )
             self.unschedulable[uid] = why
         except client.ApiException:
             pass

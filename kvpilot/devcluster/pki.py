@@ -35,9 +35,19 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
     # EC keys: generating them takes milliseconds, RSA-2048 can take a second.
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ca.key", cwd=d)
     _openssl(
-        "req", "-x509", "-new", "-key", "ca.key", "-days", "30", "-subj", "/CN=kvpilot-devcluster-ca",
-        "-out", "ca.crt", cwd=d,
-    )  # fmt: skip
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        "ca.key",
+        "-days",
+        "30",
+        "-subj",
+        "/CN=kvpilot-devcluster-ca",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "apiserver.key", cwd=d)
     _openssl(
         "req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver", "-out", "apiserver.csr", cwd=d
@@ -47,27 +57,67 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
         f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
     )
     _openssl(
-        "x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "30", "-extfile", "san.ext", "-out", "apiserver.crt", cwd=d,
-    )  # fmt: skip
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "apiserver.crt",
+        cwd=d,
+    )
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
     # The apiserver's client cert for the node agent's log endpoint (kubectl logs),
     # which accepts only clients signed by this CA.
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "kubelet-client.key", cwd=d)
     _openssl(
-        "req", "-new", "-key", "kubelet-client.key", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
-        "-out", "kubelet-client.csr", cwd=d,
-    )  # fmt: skip
+        "req",
+        "-new",
+        "-key",
+        "kubelet-client.key",
+        "-subj",
+        "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        "-out",
+        "kubelet-client.csr",
+        cwd=d,
+    )
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n")
     _openssl(
-        "x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "30", "-extfile", "client.ext", "-out", "kubelet-client.crt", cwd=d,
-    )  # fmt: skip
+        "x509",
+        "-req",
+        "-in",
+        "kubelet-client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-extfile",
+        "client.ext",
+        "-out",
+        "kubelet-client.crt",
+        cwd=d,
+    )
     return Pki(
-        d / "ca.crt", d / "apiserver.crt", d / "apiserver.key", d / "sa.key", d / "sa.pub",
-        d / "kubelet-client.crt", d / "kubelet-client.key",
-    )  # fmt: skip
+        d / "ca.crt",
+        d / "apiserver.crt",
+        d / "apiserver.key",
+        d / "sa.key",
+        d / "sa.pub",
+        d / "kubelet-client.crt",
+        d / "kubelet-client.key",
+    )
 
 
 def self_signed(directory: Path, name: str, ip: str) -> tuple[Path, Path]:
@@ -75,8 +125,23 @@ def self_signed(directory: Path, name: str, ip: str) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     key, crt = directory / f"{name}.key", directory / f"{name}.crt"
     _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", key.name, "-out", crt.name, "-days", "30", "-subj", f"/CN={name}",
-        "-addext", f"subjectAltName=IP:{ip}", cwd=directory,
-    )  # fmt: skip
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key.name,
+        "-out",
+        crt.name,
+        "-days",
+        "30",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        f"subjectAltName=IP:{ip}",
+        cwd=directory,
+    )
     return crt, key

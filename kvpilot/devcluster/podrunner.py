@@ -411,12 +411,16 @@ class PodRunner:
             phase, all_ready = "Pending", False
             cstatuses = [
                 {
-                    "name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False,
-                    "restartCount": 0, "started": False,
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "started": False,
                     "state": {"waiting": {"reason": "CreateContainerConfigError", "message": self.error}},
                 }
                 for c in spec["containers"]
-            ]  # fmt: skip
+            ]
         elif self.containers and all_done:
             phase = "Failed" if any_failed else "Succeeded"
         elif any_running or any(c.exit_info for c in self.containers):

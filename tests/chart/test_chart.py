@@ -38,8 +38,9 @@ def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 def test_chart_equals_its_sources() -> None:
     """hack/chart/sync.py --check: chart CRDs are byte copies of crds/, files/rbac-rules.yaml is RULES."""
-    r = subprocess.run([sys.executable, str(ROOT / "hack" / "chart" / "sync.py"), "--check"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "hack" / "chart" / "sync.py"), "--check"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     for src in (ROOT / "crds").glob("*.yaml"):
         assert (CHART / "crds" / src.name).read_bytes() == src.read_bytes()
@@ -51,16 +52,35 @@ def test_sync_check_notices_drift(tmp_path: Path) -> None:
         shutil.copytree(ROOT / part, tmp_path / part)
     stale = tmp_path / "charts" / "kvpilot" / "crds" / "prefixcachereset.yaml"
     stale.write_bytes(stale.read_bytes() + b"# drift\n")
-    r = subprocess.run([sys.executable, str(tmp_path / "hack" / "chart" / "sync.py"), "--check"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(tmp_path / "hack" / "chart" / "sync.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "charts/kvpilot/crds/prefixcachereset.yaml" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "monitoring.force=true", "--set", "monitoring.podMonitor.enabled=true",
-                                         "--set", "monitoring.serviceMonitor.enabled=true", "--set",
-                                         "monitoring.prometheusRule.enabled=true", "--set",
-                                         "monitoring.dashboards.enabled=true", "--set",
-                                         "operator.watchNamespaces={a,b}"]], ids=["defaults", "everything-on"])  # fmt: skip
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        [
+            "--set",
+            "monitoring.force=true",
+            "--set",
+            "monitoring.podMonitor.enabled=true",
+            "--set",
+            "monitoring.serviceMonitor.enabled=true",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+            "--set",
+            "monitoring.dashboards.enabled=true",
+            "--set",
+            "operator.watchNamespaces={a,b}",
+        ],
+    ],
+    ids=["defaults", "everything-on"],
+)
 def test_lint_strict(helm: Helm, values: list[str]) -> None:
     r = helm("lint", "--strict", str(CHART), *values)
     assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout, r.stdout
@@ -68,8 +88,17 @@ def test_lint_strict(helm: Helm, values: list[str]) -> None:
 
 def test_defaults(helm: Helm) -> None:
     objs = kinds(helm.template())
-    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                         "Role", "RoleBinding", "ConfigMap", "Pod"}  # fmt: skip
+    assert set(objs) == {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "Pod",
+    }
     # The Role/RoleBinding/ConfigMap/Pod/second ServiceAccount are the `helm test` hook's, nothing else.
     hooks = [o for k in ("Role", "RoleBinding", "ConfigMap", "Pod") for o in objs[k]]
     assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "test" for o in hooks)
@@ -146,19 +175,31 @@ def test_notes_say_how_to_get_the_monitoring_api(helm: Helm, tmp_path: Path) -> 
 
 
 def test_monitors_select_the_daemons_routers_and_operator(helm: Helm) -> None:
-    objs = kinds(helm.template("--set", "monitoring.podMonitor.enabled=true", "--set",
-                               "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.labels.release=prom",
-                               *MONITORING_API))  # fmt: skip
+    objs = kinds(
+        helm.template(
+            "--set",
+            "monitoring.podMonitor.enabled=true",
+            "--set",
+            "monitoring.serviceMonitor.enabled=true",
+            "--set",
+            "monitoring.labels.release=prom",
+            *MONITORING_API,
+        )
+    )
     pm, routers = objs["PodMonitor"]
     (sm,) = objs["ServiceMonitor"]
     assert {o["metadata"]["labels"]["release"] for o in (pm, routers, sm)} == {"prom"}
-    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "inference",
-                                                     "app.kubernetes.io/managed-by": "kvpilot-operator"}  # fmt: skip
+    assert pm["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": "kvpilot-operator",
+    }
     assert pm["spec"]["namespaceSelector"] == {"any": True}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     # The operator's router pods (router_objects.router_labels), with their `pod` label (the daemon) kept.
-    assert routers["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "router",
-                                                          "app.kubernetes.io/managed-by": "kvpilot-operator"}  # fmt: skip
+    assert routers["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/component": "router",
+        "app.kubernetes.io/managed-by": "kvpilot-operator",
+    }
     assert routers["spec"]["selector"]["matchLabels"].items() <= router_labels("llm").items()
     (ep,) = routers["spec"]["podMetricsEndpoints"]
     assert ep["port"] == "http" and ep["honorLabels"] is True
@@ -184,9 +225,18 @@ def test_dashboards_toggle(helm: Helm) -> None:
         for c in kinds(helm.template()).get("ConfigMap", [])
         if "grafana_dashboard" in c["metadata"]["labels"]
     ]
-    maps = [c for c in kinds(helm.template("--set", "monitoring.dashboards.enabled=true", "--set",
-                                           "monitoring.dashboards.namespace=grafana"))["ConfigMap"]
-            if c["metadata"]["labels"].get("grafana_dashboard") == "1"]  # fmt: skip
+    maps = [
+        c
+        for c in kinds(
+            helm.template(
+                "--set",
+                "monitoring.dashboards.enabled=true",
+                "--set",
+                "monitoring.dashboards.namespace=grafana",
+            )
+        )["ConfigMap"]
+        if c["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
     files = {p.name: json.loads(p.read_text()) for p in (CHART / "dashboards").glob("*.json")}
     assert {k: json.loads(v) for c in maps for k, v in c["data"].items()} == files
     assert {c["metadata"]["namespace"] for c in maps} == {"grafana"}
@@ -205,14 +255,18 @@ def test_watch_namespaces(helm: Helm) -> None:
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (cluster_role,) = [r for r in objs["ClusterRole"] if r["metadata"]["name"] == "kvpilot-operator"]
     # Cluster-wide only what cannot be namespaced; together exactly RULES.
-    assert {r for _, r, _ in triples(cluster_role["rules"])} == {"customresourcedefinitions", "namespaces",
-                                                                 "clusterkopfpeerings"}  # fmt: skip
+    assert {r for _, r, _ in triples(cluster_role["rules"])} == {
+        "customresourcedefinitions",
+        "namespaces",
+        "clusterkopfpeerings",
+    }
     assert triples(cluster_role["rules"]) | triples(roles[0]["rules"]) == triples(rbac.RULES)
     assert not triples(cluster_role["rules"]) & triples(roles[0]["rules"])
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "operator.watchNamespaces={team-a,team-b}"]],
-                         ids=["cluster-wide", "namespaced"])  # fmt: skip
+@pytest.mark.parametrize(
+    "values", [[], ["--set", "operator.watchNamespaces={team-a,team-b}"]], ids=["cluster-wide", "namespaced"]
+)
 def test_peering_object_is_the_operators_not_the_charts(helm: Helm, values: list[str]) -> None:
     """The operator makes its peering object when missing (it may exist already, made by an operator run by hand
     or shared with another release): the chart renders none, only names it and lets the operator create it."""
@@ -230,9 +284,20 @@ def test_peering_object_is_the_operators_not_the_charts(helm: Helm, values: list
 
 
 def test_values_reach_the_deployment(helm: Helm) -> None:
-    (dep,) = kinds(helm.template("--set", "image.repository=registry.local/kvpilot", "--set", "image.tag=dev",
-                                 "--set", "image.pullPolicy=Always", "--set", "operator.logLevel=DEBUG",
-                                 "--set", "operator.replicas=0"))["Deployment"]  # fmt: skip
+    (dep,) = kinds(
+        helm.template(
+            "--set",
+            "image.repository=registry.local/kvpilot",
+            "--set",
+            "image.tag=dev",
+            "--set",
+            "image.pullPolicy=Always",
+            "--set",
+            "operator.logLevel=DEBUG",
+            "--set",
+            "operator.replicas=0",
+        )
+    )["Deployment"]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "registry.local/kvpilot:dev" and c["imagePullPolicy"] == "Always"
     assert "--log-level=DEBUG" in c["args"] and dep["spec"]["replicas"] == 0

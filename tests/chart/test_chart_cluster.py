@@ -38,9 +38,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 RELEASE, RELEASE_NS, FLEET_NS = "kvpilot", "kvpilot-system", "chart-fleet"
 OPERATOR = "kvpilot-operator"
-MONITORING = ["--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.podMonitor.interval=2s",
-              "--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.serviceMonitor.interval=2s",
-              "--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.dashboards.enabled=true"]  # fmt: skip
+MONITORING = [
+    "--set",
+    "monitoring.podMonitor.enabled=true",
+    "--set",
+    "monitoring.podMonitor.interval=2s",
+    "--set",
+    "monitoring.serviceMonitor.enabled=true",
+    "--set",
+    "monitoring.serviceMonitor.interval=2s",
+    "--set",
+    "monitoring.prometheusRule.enabled=true",
+    "--set",
+    "monitoring.dashboards.enabled=true",
+]
 PROMPT = (
     "Chart test: a prompt whose prefix the second request finds cached. " + "Lorem ipsum dolor sit amet. " * 8
 )
@@ -51,8 +62,12 @@ INSTALL: dict[str, str] = {}  # helm install's output (NOTES.txt)
 def http(
     method: str, url: str, body: dict | None = None, token: str | None = None, timeout: float = 120
 ) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode() if body is not None else None,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -68,8 +83,18 @@ def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Hel
 def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) -> Iterator[None]:
     """`helm install --wait` with every monitoring toggle on; the time to a Ready operator is recorded."""
     t0 = time.monotonic()
-    r = kube_helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
-                  *MONITORING, timeout=400)  # fmt: skip
+    r = kube_helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--wait",
+        "--timeout=5m",
+        *MONITORING,
+        timeout=400,
+    )
     INSTALL["notes"] = r.stdout
     TIMINGS["helm_install_to_ready_operator_s"] = round(time.monotonic() - t0, 2)
     yield
@@ -80,8 +105,14 @@ def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) ->
 
 
 def operator_pod(cluster: Cluster, release: str = RELEASE) -> dict:
-    pods = cluster.kubectl_json("get", "pods", "-n", RELEASE_NS, "-l",
-                                f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={release}")  # fmt: skip
+    pods = cluster.kubectl_json(
+        "get",
+        "pods",
+        "-n",
+        RELEASE_NS,
+        "-l",
+        f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={release}",
+    )
     live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
     assert len(live) == 1, [p["metadata"]["name"] for p in live]
     return live[0]
@@ -106,8 +137,10 @@ def prometheus(
 ) -> Iterator[Prometheus]:
     """A real Prometheus whose scrape configs and rules come from the monitoring objects the chart installed.
     Debian's prometheus has no kubernetes_sd_configs: the same discovery is served over http_sd_configs."""
-    monitors = {k: cluster.kubectl_json("get", k, "-n", RELEASE_NS)["items"]
-                for k in ("podmonitors", "servicemonitors", "prometheusrules")}  # fmt: skip
+    monitors = {
+        k: cluster.kubectl_json("get", k, "-n", RELEASE_NS)["items"]
+        for k in ("podmonitors", "servicemonitors", "prometheusrules")
+    }
     # Two PodMonitors (daemons, routers), the operator's ServiceMonitor, the alerts.
     assert [len(v) for v in monitors.values()] == [2, 1, 1], {k: len(v) for k, v in monitors.items()}
     jobs = [j for pm in monitors["podmonitors"] for j in pod_monitor_jobs(pm)]
@@ -136,11 +169,18 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
     cluster.kubectl(
         "create", "secret", "generic", "admin", "-n", FLEET_NS, "--from-literal=token=chart-admin"
     )
-    infd = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "llm", "namespace": FLEET_NS},
-            "spec": {"replicas": 2, "adminTokenSecretRef": {"name": "admin"}, "router": {"enabled": True},
-                     "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
-                     "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}]}}  # fmt: skip
+    infd = {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "llm", "namespace": FLEET_NS},
+        "spec": {
+            "replicas": 2,
+            "adminTokenSecretRef": {"name": "admin"},
+            "router": {"enabled": True},
+            "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+            "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
+        },
+    }
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
     cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
 
@@ -158,8 +198,11 @@ def wait_scraped(cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]
     def all_scraped() -> bool:
         up = [t["labels"] for t in prometheus.targets() if t["health"] == "up"]
         pods = {t.get("pod") for t in up}
-        return (set(fleet) <= pods and operator_pod(cluster)["metadata"]["name"] in pods
-                and any(t["job"] == "kvpilot-router" for t in up))  # fmt: skip
+        return (
+            set(fleet) <= pods
+            and operator_pod(cluster)["metadata"]["name"] in pods
+            and any(t["job"] == "kvpilot-router" for t in up)
+        )
 
     wait_for(all_scraped, 60, "prometheus scraping both daemons, the router and the operator")
 
@@ -228,8 +271,12 @@ def test_reset_by_the_in_cluster_operator(
         http("POST", f"http://{next(iter(fleet.values()))}:8000/reset_prefix_cache", token="wrong")
     assert e.value.code == 401
 
-    reset = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "PrefixCacheReset",
-             "metadata": {"name": "flush", "namespace": FLEET_NS}, "spec": {"targetRef": {"name": "llm"}}}  # fmt: skip
+    reset = {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "PrefixCacheReset",
+        "metadata": {"name": "flush", "namespace": FLEET_NS},
+        "spec": {"targetRef": {"name": "llm"}},
+    }
     t0 = time.monotonic()
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(reset))
     cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", FLEET_NS, "--timeout=120s")
@@ -264,8 +311,11 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
     jobs = {t["labels"]["job"] for t in prometheus.targets()}
     assert jobs == {"kvpilot-daemon", "kvpilot-operator", "kvpilot-router"}, jobs
     # The reset and the last traffic must be in the samples: the operator has recorded it.
-    wait_for(lambda: prometheus.query(f'kvpilot_operator_reset_pods{{namespace="{FLEET_NS}",reset="flush"}}'), 30,
-             "the reset in prometheus")  # fmt: skip
+    wait_for(
+        lambda: prometheus.query(f'kvpilot_operator_reset_pods{{namespace="{FLEET_NS}",reset="flush"}}'),
+        30,
+        "the reset in prometheus",
+    )
     time.sleep(6)  # three more scrapes, so every rate() has two samples after the last request
 
     variables = {"namespace": FLEET_NS, "deployment": "llm", "pod": ".*", "datasource": "prometheus"}
@@ -324,8 +374,17 @@ def test_namespace_edit_and_view_users_get_kvpilot_resources(cluster: Cluster, r
 
 
 def test_wrong_value_is_refused_naming_the_field(kube_helm: Helm, release: None) -> None:
-    r = kube_helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values",
-                  "--set", "operator.logLevl=DEBUG", check=False)  # fmt: skip
+    r = kube_helm(
+        "upgrade",
+        RELEASE,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--reuse-values",
+        "--set",
+        "operator.logLevl=DEBUG",
+        check=False,
+    )
     assert r.returncode != 0 and "logLevl" in r.stderr, r.stderr
     history = json.loads(kube_helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)
     assert len(history) == 1, "a refused upgrade must not make a revision"
@@ -336,10 +395,24 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 ) -> None:
     before = operator_pod(cluster)["metadata"]["uid"]
     peering_uid = peering(cluster)["metadata"]["uid"]
-    kube_helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NS, "--reuse-values", "--set", "operator.logLevel=DEBUG",
-              "--wait", "--timeout=5m", timeout=400)  # fmt: skip
-    pod = wait_for(lambda: (p := operator_pod(cluster))["metadata"]["uid"] != before and is_ready(p) and p, 120,
-                   "a new Ready operator pod")  # fmt: skip
+    kube_helm(
+        "upgrade",
+        RELEASE,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--reuse-values",
+        "--set",
+        "operator.logLevel=DEBUG",
+        "--wait",
+        "--timeout=5m",
+        timeout=400,
+    )
+    pod = wait_for(
+        lambda: (p := operator_pod(cluster))["metadata"]["uid"] != before and is_ready(p) and p,
+        120,
+        "a new Ready operator pod",
+    )
     assert "--log-level=DEBUG" in pod["spec"]["containers"][0]["args"]
     assert peering(cluster)["metadata"]["uid"] == peering_uid, (
         "the upgrade must leave the peering object alone"
@@ -350,7 +423,7 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 
 
 def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, release: None) -> None:
-    # The fleet first: its finalizer is the operator's to remove.
+    # Resets first, while the operator runs: only a running reset has a finalizer, the operator's to remove.
     cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
     peering_uid = peering(cluster)["metadata"]["uid"]
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)
@@ -379,12 +452,26 @@ def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: H
     """With operator.watchNamespaces the operator has Roles in the watched namespace and a ClusterRole with
     only the cluster-scoped rules, and still completes `helm test`'s PrefixCacheReset there."""
     name = "kvpilot-ns"
-    kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
-              "--set", f"operator.watchNamespaces={{{RELEASE_NS}}}", timeout=400)  # fmt: skip
+    kube_helm(
+        "install",
+        name,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--wait",
+        "--timeout=5m",
+        "--set",
+        f"operator.watchNamespaces={{{RELEASE_NS}}}",
+        timeout=400,
+    )
     try:
         role = cluster.kubectl_json("get", "clusterrole", f"{name}-operator")
         assert {r for rule in role["rules"] for r in rule["resources"]} == {
-            "customresourcedefinitions", "namespaces", "clusterkopfpeerings"}  # fmt: skip
+            "customresourcedefinitions",
+            "namespaces",
+            "clusterkopfpeerings",
+        }
         assert cluster.kubectl_json("get", "kopfpeering", "kvpilot", "-n", RELEASE_NS)
         kube_helm("test", name, "-n", RELEASE_NS, "--timeout=3m", timeout=240)
     finally:
@@ -404,9 +491,22 @@ def test_install_after_an_operator_run_by_hand(cluster: Cluster, kube_helm: Helm
     )  # e.g. the release's above
     log = tmp_path / "operator.log"
     kvpilot = Path(sys.executable).parent / "kvpilot"  # the checkout's .venv/bin/kvpilot
-    op = subprocess.Popen([kvpilot, "operator", "--bind", "127.0.0.1", "--liveness-port", str(free_port()),
-                           "--metrics-port", str(free_port())], env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
-                          stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    op = subprocess.Popen(
+        [
+            kvpilot,
+            "operator",
+            "--bind",
+            "127.0.0.1",
+            "--liveness-port",
+            str(free_port()),
+            "--metrics-port",
+            str(free_port()),
+        ],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: "created the peering object kvpilot" in log.read_text(), 60, "the peering object")
         wait_for(lambda: peers(cluster), 30, "the operator run by hand to peer")
@@ -417,8 +517,18 @@ def test_install_after_an_operator_run_by_hand(cluster: Cluster, kube_helm: Helm
     uid = peering(cluster)["metadata"]["uid"]
 
     name = "kvpilot-after"
-    r = kube_helm("install", name, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait", "--timeout=5m",
-                  check=False, timeout=400)  # fmt: skip
+    r = kube_helm(
+        "install",
+        name,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--wait",
+        "--timeout=5m",
+        check=False,
+        timeout=400,
+    )
     try:
         assert r.returncode == 0, r.stderr
         pod = operator_pod(cluster, name)["metadata"]["name"]

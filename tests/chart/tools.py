@@ -45,8 +45,12 @@ class Helm:
     """helm with private config/cache/data folders; `kubeconfig` for the commands that reach a cluster."""
 
     def __init__(self, home: Path, kubeconfig: Path | None = None) -> None:
-        self.env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
-                    "HELM_DATA_HOME": str(home / "data")}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "HELM_CONFIG_HOME": str(home / "config"),
+            "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_DATA_HOME": str(home / "data"),
+        }
         if kubeconfig is not None:
             self.env["KUBECONFIG"] = str(kubeconfig)
         self.bin = tool("helm")

@@ -226,8 +226,15 @@ def test_service_account_without_rights_gets_403(cluster: Cluster, namespace: st
     assert err.value.status == 403
     # ...and RBAC really decides: a RoleBinding grants exactly what it says.
     cluster.kubectl("create", "role", "pod-reader", "--verb=list", "--resource=pods", "-n", namespace)
-    cluster.kubectl("create", "rolebinding", "nobody-reads", "--role=pod-reader",
-                    f"--serviceaccount={namespace}:nobody", "-n", namespace)  # fmt: skip
+    cluster.kubectl(
+        "create",
+        "rolebinding",
+        "nobody-reads",
+        "--role=pod-reader",
+        f"--serviceaccount={namespace}:nobody",
+        "-n",
+        namespace,
+    )
     wait_for(lambda: core.list_namespaced_pod(namespace) is not None, 10, "the RoleBinding to apply")
     with pytest.raises(client.ApiException) as err:
         core.list_namespaced_secret(namespace)
@@ -263,17 +270,29 @@ def test_daemonset_runs_one_pod_per_node(cluster: Cluster, namespace: str) -> No
 def test_gpu_requests_schedule_within_capacity(cluster: Cluster, namespace: str) -> None:
     def pod(name: str, gpus: int) -> dict:
         return {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-                "name": "main", "image": "vllm", "command": ["sleep", "3600"],
-                "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
-            }]},
-        }  # fmt: skip
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "vllm",
+                        "command": ["sleep", "3600"],
+                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                    }
+                ],
+            },
+        }
 
     cluster.core.create_namespaced_pod(namespace, pod("one-gpu", 1))
     cluster.core.create_namespaced_pod(namespace, pod("too-many", 4))
-    wait_for(lambda: cluster.core.read_namespaced_pod("one-gpu", namespace).status.phase == "Running", 30,
-             "the 1-GPU pod to run")  # fmt: skip
+    wait_for(
+        lambda: cluster.core.read_namespaced_pod("one-gpu", namespace).status.phase == "Running",
+        30,
+        "the 1-GPU pod to run",
+    )
 
     def unschedulable() -> client.V1PodCondition | None:
         conds = cluster.core.read_namespaced_pod("too-many", namespace).status.conditions or []
@@ -288,18 +307,26 @@ def test_gpu_requests_schedule_within_capacity(cluster: Cluster, namespace: str)
 def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> None:
     def pod(name: str, script: str, policy: str, grace: int = 1) -> dict:
         return {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"restartPolicy": policy, "terminationGracePeriodSeconds": grace,
-                     "containers": [{"name": "main", "image": "x", "command": ["sh", "-c", script]}]},
-        }  # fmt: skip
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "restartPolicy": policy,
+                "terminationGracePeriodSeconds": grace,
+                "containers": [{"name": "main", "image": "x", "command": ["sh", "-c", script]}],
+            },
+        }
 
     cluster.core.create_namespaced_pod(namespace, pod("crashy", "exit 3", "OnFailure"))
     cluster.core.create_namespaced_pod(namespace, pod("once", "exit 0", "Never"))
     cluster.core.create_namespaced_pod(
         namespace, pod("stubborn", 'trap "" TERM; sleep 600', "Always", grace=2)
     )
-    wait_for(lambda: cluster.core.read_namespaced_pod("once", namespace).status.phase == "Succeeded", 30,
-             "a Never pod that exits 0 to succeed")  # fmt: skip
+    wait_for(
+        lambda: cluster.core.read_namespaced_pod("once", namespace).status.phase == "Succeeded",
+        30,
+        "a Never pod that exits 0 to succeed",
+    )
 
     def restarted() -> bool:
         st = cluster.core.read_namespaced_pod("crashy", namespace).status

@@ -147,13 +147,21 @@ def test_in_cluster_client_and_kopf_log_in_with_the_pods_service_account(
 ) -> None:
     core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
     core.create_namespaced_service_account(ns, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(ns, {"metadata": {"name": "pod-reader"},
-                                     "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})  # fmt: skip
-    rbac.create_namespaced_role_binding(ns, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
-    })  # fmt: skip
+    rbac.create_namespaced_role(
+        ns,
+        {
+            "metadata": {"name": "pod-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": "reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
+        },
+    )
     core.create_namespaced_pod(ns, pod("client", ["python3", "-c", IN_CLUSTER], sa="reader"))
     # kubectl's in-cluster mode too (what helm test hooks and scripts in pods use).
     kubectl = "kubectl get pods -o name; kubectl get secrets 2>&1; true"

@@ -55,9 +55,16 @@ def test_local_completions_matches_hf(tmp_path: Path, default_model_dir: Path, m
 
     def evaluate(model: str, model_args: str, batch_size: int) -> dict:
         return lm_eval.simple_evaluate(
-            model=model, model_args=model_args, tasks=[TASK], task_manager=tasks, batch_size=batch_size,
-            log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-        )  # fmt: skip
+            model=model,
+            model_args=model_args,
+            tasks=[TASK],
+            task_manager=tasks,
+            batch_size=batch_size,
+            log_samples=True,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+        )
 
     server = start_server(tmp_path)
     try:

@@ -17,10 +17,15 @@ PROMPTS = [list(range(100, 123)), [5, 6, 7], list(range(1000, 1032)), list(range
 def _generate(model_dir, backend, **kw):
     eng = LLMEngine(
         EngineConfig(
-            model=str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
-            kernel_backend=backend, **kw,
+            model=str(model_dir),
+            device="cuda",
+            dtype="float32",
+            num_kv_blocks=256,
+            block_size=16,
+            kernel_backend=backend,
+            **kw,
         )
-    )  # fmt: skip
+    )
     assert eng.ops.name == backend
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     return eng.generate(PROMPTS, params) + eng.generate(PROMPTS[:1], params)

@@ -65,9 +65,16 @@ def test_random_batches(ops, seed):
     kv, group = rng.choice([(8, 1), (2, 3), (4, 4), (1, 8)])
     dtype = DTYPES[seed % 3]
     case = build_attention_case(
-        q_lens, seq_lens, num_kv_heads=kv, group=group, head_dim=rng.choice([64, 128]),
-        block_size=rng.choice([16, 32]), dtype=dtype, device=DEV, seed=seed,
-    )  # fmt: skip
+        q_lens,
+        seq_lens,
+        num_kv_heads=kv,
+        group=group,
+        head_dim=rng.choice([64, 128]),
+        block_size=rng.choice([16, 32]),
+        dtype=dtype,
+        device=DEV,
+        seed=seed,
+    )
     _attn(ops, case, dtype)
 
 
@@ -93,18 +100,30 @@ def test_decode_sweep(ops, dtype, num_seqs, ctx):
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
 def test_forced_splits(num_splits):
     case = build_attention_case(
-        [1, 1, 1, 9], [1, 300, 4097, 50], num_kv_heads=2, group=4, head_dim=128, block_size=16,
-        dtype=torch.bfloat16, device=DEV,
-    )  # fmt: skip
+        [1, 1, 1, 9],
+        [1, 300, 4097, 50],
+        num_kv_heads=2,
+        group=4,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=DEV,
+    )
     _attn(None, case, torch.bfloat16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_prefill(ops, dtype):
     case = build_attention_case(
-        [2048, 1, 300], [4096, 1000, 300], num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=dtype,
+        [2048, 1, 300],
+        [4096, 1000, 300],
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
         device=DEV,
-    )  # fmt: skip
+    )
     _attn(ops, case, dtype)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from support import ROOT
 
 SCRIPT = ROOT / "hack" / "lib" / "aptmirror.sh"
@@ -22,29 +24,34 @@ def mirror(apt: Path, suite: str) -> str:
     return r.stdout
 
 
-def test_deb822_sources_name_the_mirror_per_suite(tmp_path: Path) -> None:
-    (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list.d" / "debian.sources").write_text(
-        "Types: deb\nURIs: http://mirror.test/debian/\nSuites: bookworm bookworm-updates\nComponents: main\n\n"
-        "Types: deb\nURIs: http://off.test/debian\nSuites: bookworm-security\nEnabled: no\n\n"
-        "Types: deb\nURIs: http://security.test/debian-security http://second.test/x\n"
-        "Suites: bookworm-security\nComponents: main\n"
-    )
-    assert mirror(tmp_path, "bookworm") == "http://mirror.test/debian"
-    assert mirror(tmp_path, "bookworm-updates") == "http://mirror.test/debian"
-    assert mirror(tmp_path, "bookworm-security") == "http://security.test/debian-security"
-    assert mirror(tmp_path, "trixie") == ""
+DEB822 = (
+    "Types: deb\nURIs: http://mirror.test/debian/\nSuites: bookworm bookworm-updates\nComponents: main\n\n"
+    "Types: deb\nURIs: http://off.test/debian\nSuites: bookworm-security\nEnabled: no\n\n"
+    "Types: deb\nURIs: http://security.test/debian-security http://second.test/x\n"
+    "Suites: bookworm-security\nComponents: main\n"
+)
+ONE_LINE = (
+    "# deb http://commented.test/debian bookworm main\n"
+    "deb-src http://src.test/debian bookworm main\n"
+    "deb [arch=amd64 signed-by=/k.gpg] http://mirror.test/debian bookworm main\n"
+    "deb http://security.test/debian-security bookworm-security main\n"
+)
+EXPECTED = {
+    "bookworm": "http://mirror.test/debian",
+    "bookworm-security": "http://security.test/debian-security",
+    "trixie": "",
+}
 
 
-def test_one_line_sources_with_options(tmp_path: Path) -> None:
-    (tmp_path / "sources.list").write_text(
-        "# deb http://commented.test/debian bookworm main\n"
-        "deb-src http://src.test/debian bookworm main\n"
-        "deb [arch=amd64 signed-by=/k.gpg] http://mirror.test/debian bookworm main\n"
-        "deb http://security.test/debian-security bookworm-security main\n"
-    )
-    assert mirror(tmp_path, "bookworm") == "http://mirror.test/debian"
-    assert mirror(tmp_path, "bookworm-security") == "http://security.test/debian-security"
+@pytest.mark.parametrize(
+    ("file", "text"), [("sources.list.d/debian.sources", DEB822), ("sources.list", ONE_LINE)]
+)
+def test_the_mirror_of_each_suite(tmp_path: Path, file: str, text: str) -> None:
+    """deb822 (a disabled entry and a second URI skipped) and one-line sources (comments, deb-src and
+    options skipped) name the same mirrors."""
+    (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / file).write_text(text)
+    assert {suite: mirror(tmp_path, suite) for suite in EXPECTED} == EXPECTED
 
 
 def test_no_sources_no_mirror(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
                     "max_tokens": 4,
                     "temperature": 0,
                 }
-            ).encode(),  # fmt: skip
+            ).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=120) as resp:
@@ -181,8 +181,22 @@ def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
 def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
     # chroot isolation shares this machine's network: the daemon listens on loopback here.
     port = free_port()
-    argv = ["buildah", "run", "--isolation", "chroot", container, "--",
-            "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
+    argv = [
+        "buildah",
+        "run",
+        "--isolation",
+        "chroot",
+        container,
+        "--",
+        "kvpilot",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cpu-threads",
+        "1",
+    ]
     serve_until_healthy(argv, port, tmp_path / "serve.log")
 
 
@@ -193,11 +207,27 @@ def test_kvpilot_serve_runs_on_a_read_only_root_with_an_empty_tmp(
     """What a pod with `readOnlyRootFilesystem: true` and an emptyDir at /tmp gets: the image's root
     mounted read-only, a fresh /tmp, the image's user and environment and nothing else."""
     root = buildah("mount", container).stdout.strip()
-    env = buildah("inspect", "--type", "image", "--format", "{{range .OCIv1.Config.Env}}{{println .}}{{end}}",
-                  image).stdout.split()  # fmt: skip
+    env = buildah(
+        "inspect", "--type", "image", "--format", "{{range .OCIv1.Config.Env}}{{println .}}{{end}}", image
+    ).stdout.split()
     port = free_port()
-    inner = ["chroot", "--userspec=10001:10001", root, "/usr/bin/env", "-i", "HOME=/home/kvpilot", *env,
-             "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]  # fmt: skip
+    inner = [
+        "chroot",
+        "--userspec=10001:10001",
+        root,
+        "/usr/bin/env",
+        "-i",
+        "HOME=/home/kvpilot",
+        *env,
+        "kvpilot",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--cpu-threads",
+        "1",
+    ]
     setup = (
         f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
         f"mount -t proc proc {root}/proc && mount --rbind /dev {root}/dev && "

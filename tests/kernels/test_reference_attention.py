@@ -68,9 +68,18 @@ def _case(seed: int, prefixes: list[list[int]], members: list[tuple[int, int, in
 # (it cannot use them all, so the group's prefix shrinks to what it sees), and unrelated sequences.
 PREFIXES = [[10, 11, 12, 13, 14], [40, 7, 33]]
 MEMBERS = [
-    (0, 3, 1), (0, 9, 1), (0, 1, 1), (0, 6, 4), (-1, 9, 1), (1, 2, 1), (1, 5, 5), (1, 0, 1),
-    (-1, 13, 13), (0, 2, 11), (-1, 1, 1),
-]  # fmt: skip
+    (0, 3, 1),
+    (0, 9, 1),
+    (0, 1, 1),
+    (0, 6, 4),
+    (-1, 9, 1),
+    (1, 2, 1),
+    (1, 5, 5),
+    (1, 0, 1),
+    (-1, 13, 13),
+    (0, 2, 11),
+    (-1, 1, 1),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -24,9 +24,14 @@ def test_write_kv(dtype, heads_dim):
     """Scatter into shuffled blocks, lengths off the block grid; untouched slots must stay as they were."""
     num_kv_heads, head_dim = heads_dim
     case = build_attention_case(
-        [1, 5, 19, 1], [1, 21, 19, 33], num_kv_heads=num_kv_heads, group=1, head_dim=head_dim, block_size=16,
+        [1, 5, 19, 1],
+        [1, 21, 19, 33],
+        num_kv_heads=num_kv_heads,
+        group=1,
+        head_dim=head_dim,
+        block_size=16,
         dtype=dtype,
-    )  # fmt: skip
+    )
     t = case.slot_mapping.numel()
     key = _rand(t, num_kv_heads, head_dim, dtype=dtype, seed=1)
     value = _rand(t, num_kv_heads, head_dim, dtype=dtype, seed=2)

@@ -27,8 +27,11 @@ def daemon_metric_names() -> set[str]:
     from kvpilot.daemon.engine.outputs import CacheStats
     from kvpilot.daemon.server.metrics import DaemonMetrics
 
-    required = [f for f in dataclasses.fields(CacheStats)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    required = [
+        f
+        for f in dataclasses.fields(CacheStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     stats = CacheStats(**{f.name: 0 for f in required})
     return _sample_names(DaemonMetrics(lambda: [(None, stats)]).registry.collect())  # one rank, unlabelled
 

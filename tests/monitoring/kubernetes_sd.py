@@ -56,8 +56,11 @@ def _port_meta(prefix: str, container: client.V1Container, port: client.V1Contai
 
 def pod_targets(core: client.CoreV1Api, namespaces: list[str]) -> list[dict[str, Any]]:
     """Role `pod`: one target per container port of each pod with an IP."""
-    pods = [p for ns in namespaces for p in core.list_namespaced_pod(ns).items] if namespaces else \
-        core.list_pod_for_all_namespaces().items  # fmt: skip
+    pods = (
+        [p for ns in namespaces for p in core.list_namespaced_pod(ns).items]
+        if namespaces
+        else core.list_pod_for_all_namespaces().items
+    )
     groups = []
     for pod in pods:
         if not pod.status.pod_ip:
@@ -65,16 +68,23 @@ def pod_targets(core: client.CoreV1Api, namespaces: list[str]) -> list[dict[str,
         meta = _pod_meta(pod)
         for c in pod.spec.containers:
             for port in c.ports or []:
-                groups.append({"targets": [f"{pod.status.pod_ip}:{port.container_port}"],
-                               "labels": {**meta, **_port_meta("__meta_kubernetes_pod", c, port)}})  # fmt: skip
+                groups.append(
+                    {
+                        "targets": [f"{pod.status.pod_ip}:{port.container_port}"],
+                        "labels": {**meta, **_port_meta("__meta_kubernetes_pod", c, port)},
+                    }
+                )
     return groups
 
 
 def endpointslice_targets(api: client.ApiClient, namespaces: list[str]) -> list[dict[str, Any]]:
     """Role `endpointslice`: one target per endpoint address and port, with its Service's and Pod's labels."""
     core, disc = client.CoreV1Api(api), client.DiscoveryV1Api(api)
-    slices = [s for ns in namespaces for s in disc.list_namespaced_endpoint_slice(ns).items] if namespaces else \
-        disc.list_endpoint_slice_for_all_namespaces().items  # fmt: skip
+    slices = (
+        [s for ns in namespaces for s in disc.list_namespaced_endpoint_slice(ns).items]
+        if namespaces
+        else disc.list_endpoint_slice_for_all_namespaces().items
+    )
     groups = []
     for es in slices:
         ns = es.metadata.namespace
@@ -116,8 +126,10 @@ class KubernetesSD:
     """An HTTP SD endpoint on loopback: GET /pod?namespaces=a,b and /endpointslice?namespaces=..."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        roles = {"/pod": lambda nss: pod_targets(client.CoreV1Api(api), nss),
-                 "/endpointslice": lambda nss: endpointslice_targets(api, nss)}  # fmt: skip
+        roles = {
+            "/pod": lambda nss: pod_targets(client.CoreV1Api(api), nss),
+            "/endpointslice": lambda nss: endpointslice_targets(api, nss),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name

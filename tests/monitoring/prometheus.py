@@ -21,8 +21,15 @@ from monitoring.dashboards import load, queries, substitute, variable_queries
 from monitoring.kubernetes_sd import KubernetesSD
 from support.procs import free_port, spawn, stop
 
-_RELABEL_KEYS = {"sourceLabels": "source_labels", "separator": "separator", "targetLabel": "target_label",
-                 "regex": "regex", "modulus": "modulus", "replacement": "replacement", "action": "action"}  # fmt: skip
+_RELABEL_KEYS = {
+    "sourceLabels": "source_labels",
+    "separator": "separator",
+    "targetLabel": "target_label",
+    "regex": "regex",
+    "modulus": "modulus",
+    "replacement": "replacement",
+    "action": "action",
+}
 
 
 def _sanitize(label: str) -> str:
@@ -39,8 +46,14 @@ def _relabel(r: dict[str, Any]) -> dict[str, Any]:
 
 def _selector(meta: str, selector: dict[str, Any]) -> list[dict[str, Any]]:
     assert not selector.get("matchExpressions"), "matchExpressions are not translated"
-    return [{"source_labels": [f"{meta}_label_{_sanitize(k)}", f"{meta}_labelpresent_{_sanitize(k)}"],
-             "regex": f"({v});true", "action": "keep"} for k, v in selector.get("matchLabels", {}).items()]  # fmt: skip
+    return [
+        {
+            "source_labels": [f"{meta}_label_{_sanitize(k)}", f"{meta}_labelpresent_{_sanitize(k)}"],
+            "regex": f"({v});true",
+            "action": "keep",
+        }
+        for k, v in selector.get("matchLabels", {}).items()
+    ]
 
 
 def _sd(
@@ -53,8 +66,14 @@ def _sd(
     return sd
 
 
-def _endpoint_job(kind: str, obj: dict[str, Any], i: int, ep: dict[str, Any], sd: dict[str, Any],
-                  relabels: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+def _endpoint_job(
+    kind: str,
+    obj: dict[str, Any],
+    i: int,
+    ep: dict[str, Any],
+    sd: dict[str, Any],
+    relabels: list[dict[str, Any]],
+) -> dict[str, Any]:
     job: dict[str, Any] = {
         "job_name": f"{kind}/{obj['metadata']['namespace']}/{obj['metadata']['name']}/{i}",
         "honor_labels": bool(ep.get("honorLabels", False)),
@@ -125,16 +144,30 @@ def via_http_sd(jobs: list[dict[str, Any]], sd: KubernetesSD) -> list[dict[str, 
 class Prometheus:
     """`prometheus` on a loopback port with the given scrape configs and rule groups, in `workdir`."""
 
-    def __init__(self, binary: str, workdir: Path, scrape_configs: list[dict], rule_groups: list[dict],
-                 interval: str = "2s") -> None:  # fmt: skip
+    def __init__(
+        self,
+        binary: str,
+        workdir: Path,
+        scrape_configs: list[dict],
+        rule_groups: list[dict],
+        interval: str = "2s",
+    ) -> None:
         self.workdir, self.port = workdir, free_port()
         (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups}))
-        config = {"global": {"scrape_interval": interval, "evaluation_interval": interval},
-                  "rule_files": [str(workdir / "rules.yaml")], "scrape_configs": scrape_configs}  # fmt: skip
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": [str(workdir / "rules.yaml")],
+            "scrape_configs": scrape_configs,
+        }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         self.log = workdir / "prometheus.log"
-        argv = [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]  # fmt: skip
+        argv = [
+            binary,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
         self.proc = spawn(argv, log_path=self.log)
 
     def api(self, path: str, **params: str) -> Any:

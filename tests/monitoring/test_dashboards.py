@@ -54,10 +54,19 @@ def test_variables_and_datasource(path: Path) -> None:
 
 def test_fleet_cache_panels() -> None:
     titles = {p["title"] for p in panels(load(DASHBOARDS[0].with_name("fleet-cache.json")))}
-    assert titles >= {"Prefix cache hit rate", "Prompt tokens served from cache", "KV cache usage",
-                      "KV cache blocks by state", "Prefix cache epoch", "Time since last reset",
-                      "Time to first token p50 / p95 / p99", "Inter-token latency p50 / p95 / p99",
-                      "Tokens per second", "Requests running and waiting", "Preemptions"}  # fmt: skip
+    assert titles >= {
+        "Prefix cache hit rate",
+        "Prompt tokens served from cache",
+        "KV cache usage",
+        "KV cache blocks by state",
+        "Prefix cache epoch",
+        "Time since last reset",
+        "Time to first token p50 / p95 / p99",
+        "Inter-token latency p50 / p95 / p99",
+        "Tokens per second",
+        "Requests running and waiting",
+        "Preemptions",
+    }
 
 
 def test_hit_rate_is_windowed_and_guarded() -> None:
@@ -75,8 +84,13 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     for path in DASHBOARDS:
         board = load(path)
         for where, expr in [*queries(board), *variable_queries(board)]:
-            rules.append({"record": f"check:{len(rules)}", "expr": substitute(expr, "1m", "1h", ALL),
-                          "labels": {"where": f"{path.stem}: {where}"}})  # fmt: skip
+            rules.append(
+                {
+                    "record": f"check:{len(rules)}",
+                    "expr": substitute(expr, "1m", "1h", ALL),
+                    "labels": {"where": f"{path.stem}: {where}"},
+                }
+            )
     f = tmp_path / "queries.yaml"
     f.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     r = subprocess.run([tool("promtool"), "check", "rules", str(f)], capture_output=True, text=True)
@@ -86,10 +100,18 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
 
 def test_router_panels() -> None:
     titles = {p["title"] for p in panels(load(ROUTER_DASHBOARD))}
-    assert titles >= {"Requests per pod", "Routing decisions by pod, policy and reason",
-                      "Predicted vs reported cached tokens", "Prediction error per pod", "Stale predictions",
-                      "KV event batches by result", "KV event batches missed", "Pods ready and listed per router",
-                      "Fleet resets by result", "Pod answers other than 2xx"}  # fmt: skip
+    assert titles >= {
+        "Requests per pod",
+        "Routing decisions by pod, policy and reason",
+        "Predicted vs reported cached tokens",
+        "Prediction error per pod",
+        "Stale predictions",
+        "KV event batches by result",
+        "KV event batches missed",
+        "Pods ready and listed per router",
+        "Fleet resets by result",
+        "Pod answers other than 2xx",
+    }
 
 
 def test_only_exposed_metrics_are_used(fleet: Fleet) -> None:

@@ -29,8 +29,18 @@ NAMESPACE, DEPLOYMENT, JOB = "router-ns", "llm", "kvpilot-router"
 def prometheus(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     """Scrapes the fleet's router every second (a static target with the PodMonitor's target labels) and
     evaluates the router's alert rules."""
-    scrape = [{"job_name": JOB, "honor_labels": True,
-               "static_configs": [{"targets": [f"127.0.0.1:{fleet.router.port}"], "labels": {"namespace": NAMESPACE, "deployment": DEPLOYMENT}}]}]  # fmt: skip
+    scrape = [
+        {
+            "job_name": JOB,
+            "honor_labels": True,
+            "static_configs": [
+                {
+                    "targets": [f"127.0.0.1:{fleet.router.port}"],
+                    "labels": {"namespace": NAMESPACE, "deployment": DEPLOYMENT},
+                }
+            ],
+        }
+    ]
     groups = [g for g in yaml.safe_load(ALERTS.read_text())["groups"] if g["name"] == "kvpilot-router"]
     assert groups, "no kvpilot-router rule group"
     prom = Prometheus(

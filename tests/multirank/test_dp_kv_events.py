@@ -38,8 +38,16 @@ def free_port_pair() -> int:
 def dp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Server:
     tmp = tmp_path_factory.mktemp("dpkv")
     pub, replay = free_port_pair(), free_port_pair()
-    srv = start_server(tmp, "--data-parallel-size", "2", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-                       "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", token="t")  # fmt: skip
+    srv = start_server(
+        tmp,
+        "--data-parallel-size",
+        "2",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{pub}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{replay}",
+        token="t",
+    )
     srv.ports = (pub, replay)
     yield srv
     stop_fleet(None, [srv])
@@ -61,8 +69,10 @@ def test_each_rank_publishes_its_own_events_and_the_header_picks_the_rank(dp_dae
     assert [(r["rank"], r["endpoint"], r["replay_endpoint"]) for r in where["ranks"]] == [
         (r, f"tcp://127.0.0.1:{pub + r}", f"tcp://127.0.0.1:{replay + r}") for r in (0, 1)
     ]
-    assert (where["endpoint"], where["replay_endpoint"]) == (where["ranks"][0]["endpoint"],
-                                                              where["ranks"][0]["replay_endpoint"])  # fmt: skip
+    assert (where["endpoint"], where["replay_endpoint"]) == (
+        where["ranks"][0]["endpoint"],
+        where["ranks"][0]["replay_endpoint"],
+    )
     ctx = zmq.Context()
     subs = []
     for r in where["ranks"]:
@@ -102,8 +112,9 @@ def test_the_router_sends_a_repeated_prompt_to_the_same_pod_rank(dp_daemon: Serv
     try:
         router = start_router(tmp_path, [dp_daemon.url, single.url], token="t")
         assert {p["pod"]: p["ranks"] for p in router.health()["pods"]} == {
-            f"127.0.0.1:{dp_daemon.port}": 2, f"127.0.0.1:{single.port}": 1
-        }  # fmt: skip
+            f"127.0.0.1:{dp_daemon.port}": 2,
+            f"127.0.0.1:{single.port}": 1,
+        }
         served = {}
         for topic in ("rivers", "planets"):  # round robin among equals: the second lands on the other pod
             prompt = f"A prompt about {topic} only this test sends, long enough for a few cache blocks. " * 3
@@ -122,8 +133,10 @@ def test_the_router_sends_a_repeated_prompt_to_the_same_pod_rank(dp_daemon: Serv
                 assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             served[pod] = rank
         # The DP pod got a rank named; the single-rank pod gets no header.
-        assert served == {f"127.0.0.1:{dp_daemon.port}": served[f"127.0.0.1:{dp_daemon.port}"],
-                          f"127.0.0.1:{single.port}": None}  # fmt: skip
+        assert served == {
+            f"127.0.0.1:{dp_daemon.port}": served[f"127.0.0.1:{dp_daemon.port}"],
+            f"127.0.0.1:{single.port}": None,
+        }
         assert served[f"127.0.0.1:{dp_daemon.port}"] in ("0", "1")
     finally:
         stop_fleet(router, [single])

@@ -59,11 +59,14 @@ def test_two_ranks_serve_openai_requests(dp_server: Server, client) -> None:  # 
         t.join()
     assert all(texts.get(p) for p in prompts), texts
     # Greedy decoding gives the same text whichever rank serves it (round robin moves it to the other).
-    again = [client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0)
-             for _ in range(2)]  # fmt: skip
+    again = [
+        client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0)
+        for _ in range(2)
+    ]
     assert [a.choices[0].text for a in again] == [texts[prompts[0]]] * 2
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
-                                          max_tokens=8, temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.content
     ranks = dp_server.cache()["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -36,8 +36,12 @@ if __name__ == "__main__":
 
 
 def generate(model: Path, tp: int) -> list[list[int]]:
-    done = subprocess.run([sys.executable, "-c", GENERATE, str(model), str(tp), json.dumps(PROMPTS)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", GENERATE, str(model), str(tp), json.dumps(PROMPTS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -58,8 +62,9 @@ def test_serve_tp3_on_the_embedded_model_matches_tp1(tmp_path: Path, default_mod
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         for prompt, text in zip(PROMPTS, expected):
-            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+            out = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert out.usage.completion_tokens == 16
             assert out.choices[0].text == text
         reset = server.reset()

@@ -59,8 +59,16 @@ class Standin:
         if self.reset_status != 200:
             msg = {501: "this engine has no prefix cache to reset", 503: "the engine is not running"}
             return web.json_response(
-                {"error": {"message": msg.get(self.reset_status, "the prefix cache reset failed on rank 0"),
-                           "type": "server_error", "param": None, "code": "x"}}, status=self.reset_status)  # fmt: skip
+                {
+                    "error": {
+                        "message": msg.get(self.reset_status, "the prefix cache reset failed on rank 0"),
+                        "type": "server_error",
+                        "param": None,
+                        "code": "x",
+                    }
+                },
+                status=self.reset_status,
+            )
         # Applied on receipt, replied after `delay`: a caller killed meanwhile leaves a reset that happened.
         self.resets += 1
         self.epoch += 1
@@ -72,9 +80,17 @@ class Standin:
                 if not self.body_success
                 else web.Response(status=200)
             )
-        return web.json_response({"success": True, "epoch": self.epoch, "evicted_blocks": 7, "in_flight_requests": 0,
-                                  "preempted_requests": 0, "duration_ms": 0.1,
-                                  "ranks": [{"rank": 0, "success": True}]})  # fmt: skip
+        return web.json_response(
+            {
+                "success": True,
+                "epoch": self.epoch,
+                "evicted_blocks": 7,
+                "in_flight_requests": 0,
+                "preempted_requests": 0,
+                "duration_ms": 0.1,
+                "ranks": [{"rank": 0, "success": True}],
+            }
+        )
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"epoch": self.epoch, "blocks_total": 64})
@@ -107,8 +123,13 @@ def main() -> None:
     # Also accepts `kvpilot serve ...` arguments (see shim/kvpilot): flags it does not know are ignored.
     a, _ = p.parse_known_args([x for x in sys.argv[1:] if x != "serve"])
     token = a.token or os.environ.get("KVPILOT_ADMIN_TOKEN") or None
-    s = Standin(os.environ.get("STANDIN_ENGINE", a.engine), int(os.environ.get("STANDIN_RESET_STATUS", a.reset_status)),
-                float(os.environ.get("STANDIN_DELAY", a.delay)), int(os.environ.get("STANDIN_BUSY_TIMES", a.busy_times)), token)  # fmt: skip
+    s = Standin(
+        os.environ.get("STANDIN_ENGINE", a.engine),
+        int(os.environ.get("STANDIN_RESET_STATUS", a.reset_status)),
+        float(os.environ.get("STANDIN_DELAY", a.delay)),
+        int(os.environ.get("STANDIN_BUSY_TIMES", a.busy_times)),
+        token,
+    )
     print(json.dumps(vars(a)), flush=True)
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)
 

@@ -25,8 +25,9 @@ def test_make_demo_as_the_readme_writes_it() -> None:
         p for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep) if p != venv_bin
     )
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "KUBECONFIG", "PYTHONPATH")}
-    r = subprocess.run(["make", "demo"], cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True,
-                       timeout=840)  # fmt: skip
+    r = subprocess.run(
+        ["make", "demo"], cwd=ROOT, env={**env, "PATH": path}, capture_output=True, text=True, timeout=840
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     warm = [ln for ln in out.splitlines() if ln.startswith("pod ") and "->" in ln]

@@ -7,12 +7,16 @@ from kvpilot.operator.conditions import fleet_conditions, get_condition, set_con
 from kvpilot.operator.fleet_router import deployment_state
 
 SPEC = {
-    "replicas": 3, "placement": "Deployment", "image": "img:1", "port": 8123,
+    "replicas": 3,
+    "placement": "Deployment",
+    "image": "img:1",
+    "port": 8123,
     "engine": {"blockSize": 16, "maxNumSeqs": 8, "kvCacheBlocks": 256, "enablePrefixCaching": False},
-    "adminTokenSecretRef": {"name": "admin", "key": "tok"}, "nodeSelector": {"gpu": "yes"},
+    "adminTokenSecretRef": {"name": "admin", "key": "tok"},
+    "nodeSelector": {"gpu": "yes"},
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
     "resources": {"limits": {"nvidia.com/gpu": 1}},
-}  # fmt: skip
+}
 
 
 def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_annotations() -> None:
@@ -76,11 +80,17 @@ def test_generated_admin_token_unless_a_secret_is_named_or_the_spec_opts_out() -
 
 
 def test_gpu_node_fields_reach_the_pod_and_cpu_limit_sets_threads() -> None:
-    spec = {"serviceAccountName": "reader", "affinity": {"nodeAffinity": {}},
-            "imagePullSecrets": [{"name": "reg"}], "volumes": [{"name": "models", "hostPath": {"path": "/m"}}],
-            "volumeMounts": [{"name": "models", "mountPath": "/models"}], "securityContext": {"runAsNonRoot": True},
-            "podSecurityContext": {"fsGroup": 1000}, "startupProbe": {"httpGet": {"path": "/health", "port": "http"}},
-            "resources": {"limits": {"cpu": "2500m", "nvidia.com/gpu": 1}}}  # fmt: skip
+    spec = {
+        "serviceAccountName": "reader",
+        "affinity": {"nodeAffinity": {}},
+        "imagePullSecrets": [{"name": "reg"}],
+        "volumes": [{"name": "models", "hostPath": {"path": "/m"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+        "securityContext": {"runAsNonRoot": True},
+        "podSecurityContext": {"fsGroup": 1000},
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}},
+        "resources": {"limits": {"cpu": "2500m", "nvidia.com/gpu": 1}},
+    }
     pod = builders.workload("g", spec)["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert pod["serviceAccountName"] == "reader" and pod["automountServiceAccountToken"] is True
@@ -94,9 +104,15 @@ def test_gpu_node_fields_reach_the_pod_and_cpu_limit_sets_threads() -> None:
 
 
 def test_label_selector_strings() -> None:
-    sel = {"matchLabels": {"b": "2", "a": "1"}, "matchExpressions": [
-        {"key": "tier", "operator": "In", "values": ["x", "y"]}, {"key": "gpu", "operator": "Exists"},
-        {"key": "old", "operator": "DoesNotExist"}, {"key": "z", "operator": "NotIn", "values": ["q"]}]}  # fmt: skip
+    sel = {
+        "matchLabels": {"b": "2", "a": "1"},
+        "matchExpressions": [
+            {"key": "tier", "operator": "In", "values": ["x", "y"]},
+            {"key": "gpu", "operator": "Exists"},
+            {"key": "old", "operator": "DoesNotExist"},
+            {"key": "z", "operator": "NotIn", "values": ["q"]},
+        ],
+    }
     assert builders.label_selector(sel) == "a=1,b=2,tier in (x,y),gpu,!old,z notin (q)"
 
 
@@ -135,18 +151,34 @@ def test_conditions_keep_transition_time_until_status_changes() -> None:
 
 
 def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> None:
-    spec = {**SPEC, "model": "/models/q", "env": [{"name": "HF_HOME", "value": "/cache"}],
-            "volumes": [{"name": "m", "hostPath": {"path": "/models"}}],
-            "volumeMounts": [{"name": "m", "mountPath": "/models"}],
-            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
-                         "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}},
-            "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"}}  # fmt: skip
+    spec = {
+        **SPEC,
+        "model": "/models/q",
+        "env": [{"name": "HF_HOME", "value": "/cache"}],
+        "volumes": [{"name": "m", "hostPath": {"path": "/models"}}],
+        "volumeMounts": [{"name": "m", "mountPath": "/models"}],
+        "affinity": {
+            "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []},
+        },
+        "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"},
+    }
     sa, role, binding, dep, svc = router_objects.objects("llama", "team-a", spec)
-    assert [o["kind"] for o in (sa, role, binding, dep, svc)] == ["ServiceAccount", "Role", "RoleBinding",
-                                                                 "Deployment", "Service"]  # fmt: skip
+    assert [o["kind"] for o in (sa, role, binding, dep, svc)] == [
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Service",
+    ]
     assert {o["metadata"]["name"] for o in (sa, role, binding, dep, svc)} == {"llama-router"}
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "team-a"}]
     pod = dep["spec"]["template"]
     # Router pods never carry the fleet's label: the fleet Service and resets must not take them for daemons.
@@ -154,8 +186,17 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"] == {"kvpilot.io/router": "llama"}
     assert dep["spec"]["replicas"] == 2 and pod["spec"]["serviceAccountName"] == "llama-router"
     c = pod["spec"]["containers"][0]
-    assert c["args"][:9] == ["router", "--fleet", "llama", "--namespace", "$(POD_NAMESPACE)", "--policy",
-                             "prefix-aware", "--host", "$(POD_IP)"]  # fmt: skip
+    assert c["args"][:9] == [
+        "router",
+        "--fleet",
+        "llama",
+        "--namespace",
+        "$(POD_NAMESPACE)",
+        "--policy",
+        "prefix-aware",
+        "--host",
+        "$(POD_IP)",
+    ]
     assert c["args"][c["args"].index("--model") + 1] == "/models/q"  # the daemons' tokenizer
     tok = next(e for e in c["env"] if e["name"] == "KVPILOT_ADMIN_TOKEN")
     assert tok["valueFrom"]["secretKeyRef"] == {"name": "admin", "key": "tok"}
@@ -179,9 +220,14 @@ def test_each_rank_of_a_data_parallel_daemon_gets_its_kv_event_ports() -> None:
     assert c["args"][c["args"].index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"
     assert c["args"][c["args"].index("--kv-events-replay-endpoint") + 1] == "tcp://$(POD_IP):5560"
     assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
-        ("http", 8123), ("kv-events", 5557), ("kv-replay", 5560), ("kv-events-1", 5558), ("kv-replay-1", 5561),
-        ("kv-events-2", 5559), ("kv-replay-2", 5562),
-    ]  # fmt: skip
+        ("http", 8123),
+        ("kv-events", 5557),
+        ("kv-replay", 5560),
+        ("kv-events-1", 5558),
+        ("kv-replay-1", 5561),
+        ("kv-events-2", 5559),
+        ("kv-replay-2", 5562),
+    ]
 
 
 def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
@@ -206,12 +252,23 @@ def test_ready_waits_for_the_router_unless_no_pod_is_wanted() -> None:
 
 def test_router_state_follows_the_deployment_rollout() -> None:
     def dep(gen: int, observed: int, ready: int, updated: int) -> dict:
-        return {"metadata": {"generation": gen}, "status": {"observedGeneration": observed, "replicas": 2,
-                                                            "readyReplicas": ready, "updatedReplicas": updated}}  # fmt: skip
+        return {
+            "metadata": {"generation": gen},
+            "status": {
+                "observedGeneration": observed,
+                "replicas": 2,
+                "readyReplicas": ready,
+                "updatedReplicas": updated,
+            },
+        }
 
     assert deployment_state("llm", 2, dep(3, 3, 2, 2)).ready
     assert deployment_state("llm", 2, dep(3, 3, 2, 2)).status == {
-        "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "service": "llm-router"}  # fmt: skip
+        "replicas": 2,
+        "readyReplicas": 2,
+        "updatedReplicas": 2,
+        "service": "llm-router",
+    }
     for rolling in (dep(4, 3, 2, 2), dep(3, 3, 2, 1), dep(3, 3, 1, 2)):  # not seen yet, old pods, unready
         st = deployment_state("llm", 2, rolling)
         assert not st.ready and st.reason == "RouterNotReady", rolling

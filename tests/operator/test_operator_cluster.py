@@ -35,17 +35,37 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
     """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
-        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-                 "template": {"metadata": {"labels": {"app": name, **labels}}, "spec": {
-                     "terminationGracePeriodSeconds": 1,
-                     "containers": [{"name": "d", "image": "ignored", "command": ["kvpilot", "serve"],
-                                     "args": ["--host", "$(POD_IP)", "--port", "8000"],
-                                     "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                                             *STANDIN_ENV, *(env or [])],
-                                     "readinessProbe": {"httpGet": {"path": "/health", "port": 8000},
-                                                        "periodSeconds": 1}}]}}},
-    }  # fmt: skip
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, **labels}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [
+                        {
+                            "name": "d",
+                            "image": "ignored",
+                            "command": ["kvpilot", "serve"],
+                            "args": ["--host", "$(POD_IP)", "--port", "8000"],
+                            "env": [
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                                *STANDIN_ENV,
+                                *(env or []),
+                            ],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": 8000},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
 
 
 def wait_deployment_ready(cluster: Cluster, ns: str, name: str, n: int, timeout: float = 90) -> None:
@@ -69,11 +89,24 @@ def pod_ips(cluster: Cluster, ns: str, selector: str) -> dict[str, str]:
 def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
     ns = namespace
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, "--from-literal=token=s3cret-admin")
-    apply_ns(cluster, ns, fleet("llm", {
-        "replicas": 3, "adminTokenSecretRef": {"name": "admin"},
-        "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
-        "env": [{"name": "KVPILOT_CACHE", "value": str(__import__("pathlib").Path.home() / ".cache" / "kvpilot")}],
-    }))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        fleet(
+            "llm",
+            {
+                "replicas": 3,
+                "adminTokenSecretRef": {"name": "admin"},
+                "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+                "env": [
+                    {
+                        "name": "KVPILOT_CACHE",
+                        "value": str(__import__("pathlib").Path.home() / ".cache" / "kvpilot"),
+                    }
+                ],
+            },
+        ),
+    )
     wait_for(lambda: ready_replicas(cluster, ns, "llm", 3), 300, "3 ready kvpilot daemons", interval=1)
     obj = infd(cluster, ns, "llm")
     conds = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
@@ -128,7 +161,10 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     )
     assert operator.metric("kvpilot_operator_inference_deployments") >= 1
     out = cluster.kubectl("get", "pcr", "flush", "-n", ns).stdout
-    assert "InferenceDeployment/llm" in out and "3/3" in out and "Succeeded" in out
+    # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED: counts by default, no longer "3/3"
+    assert out.splitlines()[1].split()[1:7] == ["InferenceDeployment/llm", "Succeeded", "3", "3", "0", "0"], (
+        out
+    )
     events = cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=flush"
     ).stdout
@@ -139,15 +175,29 @@ def test_failed_skipped_and_not_supported_pods(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     ns = namespace
-    for name, env in [("ok", []), ("bad", [{"name": "STANDIN_RESET_STATUS", "value": "500"}]),
-                      ("nosup", [{"name": "STANDIN_RESET_STATUS", "value": "501"}]),
-                      ("slow", [{"name": "STANDIN_DELAY", "value": "30"}])]:  # fmt: skip
+    for name, env in [
+        ("ok", []),
+        ("bad", [{"name": "STANDIN_RESET_STATUS", "value": "500"}]),
+        ("nosup", [{"name": "STANDIN_RESET_STATUS", "value": "501"}]),
+        ("slow", [{"name": "STANDIN_DELAY", "value": "30"}]),
+    ]:
         apply_ns(cluster, ns, standin_deployment(name, 2 if name == "ok" else 1, {"fleet": "mixed"}, env))
     for name in ("ok", "bad", "nosup", "slow"):
         wait_deployment_ready(cluster, ns, name, 2 if name == "ok" else 1)
     t0 = time.monotonic()
-    apply_ns(cluster, ns, pcr("mixed", {"selector": {"matchLabels": {"fleet": "mixed"}}, "timeoutSeconds": 20,
-                                        "requestTimeoutSeconds": 15, "retriesPerPod": 2}))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "mixed",
+            {
+                "selector": {"matchLabels": {"fleet": "mixed"}},
+                "timeoutSeconds": 20,
+                "requestTimeoutSeconds": 15,
+                "retriesPerPod": 2,
+            },
+        ),
+    )
     slow = next(iter(pod_ips(cluster, ns, "app=slow")))
 
     def only_slow_left() -> bool:
@@ -186,8 +236,19 @@ def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engi
     apply_ns(cluster, ns, standin_deployment("slowfleet", 4, {}, env))
     wait_deployment_ready(cluster, ns, "slowfleet", 4)
     ips = pod_ips(cluster, ns, "app=slowfleet")
-    apply_ns(cluster, ns, pcr("crash", {"selector": {"matchLabels": {"app": "slowfleet"}}, "maxConcurrency": 1,
-                                        "timeoutSeconds": 120, "engine": engine}))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "crash",
+            {
+                "selector": {"matchLabels": {"app": "slowfleet"}},
+                "maxConcurrency": 1,
+                "timeoutSeconds": 120,
+                "engine": engine,
+            },
+        ),
+    )
 
     def one_done() -> bool:
         st = cluster.kubectl_json("get", "pcr", "crash", "-n", ns).get("status") or {}
@@ -225,10 +286,25 @@ def test_graceful_stop_mid_fanout_is_bounded_and_the_next_operator_finishes(
     ns = namespace
     apply_ns(cluster, ns, standin_deployment("grace", 3, {}, [{"name": "STANDIN_DELAY", "value": "30"}]))
     wait_deployment_ready(cluster, ns, "grace", 3)
-    apply_ns(cluster, ns, pcr("g", {"selector": {"matchLabels": {"app": "grace"}}, "timeoutSeconds": 300,
-                                    "requestTimeoutSeconds": 60}))  # fmt: skip
-    wait_for(lambda: (cluster.kubectl_json("get", "pcr", "g", "-n", ns).get("status") or {}).get("phase") == "Running",
-             30, "the reset running")  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "g",
+            {
+                "selector": {"matchLabels": {"app": "grace"}},
+                "timeoutSeconds": 300,
+                "requestTimeoutSeconds": 60,
+            },
+        ),
+    )
+    wait_for(
+        lambda: (
+            (cluster.kubectl_json("get", "pcr", "g", "-n", ns).get("status") or {}).get("phase") == "Running"
+        ),
+        30,
+        "the reset running",
+    )
     time.sleep(1)  # the three 30 s calls are in flight
     t0 = time.monotonic()
     operator.stop()  # SIGTERM: calls in flight get the shutdown grace, then the daemon is cancelled
@@ -250,10 +326,26 @@ def test_reset_running_requests_stays_at_most_once(
     apply_ns(cluster, ns, standin_deployment("once", 3, {}, [{"name": "STANDIN_DELAY", "value": "2"}]))
     wait_deployment_ready(cluster, ns, "once", 3)
     ips = pod_ips(cluster, ns, "app=once")
-    apply_ns(cluster, ns, pcr("rr", {"selector": {"matchLabels": {"app": "once"}}, "maxConcurrency": 1,
-                                     "resetRunningRequests": True, "timeoutSeconds": 120}))  # fmt: skip
-    wait_for(lambda: (cluster.kubectl_json("get", "pcr", "rr", "-n", ns).get("status") or {}).get("phase") == "Running",
-             30, "the reset running")  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "rr",
+            {
+                "selector": {"matchLabels": {"app": "once"}},
+                "maxConcurrency": 1,
+                "resetRunningRequests": True,
+                "timeoutSeconds": 120,
+            },
+        ),
+    )
+    wait_for(
+        lambda: (
+            (cluster.kubectl_json("get", "pcr", "rr", "-n", ns).get("status") or {}).get("phase") == "Running"
+        ),
+        30,
+        "the reset running",
+    )
     time.sleep(0.5)
     operator.kill()
     before = {name: http("GET", f"http://{ip}:8000/calls")["calls"] for name, ip in ips.items()}
@@ -267,20 +359,30 @@ def test_reset_running_requests_stays_at_most_once(
 
 
 BAD_SPECS = [
-    ("pcr", {"targetRef": {"name": "a"}, "selector": {"matchLabels": {"a": "b"}}}, "exactly one of targetRef and selector"),
+    (
+        "pcr",
+        {"targetRef": {"name": "a"}, "selector": {"matchLabels": {"a": "b"}}},
+        "exactly one of targetRef and selector",
+    ),
     ("pcr", {"engine": "kvpilot"}, "exactly one of targetRef and selector"),
     ("pcr", {"targetRef": {"name": "a"}, "maxConcurrency": -1}, "spec.maxConcurrency"),
     ("pcr", {"targetRef": {"name": "a"}, "engine": "trtllm"}, 'Unsupported value: "trtllm"'),
     ("pcr", {"selector": {}}, "selector must not be empty"),
-    ("pcr", {"targetRef": {"name": "a"}, "timeoutSeconds": 10, "requestTimeoutSeconds": 30},
-     "requestTimeoutSeconds must not exceed timeoutSeconds"),
+    (
+        "pcr",
+        {"targetRef": {"name": "a"}, "timeoutSeconds": 10, "requestTimeoutSeconds": 30},
+        "requestTimeoutSeconds must not exceed timeoutSeconds",
+    ),
     ("pcr", {"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}, "In and NotIn need values"),
     ("pcr", {"targetRef": {"name": ""}}, "spec.targetRef.name"),
     ("pcr", {"targetRef": {"name": "a"}, "retriesPerPod": 1000}, "spec.retriesPerPod"),
     ("pcr", {"targetRef": {"name": "Not_A_DNS_Name"}}, "must be a DNS-1123 label"),
     ("pcr", {"targetRef": {"name": "a" * 64}}, "spec.targetRef.name"),
-    ("pcr", {"targetRef": {"name": "a"}, "adminTokenSecretRef": {"name": "other-team"}},
-     "adminTokenSecretRef is for selector resets only"),
+    (
+        "pcr",
+        {"targetRef": {"name": "a"}, "adminTokenSecretRef": {"name": "other-team"}},
+        "adminTokenSecretRef is for selector resets only",
+    ),
     ("pcr", {"targetRef": {"name": "a"}, "minSuccessRatio": 1.5}, "spec.minSuccessRatio"),
     ("infd", {"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits.cpu"),
     ("infd", {"resources": {"limit": {"cpu": "1"}}}, 'unknown field "spec.resources.limit"'),
@@ -290,9 +392,13 @@ BAD_SPECS = [
     ("infd", {"placement": "DaemonSet", "replicas": 3}, "replicas cannot be set with placement DaemonSet"),
     ("infd", {"port": 70000}, "spec.port"),
     ("infd", {"engine": {"blockSize": 17}}, "spec.engine.blockSize"),
-    ("infd", {"engine": {"kvCacheBlocks": 64, "kvCacheMemoryBytes": 1 << 30}}, "at most one of kvCacheBlocks"),
+    (
+        "infd",
+        {"engine": {"kvCacheBlocks": 64, "kvCacheMemoryBytes": 1 << 30}},
+        "at most one of kvCacheBlocks",
+    ),
     ("infd", {"adminTokenSecretRef": {"key": "t"}}, "spec.adminTokenSecretRef.name"),
-]  # fmt: skip
+]
 
 
 def test_bad_specs_are_refused_by_the_api_server(
@@ -307,13 +413,19 @@ def test_bad_specs_are_refused_by_the_api_server(
         assert message in r.stderr, f"case {i}: {r.stderr}"
     # an InferenceDeployment's name becomes a Service name and a label value: 63 characters, DNS-1035
     for bad_name in ("x" * 64, "Upper", "9starts-with-a-digit"):
-        r = cluster.kubectl("apply", "-f", "-", input=json.dumps({**fleet(bad_name, {}), "metadata": {
-            "name": bad_name, "namespace": ns}}), check=False)  # fmt: skip
+        r = cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({**fleet(bad_name, {}), "metadata": {"name": bad_name, "namespace": ns}}),
+            check=False,
+        )
         assert r.returncode != 0 and ("DNS-1035" in r.stderr or "metadata.name" in r.stderr), r.stderr
     # immutability: a valid reset cannot be edited afterwards
     apply_ns(cluster, ns, pcr("fixed", {"selector": {"matchLabels": {"none": "x"}}}))
-    r = cluster.kubectl("patch", "pcr", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"maxConcurrency":2}}',
-                        check=False)  # fmt: skip
+    r = cluster.kubectl(
+        "patch", "pcr", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"maxConcurrency":2}}', check=False
+    )
     assert r.returncode != 0 and "spec is immutable" in r.stderr
     # kubectl explain reads the schema's descriptions
     out = cluster.kubectl("explain", "pcr.spec.maxConcurrency").stdout
@@ -340,9 +452,17 @@ def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operato
 
     cluster.kubectl("scale", "infd/web", "-n", ns, "--replicas=3")  # the scale subresource
     wait_for(lambda: ready_replicas(cluster, ns, "web", 3), 90, "scaled to 3")
-    scale = cluster.kubectl_json("get", "--raw", f"/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments/web/scale") \
-        if False else json.loads(cluster.kubectl("get", "--raw",
-                                 f"/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments/web/scale").stdout)  # fmt: skip
+    scale = (
+        cluster.kubectl_json(
+            "get", "--raw", f"/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments/web/scale"
+        )
+        if False
+        else json.loads(
+            cluster.kubectl(
+                "get", "--raw", f"/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments/web/scale"
+            ).stdout
+        )
+    )
     assert (
         scale["spec"]["replicas"] == 3
         and scale["status"]["selector"] == "kvpilot.io/inference-deployment=web"
@@ -351,29 +471,69 @@ def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operato
     # drift: someone scales the Deployment and deletes the Service; both come back
     cluster.kubectl("scale", "deployment/web", "-n", ns, "--replicas=1")
     cluster.kubectl("delete", "service", "web", "-n", ns)
-    wait_for(lambda: cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]["replicas"] == 3, 30,
-             "the Deployment's replicas put back")  # fmt: skip
-    wait_for(lambda: cluster.kubectl("get", "service", "web", "-n", ns, check=False).returncode == 0, 30,
-             "the Service recreated")  # fmt: skip
+    wait_for(
+        lambda: cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]["replicas"] == 3,
+        30,
+        "the Deployment's replicas put back",
+    )
+    wait_for(
+        lambda: cluster.kubectl("get", "service", "web", "-n", ns, check=False).returncode == 0,
+        30,
+        "the Service recreated",
+    )
     # drift in the pod template: an edited command is put back
-    cluster.kubectl("patch", "deployment", "web", "-n", ns, "--type=json", "-p",
-                    '[{"op":"replace","path":"/spec/template/spec/containers/0/args/0","value":"oops"}]')  # fmt: skip
-    wait_for(lambda: cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]["template"]["spec"]
-             ["containers"][0]["args"][0] == "serve", 30, "the pod template put back")  # fmt: skip
+    cluster.kubectl(
+        "patch",
+        "deployment",
+        "web",
+        "-n",
+        ns,
+        "--type=json",
+        "-p",
+        '[{"op":"replace","path":"/spec/template/spec/containers/0/args/0","value":"oops"}]',
+    )
+    wait_for(
+        lambda: (
+            cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]["template"]["spec"][
+                "containers"
+            ][0]["args"][0]
+            == "serve"
+        ),
+        30,
+        "the pod template put back",
+    )
     # a spec change rolls out
     apply_ns(cluster, ns, fleet("web", {"replicas": 3, "env": STANDIN_ENV, "engine": {"maxNumSeqs": 3}}))
-    wait_for(lambda: "--max-num-seqs" in cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]
-             ["template"]["spec"]["containers"][0]["args"], 30, "the new engine flags in the template")  # fmt: skip
-    wait_for(lambda: infd(cluster, ns, "web")["status"].get("observedGeneration") == infd(cluster, ns, "web")
-             ["metadata"]["generation"], 30, "observedGeneration")  # fmt: skip
+    wait_for(
+        lambda: (
+            "--max-num-seqs"
+            in cluster.kubectl_json("get", "deployment", "web", "-n", ns)["spec"]["template"]["spec"][
+                "containers"
+            ][0]["args"]
+        ),
+        30,
+        "the new engine flags in the template",
+    )
+    wait_for(
+        lambda: (
+            infd(cluster, ns, "web")["status"].get("observedGeneration")
+            == infd(cluster, ns, "web")["metadata"]["generation"]
+        ),
+        30,
+        "observedGeneration",
+    )
 
 
 def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     ns = namespace
-    spec = {"replicas": 1, "env": STANDIN_ENV, "nodeSelector": {"pool": "a", "tier": "t1"},
-            "resources": {"requests": {"cpu": "0.5"}, "limits": {"cpu": "0.5"}}}  # fmt: skip
+    spec = {
+        "replicas": 1,
+        "env": STANDIN_ENV,
+        "nodeSelector": {"pool": "a", "tier": "t1"},
+        "resources": {"requests": {"cpu": "0.5"}, "limits": {"cpu": "0.5"}},
+    }
     cluster.kubectl("label", "node", "node-1", "pool=a", "tier=t1", "--overwrite")
     apply_ns(cluster, ns, fleet("ssa", spec))
 
@@ -432,8 +592,13 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: 
     assert first["spec"]["ttlSecondsAfterFinished"] == 86400  # annotation-made resets do not pile up
     r = wait_phase(cluster, ns, first["metadata"]["name"], 30)
     assert r["status"]["phase"] == "Succeeded" and r["status"]["succeeded"] == 2
-    wait_for(lambda: infd(cluster, ns, "ann")["status"].get("lastReset", {}).get("name") == first["metadata"]["name"],
-             20, "status.lastReset")  # fmt: skip
+    wait_for(
+        lambda: (
+            infd(cluster, ns, "ann")["status"].get("lastReset", {}).get("name") == first["metadata"]["name"]
+        ),
+        20,
+        "status.lastReset",
+    )
     time.sleep(4)  # a timer pass or two: the same token must not make a second reset
     assert len(owned_resets()) == 1
     cluster.kubectl(
@@ -443,8 +608,11 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: 
 
     apply_ns(cluster, ns, pcr("short", {"targetRef": {"name": "ann"}, "ttlSecondsAfterFinished": 2}))
     wait_phase(cluster, ns, "short", 30)
-    wait_for(lambda: cluster.kubectl("get", "pcr", "short", "-n", ns, check=False).returncode != 0, 30,
-             "the finished reset deleted after its TTL")  # fmt: skip
+    wait_for(
+        lambda: cluster.kubectl("get", "pcr", "short", "-n", ns, check=False).returncode != 0,
+        30,
+        "the finished reset deleted after its TTL",
+    )
 
 
 def test_daemonset_placement_on_two_nodes(
@@ -518,8 +686,23 @@ def test_reset_cli_waits_and_shows_every_pod(
 
     ns = namespace
     standin_fleet(cluster, ns, "cli")
-    r = subprocess.run([sys.executable, "-c", CLI, "reset", "cli", "-n", ns, "--wait", "--kubeconfig",
-                        str(cluster.kubeconfig)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "reset",
+            "cli",
+            "-n",
+            ns,
+            "--wait",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("prefixcachereset.kvpilot.io/cli-")
@@ -528,25 +711,55 @@ def test_reset_cli_waits_and_shows_every_pod(
         assert any(pod["metadata"]["name"] in x and "Succeeded" in x and "epoch 1" in x for x in lines), (
             r.stdout
         )
-    bad = subprocess.run([sys.executable, "-c", CLI, "reset", "nope", "-n", ns, "--kubeconfig",
-                          str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-c", CLI, "reset", "nope", "-n", ns, "--kubeconfig", str(cluster.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and f"InferenceDeployment {ns}/nope not found" in bad.stderr
     assert "Traceback" not in bad.stderr
     # --timeout: gives up waiting with its own exit code and message, no traceback
-    slow = subprocess.run([sys.executable, "-c", CLI, "reset", "cli", "-n", ns, "--wait", "--timeout", "0",
-                           "--kubeconfig", str(cluster.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    slow = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLI,
+            "reset",
+            "cli",
+            "-n",
+            ns,
+            "--wait",
+            "--timeout",
+            "0",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert slow.returncode == 3 and "did not finish before --timeout" in slow.stderr, slow.stderr
 
 
-def test_two_replicas_never_both_act(cluster: Cluster, namespace: str, operator: OperatorProcess,
-                                     tmp_path) -> None:  # fmt: skip
+def test_two_replicas_never_both_act(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, tmp_path
+) -> None:
     """Peering: a second replica with a lower priority stays paused while the first lives, then takes over."""
     ns = namespace
     second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
     second.start("--priority", "-100")
     # a replica of the same priority would pause with it: it says so at startup
-    wait_for(lambda: any(p.get("priority") == -100 for p in (cluster.kubectl_json(
-        "get", "clusterkopfpeering", "kvpilot").get("status") or {}).values()), 30, "the second replica's peering entry")  # fmt: skip
+    wait_for(
+        lambda: any(
+            p.get("priority") == -100
+            for p in (
+                cluster.kubectl_json("get", "clusterkopfpeering", "kvpilot").get("status") or {}
+            ).values()
+        ),
+        30,
+        "the second replica's peering entry",
+    )
     third = OperatorProcess(operator.kubeconfig, tmp_path / "third.log")
     third.start("--priority", "-100")
     third.stop()
@@ -583,13 +796,32 @@ def test_vllm_and_sglang_fleets_by_selector(
         ns,
         standin_deployment("vllm", 1, {"engine": "vllm"}, [{"name": "STANDIN_ENGINE", "value": "vllm"}]),
     )
-    apply_ns(cluster, ns, standin_deployment("sglang", 1, {"engine": "sglang"}, [
-        {"name": "STANDIN_ENGINE", "value": "sglang"}, {"name": "STANDIN_BUSY_TIMES", "value": "2"}]))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        standin_deployment(
+            "sglang",
+            1,
+            {"engine": "sglang"},
+            [{"name": "STANDIN_ENGINE", "value": "sglang"}, {"name": "STANDIN_BUSY_TIMES", "value": "2"}],
+        ),
+    )
     wait_deployment_ready(cluster, ns, "vllm", 1)
     wait_deployment_ready(cluster, ns, "sglang", 1)
     apply_ns(cluster, ns, pcr("v", {"selector": {"matchLabels": {"engine": "vllm"}}, "engine": "vllm"}))
-    apply_ns(cluster, ns, pcr("s", {"selector": {"matchLabels": {"engine": "sglang"}}, "engine": "sglang",
-                                    "retriesPerPod": 0, "timeoutSeconds": 30}))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "s",
+            {
+                "selector": {"matchLabels": {"engine": "sglang"}},
+                "engine": "sglang",
+                "retriesPerPod": 0,
+                "timeoutSeconds": 30,
+            },
+        ),
+    )
     v = wait_phase(cluster, ns, "v", 30)["status"]
     assert v["phase"] == "Succeeded" and v["pods"][0]["httpStatus"] == 200 and v["pods"][0]["attempts"] == 1
     s = wait_phase(cluster, ns, "s", 40)["status"]
@@ -604,11 +836,16 @@ def test_vllm_and_sglang_fleets_by_selector(
 def test_missing_target_fails_with_a_reason(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    """A target that does not exist is waited for until timeoutSeconds, then the reset fails with a reason;
-    one that appears meanwhile is reset. `kubectl wait` for either condition returns."""
+    """With waitForTarget, a target that does not exist is waited for until timeoutSeconds, then the reset
+    fails with a reason; one that appears meanwhile is reset. `kubectl wait` for either condition returns.
+    (Without waitForTarget it fails at once: test_operator_reset_ux.py.)"""
     ns = namespace
     t0 = time.monotonic()
-    apply_ns(cluster, ns, pcr("ghost", {"targetRef": {"name": "nowhere"}, "timeoutSeconds": 4}))
+    apply_ns(
+        cluster,
+        ns,
+        pcr("ghost", {"targetRef": {"name": "nowhere"}, "timeoutSeconds": 4, "waitForTarget": True}),
+    )
     r = cluster.kubectl("wait", "--for=condition=Failed", "pcr/ghost", "-n", ns, "--timeout=30s", check=False)
     assert r.returncode == 0, r.stderr
     st = cluster.kubectl_json("get", "pcr", "ghost", "-n", ns)["status"]
@@ -616,7 +853,11 @@ def test_missing_target_fails_with_a_reason(
     assert st["phase"] == "Failed" and cond["reason"] == "TargetNotFound" and "nowhere" in cond["message"]
     assert 3.5 < time.monotonic() - t0 < 20
     # created before its fleet: waited for, then reset
-    apply_ns(cluster, ns, pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90}))
+    apply_ns(
+        cluster,
+        ns,
+        pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90, "waitForTarget": True}),
+    )
     time.sleep(2)
     apply_ns(cluster, ns, fleet("late", {"replicas": 1, "env": STANDIN_ENV}))
     r = cluster.kubectl(
@@ -633,8 +874,11 @@ def test_every_reset_ends_no_targets_and_refused_selectors(
     apply_ns(cluster, ns, pcr("fine", {"selector": {"matchLabels": {"app": "none"}}, "allowNoTargets": True}))
     # a label value the API server refuses (the CRD lets any string through): Failed at once, not retried forever
     apply_ns(cluster, ns, pcr("badsel", {"selector": {"matchLabels": {"app": "not a valid value!"}}}))
-    for name, phase, reason in (("nothing", "Failed", "NoTargets"), ("fine", "Succeeded", "NoTargets"),
-                                ("badsel", "Failed", "InvalidRequest")):  # fmt: skip
+    for name, phase, reason in (
+        ("nothing", "Failed", "NoTargets"),
+        ("fine", "Succeeded", "NoTargets"),
+        ("badsel", "Failed", "InvalidRequest"),
+    ):
         st = wait_phase(cluster, ns, name, 30)["status"]
         cond = next(c for c in st["conditions"] if c["status"] == "True")
         assert (st["phase"], cond["reason"]) == (phase, reason), st
@@ -673,10 +917,28 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
     # something else, one that a PrefixCacheReset selects while naming another team's Secret.
     cluster.kubectl("create", "configmap", "owner", "-n", ns)
     cm_uid = cluster.kubectl_json("get", "configmap", "owner", "-n", ns)["metadata"]["uid"]
-    apply_ns(cluster, ns, standin_pod("rogue", {"kvpilot.io/inference-deployment": "sec"}, owner={
-        "apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": cm_uid, "controller": True}))  # fmt: skip
-    apply_ns(cluster, ns, standin_pod("listener", {"role": "listener"},
-                                      [{"name": "KVPILOT_ADMIN_TOKEN", "value": "listener-token"}]))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        standin_pod(
+            "rogue",
+            {"kvpilot.io/inference-deployment": "sec"},
+            owner={
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": "owner",
+                "uid": cm_uid,
+                "controller": True,
+            },
+        ),
+    )
+    apply_ns(
+        cluster,
+        ns,
+        standin_pod(
+            "listener", {"role": "listener"}, [{"name": "KVPILOT_ADMIN_TOKEN", "value": "listener-token"}]
+        ),
+    )
     cluster.kubectl("create", "secret", "generic", "other-team", "-n", ns, "--from-literal=token=theirs")
     for pod in ("rogue", "listener"):
         cluster.kubectl("wait", "--for=condition=Ready", f"pod/{pod}", "-n", ns, "--timeout=60s")
@@ -684,8 +946,17 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
         p: cluster.kubectl_json("get", "pod", p, "-n", ns)["status"]["podIP"] for p in ("rogue", "listener")
     }
 
-    apply_ns(cluster, ns, pcr("steal", {"selector": {"matchLabels": {"role": "listener"}},
-                                        "adminTokenSecretRef": {"name": "other-team"}}))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "steal",
+            {
+                "selector": {"matchLabels": {"role": "listener"}},
+                "adminTokenSecretRef": {"name": "other-team"},
+            },
+        ),
+    )
     st = wait_phase(cluster, ns, "steal", 30)["status"]
     cond = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert (
@@ -707,7 +978,16 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
         "create", "secret", "generic", "listener-admin", "-n", ns, "--from-literal=token=listener-token"
     )
     cluster.kubectl("label", "secret", "listener-admin", "-n", ns, "kvpilot.io/admin-token=true")
-    apply_ns(cluster, ns, pcr("allowed", {"selector": {"matchLabels": {"role": "listener"}},
-                                          "adminTokenSecretRef": {"name": "listener-admin"}}))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        pcr(
+            "allowed",
+            {
+                "selector": {"matchLabels": {"role": "listener"}},
+                "adminTokenSecretRef": {"name": "listener-admin"},
+            },
+        ),
+    )
     assert wait_phase(cluster, ns, "allowed", 30)["status"]["phase"] == "Succeeded"
     assert http("GET", f"http://{ip['listener']}:8000/calls")["resets"] == 1

@@ -11,7 +11,9 @@ import urllib.request
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import STANDIN_ENV, Cluster, OperatorProcess, apply_ns, fleet, infd
+
+from support.cluster import Cluster
+from support.operator import STANDIN_ENV, OperatorProcess, apply_ns, fleet, infd
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import OperatorProcess
 
 from kvpilot.operator import logs
+from support.operator import OperatorProcess
 
 
 @pytest.fixture

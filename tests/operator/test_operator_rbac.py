@@ -45,8 +45,13 @@ def enforcing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane
 
 
 def kubectl(cp: ControlPlane, *args: str, input: str | None = None) -> str:
-    r = subprocess.run([KUBECTL, f"--kubeconfig={cp.kubeconfig}", *args], input=input, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [KUBECTL, f"--kubeconfig={cp.kubeconfig}", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, f"kubectl {' '.join(args)}: {r.stderr}"
     return r.stdout
 
@@ -65,9 +70,16 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
     without_finalizers["rules"] = [
         r for r in rbac.RULES if "inferencedeployments/finalizers" not in r["resources"]
     ]
-    apply(cp, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "kvpilot-operator",
-                                                                        "namespace": "kvpilot-system"}},
-          without_finalizers, rbac.cluster_role_binding("kvpilot-system"))  # fmt: skip
+    apply(
+        cp,
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "kvpilot-operator", "namespace": "kvpilot-system"},
+        },
+        without_finalizers,
+        rbac.cluster_role_binding("kvpilot-system"),
+    )
     token = kubectl(
         cp, "create", "token", "kvpilot-operator", "-n", "kvpilot-system", "--duration=1h"
     ).strip()
@@ -79,8 +91,12 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
     op = OperatorProcess(kubeconfig, tmp_path / "operator.log")
     op.start()
     try:
-        fleet = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
-                 "metadata": {"namespace": "t"}, "spec": {"replicas": 1, "router": {"enabled": True}}}  # fmt: skip
+        fleet = {
+            "apiVersion": "kvpilot.io/v1alpha1",
+            "kind": "InferenceDeployment",
+            "metadata": {"namespace": "t"},
+            "spec": {"replicas": 1, "router": {"enabled": True}},
+        }
         # Without the finalizers rule the plugin refuses the owned objects (which also shows it is on).
         apply(cp, copy.deepcopy(fleet) | {"metadata": {"name": "refused", "namespace": "t"}})
         wait_for(lambda: "cannot set blockOwnerDeletion" in op.log.read_text(), 60, "the plugin's refusal")
@@ -101,8 +117,12 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
         ):
 
             def owned(kind: str = kind, name: str = name) -> bool:
-                r = subprocess.run([KUBECTL, f"--kubeconfig={cp.kubeconfig}", "get", kind, name, "-n", "t", "-o",
-                                    "json"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                r = subprocess.run(
+                    [KUBECTL, f"--kubeconfig={cp.kubeconfig}", "get", kind, name, "-n", "t", "-o", "json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 refs = json.loads(r.stdout)["metadata"].get("ownerReferences") if r.returncode == 0 else None
                 return bool(refs) and refs[0]["uid"] == uid and refs[0]["blockOwnerDeletion"] is True
 

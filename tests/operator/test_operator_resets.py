@@ -11,14 +11,26 @@ from kvpilot.operator.reset_status import pod_status
 from kvpilot.operator.resets import Plan, outcome, pod_target
 
 
-def pod(ready: bool = True, deleting: bool = False, ip: str = "10.0.0.1", running: bool = True,
-        controller: str = "rs-1") -> dict:  # fmt: skip
+def pod(
+    ready: bool = True,
+    deleting: bool = False,
+    ip: str = "10.0.0.1",
+    running: bool = True,
+    controller: str = "rs-1",
+) -> dict:
     meta = {"name": "p", "uid": "u1", "ownerReferences": [{"uid": controller, "controller": True}]}
     meta |= {"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {}
     state = {"running": {}} if running else {"waiting": {"reason": "CrashLoopBackOff"}}
-    return {"metadata": meta, "spec": {"nodeName": "node-1"},
-            "status": {"phase": "Running", "podIP": ip, "containerStatuses": [{"name": "kvpilot", "state": state}],
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}  # fmt: skip
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": "node-1"},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "containerStatuses": [{"name": "kvpilot", "state": state}],
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 PLAN = Plan("InferenceDeployment/f", "x=y", 8000, "t", "kvpilot", frozenset({"rs-1"}))
@@ -77,8 +89,16 @@ def test_cli_parsers_and_output() -> None:
     assert body["spec"] == {"targetRef": {"name": "llm"}, "resetRunningRequests": True, "maxConcurrency": 8}
     o = p.parse_args(["operator", "--standalone", "--metrics-port", "9999", "-n", "a", "-n", "b"])
     assert o.standalone and o.metrics_port == 9999 and o.namespace == ["a", "b"]
-    line = describe_pod({"name": "llm-0", "result": "Succeeded", "epoch": 4, "evictedBlocks": 12,
-                         "durationSeconds": 0.0123, "attempts": 1})  # fmt: skip
+    line = describe_pod(
+        {
+            "name": "llm-0",
+            "result": "Succeeded",
+            "epoch": 4,
+            "evictedBlocks": 12,
+            "durationSeconds": 0.0123,
+            "attempts": 1,
+        }
+    )
     assert "llm-0" in line and "epoch 4, 12 blocks evicted" in line and "(0.012s, 1 attempts)" in line
 
 

@@ -62,11 +62,19 @@ def test_router_serves_the_fleet_and_resets_every_pod(
 ) -> None:
     ns = namespace
     cache = str(Path.home() / ".cache" / "kvpilot")
-    apply_ns(cluster, ns, fleet("llm", {
-        "replicas": 2, "router": {"enabled": True},
-        "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
-        "env": [{"name": "KVPILOT_CACHE", "value": cache}],
-    }))  # fmt: skip
+    apply_ns(
+        cluster,
+        ns,
+        fleet(
+            "llm",
+            {
+                "replicas": 2,
+                "router": {"enabled": True},
+                "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+                "env": [{"name": "KVPILOT_CACHE", "value": cache}],
+            },
+        ),
+    )
     cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", ns, "--timeout=300s")
     st = infd(cluster, ns, "llm")["status"]
     assert st["endpoint"] == f"http://llm-router.{ns}.svc:8080"
@@ -113,8 +121,26 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     # Drift is put back: a deleted RoleBinding (the router would lose its EndpointSlices) comes back.
     uid = cluster.kubectl_json("get", "rolebinding", "llm-router", "-n", ns)["metadata"]["uid"]
     cluster.kubectl("delete", "rolebinding", "llm-router", "-n", ns)
-    wait_for(lambda: (cluster.kubectl("get", "rolebinding", "llm-router", "-n", ns, "-o", "jsonpath={.metadata.uid}",
-                                      check=False).stdout or uid) != uid, 60, "the RoleBinding to be made again")  # fmt: skip
+    wait_for(
+        lambda: (
+            (
+                cluster.kubectl(
+                    "get",
+                    "rolebinding",
+                    "llm-router",
+                    "-n",
+                    ns,
+                    "-o",
+                    "jsonpath={.metadata.uid}",
+                    check=False,
+                ).stdout
+                or uid
+            )
+            != uid
+        ),
+        60,
+        "the RoleBinding to be made again",
+    )
 
     # Turning the router off removes what the operator made for it, and the endpoint is the fleet's again.
     cluster.kubectl(
@@ -123,8 +149,13 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     wait_for(lambda: "router" not in infd(cluster, ns, "llm")["status"], 60, "status.router to go")
     assert infd(cluster, ns, "llm")["status"]["endpoint"] == f"http://llm.{ns}.svc:8000"
     for kind in ROUTER_OBJECTS:
-        wait_for(lambda kind=kind: cluster.kubectl("get", kind, "llm-router", "-n", ns, check=False).returncode != 0,
-                 60, f"{kind} llm-router to be deleted")  # fmt: skip
+        wait_for(
+            lambda kind=kind: (
+                cluster.kubectl("get", kind, "llm-router", "-n", ns, check=False).returncode != 0
+            ),
+            60,
+            f"{kind} llm-router to be deleted",
+        )
     args = cluster.kubectl_json("get", "deployment", "llm", "-n", ns)["spec"]["template"]["spec"][
         "containers"
     ][0]
@@ -155,8 +186,13 @@ def test_router_specs_the_api_server_refuses(
     r = cluster.kubectl("apply", "-f", "-", input=doc, check=False)
     assert r.returncode != 0 and "at most 56 characters" in r.stderr, r.stderr
     # A data-parallel fleet routed prefix-aware (each rank publishes its events), on a port past the ranks'.
-    ok = {**fleet("dp", {"replicas": 0, "router": {"enabled": True}, "port": 5561,
-                         "engine": {"dataParallelSize": 2}}), "metadata": {"name": "dp", "namespace": namespace}}  # fmt: skip
+    ok = {
+        **fleet(
+            "dp",
+            {"replicas": 0, "router": {"enabled": True}, "port": 5561, "engine": {"dataParallelSize": 2}},
+        ),
+        "metadata": {"name": "dp", "namespace": namespace},
+    }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(ok))
 
 
@@ -186,8 +222,11 @@ def test_a_taken_name_is_reported_never_adopted(
     cluster.kubectl(
         "patch", "infd", "llm2", "-n", ns, "--type=merge", "-p", '{"spec":{"router":{"policy":"least-load"}}}'
     )
-    wait_for(lambda: cluster.kubectl("get", "deployment", "llm2-router", "-n", ns, check=False).returncode == 0, 60,
-             "the router's Deployment")  # fmt: skip
+    wait_for(
+        lambda: cluster.kubectl("get", "deployment", "llm2-router", "-n", ns, check=False).returncode == 0,
+        60,
+        "the router's Deployment",
+    )
     for kind in ROUTER_OBJECTS:
         obj = cluster.kubectl_json("get", kind, "llm2-router", "-n", ns)
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm2", kind

@@ -17,8 +17,22 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 def test_reset_of_5000_pods_succeeds_with_a_bounded_status(tmp_path: Path) -> None:
     out = tmp_path / "fanout.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "fanout.py"), "--pods", "5000", "--reply-delay-ms", "0",
-                        "--no-sequential", "--out", str(out)], capture_output=True, text=True, timeout=850)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fanout.py"),
+            "--pods",
+            "5000",
+            "--reply-delay-ms",
+            "0",
+            "--no-sequential",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (round_,) = json.loads(out.read_text())["rounds"]
     assert (round_["phase"], round_["targets"], round_["succeeded"]) == ("Succeeded", 5000, 5000), round_

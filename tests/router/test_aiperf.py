@@ -59,8 +59,15 @@ def run_aiperf(bindir: str, router: RouterProc, token: str, cwd: Path) -> subpro
         "KVPILOT_ADMIN_TOKEN": token,
         "HF_ENDPOINT": "http://127.0.0.1:9",
     }
-    proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", "-c", cmd],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -78,8 +85,10 @@ def run_aiperf(bindir: str, router: RouterProc, token: str, cwd: Path) -> subpro
 
 def resets(router: RouterProc) -> dict[str, float]:
     m = router.metrics()
-    return {r: m.get(f'kvpilot_router_fleet_resets_total{{result="{r}"}}', 0.0)
-            for r in ("success", "failed", "unauthorized")}  # fmt: skip
+    return {
+        r: m.get(f'kvpilot_router_fleet_resets_total{{result="{r}"}}', 0.0)
+        for r in ("success", "failed", "unauthorized")
+    }
 
 
 def proxied(router: RouterProc) -> float:

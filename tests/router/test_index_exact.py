@@ -30,8 +30,15 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:  # noqa: ANN001
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=BS, num_kv_blocks=24,
-                                 max_num_batched_tokens=32, max_num_seqs=6))  # fmt: skip
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            block_size=BS,
+            num_kv_blocks=24,
+            max_num_batched_tokens=32,
+            max_num_seqs=6,
+        )
+    )
     eng.kv.pool.events = KVEventRecorder(BS)  # the publisher's recorder, without the sockets
     return eng
 
@@ -93,8 +100,15 @@ def test_matching_stops_at_the_first_missing_block_and_distrust_holds_until_a_cl
 
 
 def pod(name: str, in_flight: int = 0, ranks: int = 1) -> Pod:
-    return Pod(name, f"http://{name}", ready=True, in_flight=in_flight, kv_events="on", block_size=BS,
-               ranks=list(range(ranks)))  # fmt: skip
+    return Pod(
+        name,
+        f"http://{name}",
+        ready=True,
+        in_flight=in_flight,
+        kv_events="on",
+        block_size=BS,
+        ranks=list(range(ranks)),
+    )
 
 
 def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,8 +148,9 @@ def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.
 def test_endpoints_are_parsed_and_checked() -> None:
     pods = parse_endpoints("http://10.0.0.1:8000, 10.0.0.2:8001")
     assert [(p.name, p.url, p.port) for p in pods] == [
-        ("10.0.0.1:8000", "http://10.0.0.1:8000", 8000), ("10.0.0.2:8001", "http://10.0.0.2:8001", 8001)
-    ]  # fmt: skip
+        ("10.0.0.1:8000", "http://10.0.0.1:8000", 8000),
+        ("10.0.0.2:8001", "http://10.0.0.2:8001", 8001),
+    ]
     for bad in ("", "ftp://x:1", "http://a:1,http://a:1"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)

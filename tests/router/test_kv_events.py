@@ -49,9 +49,16 @@ def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
 
 @pytest.fixture
 def engine(tiny_model_dir):  # noqa: ANN001, ANN201
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=12, block_size=BS, max_model_len=160,
-                                 kv_events_endpoint="tcp://127.0.0.1:*",
-                                 kv_events_replay_endpoint="tcp://127.0.0.1:*"))  # fmt: skip
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            num_kv_blocks=12,
+            block_size=BS,
+            max_model_len=160,
+            kv_events_endpoint="tcp://127.0.0.1:*",
+            kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        )
+    )
     yield eng
     eng.close()
 

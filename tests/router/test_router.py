@@ -29,9 +29,12 @@ def client(fleet: Fleet) -> openai.OpenAI:
 
 def ask(fleet: Fleet, system: str, user: str, **kw) -> tuple[str, openai.types.chat.ChatCompletion]:  # noqa: ANN003
     raw = client(fleet).chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-        max_tokens=2, temperature=0, **kw,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=2,
+        temperature=0,
+        **kw,
+    )
     return raw.headers["x-kvpilot-pod"], raw.parse()
 
 
@@ -88,10 +91,16 @@ def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     msgs = [{"role": "user", "content": "Name three colours."}]
     direct = openai.OpenAI(base_url=fleet.daemons[0].url + "/v1", api_key="x", max_retries=0)
     want = direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(client(fleet).chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client(fleet).chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert len(chunks) >= 4 and text == want.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -104,8 +113,16 @@ def test_sigterm_lets_streams_in_flight_finish(quiet_fleet: Fleet, tmp_path) -> 
     router = start_router(tmp_path, [d.url for d in quiet_fleet.daemons])
     try:
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        stream = iter(c.completions.create(model=MODEL, prompt="Count slowly: one, two,", max_tokens=96,
-                                           temperature=0, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+        stream = iter(
+            c.completions.create(
+                model=MODEL,
+                prompt="Count slowly: one, two,",
+                max_tokens=96,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
         first = next(stream)
         router.proc.send_signal(signal.SIGTERM)
         chunks = [first, *stream]
@@ -117,11 +134,22 @@ def test_sigterm_lets_streams_in_flight_finish(quiet_fleet: Fleet, tmp_path) -> 
 
 def test_client_disconnect_aborts_on_the_pod(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
-    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Count slowly: one, two,",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", fleet.router.port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     received = b""
     while received.count(b"data: ") < 2:
         chunk = sock.recv(65536)
@@ -173,8 +201,9 @@ def test_a_pod_that_fails_the_reset_makes_the_router_answer_502(quiet_fleet: Fle
     fleet = quiet_fleet
     good = fleet.daemons[0]
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    router = start_router(tmp_path, [good.url, dead], "--policy", "round-robin", "--reset-timeout", "5",
-                          all_pods=False)  # fmt: skip
+    router = start_router(
+        tmp_path, [good.url, dead], "--policy", "round-robin", "--reset-timeout", "5", all_pods=False
+    )
     wrong = start_router(tmp_path, [good.url], "--policy", "round-robin", token=ADMIN_TOKEN + "-other")
     try:
         epoch = good.cache()["epoch"]
@@ -209,9 +238,11 @@ def test_a_restarted_router_rebuilds_its_index_from_replay(quiet_fleet: Fleet, t
         assert m[f'kvpilot_router_kv_event_batches_total{{pod="{pod}",result="replayed"}}'] > 0
         c = openai.OpenAI(base_url=fresh.url + "/v1", api_key="x", max_retries=0)
         raw = c.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=2, temperature=0,
+            model=MODEL,
+            max_tokens=2,
+            temperature=0,
             messages=[{"role": "system", "content": SYSTEM + " (replay)"}, {"role": "user", "content": "Hi"}],
-        )  # fmt: skip
+        )
         assert raw.headers["x-kvpilot-pod"] == pod
         assert raw.parse().usage.prompt_tokens_details.cached_tokens >= 48
     finally:
@@ -247,8 +278,9 @@ def test_kv_events_over_ipv6(tmp_path) -> None:  # noqa: ANN001
     """A pod with an IPv6 address (an IPv6 cluster) binds its event sockets there and the router follows
     them: ZeroMQ refuses IPv6 unless each side turns it on."""
     ends = [f"tcp://::1:{free_port()}" for _ in range(2)]
-    daemon = start_server(tmp_path, "--kv-events-endpoint", ends[0], "--kv-events-replay-endpoint", ends[1],
-                          token=ADMIN_TOKEN)  # fmt: skip
+    daemon = start_server(
+        tmp_path, "--kv-events-endpoint", ends[0], "--kv-events-replay-endpoint", ends[1], token=ADMIN_TOKEN
+    )
     router = None
     try:
         assert daemon.request("GET", "/kv_events").json()["endpoint"].startswith("tcp://[::1]:")

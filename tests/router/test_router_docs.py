@@ -46,18 +46,21 @@ def test_the_router_quickstart_as_written(tmp_path: Path) -> None:
         return port.sub(lambda m: f"{m[1]}{remap[int(m[2])]}", cmd)
 
     router_port = remap[8080]
-    script = "\n".join([
-        *(moved(c) for c in serve),
-        # the docs run the router in the foreground (the daemons load meanwhile); here it goes to the background
-        f"{moved(router)} --port {router_port} &",
-        f"for i in $(seq 300); do curl -sf localhost:{router_port}/health >/dev/null && break; sleep 1; done",
-        *(f"{moved(c)}; echo; echo '{SEP}'" for c in curls),
-    ])  # fmt: skip
+    script = "\n".join(
+        [
+            *(moved(c) for c in serve),
+            # the docs run the router in the foreground (the daemons load meanwhile); here it goes to the background
+            f"{moved(router)} --port {router_port} &",
+            f"for i in $(seq 300); do curl -sf localhost:{router_port}/health >/dev/null && break; sleep 1; done",
+            *(f"{moved(c)}; echo; echo '{SEP}'" for c in curls),
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "KVPILOT_ADMIN_TOKEN")}
     # Output to files, not pipes: the processes started with `&` keep them open after the script ends.
     with open(tmp_path / "stdout.log", "wb") as stdout, open(tmp_path / "stderr.log", "wb") as stderr:
-        proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=stdout, stderr=stderr,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "-c", script], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, start_new_session=True
+        )
     try:
         proc.wait(timeout=400)
     finally:

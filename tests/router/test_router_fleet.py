@@ -22,9 +22,14 @@ def endpoint_slice(name: str, ns: str, ip: str, port: int, ready: bool = True) -
         "metadata": {"name": name, "namespace": ns, "labels": {"kubernetes.io/service-name": "llm"}},
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": ready},
-                       "targetRef": {"kind": "Pod", "name": name, "namespace": ns}}],
-    }  # fmt: skip
+        "endpoints": [
+            {
+                "addresses": [ip],
+                "conditions": {"ready": ready},
+                "targetRef": {"kind": "Pod", "name": name, "namespace": ns},
+            }
+        ],
+    }
 
 
 def test_router_follows_the_fleets_endpointslices(cluster: Cluster, namespace: str, tmp_path) -> None:  # noqa: ANN001, F811
@@ -36,10 +41,12 @@ def test_router_follows_the_fleets_endpointslices(cluster: Cluster, namespace: s
     try:
         cluster.kubectl("create", "service", "clusterip", "llm", "--tcp=8000:8000", "-n", namespace)
         for name, d in zip(("llm-a", "llm-b"), daemons):
-            cluster.kubectl("apply", "-f", "-", input=json.dumps(
-                endpoint_slice(name, namespace, host_ip, d.port)))  # fmt: skip
-        router = start_router(tmp_path, None, "--fleet", "llm", "-n", namespace,
-                              env={"KUBECONFIG": str(cluster.kubeconfig)})  # fmt: skip
+            cluster.kubectl(
+                "apply", "-f", "-", input=json.dumps(endpoint_slice(name, namespace, host_ip, d.port))
+            )
+        router = start_router(
+            tmp_path, None, "--fleet", "llm", "-n", namespace, env={"KUBECONFIG": str(cluster.kubeconfig)}
+        )
         assert sorted(p["pod"] for p in router.health()["pods"]) == ["llm-a", "llm-b"]
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
         raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
@@ -48,8 +55,12 @@ def test_router_follows_the_fleets_endpointslices(cluster: Cluster, namespace: s
         assert r.status == 200, r.body
         assert sorted(p["pod"] for p in r.json()["pods"]) == ["llm-a", "llm-b"]
         # An endpoint that turns unready leaves the fleet; the router follows the watch.
-        cluster.kubectl("apply", "-f", "-", input=json.dumps(
-            endpoint_slice("llm-b", namespace, host_ip, daemons[1].port, ready=False)))  # fmt: skip
+        cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps(endpoint_slice("llm-b", namespace, host_ip, daemons[1].port, ready=False)),
+        )
         wait_for(lambda: [p["pod"] for p in router.health()["pods"]] == ["llm-a"], 30, "llm-b to leave")
         r = router.request("POST", "/reset_prefix_cache", headers=router.admin())
         assert r.status == 200 and [p["pod"] for p in r.json()["pods"]] == ["llm-a"], r.body

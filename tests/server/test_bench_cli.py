@@ -19,8 +19,26 @@ def run_bench(
     env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
     if token:
         env["KVPILOT_ADMIN_TOKEN"] = token
-    cmd = [sys.executable, "-m", "kvpilot", "bench", "--url", server.url, "--concurrency", "1", "2",
-           "--rounds", "1", "--min-requests", "2", "--max-tokens", "2", "--output", str(out), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpilot",
+        "bench",
+        "--url",
+        server.url,
+        "--concurrency",
+        "1",
+        "2",
+        "--rounds",
+        "1",
+        "--min-requests",
+        "2",
+        "--max-tokens",
+        "2",
+        "--output",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, json.loads(out.read_text()) if out.exists() else {}, proc.stdout
 

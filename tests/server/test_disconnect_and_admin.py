@@ -15,8 +15,16 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def open_stream(server: Server, max_tokens: int) -> socket.socket:
-    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Count slowly: one, two,",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -50,8 +58,15 @@ def test_disconnect_mid_stream_frees_blocks_within_one_step(quiet: Server) -> No
 
 def test_disconnect_while_waiting_for_a_non_streamed_reply_aborts_too(quiet: Server) -> None:
     server = quiet
-    body = json.dumps({"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400,
-                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Count slowly: one, two,",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -120,8 +135,11 @@ def test_admin_token_sources(tmp_path) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("raw", [b"Bearer \xff\xfe\xfd", b"Bearer " + ADMIN_TOKEN.encode() + b"\xc3"])
 def test_admin_token_that_is_not_utf8_is_401(server: Server, raw: bytes) -> None:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    sock.sendall(b"POST /reset_prefix_cache HTTP/1.1\r\nHost: x\r\nAuthorization: " + raw
-                 + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+    sock.sendall(
+        b"POST /reset_prefix_cache HTTP/1.1\r\nHost: x\r\nAuthorization: "
+        + raw
+        + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
     reply = b""
     while chunk := sock.recv(65536):
         reply += chunk

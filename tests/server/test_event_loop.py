@@ -68,8 +68,10 @@ def test_health_answers_while_4mib_prompts_are_processed(quiet: Server) -> None:
     for r in results:
         assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body[:300]
     assert len(latencies) >= 5
-    print(f"/health under 4 MiB prompts: median {statistics.median(latencies) * 1e3:.1f} ms, "
-          f"max {max(latencies) * 1e3:.1f} ms over {len(latencies)} probes")  # fmt: skip
+    print(
+        f"/health under 4 MiB prompts: median {statistics.median(latencies) * 1e3:.1f} ms, "
+        f"max {max(latencies) * 1e3:.1f} ms over {len(latencies)} probes"
+    )
     assert statistics.median(latencies) < HEALTH_BOUND_S
     assert max(latencies) < HEALTH_MARGIN_S
 

@@ -83,10 +83,16 @@ def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, quiet: Server) ->
     assert 0 < prob <= 1 + 1e-5
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
-            stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     streamed = [
         t.logprob
         for c in chunks
@@ -99,8 +105,11 @@ def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, quiet: Server) ->
 
 
 def test_intermediate_chunks_carry_null_usage(quiet: Server) -> None:
-    events = sse(quiet, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
-                                            "stream_options": {"include_usage": True}})  # fmt: skip
+    events = sse(
+        quiet,
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream_options": {"include_usage": True}},
+    )
     assert all("usage" in e and e["usage"] is None for e in events[:-1])
     assert events[-1]["usage"]["completion_tokens"] == 3
 
@@ -173,8 +182,11 @@ def test_unknown_extension_is_named(quiet: Server) -> None:
         "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}
     )
     assert r.status == 400 and r.json()["error"]["param"] == "guided_choice"
-    ok = quiet.request("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u1",
-                                                   "guided_json": None})  # fmt: skip
+    ok = quiet.request(
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "u1", "guided_json": None},
+    )
     assert ok.status == 200
 
 

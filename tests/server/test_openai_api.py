@@ -34,10 +34,14 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
 
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
@@ -52,9 +56,13 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert full.usage.prompt_tokens_details is not None
 
     stream = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

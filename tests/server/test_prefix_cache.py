@@ -117,11 +117,12 @@ def test_every_exposed_metric_is_documented_with_its_unit(server: Server) -> Non
         for line in daemon.splitlines()
         if line.startswith("| `kvpilot_")
     }
+    # prometheus-client's *_created companions are timestamps of the series above, not metrics of their own
     exposed = {
         line.split()[2]
         for line in server.request("GET", "/metrics").body.decode().splitlines()
         if line.startswith("# TYPE kvpilot_") and not line.split()[2].endswith("_created")
-    }  # fmt: skip (prometheus-client's *_created companions are timestamps of the series above)
+    }
     for name in exposed:
         documented = name if name in rows else f"{name}_total"
         assert documented in rows, name
@@ -132,7 +133,17 @@ def test_every_exposed_metric_is_documented_with_its_unit(server: Server) -> Non
 def test_health_and_stats_shape(server: Server) -> None:
     assert server.request("GET", "/health").json() == {"status": "ok"}
     stats = server.cache()
-    for key in ("epoch", "blocks_total", "blocks_free", "blocks_cached", "blocks_used", "query_tokens",
-                "hit_tokens", "hit_rate", "last_reset_time", "engine_steps"):  # fmt: skip
+    for key in (
+        "epoch",
+        "blocks_total",
+        "blocks_free",
+        "blocks_cached",
+        "blocks_used",
+        "query_tokens",
+        "hit_tokens",
+        "hit_rate",
+        "last_reset_time",
+        "engine_steps",
+    ):
         assert key in stats
     assert stats["blocks_total"] == 256

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .conftest import MODEL, Server
+from support.servers import MODEL, Server
 
 
 def test_json_replies_end_with_a_newline(quiet: Server) -> None:

@@ -26,9 +26,14 @@ def sp_tokenizer(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe", minloglevel=2,
-        byte_fallback=True, character_coverage=1.0,
-    )  # fmt: skip
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=400,
+        model_type="bpe",
+        minloglevel=2,
+        byte_fallback=True,
+        character_coverage=1.0,
+    )
     path = Path(tmp_path_factory.mktemp("spm")) / "tokenizer.model"
     path.write_bytes(model.getvalue())
     return LlamaTokenizer(vocab_file=str(path), legacy=False, add_bos_token=False)

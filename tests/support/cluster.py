@@ -82,8 +82,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         agent_dir = workdir / "agent"
         agent_dir.mkdir()
         agent_log = workdir / "agent.log"
-        argv = [sys.executable, str(LAUNCHER), "agent", "--kubeconfig", str(cp.kubeconfig),
-                "--workdir", str(agent_dir), "--nodes", str(len(NODES)), "--gpus", "1"]  # fmt: skip
+        argv = [
+            sys.executable,
+            str(LAUNCHER),
+            "agent",
+            "--kubeconfig",
+            str(cp.kubeconfig),
+            "--workdir",
+            str(agent_dir),
+            "--nodes",
+            str(len(NODES)),
+            "--gpus",
+            "1",
+        ]
         agent = spawn(argv, log_path=agent_log)
 
         def agent_ready() -> str | None:
@@ -109,7 +120,10 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     name = "t-" + request.node.name.replace("_", "-").lower()[:50].strip("-")
     cluster.kubectl("create", "namespace", name)
     # The serviceaccount controller must have made "default" before pods can be created.
-    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
-             30, f"serviceaccount default in {name}")  # fmt: skip
+    wait_for(
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        30,
+        f"serviceaccount default in {name}",
+    )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -48,8 +48,18 @@ class OperatorProcess:
     def start(self, *extra: str) -> None:
         self.metrics_port, self.liveness_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-        argv = [sys.executable, "-m", "kvpilot.operator.main", "--bind", "127.0.0.1",
-                "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), *extra]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "kvpilot.operator.main",
+            "--bind",
+            "127.0.0.1",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness-port",
+            str(self.liveness_port),
+            *extra,
+        ]
         self.proc = spawn(argv, log_path=self.log, env=env)
         wait_for(self.healthy, 60, "the operator's /healthz")
 
@@ -135,8 +145,12 @@ def pcr(name: str, spec: dict) -> dict:
 
 
 def fleet(name: str, spec: dict) -> dict:
-    return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
@@ -165,21 +179,42 @@ def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFacto
     wait_for(
         lambda: cluster.kubectl("get", "sa", "default", "-n", OP_NS, check=False).returncode == 0, 30, "sa"
     )
-    apply(cluster, [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "kvpilot-operator", "namespace": OP_NS}},
-        rbac.cluster_role(), rbac.cluster_role_binding(OP_NS),
-    ])  # fmt: skip
+    apply(
+        cluster,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "kvpilot-operator", "namespace": OP_NS},
+            },
+            rbac.cluster_role(),
+            rbac.cluster_role_binding(OP_NS),
+        ],
+    )
     token = cluster.kubectl(
         "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
     ).stdout.strip()
     path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "op",
-        "clusters": [{"name": "dev", "cluster": {"server": cluster.cp.url,
-                                                 "certificate-authority": str(cluster.cp.ca_cert)}}],
-        "users": [{"name": "op", "user": {"token": token}}],
-        "contexts": [{"name": "op", "context": {"cluster": "dev", "user": "op"}}],
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "op",
+                "clusters": [
+                    {
+                        "name": "dev",
+                        "cluster": {
+                            "server": cluster.cp.url,
+                            "certificate-authority": str(cluster.cp.ca_cert),
+                        },
+                    }
+                ],
+                "users": [{"name": "op", "user": {"token": token}}],
+                "contexts": [{"name": "op", "context": {"cluster": "dev", "user": "op"}}],
+            }
+        )
+    )
     return path
 
 

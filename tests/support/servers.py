@@ -144,12 +144,26 @@ def stop_server(server: Server) -> None:
 
 
 def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
-    return start_server(tmp, "--host", host, "--kv-events-endpoint", f"tcp://{host}:{free_port()}",
-                        "--kv-events-replay-endpoint", f"tcp://{host}:{free_port()}", token=token)  # fmt: skip
+    return start_server(
+        tmp,
+        "--host",
+        host,
+        "--kv-events-endpoint",
+        f"tcp://{host}:{free_port()}",
+        "--kv-events-replay-endpoint",
+        f"tcp://{host}:{free_port()}",
+        token=token,
+    )
 
 
-def start_router(tmp: Path, endpoints: list[str] | None, *extra: str, token: str | None = ADMIN_TOKEN,
-                 all_pods: bool = True, env: dict | None = None) -> RouterProc:  # fmt: skip
+def start_router(
+    tmp: Path,
+    endpoints: list[str] | None,
+    *extra: str,
+    token: str | None = ADMIN_TOKEN,
+    all_pods: bool = True,
+    env: dict | None = None,
+) -> RouterProc:
     """Start a router; return once every pod is ready and its KV events synced (or, with `all_pods`
     false, once the router serves at all)."""
     args = [*extra, *(["--endpoints", ",".join(endpoints)] if endpoints is not None else [])]

@@ -48,7 +48,8 @@ def project(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "other-python"
     bin_dir.mkdir()
     python3 = bin_dir / "python3"
-    python3.write_text(textwrap.dedent(f"""\
+    python3.write_text(
+        textwrap.dedent(f"""\
         #!{sys.executable}
         import subprocess, sys
         with open({str(tmp_path / "python3-calls")!r}, "a") as f:
@@ -56,18 +57,20 @@ def project(tmp_path: Path) -> Path:
         assert sys.argv[1:3] == ["-m", "venv"], sys.argv
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", sys.argv[3]], check=True)
         subprocess.run([sys.argv[3] + "/bin/python", "-c", {PLANT_PIP!r}], check=True)
-        """))  # fmt: skip
+        """)
+    )
     python3.chmod(0o755)
     return work
 
 
 def make_setup(project: Path, target: str = "setup") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{project.parent / 'other-python'}{os.pathsep}{os.environ['PATH']}",
-           "PIP_CALLS": str(project.parent / "pip-calls")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{project.parent / 'other-python'}{os.pathsep}{os.environ['PATH']}",
+        "PIP_CALLS": str(project.parent / "pip-calls"),
+    }
     env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(
-        ["make", target], cwd=project, env=env, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run(["make", target], cwd=project, env=env, capture_output=True, text=True, timeout=120)
 
 
 def calls(project: Path, name: str) -> list[str]:

@@ -133,10 +133,15 @@ def test_prometheus_scrapes_and_promtool_queries_it(bindir: Path, tmp_path: Path
     check = run(bindir / "promtool", "check", "config", config)
     assert check.returncode == 0, check.stdout + check.stderr
     proc = spawn(
-        [bindir / "prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],  # fmt: skip
-        log_path=tmp_path / "prometheus.log", cwd=tmp_path,
-    )  # fmt: skip
+        [
+            bindir / "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        log_path=tmp_path / "prometheus.log",
+        cwd=tmp_path,
+    )
     try:
         deadline = time.monotonic() + 60
         out = ""
@@ -178,22 +183,56 @@ def test_monitoring_crds_are_served_and_validate_objects(bindir: Path, tmp_path:
 
         objects = client.CustomObjectsApi(api)
         group, version, ns = "monitoring.coreos.com", "v1", "default"
-        objects.create_namespaced_custom_object(group, version, ns, "servicemonitors", {
-            "apiVersion": f"{group}/{version}", "kind": "ServiceMonitor", "metadata": {"name": "op"},
-            "spec": {"selector": {"matchLabels": {"app": "op"}}, "endpoints": [{"port": "metrics"}]},
-        })  # fmt: skip
-        objects.create_namespaced_custom_object(group, version, ns, "podmonitors", {
-            "apiVersion": f"{group}/{version}", "kind": "PodMonitor", "metadata": {"name": "daemons"},
-            "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]},
-        })  # fmt: skip
-        objects.create_namespaced_custom_object(group, version, ns, "prometheusrules", {
-            "apiVersion": f"{group}/{version}", "kind": "PrometheusRule", "metadata": {"name": "alerts"},
-            "spec": {"groups": [{"name": "g", "rules": [{"alert": "Down", "expr": "up == 0", "for": "5m"}]}]},
-        })  # fmt: skip
+        objects.create_namespaced_custom_object(
+            group,
+            version,
+            ns,
+            "servicemonitors",
+            {
+                "apiVersion": f"{group}/{version}",
+                "kind": "ServiceMonitor",
+                "metadata": {"name": "op"},
+                "spec": {"selector": {"matchLabels": {"app": "op"}}, "endpoints": [{"port": "metrics"}]},
+            },
+        )
+        objects.create_namespaced_custom_object(
+            group,
+            version,
+            ns,
+            "podmonitors",
+            {
+                "apiVersion": f"{group}/{version}",
+                "kind": "PodMonitor",
+                "metadata": {"name": "daemons"},
+                "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]},
+            },
+        )
+        objects.create_namespaced_custom_object(
+            group,
+            version,
+            ns,
+            "prometheusrules",
+            {
+                "apiVersion": f"{group}/{version}",
+                "kind": "PrometheusRule",
+                "metadata": {"name": "alerts"},
+                "spec": {
+                    "groups": [{"name": "g", "rules": [{"alert": "Down", "expr": "up == 0", "for": "5m"}]}]
+                },
+            },
+        )
         with pytest.raises(ApiException) as refused:
-            objects.create_namespaced_custom_object(group, version, ns, "servicemonitors", {
-                "apiVersion": f"{group}/{version}", "kind": "ServiceMonitor", "metadata": {"name": "bad"},
-                "spec": {"selector": {}, "endpoints": [{"port": "metrics", "interval": "often"}]},
-            })  # fmt: skip
+            objects.create_namespaced_custom_object(
+                group,
+                version,
+                ns,
+                "servicemonitors",
+                {
+                    "apiVersion": f"{group}/{version}",
+                    "kind": "ServiceMonitor",
+                    "metadata": {"name": "bad"},
+                    "spec": {"selector": {}, "endpoints": [{"port": "metrics", "interval": "often"}]},
+                },
+            )
         assert refused.value.status == 422
         assert "spec.endpoints[0].interval" in refused.value.body

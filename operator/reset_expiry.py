@@ -1,0 +1,72 @@
+"""ttlSecondsAfterFinished: delete a finished PrefixCacheReset when its time is up, also after a restart.
+
+Not a kopf daemon or timer: kopf keeps its finalizer on every object a daemon or timer serves, and a finished
+reset carries none (after `helm uninstall`, `kubectl delete pcr --all` must not hang). An event handler sees
+every reset, the initial listing too (so a restarted operator takes the TTLs up again), and this keeps one
+sleeping task per finished reset that has a TTL. Deleting twice is harmless: the uid is a precondition, and
+404 and 409 count as done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from kvpilot.operator.builders import RESETS
+from kvpilot.operator.conditions import parse_time
+from kvpilot.operator.kube import Kube, is_transient
+
+log = logging.getLogger(__name__)
+
+
+class Expiry:
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # by uid
+
+    def seen(self, body: dict[str, Any], deleted: bool = False) -> None:
+        """A watch event of a reset: schedule its deletion once it is finished, forget it once it is gone."""
+        meta = body["metadata"]
+        uid = meta["uid"]
+        if deleted or meta.get("deletionTimestamp"):
+            if task := self.tasks.pop(uid, None):
+                task.cancel()
+            return
+        ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+        done = parse_time((body.get("status") or {}).get("completionTime"))
+        if ttl is None or done is None or uid in self.tasks:
+            return
+        self.tasks[uid] = asyncio.create_task(
+            self._expire(meta["namespace"], meta["name"], uid, done + ttl, ttl)
+        )
+
+    async def _expire(self, ns: str, name: str, uid: str, at: float, ttl: int) -> None:
+        try:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            log.info("deleting PrefixCacheReset %s/%s: ttlSecondsAfterFinished %ss passed", ns, name, ttl)
+            delay = 1.0
+            while True:
+                try:
+                    await self.kube.delete_cr(RESETS, ns, name, uid)
+                    return
+                except Exception as exc:  # noqa: BLE001 - retried while it may pass, else reported
+                    if not is_transient(exc):
+                        log.warning("PrefixCacheReset %s/%s not deleted after its TTL: %s", ns, name, exc)
+                        return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+        finally:
+            if self.tasks.get(uid) is asyncio.current_task():
+                del self.tasks[uid]
+
+    async def close(self) -> None:
+        """Cancel every pending deletion (the operator stops; the next one schedules them again)."""
+        tasks, self.tasks = list(self.tasks.values()), {}
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
