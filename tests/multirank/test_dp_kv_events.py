@@ -110,6 +110,15 @@ def test_the_router_sends_a_repeated_prompt_to_the_same_pod_rank(dp_daemon: Serv
     single = start_daemon(tmp_path, token="t")
     router = None
     try:
+        # Without data parallelism only rank 0 exists.
+        assert (
+            single.request("POST", "/v1/completions", ASK, headers={"X-data-parallel-rank": "0"}).status
+            == 200
+        )
+        assert (
+            single.request("POST", "/v1/completions", ASK, headers={"X-data-parallel-rank": "1"}).status
+            == 400
+        )
         router = start_router(tmp_path, [dp_daemon.url, single.url], token="t")
         assert {p["pod"]: p["ranks"] for p in router.health()["pods"]} == {
             f"127.0.0.1:{dp_daemon.port}": 2,
