@@ -202,21 +202,28 @@ def delta(after: dict, before: dict, name: str) -> float:
     return total(after, name) - total(before, name)
 
 
-def serve_args(port: int, kv_blocks: int, token_file: Path, *extra: str) -> list[str]:
-    return [
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--num-gpu-blocks-override",
-        str(kv_blocks),
-        "--max-num-seqs",
-        "8",
-        "--admin-token-file",
-        str(token_file),
-        *extra,
-    ]
+def start_daemon(
+    kv_blocks: int, token_file: Path, log: Path, events: int, replay: int, *extra: str
+) -> tuple[subprocess.Popen, str]:
+    """A `kvpilot serve` publishing KV events on `events` (replay on `replay`); returns it and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks-override", str(kv_blocks)]
+    args += ["--max-num-seqs", "8", "--admin-token-file", str(token_file), *extra]
+    args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{events}"]
+    args += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
+    return launch(args, log, url), url
+
+
+def start_router(
+    policy: str, endpoints: list[str], token_file: Path, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """A `kvpilot router` in front of `endpoints`; returns it and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    args += ["--endpoints", ",".join(endpoints), "--admin-token-file", str(token_file)]
+    return launch(args, log, url), url
 
 
 async def direct_reset(url: str) -> None:
@@ -236,47 +243,14 @@ def data_parallel_runs(
     procs: list[subprocess.Popen],
 ) -> dict:
     """One DP=2 daemon: the router's exact per-rank routing vs the daemon's own choice of rank."""
-    port, events = free_port(), free_port()
-    daemon = f"http://127.0.0.1:{port}"
+    events = free_port()
     # Rank r publishes on port + r: the replay sockets start past rank 1's events port.
-    procs.append(
-        launch(
-            serve_args(
-                port,
-                args.kv_blocks,
-                token_file,
-                "--data-parallel-size",
-                "2",
-                "--kv-events-endpoint",
-                f"tcp://127.0.0.1:{events}",
-                "--kv-events-replay-endpoint",
-                f"tcp://127.0.0.1:{events + 2}",
-            ),
-            logdir / "daemon-dp2.log",
-            daemon,
-        )
+    proc, daemon = start_daemon(
+        args.kv_blocks, token_file, logdir / "daemon-dp2.log", events, events + 2, "--data-parallel-size", "2"
     )
-    rport = free_port()
-    router = f"http://127.0.0.1:{rport}"
-    procs.append(
-        launch(
-            [
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(rport),
-                "--policy",
-                "prefix-aware",
-                "--endpoints",
-                daemon,
-                "--admin-token-file",
-                str(token_file),
-            ],
-            logdir / "router-dp2.log",
-            router,
-        )
-    )
+    procs.append(proc)
+    proc, router = start_router("prefix-aware", [daemon], token_file, logdir / "router-dp2.log")
+    procs.append(proc)
     asyncio.run(run_load(daemon, work[:2], 2, 2))  # warm-up
     modes = {"router-per-rank": router, "daemon-choice": daemon}
     runs = []
@@ -342,48 +316,15 @@ def main() -> int:
     try:
         daemons = []
         for i in range(2):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            procs.append(
-                launch(
-                    serve_args(
-                        port,
-                        args.kv_blocks,
-                        token_file,
-                        "--kv-events-endpoint",
-                        f"tcp://127.0.0.1:{free_port()}",
-                        "--kv-events-replay-endpoint",
-                        f"tcp://127.0.0.1:{free_port()}",
-                    ),
-                    logdir / f"daemon-{i}.log",
-                    url,
-                )
+            proc, url = start_daemon(
+                args.kv_blocks, token_file, logdir / f"daemon-{i}.log", free_port(), free_port()
             )
+            procs.append(proc)
             daemons.append(url)
         routers = {}
         for policy in ("round-robin", "prefix-aware"):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            procs.append(
-                launch(
-                    [
-                        "router",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--policy",
-                        policy,
-                        "--endpoints",
-                        ",".join(daemons),
-                        "--admin-token-file",
-                        str(token_file),
-                    ],
-                    logdir / f"router-{policy}.log",
-                    url,
-                )
-            )
-            routers[policy] = url
+            proc, routers[policy] = start_router(policy, daemons, token_file, logdir / f"router-{policy}.log")
+            procs.append(proc)
         # Warm-up (first-call costs), then cold caches for every measured run.
         asyncio.run(run_load(routers["round-robin"], work[:2], 2, 2))
 
