@@ -12,8 +12,14 @@ Then one probe (every system prompt once, at once) goes through the warm prefix-
 and right after a fleet reset through it: before, the index predicts the cached prefixes; after, any
 prediction from a block the reset made unreachable shows up as `stale_predictions` (must be 0).
 
+Then the same workload on one `--data-parallel-size 2` daemon (each rank with the KV blocks of one daemon
+above): through the prefix-aware router, which reads each rank's KV events and names the rank
+(`X-data-parallel-rank`), vs sent to the daemon directly, whose own policy guesses the rank from the
+prefixes it sent there (`dp_policy.py`). Each run starts from a reset.
+
     .venv/bin/python bench/router.py                  # 8 prompts x 6 users, 4 clients, 2 daemons, 2 repeats
     .venv/bin/python bench/router.py --prompts 8 --users 16 --concurrency 8
+    .venv/bin/python bench/router.py --prompts 4 --users 3 --repeats 1   # a quick look
 
 Results go to bench/results/router.json.
 """
@@ -196,6 +202,84 @@ def delta(after: dict, before: dict, name: str) -> float:
     return total(after, name) - total(before, name)
 
 
+def start_daemon(
+    kv_blocks: int, token_file: Path, log: Path, events: int, replay: int, *extra: str
+) -> tuple[subprocess.Popen, str]:
+    """A `kvpilot serve` publishing KV events on `events` (replay on `replay`); returns it and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks-override", str(kv_blocks)]
+    args += ["--max-num-seqs", "8", "--admin-token-file", str(token_file), *extra]
+    args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{events}"]
+    args += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
+    return launch(args, log, url), url
+
+
+def start_router(
+    policy: str, endpoints: list[str], token_file: Path, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """A `kvpilot router` in front of `endpoints`; returns it and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    args += ["--endpoints", ",".join(endpoints), "--admin-token-file", str(token_file)]
+    return launch(args, log, url), url
+
+
+async def direct_reset(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as r:
+            if r.status != 200:
+                raise RuntimeError(f"reset failed: {await r.text()}")
+
+
+def data_parallel_runs(
+    args: argparse.Namespace,
+    work: list[tuple[str, str]],
+    logdir: Path,
+    token_file: Path,
+    procs: list[subprocess.Popen],
+) -> dict:
+    """One DP=2 daemon: the router's exact per-rank routing vs the daemon's own choice of rank."""
+    events = free_port()
+    # Rank r publishes on port + r: the replay sockets start past rank 1's events port.
+    proc, daemon = start_daemon(
+        args.kv_blocks, token_file, logdir / "daemon-dp2.log", events, events + 2, "--data-parallel-size", "2"
+    )
+    procs.append(proc)
+    proc, router = start_router("prefix-aware", [daemon], token_file, logdir / "router-dp2.log")
+    procs.append(proc)
+    asyncio.run(run_load(daemon, work[:2], 2, 2))  # warm-up
+    modes = {"router-per-rank": router, "daemon-choice": daemon}
+    runs = []
+    order = [("daemon-choice", "router-per-rank"), ("router-per-rank", "daemon-choice")]
+    for rep in range(args.repeats):
+        for mode in order[rep % 2]:
+            url = modes[mode]
+            asyncio.run(fleet_reset(url) if url == router else direct_reset(url))
+            start = time.perf_counter()
+            results = asyncio.run(run_load(url, work, args.concurrency, args.max_tokens))
+            run = {"mode": mode, "repeat": rep} | summarize(results) | {"wall_s": time.perf_counter() - start}
+            del run["requests_per_pod"]  # one pod
+            runs.append(run)
+            print(
+                f"DP=2 {mode:15s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:7.0f} ms  "
+                f"p99 {run['ttft_p99_ms']:7.0f} ms  {run['wall_s']:.1f} s",
+                flush=True,
+            )
+    summary = {}
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {
+            "prefix_hit_rate": statistics.fmean(r["prefix_hit_rate"] for r in mine),
+            "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in mine),
+            "errors": sum(r["errors"] for r in mine),
+        }
+    return {"kv_blocks_per_rank": args.kv_blocks, "summary": summary, "runs": runs}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8, help="shared system prompts (default 8)")
@@ -232,56 +316,15 @@ def main() -> int:
     try:
         daemons = []
         for i in range(2):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            procs.append(
-                launch(
-                    [
-                        "serve",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--num-gpu-blocks-override",
-                        str(args.kv_blocks),
-                        "--max-num-seqs",
-                        "8",
-                        "--admin-token-file",
-                        str(token_file),
-                        "--kv-events-endpoint",
-                        f"tcp://127.0.0.1:{free_port()}",
-                        "--kv-events-replay-endpoint",
-                        f"tcp://127.0.0.1:{free_port()}",
-                    ],
-                    logdir / f"daemon-{i}.log",
-                    url,
-                )
+            proc, url = start_daemon(
+                args.kv_blocks, token_file, logdir / f"daemon-{i}.log", free_port(), free_port()
             )
+            procs.append(proc)
             daemons.append(url)
         routers = {}
         for policy in ("round-robin", "prefix-aware"):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            procs.append(
-                launch(
-                    [
-                        "router",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--policy",
-                        policy,
-                        "--endpoints",
-                        ",".join(daemons),
-                        "--admin-token-file",
-                        str(token_file),
-                    ],
-                    logdir / f"router-{policy}.log",
-                    url,
-                )
-            )
-            routers[policy] = url
+            proc, routers[policy] = start_router(policy, daemons, token_file, logdir / f"router-{policy}.log")
+            procs.append(proc)
         # Warm-up (first-call costs), then cold caches for every measured run.
         asyncio.run(run_load(routers["round-robin"], work[:2], 2, 2))
 
@@ -349,6 +392,16 @@ def main() -> int:
             f"TTFT p50 {pa['ttft_p50_ms']:.0f} vs {rr['ttft_p50_ms']:.0f} ms (median of {args.repeats} runs "
             f"each); stale predictions after the reset: {stale['stale_predictions']:.0f}"
         )
+        for proc in procs:
+            benchkit.shutdown(proc)  # free the CPUs for the data-parallel daemon
+        procs.clear()
+        dp = data_parallel_runs(args, work, logdir, token_file, procs)
+        exact, own = dp["summary"]["router-per-rank"], dp["summary"]["daemon-choice"]
+        print(
+            f"DP=2 pod: hit {exact['prefix_hit_rate']:.3f} with the router's per-rank routing vs "
+            f"{own['prefix_hit_rate']:.3f} with the daemon's own choice",
+            flush=True,
+        )
         doc = {
             "bench": "router",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -372,6 +425,7 @@ def main() -> int:
                 "ttft_p50_ratio": pa["ttft_p50_ms"] / rr["ttft_p50_ms"],
             },
             "after_fleet_reset": stale,
+            "data_parallel_pod": dp,
             "kv_event_batches": {
                 r: total(events, "kv_event_batches_total", f'result="{r}"')
                 for r in ("received", "replayed", "missed")
@@ -381,7 +435,8 @@ def main() -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.output}")
-        return 0 if stale["stale_predictions"] == 0 and not rr["errors"] and not pa["errors"] else 1
+        errors = rr["errors"] + pa["errors"] + exact["errors"] + own["errors"]
+        return 0 if stale["stale_predictions"] == 0 and not errors else 1
     finally:
         for proc in reversed(procs):
             benchkit.shutdown(proc)

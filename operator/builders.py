@@ -35,9 +35,10 @@ _ENGINE_FLAGS = {
 }
 GPU_RESOURCE = "nvidia.com/gpu"
 # Where each daemon publishes its KV events when the fleet has a router (the router learns them from the
-# daemon's GET /kv_events, so these are not a contract with the router, only ports inside the pod).
+# daemon's GET /kv_events, so these are not a contract with the router, only ports inside the pod). Rank r
+# of a data-parallel daemon publishes on port + r: the events take 5557..5557+N-1, the replay sockets the
+# N ports after them (the CRD's CEL rule keeps the HTTP port out of that range).
 KV_EVENTS_PORT = 5557
-KV_EVENTS_REPLAY_PORT = 5558
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -133,27 +134,44 @@ def router_spec(spec: dict[str, Any]) -> dict[str, Any] | None:
     return r if r.get("enabled") else None
 
 
-def kv_events_args(spec: dict[str, Any]) -> list[str]:
-    """Daemon flags that publish KV events, for fleets whose router routes by them (prefix-aware). Bound to
-    the pod's own IP, like the HTTP port."""
+def data_parallel_size(spec: dict[str, Any]) -> int:
+    return int((spec.get("engine") or {}).get("dataParallelSize") or 1)
+
+
+def kv_events_ports_by_rank(spec: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """(events port, replay port) of each rank, for fleets whose router routes by KV events
+    (prefix-aware); None otherwise."""
     r = router_spec(spec)
     if not r or r.get("policy", "prefix-aware") != "prefix-aware":
+        return None
+    n = data_parallel_size(spec)
+    return [(KV_EVENTS_PORT + rank, KV_EVENTS_PORT + n + rank) for rank in range(n)]
+
+
+def kv_events_args(spec: dict[str, Any]) -> list[str]:
+    """Daemon flags that publish KV events (rank 0's ports; the daemon adds the rank). Bound to the pod's
+    own IP, like the HTTP port."""
+    ports = kv_events_ports_by_rank(spec)
+    if ports is None:
         return []
     return [
         "--kv-events-endpoint",
-        f"tcp://$(POD_IP):{KV_EVENTS_PORT}",
+        f"tcp://$(POD_IP):{ports[0][0]}",
         "--kv-events-replay-endpoint",
-        f"tcp://$(POD_IP):{KV_EVENTS_REPLAY_PORT}",
+        f"tcp://$(POD_IP):{ports[0][1]}",
     ]
 
 
 def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    if not kv_events_args(spec):
-        return []
-    return [
-        {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-        {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
-    ]
+    """The container ports of every rank's KV events (rank 0's keep the names of a single-rank pod)."""
+    out = []
+    for rank, (pub, replay) in enumerate(kv_events_ports_by_rank(spec) or []):
+        suffix = f"-{rank}" if rank else ""
+        out += [
+            {"name": f"kv-events{suffix}", "containerPort": pub, "protocol": "TCP"},
+            {"name": f"kv-replay{suffix}", "containerPort": replay, "protocol": "TCP"},
+        ]
+    return out
 
 
 def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
 
 
 @dataclass(slots=True)
@@ -120,6 +121,9 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     policy = r.policy.name
     r.metrics.decisions.labels(pod.name, policy, decision.reason).inc()
     headers = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
+    if decision.rank is not None:
+        headers[DP_RANK_HEADER] = str(decision.rank)
+        pod.rank_in_flight[decision.rank] = pod.rank_in_flight.get(decision.rank, 0) + 1
     pod.in_flight += 1
     r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
     status = 0
@@ -128,6 +132,8 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
             status = up.status
             out_headers = {h: up.headers[h] for h in FORWARD_RESPONSE_HEADERS if h in up.headers}
             out_headers[POD_HEADER] = pod.name
+            if decision.rank is not None:
+                out_headers[DP_RANK_HEADER] = str(decision.rank)
             try:
                 if up.headers.get("Content-Type", "").startswith("text/event-stream"):
                     resp = web.StreamResponse(status=up.status, headers=out_headers)
@@ -159,6 +165,8 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
         raise ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway") from None
     finally:
         pod.in_flight -= 1
+        if decision.rank is not None:
+            pod.rank_in_flight[decision.rank] -= 1
         r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
         r.metrics.requests.labels(pod.name, policy, str(status)).inc()
 
@@ -233,7 +241,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         # had. 503 is what such clients retry while a fleet scales up.
         r.metrics.resets.labels("no_pods").inc()
         raise ApiError(503, "the fleet has no pods to reset", code="no_pods")
-    clears_before = {p.name: r.index.clears(p.name) for p in pods}
+    clears_before = {p.name: {h: r.index.clears(h) for h in p.holders()} for p in pods}
     results = await reset_pods(pods, r.settings.admin_token, flag, r.settings.reset_timeout_s)
     # The index must not route on pre-reset blocks once we answer: wait for each reset pod's
     # AllBlocksCleared (its earlier events come before it, in order), or drop its entries ourselves.
@@ -256,23 +264,28 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response(body_out)
 
 
-async def _await_clear(r: Router, pod: Pod, before: int) -> None:
-    """Make the pod's entries reflect its reset before the router answers."""
+async def _await_clear(r: Router, pod: Pod, before: dict[tuple[str, int], int]) -> None:
+    """Make the pod's entries (each rank's) reflect its reset before the router answers."""
     if pod.kv_events != "on":
-        r.index.clear(pod.name)  # nothing indexed from it; keep it that way
+        for holder in pod.holders():
+            r.index.clear(holder)  # nothing indexed from it; keep it that way
         return
-    # The pod recorded AllBlocksCleared before answering, and its publisher sends what it recorded
-    # before serving a replay: one replay now brings every batch up to and including the clear.
+    # Each rank recorded AllBlocksCleared before the pod answered, and its publisher sends what it recorded
+    # before serving a replay: one replay per rank now brings every batch up to and including the clear.
     caught_up = [await s.catch_up() for s in pod.streams]
-    if all(caught_up) and r.index.clears(pod.name) > before:
-        return
-    if not await r.index.wait_cleared(pod.name, before, r.settings.clear_wait_s):
-        log.warning(
-            "%s: no AllBlocksCleared within %.1fs of its reset; ignoring its events until one arrives",
-            pod.name,
-            r.settings.clear_wait_s,
-        )
-        r.index.distrust(pod.name)
+    for stream, ok in zip(pod.streams, caught_up):
+        holder = stream.key
+        if ok and r.index.clears(holder) > before.get(holder, 0):
+            continue
+        if not await r.index.wait_cleared(holder, before.get(holder, 0), r.settings.clear_wait_s):
+            log.warning(
+                "%s rank %d: no AllBlocksCleared within %.1fs of its reset; ignoring its events until "
+                "one arrives",
+                pod.name,
+                stream.rank,
+                r.settings.clear_wait_s,
+            )
+            r.index.distrust(holder)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -285,7 +298,8 @@ async def health(request: web.Request) -> web.Response:
             "in_flight": p.in_flight,
             "kv_events": p.kv_events,
             "synced": p.synced(),
-            "indexed_blocks": r.index.num_blocks(p.name),
+            "indexed_blocks": r.index.blocks_of(p.holders()),
+            "ranks": p.num_ranks,
         }
         for p in r.fleet.pods
     ]
@@ -299,7 +313,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     r = request.app[ROUTER]
     for p in r.fleet.pods:
-        r.metrics.indexed_blocks.labels(p.name).set(r.index.num_blocks(p.name))
+        r.metrics.indexed_blocks.labels(p.name).set(r.index.blocks_of(p.holders()))
     return web.Response(body=r.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -1,6 +1,7 @@
-"""Which pod holds which prefix block, as the pods' KV events say.
+"""Which pod rank holds which prefix block, as the pods' KV events say.
 
-A pod's entry is exactly the set of block keys its engine has indexed, kept by applying its events in
+Entries are kept per holder: a (pod name, data-parallel rank) pair in the router, since each rank of a
+data-parallel pod has its own KV cache and its own event stream (any hashable names one). A holder's entry is exactly the set of block keys its engine has indexed, kept by applying its events in
 sequence order (stored adds, removed drops, all-cleared empties). When events were lost and cannot be
 replayed, the pod's entry is emptied and rebuilt from the events that follow: from then on it holds a
 subset of the truth, so the router may under-predict a hit but never predicts one that is not there.
@@ -9,21 +10,23 @@ subset of the truth, so the router may under-predict a hit but never predicts on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+Holder = Hashable  # (pod name, rank) in the router
 
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._blocks: dict[str, set[bytes]] = {}  # pod -> keys it holds
-        self._holders: dict[bytes, set[str]] = {}  # key -> pods holding it
-        self._clears: dict[str, int] = {}  # pod -> AllBlocksCleared events applied so far
-        self._distrusted: set[str] = set()  # pods whose entries stay empty until their next clear
+        self._blocks: dict[Holder, set[bytes]] = {}  # pod -> keys it holds
+        self._holders: dict[bytes, set[Holder]] = {}  # key -> pods holding it
+        self._clears: dict[Holder, int] = {}  # pod -> AllBlocksCleared events applied so far
+        self._distrusted: set[Holder] = set()  # pods whose entries stay empty until their next clear
         self._cleared = asyncio.Event()  # set (and replaced) whenever a pod reports AllBlocksCleared
 
     # ---- updates -------------------------------------------------------------------------------
-    def apply(self, pod: str, batch: EventBatch) -> None:
+    def apply(self, pod: Holder, batch: EventBatch) -> None:
         for ev in batch.events:
             if pod in self._distrusted and not isinstance(ev, AllBlocksCleared):
                 continue
@@ -38,13 +41,13 @@ class PrefixIndex:
                 self._cleared.set()
                 self._cleared = asyncio.Event()
 
-    def store(self, pod: str, keys: Iterable[bytes]) -> None:
+    def store(self, pod: Holder, keys: Iterable[bytes]) -> None:
         held = self._blocks.setdefault(pod, set())
         for k in keys:
             held.add(k)
             self._holders.setdefault(k, set()).add(pod)
 
-    def remove(self, pod: str, keys: Iterable[bytes]) -> None:
+    def remove(self, pod: Holder, keys: Iterable[bytes]) -> None:
         held = self._blocks.get(pod)
         if not held:
             return
@@ -53,18 +56,18 @@ class PrefixIndex:
                 held.discard(k)
                 self._drop_holder(k, pod)
 
-    def clear(self, pod: str) -> None:
+    def clear(self, pod: Holder) -> None:
         for k in self._blocks.pop(pod, ()):
             self._drop_holder(k, pod)
 
-    def distrust(self, pod: str) -> None:
+    def distrust(self, pod: Holder) -> None:
         """Empty the pod's entries and ignore what it stores until it reports AllBlocksCleared: for a
         pod that was reset but whose clear event has not arrived (events sent before the reset may
         still be on their way)."""
         self.clear(pod)
         self._distrusted.add(pod)
 
-    def _drop_holder(self, key: bytes, pod: str) -> None:
+    def _drop_holder(self, key: bytes, pod: Holder) -> None:
         holders = self._holders.get(key)
         if holders is not None:
             holders.discard(pod)
@@ -72,13 +75,17 @@ class PrefixIndex:
                 del self._holders[key]
 
     # ---- queries -------------------------------------------------------------------------------
-    def num_blocks(self, pod: str) -> int:
+    def num_blocks(self, pod: Holder) -> int:
         return len(self._blocks.get(pod, ()))
 
-    def clears(self, pod: str) -> int:
+    def blocks_of(self, holders: Iterable[Holder]) -> int:
+        """Blocks indexed for a pod: its ranks' entries together."""
+        return sum(self.num_blocks(h) for h in holders)
+
+    def clears(self, pod: Holder) -> int:
         return self._clears.get(pod, 0)
 
-    def matched_blocks(self, keys: list[bytes], pods: Iterable[str]) -> dict[str, int]:
+    def matched_blocks(self, keys: list[bytes], pods: Iterable[Holder]) -> dict[Holder, int]:
         """For each pod, how many leading keys it holds without a gap (the engine stops at its first
         miss too)."""
         out = {p: 0 for p in pods}
@@ -91,7 +98,7 @@ class PrefixIndex:
                 out[p] = i + 1
         return out
 
-    async def wait_cleared(self, pod: str, after: int, timeout: float) -> bool:
+    async def wait_cleared(self, pod: Holder, after: int, timeout: float) -> bool:
         """True once `pod` has reported more than `after` AllBlocksCleared events (within `timeout`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -55,7 +55,7 @@ async def fetch_replay(
 
 
 class PodEventStream:
-    """One publisher (one pod rank). `run()` until cancelled."""
+    """One publisher (one pod rank), indexed as the holder (pod, rank). `run()` until cancelled."""
 
     def __init__(
         self,
@@ -66,8 +66,11 @@ class PodEventStream:
         count: CountFn,
         ctx: zmq.asyncio.Context,
         idle_check_s: float = 1.0,
+        rank: int = 0,
     ) -> None:
         self.pod = pod
+        self.rank = rank
+        self.key = (pod, rank)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.index = index
@@ -108,8 +111,8 @@ class PodEventStream:
 
     def restart(self, why: str) -> None:
         """Forget the pod's entries and take its stream from the start (what replay still holds)."""
-        log.info("KV events of %s: starting over (%s)", self.pod, why)
-        self.index.clear(self.pod)
+        log.info("KV events of %s rank %d: starting over (%s)", self.pod, self.rank, why)
+        self.index.clear(self.key)
         self.last_seq = -1
 
     async def on_message(self, seq: int, payload: bytes) -> None:
@@ -157,5 +160,5 @@ class PodEventStream:
             self.restart("unreadable batch")
             self.last_seq = seq
             return
-        self.index.apply(self.pod, batch)
+        self.index.apply(self.key, batch)
         self.last_seq = seq

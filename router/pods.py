@@ -30,7 +30,9 @@ class Pod:
     in_flight: int = 0
     kv_events: str = "pending"  # pending (not asked yet) | off (the pod publishes none) | on
     block_size: int | None = None  # of the pod's KV events; None while they are not followed
-    streams: list[PodEventStream] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # the data-parallel ranks whose KV events are followed
+    streams: list[PodEventStream] = field(default_factory=list)  # one per rank
+    rank_in_flight: dict[int, int] = field(default_factory=dict)  # requests sent to a chosen rank
 
     @property
     def host(self) -> str:
@@ -40,6 +42,14 @@ class Pod:
     def port(self) -> int:
         parts = urlsplit(self.url)
         return parts.port or (443 if parts.scheme == "https" else 80)
+
+    def holders(self) -> list[tuple[str, int]]:
+        """The pod's index entries: one per rank it publishes events for."""
+        return [(self.name, r) for r in self.ranks]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
 
     def synced(self) -> bool:
         return bool(self.streams) and all(s.synced.is_set() for s in self.streams)
@@ -104,7 +114,8 @@ class Fleet:
             self._tasks[p.name] = asyncio.create_task(self._watch(p), name=f"probe {p.name}")
         for gone in old.values():
             self._tasks.pop(gone.name).cancel()
-            self.index.clear(gone.name)
+            for holder in gone.holders():
+                self.index.clear(holder)
             self.metrics.pod_ready.labels(gone.name).set(0)
         if old or len(keep) != len(self.pods):
             log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
@@ -129,13 +140,14 @@ class Fleet:
                 self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
                 if pod.ready and pod.kv_events == "pending":
                     streams = await self._follow_events(pod)
-                self.metrics.indexed_blocks.labels(pod.name).set(self.index.num_blocks(pod.name))
+                self.metrics.indexed_blocks.labels(pod.name).set(self.index.blocks_of(pod.holders()))
                 await asyncio.sleep(self._probe_interval_s)
         finally:
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-            self.index.clear(pod.name)  # whatever a cancelled stream applied last
+            for holder in pod.holders():
+                self.index.clear(holder)  # whatever a cancelled stream applied last
 
     async def _healthy(self, pod: Pod) -> bool:
         try:
@@ -166,9 +178,11 @@ class Fleet:
                 self.index,
                 self.metrics.count_kv,
                 self._ctx,
+                rank=int(r.get("rank", 0)),
             )
             for r in ranks
         ]
+        pod.ranks = [s.rank for s in pod.streams]
         pod.kv_events = "on"
         log.info("%s: following KV events at %s", pod.name, ", ".join(r["endpoint"] for r in ranks))
         return [asyncio.create_task(_run_forever(s), name=f"kv events {pod.name}") for s in pod.streams]

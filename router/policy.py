@@ -4,6 +4,10 @@ prefix-aware scores each ready pod by the work the request would cost there: the
 have to compute (those not in the pod's cached prefix, as its KV events say) plus a charge per request the
 pod is already serving. The cheapest pod wins; ties go to the least loaded, then round-robin. So a shared
 system prompt keeps landing where it is cached until that pod is busier than a recompute is worth.
+
+A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
+scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
+`X-data-parallel-rank` header, so the request lands on the very cache the score was computed for.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class Decision:
     pod: Pod
     reason: str  # prefix | load | round-robin
     predicted_cached_tokens: int | None = None  # None: no prediction (the pod publishes no events)
+    rank: int | None = None  # the data-parallel rank to run on (None: the pod chooses)
 
 
 class RoundRobin:
@@ -59,21 +64,22 @@ class PrefixAware(RoundRobin):
         # busier than the others (then one spill also warms a second pod for that prefix).
         self.load_tokens = tokens_per_running_request
 
-    def predict(self, pods: list[Pod], prompts: Prompts) -> dict[str, int | None]:
-        """Prompt tokens each pod would serve from its cache, per the index (None: no events followed).
-        The engine always computes the last prompt token, so at most len-1 tokens' worth of blocks."""
-        out: dict[str, int | None] = {p.name: None for p in pods}
-        by_size: dict[int, list[str]] = {}
+    def predict(self, pods: list[Pod], prompts: Prompts) -> dict[tuple[str, int], int]:
+        """Prompt tokens each (pod, rank) would serve from its cache, per the index; pods whose events are
+        not followed are left out. The engine always computes the last prompt token, so at most len-1
+        tokens' worth of blocks."""
+        out: dict[tuple[str, int], int] = {}
+        by_size: dict[int, list[tuple[str, int]]] = {}
         for p in pods:
             if p.block_size is not None and p.synced():
-                by_size.setdefault(p.block_size, []).append(p.name)
-                out[p.name] = 0
-        for bs, names in by_size.items():
+                by_size.setdefault(p.block_size, []).extend(p.holders())
+                out.update(dict.fromkeys(p.holders(), 0))
+        for bs, holders in by_size.items():
             for ids in prompts.token_ids:
                 usable = (len(ids) - 1) // bs
                 keys = prompt_block_hashes(ids[: usable * bs], bs, prompts.cache_salt)
-                for name, blocks in self.index.matched_blocks(keys, names).items():
-                    out[name] = (out[name] or 0) + blocks * bs
+                for holder, blocks in self.index.matched_blocks(keys, holders).items():
+                    out[holder] += blocks * bs
         return out
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
@@ -82,11 +88,23 @@ class PrefixAware(RoundRobin):
             return Decision(min(order, key=lambda p: p.in_flight), "load")
         n = sum(len(ids) for ids in prompts.token_ids)
         predicted = self.predict(order, prompts)
-        scored = []
-        for rank, pod in enumerate(order):
-            cost = n - (predicted[pod.name] or 0) + self.load_tokens * pod.in_flight
-            scored.append((cost, pod.in_flight, rank))
-        best = min(range(len(order)), key=lambda i: scored[i])
-        pod = order[best]
-        cached = predicted[pod.name]
-        return Decision(pod, "prefix" if cached else "load", cached)
+        # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
+        candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, predicted cached tokens
+        for pod in order:
+            held = [h for h in pod.holders() if h in predicted]
+            if held:
+                candidates += [(pod, rank, predicted[(pod.name, rank)]) for _, rank in held]
+            else:
+                candidates.append((pod, None, None))
+
+        def score(i: int) -> tuple[int, int, int]:
+            pod, rank, cached = candidates[i]
+            # A rank's own open requests when the pod has several (they do not share a cache or a batch).
+            load = (
+                pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
+            )
+            return (n - (cached or 0) + self.load_tokens * load, load, i)
+
+        pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
+        # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
+        return Decision(pod, "prefix" if cached else "load", cached, rank if pod.num_ranks > 1 else None)

@@ -52,6 +52,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    # The rank to run on (X-data-parallel-rank, checked against `EngineInfo.num_ranks` by the server);
+    # None: the engine client chooses.
+    data_parallel_rank: int | None = None
 
 
 @dataclass(slots=True)

@@ -71,6 +71,7 @@ class EngineConfig:
             aliases=["-dp"],
         ),
     )
+    data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
         metadata=flag(
@@ -97,9 +98,10 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
-        if self.data_parallel_size > 1 and self.kv_events_endpoint:
-            # Every rank would bind the same sockets, and a router keeps one index per pod, not per rank.
-            raise ValueError("kv_events_endpoint cannot be combined with data_parallel_size > 1 yet")
+        if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:
+            _check_rank_ports(
+                self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size
+            )
 
     def torch_device(self) -> torch.device:
         import torch
@@ -114,3 +116,17 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def _check_rank_ports(events: str | None, replay: str, size: int) -> None:
+    """Rank r publishes on each configured port + r (kv_events.rank_endpoint): the two ranges must not
+    overlap, or two ranks' sockets would fight over one port."""
+    ports = [e.rpartition(":")[2] for e in (events or "", replay)]
+    if not all(p.isdigit() and int(p) for p in ports):
+        return  # any free port (0), or not TCP: nothing to collide
+    a, b = sorted(int(p) for p in ports)
+    if b < a + size:
+        raise ValueError(
+            f"with data_parallel_size {size} the KV events use ports {ports[0]}..{int(ports[0]) + size - 1} and "
+            f"the replay ports {ports[1]}..{int(ports[1]) + size - 1}: they overlap; move one"
+        )

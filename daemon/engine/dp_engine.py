@@ -35,6 +35,7 @@ from kvpilot.daemon.engine.cpu_budget import available_cpus
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
+from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, describe_ranks, rank_endpoint
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
@@ -59,7 +60,21 @@ def cpu_shares(num_ranks: int, cpus: list[int]) -> list[list[int]]:
 
 
 def rank_configs(config: EngineConfig, size: int) -> tuple[list[EngineConfig], list[list[int] | None]]:
-    """Each rank's engine config and CPU pinning: on CUDA its own device, on the CPU its share."""
+    """Each rank's engine config and CPU pinning: on CUDA its own device, on the CPU its share; each
+    rank's KV events on their own ports (`kv_events.rank_endpoint`)."""
+    configs, shares = _placement(config, size)
+    return [
+        dataclasses.replace(
+            c,
+            data_parallel_rank=r,
+            kv_events_endpoint=rank_endpoint(c.kv_events_endpoint, r),
+            kv_events_replay_endpoint=rank_endpoint(c.kv_events_replay_endpoint, r),
+        )
+        for r, c in enumerate(configs)
+    ], shares
+
+
+def _placement(config: EngineConfig, size: int) -> tuple[list[EngineConfig], list[list[int] | None]]:
     device = config.torch_device()
     if device.type == "cuda":
         import torch
@@ -213,8 +228,14 @@ class DataParallelLoop:
         if request_id in self._requests or request_id in self._pending:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
         keys = prompt_block_hashes(request.prompt_token_ids, self.info.block_size, request.cache_salt)
-        alive = [r.rank for r in self._ranks if r.dead is None]
-        rank = self._ranks[self._policy.choose(keys, [r.load for r in self._ranks], alive)]
+        if request.data_parallel_rank is not None:  # the caller (a router reading our KV events) chose
+            rank = self._ranks[request.data_parallel_rank]
+            if rank.dead:
+                raise EngineDeadError(rank.dead)
+            self._policy.remember(rank.rank, keys)
+        else:
+            alive = [r.rank for r in self._ranks if r.dead is None]
+            rank = self._ranks[self._policy.choose(keys, [r.load for r in self._ranks], alive)]
         sink: asyncio.Queue = asyncio.Queue()
         verdict = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (rank.rank, verdict)
@@ -269,7 +290,11 @@ class DataParallelLoop:
         return results
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
-        return None  # ranks do not publish KV events yet (`kvpilot serve` refuses the combination)
+        ranks = [r.info.kv_events for r in self._ranks if r.info is not None and r.info.kv_events is not None]
+        if not ranks:
+            return None
+        cfg = self.engine.config
+        return describe_ranks(ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES)
 
     async def _call(self, rank: _Rank, kind: str, *args: Any) -> Any:
         if rank.dead:

@@ -47,7 +47,7 @@ class PrefixAwarePolicy:
             candidates, key=lambda r: (self.matched_blocks(r, keys), -loads[r], -((r - self._next) % n))
         )
         self._next = (rank + 1) % n
-        self._remember(rank, keys)
+        self.remember(rank, keys)
         return rank
 
     def matched_blocks(self, rank: int, keys: Sequence[BlockHash]) -> int:
@@ -66,7 +66,8 @@ class PrefixAwarePolicy:
             if rank is None or r == rank:
                 seen.clear()
 
-    def _remember(self, rank: int, keys: Sequence[BlockHash]) -> None:
+    def remember(self, rank: int, keys: Sequence[BlockHash]) -> None:
+        """The prompt went to `rank` (chosen here, or by the caller)."""
         seen = self._keys[rank]
         for key in keys:
             seen[key] = None

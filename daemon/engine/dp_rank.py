@@ -23,6 +23,7 @@ import time
 from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.kv_events import RankEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class RankInfo:
     max_model_len: int
     num_blocks: int
     vocab_size: int
+    kv_events: RankEndpoints | None  # where this rank publishes, as bound; None when events are off
 
 
 def rank_main(
@@ -63,6 +65,8 @@ def rank_main(
     except Exception as exc:  # noqa: BLE001 - reported to the server, which refuses to start
         outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    pub = engine.kv_events
+    events = RankEndpoints(rank, pub.endpoint, pub.replay_endpoint) if pub is not None else None
     outbox.send(
         (
             "ready",
@@ -74,6 +78,7 @@ def rank_main(
                 engine.max_model_len,
                 engine.num_blocks,
                 engine.runner.model.args.vocab_size,
+                events,
             ),
             engine.stats(),
         )

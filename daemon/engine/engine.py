@@ -326,7 +326,10 @@ class LLMEngine:
         from kvpilot.daemon.engine.kv_events import KVEventPublisher
 
         publisher = KVEventPublisher(
-            self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint, self.config.block_size
+            self.config.kv_events_endpoint,
+            self.config.kv_events_replay_endpoint,
+            self.config.block_size,
+            rank=self.config.data_parallel_rank,
         )
         self.kv.pool.events = publisher.recorder
         return publisher

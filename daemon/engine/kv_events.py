@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 END_OF_REPLAY = -1
 _IDLE = object()  # the publisher thread found nothing queued
 HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_hash.py's keys for consumers
+DEFAULT_BUFFER_BATCHES = 10_000  # batches a replay socket can serve again
 
 
 # ---- events (vLLM's tagged array layout) -------------------------------------------------------
@@ -166,7 +167,7 @@ class KVEventPublisher:
         block_size: int = 16,
         rank: int = 0,
         topic: str = "",
-        buffer_batches: int = 10_000,
+        buffer_batches: int = DEFAULT_BUFFER_BATCHES,
     ) -> None:
         self.recorder = KVEventRecorder(block_size)
         self.rank = rank
@@ -201,19 +202,9 @@ class KVEventPublisher:
         self._thread.join(timeout)
 
     def describe(self, reached_host: str | None) -> dict[str, Any]:
-        """What GET /kv_events answers. A wildcard bind is named by the host the client reached."""
-        ep = _connectable(self.endpoint, reached_host)
-        replay = _connectable(self.replay_endpoint, reached_host) if self.replay_endpoint else None
-        return {
-            "endpoint": ep,
-            "replay_endpoint": replay,
-            "topic": self.topic,
-            "format": "vllm",
-            "block_size": self.recorder.block_size,
-            "block_hash": HASH_SCHEME,
-            "buffer_batches": self._buffer.maxlen,
-            "ranks": [{"rank": self.rank, "endpoint": ep, "replay_endpoint": replay}],
-        }
+        """What GET /kv_events answers for a daemon with this one publisher."""
+        ranks = [RankEndpoints(self.rank, self.endpoint, self.replay_endpoint)]
+        return describe_ranks(ranks, reached_host, self.topic, self.recorder.block_size, self._buffer.maxlen)
 
     # ---- publisher thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -268,6 +259,54 @@ class KVEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoints:
+    """Where one data-parallel rank publishes (as bound)."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+
+
+def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Rank r of a data-parallel daemon publishes on the configured port + r, as vLLM's ranks do, so each
+    has its own sockets and sequence numbers. Port 0 (any free port) stays 0: GET /kv_events names them."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"a KV events endpoint of a data-parallel daemon needs a TCP port: {endpoint}")
+    return f"{head}:{int(port) + rank}" if int(port) else endpoint
+
+
+def describe_ranks(
+    ranks: list[RankEndpoints],
+    reached_host: str | None,
+    topic: str,
+    block_size: int,
+    buffer_batches: int | None,
+) -> dict[str, Any]:
+    """What GET /kv_events answers. `endpoint` and `replay_endpoint` are rank 0's (the reply of a
+    single-rank daemon, which readers from before data parallelism use); `ranks` lists every rank's.
+    A wildcard bind is named by the host the client reached."""
+    listed = []
+    for r in ranks:
+        replay = _connectable(r.replay_endpoint, reached_host) if r.replay_endpoint else None
+        listed.append(
+            {"rank": r.rank, "endpoint": _connectable(r.endpoint, reached_host), "replay_endpoint": replay}
+        )
+    return {
+        "endpoint": listed[0]["endpoint"],
+        "replay_endpoint": listed[0]["replay_endpoint"],
+        "topic": topic,
+        "format": "vllm",
+        "block_size": block_size,
+        "block_hash": HASH_SCHEME,
+        "buffer_batches": buffer_batches,
+        "ranks": listed,
+    }
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:

@@ -45,6 +45,9 @@ _IGNORED_LOG = IgnoredFieldLog()
 
 
 # ---- generation ---------------------------------------------------------------------------------
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: an external router picks the rank
+
+
 async def _generate(
     state: ServerState,
     request_id: str,
@@ -53,13 +56,14 @@ async def _generate(
     prep: Prepared,
     prompt_text: str,
     arrival: float,
+    dp_rank: int | None,
 ) -> AsyncIterator[Delta]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)
     req = prep.req
     try:
-        sink = await engine.add(EngineRequest(request_id, prompt, params, req.cache_salt))
+        sink = await engine.add(EngineRequest(request_id, prompt, params, req.cache_salt, dp_rank))
     except QueueFull as exc:
         raise unavailable(str(exc), "queue_full") from None
     except RequestRejected as exc:
@@ -159,18 +163,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
+    dp_rank = _requested_rank(request.headers.get(DP_RANK_HEADER), running_engine(state).info.num_ranks)
     raw = await request.read()
     prep: Prepared = await state.text.prepare(prepare, state.rules, raw)
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [
-        _generate(state, ids[i], p, prep.params[i], prep, prep.prompt_texts[i], arrival)
+        _generate(state, ids[i], p, prep.params[i], prep, prep.prompt_texts[i], arrival, dp_rank)
         for i, p in enumerate(prep.prompts)
     ]
     if prep.req.stream:
         return await _stream(request, state, prep, rid, gens)
     return await _complete(state, prep, rid, gens)
+
+
+def _requested_rank(value: str | None, num_ranks: int) -> int | None:
+    """The rank a router asked for, checked: a request must not land on a rank that does not exist."""
+    if value is None:
+        return None
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < num_ranks:
+        raise bad(
+            f"{DP_RANK_HEADER} must be an integer from 0 to {num_ranks - 1}, got {value!r}", DP_RANK_HEADER
+        )
+    return rank
 
 
 async def _complete(

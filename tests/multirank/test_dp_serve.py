@@ -157,8 +157,3 @@ def test_bad_data_parallel_size_is_refused(tmp_path: Path) -> None:
         RuntimeError, match="data-parallel-size and --tensor-parallel-size must be at least 1"
     ):
         start_server(tmp_path, "--data-parallel-size", "0")
-
-
-def test_kv_events_with_data_parallel_ranks_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="kv-events-endpoint cannot be combined with --data-parallel-size"):
-        start_server(tmp_path, "--data-parallel-size", "2", "--kv-events-endpoint", "tcp://127.0.0.1:5557")

@@ -213,6 +213,23 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
     assert router_objects.endpoint("llama", "team-a", spec) == "http://llama-router.team-a.svc:8080"
 
 
+def test_each_rank_of_a_data_parallel_daemon_gets_its_kv_event_ports() -> None:
+    spec = {**SPEC, "engine": {"dataParallelSize": 3}, "router": {"enabled": True}}
+    c = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]
+    # Rank r publishes on 5557 + r; the replay sockets follow the events' range, so nothing collides.
+    assert c["args"][c["args"].index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"
+    assert c["args"][c["args"].index("--kv-events-replay-endpoint") + 1] == "tcp://$(POD_IP):5560"
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
+        ("http", 8123),
+        ("kv-events", 5557),
+        ("kv-replay", 5560),
+        ("kv-events-1", 5558),
+        ("kv-replay-1", 5561),
+        ("kv-events-2", 5559),
+        ("kv-replay-2", 5562),
+    ]
+
+
 def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
     for router in (None, {"enabled": False}, {"enabled": True, "policy": "least-load"}):
         spec = {**SPEC, **({"router": router} if router else {})}

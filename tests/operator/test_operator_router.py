@@ -166,9 +166,12 @@ def test_router_specs_the_api_server_refuses(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     cases = [
-        ({"router": {"enabled": True}, "engine": {"dataParallelSize": 2}}, "dataParallelSize 1"),
+        (
+            {"router": {"enabled": True}, "engine": {"dataParallelSize": 2}, "port": 5560},
+            "ports 5557 to 5557 + 2",
+        ),
         ({"router": {"enabled": True, "policy": "fastest"}}, "Unsupported value"),
-        ({"router": {"enabled": True}, "port": 5557}, "ports 5557 and 5558"),
+        ({"router": {"enabled": True}, "port": 5558}, "ports 5557 to 5557 + 2"),
         ({"router": {"enabled": True, "replicas": -1}}, "should be greater than or equal to 0"),
         ({"env": [{"name": "POD_NAMESPACE", "value": "x"}]}, "set by the operator"),
     ]
@@ -182,15 +185,11 @@ def test_router_specs_the_api_server_refuses(
     )
     r = cluster.kubectl("apply", "-f", "-", input=doc, check=False)
     assert r.returncode != 0 and "at most 56 characters" in r.stderr, r.stderr
-    # A data-parallel fleet may have a router that does not route by KV events.
+    # A data-parallel fleet routed prefix-aware (each rank publishes its events), on a port past the ranks'.
     ok = {
         **fleet(
             "dp",
-            {
-                "replicas": 0,
-                "router": {"enabled": True, "policy": "least-load"},
-                "engine": {"dataParallelSize": 2},
-            },
+            {"replicas": 0, "router": {"enabled": True}, "port": 5561, "engine": {"dataParallelSize": 2}},
         ),
         "metadata": {"name": "dp", "namespace": namespace},
     }

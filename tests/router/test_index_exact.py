@@ -99,20 +99,27 @@ def test_matching_stops_at_the_first_missing_block_and_distrust_holds_until_a_cl
     assert index.num_blocks("a") == 1 and index.clears("a") == 1
 
 
-def pod(name: str, in_flight: int = 0) -> Pod:
-    p = Pod(name, f"http://{name}", ready=True, in_flight=in_flight, kv_events="on", block_size=BS)
-    return p
+def pod(name: str, in_flight: int = 0, ranks: int = 1) -> Pod:
+    return Pod(
+        name,
+        f"http://{name}",
+        ready=True,
+        in_flight=in_flight,
+        kv_events="on",
+        block_size=BS,
+        ranks=list(range(ranks)),
+    )
 
 
 def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     prompt = list(range(40))  # 9 usable blocks of 4
-    index.store("b:1", prompt_block_hashes(prompt[:36], BS))
+    index.store(("b:1", 0), prompt_block_hashes(prompt[:36], BS))
     a, b = pod("a:1"), pod("b:1")
     pa = PrefixAware(index)
     d = pa.choose([a, b], Prompts([prompt], None))
-    assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "prefix", 36)
+    assert (d.pod, d.reason, d.predicted_cached_tokens, d.rank) == (b, "prefix", 36, None)
     # another tenant's salt shares nothing
     assert pa.choose([a, b], Prompts([prompt], "other")).predicted_cached_tokens == 0
     b.in_flight = 1  # 36 cached tokens outweigh one open request (64 tokens)? no: 40-36+64 > 40
@@ -120,6 +127,22 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert LeastLoad().choose([a, b], None).pod is a
     rr = RoundRobin()
     assert [rr.choose([a, b], None).pod for _ in range(3)] == [a, b, a]
+
+
+def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    prompt = list(range(40))
+    index.store(("dp:1", 1), prompt_block_hashes(prompt[:36], BS))  # only rank 1 holds the prefix
+    a, dp = pod("a:1"), pod("dp:1", ranks=2)
+    pa = PrefixAware(index)
+    d = pa.choose([a, dp], Prompts([prompt], None))
+    assert (d.pod, d.rank, d.predicted_cached_tokens) == (dp, 1, 36)
+    # Load counts per rank: rank 1 busy, the prefix moves on; rank 0 idle is as good as the other pod.
+    dp.rank_in_flight[1] = 1
+    dp.in_flight = 1
+    d = pa.choose([a, dp], Prompts([prompt], None))
+    assert d.predicted_cached_tokens == 0 and (d.pod, d.rank) in ((a, None), (dp, 0))
 
 
 def test_endpoints_are_parsed_and_checked() -> None:

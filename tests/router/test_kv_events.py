@@ -21,6 +21,7 @@ from kvpilot.router.kv_stream import PodEventStream, fetch_replay
 pytestmark = pytest.mark.timeout(300)
 
 BS = 16
+POD = ("pod", 0)  # the index entry of a stream: (pod, rank)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
@@ -149,13 +150,13 @@ def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngin
     index, counts = asyncio.run(go())
     complete = PrefixIndex()
     for _, p in replay_all(pub.replay_endpoint):
-        complete.apply("pod", decode_batch(p))
+        complete.apply(POD, decode_batch(p))
     assert counts.get("replayed") == 2 and not counts.get("missed"), counts
-    assert index.num_blocks("pod") == complete.num_blocks("pod") == len(engine.kv.pool._index)
+    assert index.num_blocks(POD) == complete.num_blocks(POD) == len(engine.kv.pool._index)
     keys = [
         k for p in range(5) for k in prompt_block_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
     ]
-    assert index.matched_blocks(keys[-2:], ["pod"]) == complete.matched_blocks(keys[-2:], ["pod"])
+    assert index.matched_blocks(keys[-2:], [POD]) == complete.matched_blocks(keys[-2:], [POD])
 
 
 def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -> None:  # noqa: ANN001
@@ -212,20 +213,20 @@ def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine)
         await stream.synced.wait()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, engine.generate, [list(range(300, 340))], GREEDY)
-        await until(lambda: index.num_blocks("pod") == 2, "the first publisher's blocks")
+        await until(lambda: index.num_blocks(POD) == 2, "the first publisher's blocks")
         first.close()  # the daemon stops
-        await until(lambda: index.num_blocks("pod") == 0, "the pod's entries to go with its connection")
+        await until(lambda: index.num_blocks(POD) == 0, "the pod's entries to go with its connection")
         engine.reset_prefix_cache()  # a restarted daemon starts empty...
         second = KVEventPublisher(first.endpoint, first.replay_endpoint, BS)  # ...and counts from 0 again
         engine.kv_events, engine.kv.pool.events = second, second.recorder
         await loop.run_in_executor(None, engine.generate, [list(range(400, 456))], GREEDY)
-        await until(lambda: index.num_blocks("pod") == 3, "the second publisher's blocks")
+        await until(lambda: index.num_blocks(POD) == 3, "the second publisher's blocks")
         keys = prompt_block_hashes(list(range(400, 448)), BS)
-        matched = index.matched_blocks(keys, ["pod"])["pod"]
+        matched = index.matched_blocks(keys, [POD])[POD]
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         ctx.term()
         return index, [matched]
 
     index, (matched,) = asyncio.run(go())
-    assert matched == 3 and index.num_blocks("pod") == len(engine.kv.pool._index) == 3
+    assert matched == 3 and index.num_blocks(POD) == len(engine.kv.pool._index) == 3
