@@ -100,23 +100,29 @@ def _labels_end(text: str) -> int:
     return -1
 
 
-async def read_load(session: aiohttp.ClientSession, url: str, probe: EngineProbe) -> tuple[int | None, str]:
+async def read_load(
+    session: aiohttp.ClientSession,
+    url: str,
+    probe: EngineProbe,
+    max_bytes: int = METRICS_MAX_BYTES,
+    timeout_s: float = METRICS_TIMEOUT_S,
+) -> tuple[int | None, str]:
     """(the pod's load from GET url/metrics, "") or (None, why not)."""
     try:
         async with session.get(
             url + "/metrics",
             headers={"Accept": "text/plain"},  # the classic text format, not OpenMetrics
-            timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as r:
             if r.status != 200:
                 return None, f"GET /metrics answered {r.status}"
             body = bytearray()
             async for chunk in r.content.iter_chunked(1 << 16):  # decompressed, if the pod gzips
                 body += chunk
-                if len(body) > METRICS_MAX_BYTES:
-                    return None, f"GET /metrics sent more than {METRICS_MAX_BYTES} bytes"
+                if len(body) > max_bytes:
+                    return None, f"GET /metrics sent more than {max_bytes} bytes"
     except TimeoutError:
-        return None, f"GET /metrics took longer than {METRICS_TIMEOUT_S:g}s"
+        return None, f"GET /metrics took longer than {timeout_s:g}s"
     except aiohttp.ClientError as exc:
         return None, f"GET /metrics failed: {type(exc).__name__}"
     load = parse_load(body.decode("utf-8", errors="replace"), probe.load_metrics)

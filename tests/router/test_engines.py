@@ -5,17 +5,21 @@ events the router can verify."""
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import logging
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from kvpilot.cli import main
-from kvpilot.router.engines import PROBES, parse_load
+from kvpilot.router.engines import PROBES, parse_load, read_load
 from kvpilot.router.settings import ENGINES, RouterSettings
 from support.engine_standin import EngineStandin, start_standin
-from support.procs import stop, wait_for
+from support.procs import free_port, stop, wait_for
 from support.servers import RouterProc, start_router, stop_router
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,6 +60,60 @@ def test_load_is_the_sum_of_the_exact_metrics_and_unknown_when_in_doubt() -> Non
     for bad in ("NaN", "-1", "+Inf", "x", ""):
         assert parse_load(VLLM_METRICS + f"vllm:num_requests_running {bad}\n", VLLM) is None, bad
     assert parse_load(VLLM_METRICS + 'vllm:num_requests_running{engine="2" 1\n', VLLM) is None
+
+
+def test_a_pods_metrics_are_read_within_bounds() -> None:
+    """An endless body, a gzip bomb and a trickle all end as an unknown load, within the bounds."""
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        while True:
+            await resp.write(b"# padding" * 1000 + b"\n")
+
+    async def bomb(request: web.Request) -> web.Response:
+        body = gzip.compress(VLLM_METRICS.encode() + b"#" * (64 << 20))  # ~64 KiB on the wire
+        return web.Response(body=body, headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"})
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        while True:
+            await resp.write(b"#\n")
+            await asyncio.sleep(0.2)
+
+    async def fine(request: web.Request) -> web.Response:
+        return web.Response(body=gzip.compress(VLLM_METRICS.encode()), headers={"Content-Encoding": "gzip"})
+
+    async def run() -> list[tuple[int | None, str, float]]:
+        app = web.Application()
+        for name, handler in (("endless", endless), ("bomb", bomb), ("trickle", trickle), ("fine", fine)):
+            app.router.add_get(f"/{name}/metrics", handler)
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        out = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for name in ("endless", "bomb", "trickle", "fine"):
+                    started = time.monotonic()
+                    load, why = await read_load(
+                        session,
+                        f"http://127.0.0.1:{port}/{name}",
+                        PROBES["vllm"],
+                        max_bytes=1 << 20,
+                        timeout_s=1.0,
+                    )
+                    out.append((load, why, time.monotonic() - started))
+        finally:
+            await runner.cleanup()
+        return out
+
+    endless_, bomb_, trickle_, fine_ = asyncio.run(run())
+    assert endless_[:2] == bomb_[:2] == (None, "GET /metrics sent more than 1048576 bytes")
+    assert trickle_[:2] == (None, "GET /metrics took longer than 1s") and trickle_[2] < 2
+    assert fine_[:2] == (7, "")
 
 
 def test_prefix_aware_is_refused_where_pods_publish_no_verifiable_events(
