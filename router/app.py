@@ -23,6 +23,7 @@ from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER
 from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
+from kvpilot.router.engines import PROBES
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.metrics import RouterMetrics
@@ -242,7 +243,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         r.metrics.resets.labels("no_pods").inc()
         raise ApiError(503, "the fleet has no pods to reset", code="no_pods")
     clears_before = {p.name: {h: r.index.clears(h) for h in p.holders()} for p in pods}
-    results = await reset_pods(pods, r.settings.admin_token, flag, r.settings.reset_timeout_s)
+    results = await reset_pods(
+        pods, r.settings.engine, r.settings.admin_token, flag, r.settings.reset_timeout_s
+    )
     # The index must not route on pre-reset blocks once we answer: wait for each reset pod's
     # AllBlocksCleared (its earlier events come before it, in order), or drop its entries ourselves.
     by_name = {p.name: p for p in pods}
@@ -296,6 +299,7 @@ async def health(request: web.Request) -> web.Response:
             "url": p.url,
             "ready": p.ready,
             "in_flight": p.in_flight,
+            "load": p.engine_load,
             "kv_events": p.kv_events,
             "synced": p.synced(),
             "indexed_blocks": r.index.blocks_of(p.holders()),
@@ -304,10 +308,8 @@ async def health(request: web.Request) -> web.Response:
         for p in r.fleet.pods
     ]
     ok = any(p.ready for p in r.fleet.pods)
-    return json_response(
-        {"status": "ok" if ok else "no_ready_pod", "policy": r.policy.name, "pods": pods},
-        status=200 if ok else 503,
-    )
+    body = {"status": "ok" if ok else "no_ready_pod", "engine": r.settings.engine, "policy": r.policy.name}
+    return json_response({**body, "pods": pods}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -332,7 +334,7 @@ async def serve(
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        fleet = Fleet(index, metrics_, session)
+        fleet = Fleet(index, metrics_, session, probe=PROBES[settings.engine])
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -351,14 +353,18 @@ async def serve(
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info(
-            "routing %s on http://%s:%d to %s",
-            settings.policy,
-            settings.host,
-            settings.port,
+        where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name
-            else ", ".join(p.name for p in pods or []),
+            else ", ".join(p.name for p in pods or [])
+        )
+        log.info(
+            "routing %s (%s pods) on http://%s:%d to %s",
+            settings.policy,
+            settings.engine,
+            settings.host,
+            settings.port,
+            where,
         )
         await stop.wait()
         log.info("shutting down")

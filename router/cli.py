@@ -49,7 +49,8 @@ def run_router(args: argparse.Namespace) -> int:
     """Run the fleet router (OpenAI reverse proxy, prefix-aware routing, fleet-wide reset).
 
     Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' KV events), and
-    reset every pod's prefix cache with one POST /reset_prefix_cache.
+    reset every pod's prefix cache with one POST /reset_prefix_cache. With --engine vllm or sglang it fronts
+    vLLM or SGLang pods: their own health endpoints and resets, routed by the load their metrics report.
     """
     from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
     from kvpilot.router.app import serve

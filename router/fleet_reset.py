@@ -55,10 +55,12 @@ def _pod_reset(result: PodResult) -> PodReset:
 
 
 async def reset_pods(
-    pods: list[Pod], token: str | None, reset_running_requests: bool, timeout_s: float
+    pods: list[Pod], engine: str, token: str | None, reset_running_requests: bool, timeout_s: float
 ) -> list[PodReset]:
+    """Reset `pods`, which run `engine`: the fan-out's engine adapter calls each its own way and judges
+    its reply (vLLM's `{"success": false}`, SGLang's 400 while busy, retried until the deadline)."""
     settings = FanoutSettings(
-        engine="kvpilot",
+        engine=engine,
         token=token,
         reset_running_requests=reset_running_requests,
         timeout_s=timeout_s,

@@ -1,8 +1,9 @@
 """The fleet's pods as the router sees them: address, readiness, load, and their KV event streams.
 
-Each pod is probed on its own (GET /health every few seconds); once it answers, GET /kv_events tells
-where it publishes, and one `PodEventStream` per rank keeps the prefix index current. A pod that serves no
-KV events (404) is still routed to, by load alone.
+Each pod is probed on its own, as its engine wants (`router/engines.py`): its health endpoint every few
+seconds, then for kvpilot pods GET /kv_events, which tells where it publishes (one `PodEventStream` per
+rank keeps the prefix index current), and for vLLM and SGLang pods their load from GET /metrics. A pod
+that serves no KV events (404, or another engine) is still routed to, by load alone.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq.asyncio
 
+from kvpilot.router.engines import PROBES, EngineProbe, read_load
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
@@ -33,6 +35,8 @@ class Pod:
     ranks: list[int] = field(default_factory=list)  # the data-parallel ranks whose KV events are followed
     streams: list[PodEventStream] = field(default_factory=list)  # one per rank
     rank_in_flight: dict[int, int] = field(default_factory=dict)  # requests sent to a chosen rank
+    engine_load: int | None = None  # running + waiting requests, from the pod's metrics; None: not known
+    load_error: str = ""  # why engine_load is not known (logged when it changes)
 
     @property
     def host(self) -> str:
@@ -53,6 +57,12 @@ class Pod:
 
     def synced(self) -> bool:
         return bool(self.streams) and all(s.synced.is_set() for s in self.streams)
+
+    def load(self) -> int:
+        """Requests on the pod as far as the router can tell: those it has open there, or what the pod's
+        metrics last said (other clients' requests included, but up to a probe interval old), whichever
+        is more."""
+        return max(self.in_flight, self.engine_load or 0)
 
 
 def parse_endpoints(text: str) -> list[Pod]:
@@ -84,8 +94,10 @@ class Fleet:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         probe_interval_s: float = 2.0,
+        probe: EngineProbe = PROBES["kvpilot"],
     ) -> None:
         self.pods: list[Pod] = []
+        self.probe = probe
         self.index = index
         self.metrics = metrics
         self._session = session
@@ -109,6 +121,8 @@ class Fleet:
                 continue
             if current is not None:
                 self._tasks.pop(current.name).cancel()
+            if not self.probe.kv_events:
+                p.kv_events = "off"  # never asked: the engine publishes none the router can verify
             keep.append(p)
             self.metrics.add_pod(p.name)
             self._tasks[p.name] = asyncio.create_task(self._watch(p), name=f"probe {p.name}")
@@ -140,6 +154,8 @@ class Fleet:
                 self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
                 if pod.ready and pod.kv_events == "pending":
                     streams = await self._follow_events(pod)
+                if self.probe.load_metrics:
+                    await self._read_load(pod)
                 self.metrics.indexed_blocks.labels(pod.name).set(self.index.blocks_of(pod.holders()))
                 await asyncio.sleep(self._probe_interval_s)
         finally:
@@ -150,11 +166,25 @@ class Fleet:
                 self.index.clear(holder)  # whatever a cancelled stream applied last
 
     async def _healthy(self, pod: Pod) -> bool:
+        url = pod.url + self.probe.health_path
         try:
-            async with self._session.get(pod.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return r.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
+
+    async def _read_load(self, pod: Pod) -> None:
+        if not pod.ready:
+            pod.engine_load = None
+            return
+        pod.engine_load, why = await read_load(self._session, pod.url, self.probe)
+        if why and why != pod.load_error:  # once per new reason, not every probe
+            log.warning(
+                "%s: load unknown (%s); counting the requests this router has open there", pod.name, why
+            )
+        elif not why and pod.load_error:
+            log.info("%s: load read from its metrics again", pod.name)
+        pod.load_error = why
 
     async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
         try:

@@ -1,4 +1,4 @@
-"""Where a request goes: `prefix-aware` (default), `round-robin` or `least-load`.
+"""Where a request goes: `prefix-aware` (kvpilot pods' default), `round-robin` or `least-load`.
 
 prefix-aware scores each ready pod by the work the request would cost there: the prompt tokens it would
 have to compute (those not in the pod's cached prefix, as its KV events say) plus a charge per request the
@@ -45,10 +45,13 @@ class RoundRobin:
 
 
 class LeastLoad(RoundRobin):
+    """Fewest requests on the pod (`Pod.load`: the router's own open requests, or the pod's metrics where
+    its engine publishes them); ties go round-robin."""
+
     name = "least-load"
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
-        return Decision(min(self.order(pods), key=lambda p: p.in_flight), "load")
+        return Decision(min(self.order(pods), key=Pod.load), "load")
 
 
 class PrefixAware(RoundRobin):

@@ -8,13 +8,30 @@ from dataclasses import dataclass, field
 from kvpilot.config_flags import flag
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py; app.make_policy builds them
+# The pods' engines (router/engines.py says how each is probed; kvpilot.fanout.engines resets them).
+# Spelled out here rather than imported: importing kvpilot.fanout pulls in aiohttp, and this module is
+# imported by `kvpilot --help`. tests/router/test_engines.py checks both lists name the same engines.
+ENGINES = ("kvpilot", "vllm", "sglang")
+# Only kvpilot pods publish KV events whose block keys the router can compute (docs/router.md, "Engines").
+EVENT_ENGINES = ("kvpilot",)
 
 
 @dataclass(slots=True)
 class RouterSettings:
     host: str = field(default="0.0.0.0", metadata=flag("address to listen on"))
     port: int = field(default=8080, metadata=flag("port to listen on"))
-    policy: str = field(default="prefix-aware", metadata=flag("how a pod is chosen", choices=POLICIES))
+    engine: str = field(default="kvpilot", metadata=flag("the engine the pods run", choices=ENGINES))
+    # None (the flag not given) becomes the engine's default when the settings are made: prefix-aware
+    # where the pods publish verifiable KV events, least-load elsewhere. An explicit prefix-aware for
+    # other engines is kept, so validate() refuses it rather than routing blind.
+    policy: str | None = field(
+        default=None,
+        metadata=flag(
+            "how a pod is chosen",
+            choices=POLICIES,
+            unset="prefix-aware with --engine kvpilot, else least-load",
+        ),
+    )
     admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (auth.py)
     reset_timeout_s: float = field(
         default=60.0,
@@ -27,10 +44,21 @@ class RouterSettings:
     clear_wait_s: float = 5.0
     max_body_bytes: int = 4 << 20
 
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            self.policy = "prefix-aware" if self.engine in EVENT_ENGINES else "least-load"
+
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be between 0 and 65535")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if self.policy == "prefix-aware" and self.engine not in EVENT_ENGINES:
+            raise ValueError(
+                f"--policy prefix-aware needs pods whose KV events the router can verify (--engine kvpilot); "
+                f"{self.engine} pods publish none it can check: use --policy least-load or round-robin"
+            )
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")

@@ -1,0 +1,131 @@
+"""How the router reads each engine's pods: where their health is, whether they publish KV events it can
+follow, and which of their metrics say how busy they are (docs/router.md, "Engines").
+
+- kvpilot: `GET /health` 200; `GET /kv_events` names its event sockets; load: the requests this router has
+  open on the pod (the daemon's events and replies are what the router trusts).
+- vLLM: `GET /health` 200 (503 once its engine died); its KV events, when on, carry vLLM's own block hashes,
+  which the router cannot compute, so none are followed; load: `vllm:num_requests_running` plus
+  `vllm:num_requests_waiting` from `GET /metrics`, summed over their series (one per engine, i.e. DP rank).
+- SGLang: `GET /health` 200 (503 while starting or shutting down; releases before 0.5 generate one token
+  first, within a second or so); load: `sglang:num_running_reqs` plus `sglang:num_queue_reqs`, which
+  SGLang serves only with `--enable-metrics` (without, the router counts its own open requests).
+
+A pod's /metrics is read with bounds (bytes and seconds) and parsed defensively: only the exact metric
+names count (`vllm:num_requests_waiting_by_reason` is not `vllm:num_requests_waiting`), and a malformed or
+negative sample makes the load unknown rather than wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import aiohttp
+
+METRICS_MAX_BYTES = 4 << 20  # a vLLM pod with histograms for a few models sends ~100 KiB
+METRICS_TIMEOUT_S = 2.0  # the whole read; the probe loop comes back every 2 s anyway
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProbe:
+    name: str
+    health_path: str = "/health"
+    kv_events: bool = False  # follow the pod's KV events (GET /kv_events)
+    load_metrics: tuple[str, ...] = ()  # summed into the pod's load; empty: not read
+
+
+PROBES = {
+    p.name: p
+    for p in (
+        EngineProbe("kvpilot", kv_events=True),
+        EngineProbe("vllm", load_metrics=("vllm:num_requests_running", "vllm:num_requests_waiting")),
+        EngineProbe("sglang", load_metrics=("sglang:num_running_reqs", "sglang:num_queue_reqs")),
+    )
+}
+
+
+def parse_load(text: str, names: tuple[str, ...]) -> int | None:
+    """The sum of every sample of `names` in a Prometheus text exposition; None unless each name has a
+    sample and every one of their samples is a finite, non-negative number."""
+    totals = dict.fromkeys(names, 0.0)
+    seen: set[str] = set()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        end = _name_end(line)
+        name = line[:end]
+        if name not in totals:
+            continue
+        rest = line[end:]
+        if rest.startswith("{"):
+            close = _labels_end(rest)
+            if close < 0:
+                return None
+            rest = rest[close + 1 :]
+        fields = rest.split()
+        try:
+            value = float(fields[0])
+        except (IndexError, ValueError):
+            return None
+        if not math.isfinite(value) or value < 0:
+            return None
+        totals[name] += value
+        seen.add(name)
+    if len(seen) != len(names):
+        return None
+    return round(sum(totals.values()))
+
+
+def _name_end(line: str) -> int:
+    for i, ch in enumerate(line):
+        if ch == "{" or ch.isspace():
+            return i
+    return len(line)
+
+
+def _labels_end(text: str) -> int:
+    """Index of the `}` closing the label set `text` starts with (quoted values may hold `}` and `\\"`);
+    -1 when it is not closed."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i
+    return -1
+
+
+async def read_load(
+    session: aiohttp.ClientSession,
+    url: str,
+    probe: EngineProbe,
+    max_bytes: int = METRICS_MAX_BYTES,
+    timeout_s: float = METRICS_TIMEOUT_S,
+) -> tuple[int | None, str]:
+    """(the pod's load from GET url/metrics, "") or (None, why not)."""
+    try:
+        async with session.get(
+            url + "/metrics",
+            headers={"Accept": "text/plain"},  # the classic text format, not OpenMetrics
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as r:
+            if r.status != 200:
+                return None, f"GET /metrics answered {r.status}"
+            body = bytearray()
+            async for chunk in r.content.iter_chunked(1 << 16):  # decompressed, if the pod gzips
+                body += chunk
+                if len(body) > max_bytes:
+                    return None, f"GET /metrics sent more than {max_bytes} bytes"
+    except TimeoutError:
+        return None, f"GET /metrics took longer than {timeout_s:g}s"
+    except aiohttp.ClientError as exc:
+        return None, f"GET /metrics failed: {type(exc).__name__}"
+    load = parse_load(body.decode("utf-8", errors="replace"), probe.load_metrics)
+    if load is None:
+        return None, f"GET /metrics has no valid {' and '.join(probe.load_metrics)}"
+    return load, ""
