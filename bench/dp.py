@@ -21,7 +21,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvpilot import benchkit
-from kvpilot.devcluster.procs import free_port
 from kvpilot.loadgen import sweep
 
 HERE = Path(__file__).resolve().parent
@@ -31,16 +30,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
     logdir.mkdir()
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpilot",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    flags = [
         "--data-parallel-size",
         str(size),
         "--cpu-threads",
@@ -48,9 +38,7 @@ def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
         "--max-num-seqs",
         str(max(args.concurrency)),
     ]
-    url = f"http://127.0.0.1:{port}"
-    proc = benchkit.launch(cmd, logdir / f"dp{size}.log", url, 900)
-    try:
+    with benchkit.kvpilot_serve(logdir / f"dp{size}.log", 900, *flags) as url:
         runs = sweep(
             url,
             MODEL,
@@ -60,8 +48,6 @@ def bench_size(size: int, args: argparse.Namespace, logdir: Path) -> list[dict]:
             min_requests=args.min_requests,
             max_tokens=args.max_tokens,
         )
-    finally:
-        benchkit.shutdown(proc)
     return [asdict(r) for r in runs]
 
 

@@ -43,6 +43,8 @@ from kvpilot.loadgen import RunResult, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
+MODEL = "SmolLM2-135M-Instruct"
+
 
 def _sizes(args: argparse.Namespace) -> dict:
     return {"rounds": args.rounds, "min_requests": args.min_requests, "max_tokens": args.max_tokens}
@@ -51,31 +53,13 @@ def _sizes(args: argparse.Namespace) -> dict:
 def bench_kvpilot(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResult], str | None]:
     headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
     if args.url:
-        model = args.model_name or "SmolLM2-135M-Instruct"
+        model = args.model_name or MODEL
         return sweep(
             args.url.rstrip("/"), model, "kvpilot", args.concurrency, headers=headers, **_sizes(args)
         ), None
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpilot",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        str(max(args.concurrency)),
-        *args.kvpilot_args,
-    ]
-    proc = benchkit.launch(cmd, logdir / "kvpilot.log", f"http://127.0.0.1:{port}", 600)
-    try:
-        return sweep(
-            f"http://127.0.0.1:{port}", "SmolLM2-135M-Instruct", "kvpilot", args.concurrency, **_sizes(args)
-        ), None
-    finally:
-        benchkit.shutdown(proc)
+    flags = ["--max-num-seqs", str(max(args.concurrency)), *args.kvpilot_args]
+    with benchkit.kvpilot_serve(logdir / "kvpilot.log", 600, *flags) as url:
+        return sweep(url, MODEL, "kvpilot", args.concurrency, **_sizes(args)), None
 
 
 def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[RunResult], str | None]:
@@ -215,33 +199,14 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [bench.chat(tokenizer, q) for q in questions]
     threads = args.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpilot",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        str(args.requests),
-        "--cpu-threads",
-        str(threads),
-        *args.kvpilot_args,
-    ]
-    url = f"http://127.0.0.1:{port}"
-    proc = benchkit.launch(cmd, logdir / "kvpilot.log", url, 600)
+    flags = ["--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]
     runs: dict[str, list[dict]] = {"kvpilot_http": [], "transformers_generate_batch_sharing": []}
-    try:
+    with benchkit.kvpilot_serve(logdir / "kvpilot.log", 600, *flags) as url:
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        asyncio.run(_chat_load(url, "SmolLM2-135M-Instruct", questions[:1], bench.SYSTEM, 2))  # warm-up
+        asyncio.run(_chat_load(url, MODEL, questions[:1], bench.SYSTEM, 2))  # warm-up
         for _ in range(args.rounds):
-            r = asyncio.run(
-                _chat_load(url, "SmolLM2-135M-Instruct", questions, bench.SYSTEM, args.max_tokens)
-            )
+            r = asyncio.run(_chat_load(url, MODEL, questions, bench.SYSTEM, args.max_tokens))
             runs["kvpilot_http"].append(r)
             print(
                 f"kvpilot over HTTP      : {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)",
@@ -253,8 +218,6 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
                 f"transformers generate_batch: {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s)",
                 flush=True,
             )
-    finally:
-        benchkit.shutdown(proc)
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
     ours, theirs = runs["kvpilot_http"][-1], runs["transformers_generate_batch_sharing"][-1]
     return {

@@ -1,4 +1,5 @@
-"""What the benchmarks in bench/ share: servers started in their own process group and waited for, one
+"""What the benchmarks in bench/ share: servers (`kvpilot serve` among them) started in their own process
+group and waited for, one
 request's time to first token in an engine, the machine and its load beside the numbers (they depend on what
 else runs there), and one JSON file per run. bench/ scripts run as files (`python bench/x.py`) and so cannot
 import each other; what they share lives here, on kvpilot.devcluster.procs."""
@@ -8,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpilot.devcluster.procs import spawn, stop, wait_ready
+from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
 
 if TYPE_CHECKING:  # the engine imports torch: only the benches that measure it load it
     from kvpilot.daemon.engine.engine import LLMEngine
@@ -51,6 +54,20 @@ def launch(
 def shutdown(proc: subprocess.Popen) -> None:
     """SIGTERM the server as Kubernetes would; what is left of its group is killed after 60 s."""
     stop(proc, grace=60, leader_only=True)
+
+
+@contextmanager
+def kvpilot_serve(log: Path, timeout: float, *flags: str) -> Iterator[str]:
+    """`kvpilot serve FLAGS` (this Python's) on a free loopback port, started as `launch` does: yields its
+    URL once it answers /health, and shuts it down when the block ends."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = launch(argv, log, url, timeout)
+    try:
+        yield url
+    finally:
+        shutdown(proc)
 
 
 def header(bench: str, load_before: tuple[float, float, float]) -> dict:

@@ -28,12 +28,42 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def _key(name: str, cwd: Path) -> None:
+    # EC keys: generating them takes milliseconds, RSA-2048 can take a second.
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{name}.key", cwd=cwd)
+
+
+def _issue(name: str, subject: str, extensions: str, cwd: Path) -> None:
+    """NAME.key and NAME.crt in `cwd`: a new key and its certificate for `subject`, signed by the CA there
+    (ca.key), with the X.509v3 `extensions` (lines of an openssl extfile)."""
+    _key(name, cwd)
+    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=cwd)
+    (cwd / f"{name}.ext").write_text(extensions)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=cwd,
+    )
+
+
 def generate(directory: Path, hosts: list[str]) -> Pki:
     """Write a CA, an apiserver serving cert for `hosts` (IPs or names) and SA keys."""
     directory.mkdir(parents=True, exist_ok=True)
     d = directory
-    # EC keys: generating them takes milliseconds, RSA-2048 can take a second.
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ca.key", cwd=d)
+    _key("ca", d)
     _openssl(
         "req",
         "-x509",
@@ -48,66 +78,22 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
         "ca.crt",
         cwd=d,
     )
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "apiserver.key", cwd=d)
-    _openssl(
-        "req", "-new", "-key", "apiserver.key", "-subj", "/CN=kube-apiserver", "-out", "apiserver.csr", cwd=d
-    )
     sans = ",".join((f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}") for h in hosts)
-    (d / "san.ext").write_text(
-        f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
+    _issue(
+        "apiserver",
+        "/CN=kube-apiserver",
+        f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
+        d,
     )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "apiserver.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "30",
-        "-extfile",
-        "san.ext",
-        "-out",
-        "apiserver.crt",
-        cwd=d,
-    )
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
+    _key("sa", d)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
     # The apiserver's client cert for the node agent's log endpoint (kubectl logs),
     # which accepts only clients signed by this CA.
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "kubelet-client.key", cwd=d)
-    _openssl(
-        "req",
-        "-new",
-        "-key",
-        "kubelet-client.key",
-        "-subj",
+    _issue(
+        "kubelet-client",
         "/O=system:masters/CN=kube-apiserver-kubelet-client",
-        "-out",
-        "kubelet-client.csr",
-        cwd=d,
-    )
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n")
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "kubelet-client.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "30",
-        "-extfile",
-        "client.ext",
-        "-out",
-        "kubelet-client.crt",
-        cwd=d,
+        "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n",
+        d,
     )
     return Pki(
         d / "ca.crt",

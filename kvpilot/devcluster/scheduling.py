@@ -16,18 +16,8 @@ _SUFFIX = {
     "u": Decimal("1e-6"),
     "m": Decimal("1e-3"),
     "": Decimal(1),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
+    **{p: Decimal(1000) ** i for i, p in enumerate("kMGTPE", 1)},
+    **{p + "i": Decimal(1024) ** i for i, p in enumerate("KMGTPE", 1)},  # Ki, Mi, ...: powers of 2**10
 }
 
 

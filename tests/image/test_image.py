@@ -133,6 +133,11 @@ def test_image_is_lean_and_runs_as_non_root(image: str, container: str) -> None:
     assert "CACHE-WRITABLE" not in lines  # pods never write the model: a read-only root is fine
 
 
+def kvpilot_serve(port: int) -> list[str]:
+    """The image's `kvpilot serve` on 127.0.0.1:PORT, with one torch thread."""
+    return ["kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-threads", "1"]
+
+
 def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
     """Starts `argv` (a `kvpilot serve` on 127.0.0.1:port), checks /health, the model list and one
     completion, stops it."""
@@ -181,22 +186,7 @@ def serve_until_healthy(argv: list[str], port: int, log_path: Path) -> None:
 def test_kvpilot_serve_answers_health_offline(container: str, tmp_path: Path) -> None:
     # chroot isolation shares this machine's network: the daemon listens on loopback here.
     port = free_port()
-    argv = [
-        "buildah",
-        "run",
-        "--isolation",
-        "chroot",
-        container,
-        "--",
-        "kvpilot",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--cpu-threads",
-        "1",
-    ]
+    argv = ["buildah", "run", "--isolation", "chroot", container, "--", *kvpilot_serve(port)]
     serve_until_healthy(argv, port, tmp_path / "serve.log")
 
 
@@ -219,14 +209,7 @@ def test_kvpilot_serve_runs_on_a_read_only_root_with_an_empty_tmp(
         "-i",
         "HOME=/home/kvpilot",
         *env,
-        "kvpilot",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--cpu-threads",
-        "1",
+        *kvpilot_serve(port),
     ]
     setup = (
         f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
