@@ -15,7 +15,7 @@ from support.kernel_cases import (
     ELEMENTWISE_TOL,
     MIXED_BATCH,
     build_attention_case,
-    random_batch,
+    random_attention_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +27,20 @@ def ops():
     from kvpilot.kernels import triton_ops
 
     return triton_ops.TRITON_OPS
+
+
+def _gqa_case(q_lens, seq_lens, dtype, num_kv_heads=8):
+    """Groups of 4 query heads per KV head (8 KV heads: Llama-3-8B's shape), head_dim 128, block size 16."""
+    return build_attention_case(
+        q_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=4,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        device=DEV,
+    )
 
 
 def _attn(ops, case, dtype, num_splits=None):
@@ -60,20 +74,13 @@ def test_mixed_batch(ops, dtype, heads, head_dim, block_size):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_batches(ops, seed):
-    rng = random.Random(seed)
-    q_lens, seq_lens = random_batch(rng, max_seqs=24, max_len=1500)
-    kv, group = rng.choice([(8, 1), (2, 3), (4, 4), (1, 8)])
-    dtype = DTYPES[seed % 3]
-    case = build_attention_case(
-        q_lens,
-        seq_lens,
-        num_kv_heads=kv,
-        group=group,
-        head_dim=rng.choice([64, 128]),
-        block_size=rng.choice([16, 32]),
-        dtype=dtype,
+    case, dtype = random_attention_case(
+        seed,
+        heads=[(8, 1), (2, 3), (4, 4), (1, 8)],
+        max_seqs=24,
+        max_len=1500,
+        block_sizes=[16, 32],
         device=DEV,
-        seed=seed,
     )
     _attn(ops, case, dtype)
 
@@ -84,46 +91,19 @@ def test_decode_sweep(ops, dtype, num_seqs, ctx):
     """Decode batches 1-256 over contexts up to 32k, on the heuristic's choice of split-K."""
     rng = random.Random(num_seqs)
     seq_lens = [max(1, ctx - rng.randint(0, 100)) for _ in range(num_seqs)]
-    case = build_attention_case(
-        [1] * num_seqs,
-        seq_lens,
-        num_kv_heads=8,
-        group=4,
-        head_dim=128,
-        block_size=16,
-        dtype=dtype,
-        device=DEV,
-    )
+    case = _gqa_case([1] * num_seqs, seq_lens, dtype)
     _attn(ops, case, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
 def test_forced_splits(num_splits):
-    case = build_attention_case(
-        [1, 1, 1, 9],
-        [1, 300, 4097, 50],
-        num_kv_heads=2,
-        group=4,
-        head_dim=128,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device=DEV,
-    )
+    case = _gqa_case([1, 1, 1, 9], [1, 300, 4097, 50], torch.bfloat16, num_kv_heads=2)
     _attn(None, case, torch.bfloat16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_prefill(ops, dtype):
-    case = build_attention_case(
-        [2048, 1, 300],
-        [4096, 1000, 300],
-        num_kv_heads=8,
-        group=4,
-        head_dim=128,
-        block_size=16,
-        dtype=dtype,
-        device=DEV,
-    )
+    case = _gqa_case([2048, 1, 300], [4096, 1000, 300], dtype)
     _attn(ops, case, dtype)
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from kvpilot.kernels import reference
 from kvpilot.kernels import triton_attention as ta
-from support.kernel_cases import ATTENTION_TOL, DTYPES, MIXED_BATCH, build_attention_case, random_batch
+from support.kernel_cases import (
+    ATTENTION_TOL,
+    DTYPES,
+    MIXED_BATCH,
+    build_attention_case,
+    random_attention_case,
+)
 
 # (num_kv_heads, group): GQA ratios 1, 3 and 8.
 HEADS = [(2, 1), (2, 3), (1, 8)]
@@ -71,20 +75,7 @@ def test_head_dim_not_power_of_two():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_batches(seed):
-    rng = random.Random(seed)
-    q_lens, seq_lens = random_batch(rng, max_seqs=5, max_len=70)
-    num_kv_heads, group = rng.choice(HEADS)
-    dtype = DTYPES[seed % 3]
-    case = build_attention_case(
-        q_lens,
-        seq_lens,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=rng.choice([64, 128]),
-        block_size=rng.choice([4, 16]),
-        dtype=dtype,
-        seed=seed,
-    )
+    case, dtype = random_attention_case(seed, heads=HEADS, max_seqs=5, max_len=70, block_sizes=[4, 16])
     _check(case, dtype)
 
 

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import socket
 import time
 
 import openai
 import pytest
 
 from support.procs import free_port
-from support.servers import ADMIN_TOKEN, MODEL, Fleet, start_router, start_server, stop_fleet, stop_router
+from support.servers import (
+    ADMIN_TOKEN,
+    MODEL,
+    Fleet,
+    read_until_decoding,
+    send_completion,
+    start_router,
+    start_server,
+    stop_fleet,
+    stop_router,
+    stream_with_usage,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -128,16 +137,7 @@ def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     msgs = [{"role": "user", "content": "Name three colours."}]
     direct = openai.OpenAI(base_url=fleet.daemons[0].url + "/v1", api_key="x", max_retries=0)
     want = direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
-    chunks = list(
-        client(fleet).chat.completions.create(
-            model=MODEL,
-            messages=msgs,
-            max_tokens=8,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_with_usage(client(fleet).chat.completions.create, messages=msgs)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert len(chunks) >= 4 and text == want.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -171,28 +171,8 @@ def test_sigterm_lets_streams_in_flight_finish(quiet_fleet: Fleet, tmp_path) -> 
 
 def test_client_disconnect_aborts_on_the_pod(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Count slowly: one, two,",
-            "max_tokens": 400,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", fleet.router.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    received = b""
-    while received.count(b"data: ") < 2:
-        chunk = sock.recv(65536)
-        assert chunk, received
-        received += chunk
-    head = received.split(b"\r\n\r\n", 1)[0].decode()
+    sock = send_completion(fleet.router.port, 400, stream=True)
+    head = read_until_decoding(sock).split(b"\r\n\r\n", 1)[0].decode()
     pod = next(
         line.split(":", 1)[1].strip()
         for line in head.split("\r\n")

@@ -9,33 +9,14 @@ import time
 import pytest
 
 from kvpilot.daemon.server.auth import AdminTokenError, authorized, load_admin_token
-from support.servers import ADMIN_TOKEN, MODEL, Server
+from support.servers import ADMIN_TOKEN, Server, read_until_decoding, send_completion
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def open_stream(server: Server, max_tokens: int) -> socket.socket:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Count slowly: one, two,",
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
-    received = b""
-    while received.count(b"data: ") < 2:  # two tokens: the request is decoding
-        chunk = sock.recv(65536)
-        assert chunk, received
-        received += chunk
+    sock = send_completion(server.port, max_tokens, stream=True)
+    received = read_until_decoding(sock)
     assert b"200 OK" in received.split(b"\r\n", 1)[0]
     return sock
 
@@ -58,21 +39,7 @@ def test_disconnect_mid_stream_frees_blocks_within_one_step(quiet: Server) -> No
 
 def test_disconnect_while_waiting_for_a_non_streamed_reply_aborts_too(quiet: Server) -> None:
     server = quiet
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": "Count slowly: one, two,",
-            "max_tokens": 400,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-    ).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    sock = send_completion(server.port, 400, stream=False)
     deadline = time.monotonic() + 30
     while (busy := server.cache())["num_running"] == 0:
         assert time.monotonic() < deadline, busy

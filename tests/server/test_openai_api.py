@@ -7,7 +7,7 @@ import asyncio
 import openai
 import pytest
 
-from support.servers import MODEL, Server
+from support.servers import MODEL, Server, stream_with_usage
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,16 +32,7 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert full.usage.completion_tokens <= 8
     assert full.usage.prompt_tokens_details.cached_tokens >= 0  # present, 0 included
 
-    chunks = list(
-        client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=8,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
+    chunks = stream_with_usage(client.completions.create, prompt=PROMPT)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
@@ -55,15 +46,7 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert msg.role == "assistant" and msg.content
     assert full.usage.prompt_tokens_details is not None
 
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=CHAT,
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+    chunks = stream_with_usage(client.chat.completions.create, messages=CHAT)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == msg.content

@@ -109,6 +109,35 @@ def random_batch(rng: random.Random, max_seqs: int, max_len: int) -> tuple[list[
     return q_lens, seq_lens
 
 
+def random_attention_case(
+    seed: int,
+    *,
+    heads: list[tuple[int, int]],
+    max_seqs: int,
+    max_len: int,
+    block_sizes: list[int],
+    device: str | torch.device = "cpu",
+) -> tuple[AttentionCase, torch.dtype]:
+    """A random_batch of up to `max_seqs` sequences of up to `max_len` tokens, in DTYPES[seed % 3], with
+    (num_kv_heads, group) drawn from `heads`, head_dim 64 or 128 and a block size from `block_sizes`."""
+    rng = random.Random(seed)
+    q_lens, seq_lens = random_batch(rng, max_seqs=max_seqs, max_len=max_len)
+    num_kv_heads, group = rng.choice(heads)
+    dtype = DTYPES[seed % 3]
+    case = build_attention_case(
+        q_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=rng.choice([64, 128]),
+        block_size=rng.choice(block_sizes),
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
+    return case, dtype
+
+
 def sharpen_checkpoint(src, dst, qk: float = 6.0, vo: float = 12.0, mlp: float = 8.0):
     """Copy a random-weight Llama checkpoint with its layers' weights scaled up.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +201,53 @@ def wait_idle(*servers: Server) -> None:
         while (c := s.cache())["num_running"] or c["num_waiting"]:
             assert time.monotonic() < deadline, c
             time.sleep(0.2)
+
+
+def send_completion(port: int, max_tokens: int, stream: bool) -> socket.socket:
+    """POST a greedy /v1/completions that ignores eos on a raw socket, so that the test can hang up."""
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "Count slowly: one, two,",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def read_until_decoding(sock: socket.socket) -> bytes:
+    """Read a streamed reply until its first two tokens came in (the request is decoding); returns what
+    was read, the response head included."""
+    received = b""
+    while received.count(b"data: ") < 2:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    return received
+
+
+def stream_with_usage(create: Callable, **kw: object) -> list:
+    """A greedy streamed request of 8 tokens whose last chunk carries the usage, as a list of chunks;
+    `create` is an openai client's `completions.create` or `chat.completions.create`."""
+    return list(
+        create(
+            model=MODEL,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **kw,
+        )
+    )
 
 
 @dataclass
