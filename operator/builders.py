@@ -174,22 +174,22 @@ def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def fleet_env(name: str, spec: dict[str, Any], downward: dict[str, str]) -> list[dict[str, Any]]:
+    """The env of a fleet's containers (daemons and router): the downward-API fields named (env name -> field
+    path), the fleet's admin token from its Secret, then the user's spec.env (where the model is cached, ...).
+    The token comes from the Secret at pod start: it never appears in the pod spec or in args."""
+    env: list[dict[str, Any]] = [
+        {"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}} for var, path in downward.items()
+    ]
+    if ref := token_secret_ref(name, spec):
+        secret = {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}
+        env.append({"name": "KVPILOT_ADMIN_TOKEN", "valueFrom": secret})
+    return env + copy.deepcopy(spec.get("env") or [])
+
+
 def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     port = int(spec.get("port", 8000))
-    env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-    ]
-    ref = token_secret_ref(name, spec)
-    if ref:
-        # The token comes from the Secret at pod start; it never appears in the pod spec or in args.
-        env.append(
-            {
-                "name": "KVPILOT_ADMIN_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
-            }
-        )
-    env += copy.deepcopy(spec.get("env") or [])
+    env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"})
     c: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvpilot.operator.builders import MANAGED_BY, router_spec, token_secret_ref
+from kvpilot.operator.builders import MANAGED_BY, fleet_env, router_spec
 
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
 ROUTER_PORT = 8080
@@ -93,20 +93,9 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
     ]
     if spec.get("model"):
         args += ["--model", str(spec["model"])]  # the router tokenizes with the daemons' tokenizer
-    env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
-    ref = token_secret_ref(name, spec)
-    if ref:
-        # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods.
-        env.append(
-            {
-                "name": "KVPILOT_ADMIN_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}},
-            }
-        )
-    env += copy.deepcopy(spec.get("env") or [])  # where the model (tokenizer) is cached, as for the daemons
+    # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods; the
+    # user's env says where the model (the router's tokenizer) is cached, as for the daemons.
+    env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAMESPACE": "metadata.namespace"})
     c: dict[str, Any] = {
         "name": ROUTER_CONTAINER,
         "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),
