@@ -3,6 +3,8 @@ docs/metrics.md)."""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvpilot.build_info import register_build_info
@@ -10,63 +12,52 @@ from kvpilot.build_info import register_build_info
 REGISTRY = CollectorRegistry()
 _P = "kvpilot_operator_"
 register_build_info(REGISTRY)
+_M = TypeVar("_M", Counter, Gauge, Histogram)
 
-RESETS = Counter(
-    _P + "resets_total",
-    "PrefixCacheResets finished, by final phase",
-    ["namespace", "result"],
-    registry=REGISTRY,
-)
-RESET_DURATION = Histogram(
-    _P + "reset_duration_seconds",
+
+def _metric(kind: type[_M], name: str, doc: str, *labels: str, **kw: Any) -> _M:
+    """One of the operator's metrics: the name prefixed, in the operator's registry."""
+    return kind(_P + name, doc, labels, registry=REGISTRY, **kw)
+
+
+RESETS = _metric(Counter, "resets_total", "PrefixCacheResets finished, by final phase", "namespace", "result")
+RESET_DURATION = _metric(
+    Histogram,
+    "reset_duration_seconds",
     "Seconds from a PrefixCacheReset's start to its completion",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-    registry=REGISTRY,
 )
-POD_REQUESTS = Counter(
-    _P + "reset_pod_requests_total",
+POD_REQUESTS = _metric(
+    Counter,
+    "reset_pod_requests_total",
     "HTTP reset calls to pods, by verdict and HTTP code (0: no reply)",
-    ["result", "code"],
-    registry=REGISTRY,
+    "result",
+    "code",
 )
-RESET_PODS = Gauge(
-    _P + "reset_pods",
-    "Pods per result of recent PrefixCacheResets",
-    ["namespace", "reset", "result"],
-    registry=REGISTRY,
+RESET_PODS = _metric(
+    Gauge, "reset_pods", "Pods per result of recent PrefixCacheResets", "namespace", "reset", "result"
 )
-INFERENCE_DEPLOYMENTS = Gauge(
-    _P + "inference_deployments", "InferenceDeployments reconciled", registry=REGISTRY
+INFERENCE_DEPLOYMENTS = _metric(Gauge, "inference_deployments", "InferenceDeployments reconciled")
+READY_REPLICAS = _metric(
+    Gauge, "ready_replicas", "Ready daemon pods per InferenceDeployment", "namespace", "deployment"
 )
-READY_REPLICAS = Gauge(
-    _P + "ready_replicas",
-    "Ready daemon pods per InferenceDeployment",
-    ["namespace", "deployment"],
-    registry=REGISTRY,
-)
-DESIRED_REPLICAS = Gauge(
-    _P + "desired_replicas",
+DESIRED_REPLICAS = _metric(
+    Gauge,
+    "desired_replicas",
     "Daemon pods wanted per InferenceDeployment (replicas, or the DaemonSet's scheduled nodes)",
-    ["namespace", "deployment"],
-    registry=REGISTRY,
+    "namespace",
+    "deployment",
 )
-RESETS_IN_PROGRESS = Gauge(
-    _P + "resets_in_progress", "PrefixCacheResets this operator is running now", registry=REGISTRY
-)
-RECONCILE_ERRORS = Counter(
-    _P + "reconcile_errors_total", "Handler runs that raised (kopf retries them)", ["kind"], registry=REGISTRY
+RESETS_IN_PROGRESS = _metric(Gauge, "resets_in_progress", "PrefixCacheResets this operator is running now")
+RECONCILE_ERRORS = _metric(
+    Counter, "reconcile_errors_total", "Handler runs that raised (kopf retries them)", "kind"
 )
 for _kind in ("InferenceDeployment", "PrefixCacheReset"):  # 0 from the start: rate() needs the series
     RECONCILE_ERRORS.labels(_kind)
-API_CALLS = Counter(
-    _P + "api_calls_total",
-    "Kubernetes API calls made by the operator's own code",
-    ["verb", "resource"],
-    registry=REGISTRY,
+API_CALLS = _metric(
+    Counter, "api_calls_total", "Kubernetes API calls made by the operator's own code", "verb", "resource"
 )
-STATUS_PATCHES = Counter(
-    _P + "reset_status_patches_total", "Status patches written to PrefixCacheResets", registry=REGISTRY
-)
+STATUS_PATCHES = _metric(Counter, "reset_status_patches_total", "Status patches written to PrefixCacheResets")
 
 _KEEP_RESETS = 50  # "for the latest resets": bounded label cardinality
 _recent: list[tuple[str, str]] = []

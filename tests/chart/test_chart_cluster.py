@@ -55,6 +55,7 @@ MONITORING = [
 PROMPT = (
     "Chart test: a prompt whose prefix the second request finds cached. " + "Lorem ipsum dolor sit amet. " * 8
 )
+INSTALL_WAIT = ("--create-namespace", "--wait", "--timeout=5m")
 TIMINGS: dict[str, float] = {}
 INSTALL: dict[str, str] = {}  # helm install's output (NOTES.txt)
 
@@ -74,6 +75,24 @@ def http(
         return json.loads(r.read() or b"null")
 
 
+def helm_chart(
+    kube_helm: Helm, verb: str, release: str, *args: str, check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`helm VERB RELEASE charts/kvpilot -n kvpilot-system ARGS`."""
+    return kube_helm(verb, release, str(CHART), "-n", RELEASE_NS, *args, check=check, timeout=timeout)
+
+
+def warm(fleet: dict[str, str]) -> None:
+    """Two completions of PROMPT on each daemon: the second finds the prefix the first cached."""
+    for ip in fleet.values():
+        for _ in range(2):
+            http(
+                "POST",
+                f"http://{ip}:8000/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+            )
+
+
 @pytest.fixture(scope="module")
 def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Helm:
     return Helm(tmp_path_factory.mktemp("helm-cluster"), kubeconfig=cluster.kubeconfig)
@@ -83,18 +102,7 @@ def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Hel
 def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) -> Iterator[None]:
     """`helm install --wait` with every monitoring toggle on; the time to a Ready operator is recorded."""
     t0 = time.monotonic()
-    r = kube_helm(
-        "install",
-        RELEASE,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
-        "--create-namespace",
-        "--wait",
-        "--timeout=5m",
-        *MONITORING,
-        timeout=400,
-    )
+    r = helm_chart(kube_helm, "install", RELEASE, *INSTALL_WAIT, *MONITORING, timeout=400)
     INSTALL["notes"] = r.stdout
     TIMINGS["helm_install_to_ready_operator_s"] = round(time.monotonic() - t0, 2)
     yield
@@ -221,7 +229,7 @@ def test_every_rendered_object_passes_server_dry_run(
         "namespaced": ["--set", "operator.watchNamespaces={team-a}"],
     }
     for name, values in variants.items():
-        out = kube_helm("template", "dryrun", str(CHART), "-n", RELEASE_NS, *values).stdout
+        out = helm_chart(kube_helm, "template", "dryrun", *values).stdout
         objs = [d for d in yaml.safe_load_all(out) if d]
         r = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=out, check=False)
         assert r.returncode == 0, f"{name}: {r.stderr}"
@@ -259,13 +267,7 @@ def test_reset_by_the_in_cluster_operator(
     Prometheus scrapes everything first, so the counters' increases from here on are in its samples."""
     assert len(fleet) == 2
     wait_scraped(cluster, prometheus, fleet)
-    for ip in fleet.values():
-        for _ in range(2):
-            http(
-                "POST",
-                f"http://{ip}:8000/v1/completions",
-                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
-            )
+    warm(fleet)
     # One refused reset (wrong token): the daemons count it as unauthorized.
     with pytest.raises(urllib.error.HTTPError) as e:
         http("POST", f"http://{next(iter(fleet.values()))}:8000/reset_prefix_cache", token="wrong")
@@ -284,13 +286,7 @@ def test_reset_by_the_in_cluster_operator(
     st = cluster.kubectl_json("get", "pcr", "flush", "-n", FLEET_NS)["status"]
     assert (st["phase"], st["progress"], st["succeeded"], st["failed"]) == ("Succeeded", "2/2", 2, 0)
     assert {p["name"] for p in st["pods"]} == set(fleet)
-    for ip in fleet.values():  # post-reset traffic: misses, then hits again
-        for _ in range(2):
-            http(
-                "POST",
-                f"http://{ip}:8000/v1/completions",
-                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
-            )
+    warm(fleet)  # post-reset traffic: misses, then hits again
     log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
     assert "flush" in log, "the in-cluster operator's log should show the reset"
     print(
@@ -374,16 +370,8 @@ def test_namespace_edit_and_view_users_get_kvpilot_resources(cluster: Cluster, r
 
 
 def test_wrong_value_is_refused_naming_the_field(kube_helm: Helm, release: None) -> None:
-    r = kube_helm(
-        "upgrade",
-        RELEASE,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
-        "--reuse-values",
-        "--set",
-        "operator.logLevl=DEBUG",
-        check=False,
+    r = helm_chart(
+        kube_helm, "upgrade", RELEASE, "--reuse-values", "--set", "operator.logLevl=DEBUG", check=False
     )
     assert r.returncode != 0 and "logLevl" in r.stderr, r.stderr
     history = json.loads(kube_helm("history", RELEASE, "-n", RELEASE_NS, "-o", "json").stdout)
@@ -395,12 +383,10 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 ) -> None:
     before = operator_pod(cluster)["metadata"]["uid"]
     peering_uid = peering(cluster)["metadata"]["uid"]
-    kube_helm(
+    helm_chart(
+        kube_helm,
         "upgrade",
         RELEASE,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
         "--reuse-values",
         "--set",
         "operator.logLevel=DEBUG",
@@ -452,15 +438,11 @@ def test_namespaced_install_works_with_roles_only(cluster: Cluster, kube_helm: H
     """With operator.watchNamespaces the operator has Roles in the watched namespace and a ClusterRole with
     only the cluster-scoped rules, and still completes `helm test`'s PrefixCacheReset there."""
     name = "kvpilot-ns"
-    kube_helm(
+    helm_chart(
+        kube_helm,
         "install",
         name,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
-        "--create-namespace",
-        "--wait",
-        "--timeout=5m",
+        *INSTALL_WAIT,
         "--set",
         f"operator.watchNamespaces={{{RELEASE_NS}}}",
         timeout=400,
@@ -517,18 +499,7 @@ def test_install_after_an_operator_run_by_hand(cluster: Cluster, kube_helm: Helm
     uid = peering(cluster)["metadata"]["uid"]
 
     name = "kvpilot-after"
-    r = kube_helm(
-        "install",
-        name,
-        str(CHART),
-        "-n",
-        RELEASE_NS,
-        "--create-namespace",
-        "--wait",
-        "--timeout=5m",
-        check=False,
-        timeout=400,
-    )
+    r = helm_chart(kube_helm, "install", name, *INSTALL_WAIT, check=False, timeout=400)
     try:
         assert r.returncode == 0, r.stderr
         pod = operator_pod(cluster, name)["metadata"]["name"]

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from support.cluster import NODES, Cluster
+from support.cluster import NODES, Cluster, manifest
 from support.procs import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -32,8 +32,7 @@ def workload(kind: str, name: str, pod_spec: str, replicas: int | None = None) -
     spec = {"selector": {"matchLabels": {"app": name}}, "template": pod}
     if replicas is not None:
         spec = {"replicas": replicas, **spec}
-    obj = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}
-    return yaml.safe_dump(obj, sort_keys=False)
+    return yaml.safe_dump(manifest("apps/v1", kind, name, spec), sort_keys=False)
 
 
 WEB = textwrap.dedent(
@@ -269,22 +268,13 @@ def test_daemonset_runs_one_pod_per_node(cluster: Cluster, namespace: str) -> No
 
 def test_gpu_requests_schedule_within_capacity(cluster: Cluster, namespace: str) -> None:
     def pod(name: str, gpus: int) -> dict:
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "terminationGracePeriodSeconds": 1,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "vllm",
-                        "command": ["sleep", "3600"],
-                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
-                    }
-                ],
-            },
+        container = {
+            "name": "main",
+            "image": "vllm",
+            "command": ["sleep", "3600"],
+            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
         }
+        return manifest("v1", "Pod", name, {"terminationGracePeriodSeconds": 1, "containers": [container]})
 
     cluster.core.create_namespaced_pod(namespace, pod("one-gpu", 1))
     cluster.core.create_namespaced_pod(namespace, pod("too-many", 4))
@@ -306,16 +296,9 @@ def test_gpu_requests_schedule_within_capacity(cluster: Cluster, namespace: str)
 
 def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> None:
     def pod(name: str, script: str, policy: str, grace: int = 1) -> dict:
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "restartPolicy": policy,
-                "terminationGracePeriodSeconds": grace,
-                "containers": [{"name": "main", "image": "x", "command": ["sh", "-c", script]}],
-            },
-        }
+        container = {"name": "main", "image": "x", "command": ["sh", "-c", script]}
+        spec = {"restartPolicy": policy, "terminationGracePeriodSeconds": grace, "containers": [container]}
+        return manifest("v1", "Pod", name, spec)
 
     cluster.core.create_namespaced_pod(namespace, pod("crashy", "exit 3", "OnFailure"))
     cluster.core.create_namespaced_pod(namespace, pod("once", "exit 0", "Never"))
@@ -358,22 +341,15 @@ def test_restart_policy_and_grace_period(cluster: Cluster, namespace: str) -> No
 
 
 def test_pod_waits_for_a_secret_created_later(cluster: Cluster, namespace: str) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "needs-secret"},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "x",
-                    "command": ["sh", "-c", 'test "$KEY" = late && exec sleep 600'],
-                    "env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "late", "key": "k"}}}],
-                }
-            ],
-        },
+    container = {
+        "name": "main",
+        "image": "x",
+        "command": ["sh", "-c", 'test "$KEY" = late && exec sleep 600'],
+        "env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "late", "key": "k"}}}],
     }
+    pod = manifest(
+        "v1", "Pod", "needs-secret", {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    )
     cluster.core.create_namespaced_pod(namespace, pod)
 
     def waiting_reason() -> str | None:

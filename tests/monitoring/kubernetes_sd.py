@@ -13,6 +13,7 @@ import json
 import re
 import threading
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,6 +30,13 @@ def _labels(prefix: str, labels: dict[str, str] | None) -> dict[str, str]:
         out[f"{prefix}_label_{_sanitize(k)}"] = v
         out[f"{prefix}_labelpresent_{_sanitize(k)}"] = "true"
     return out
+
+
+def _listed(namespaced: Callable[[str], Any], everywhere: Callable[[], Any], namespaces: list[str]) -> list:
+    """The objects in `namespaces`, or in every namespace when none is named (kubernetes_sd's `namespaces`)."""
+    if not namespaces:
+        return everywhere().items
+    return [o for ns in namespaces for o in namespaced(ns).items]
 
 
 def _pod_meta(pod: client.V1Pod) -> dict[str, str]:
@@ -56,11 +64,7 @@ def _port_meta(prefix: str, container: client.V1Container, port: client.V1Contai
 
 def pod_targets(core: client.CoreV1Api, namespaces: list[str]) -> list[dict[str, Any]]:
     """Role `pod`: one target per container port of each pod with an IP."""
-    pods = (
-        [p for ns in namespaces for p in core.list_namespaced_pod(ns).items]
-        if namespaces
-        else core.list_pod_for_all_namespaces().items
-    )
+    pods = _listed(core.list_namespaced_pod, core.list_pod_for_all_namespaces, namespaces)
     groups = []
     for pod in pods:
         if not pod.status.pod_ip:
@@ -80,10 +84,8 @@ def pod_targets(core: client.CoreV1Api, namespaces: list[str]) -> list[dict[str,
 def endpointslice_targets(api: client.ApiClient, namespaces: list[str]) -> list[dict[str, Any]]:
     """Role `endpointslice`: one target per endpoint address and port, with its Service's and Pod's labels."""
     core, disc = client.CoreV1Api(api), client.DiscoveryV1Api(api)
-    slices = (
-        [s for ns in namespaces for s in disc.list_namespaced_endpoint_slice(ns).items]
-        if namespaces
-        else disc.list_endpoint_slice_for_all_namespaces().items
+    slices = _listed(
+        disc.list_namespaced_endpoint_slice, disc.list_endpoint_slice_for_all_namespaces, namespaces
     )
     groups = []
     for es in slices:

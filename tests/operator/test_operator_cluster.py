@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from support.cluster import Cluster
+from support.cluster import Cluster, manifest
 from support.operator import (
     OP_NS,
     STANDIN_ENV,
@@ -24,6 +24,7 @@ from support.operator import (
     pcr,
     pods_by_name,
     ready_replicas,
+    reset_status,
     standin_fleet,
     wait_phase,
 )
@@ -34,38 +35,29 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
     """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name},
-        "spec": {
+    container = {
+        "name": "d",
+        "image": "ignored",
+        "command": ["kvpilot", "serve"],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *STANDIN_ENV,
+            *(env or []),
+        ],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    }
+    pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    return manifest(
+        "apps/v1",
+        "Deployment",
+        name,
+        {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {"labels": {"app": name, **labels}},
-                "spec": {
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "d",
-                            "image": "ignored",
-                            "command": ["kvpilot", "serve"],
-                            "args": ["--host", "$(POD_IP)", "--port", "8000"],
-                            "env": [
-                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                                *STANDIN_ENV,
-                                *(env or []),
-                            ],
-                            "readinessProbe": {
-                                "httpGet": {"path": "/health", "port": 8000},
-                                "periodSeconds": 1,
-                            },
-                        }
-                    ],
-                },
-            },
+            "template": {"metadata": {"labels": {"app": name, **labels}}, "spec": pod},
         },
-    }
+    )
 
 
 def wait_deployment_ready(cluster: Cluster, ns: str, name: str, n: int, timeout: float = 90) -> None:
@@ -85,9 +77,17 @@ def pod_ips(cluster: Cluster, ns: str, selector: str) -> dict[str, str]:
     }
 
 
+def standin_pods(
+    cluster: Cluster, ns: str, name: str, replicas: int, env: list | None = None
+) -> dict[str, str]:
+    """A stand-in Deployment (standin_deployment) in `ns`, waited for until ready; pod name -> IP."""
+    apply_ns(cluster, ns, standin_deployment(name, replicas, {}, env))
+    wait_deployment_ready(cluster, ns, name, replicas)
+    return pod_ips(cluster, ns, f"app={name}")
+
+
 # --------------------------------------------------------------------------------------------------------
-def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
-    ns = namespace
+def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, "--from-literal=token=s3cret-admin")
     apply_ns(
         cluster,
@@ -171,10 +171,7 @@ def test_reset_three_real_daemons(cluster: Cluster, namespace: str, operator: Op
     assert "Started" in events and "Succeeded" in events
 
 
-def test_failed_skipped_and_not_supported_pods(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
+def test_failed_skipped_and_not_supported_pods(cluster: Cluster, ns: str) -> None:
     for name, env in [
         ("ok", []),
         ("bad", [{"name": "STANDIN_RESET_STATUS", "value": "500"}]),
@@ -201,7 +198,7 @@ def test_failed_skipped_and_not_supported_pods(
     slow = next(iter(pod_ips(cluster, ns, "app=slow")))
 
     def only_slow_left() -> bool:
-        st = cluster.kubectl_json("get", "pcr", "mixed", "-n", ns).get("status") or {}
+        st = reset_status(cluster, ns, "mixed")
         return st.get("targets") == 5 and st.get("pending") == 1
 
     wait_for(only_slow_left, 30, "every pod but the slow one decided")
@@ -233,9 +230,7 @@ def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engi
     """At-least-once: a restarted operator calls the pods again, so every pod ends Succeeded (vLLM-style
     pods too, which report no epoch to tell whether a call in flight took effect)."""
     env = [{"name": "STANDIN_DELAY", "value": "2"}, {"name": "STANDIN_ENGINE", "value": engine}]
-    apply_ns(cluster, ns, standin_deployment("slowfleet", 4, {}, env))
-    wait_deployment_ready(cluster, ns, "slowfleet", 4)
-    ips = pod_ips(cluster, ns, "app=slowfleet")
+    ips = standin_pods(cluster, ns, "slowfleet", 4, env)
     apply_ns(
         cluster,
         ns,
@@ -251,13 +246,13 @@ def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engi
     )
 
     def one_done() -> bool:
-        st = cluster.kubectl_json("get", "pcr", "crash", "-n", ns).get("status") or {}
+        st = reset_status(cluster, ns, "crash")
         return st.get("phase") == "Running" and st.get("succeeded", 0) >= 1
 
     wait_for(one_done, 40, "the first pod reset")
     time.sleep(0.5)  # the next call is in flight: the stand-in applies a reset on receipt
     operator.kill()
-    assert cluster.kubectl_json("get", "pcr", "crash", "-n", ns)["status"]["phase"] == "Running"
+    assert reset_status(cluster, ns, "crash")["phase"] == "Running"
     # A higher peering priority takes over at once; the killed replica's peering entry has not expired yet.
     operator.start("--priority", str(int(time.time()) % 100000 + 1))
     r = wait_phase(cluster, ns, "crash", 90)
@@ -269,23 +264,19 @@ def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engi
 
 
 def test_kvpilot_fleet_operator_killed_mid_fanout(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
-    killed_mid_fanout(cluster, namespace, operator, "kvpilot")
+    killed_mid_fanout(cluster, ns, operator, "kvpilot")
 
 
-def test_vllm_fleet_operator_killed_mid_fanout(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    killed_mid_fanout(cluster, namespace, operator, "vllm")
+def test_vllm_fleet_operator_killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    killed_mid_fanout(cluster, ns, operator, "vllm")
 
 
 def test_graceful_stop_mid_fanout_is_bounded_and_the_next_operator_finishes(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
-    ns = namespace
-    apply_ns(cluster, ns, standin_deployment("grace", 3, {}, [{"name": "STANDIN_DELAY", "value": "30"}]))
-    wait_deployment_ready(cluster, ns, "grace", 3)
+    standin_pods(cluster, ns, "grace", 3, [{"name": "STANDIN_DELAY", "value": "30"}])
     apply_ns(
         cluster,
         ns,
@@ -298,34 +289,25 @@ def test_graceful_stop_mid_fanout_is_bounded_and_the_next_operator_finishes(
             },
         ),
     )
-    wait_for(
-        lambda: (
-            (cluster.kubectl_json("get", "pcr", "g", "-n", ns).get("status") or {}).get("phase") == "Running"
-        ),
-        30,
-        "the reset running",
-    )
+    wait_for(lambda: reset_status(cluster, ns, "g").get("phase") == "Running", 30, "the reset running")
     time.sleep(1)  # the three 30 s calls are in flight
     t0 = time.monotonic()
     operator.stop()  # SIGTERM: calls in flight get the shutdown grace, then the daemon is cancelled
     took = time.monotonic() - t0
     assert took < 14, f"stopping took {took:.1f}s"
     assert operator.proc is not None and operator.proc.returncode is not None
-    assert cluster.kubectl_json("get", "pcr", "g", "-n", ns)["status"]["phase"] == "Running"
+    assert reset_status(cluster, ns, "g")["phase"] == "Running"
     operator.start()
     st = wait_phase(cluster, ns, "g", 120)["status"]
     assert st["phase"] == "Succeeded" and st["succeeded"] == 3, st
 
 
 def test_reset_running_requests_stays_at_most_once(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
     """With resetRunningRequests a second call is not harmless: an interrupted reset ends Failed
     (Interrupted) and no pod is called after the restart."""
-    ns = namespace
-    apply_ns(cluster, ns, standin_deployment("once", 3, {}, [{"name": "STANDIN_DELAY", "value": "2"}]))
-    wait_deployment_ready(cluster, ns, "once", 3)
-    ips = pod_ips(cluster, ns, "app=once")
+    ips = standin_pods(cluster, ns, "once", 3, [{"name": "STANDIN_DELAY", "value": "2"}])
     apply_ns(
         cluster,
         ns,
@@ -339,13 +321,7 @@ def test_reset_running_requests_stays_at_most_once(
             },
         ),
     )
-    wait_for(
-        lambda: (
-            (cluster.kubectl_json("get", "pcr", "rr", "-n", ns).get("status") or {}).get("phase") == "Running"
-        ),
-        30,
-        "the reset running",
-    )
+    wait_for(lambda: reset_status(cluster, ns, "rr").get("phase") == "Running", 30, "the reset running")
     time.sleep(0.5)
     operator.kill()
     before = {name: http("GET", f"http://{ip}:8000/calls")["calls"] for name, ip in ips.items()}
@@ -432,8 +408,7 @@ def test_bad_specs_are_refused_by_the_api_server(
     assert "Most pods called at the same time" in out
 
 
-def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
-    ns = namespace
+def test_fleet_scale_drift_and_service(cluster: Cluster, ns: str) -> None:
     standin_fleet(cluster, ns, "web")
     obj = infd(cluster, ns, "web")
     dep = cluster.kubectl_json("get", "deployment", "web", "-n", ns)
@@ -525,9 +500,8 @@ def test_fleet_scale_drift_and_service(cluster: Cluster, namespace: str, operato
 
 
 def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
-    ns = namespace
     spec = {
         "replicas": 1,
         "env": STANDIN_ENV,
@@ -578,8 +552,7 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
     assert managers == {"kvpilot-operator"}
 
 
-def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
-    ns = namespace
+def test_annotation_trigger_and_ttl(cluster: Cluster, ns: str) -> None:
     standin_fleet(cluster, ns, "ann")
     uid = infd(cluster, ns, "ann")["metadata"]["uid"]
 
@@ -615,10 +588,7 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, namespace: str, operator: 
     )
 
 
-def test_daemonset_placement_on_two_nodes(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
+def test_daemonset_placement_on_two_nodes(cluster: Cluster, ns: str) -> None:
     apply_ns(cluster, ns, fleet("local", {"placement": "DaemonSet", "env": STANDIN_ENV}))
     wait_for(lambda: ready_replicas(cluster, ns, "local", 2), 90, "one ready daemon per node")
     nodes = sorted(p["spec"]["nodeName"] for p in fleet_pods(cluster, ns, "local"))
@@ -678,31 +648,17 @@ sys.exit(args.handler(args))
 """
 
 
-def test_reset_cli_waits_and_shows_every_pod(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
+def test_reset_cli_waits_and_shows_every_pod(cluster: Cluster, ns: str) -> None:
     import subprocess
     import sys
 
-    ns = namespace
+    def kvpilot(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`kvpilot ARGS --kubeconfig ...` (its operator and reset commands, as the CLI wires them)."""
+        argv = [sys.executable, "-c", CLI, *args, "--kubeconfig", str(cluster.kubeconfig)]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
     standin_fleet(cluster, ns, "cli")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CLI,
-            "reset",
-            "cli",
-            "-n",
-            ns,
-            "--wait",
-            "--kubeconfig",
-            str(cluster.kubeconfig),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = kvpilot("reset", "cli", "-n", ns, "--wait", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("prefixcachereset.kvpilot.io/cli-")
@@ -711,42 +667,16 @@ def test_reset_cli_waits_and_shows_every_pod(
         assert any(pod["metadata"]["name"] in x and "Succeeded" in x and "epoch 1" in x for x in lines), (
             r.stdout
         )
-    bad = subprocess.run(
-        [sys.executable, "-c", CLI, "reset", "nope", "-n", ns, "--kubeconfig", str(cluster.kubeconfig)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = kvpilot("reset", "nope", "-n", ns)
     assert bad.returncode == 2 and f"InferenceDeployment {ns}/nope not found" in bad.stderr
     assert "Traceback" not in bad.stderr
     # --timeout: gives up waiting with its own exit code and message, no traceback
-    slow = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CLI,
-            "reset",
-            "cli",
-            "-n",
-            ns,
-            "--wait",
-            "--timeout",
-            "0",
-            "--kubeconfig",
-            str(cluster.kubeconfig),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    slow = kvpilot("reset", "cli", "-n", ns, "--wait", "--timeout", "0")
     assert slow.returncode == 3 and "did not finish before --timeout" in slow.stderr, slow.stderr
 
 
-def test_two_replicas_never_both_act(
-    cluster: Cluster, namespace: str, operator: OperatorProcess, tmp_path
-) -> None:
+def test_two_replicas_never_both_act(cluster: Cluster, ns: str, operator: OperatorProcess, tmp_path) -> None:
     """Peering: a second replica with a lower priority stays paused while the first lives, then takes over."""
-    ns = namespace
     second = OperatorProcess(operator.kubeconfig, tmp_path / "second.log")
     second.start("--priority", "-100")
     # a replica of the same priority would pause with it: it says so at startup
@@ -765,9 +695,7 @@ def test_two_replicas_never_both_act(
     third.stop()
     assert "replicas of equal priority all pause" in third.log.read_text()
     try:
-        apply_ns(cluster, ns, standin_deployment("pair", 2, {}))
-        wait_deployment_ready(cluster, ns, "pair", 2)
-        ips = pod_ips(cluster, ns, "app=pair")
+        ips = standin_pods(cluster, ns, "pair", 2)
         apply_ns(cluster, ns, pcr("once", {"selector": {"matchLabels": {"app": "pair"}}}))
         assert wait_phase(cluster, ns, "once", 30)["status"]["phase"] == "Succeeded"
         time.sleep(2)
@@ -786,11 +714,8 @@ def test_two_replicas_never_both_act(
             operator.start()
 
 
-def test_vllm_and_sglang_fleets_by_selector(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
+def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
     """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster."""
-    ns = namespace
     apply_ns(
         cluster,
         ns,
@@ -833,13 +758,10 @@ def test_vllm_and_sglang_fleets_by_selector(
     )
 
 
-def test_missing_target_fails_with_a_reason(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
+def test_missing_target_fails_with_a_reason(cluster: Cluster, ns: str) -> None:
     """With waitForTarget, a target that does not exist is waited for until timeoutSeconds, then the reset
     fails with a reason; one that appears meanwhile is reset. `kubectl wait` for either condition returns.
     (Without waitForTarget it fails at once: test_operator_reset_ux.py.)"""
-    ns = namespace
     t0 = time.monotonic()
     apply_ns(
         cluster,
@@ -866,10 +788,7 @@ def test_missing_target_fails_with_a_reason(
     assert r.returncode == 0, cluster.kubectl("get", "pcr", "early", "-n", ns, "-o", "yaml").stdout
 
 
-def test_every_reset_ends_no_targets_and_refused_selectors(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
+def test_every_reset_ends_no_targets_and_refused_selectors(cluster: Cluster, ns: str) -> None:
     apply_ns(cluster, ns, pcr("nothing", {"selector": {"matchLabels": {"app": "none"}}}))
     apply_ns(cluster, ns, pcr("fine", {"selector": {"matchLabels": {"app": "none"}}, "allowNoTargets": True}))
     # a label value the API server refuses (the CRD lets any string through): Failed at once, not retried forever
@@ -894,11 +813,10 @@ def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | 
 
 
 def test_admin_tokens_go_only_where_their_owner_sent_them(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
     import base64
 
-    ns = namespace
     # Secure by default: a fleet without adminTokenSecretRef gets a generated token that its daemons require.
     standin_fleet(cluster, ns, "sec")
     secret = cluster.kubectl_json("get", "secret", "sec-admin-token", "-n", ns)
@@ -946,18 +864,13 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
         p: cluster.kubectl_json("get", "pod", p, "-n", ns)["status"]["podIP"] for p in ("rogue", "listener")
     }
 
-    apply_ns(
-        cluster,
-        ns,
-        pcr(
-            "steal",
-            {
-                "selector": {"matchLabels": {"role": "listener"}},
-                "adminTokenSecretRef": {"name": "other-team"},
-            },
-        ),
-    )
-    st = wait_phase(cluster, ns, "steal", 30)["status"]
+    def listener_reset(name: str, secret: str) -> dict:
+        """A selector reset of the listener pod naming Secret `secret`: its status once finished."""
+        spec = {"selector": {"matchLabels": {"role": "listener"}}, "adminTokenSecretRef": {"name": secret}}
+        apply_ns(cluster, ns, pcr(name, spec))
+        return wait_phase(cluster, ns, name, 30)["status"]
+
+    st = listener_reset("steal", "other-team")
     cond = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert (
         st["phase"] == "Failed"
@@ -978,16 +891,5 @@ def test_admin_tokens_go_only_where_their_owner_sent_them(
         "create", "secret", "generic", "listener-admin", "-n", ns, "--from-literal=token=listener-token"
     )
     cluster.kubectl("label", "secret", "listener-admin", "-n", ns, "kvpilot.io/admin-token=true")
-    apply_ns(
-        cluster,
-        ns,
-        pcr(
-            "allowed",
-            {
-                "selector": {"matchLabels": {"role": "listener"}},
-                "adminTokenSecretRef": {"name": "listener-admin"},
-            },
-        ),
-    )
-    assert wait_phase(cluster, ns, "allowed", 30)["status"]["phase"] == "Succeeded"
+    assert listener_reset("allowed", "listener-admin")["phase"] == "Succeeded"
     assert http("GET", f"http://{ip['listener']}:8000/calls")["resets"] == 1

@@ -22,7 +22,7 @@ from support.operator import (
     fleet,
     fleet_pods,
     pcr,
-    ready_replicas,
+    standin_fleet,
     wait_phase,
 )
 from support.procs import wait_for
@@ -81,10 +81,7 @@ def test_skipped_pods_and_replacements_are_named_and_bounded() -> None:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_get_shows_target_and_counts_and_missing_targets_fail_at_once(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
+def test_get_shows_target_and_counts_and_missing_targets_fail_at_once(cluster: Cluster, ns: str) -> None:
     t0 = time.monotonic()
     apply_ns(cluster, ns, pcr("ghost", {"targetRef": {"name": "nowhere"}}))  # timeoutSeconds 60
     apply_ns(cluster, ns, pcr("empty", {"selector": {"matchLabels": {"app": "none"}}}))
@@ -128,13 +125,8 @@ def test_get_shows_target_and_counts_and_missing_targets_fail_at_once(
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_replaced_pods_are_named_in_the_condition(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
-    env = [*STANDIN_ENV, {"name": "STANDIN_DELAY", "value": "4"}]  # each reset call takes 4 s
-    apply_ns(cluster, ns, fleet("churn", {"replicas": 2, "env": env}))
-    wait_for(lambda: ready_replicas(cluster, ns, "churn", 2), 90, "2 ready stand-in daemons")
+def test_replaced_pods_are_named_in_the_condition(cluster: Cluster, ns: str) -> None:
+    standin_fleet(cluster, ns, "churn", 2, [{"name": "STANDIN_DELAY", "value": "4"}])  # each reset call: 4 s
     first, second = sorted(p["metadata"]["name"] for p in fleet_pods(cluster, ns, "churn"))
     # one call at a time, in name order: the second pod is deleted while the first is being reset
     apply_ns(
@@ -164,13 +156,8 @@ def finalizers(cluster: Cluster, ns: str, kind: str, name: str) -> list[str]:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_finalizer_only_while_a_reset_runs(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    ns = namespace
-    env = [*STANDIN_ENV, {"name": "STANDIN_DELAY", "value": "3"}]
-    apply_ns(cluster, ns, fleet("fin", {"replicas": 1, "env": env}))
-    wait_for(lambda: ready_replicas(cluster, ns, "fin", 1), 90, "a ready stand-in daemon")
+def test_finalizer_only_while_a_reset_runs(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    standin_fleet(cluster, ns, "fin", 1, [{"name": "STANDIN_DELAY", "value": "3"}])
     apply_ns(cluster, ns, pcr("run", {"targetRef": {"name": "fin"}}))
     apply_ns(cluster, ns, pcr("kept", {"targetRef": {"name": "fin"}, "ttlSecondsAfterFinished": 40}))
     # running: kopf's finalizer keeps the daemon's object until the daemon has stopped

@@ -28,6 +28,11 @@ LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
 NODES = ("node-1", "node-2")
 
 
+def manifest(api_version: str, kind: str, name: str, spec: dict) -> dict:
+    """An object to create or apply: metadata is just its name (the namespace comes from the call)."""
+    return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name}, "spec": spec}
+
+
 @dataclass
 class Cluster:
     cp: ControlPlane

@@ -24,7 +24,7 @@ import yaml
 
 from kvpilot.operator import rbac
 from support import ROOT
-from support.cluster import Cluster
+from support.cluster import Cluster, manifest
 from support.procs import free_port, spawn, stop, wait_for
 
 SHIM = ROOT / "tests" / "operator" / "shim"
@@ -136,21 +136,11 @@ def ready_replicas(cluster: Cluster, ns: str, name: str, n: int) -> bool:
 
 
 def pcr(name: str, spec: dict) -> dict:
-    return {
-        "apiVersion": "kvpilot.io/v1alpha1",
-        "kind": "PrefixCacheReset",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
+    return manifest("kvpilot.io/v1alpha1", "PrefixCacheReset", name, spec)
 
 
 def fleet(name: str, spec: dict) -> dict:
-    return {
-        "apiVersion": "kvpilot.io/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
+    return manifest("kvpilot.io/v1alpha1", "InferenceDeployment", name, spec)
 
 
 def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
@@ -158,9 +148,10 @@ def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
     apply(cluster, obj)
 
 
-def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2) -> None:
-    """An InferenceDeployment of `replicas` stand-in daemons in `ns`, waited for until all are ready."""
-    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, "env": STANDIN_ENV}))
+def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: list | None = None) -> None:
+    """An InferenceDeployment of `replicas` stand-in daemons in `ns` (`env` added to their pod env), waited for
+    until all are ready."""
+    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, "env": [*STANDIN_ENV, *(env or [])]}))
     wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
 
 
@@ -227,6 +218,17 @@ def operator(
     yield op
     op.stop()
     print(f"operator log: {op.log}")
+
+
+def reset_status(cluster: Cluster, ns: str, name: str) -> dict:
+    """A PrefixCacheReset's status ({} before the operator's first write)."""
+    return cluster.kubectl_json("get", "pcr", name, "-n", ns).get("status") or {}
+
+
+@pytest.fixture
+def ns(namespace: str, operator: OperatorProcess) -> str:
+    """The test's own namespace (support.cluster's `namespace`), with the operator running."""
+    return namespace
 
 
 def wait_phase(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dict:

@@ -160,6 +160,7 @@ def test_monitoring_crds_are_served_and_validate_objects(bindir: Path, tmp_path:
     from kubernetes.client.rest import ApiException
 
     from kvpilot.devcluster import ControlPlane
+    from support.cluster import manifest
 
     with ControlPlane(workdir=tmp_path / "cp") as cp:
         api = config.new_client_from_config(config_file=str(cp.kubeconfig))
@@ -183,56 +184,27 @@ def test_monitoring_crds_are_served_and_validate_objects(bindir: Path, tmp_path:
 
         objects = client.CustomObjectsApi(api)
         group, version, ns = "monitoring.coreos.com", "v1", "default"
-        objects.create_namespaced_custom_object(
-            group,
-            version,
-            ns,
+
+        def create(plural: str, kind: str, name: str, spec: dict) -> object:
+            obj = manifest(f"{group}/{version}", kind, name, spec)
+            return objects.create_namespaced_custom_object(group, version, ns, plural, obj)
+
+        create(
             "servicemonitors",
-            {
-                "apiVersion": f"{group}/{version}",
-                "kind": "ServiceMonitor",
-                "metadata": {"name": "op"},
-                "spec": {"selector": {"matchLabels": {"app": "op"}}, "endpoints": [{"port": "metrics"}]},
-            },
+            "ServiceMonitor",
+            "op",
+            {"selector": {"matchLabels": {"app": "op"}}, "endpoints": [{"port": "metrics"}]},
         )
-        objects.create_namespaced_custom_object(
-            group,
-            version,
-            ns,
+        create(
             "podmonitors",
-            {
-                "apiVersion": f"{group}/{version}",
-                "kind": "PodMonitor",
-                "metadata": {"name": "daemons"},
-                "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]},
-            },
+            "PodMonitor",
+            "daemons",
+            {"selector": {}, "podMetricsEndpoints": [{"port": "http", "path": "/metrics"}]},
         )
-        objects.create_namespaced_custom_object(
-            group,
-            version,
-            ns,
-            "prometheusrules",
-            {
-                "apiVersion": f"{group}/{version}",
-                "kind": "PrometheusRule",
-                "metadata": {"name": "alerts"},
-                "spec": {
-                    "groups": [{"name": "g", "rules": [{"alert": "Down", "expr": "up == 0", "for": "5m"}]}]
-                },
-            },
-        )
+        rule = {"alert": "Down", "expr": "up == 0", "for": "5m"}
+        create("prometheusrules", "PrometheusRule", "alerts", {"groups": [{"name": "g", "rules": [rule]}]})
         with pytest.raises(ApiException) as refused:
-            objects.create_namespaced_custom_object(
-                group,
-                version,
-                ns,
-                "servicemonitors",
-                {
-                    "apiVersion": f"{group}/{version}",
-                    "kind": "ServiceMonitor",
-                    "metadata": {"name": "bad"},
-                    "spec": {"selector": {}, "endpoints": [{"port": "metrics", "interval": "often"}]},
-                },
-            )
+            bad = {"selector": {}, "endpoints": [{"port": "metrics", "interval": "often"}]}
+            create("servicemonitors", "ServiceMonitor", "bad", bad)
         assert refused.value.status == 422
         assert "spec.endpoints[0].interval" in refused.value.body
