@@ -187,33 +187,52 @@ def fleet_env(name: str, spec: dict[str, Any], downward: dict[str, str]) -> list
     return env + copy.deepcopy(spec.get("env") or [])
 
 
-def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    port = int(spec.get("port", 8000))
-    env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"})
-    c: dict[str, Any] = {
-        "name": CONTAINER,
+def kvpilot_container(
+    name: str,
+    spec: dict[str, Any],
+    args: list[str],
+    env: list[dict[str, Any]],
+    ports: list[dict[str, Any]],
+    liveness: dict[str, Any],
+) -> dict[str, Any]:
+    """A container of the fleet's image running `kvpilot ARGS` (a daemon or the router), Ready only while its
+    /health answers 200: a daemon once its model is loaded, a router once some daemon is ready."""
+    return {
+        "name": name,
         "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),
         "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
         "command": ["kvpilot"],
-        "args": serve_args(spec),
+        "args": args,
         "env": env,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}, *kv_events_ports(spec)],
-        # /health is 200 only once the model is loaded and the engine loop runs: no traffic before that.
+        "ports": ports,
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 2,
             "timeoutSeconds": 2,
             "failureThreshold": 3,
         },
+        "livenessProbe": liveness,
+    }
+
+
+def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    port = int(spec.get("port", 8000))
+    env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"})
+    c = kvpilot_container(
+        CONTAINER,
+        spec,
+        serve_args(spec),
+        env,
+        [{"name": "http", "containerPort": port, "protocol": "TCP"}, *kv_events_ports(spec)],
         # Generous: loading a model can take minutes; a liveness kill mid-load would loop forever.
-        "livenessProbe": {
+        {
             "httpGet": {"path": "/health", "port": "http"},
             "initialDelaySeconds": 120,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
-    }
+    )
     for field, key in (
         ("resources", "resources"),
         ("volumeMounts", "volumeMounts"),

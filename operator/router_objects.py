@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvpilot.operator.builders import MANAGED_BY, fleet_env, router_spec
+from kvpilot.operator.builders import MANAGED_BY, fleet_env, kvpilot_container, router_spec
 
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
 ROUTER_PORT = 8080
@@ -96,30 +96,21 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
     # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods; the
     # user's env says where the model (the router's tokenizer) is cached, as for the daemons.
     env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAMESPACE": "metadata.namespace"})
-    c: dict[str, Any] = {
-        "name": ROUTER_CONTAINER,
-        "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),
-        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["kvpilot"],
-        "args": args,
-        "env": env,
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        # /health is 503 until some daemon is ready: no traffic to a router that has nowhere to send it.
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 2,
-            "timeoutSeconds": 2,
-            "failureThreshold": 3,
-        },
+    c = kvpilot_container(
+        ROUTER_CONTAINER,
+        spec,
+        args,
+        env,
+        [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # Alive is "listening": a fleet scaled to zero must not get its router restarted in a loop.
-        "livenessProbe": {
+        {
             "tcpSocket": {"port": "http"},
             "initialDelaySeconds": 60,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
-    }
+    )
     if r.get("resources"):
         c["resources"] = copy.deepcopy(r["resources"])
     for field in ("volumeMounts", "securityContext"):
