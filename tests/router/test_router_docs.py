@@ -51,7 +51,9 @@ def test_the_router_quickstart_as_written(tmp_path: Path) -> None:
             *(moved(c) for c in serve),
             # the docs run the router in the foreground (the daemons load meanwhile); here it goes to the background
             f"{moved(router)} --port {router_port} &",
-            f"for i in $(seq 300); do curl -sf localhost:{router_port}/health >/dev/null && break; sleep 1; done",
+            # until the router has seen both daemons ready (its /health is 200 once one is; it probes every few s)
+            f'for i in $(seq 300); do [ "$(curl -sf localhost:{router_port}/health | grep -o \'"ready": true\' '
+            '| wc -l)" = 2 ] && break; sleep 1; done',
             *(f"{moved(c)}; echo; echo '{SEP}'" for c in curls),
         ]
     )
