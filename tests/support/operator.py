@@ -1,5 +1,5 @@
 """The operator's cluster tests' parts: our CRDs on the dev cluster (support.cluster), the operator's
-ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, the operator as a subprocess, and
+ServiceAccount bound to exactly the (cluster-wide) rules of kvpilot.operator.rbac, the operator as a subprocess, and
 builders and probes of fleets and resets.
 
 Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
@@ -157,7 +157,8 @@ def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: 
 
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
+    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.cluster_role()
+    only, and the routers' ClusterRole it binds.
     The peering object is not made here: the operator makes it (as for a user who follows the README)."""
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     for crd in (
@@ -180,6 +181,7 @@ def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFacto
             },
             rbac.cluster_role(),
             rbac.cluster_role_binding(OP_NS),
+            rbac.router_cluster_role(),  # what the operator binds for each fleet router
         ],
     )
     token = cluster.kubectl(
