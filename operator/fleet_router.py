@@ -69,7 +69,7 @@ async def reconcile_router(
     objs = router_objects.objects(name, ns, spec, router_role)
     try:
         # Every name must be free or ours before anything is written: never adopt a user's ServiceAccount,
-        # Role or Service, nor half-build a router next to another fleet's.
+        # RoleBinding or Service, nor half-build a router next to another fleet's.
         for obj in objs:
             live = await kube.read(obj["kind"], ns, rname)
             if live is not None and not owned_by(live, uid):
