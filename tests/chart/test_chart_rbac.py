@@ -2,8 +2,8 @@
 (cluster-wide, and operator.watchNamespaces) the real operator runs under exactly the rendered ServiceAccount,
 ClusterRoles, Roles and bindings (a token of that ServiceAccount, the Deployment's own flags) through every
 feature that needs a right: a fleet with its real router, whose RoleBinding from an older operator (to a Role)
-is replaced, a generated token, a targetRef reset that expires, the annotation trigger, placement DaemonSet
-and back, the router turned off. Then none of the operator's or the router's requests was Forbidden, and every
+is replaced, a generated token, a targetRef reset and one that expires, the annotation trigger, placement
+DaemonSet and back, the router turned off. Then none of the operator's or the router's requests was Forbidden, and every
 (verb, resource) granted to them was requested at least once.
 
 A dev cluster of its own (audit policy and OwnerReferencesPermissionEnforcement are kube-apiserver flags, and
