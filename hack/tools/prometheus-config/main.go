@@ -53,8 +53,8 @@ import (
 func main() {
 	promFile := flag.String("prometheus", "", "YAML of the Prometheus resource (its selectors, version, intervals)")
 	outDir := flag.String("out", "", "folder to write prometheus.yaml, prometheus.env.yaml and rules/ into")
-	endpointSlice := flag.Bool("endpointslice", true, "the API serves discovery.k8s.io/v1 (the operator checks; "+
-		"ServiceMonitors then use role endpointslice)")
+	endpointSlice := flag.Bool("endpointslice", true, "the API serves discovery.k8s.io/v1 (the operator checks): "+
+		"ServiceMonitors may then use role endpointslice, where spec.serviceDiscoveryRole asks for it")
 	flag.Parse()
 	if *promFile == "" || *outDir == "" || flag.NArg() == 0 {
 		fmt.Fprintln(os.Stderr, "usage: prometheus-config -prometheus FILE -out DIR OBJECTS.yaml...")
