@@ -331,6 +331,10 @@ def test_prometheus_answers_every_dashboard_query_and_loads_every_alert(
         f"serviceMonitor/{RELEASE_NS}/{OPERATOR}/0",
     }, pools
     assert all(t["discoveredLabels"].get("__meta_kubernetes_pod_name") for t in targets), targets
+    # ... as the configuration Prometheus loaded says: Kubernetes discovery only, no other source of targets.
+    loaded = yaml.safe_load(prometheus.api("/api/v1/status/config")["yaml"])["scrape_configs"]
+    sources = [sorted(k for k in job if k.endswith(("_sd_configs", "static_configs"))) for job in loaded]
+    assert sources == [["kubernetes_sd_configs"]] * 3, sources
     # The reset and the last traffic must be in the samples: the operator has recorded it.
     wait_for(
         lambda: prometheus.query(f'kvpilot_operator_reset_pods{{namespace="{FLEET_NS}",reset="flush"}}'),
