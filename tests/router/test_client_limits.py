@@ -9,11 +9,23 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from kvpilot.router.prompts import Prompts
-from support.servers import ADMIN_TOKEN, MODEL, Fleet, Server, start_router, stop_router
+from support.procs import free_port
+from support.servers import (
+    ADMIN_TOKEN,
+    MODEL,
+    Fleet,
+    RouterProc,
+    Server,
+    start_router,
+    start_server,
+    stop_fleet,
+    stop_router,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,10 +161,35 @@ def test_prompt_keys_stop_at_the_models_context() -> None:
     assert bounded.block_keys(16)[0] == Prompts([ids], None).block_keys(16)[0][: 100 // 16]
 
 
-def test_health_answers_while_a_million_token_prompt_is_read(quiet_fleet: Fleet) -> None:
-    """The prompt's JSON is parsed, checked and keyed in the router's prompt threads, up to the model's
-    context only; /health answers meanwhile, each probe well within the router's readiness timeout."""
-    router = quiet_fleet.router
+@pytest.fixture(scope="module")
+def one_token_blocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
+    """A router in front of a daemon whose KV blocks hold one token each: a prompt of n tokens has n
+    block keys, the most hashing a prompt can cost the router."""
+    tmp = tmp_path_factory.mktemp("one-token-blocks")
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    daemon = start_server(
+        tmp,
+        "--block-size",
+        "1",
+        "--kv-events-endpoint",
+        events[0],
+        "--kv-events-replay-endpoint",
+        events[1],
+        token=ADMIN_TOKEN,
+    )
+    router = None
+    try:
+        router = start_router(tmp, [daemon.url])
+        yield router
+    finally:
+        stop_fleet(router, [daemon])
+
+
+def test_health_answers_while_a_million_token_prompt_is_read(one_token_blocks: RouterProc) -> None:
+    """The prompt's JSON is parsed, checked and keyed in the router's prompt threads, and keyed up to the
+    model's context only (8192 tokens, not a million); /health answers meanwhile, no probe waiting more
+    than a small part of the request's time."""
+    router = one_token_blocks
     body = json.dumps({"model": MODEL, "prompt": [i % 9 + 1 for i in range(1_000_000)], "max_tokens": 1})
     assert len(body) < 4 << 20  # under the router's and the daemons' body limit
     latencies: list[float] = []
@@ -185,5 +222,6 @@ def test_health_answers_while_a_million_token_prompt_is_read(quiet_fleet: Fleet)
         f"1M-token prompt answered in {took:.2f} s; /health max {max(latencies) * 1e3:.0f} ms over "
         f"{len(latencies)} probes"
     )
-    # Generous: the router's own readiness probe allows 2 s; on the event loop this took several.
-    assert max(latencies) < 1.0
+    # Relative, so a slow machine does not fail it: while the keys were computed on the event loop, one
+    # probe waited for about half of the request's time (1.4 s of 3.1 s here); off it, a few percent.
+    assert max(latencies) < took / 4
