@@ -4,7 +4,6 @@ daemons and a router) on loopback, with raw sockets where a client misbehaves.""
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading
@@ -21,6 +20,7 @@ from support.servers import (
     Fleet,
     RouterProc,
     Server,
+    probe_health,
     start_router,
     start_server,
     stop_fleet,
@@ -195,19 +195,7 @@ def test_health_answers_while_a_million_token_prompt_is_read(one_token_blocks: R
     latencies: list[float] = []
     done = threading.Event()
 
-    def probe() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=60)
-        while not done.is_set():
-            t = time.perf_counter()
-            conn.request("GET", "/health")
-            resp = conn.getresponse()
-            resp.read()
-            assert resp.status == 200
-            latencies.append(time.perf_counter() - t)
-            time.sleep(0.005)
-        conn.close()
-
-    prober = threading.Thread(target=probe)
+    prober = threading.Thread(target=probe_health, args=(router, done, latencies))
     prober.start()
     try:
         time.sleep(0.2)
