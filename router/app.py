@@ -334,7 +334,13 @@ async def serve(
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        fleet = Fleet(index, metrics_, session, probe=PROBES[settings.engine])
+        fleet = Fleet(
+            index,
+            metrics_,
+            session,
+            probe=PROBES[settings.engine],
+            kv_events_curve_dir=settings.kv_events_curve_dir,
+        )
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
