@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 
 import kopf
 
+from kvpilot.operator.network_policy import DEFAULT_OPERATOR_LABELS, OperatorPeer
+
 log = logging.getLogger("kvpilot.operator")
+
+
+def _labels(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` as a dict; anything else is a usage error."""
+    pairs = [kv.partition("=") for kv in text.split(",") if kv]
+    if not pairs or any(not k or not sep or not v for k, sep, v in pairs):
+        raise argparse.ArgumentTypeError(f"expected k=v,... (labels), got {text!r}")
+    return {k: v for k, _, v in pairs}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +45,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness-port", type=int, default=8080, help="port of GET /healthz (default 8080)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
+    p.add_argument(
+        "--operator-namespace",
+        default=os.environ.get("POD_NAMESPACE") or None,
+        help="namespace of the operator's pods, which the fleets' NetworkPolicies let reach the daemons "
+        "(default: $POD_NAMESPACE; none outside the cluster)",
+    )
+    p.add_argument(
+        "--operator-pod-labels",
+        type=_labels,
+        default=dict(DEFAULT_OPERATOR_LABELS),
+        help="labels of the operator's pods, as k=v,... (default: "
+        + ",".join(f"{k}={v}" for k, v in DEFAULT_OPERATOR_LABELS.items())
+        + ")",
+    )
     p.add_argument(
         "--max-calls-in-flight",
         type=int,
@@ -148,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
             peering_name=None if standalone else args.peering,
             liveness_endpoint=f"http://{args.bind}:{args.liveness_port}/healthz",
             # Read by the startup handler (handlers.configure); every handler's memo is a copy of this one.
-            memo=kopf.Memo(max_calls_in_flight=args.max_calls_in_flight),
+            memo=kopf.Memo(
+                max_calls_in_flight=args.max_calls_in_flight,
+                operator_peer=OperatorPeer(args.operator_namespace, args.operator_pod_labels),
+            ),
         )
     )
     return 0

@@ -63,8 +63,15 @@ RULES: list[dict[str, Any]] = [
     # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
-    # generated token.
+    # generated token and its KV event keys (both made once, never patched).
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    # A fleet's NetworkPolicy (spec.networkPolicy): applied, watched (label-selected) so that an edit or a
+    # deletion is put back, read and deleted when switched off (only if ours).
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
     # Events on start, per failed pod, at the end, and on rollouts.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # kopf: discovers resources through CRDs, and its peering (two replicas never both act); the operator
