@@ -17,10 +17,10 @@ from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, Bloc
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, fetch_replay
+from support.kv_events import BS, kv_events_engine
 
 pytestmark = pytest.mark.timeout(300)
 
-BS = 16
 POD = ("pod", 0)  # the index entry of a stream: (pod, rank)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -49,16 +49,7 @@ def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
 
 @pytest.fixture
 def engine(tiny_model_dir):  # noqa: ANN001, ANN201
-    eng = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            num_kv_blocks=12,
-            block_size=BS,
-            max_model_len=160,
-            kv_events_endpoint="tcp://127.0.0.1:*",
-            kv_events_replay_endpoint="tcp://127.0.0.1:*",
-        )
-    )
+    eng = kv_events_engine(tiny_model_dir)
     yield eng
     eng.close()
 

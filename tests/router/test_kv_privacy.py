@@ -29,27 +29,13 @@ from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, fetch_replay
 from kvpilot.router.settings import RouterSettings
+from support.kv_events import BS, kv_events_engine
 
 pytestmark = pytest.mark.timeout(300)
 
-BS = 16
 POD = ("pod", 0)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 2 full blocks
-
-
-def make_engine(model: Path, **kw: object) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model),
-            num_kv_blocks=12,
-            block_size=BS,
-            max_model_len=160,
-            kv_events_endpoint="tcp://127.0.0.1:*",
-            kv_events_replay_endpoint="tcp://127.0.0.1:*",
-            **kw,
-        )
-    )
 
 
 def first_stored(engine: LLMEngine, ctx: zmq.asyncio.Context) -> BlockStored:
@@ -78,7 +64,7 @@ def keys(tmp_path: Path) -> Path:
 
 def test_token_ids_only_with_the_flag(tiny_model_dir: Path) -> None:
     for with_ids in (False, True):
-        engine = make_engine(tiny_model_dir, kv_events_token_ids=with_ids)
+        engine = kv_events_engine(tiny_model_dir, kv_events_token_ids=with_ids)
         ctx = zmq.asyncio.Context()
         try:
             stored = first_stored(engine, ctx)
@@ -94,7 +80,7 @@ async def _received_anything(sock: zmq.asyncio.Socket, seconds: float) -> bool:
 
 
 def test_curve_lets_only_the_fleets_router_in(tiny_model_dir: Path, keys: Path, tmp_path: Path) -> None:
-    engine = make_engine(tiny_model_dir, kv_events_curve_dir=str(keys))
+    engine = kv_events_engine(tiny_model_dir, kv_events_curve_dir=str(keys))
     pub = engine.kv_events
     # A stranger's key pair: a valid CURVE client that knows the server's public key, but is not listed.
     stranger = tmp_path / "stranger"
@@ -147,7 +133,7 @@ def test_curve_lets_only_the_fleets_router_in(tiny_model_dir: Path, keys: Path, 
 
 def test_a_router_without_keys_gets_nothing_from_a_curve_daemon(tiny_model_dir: Path, keys: Path) -> None:
     """The router as deployed without --kv-events-curve-dir: its replay gets no answer, nothing is indexed."""
-    engine = make_engine(tiny_model_dir, kv_events_curve_dir=str(keys))
+    engine = kv_events_engine(tiny_model_dir, kv_events_curve_dir=str(keys))
     pub = engine.kv_events
 
     async def go() -> int:
@@ -218,7 +204,7 @@ def test_router_drops_an_oversized_frame_and_keeps_following() -> None:
 
 
 def test_replay_socket_drops_an_oversized_request_and_keeps_serving(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir)
+    engine = kv_events_engine(tiny_model_dir)
     pub = engine.kv_events
     engine.generate([PROMPT], GREEDY)
     ctx = zmq.Context()
