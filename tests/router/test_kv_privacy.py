@@ -5,6 +5,8 @@ socket refuses frames above its bound without dying. Real engine, real ZeroMQ on
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, fetch_replay
 from kvpilot.router.settings import RouterSettings
 from support.kv_events import BS, kv_events_engine
+from support.procs import free_port
+from support.servers import MODEL, start_router, start_server, stop_fleet
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -257,3 +261,39 @@ def test_missing_keys_are_a_startup_error(tmp_path: Path, keys: Path) -> None:
     (keys / "client.key").unlink()
     with pytest.raises(ValueError, match="names no client"):
         kv_sockets.load_server_keys(keys)
+
+
+def test_serve_and_router_processes_with_the_fleets_keys(tmp_path: Path, keys: Path) -> None:
+    """`kvpilot serve` and `kvpilot router`, both with --kv-events-curve-dir: the router indexes what the
+    daemon caches. Without keys (or with keys that are not there) neither starts."""
+    for command in (["serve"], ["router", "--endpoints", "http://127.0.0.1:9"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "kvpilot", *command, "--kv-events-curve-dir", str(tmp_path / "none")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and "key_secret" in r.stderr, r.stderr[-2000:]
+    daemon = start_server(
+        tmp_path,
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--kv-events-curve-dir",
+        str(keys),
+        token=None,
+    )
+    router = None
+    try:
+        router = start_router(tmp_path, [daemon.url], "--kv-events-curve-dir", str(keys), token=None)
+        prompt = "A prompt long enough to fill a few KV blocks. " * 8
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        assert router.request("POST", "/v1/completions", body).status == 200
+        name = f"127.0.0.1:{daemon.port}"
+        deadline = time.monotonic() + 30
+        while router.pod(name)["indexed_blocks"] == 0:
+            assert time.monotonic() < deadline, router.health()
+            time.sleep(0.2)
+    finally:
+        stop_fleet(router, [daemon])
