@@ -41,22 +41,24 @@ async def ensure_kv_keys(kube: Kube, owner: dict[str, Any], logger: logging.Logg
         return None
     ns, name = meta["namespace"], builders.kv_keys_secret_name(meta["name"])
     live = await kube.read("Secret", ns, name)
-    if live is not None:
-        if owned_by(live, meta["uid"]):
+    if live is None:
+        files = kv_sockets.key_files(kv_sockets.SERVER) | kv_sockets.key_files(kv_sockets.CLIENT)
+        body = builders.kv_keys_secret(meta["name"], files)
+        kopf.adopt(body, owner=owner)
+        try:
+            await kube.create_secret(ns, body)
+            logger.info("created Secret %s/%s with the fleet's KV event keys", ns, name)
             return None
-        return _taken(owner, "Secret", name, "KVEventsKeysConflict", "the KV event keys cannot be trusted")
-    files = kv_sockets.key_files(kv_sockets.SERVER) | kv_sockets.key_files(kv_sockets.CLIENT)
-    body = builders.kv_keys_secret(meta["name"], files)
-    kopf.adopt(body, owner=owner)
-    try:
-        await kube.create_secret(ns, body)
-        logger.info("created Secret %s/%s with the fleet's KV event keys", ns, name)
-    except ApiException as exc:
-        if exc.status == 409:  # made meanwhile: by us (a retried reconcile) or by someone else
-            return await ensure_kv_keys(kube, owner, logger)
-        if not namespace_terminating(exc):
-            raise
-    return None
+        except ApiException as exc:
+            if namespace_terminating(exc):
+                return None
+            if exc.status != 409:
+                raise
+        # 409: made meanwhile, by an earlier attempt of ours or by someone else: whose is it?
+        live = await kube.read("Secret", ns, name)
+    if live is None or owned_by(live, meta["uid"]):
+        return None
+    return _taken(owner, "Secret", name, "KVEventsKeysConflict", "the KV event keys cannot be trusted")
 
 
 async def reconcile_policy(
