@@ -3,8 +3,9 @@
 Consumers written for vLLM (llm-d's KV cache indexer, Dynamo's KV router, `kvpilot router`) read them
 unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
 
-- One ZeroMQ PUB message per engine step that changed the index (more for a very big step, below): three frames `(topic, seq, payload)`,
-  `seq` an 8-byte big-endian counter that grows by one per message, so a consumer sees any gap.
+- One ZeroMQ PUB message per engine step that changed the index (more for a very big step, below): three
+  frames `(topic, seq, payload)`, `seq` an 8-byte big-endian counter that grows by one per message, so a
+  consumer sees any gap.
 - `payload` is msgpack: `[ts, events, data_parallel_rank]`, each event an array whose first element is
   its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
