@@ -75,13 +75,17 @@ def network_policy(name: str, spec: dict[str, Any], operator: OperatorPeer) -> d
         ports = [{"protocol": "TCP", "port": p} for pair in events for p in pair]
         ingress.append({"from": [_router_peer(name)], "ports": ports})
     labels = {k: v for k, v in pod_labels(name).items() if k != "app.kubernetes.io/component"}
+    spec_: dict[str, Any] = {
+        "podSelector": {"matchLabels": selector_labels(name)},
+        "policyTypes": ["Ingress"],
+    }
+    if ingress:
+        # Left out when empty (Ingress with no rule: nobody may): the API server stores [] as absent, and an
+        # apply of [] would then change the object every time, an endless apply-watch loop.
+        spec_["ingress"] = ingress
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {"name": policy_name(name), "labels": {**labels, **MANAGED_BY}},
-        "spec": {
-            "podSelector": {"matchLabels": selector_labels(name)},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
+        "spec": spec_,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def test_policy_without_a_router_or_peers() -> None:
         }
     ]
     # Nobody listed at all: no rule (an empty `from` would let everyone in).
-    assert network_policy("llm", {}, OperatorPeer())["spec"]["ingress"] == []
+    nobody = network_policy("llm", {}, OperatorPeer())["spec"]
+    assert nobody["policyTypes"] == ["Ingress"] and "ingress" not in nobody
 
 
 def test_each_side_mounts_only_its_keys() -> None:
@@ -200,3 +202,21 @@ def test_names_taken_by_others_are_never_used_or_overwritten(
     events = cluster.kubectl_json("get", "events", "-n", ns)["items"]
     reasons = {e["reason"] for e in events}
     assert {"KVEventsKeysConflict", "NetworkPolicyConflict"} <= reasons, json.dumps(sorted(reasons))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_policy_that_lets_nobody_in_is_applied_once(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """No router, no namespace listed, an operator outside the cluster: the policy lets nobody in, and
+    reapplying it (every reconcile does) writes nothing, so its watch events cannot feed an apply loop."""
+    ns = namespace
+    apply_ns(cluster, ns, fleet("quiet", {"replicas": 0}))
+    wait_for(lambda: _exists(cluster, "networkpolicy", ns, "quiet"), 90, "the policy")
+    pol = cluster.kubectl_json("get", "networkpolicy", "quiet", "-n", ns)
+    assert pol["spec"]["policyTypes"] == ["Ingress"] and not pol["spec"].get("ingress")
+    cluster.kubectl("annotate", "infd/quiet", "-n", ns, "poke=1")  # a reconcile: one more apply, a no-op
+    time.sleep(10)
+    again = cluster.kubectl_json("get", "networkpolicy", "quiet", "-n", ns)
+    assert again["metadata"]["resourceVersion"] == pol["metadata"]["resourceVersion"]
