@@ -156,6 +156,12 @@ def test_operator_makes_the_keys_and_the_policy_and_removes_it_when_off(
     server, client = kv_sockets.load_server_keys(tmp_path), kv_sockets.load_client_keys(tmp_path)
     assert server.allowed == {client.public} and client.server == server.public
 
+    # Reapplied by every reconcile, it is never rewritten (no apply-watch loop).
+    cluster.kubectl("annotate", "infd/llm", "-n", ns, "poke=1")
+    time.sleep(5)
+    rv = cluster.kubectl_json("get", "networkpolicy", "llm", "-n", ns)["metadata"]["resourceVersion"]
+    assert rv == pol["metadata"]["resourceVersion"]
+
     # Switched off: the policy goes, status says so; the keys stay (the daemons still use them).
     cluster.kubectl(
         "patch", "infd", "llm", "-n", ns, "--type=merge", "-p", '{"spec":{"networkPolicy":{"enabled":false}}}'
