@@ -39,6 +39,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # of a data-parallel daemon publishes on port + r: the events take 5557..5557+N-1, the replay sockets the
 # N ports after them (the CRD's CEL rule keeps the HTTP port out of that range).
 KV_EVENTS_PORT = 5557
+# The fleet's CURVE keys for its KV event sockets (kvpilot/kv_sockets.py): one Secret per fleet, made by the
+# operator; each side mounts only its own key pair and the other side's public key.
+KV_KEYS_VOLUME = "kvpilot-kv-events-curve"
+KV_KEYS_DIR = "/etc/kvpilot/kv-events-curve"
+DAEMON_KEY_FILES = ("server.key_secret", "client.key")  # its pair; the one client it lets in
+ROUTER_KEY_FILES = ("client.key_secret", "server.key")  # its pair; the daemons' public key
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -97,6 +103,38 @@ def generated_token_secret(name: str, token: str) -> dict[str, Any]:
         "type": "Opaque",
         "stringData": {"token": token},
     }
+
+
+def kv_keys_secret_name(name: str) -> str:
+    return f"{name}-kv-events-curve"
+
+
+def kv_keys_secret(name: str, files: dict[str, str]) -> dict[str, Any]:
+    """The Secret with the fleet's CURVE key pairs (`files`: kv_sockets.key_files of the server and the
+    client), made once and never rewritten: running pods keep the keys they started with."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": kv_keys_secret_name(name), "labels": {**selector_labels(name), **MANAGED_BY}},
+        "type": "Opaque",
+        "stringData": dict(files),
+    }
+
+
+def kv_keys_mount(name: str, spec: dict[str, Any], files: tuple[str, ...]) -> tuple[dict, dict] | None:
+    """(pod volume, container mount) of the fleet's KV event keys for one side (`files`), read-only; None when
+    the daemons publish no KV events."""
+    if kv_events_ports_by_rank(spec) is None:
+        return None
+    volume = {
+        "name": KV_KEYS_VOLUME,
+        "secret": {
+            "secretName": kv_keys_secret_name(name),
+            "items": [{"key": f, "path": f} for f in files],
+            "defaultMode": 0o444,
+        },
+    }
+    return volume, {"name": KV_KEYS_VOLUME, "mountPath": KV_KEYS_DIR, "readOnly": True}
 
 
 def cpu_threads(spec: dict[str, Any]) -> int | None:
@@ -159,6 +197,8 @@ def kv_events_args(spec: dict[str, Any]) -> list[str]:
         f"tcp://$(POD_IP):{ports[0][0]}",
         "--kv-events-replay-endpoint",
         f"tcp://$(POD_IP):{ports[0][1]}",
+        "--kv-events-curve-dir",
+        KV_KEYS_DIR,
     ]
 
 
@@ -243,6 +283,8 @@ def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             c[key] = copy.deepcopy(spec[field])
     if "resources" in c:
         _gpus_per_pod(c["resources"], spec.get("engine") or {})
+    if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
+        c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
 
 
@@ -278,6 +320,8 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             pod_spec[field] = copy.deepcopy(spec[field])
     if spec.get("podSecurityContext"):
         pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
+    if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
     return {
         "metadata": {
             "labels": pod_labels(name),

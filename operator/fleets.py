@@ -12,11 +12,12 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, metrics, router_objects
+from kvpilot.operator import builders, fleet_network, metrics, router_objects
 from kvpilot.operator.builders import FLEETS, RESETS
-from kvpilot.operator.conditions import fleet_conditions
-from kvpilot.operator.fleet_router import reconcile_router
+from kvpilot.operator.conditions import fleet_conditions, set_condition
+from kvpilot.operator.fleet_router import RouterState, reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
+from kvpilot.operator.network_policy import OperatorPeer
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 _KEEP_TOKENS = 20
@@ -78,7 +79,11 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
 
 
 async def reconcile(
-    kube: Kube, body: Any, logger: logging.Logger, router_role: str = ROUTER_CLUSTER_ROLE
+    kube: Kube,
+    body: Any,
+    logger: logging.Logger,
+    router_role: str = ROUTER_CLUSTER_ROLE,
+    peer: OperatorPeer | None = None,
 ) -> None:
     meta, spec = body["metadata"], dict(body.get("spec") or {})
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
@@ -89,9 +94,18 @@ async def reconcile(
     gen = meta.get("generation")
 
     await _ensure_token_secret(kube, owner, logger)
-    wl = await _apply(kube, owner, builders.workload(name, spec))
+    # With KV event keys someone else made, nothing that would mount them (daemons, router) is applied.
+    keys_problem = await fleet_network.ensure_kv_keys(kube, owner, logger)
+    if keys_problem is None:
+        wl = await _apply(kube, owner, builders.workload(name, spec))
+    else:
+        wl = await kube.read(kind, ns, name)
     await _apply(kube, owner, builders.service(name, spec))
-    router = await reconcile_router(kube, owner, status, logger, router_role)
+    if keys_problem is None:
+        router = await reconcile_router(kube, owner, status, logger, router_role)
+    else:
+        router = RouterState(status.get("router"), False, *keys_problem, retry=True)
+    policy = await fleet_network.reconcile_policy(kube, owner, status, peer or OperatorPeer())
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
             owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
@@ -109,6 +123,7 @@ async def reconcile(
         "workload": f"{kind}/{name}",
         "endpoint": router_objects.endpoint(name, ns, spec),
         "router": router.status,
+        "networkPolicy": policy.name,
         "conditions": fleet_conditions(
             status.get("conditions"),
             desired,
@@ -117,9 +132,11 @@ async def reconcile(
             gen or 0,
             wl is not None,
             stalled,
-            router.problem,
+            router.problem or policy.problem,
         ),
     }
+    if keys_problem is not None:  # whatever runs, the fleet is not Ready while it cannot be (re)deployed
+        new["conditions"] = set_condition(new["conditions"], "Ready", False, *keys_problem, gen or 0)
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
     tokens = list(status.get("resetTokens") or [])
@@ -143,5 +160,7 @@ async def reconcile(
     metrics.DESIRED_REPLICAS.labels(ns, name).set(desired)
     if any(status.get(k) != v for k, v in new.items()):
         await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))
-    if router.retry:  # status says what is wrong; look again later (the name may be freed, the API back)
-        raise kopf.TemporaryError(router.message, delay=60)
+    if (
+        router.retry or policy.problem
+    ):  # status says what is wrong; look again later (a name freed, the API back)
+        raise kopf.TemporaryError(router.message or (policy.problem or ("", ""))[1], delay=60)

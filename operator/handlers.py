@@ -49,6 +49,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         ("", "services"),
         ("", "serviceaccounts"),
         ("rbac.authorization.k8s.io", "rolebindings"),
+        ("networking.k8s.io", "networkpolicies"),
     ):
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
@@ -73,7 +74,7 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
     _fleets.add((body["metadata"]["namespace"], body["metadata"]["name"]))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
     async with _counted("InferenceDeployment"):
-        await fleets.reconcile(memo.kube, body, logger, memo.router_cluster_role)
+        await fleets.reconcile(memo.kube, body, logger, memo.router_cluster_role, memo.operator_peer)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
@@ -81,6 +82,7 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
 @kopf.on.event("", "v1", "services", labels=MANAGED_BY)
 @kopf.on.event("", "v1", "serviceaccounts", labels=MANAGED_BY)  # the router's identity (spec.router)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED_BY)  # spec.networkPolicy
 async def owned_changed(
     body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
@@ -97,7 +99,7 @@ async def owned_changed(
     ):
         return
     async with _counted("InferenceDeployment"):
-        await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role)
+        await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role, memo.operator_peer)
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)

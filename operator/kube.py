@@ -29,6 +29,7 @@ _KINDS = {
     "Secret": ("secrets", "core", "secret"),
     "ServiceAccount": ("serviceaccounts", "core", "service_account"),
     "RoleBinding": ("rolebindings", "rbac", "role_binding"),
+    "NetworkPolicy": ("networkpolicies", "networking", "network_policy"),
 }
 
 
@@ -57,6 +58,7 @@ class Kube:
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
+        self.networking = client.NetworkingV1Api(api)
 
     async def call(self, verb: str, resource: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         metrics.API_CALLS.labels(verb, resource).inc()
@@ -150,7 +152,7 @@ class Kube:
     # ---- owned objects: server-side apply ----------------------------------
     def _method(self, kind: str, verb: str) -> Any:
         _, group, stem = _KINDS[kind]
-        api = {"apps": self.apps, "core": self.core, "rbac": self.rbac}[group]
+        api = {"apps": self.apps, "core": self.core, "rbac": self.rbac, "networking": self.networking}[group]
         return getattr(api, f"{verb}_namespaced_{stem}")
 
     async def apply(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:

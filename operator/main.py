@@ -5,13 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 
 import kopf
 
+from kvpilot.operator.network_policy import DEFAULT_OPERATOR_LABELS, OperatorPeer
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 log = logging.getLogger("kvpilot.operator")
+
+
+def _labels(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` as a dict; anything else is a usage error."""
+    pairs = [kv.partition("=") for kv in text.split(",") if kv]
+    if not pairs or any(not k or not sep or not v for k, sep, v in pairs):
+        raise argparse.ArgumentTypeError(f"expected k=v,... (labels), got {text!r}")
+    return {k: v for k, _, v in pairs}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=ROUTER_CLUSTER_ROLE,
         help="ClusterRole that fleet routers get through a RoleBinding in their namespace; the operator "
         f"needs `bind` on it (default {ROUTER_CLUSTER_ROLE}; the chart's is <release>-router)",
+    )
+    p.add_argument(
+        "--operator-namespace",
+        default=os.environ.get("POD_NAMESPACE") or None,
+        help="namespace of the operator's pods, which the fleets' NetworkPolicies let reach the daemons "
+        "(default: $POD_NAMESPACE; none outside the cluster)",
+    )
+    p.add_argument(
+        "--operator-pod-labels",
+        type=_labels,
+        default=dict(DEFAULT_OPERATOR_LABELS),
+        help="labels of the operator's pods, as k=v,... (default: "
+        + ",".join(f"{k}={v}" for k, v in DEFAULT_OPERATOR_LABELS.items())
+        + ")",
     )
     p.add_argument(
         "--max-calls-in-flight",
@@ -157,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
             liveness_endpoint=f"http://{args.bind}:{args.liveness_port}/healthz",
             # Read by the startup handler (handlers.configure); every handler's memo is a copy of this one.
             memo=kopf.Memo(
-                max_calls_in_flight=args.max_calls_in_flight, router_cluster_role=args.router_cluster_role
+                max_calls_in_flight=args.max_calls_in_flight,
+                router_cluster_role=args.router_cluster_role,
+                operator_peer=OperatorPeer(args.operator_namespace, args.operator_pod_labels),
             ),
         )
     )

@@ -84,18 +84,18 @@ _NAMESPACED: list[Rule] = [
         "resources": ["rolebindings"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    # The fleet's NetworkPolicy (spec switch, on by default): applied, read before it is deleted.
+    # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
+    # generated token and its KV event keys (both made once, never patched).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    # A fleet's NetworkPolicy (spec.networkPolicy): applied, watched (label-selected) so that an edit or a
+    # deletion is put back, read and deleted when switched off (only if ours).
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],
-        "verbs": ["get", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-    # Secrets by name only, never list/watch (no Secret is ever seen that a spec does not name): get an admin
-    # token; create/patch/delete the fleet's own generated token and its KV-event CURVE key pair (owned by the
-    # InferenceDeployment; RBAC cannot narrow by owner or by a name chosen at run time).
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
     # Events on start, per failed pod, at the end, and on rollouts.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]

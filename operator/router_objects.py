@@ -12,7 +12,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvpilot.operator.builders import MANAGED_BY, fleet_env, kvpilot_container, router_spec
+from kvpilot.operator.builders import (
+    KV_KEYS_DIR,
+    MANAGED_BY,
+    ROUTER_KEY_FILES,
+    fleet_env,
+    kv_keys_mount,
+    kvpilot_container,
+    router_spec,
+)
 from kvpilot.operator.rbac import RBAC_GROUP, ROUTER_CLUSTER_ROLE
 
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
@@ -81,6 +89,9 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
     ]
     if spec.get("model"):
         args += ["--model", str(spec["model"])]  # the router tokenizes with the daemons' tokenizer
+    keys = kv_keys_mount(name, spec, ROUTER_KEY_FILES)
+    if keys:
+        args += ["--kv-events-curve-dir", KV_KEYS_DIR]  # the daemons let in only this key pair
     # The fleet's own token: required on the router's /reset_prefix_cache and sent to the fleet's pods; the
     # user's env says where the model (the router's tokenizer) is cached, as for the daemons.
     env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAMESPACE": "metadata.namespace"})
@@ -104,6 +115,8 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
     for field in ("volumeMounts", "securityContext"):
         if spec.get(field):
             c[field] = copy.deepcopy(spec[field])
+    if keys:
+        c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
 
 
@@ -124,6 +137,8 @@ def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     for field in ("volumes", "imagePullSecrets", "nodeSelector", "tolerations"):
         if spec.get(field):
             pod_spec[field] = copy.deepcopy(spec[field])
+    if keys := kv_keys_mount(name, spec, ROUTER_KEY_FILES):
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
     node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
     if node_affinity:
         pod_spec["affinity"] = {"nodeAffinity": copy.deepcopy(node_affinity)}

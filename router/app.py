@@ -324,7 +324,13 @@ async def serve(
     # Idle pod connections are dropped before a pod's header timeout would close them under a request.
     connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_IDLE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        fleet = Fleet(index, metrics_, session, probe=PROBES[settings.engine])
+        fleet = Fleet(
+            index,
+            metrics_,
+            session,
+            probe=PROBES[settings.engine],
+            kv_events_curve_dir=settings.kv_events_curve_dir,
+        )
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)
         stop = asyncio.Event()

@@ -21,6 +21,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpilot.daemon.engine.kv_events import END_OF_REPLAY, decode_batch
+from kvpilot.kv_sockets import reconnect
 from kvpilot.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class PodEventStream:
                 if monitor in ready:
                     parse_monitor_message(await monitor.recv_multipart())
                     self.restart("connection to the pod dropped")
+                    reconnect(sub, self.endpoint)  # also after an oversized frame (MAXMSGSIZE)
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     if len(frames) == 3:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
-import zmq.asyncio
 
+from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_load
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
@@ -95,6 +95,7 @@ class Fleet:
         session: aiohttp.ClientSession,
         probe_interval_s: float = 2.0,
         probe: EngineProbe = PROBES["kvpilot"],
+        kv_events_curve_dir: str | None = None,
     ) -> None:
         self.pods: list[Pod] = []
         self.probe = probe
@@ -102,8 +103,8 @@ class Fleet:
         self.metrics = metrics
         self._session = session
         self._probe_interval_s = probe_interval_s
-        self._ctx = zmq.asyncio.Context()
-        self._ctx.setsockopt(zmq.IPV6, 1)  # pods with IPv6 addresses (connecting to IPv4 ones is unchanged)
+        # Every KV event socket comes from this context: size-bounded, and CURVE with the fleet's keys.
+        self._ctx = subscriber_context(kv_events_curve_dir)
         self._tasks: dict[str, asyncio.Task] = {}
 
     def ready_pods(self) -> list[Pod]:

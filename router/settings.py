@@ -40,6 +40,15 @@ class RouterSettings:
             "seconds a fleet reset may take before unfinished pods count as failed", name="--reset-timeout"
         ),
     )
+    kv_events_curve_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "connect to the pods' KV event sockets with ZeroMQ CURVE: DIR holds this router's key pair "
+            "(client.key_secret) and the pods' public key (server.key), in pyzmq's zmq.auth key-file format",
+            metavar="DIR",
+            unset="off (pods publishing with CURVE let this router in only with their keys)",
+        ),
+    )
     # After a pod's reset, how long its AllBlocksCleared event may take to arrive before the router
     # empties that pod's entries itself (and ignores its events until the clear arrives).
     clear_wait_s: float = 5.0
@@ -62,6 +71,10 @@ class RouterSettings:
                 f"--policy prefix-aware needs pods whose KV events the router can verify (--engine kvpilot); "
                 f"{self.engine} pods publish none it can check: use --policy least-load or round-robin"
             )
+        if self.kv_events_curve_dir:
+            from kvpilot.kv_sockets import load_client_keys
+
+            load_client_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
         self.limits.validate()

@@ -63,6 +63,23 @@ class EngineConfig:
             "serve missed KV events again here (ZeroMQ ROUTER); needs --kv-events-endpoint", **ZMQ_ADDRESS
         ),
     )
+    kv_events_token_ids: bool = field(
+        default=False,
+        metadata=flag(
+            "put each stored block's token ids in the KV events (they are the prompts' text: only for "
+            "consumers that need them; kvpilot's router does not)"
+        ),
+    )
+    kv_events_curve_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "encrypt and authenticate the KV event sockets with ZeroMQ CURVE: DIR holds this daemon's key "
+            "pair (server.key_secret) and the public keys of the clients it lets in (NAME.key), in "
+            "pyzmq's zmq.auth key-file format",
+            metavar="DIR",
+            unset="off: any peer that reaches the ports reads the events",
+        ),
+    )
     data_parallel_size: int = field(
         default=1,
         metadata=flag(
@@ -92,6 +109,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV events replay endpoint needs a KV events endpoint")
+        if self.kv_events_curve_dir:
+            from kvpilot.kv_sockets import load_server_keys
+
+            load_server_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
         if self.dtype not in DTYPES:
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
         if self.data_parallel_size < 1 or self.tensor_parallel_size < 1:

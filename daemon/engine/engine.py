@@ -330,6 +330,8 @@ class LLMEngine:
             self.config.kv_events_replay_endpoint,
             self.config.block_size,
             rank=self.config.data_parallel_rank,
+            token_ids=self.config.kv_events_token_ids,
+            curve_dir=self.config.kv_events_curve_dir,
         )
         self.kv.pool.events = publisher.recorder
         return publisher

@@ -3,13 +3,20 @@
 Consumers written for vLLM (llm-d's KV cache indexer, Dynamo's KV router, `kvpilot router`) read them
 unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
 
-- One ZeroMQ PUB message per engine step that changed the index: three frames `(topic, seq, payload)`,
-  `seq` an 8-byte big-endian counter that grows by one per message, so a consumer sees any gap.
+- One ZeroMQ PUB message per engine step that changed the index (more for a very big step, below): three
+  frames `(topic, seq, payload)`, `seq` an 8-byte big-endian counter that grows by one per message, so a
+  consumer sees any gap.
 - `payload` is msgpack: `[ts, events, data_parallel_rank]`, each event an array whose first element is
   its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
 - Block hashes are the engine's own prefix keys (32-byte sha256 digests, `block_hash.py`), so a router
   that hashes a request's tokens with that module finds them. Only full blocks are published.
+- Private by default: `token_ids` is an empty list (vLLM's shape, no prompt in it) unless the daemon runs
+  with `--kv-events-token-ids`; with `--kv-events-curve-dir` both sockets are CURVE servers that only the
+  fleet's router may connect to (kvpilot/kv_sockets.py, docs/security.md).
+- Bounded: no payload exceeds `kv_sockets.MAX_BATCH_BYTES` (one event holds at most `MAX_EVENT_BLOCKS`
+  blocks; a step whose events are bigger goes out as consecutive messages), so a consumer can refuse
+  bigger frames (`MAXMSGSIZE`) without ever losing an honest one.
 - Replay (what vLLM's stream lacks in practice: its buffer is rarely enabled): a ROUTER socket answers a
   request frame holding an 8-byte start sequence with every buffered message from there, each as
   `(topic, seq, payload)`, then `(b"", seq=-1, b"")`. A consumer that missed messages catches up instead
@@ -33,6 +40,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from kvpilot import kv_sockets
 from kvpilot.daemon.engine.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,9 @@ END_OF_REPLAY = -1
 _IDLE = object()  # the publisher thread found nothing queued
 HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_hash.py's keys for consumers
 DEFAULT_BUFFER_BATCHES = 10_000  # batches a replay socket can serve again
+# Blocks one BlockStored or BlockRemoved carries at most: 1024 blocks of 128 tokens with their ids (5 bytes
+# each at most) and hashes (34) are ~690 KB, so any one event fits a MAX_BATCH_BYTES payload.
+MAX_EVENT_BLOCKS = 1024
 
 
 # ---- events (vLLM's tagged array layout) -------------------------------------------------------
@@ -93,6 +104,24 @@ def encode_batch(batch: EventBatch) -> bytes:
     return msgpack.packb([batch.ts, [e.wire() for e in batch.events], batch.data_parallel_rank])
 
 
+def encode_batches(batch: EventBatch, limit: int = kv_sockets.MAX_BATCH_BYTES) -> list[bytes]:
+    """The batch as payloads of at most `limit` bytes each, its events in order: one payload (exactly
+    `encode_batch`'s) unless it would be bigger."""
+    packer = msgpack.Packer()
+    head = packer.pack_array_header(3) + packer.pack(batch.ts)
+    tail = packer.pack(batch.data_parallel_rank)
+    room = limit - len(head) - len(tail) - 5  # 5: the largest array header
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for packed in (packer.pack(e.wire()) for e in batch.events):
+        if chunks[-1] and size + len(packed) > room:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(packed)
+        size += len(packed)
+    return [head + packer.pack_array_header(len(c)) + b"".join(c) + tail for c in chunks]
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Parse one payload (ours or vLLM's: integer hashes and missing trailing fields are accepted).
     Raises ValueError for anything that is not an event batch."""
@@ -122,16 +151,22 @@ class KVEventRecorder:
     """Collects one step's events in order; the block pool and the cache manager call it."""
 
     block_size: int
+    token_ids: bool = False  # publish each block's token ids (--kv-events-token-ids); else []
     events: list[KVEvent] = field(default_factory=list)
 
     def block_stored(self, chain: list[BlockHash], i: int, token_ids: list[int]) -> None:
         """Block `i` of a request whose keys are `chain` was indexed; consecutive blocks of one chain
         stored in the same step travel as one BlockStored, as in vLLM."""
         bs = self.block_size
-        tokens = token_ids[i * bs : (i + 1) * bs]
+        tokens = token_ids[i * bs : (i + 1) * bs] if self.token_ids else []
         parent = chain[i - 1] if i > 0 else None
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+        if (
+            isinstance(last, BlockStored)
+            and parent is not None
+            and last.block_hashes[-1] == parent
+            and len(last.block_hashes) < MAX_EVENT_BLOCKS
+        ):
             last.block_hashes.append(chain[i])
             last.token_ids.extend(tokens)
         else:
@@ -139,7 +174,7 @@ class KVEventRecorder:
 
     def block_removed(self, block_hash: BlockHash) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and len(last.block_hashes) < MAX_EVENT_BLOCKS:
             last.block_hashes.append(block_hash)
         else:
             self.events.append(BlockRemoved([block_hash]))
@@ -168,8 +203,10 @@ class KVEventPublisher:
         rank: int = 0,
         topic: str = "",
         buffer_batches: int = DEFAULT_BUFFER_BATCHES,
+        token_ids: bool = False,
+        curve_dir: str | None = None,
     ) -> None:
-        self.recorder = KVEventRecorder(block_size)
+        self.recorder = KVEventRecorder(block_size, token_ids)
         self.rank = rank
         self.topic = topic
         self._topic = topic.encode()
@@ -180,7 +217,10 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint else None
+        self._auth = None
         try:
+            sockets = [self._pub] + ([self._replay] if self._replay else [])
+            self._auth = kv_sockets.secure_publisher(self._ctx, sockets, curve_dir)
             self.endpoint = _bind(self._pub, endpoint)
             self.replay_endpoint = _bind(self._replay, replay_endpoint) if self._replay else None
         except ValueError:
@@ -188,7 +228,12 @@ class KVEventPublisher:
             raise
         self._thread = threading.Thread(target=self._run, name="kvpilot-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: PUB %s, replay %s", self.endpoint, self.replay_endpoint or "off")
+        log.info(
+            "KV events: PUB %s, replay %s, %s",
+            self.endpoint,
+            self.replay_endpoint or "off",
+            "CURVE" if curve_dir else "unauthenticated (no --kv-events-curve-dir)",
+        )
 
     # ---- engine side -----------------------------------------------------------------------------
     def flush(self) -> None:
@@ -233,11 +278,11 @@ class KVEventPublisher:
             self._close_sockets()
 
     def _send(self, batch: EventBatch) -> None:
-        payload = encode_batch(batch)
-        seq = self._seq
-        self._seq += 1
-        self._buffer.append((seq, payload))
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload))
+        for payload in encode_batches(batch):
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -258,6 +303,8 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()  # its socket is the context's too
         self._ctx.term()
 
 

@@ -305,6 +305,20 @@ def test_reset_by_the_in_cluster_operator(
     warm(fleet)  # post-reset traffic: misses, then hits again
     log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
     assert "flush" in log, "the in-cluster operator's log should show the reset"
+    # The fleet's NetworkPolicy lets exactly this operator pod reach the daemons: the chart tells the operator
+    # its namespace and labels.
+    pod = operator_pod(cluster)
+    policy = cluster.kubectl_json("get", "networkpolicy", "llm", "-n", FLEET_NS)
+    (peer,) = [
+        p
+        for rule in policy["spec"]["ingress"]
+        for p in rule["from"]
+        if {"namespaceSelector", "podSelector"} <= set(p)
+    ]
+    assert peer["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": pod["metadata"]["namespace"]
+    }
+    assert peer["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), peer
     print(
         f"PrefixCacheReset apply -> Complete (in-cluster operator): {TIMINGS['reset_apply_to_complete_s']} s"
     )

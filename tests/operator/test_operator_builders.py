@@ -198,7 +198,9 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
     assert c["args"][c["args"].index("--model") + 1] == "/models/q"  # the daemons' tokenizer
     tok = next(e for e in c["env"] if e["name"] == "KVPILOT_ADMIN_TOKEN")
     assert tok["valueFrom"]["secretKeyRef"] == {"name": "admin", "key": "tok"}
-    assert {"name": "HF_HOME", "value": "/cache"} in c["env"] and c["volumeMounts"] == spec["volumeMounts"]
+    assert {"name": "HF_HOME", "value": "/cache"} in c["env"] and c["volumeMounts"][:1] == spec[
+        "volumeMounts"
+    ]
     # The router goes where the fleet's volumes are: the daemons' nodes, not their pod (anti-)affinity.
     assert pod["spec"]["nodeSelector"] == {"gpu": "yes"} and pod["spec"]["tolerations"] == SPEC["tolerations"]
     assert (

@@ -106,6 +106,10 @@ def test_router_serves_the_fleet_and_resets_every_pod(
 
     # (the first request's KV events reach the router asynchronously: allow it a moment)
     wait_for(second_hits, 30, "a repeated prompt routed to the pod that caches it", interval=0.5)
+    # ...as the router's index says, built from the pod's KV events over CURVE with the fleet's keys (the
+    # daemons let no other key in: tests/router/test_kv_privacy.py).
+    indexed = {p["pod"]: p["indexed_blocks"] for p in http("GET", f"{router}/health")["pods"]}
+    assert indexed[h1["X-Kvpilot-Pod"]] > 0, indexed
 
     epochs = {n: http("GET", f"http://{ip}:8000/prefix_cache")["epoch"] for n, ip in daemons.items()}
     # AIPerf --reset-kv-cache: POST /reset_prefix_cache to the URL it benchmarks, with its API key as Bearer.

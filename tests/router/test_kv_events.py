@@ -17,10 +17,10 @@ from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, Bloc
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, fetch_replay
+from support.kv_events import BS, kv_events_engine
 
 pytestmark = pytest.mark.timeout(300)
 
-BS = 16
 POD = ("pod", 0)  # the index entry of a stream: (pod, rank)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -49,16 +49,7 @@ def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
 
 @pytest.fixture
 def engine(tiny_model_dir):  # noqa: ANN001, ANN201
-    eng = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            num_kv_blocks=12,
-            block_size=BS,
-            max_model_len=160,
-            kv_events_endpoint="tcp://127.0.0.1:*",
-            kv_events_replay_endpoint="tcp://127.0.0.1:*",
-        )
-    )
+    eng = kv_events_engine(tiny_model_dir)
     yield eng
     eng.close()
 
@@ -79,13 +70,14 @@ def test_stored_removed_cleared_on_the_wire_and_replayed(engine: LLMEngine) -> N
     raw = msgpack.unpackb(first[0][1], raw=False)
     assert isinstance(raw[0], float) and raw[2] == 0
     assert raw[1][0][0] == "BlockStored" and raw[1][0][4] == BS
+    assert raw[1][0][3] == []  # token_ids: vLLM's field, empty without --kv-events-token-ids
     batch = decode_batch(first[0][1])
     stored = [e for e in batch.events if isinstance(e, BlockStored)]
     assert len(stored) == 1, batch  # consecutive blocks of one chain travel together
     expected = prompt_block_hashes(prompt, BS, salt)  # the router's computation: the same keys
     assert stored[0].block_hashes == expected
     assert stored[0].parent_block_hash is None
-    assert stored[0].token_ids == prompt[: 2 * BS]
+    assert stored[0].token_ids == []
 
     # A pool of 12 blocks: five more distinct prompts of 3 full blocks each evict older cached blocks.
     for k in range(5):
