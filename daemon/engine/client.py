@@ -42,6 +42,7 @@ class EngineInfo:
     block_size: int
     num_blocks: int  # KV blocks, all ranks together
     num_ranks: int = 1
+    weight_version: str = "initial"  # the weights loaded at start (`--weight-version`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, describe_ran
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
+from kvpilot.daemon.engine.weights import INITIAL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class DataParallelEngine:
             block_size=config.block_size,
             num_blocks=sum(i.num_blocks for i in infos),
             num_ranks=size,
+            weight_version=config.weight_version or INITIAL_VERSION,
         )
 
     def _wait_ready(self, rank: _Rank) -> None:

@@ -79,6 +79,7 @@ class EngineLoop:
             enable_prefix_caching=engine.config.enable_prefix_caching,
             block_size=engine.config.block_size,
             num_blocks=engine.num_blocks,
+            weight_version=engine.weights.version,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
