@@ -18,6 +18,7 @@ def greedy(checkpoint: Path, prompt: tuple[int, ...], max_tokens: int) -> tuple[
     import torch
 
     model = _hf_model(checkpoint)
+    torch.set_num_threads(1)  # beside the daemon on a small machine, more threads only contend
     with torch.no_grad():
         out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens, do_sample=False)
     return tuple(out[0, len(prompt) :].tolist())
