@@ -754,7 +754,7 @@ def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
     assert (
         s["phase"] == "Succeeded"
         and s["pods"][0]["attempts"] == 3
-        and "Cache flushed" in s["pods"][0]["message"]
+        and "SGLang reported the cache flushed" in s["pods"][0]["message"]
     )
 
 
