@@ -344,6 +344,24 @@ BAD_SPECS = [
     ("pcr", {"targetRef": {"name": "a"}, "maxConcurrency": -1}, "spec.maxConcurrency"),
     ("pcr", {"targetRef": {"name": "a"}, "engine": "trtllm"}, 'Unsupported value: "trtllm"'),
     ("pcr", {"selector": {}}, "selector must not be empty"),
+    # terms that only exclude select every other pod of the namespace
+    (
+        "pcr",
+        {"selector": {"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}},
+        "must not be empty",
+    ),
+    (
+        "pcr",
+        {
+            "selector": {
+                "matchExpressions": [
+                    {"key": "a", "operator": "NotIn", "values": ["x"]},
+                    {"key": "b", "operator": "DoesNotExist"},
+                ]
+            }
+        },
+        "must not be empty",
+    ),
     (
         "pcr",
         {"targetRef": {"name": "a"}, "timeoutSeconds": 10, "requestTimeoutSeconds": 30},
@@ -397,6 +415,9 @@ def test_bad_specs_are_refused_by_the_api_server(
             check=False,
         )
         assert r.returncode != 0 and ("DNS-1035" in r.stderr or "metadata.name" in r.stderr), r.stderr
+    # a term that names something the pods carry may come with exclusions
+    ok = {"matchExpressions": [{"key": "a", "operator": "Exists"}, {"key": "b", "operator": "DoesNotExist"}]}
+    apply_ns(cluster, ns, pcr("narrowed", {"selector": ok}))
     # immutability: a valid reset cannot be edited afterwards
     apply_ns(cluster, ns, pcr("fixed", {"selector": {"matchLabels": {"none": "x"}}}))
     r = cluster.kubectl(
