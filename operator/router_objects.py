@@ -1,8 +1,8 @@
 """Desired manifests of an InferenceDeployment's fleet router (`spec.router`): pure functions of its spec.
 
-The router (`kvpilot router --fleet NAME`) finds the daemons through the fleet Service's EndpointSlices, so it
-gets a ServiceAccount of its own and a Role that may read exactly those (get, list, watch endpointslices in
-the fleet's namespace). Its pods carry their own selector label, never the fleet's: the fleet Service and
+The router (`kvpilot router --fleet NAME`) finds the daemons through the fleet Service's EndpointSlices, and
+follows only the endpoints that are the fleet's pods, so it gets a ServiceAccount of its own and a Role that
+may read exactly those (endpointslices; the fleet and its workload by name; replicasets and pods, listed). Its pods carry their own selector label, never the fleet's: the fleet Service and
 PrefixCacheResets must not pick up router pods as daemons.
 """
 
@@ -62,7 +62,23 @@ def role(name: str) -> dict[str, Any]:
                 "apiGroups": ["discovery.k8s.io"],
                 "resources": ["endpointslices"],
                 "verbs": ["get", "list", "watch"],
-            }
+            },
+            # Which endpoints are the fleet's pods (router/discovery.py FleetMembers): the fleet and its
+            # workload by name, its ReplicaSets and pods by label. Prompts and the token go only there.
+            {
+                "apiGroups": ["kvpilot.io"],
+                "resources": ["inferencedeployments"],
+                "verbs": ["get"],
+                "resourceNames": [name],
+            },
+            {
+                "apiGroups": ["apps"],
+                "resources": ["deployments", "daemonsets"],
+                "verbs": ["get"],
+                "resourceNames": [name],
+            },
+            {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
         ],
     }
 

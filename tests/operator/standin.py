@@ -36,7 +36,8 @@ class Standin:
     resets: int = field(default=0, init=False)  # resets applied
     inflight: int = field(default=0, init=False)
     max_inflight: int = field(default=0, init=False)
-    requests: int = field(default=0, init=False)  # every request, any path (GET /calls excluded)
+    # every request but GET /health (the node agent's readiness probe) and GET /calls (the test's own)
+    requests: int = field(default=0, init=False)
     authorized: int = field(default=0, init=False)  # requests that carried an Authorization header
 
     async def reset(self, request: web.Request) -> web.Response:
@@ -119,9 +120,8 @@ class Standin:
 
     @web.middleware
     async def count(self, request: web.Request, handler):  # noqa: ANN001, ANN201
-        if request.path != "/calls":
-            self.requests += 1
-            self.authorized += "Authorization" in request.headers
+        self.requests += request.path not in ("/calls", "/health")
+        self.authorized += "Authorization" in request.headers
         return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:

@@ -177,7 +177,21 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        {
+            "apiGroups": ["kvpilot.io"],
+            "resources": ["inferencedeployments"],
+            "verbs": ["get"],
+            "resourceNames": ["llama"],
+        },
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments", "daemonsets"],
+            "verbs": ["get"],
+            "resourceNames": ["llama"],
+        },
+        {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     ]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "team-a"}]
     pod = dep["spec"]["template"]

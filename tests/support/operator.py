@@ -155,6 +155,70 @@ def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: 
     wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
 
 
+def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
+    """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
+    container = {
+        "name": "d",
+        "image": "ignored",
+        "command": ["kvpilot", "serve"],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *STANDIN_ENV,
+            *(env or []),
+        ],
+        "ports": [
+            {"name": "http", "containerPort": 8000}
+        ],  # as a fleet pod names it (its Service's targetPort)
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    }
+    pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    return manifest(
+        "apps/v1",
+        "Deployment",
+        name,
+        {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name, **labels}}, "spec": pod},
+        },
+    )
+
+
+def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | None = None) -> dict:
+    """A bare listening stand-in pod (not run by any fleet) that counts the calls it receives."""
+    dep = standin_deployment(name, 1, labels, env)
+    meta = {"name": name, "labels": dep["spec"]["template"]["metadata"]["labels"]}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": dep["spec"]["template"]["spec"]}
+
+
+def token_kubeconfig(cluster: Cluster, token: str, path: Path) -> Path:
+    """A kubeconfig at `path` that reaches the dev cluster with a bearer token (a ServiceAccount's)."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "op",
+                "clusters": [
+                    {
+                        "name": "dev",
+                        "cluster": {
+                            "server": cluster.cp.url,
+                            "certificate-authority": str(cluster.cp.ca_cert),
+                        },
+                    }
+                ],
+                "users": [{"name": "op", "user": {"token": token}}],
+                "contexts": [{"name": "op", "context": {"cluster": "dev", "user": "op"}}],
+            }
+        )
+    )
+    return path
+
+
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
@@ -185,28 +249,7 @@ def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFacto
     token = cluster.kubectl(
         "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
     ).stdout.strip()
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "op",
-                "clusters": [
-                    {
-                        "name": "dev",
-                        "cluster": {
-                            "server": cluster.cp.url,
-                            "certificate-authority": str(cluster.cp.ca_cert),
-                        },
-                    }
-                ],
-                "users": [{"name": "op", "user": {"token": token}}],
-                "contexts": [{"name": "op", "context": {"cluster": "dev", "user": "op"}}],
-            }
-        )
-    )
-    return path
+    return token_kubeconfig(cluster, token, tmp_path_factory.mktemp("operator") / "kubeconfig")
 
 
 @pytest.fixture(scope="session")
