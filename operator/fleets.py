@@ -16,12 +16,13 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, metrics, router_objects, tokens
+from kvpilot.operator import builders, metrics, router_objects
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import fleet_conditions, set_condition
 from kvpilot.operator.fleet_router import RouterState, reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.owners import holder, owned_by
+from kvpilot.operator.tokens import refusal
 
 _KEEP_TOKENS = 20
 
@@ -47,7 +48,7 @@ async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: loggin
 
 
 async def _token_refusal(kube: Kube, owner: dict[str, Any]) -> tuple[str, str] | None:
-    """Why the fleet's pods may not mount the Secret its adminTokenSecretRef names (tokens.refusal), checked
+    """Why the fleet's pods may not mount the Secret its adminTokenSecretRef names (tokens.py), checked
     before anything that mounts it is applied; None when they may (or the operator generated the token)."""
     meta, spec = owner["metadata"], owner["spec"]
     ref = spec.get("adminTokenSecretRef")
@@ -56,7 +57,7 @@ async def _token_refusal(kube: Kube, owner: dict[str, Any]) -> tuple[str, str] |
     ref = builders.token_secret_ref(meta["name"], spec)
     assert ref is not None
     secret = await kube.secret(meta["namespace"], ref["name"])
-    return tokens.refusal(secret, meta["namespace"], ref, meta["uid"], "adminTokenSecretRef")
+    return refusal(secret, meta["namespace"], ref, meta["uid"], "adminTokenSecretRef")
 
 
 async def _name_taken(

@@ -25,11 +25,9 @@ from kvpilot.fleet_members import FLEET_LABEL, is_member, pod_ips, workload_cont
 from kvpilot.router.pods import Pod
 
 log = logging.getLogger(__name__)
-_FLEETS = (
-    "kvpilot.io",
-    "v1alpha1",
-    "inferencedeployments",
-)  # the InferenceDeployment's group, version, plural
+# The InferenceDeployment's API (the router imports nothing of the operator, whose builders name it too).
+GROUP, VERSION, PLURAL = "kvpilot.io", "v1alpha1", "inferencedeployments"
+_MAX_REPORTED = 1024  # refused endpoints remembered so that each is logged once
 
 
 class FleetMembers:
@@ -61,9 +59,8 @@ class FleetMembers:
 
     def members(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         """The endpoints whose targetRef is a Pod run by the fleet's workload, at the Pod's own address."""
-        fleet = self._get(
-            self._custom.get_namespaced_custom_object, *_FLEETS[:2], self.namespace, _FLEETS[2], self.name
-        )
+        read_fleet = self._custom.get_namespaced_custom_object
+        fleet = self._get(read_fleet, GROUP, VERSION, self.namespace, PLURAL, self.name)
         controllers: frozenset[str] = frozenset()
         if fleet is not None:
             uid = fleet["metadata"]["uid"]
@@ -93,6 +90,8 @@ class FleetMembers:
                 out.append(e)
                 continue
             if (e.url, why) not in self._reported:
+                if len(self._reported) >= _MAX_REPORTED:
+                    self._reported.clear()
                 self._reported.add((e.url, why))
                 log.warning(
                     "endpoint %s (%s) of %s/%s ignored: %s", e.name, e.url, self.namespace, self.name, why
