@@ -22,6 +22,7 @@ from kvpilot.operator.conditions import fleet_conditions, set_condition
 from kvpilot.operator.fleet_router import RouterState, reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.owners import holder, owned_by
+from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 from kvpilot.operator.tokens import refusal
 
 _KEEP_TOKENS = 20
@@ -112,7 +113,9 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
     )
 
 
-async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
+async def reconcile(
+    kube: Kube, body: Any, logger: logging.Logger, router_role: str = ROUTER_CLUSTER_ROLE
+) -> None:
     meta, spec = body["metadata"], dict(body.get("spec") or {})
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
     status = dict(body.get("status") or {})
@@ -128,7 +131,7 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     if problem is None:
         wl = await _apply(kube, owner, own[0])
         await _apply(kube, owner, own[1])
-        router = await reconcile_router(kube, owner, status, logger)
+        router = await reconcile_router(kube, owner, status, logger, router_role)
     else:  # nothing that would mount the token, or write over another's object, is applied
         kopf.event(owner, type="Warning", reason=problem[0], message=problem[1])
         wl = None if taken else await kube.read(kind, ns, name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.config_flags import flag
+from kvpilot.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py; app.make_policy builds them
 # The pods' engines (router/engines.py says how each is probed; kvpilot.fanout.engines resets them).
@@ -43,6 +44,7 @@ class RouterSettings:
     # empties that pod's entries itself (and ignores its events until the clear arrives).
     clear_wait_s: float = 5.0
     max_body_bytes: int = 4 << 20
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -62,3 +64,4 @@ class RouterSettings:
             )
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
+        self.limits.validate()

@@ -9,6 +9,7 @@ import base64
 import json
 
 import pytest
+from kubernetes import config
 
 from kvpilot.endpointslices import Endpoint
 from kvpilot.router.discovery import FleetMembers
@@ -21,8 +22,8 @@ from support.operator import (
     fleet_pods,
     http,
     ready_replicas,
+    service_account_kubeconfig,
     standin_pod,
-    token_kubeconfig,
 )
 from support.procs import wait_for
 from support.servers import MODEL, start_router, stop_router
@@ -79,8 +80,7 @@ def test_router_follows_only_the_fleets_own_pods(
 
     secret = cluster.kubectl_json("get", "secret", "llm-admin-token", "-n", ns)
     token = base64.b64decode(secret["data"]["token"]).decode()
-    sa_token = cluster.kubectl("create", "token", "llm-router", "-n", ns, "--duration=1h").stdout.strip()
-    kubeconfig = token_kubeconfig(cluster, sa_token, tmp_path / "router-kubeconfig")
+    kubeconfig = service_account_kubeconfig(cluster, ns, "llm-router", tmp_path / "router-kubeconfig")
     try:
         router = start_router(
             tmp_path,
@@ -113,7 +113,7 @@ def test_router_follows_only_the_fleets_own_pods(
 
         # The check itself, under the router's own Role: a slice the controller manages could still be
         # written by hand (it deletes those it does not own, but not at once), naming any Pod at any address.
-        members = FleetMembers(cluster.client_for_token(sa_token), "llm", ns)
+        members = FleetMembers(config.new_client_from_config(config_file=str(kubeconfig)), "llm", ns)
         url = "http://{}:8000".format
         offered = [
             Endpoint(a_daemon, url(daemons[a_daemon]), daemons[a_daemon], a_daemon),

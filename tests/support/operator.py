@@ -1,5 +1,5 @@
 """The operator's cluster tests' parts: our CRDs on the dev cluster (support.cluster), the operator's
-ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, the operator as a subprocess, and
+ServiceAccount bound to exactly the (cluster-wide) rules of kvpilot.operator.rbac, the operator as a subprocess, and
 builders and probes of fleets and resets.
 
 Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
@@ -167,9 +167,8 @@ def standin_deployment(name: str, replicas: int, labels: dict, env: list | None 
             *STANDIN_ENV,
             *(env or []),
         ],
-        "ports": [
-            {"name": "http", "containerPort": 8000}
-        ],  # as a fleet pod names it (its Service's targetPort)
+        # named as a fleet pod's port is: the fleet Service's targetPort (its endpoints list the pod then)
+        "ports": [{"name": "http", "containerPort": 8000}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
     }
     pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
@@ -194,8 +193,56 @@ def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": dep["spec"]["template"]["spec"]}
 
 
-def token_kubeconfig(cluster: Cluster, token: str, path: Path) -> Path:
-    """A kubeconfig at `path` that reaches the dev cluster with a bearer token (a ServiceAccount's)."""
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.cluster_role()
+    only, and the routers' ClusterRole it binds.
+    The peering object is not made here: the operator makes it (as for a user who follows the README)."""
+    install_crds(cluster)
+    create_namespace(cluster, OP_NS)
+    apply(
+        cluster,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "kvpilot-operator", "namespace": OP_NS},
+            },
+            rbac.cluster_role(),
+            rbac.cluster_role_binding(OP_NS),
+            rbac.router_cluster_role(),  # what the operator binds for each fleet router
+        ],
+    )
+    return service_account_kubeconfig(
+        cluster, OP_NS, "kvpilot-operator", tmp_path_factory.mktemp("operator") / "kubeconfig"
+    )
+
+
+def install_crds(cluster: Cluster) -> None:
+    """crds/ applied (kvpilot's and kopf's peering CRDs) and established."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    for crd in (
+        "inferencedeployments.kvpilot.io",
+        "prefixcacheresets.kvpilot.io",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    ):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+def create_namespace(cluster: Cluster, ns: str) -> None:
+    """The namespace (if missing), once its default ServiceAccount exists (pods need it)."""
+    cluster.kubectl("create", "namespace", ns, check=False)
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0,
+        30,
+        f"sa in {ns}",
+    )
+
+
+def service_account_kubeconfig(cluster: Cluster, ns: str, name: str, path: Path) -> Path:
+    """A kubeconfig with a token of ServiceAccount ns/name: its requests get exactly that account's rights."""
+    token = cluster.kubectl("create", "token", name, "-n", ns, "--duration=6h").stdout.strip()
     path.write_text(
         yaml.safe_dump(
             {
@@ -217,39 +264,6 @@ def token_kubeconfig(cluster: Cluster, token: str, path: Path) -> Path:
         )
     )
     return path
-
-
-@pytest.fixture(scope="session")
-def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
-    The peering object is not made here: the operator makes it (as for a user who follows the README)."""
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    for crd in (
-        "inferencedeployments.kvpilot.io",
-        "prefixcacheresets.kvpilot.io",
-        "clusterkopfpeerings.kopf.dev",
-    ):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
-    cluster.kubectl("create", "namespace", OP_NS, check=False)
-    wait_for(
-        lambda: cluster.kubectl("get", "sa", "default", "-n", OP_NS, check=False).returncode == 0, 30, "sa"
-    )
-    apply(
-        cluster,
-        [
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": "kvpilot-operator", "namespace": OP_NS},
-            },
-            rbac.cluster_role(),
-            rbac.cluster_role_binding(OP_NS),
-        ],
-    )
-    token = cluster.kubectl(
-        "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
-    ).stdout.strip()
-    return token_kubeconfig(cluster, token, tmp_path_factory.mktemp("operator") / "kubeconfig")
 
 
 @pytest.fixture(scope="session")
