@@ -47,7 +47,8 @@ done
 
 say "deploying an InferenceDeployment of 2 kvpilot daemons with an admin token and a router"
 kubectl -n $NS create secret generic kvpilot-admin --from-literal=token="demo-$RANDOM$RANDOM" \
-  --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+  --dry-run=client -o yaml | kubectl label --local -f - kvpilot.io/admin-token=true -o yaml \
+  | kubectl apply -f - >/dev/null  # the label: its owner lets kvpilot mount the token into the fleet's pods
 kubectl -n $NS apply -f - <<'EOF'
 apiVersion: kvpilot.io/v1alpha1
 kind: InferenceDeployment

@@ -10,15 +10,18 @@ import hashlib
 import math
 from typing import Any
 
+from kvpilot.fleet_members import FLEET_LABEL
+
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
 FLEETS = "inferencedeployments"  # plural names of our resources
 RESETS = "prefixcacheresets"
-FLEET_LABEL = "kvpilot.io/inference-deployment"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
 RESET_ANNOTATION = "kvpilot.io/reset-prefix-cache"
 CONTAINER = "kvpilot"
-ADMIN_TOKEN_LABEL = "kvpilot.io/admin-token"  # value "true": a Secret that selector resets may send to pods
+ADMIN_TOKEN_LABEL = (
+    "kvpilot.io/admin-token"  # value "true": its owner lets kvpilot send its token to pods (tokens.py)
+)
 ANNOTATION_RESET_TTL_S = 86400  # annotation-created resets are deleted a day after they finished
 
 # engine field -> `kvpilot serve` flag (flag names follow vLLM's, docs/server.md "Flags")

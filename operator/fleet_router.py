@@ -11,7 +11,7 @@ import kopf
 
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
-from kvpilot.operator.owners import controller_ref, owned_by
+from kvpilot.operator.owners import holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 
@@ -27,11 +27,6 @@ class RouterState:
     def problem(self) -> tuple[str, str] | None:
         """(reason, message) for the fleet's Ready condition, or None."""
         return None if self.ready else (self.reason, self.message)
-
-
-def _holder(obj: dict[str, Any]) -> str:
-    ref = controller_ref(obj)
-    return f"{ref['kind']} {ref['name']}" if ref else "someone else (no controller owner)"
 
 
 def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> RouterState:
@@ -74,7 +69,7 @@ async def reconcile_router(
             live = await kube.read(obj["kind"], ns, rname)
             if live is not None and not owned_by(live, uid):
                 msg = (
-                    f"{obj['kind']} {rname} already exists and belongs to {_holder(live)}: rename one of them"
+                    f"{obj['kind']} {rname} already exists and belongs to {holder(live)}: rename one of them"
                 )
                 kopf.event(owner, type="Warning", reason="RouterNameConflict", message=msg)
                 return RouterState(None, False, "RouterNameConflict", msg, retry=True)

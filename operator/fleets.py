@@ -1,7 +1,11 @@
 """Reconcile an InferenceDeployment: its admin token Secret, workload and Service as the builders say
 (server-side apply: what we no longer set is removed, what others set is kept, a no-op writes nothing), its
 status, and the annotation trigger. Idempotent: called on create/update/resume and on every event of an owned
-object."""
+object.
+
+Nothing is applied while the Secret named by adminTokenSecretRef does not consent to the fleet's pods
+mounting it (tokens.py), or while a Deployment, DaemonSet or Service of the fleet's name belongs to someone
+else: Ready is False with the reason, and the reconcile is retried."""
 
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ from kvpilot.operator.conditions import fleet_conditions, set_condition
 from kvpilot.operator.fleet_router import RouterState, reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.network_policy import OperatorPeer
+from kvpilot.operator.owners import holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
+from kvpilot.operator.tokens import refusal
 
 _KEEP_TOKENS = 20
 
@@ -41,6 +47,36 @@ async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: loggin
     except ApiException as exc:
         if exc.status != 409 and not namespace_terminating(exc):
             raise
+
+
+async def _token_refusal(kube: Kube, owner: dict[str, Any]) -> tuple[str, str] | None:
+    """Why the fleet's pods may not mount the Secret its adminTokenSecretRef names (tokens.py), checked
+    before anything that mounts it is applied; None when they may (or the operator generated the token)."""
+    meta, spec = owner["metadata"], owner["spec"]
+    ref = spec.get("adminTokenSecretRef")
+    if not ref:
+        return None
+    ref = builders.token_secret_ref(meta["name"], spec)
+    assert ref is not None
+    secret = await kube.secret(meta["namespace"], ref["name"])
+    return refusal(secret, meta["namespace"], ref, meta["uid"], "adminTokenSecretRef")
+
+
+async def _name_taken(
+    kube: Kube, owner: dict[str, Any], objs: list[dict[str, Any]]
+) -> tuple[str, str] | None:
+    """("NameConflict", message) when one of the fleet's own objects exists and is not the fleet's: it is
+    never taken over (a forced apply would adopt another controller's Deployment or a user's Service)."""
+    meta = owner["metadata"]
+    for obj in objs:
+        live = await kube.read(obj["kind"], meta["namespace"], obj["metadata"]["name"])
+        if live is not None and not owned_by(live, meta["uid"]):
+            name = obj["metadata"]["name"]
+            return (
+                "NameConflict",
+                f"{obj['kind']} {name} already exists and belongs to {holder(live)}: rename one of them",
+            )
+    return None
 
 
 async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
@@ -94,17 +130,20 @@ async def reconcile(
     gen = meta.get("generation")
 
     await _ensure_token_secret(kube, owner, logger)
-    # With KV event keys someone else made, nothing that would mount them (daemons, router) is applied.
-    keys_problem = await fleet_network.ensure_kv_keys(kube, owner, logger)
-    if keys_problem is None:
-        wl = await _apply(kube, owner, builders.workload(name, spec))
-    else:
-        wl = await kube.read(kind, ns, name)
-    await _apply(kube, owner, builders.service(name, spec))
-    if keys_problem is None:
+    own = [builders.workload(name, spec), builders.service(name, spec)]
+    taken = await _name_taken(kube, owner, own)
+    problem = taken or await _token_refusal(kube, owner)
+    if problem is not None:
+        kopf.event(owner, type="Warning", reason=problem[0], message=problem[1])
+    else:  # KV event keys someone else made are never mounted (ensure_kv_keys posts its own Event)
+        problem = await fleet_network.ensure_kv_keys(kube, owner, logger)
+    if problem is None:
+        wl = await _apply(kube, owner, own[0])
+        await _apply(kube, owner, own[1])
         router = await reconcile_router(kube, owner, status, logger, router_role)
-    else:
-        router = RouterState(status.get("router"), False, *keys_problem, retry=True)
+    else:  # nothing that would mount the token or the keys, or write over another's object, is applied
+        wl = None if taken else await kube.read(kind, ns, name)
+        router = RouterState(status.get("router"))
     policy = await fleet_network.reconcile_policy(kube, owner, status, peer or OperatorPeer())
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
@@ -135,8 +174,8 @@ async def reconcile(
             router.problem or policy.problem,
         ),
     }
-    if keys_problem is not None:  # whatever runs, the fleet is not Ready while it cannot be (re)deployed
-        new["conditions"] = set_condition(new["conditions"], "Ready", False, *keys_problem, gen or 0)
+    if problem is not None:  # Ready says why the spec is not rolled out, whatever the pods from before do
+        new["conditions"] = set_condition(new["conditions"], "Ready", False, *problem, gen or 0)
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
     tokens = list(status.get("resetTokens") or [])
@@ -160,6 +199,8 @@ async def reconcile(
     metrics.DESIRED_REPLICAS.labels(ns, name).set(desired)
     if any(status.get(k) != v for k, v in new.items()):
         await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))
+    if problem is not None:  # a Secret labelled or a name freed later is seen on the retry
+        raise kopf.TemporaryError(problem[1], delay=30)
     if (
         router.retry or policy.problem
     ):  # status says what is wrong; look again later (a name freed, the API back)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.fleet_members import controlled_by, controller_ref  # shared with the router: who runs a pod
 
-def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:
-    """The owner reference that controls the object (controller: true), if any."""
-    return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+__all__ = ["controlled_by", "controller_ref", "holder", "owned_by", "owner_of_kind"]
 
 
 def owner_of_kind(obj: dict[str, Any], api_version: str, kind: str) -> dict[str, Any] | None:
@@ -21,6 +20,7 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
 
 
-def controlled_by(obj: dict[str, Any], uid: str) -> bool:
-    """Whether the object `uid` controls the object."""
-    return (controller_ref(obj) or {}).get("uid") == uid
+def holder(obj: dict[str, Any]) -> str:
+    """Who controls the object, for a message: "KIND NAME", or that nobody does."""
+    ref = controller_ref(obj)
+    return f"{ref['kind']} {ref['name']}" if ref else "someone else (no controller owner)"

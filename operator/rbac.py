@@ -33,8 +33,15 @@ Rule = dict[str, Any]
 ROUTER_RULES: list[Rule] = [
     # Its fleet Service's EndpointSlices: listed, then watched (router/discovery.py).
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
-    # Whether an endpoint's targetRef is a Pod its fleet controls before the fleet's token goes there.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # Whether an endpoint is a Pod its fleet controls before prompts and the fleet's token go there
+    # (router/discovery.py FleetMembers, kvpilot/fleet_members.py): the InferenceDeployment and its workload
+    # (a DaemonSet fleet's on a Deployment's 404), the workload's ReplicaSets and the fleet's pods, listed by
+    # the fleet's label. A ClusterRole shared by every fleet cannot name them (resourceNames): any of the
+    # namespace's, read only.
+    {"apiGroups": ["kvpilot.io"], "resources": ["inferencedeployments"], "verbs": ["get"]},
+    {"apiGroups": ["apps"], "resources": ["deployments", "daemonsets"], "verbs": ["get"]},
+    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]
 
 # Namespaced rules, in the watched namespaces (a Role each) or cluster-wide.

@@ -30,11 +30,12 @@ from typing import Any
 import kopf
 
 from kvpilot.fanout import FanoutSettings, PodResult, Target, initial_results, run_fanout
-from kvpilot.operator import builders, metrics
+from kvpilot.fleet_members import is_member, workload_controllers
+from kvpilot.operator import builders, metrics, tokens
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube import ApiException, Kube, is_transient
-from kvpilot.operator.owners import controlled_by, controller_ref
+from kvpilot.operator.owners import controlled_by
 from kvpilot.operator.podwatch import PodWatch
 from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
 
@@ -104,13 +105,12 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
     a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
     meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
     skip = ""
-    controller = controller_ref(pod) or {}
     running = {
         c.get("name") for c in st.get("containerStatuses") or [] if "running" in (c.get("state") or {})
     }
     if meta.get("deletionTimestamp"):
         skip = "pod is terminating"
-    elif plan.controllers is not None and controller.get("uid") not in plan.controllers:
+    elif plan.controllers is not None and not is_member(pod, plan.controllers):
         skip = "pod is not run by the InferenceDeployment's workload: its admin token is not sent there"
     elif not st.get("podIP"):
         skip = f"pod has no IP (phase {st.get('phase')})"
@@ -121,36 +121,28 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
     )
 
 
-async def _token(kube: Kube, ns: str, ref: dict[str, Any], deadline: float, why: str, labelled: bool) -> str:
+async def _token(
+    kube: Kube, ns: str, ref: dict[str, Any], deadline: float, use: str, owner_uid: str | None
+) -> str:
+    """The token of `ref`, if its Secret consents to being sent (tokens.refusal); `owner_uid`: the targeted
+    InferenceDeployment, whose own Secret counts as consented."""
     secret = await with_retries(f"Secret {ns}/{ref['name']}", lambda: kube.secret(ns, ref["name"]), deadline)
-    if secret is None:
-        raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) not found")
-    if labelled and secret["labels"].get(builders.ADMIN_TOKEN_LABEL) != "true":
-        raise ResetFailure(
-            "AdminTokenNotAllowed",
-            f"Secret {ns}/{ref['name']} is not labelled "
-            f"{builders.ADMIN_TOKEN_LABEL}=true: a selector reset sends only Secrets labelled for "
-            "kvpilot admin use (a fleet's own token goes only to its pods, through targetRef)",
-        )
-    key = ref.get("key", "token")
-    if not secret["data"].get(key, "").strip():
-        raise ResetFailure("AdminTokenUnavailable", f"Secret {ns}/{ref['name']} ({why}) has no key {key!r}")
-    return secret["data"][key].strip()
+    if problem := tokens.refusal(secret, ns, ref, owner_uid, use):
+        raise ResetFailure(*problem)
+    assert secret is not None
+    return secret["data"][ref.get("key", "token")].strip()
 
 
 async def _fleet_controllers(kube: Kube, ns: str, fleet: dict[str, Any], deadline: float) -> frozenset[str]:
-    """uids of the objects that directly control the fleet's pods: its DaemonSet, or the ReplicaSets of its
-    Deployment. A pod that only carries the fleet's labels is not among them."""
+    """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers)."""
     name, uid = fleet["metadata"]["name"], fleet["metadata"]["uid"]
     kind = builders.workload_kind(fleet.get("spec") or {})
     wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
-    if wl is None or not controlled_by(wl, uid):
-        return frozenset()
-    if kind == "DaemonSet":
-        return frozenset({wl["metadata"]["uid"]})
+    if wl is None or not controlled_by(wl, uid) or kind == "DaemonSet":
+        return workload_controllers(uid, wl, ())
     sel = builders.selector_string(name)
     rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
-    return frozenset(rs["metadata"]["uid"] for rs in rsets if controlled_by(rs, wl["metadata"]["uid"]))
+    return workload_controllers(uid, wl, rsets)
 
 
 def describe(spec: dict[str, Any]) -> str:
@@ -165,7 +157,7 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
     if not spec.get("targetRef"):
         sel = builders.label_selector(spec["selector"])
         ref = spec.get("adminTokenSecretRef")
-        token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", labelled=True) if ref else None
+        token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", None) if ref else None
         return Plan(sel, sel, int(spec.get("port") or 8000), token, None, None)
     name = spec["targetRef"]["name"]
     while (
@@ -182,9 +174,8 @@ async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) ->
         await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
     fspec = fleet.get("spec") or {}
     ref = builders.token_secret_ref(name, fspec)
-    token = (
-        await _token(kube, ns, ref, deadline, f"the admin token of {name}", labelled=False) if ref else None
-    )
+    use = f"the admin token of {name}"
+    token = await _token(kube, ns, ref, deadline, use, fleet["metadata"]["uid"]) if ref else None
     controllers = await _fleet_controllers(kube, ns, fleet, deadline)
     wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
     return Plan(

@@ -24,8 +24,8 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument(
         "--fleet",
         metavar="NAME",
-        help="route to the ready pods of Service NAME (an InferenceDeployment's), from its EndpointSlices "
-        "(in-cluster, or the current kubeconfig)",
+        help="route to the ready pods of InferenceDeployment NAME, from its Service's EndpointSlices, each "
+        "checked to be a pod of the fleet (in-cluster, or the current kubeconfig)",
     )
     p.add_argument(
         "-n",

@@ -11,6 +11,7 @@
   an address that no longer belongs to the target) and says why the target no longer counts, or None;
   `checkpoint(results)` receives progress at most once per `progress_interval_s`, best effort (its errors
   never stop the fan-out); `on_call(verdict, code)` hears of every call, for the caller's own metrics.
+- A reply is read up to MAX_REPLY_BYTES and judged from that; what of it may be reported is redact.py's rule.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import aiohttp
 
 from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for
+from kvpilot.fanout.redact import MAX_REPLY_BYTES, reported
 from kvpilot.fanout.results import PodResult, initial_results
 from kvpilot.fanout.targets import FanoutSettings, Target, base_url
 
@@ -57,6 +59,17 @@ def _decide(res: PodResult, result: str, message: str, started: float, j: Judgem
         res.ranks = list(j.ranks) if j.ranks is not None else None
 
 
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_REPLY_BYTES) -> str:
+    """The reply's first `limit` bytes as text: a pod's 2 MiB (or endless) body costs no more than that."""
+    buf = bytearray()
+    while len(buf) < limit:
+        chunk = await resp.content.read(limit - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode(errors="replace")
+
+
 async def _call(
     session: aiohttp.ClientSession, engine: Engine, url: str, settings: FanoutSettings, timeout: float
 ) -> tuple[int, Judgement]:
@@ -65,13 +78,17 @@ async def _call(
         async with session.request(
             engine.method, url, headers=_headers(settings), timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
-            return resp.status, engine.judge(resp.status, await resp.text())
+            text = await _read_capped(resp)
+            resp.close()  # the rest of the body is never read: the connection goes with it
+            return resp.status, engine.judge(resp.status, text, settings.token)
     except TimeoutError:
         return 0, Judgement(Verdict.TRANSIENT, f"no reply within {timeout:.1f}s")
     except aiohttp.ClientConnectorError as exc:
         return 0, Judgement(Verdict.TRANSIENT, f"cannot connect: {exc.os_error or exc}")
     except aiohttp.ClientError as exc:
-        return 0, Judgement(Verdict.TRANSIENT, f"{type(exc).__name__}: {exc}")
+        return 0, Judgement(
+            Verdict.TRANSIENT, f"{type(exc).__name__}: {reported(str(exc), (settings.token,))}"
+        )
 
 
 async def _reset_one(

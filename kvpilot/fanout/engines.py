@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
 
 
@@ -62,20 +63,15 @@ def _body_json(text: str) -> Any:
         return None
 
 
-def _error_message(status: int, text: str) -> str:
+def _error_message(status: int, text: str, token: str | None) -> str:
+    """ "HTTP STATUS", with the pod's OpenAI error message (error.message) when it sent one, as redact says it
+    may be reported. Nothing else of the body is ever reported: it may echo what the pod was sent."""
     body = _body_json(text)
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return f"HTTP {status}: {err['message']}"
-        if isinstance(err, str):
-            return f"HTTP {status}: {err}"
-        if body.get("message"):
-            return f"HTTP {status}: {body['message']}"
-        if body.get("detail"):
-            return f"HTTP {status}: {body['detail']}"
-    snippet = " ".join(text.split())[:200]
-    return f"HTTP {status}" + (f": {snippet}" if snippet else "")
+    err = body.get("error") if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    if isinstance(message, str) and message.strip():
+        return f"HTTP {status}: {reported(message, (token,))}"
+    return f"HTTP {status}"
 
 
 class Engine:
@@ -85,16 +81,18 @@ class Engine:
     def path(self, reset_running_requests: bool) -> str:
         raise NotImplementedError
 
-    def judge(self, status: int, text: str) -> Judgement:
+    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
+        """The verdict on a reply (`text`: its first bytes, as much as the caller read); `token`, the one sent,
+        is redacted from anything reported."""
         raise NotImplementedError
 
-    def common(self, status: int, text: str) -> Judgement | None:
+    def common(self, status: int, text: str, token: str | None) -> Judgement | None:
         if status in (404, 501):
-            return Judgement(Verdict.NOT_SUPPORTED, _error_message(status, text))
+            return Judgement(Verdict.NOT_SUPPORTED, _error_message(status, text, token))
         if status >= 500 or status in (408, 429):
-            return Judgement(Verdict.TRANSIENT, _error_message(status, text))
+            return Judgement(Verdict.TRANSIENT, _error_message(status, text, token))
         if status >= 400:
-            return Judgement(Verdict.FAILED, _error_message(status, text))
+            return Judgement(Verdict.FAILED, _error_message(status, text, token))
         return None
 
 
@@ -104,14 +102,13 @@ class KvpilotEngine(Engine):
     def path(self, reset_running_requests: bool) -> str:
         return "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
 
-    def judge(self, status: int, text: str) -> Judgement:
-        if (j := self.common(status, text)) is not None:
+    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
+        if (j := self.common(status, text, token)) is not None:
             return j
         body = _body_json(text)
         if not isinstance(body, dict) or body.get("success") is not True:
-            return Judgement(
-                Verdict.FAILED, f"HTTP {status} without success: true in the reply: {text[:200]!r}"
-            )
+            what = "not JSON" if body is None else "without success: true"
+            return Judgement(Verdict.FAILED, f"HTTP {status}: a reply {what} (not a kvpilot reset reply)")
         return Judgement(
             Verdict.SUCCEEDED,
             "",
@@ -127,19 +124,19 @@ class VllmEngine(Engine):
     def path(self, reset_running_requests: bool) -> str:
         return "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
 
-    def judge(self, status: int, text: str) -> Judgement:
+    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
         if status == 404:
             return Judgement(
                 Verdict.NOT_SUPPORTED,
                 "HTTP 404: /reset_prefix_cache is not exposed (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)",
             )
-        if (j := self.common(status, text)) is not None:
+        if (j := self.common(status, text, token)) is not None:
             return j
         body = _body_json(text)
         # Older vLLM replies 200 with an empty body; newer ones may carry {"success": bool}. Either way a
         # body that says it failed is a failure, whatever the status code.
         if isinstance(body, dict) and body.get("success") is False:
-            return Judgement(Verdict.FAILED, f"HTTP {status} with success: false: {text[:200]}")
+            return Judgement(Verdict.FAILED, f"HTTP {status} with success: false (blocks still held)")
         return Judgement(Verdict.SUCCEEDED, "vLLM reported success (it answers for rank 0 only)")
 
 
@@ -150,12 +147,12 @@ class SglangEngine(Engine):
         # SGLang has no equivalent of reset_running_requests: it refuses to flush while requests run.
         return "/flush_cache"
 
-    def judge(self, status: int, text: str) -> Judgement:
+    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
         if status == 400:
-            return Judgement(Verdict.BUSY, _error_message(status, text))
-        if (j := self.common(status, text)) is not None:
+            return Judgement(Verdict.BUSY, "HTTP 400: not flushed while requests run or wait")
+        if (j := self.common(status, text, token)) is not None:
             return j
-        return Judgement(Verdict.SUCCEEDED, " ".join(text.split())[:200])
+        return Judgement(Verdict.SUCCEEDED, "SGLang reported the cache flushed")
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (KvpilotEngine(), VllmEngine(), SglangEngine())}

@@ -193,6 +193,7 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
     cluster.kubectl(
         "create", "secret", "generic", "admin", "-n", FLEET_NS, "--from-literal=token=chart-admin"
     )
+    cluster.kubectl("label", "secret", "admin", "-n", FLEET_NS, "kvpilot.io/admin-token=true")
     infd = {
         "apiVersion": "kvpilot.io/v1alpha1",
         "kind": "InferenceDeployment",

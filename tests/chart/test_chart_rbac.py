@@ -54,17 +54,8 @@ IMPLIED = {
     ("update", "kvpilot.io", "inferencedeployments/finalizers"),
     ("bind", "rbac.authorization.k8s.io", "clusterroles"),
 }
-# Granted for the fleet's KV-event CURVE key Secret and NetworkPolicy (the operator's) and for the router's
-# check that an endpoint is a Pod of its fleet (issue 18); the code that makes these requests comes from other
-# branches. The test fails once one of them is used: then take it out of this set.
-AWAITING = {
-    "operator": {
-        ("patch", "", "secrets"),
-        ("delete", "", "secrets"),
-        *{(v, "networking.k8s.io", "networkpolicies") for v in ("get", "create", "patch", "delete")},
-    },
-    "router": {(v, "", "pods") for v in ("get", "list", "watch")},
-}
+# Rights no request of the exercise uses yet: none (a right that becomes unused fails the test).
+AWAITING: dict[str, set[tuple[str, str, str]]] = {"operator": set(), "router": set()}
 
 
 @dataclass(frozen=True)
@@ -227,18 +218,20 @@ def exercise(cluster: Cluster, ns: str) -> None:
     wait_for(lambda: gone(cluster, ns, "pcr", "expires"), 90, "the finished reset to expire")
     annotate(cluster, ns, "f", "t1")
     wait_for(lambda: "t1" in (infd(cluster, ns, "f").get("status") or {}).get("resetTokens", []), 60, "token")
-    # Placement DaemonSet and back: each workload kind applied, read and deleted.
+    # The router runs: its EndpointSlice watch and its check that each endpoint is a pod of the fleet.
+    router_user = f"system:serviceaccount:{ns}:f-router"
+
+    def router_did(*keys: tuple[str, str]) -> bool:
+        return set(keys) <= {(r.verb, r.resource) for r in requests(cluster, router_user)}
+
+    wait_for(lambda: router_did(("watch", "endpointslices"), ("list", "pods")), 180, "the router's watch")
+    # Placement DaemonSet and back: each workload kind applied, read and deleted (and read by the router).
     patch(cluster, ns, "f", '{"placement":"DaemonSet"}')
     wait_for(lambda: gone(cluster, ns, "deployment", "f"), 90, "the Deployment to go for the DaemonSet")
+    wait_for(lambda: router_did(("get", "daemonsets")), 90, "the router to check the DaemonSet's pods")
     patch(cluster, ns, "f", '{"placement":"Deployment"}')
     wait_for(lambda: gone(cluster, ns, "daemonset", "f"), 90, "the DaemonSet to go for the Deployment")
-    # The router has run (its EndpointSlice watch is in the audit log), then goes with spec.router.
-    router_user = f"system:serviceaccount:{ns}:f-router"
-    wait_for(
-        lambda: {"list", "watch"} <= {r.verb for r in requests(cluster, router_user)},
-        180,
-        "the router's watch",
-    )
+    # The router goes with spec.router.
     patch(cluster, ns, "f", '{"router":{"enabled":false}}')
     for kind in ("deployment", "service", "serviceaccount", "rolebinding"):
         wait_for(lambda kind=kind: gone(cluster, ns, kind, "f-router"), 90, f"{kind} f-router to go")

@@ -27,11 +27,18 @@ class Standin:
     busy_times: int = 0  # sglang: replies "not flushed, pending requests" this many times first
     token: str | None = None
     body_success: bool = True  # vllm: False replies {"success": false}
+    # A broken pod's replies to a reset: "echo-headers" answers 400 with the request's headers (as a debug
+    # server might), "big" answers 500 with a 2 MiB body, "endless" 500 with a body that never ends; ""
+    # answers as the engine does.
+    reply: str = ""
     epoch: int = field(default=0, init=False)
     calls: int = field(default=0, init=False)  # reset calls received
     resets: int = field(default=0, init=False)  # resets applied
     inflight: int = field(default=0, init=False)
     max_inflight: int = field(default=0, init=False)
+    # every request but GET /health (the node agent's readiness probe) and GET /calls (the test's own)
+    requests: int = field(default=0, init=False)
+    authorized: int = field(default=0, init=False)  # requests that carried an Authorization header
 
     async def reset(self, request: web.Request) -> web.Response:
         self.calls += 1
@@ -43,6 +50,18 @@ class Standin:
             self.inflight -= 1
 
     async def _reset(self, request: web.Request) -> web.Response:
+        if self.reply == "echo-headers":
+            headers = dict(request.headers)
+            text = f"bad request; it came with headers {json.dumps(headers)}"
+            return web.json_response({"error": {"message": text}, "headers": headers}, status=400)
+        if self.reply == "big":
+            return web.json_response({"error": {"message": "x" * (2 << 20)}}, status=500)
+        if self.reply == "endless":
+            resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await resp.write(b'{"error": {"message": "')
+            while True:  # until the caller hangs up
+                await resp.write(b"x" * 65536)
         if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response({"error": {"message": "a valid admin token is required"}}, status=401)
         if self.engine == "sglang":
@@ -96,13 +115,20 @@ class Standin:
         return web.json_response({"epoch": self.epoch, "blocks_total": 64})
 
     async def calls_(self, request: web.Request) -> web.Response:
-        return web.json_response({"calls": self.calls, "resets": self.resets, "epoch": self.epoch})
+        counts = {"calls": self.calls, "resets": self.resets, "epoch": self.epoch}
+        return web.json_response({**counts, "requests": self.requests, "authorized": self.authorized})
+
+    @web.middleware
+    async def count(self, request: web.Request, handler):  # noqa: ANN001, ANN201
+        self.requests += request.path not in ("/calls", "/health")
+        self.authorized += "Authorization" in request.headers
+        return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.count])
         path = "/flush_cache" if self.engine == "sglang" else "/reset_prefix_cache"
         app.router.add_post(path, self.reset)
         app.router.add_get("/prefix_cache", self.stats)
@@ -129,6 +155,7 @@ def main() -> None:
         float(os.environ.get("STANDIN_DELAY", a.delay)),
         int(os.environ.get("STANDIN_BUSY_TIMES", a.busy_times)),
         token,
+        reply=os.environ.get("STANDIN_REPLY", ""),
     )
     print(json.dumps(vars(a)), flush=True)
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from support.cluster import Cluster, manifest
+from support.cluster import Cluster
 from support.operator import (
     OP_NS,
     STANDIN_ENV,
@@ -25,39 +25,14 @@ from support.operator import (
     pods_by_name,
     ready_replicas,
     reset_status,
+    standin_deployment,
     standin_fleet,
+    standin_pod,
     wait_phase,
 )
 from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
-
-
-def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
-    """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
-    container = {
-        "name": "d",
-        "image": "ignored",
-        "command": ["kvpilot", "serve"],
-        "args": ["--host", "$(POD_IP)", "--port", "8000"],
-        "env": [
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            *STANDIN_ENV,
-            *(env or []),
-        ],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
-    }
-    pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
-    return manifest(
-        "apps/v1",
-        "Deployment",
-        name,
-        {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {"metadata": {"labels": {"app": name, **labels}}, "spec": pod},
-        },
-    )
 
 
 def wait_deployment_ready(cluster: Cluster, ns: str, name: str, n: int, timeout: float = 90) -> None:
@@ -89,6 +64,7 @@ def standin_pods(
 # --------------------------------------------------------------------------------------------------------
 def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, "--from-literal=token=s3cret-admin")
+    cluster.kubectl("label", "secret", "admin", "-n", ns, "kvpilot.io/admin-token=true")  # its owner consents
     apply_ns(
         cluster,
         ns,
@@ -344,6 +320,24 @@ BAD_SPECS = [
     ("pcr", {"targetRef": {"name": "a"}, "maxConcurrency": -1}, "spec.maxConcurrency"),
     ("pcr", {"targetRef": {"name": "a"}, "engine": "trtllm"}, 'Unsupported value: "trtllm"'),
     ("pcr", {"selector": {}}, "selector must not be empty"),
+    # terms that only exclude select every other pod of the namespace
+    (
+        "pcr",
+        {"selector": {"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}},
+        "must not be empty",
+    ),
+    (
+        "pcr",
+        {
+            "selector": {
+                "matchExpressions": [
+                    {"key": "a", "operator": "NotIn", "values": ["x"]},
+                    {"key": "b", "operator": "DoesNotExist"},
+                ]
+            }
+        },
+        "must not be empty",
+    ),
     (
         "pcr",
         {"targetRef": {"name": "a"}, "timeoutSeconds": 10, "requestTimeoutSeconds": 30},
@@ -397,6 +391,9 @@ def test_bad_specs_are_refused_by_the_api_server(
             check=False,
         )
         assert r.returncode != 0 and ("DNS-1035" in r.stderr or "metadata.name" in r.stderr), r.stderr
+    # a term that names something the pods carry may come with exclusions
+    ok = {"matchExpressions": [{"key": "a", "operator": "Exists"}, {"key": "b", "operator": "DoesNotExist"}]}
+    apply_ns(cluster, ns, pcr("narrowed", {"selector": ok}))
     # immutability: a valid reset cannot be edited afterwards
     apply_ns(cluster, ns, pcr("fixed", {"selector": {"matchLabels": {"none": "x"}}}))
     r = cluster.kubectl(
@@ -755,7 +752,7 @@ def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
     assert (
         s["phase"] == "Succeeded"
         and s["pods"][0]["attempts"] == 3
-        and "Cache flushed" in s["pods"][0]["message"]
+        and "SGLang reported the cache flushed" in s["pods"][0]["message"]
     )
 
 
@@ -802,15 +799,6 @@ def test_every_reset_ends_no_targets_and_refused_selectors(cluster: Cluster, ns:
         st = wait_phase(cluster, ns, name, 30)["status"]
         cond = next(c for c in st["conditions"] if c["status"] == "True")
         assert (st["phase"], cond["reason"]) == (phase, reason), st
-
-
-def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | None = None) -> dict:
-    """A bare listening stand-in pod (not run by any fleet) that counts the calls it receives."""
-    dep = standin_deployment(name, 1, labels, env)
-    meta = {"name": name, "labels": dep["spec"]["template"]["metadata"]["labels"]}
-    if owner:
-        meta["ownerReferences"] = [owner]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": dep["spec"]["template"]["spec"]}
 
 
 def test_admin_tokens_go_only_where_their_owner_sent_them(

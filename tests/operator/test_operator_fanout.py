@@ -127,7 +127,7 @@ def test_sglang_busy_backs_off_until_it_flushes_or_the_deadline() -> None:
     # busy replies do not count against retriesPerPod (0 here): the first pod flushes on its 6th call
     assert r["pod-0"]["result"] == "Succeeded" and r["pod-0"]["attempts"] == 6
     assert r["pod-1"]["result"] == "Failed" and "timeoutSeconds" in r["pod-1"]["message"]
-    assert "pending requests" in r["pod-1"]["message"] and r["pod-1"]["durationSeconds"] < 2.5
+    assert "not flushed while requests run" in r["pod-1"]["message"] and r["pod-1"]["durationSeconds"] < 2.5
     # exponential backoff: over 2 s with waits doubling from 20 ms up to 400 ms, far fewer than the ~100
     # calls a fixed 20 ms pause would make
     assert 6 < r["pod-1"]["attempts"] < 20, r["pod-1"]["attempts"]
@@ -273,3 +273,23 @@ def test_every_call_reaches_on_call_and_the_operator_counts_it() -> None:
     assert [r.result for r in records] == ["Succeeded", "Failed"]
     assert sorted(heard) == [("Succeeded", "200"), ("Transient", "500"), ("Transient", "500")]
     assert metrics.REGISTRY.get_sample_value(*sample) == before + 2
+
+
+def test_no_reply_body_is_reported_beyond_a_short_redacted_message() -> None:
+    # A pod that echoes the request's headers (the token among them), one whose error is 2 MiB long, one
+    # whose body never ends: each is judged from the first bytes of its reply, within a request timeout.
+    s = [Standin(reply="echo-headers"), Standin(reply="big"), Standin(reply="endless")]
+    token = "fleet-token-" + "k" * 20
+    records, _ = run(s, token=token, retries_per_pod=1, backoff_base_s=0.01, request_timeout_s=20)
+    r = by_name(records)
+    echo, big, endless = r["pod-0"], r["pod-1"], r["pod-2"]
+    assert echo["result"] == "Failed" and echo["httpStatus"] == 400, echo
+    assert "bad request" in echo["message"] and "[redacted]" in echo["message"], echo
+    assert token not in echo["message"] and "Bearer" not in echo["message"].replace("Bearer [redacted]", "")
+    assert big["result"] == "Failed" and big["httpStatus"] == 500 and big["attempts"] == 2, big
+    assert endless["result"] == "Failed" and endless["httpStatus"] == 500 and endless["attempts"] == 2, (
+        endless
+    )
+    assert endless["message"].startswith("HTTP 500"), endless  # not "no reply within 20s"
+    for rec in (echo, big, endless):
+        assert len(rec["message"]) < 400, rec["message"][:500]

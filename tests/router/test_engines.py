@@ -225,7 +225,7 @@ def test_sglang_fleet_reset_waits_out_a_busy_pod(tmp_path: Path, standins) -> No
             r = reset(quick)
             assert r.status == 502 and b.name in r.json()["error"]["message"], r.body
             pod = next(p for p in r.json()["pods"] if p["pod"] == b.name)
-            assert pod["status"] == 400 and "Flush cache failed." in pod["error"]
+            assert pod["status"] == 400 and "not flushed while requests run" in pod["error"]
         finally:
             stop_router(quick)
     finally:

@@ -155,6 +155,44 @@ def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: 
     wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
 
 
+def standin_deployment(name: str, replicas: int, labels: dict, env: list | None = None) -> dict:
+    """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
+    container = {
+        "name": "d",
+        "image": "ignored",
+        "command": ["kvpilot", "serve"],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *STANDIN_ENV,
+            *(env or []),
+        ],
+        # named as a fleet pod's port is: the fleet Service's targetPort (its endpoints list the pod then)
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+    }
+    pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    return manifest(
+        "apps/v1",
+        "Deployment",
+        name,
+        {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name, **labels}}, "spec": pod},
+        },
+    )
+
+
+def standin_pod(name: str, labels: dict, env: list | None = None, owner: dict | None = None) -> dict:
+    """A bare listening stand-in pod (not run by any fleet) that counts the calls it receives."""
+    dep = standin_deployment(name, 1, labels, env)
+    meta = {"name": name, "labels": dep["spec"]["template"]["metadata"]["labels"]}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": dep["spec"]["template"]["spec"]}
+
+
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.cluster_role()
