@@ -232,7 +232,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from kubernetes import client
 
-    from kvpilot.endpointslices import SERVICE_LABEL, ready_endpoints
+    from kvpilot.endpointslices import MANAGED_BY, SERVICE_LABEL, ready_endpoints
 
     try:
         default_ns = load(args.kubeconfig)
@@ -256,7 +256,11 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     service = host.split(".")[0]  # NAME-router or NAME: the Service behind status.endpoint
     try:
         slices = client.DiscoveryV1Api().list_namespaced_endpoint_slice(
-            ns, label_selector=f"{SERVICE_LABEL}={service}"
+            # Only the endpointslice controller's slices (a hand-made one could name any address), and a
+            # bounded page of them: one ready pod is all this prints.
+            ns,
+            label_selector=f"{SERVICE_LABEL}={service},{MANAGED_BY}",
+            limit=20,
         )
     except Exception as exc:  # noqa: BLE001 - ApiException or no answer: one line either way
         print(
