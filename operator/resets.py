@@ -62,15 +62,17 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-async def with_retries(what: str, call: Callable[[], Awaitable[Any]], deadline: float) -> Any:
-    """`call()`, retried with backoff on transient API errors until the deadline; any other API error (4xx)
-    ends the reset with a specific reason."""
+async def with_retries(
+    what: str, call: Callable[[], Awaitable[Any]], deadline: float, also: tuple[int, ...] = ()
+) -> Any:
+    """`call()`, retried with backoff on transient API errors (and on the statuses in `also`) until the
+    deadline; any other API error (4xx) ends the reset with a specific reason."""
     n = 0
     while True:
         try:
             return await call()
         except ApiException as exc:
-            if not is_transient(exc):
+            if not is_transient(exc) and exc.status not in also:
                 raise ResetFailure(
                     _API_REASONS.get(exc.status, "ApiError"),
                     f"{what}: HTTP {exc.status}: {_api_message(exc)}",
@@ -424,6 +426,11 @@ async def _finish(
         "observedGeneration": gen,
         **(pod_status(records) if records is not None else {}),
     }
+    # 401/403 are retried too: a kube-apiserver that has just restarted answers them until its authenticator
+    # and RBAC caches are filled, and giving up here would make kopf run the whole reset again a minute later.
     return await with_retries(
-        "final status", lambda: _patch(kube, ns, name, body), time.monotonic() + _FINAL_PATCH_GRACE_S
+        "final status",
+        lambda: _patch(kube, ns, name, body),
+        time.monotonic() + _FINAL_PATCH_GRACE_S,
+        also=(401, 403),
     )

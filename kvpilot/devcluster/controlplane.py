@@ -70,6 +70,7 @@ class ControlPlane:
     users: dict[str, User] = field(default_factory=dict, init=False)
     url: str = field(default="", init=False)
     _procs: dict = field(default_factory=dict, init=False)
+    _argv: dict = field(default_factory=dict, init=False)  # each process's flags, for restart_apiserver
     _own_workdir: bool = field(default=False, init=False)
 
     # ---- lifecycle -------------------------------------------------------
@@ -101,6 +102,17 @@ class ControlPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def restart_apiserver(self, down_s: float = 0.0, timeout: float = 60.0) -> float:
+        """Kill kube-apiserver (SIGKILL, as a crash would), keep it down `down_s`, start it again on the same
+        port and flags; returns the seconds until it answered /readyz again. For fault tests: clients must
+        ride out the gap."""
+        t0 = time.monotonic()
+        procs.stop(self._procs.pop("kube-apiserver"), grace=0)
+        time.sleep(down_s)
+        self._spawn("kube-apiserver", self._argv["kube-apiserver"])
+        self._wait("kube-apiserver", time.monotonic() + timeout, lambda: self.request("/readyz")[0] == 200)
+        return time.monotonic() - t0
 
     # ---- accessors -------------------------------------------------------
     @property
@@ -273,6 +285,7 @@ class ControlPlane:
         path.chmod(0o600)
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        self._argv[name] = args
         argv = [str(self.bin_dir / name), *args]
         self._procs[name] = procs.spawn(argv, log_path=self.log(name))
 
