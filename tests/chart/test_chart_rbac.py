@@ -235,6 +235,9 @@ def exercise(cluster: Cluster, ns: str) -> None:
     patch(cluster, ns, "f", '{"router":{"enabled":false}}')
     for kind in ("deployment", "service", "serviceaccount", "rolebinding"):
         wait_for(lambda kind=kind: gone(cluster, ns, kind, "f-router"), 90, f"{kind} f-router to go")
+    # The fleet's NetworkPolicy (on by default) goes with spec.networkPolicy.enabled: read, then deleted.
+    patch(cluster, ns, "f", '{"networkPolicy":{"enabled":false}}')
+    wait_for(lambda: gone(cluster, ns, "networkpolicy", "f"), 90, "the NetworkPolicy f to go")
 
 
 @pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
