@@ -330,6 +330,7 @@ class LLMEngine:
             self.config.kv_events_replay_endpoint,
             self.config.block_size,
             rank=self.config.data_parallel_rank,
+            blocks_total=self.num_blocks,
         )
         self.kv.pool.events = publisher.recorder
         return publisher
