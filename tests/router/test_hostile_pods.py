@@ -299,6 +299,22 @@ def test_a_pod_with_a_wrong_shaped_kv_events_reply_still_leaves_when_its_health_
         stop_router(router)  # and no traceback in its log
 
 
+def test_a_pod_that_turns_unready_loses_its_entries_until_it_is_back(tmp_path: Path, pod: HostilePod) -> None:
+    """Its event sockets still up (a node cut off, a process whose HTTP side died): the probe decides."""
+    for _ in range(2):
+        pod.record(stored_keys(random_keys(3)))
+    router = router_for(tmp_path, pod)
+    try:
+        wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 6, 30, "the pod's blocks indexed")
+        pod.health_status = 503
+        wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 0, 30, "its entries dropped")
+        assert not router.pod(pod.name)["ready"]
+        pod.health_status = 200
+        wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 6, 30, "its entries rebuilt from replay")
+    finally:
+        stop_router(router)
+
+
 # ---- proxied requests: a read timeout and a byte cap ------------------------------------------------
 def test_a_silent_pod_gets_the_client_a_504(tmp_path: Path, pod: HostilePod) -> None:
     router = router_for(tmp_path, pod, "--proxy-timeout", "2")

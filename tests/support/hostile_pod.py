@@ -66,6 +66,7 @@ class HostilePod:
         self.buffer_bytes = buffer_bytes
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests = 0
+        self._answers: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hostile-pod", daemon=True)
@@ -124,7 +125,9 @@ class HostilePod:
         serving = asyncio.create_task(self._serve_replays())
         self._ready.set()
         await self._stop.wait()
-        serving.cancel()
+        for task in (serving, *self._answers):
+            task.cancel()
+        await asyncio.gather(serving, *self._answers, return_exceptions=True)
         await runner.cleanup()
         self._pub.close(linger=0)
         self._router.close(linger=0)
@@ -141,13 +144,12 @@ class HostilePod:
         return seq
 
     async def _serve_replays(self) -> None:
-        tasks = set()
         while True:
             client, _, start = await self._router.recv_multipart()
             self.replay_requests += 1
             task = asyncio.create_task(self._answer(client, int.from_bytes(start, "big", signed=True)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            self._answers.add(task)
+            task.add_done_callback(self._answers.discard)
 
     async def _answer(self, client: bytes, start: int) -> None:
         send = self._router.send_multipart
