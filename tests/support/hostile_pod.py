@@ -75,14 +75,6 @@ class HostilePod:
             raise RuntimeError("the hostile pod did not start")
 
     # ---- from the test ---------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def name(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
     def record(self, payload: bytes) -> int:
         """Add a batch to the replay buffer (and publish it live with `publish_live`); returns its seq."""
         return self._call(self._record(payload))
@@ -122,6 +114,8 @@ class HostilePod:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self.name = f"127.0.0.1:{self.port}"  # as the router names it (--endpoints)
+        self.url = f"http://{self.name}"
         serving = asyncio.create_task(self._serve_replays())
         self._ready.set()
         await self._stop.wait()
