@@ -76,7 +76,8 @@ cluster-up: cluster-build
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)
 
-# ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool, monitoring CRDs, aiperf,
+# ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool (Prometheus 3, built from its
+# Go module), prometheus-config (the prometheus-operator's configuration generator), monitoring CRDs, aiperf,
 # sglang-router
 .PHONY: tools tools-bindir aiperf sglang-router
 

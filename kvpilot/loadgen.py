@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvpilot.http_limits import UPSTREAM_IDLE_S
+
 SYSTEM = (
     "You are the support assistant of a bicycle shop. The shop sells road bikes, mountain bikes, "
     "city bikes and spare parts, repairs any bike within two days, and is open from nine to six on "
@@ -138,7 +140,10 @@ async def run_once(
     reset: bool = True,
 ) -> RunResult:
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+    # Idle connections are dropped before the server's own idle close, so no request goes out on a
+    # connection the server is closing.
+    connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_IDLE_S)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
         reset_reply: dict | str | None = None
         if reset:
             status, reply = await get_json(session, "POST", url + "/reset_prefix_cache")

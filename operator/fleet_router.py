@@ -12,6 +12,7 @@ import kopf
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.owners import controller_ref, owned_by
+from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +50,26 @@ def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> Rou
 
 
 async def reconcile_router(
-    kube: Kube, owner: dict[str, Any], status: dict[str, Any], logger: logging.Logger
+    kube: Kube,
+    owner: dict[str, Any],
+    status: dict[str, Any],
+    logger: logging.Logger,
+    router_role: str = ROUTER_CLUSTER_ROLE,
 ) -> RouterState:
     meta, spec = owner["metadata"], owner["spec"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     rname = router_objects.router_name(name)
     wanted = builders.router_spec(spec)
     if not wanted:
-        # Removal reads five objects, so it runs only when there may be something to remove: status says a
+        # Removal reads four objects, so it runs only when there may be something to remove: status says a
         # router ran, or the spec just changed (a router that never reached status, e.g. after a crash).
         if status.get("router") or meta.get("generation") != status.get("observedGeneration"):
             await _remove(kube, ns, rname, uid, logger)
         return RouterState(None)
-    objs = router_objects.objects(name, ns, spec)
+    objs = router_objects.objects(name, ns, spec, router_role)
     try:
         # Every name must be free or ours before anything is written: never adopt a user's ServiceAccount,
-        # Role or Service, nor half-build a router next to another fleet's.
+        # RoleBinding or Service, nor half-build a router next to another fleet's.
         for obj in objs:
             live = await kube.read(obj["kind"], ns, rname)
             if live is not None and not owned_by(live, uid):
@@ -73,6 +78,10 @@ async def reconcile_router(
                 )
                 kopf.event(owner, type="Warning", reason="RouterNameConflict", message=msg)
                 return RouterState(None, False, "RouterNameConflict", msg, retry=True)
+            if live is not None and live.get("roleRef", obj.get("roleRef")) != obj.get("roleRef"):
+                # A binding's roleRef cannot change: ours from an older operator (to a Role of its own) or
+                # another router ClusterRole name goes, and is made again below.
+                await kube.delete(obj["kind"], ns, rname, live["metadata"]["uid"])
         applied = []
         for obj in objs:
             kopf.adopt(obj, owner=owner)

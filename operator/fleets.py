@@ -17,6 +17,7 @@ from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import fleet_conditions
 from kvpilot.operator.fleet_router import reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
+from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 _KEEP_TOKENS = 20
 
@@ -76,7 +77,9 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple
     )
 
 
-async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
+async def reconcile(
+    kube: Kube, body: Any, logger: logging.Logger, router_role: str = ROUTER_CLUSTER_ROLE
+) -> None:
     meta, spec = body["metadata"], dict(body.get("spec") or {})
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
     status = dict(body.get("status") or {})
@@ -88,7 +91,7 @@ async def reconcile(kube: Kube, body: Any, logger: logging.Logger) -> None:
     await _ensure_token_secret(kube, owner, logger)
     wl = await _apply(kube, owner, builders.workload(name, spec))
     await _apply(kube, owner, builders.service(name, spec))
-    router = await reconcile_router(kube, owner, status, logger)
+    router = await reconcile_router(kube, owner, status, logger, router_role)
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
             owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"

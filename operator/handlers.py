@@ -48,7 +48,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         ("apps", "daemonsets"),
         ("", "services"),
         ("", "serviceaccounts"),
-        ("rbac.authorization.k8s.io", "roles"),
         ("rbac.authorization.k8s.io", "rolebindings"),
     ):
         settings.watching.label_selectors[group, plural] = managed
@@ -74,14 +73,13 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
     _fleets.add((body["metadata"]["namespace"], body["metadata"]["name"]))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
     async with _counted("InferenceDeployment"):
-        await fleets.reconcile(memo.kube, body, logger)
+        await fleets.reconcile(memo.kube, body, logger, memo.router_cluster_role)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
 @kopf.on.event("apps", "v1", "daemonsets", labels=MANAGED_BY)
 @kopf.on.event("", "v1", "services", labels=MANAGED_BY)
 @kopf.on.event("", "v1", "serviceaccounts", labels=MANAGED_BY)  # the router's identity (spec.router)
-@kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", labels=MANAGED_BY)
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
 async def owned_changed(
     body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
@@ -99,7 +97,7 @@ async def owned_changed(
     ):
         return
     async with _counted("InferenceDeployment"):
-        await fleets.reconcile(memo.kube, fleet, logger)
+        await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role)
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)

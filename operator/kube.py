@@ -28,7 +28,6 @@ _KINDS = {
     "Service": ("services", "core", "service"),
     "Secret": ("secrets", "core", "secret"),
     "ServiceAccount": ("serviceaccounts", "core", "service_account"),
-    "Role": ("roles", "rbac", "role"),
     "RoleBinding": ("rolebindings", "rbac", "role_binding"),
 }
 

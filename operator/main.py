@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import kopf
 
+from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
+
 log = logging.getLogger("kvpilot.operator")
 
 
@@ -34,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness-port", type=int, default=8080, help="port of GET /healthz (default 8080)")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
+    p.add_argument(
+        "--router-cluster-role",
+        default=ROUTER_CLUSTER_ROLE,
+        help="ClusterRole that fleet routers get through a RoleBinding in their namespace; the operator "
+        f"needs `bind` on it (default {ROUTER_CLUSTER_ROLE}; the chart's is <release>-router)",
+    )
     p.add_argument(
         "--max-calls-in-flight",
         type=int,
@@ -148,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
             peering_name=None if standalone else args.peering,
             liveness_endpoint=f"http://{args.bind}:{args.liveness_port}/healthz",
             # Read by the startup handler (handlers.configure); every handler's memo is a copy of this one.
-            memo=kopf.Memo(max_calls_in_flight=args.max_calls_in_flight),
+            memo=kopf.Memo(
+                max_calls_in_flight=args.max_calls_in_flight, router_cluster_role=args.router_cluster_role
+            ),
         )
     )
     return 0

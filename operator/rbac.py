@@ -1,20 +1,53 @@
-"""The operator's RBAC rules: the one source of truth (the chart renders them; tests run the operator with
-exactly these). Each rule names only the verbs the code uses, and why."""
+"""The operator's RBAC rules and the fleet routers' ClusterRole: the one source of truth (the chart renders
+them through hack/chart/sync.py; the tests run the operator with exactly these). Each rule names only the
+verbs the code uses, and why; tests/chart/test_chart_rbac.py runs the operator under the rendered chart's
+RBAC with the API server's audit log on and fails on a granted verb nobody requested, or a Forbidden.
+
+Two modes, as the chart has them:
+- cluster-wide (no `operator.watchNamespaces`): everything in one ClusterRole. This is the broad mode: it may
+  read any Secret of the cluster whose name it is given and write Deployments, Services, ServiceAccounts and
+  RoleBindings in every namespace.
+- namespaced (`operator.watchNamespaces`): the namespaced rules go into a Role in each watched namespace;
+  the ClusterRole keeps only what is cluster-scoped (CRD discovery, the namespaces kopf follows).
+
+The fleet routers get no Role made by the operator: the chart ships one ClusterRole for them
+(`router_cluster_role`) and the operator only makes a RoleBinding to it in the fleet's namespace. Creating a
+binding is allowed when one holds every permission it grants or `bind` on that role; the operator holds
+`bind` on exactly that one ClusterRole (resourceNames), so it needs neither the router's read rights itself
+nor any verb on Roles, and it can never bind anything else (no RBAC escalation rights).
+"""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 CLUSTER_ROLE_NAME = "kvpilot-operator"
+# The fleet routers' ClusterRole (`kvpilot operator --router-cluster-role`; the chart's "<release>-router").
+ROUTER_CLUSTER_ROLE = "kvpilot-router"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
-RULES: list[dict[str, Any]] = [
-    # Watch our resources; patch them for kopf's handler bookkeeping (annotations) and finalizers.
+Rule = dict[str, Any]
+
+# What a fleet router reads in its own namespace (granted by a RoleBinding there, never cluster-wide).
+ROUTER_RULES: list[Rule] = [
+    # Its fleet Service's EndpointSlices: listed, then watched (router/discovery.py).
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+    # Whether an endpoint's targetRef is a Pod its fleet controls before the fleet's token goes there.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+]
+
+# Namespaced rules, in the watched namespaces (a Role each) or cluster-wide.
+_NAMESPACED: list[Rule] = [
+    # Watch our resources; patch them for kopf's handler bookkeeping (annotations) and finalizers; get: an
+    # owned object's event reads its owner, a reset reads its target.
     {
         "apiGroups": ["kvpilot.io"],
         "resources": ["inferencedeployments"],
         "verbs": ["get", "list", "watch", "patch"],
     },
-    # Owner references with blockOwnerDeletion (kopf.adopt) need this under OwnerReferencesPermissionEnforcement.
+    # Owner references with blockOwnerDeletion (kopf.adopt) need this under OwnerReferencesPermissionEnforcement
+    # (an admission check, no request of its own; tests/operator/test_operator_rbac.py).
     {"apiGroups": ["kvpilot.io"], "resources": ["inferencedeployments/finalizers"], "verbs": ["update"]},
     # Also create (annotation trigger) and delete (ttlSecondsAfterFinished) resets.
     {
@@ -27,10 +60,10 @@ RULES: list[dict[str, Any]] = [
         "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
         "verbs": ["patch"],
     },
-    # Owned workloads: watched (edits and readiness arrive as events), server-side applied (patch, and create:
-    # an apply that creates the object needs both), read and deleted when placement changes. kopf watches
-    # cluster-wide (label-selected by the API server, but RBAC cannot be narrowed by label); with `-n` the same
-    # rules can go into namespaced Roles.
+    # Owned workloads (the daemons' Deployment or, with placement DaemonSet, DaemonSet; the router's
+    # Deployment): watched (edits and readiness arrive as events; label-selected by the API server, but RBAC
+    # cannot be narrowed by label), server-side applied (patch, and create: an apply that creates the object
+    # needs both), read and deleted when placement changes or the router is turned off.
     {
         "apiGroups": ["apps"],
         "resources": ["deployments", "daemonsets"],
@@ -38,57 +71,104 @@ RULES: list[dict[str, Any]] = [
     },
     # Which ReplicaSets belong to a fleet's Deployment: its token goes only to the pods they run.
     {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["list"]},
-    # get and delete: a fleet's router Service goes when spec.router is disabled (read first: only if ours).
+    # The fleet's Service and the router's, its ServiceAccount, and the RoleBinding that gives it the
+    # router ClusterRole: applied, read (only ours are ever written or deleted), watched so that an edit or a
+    # deletion is put back, deleted when spec.router is turned off.
     {
         "apiGroups": [""],
-        "resources": ["services"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    # The fleet router's identity: a ServiceAccount, and a Role (bound to it) that reads the fleet's
-    # EndpointSlices. Applied, read and deleted like the router's Deployment, and watched (label-selected by
-    # the API server) so that an edit or a deletion is put back.
-    {
-        "apiGroups": [""],
-        "resources": ["serviceaccounts"],
+        "resources": ["services", "serviceaccounts"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
-        "apiGroups": ["rbac.authorization.k8s.io"],
-        "resources": ["roles", "rolebindings"],
+        "apiGroups": [RBAC_GROUP],
+        "resources": ["rolebindings"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    # Never used by the operator itself: Kubernetes lets it grant only what it holds (RBAC escalation
-    # prevention), and the router's Role grants exactly this.
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+    # The fleet's NetworkPolicy (spec switch, on by default): applied, read before it is deleted.
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
     # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-    # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
-    # generated token.
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    # Secrets by name only, never list/watch (no Secret is ever seen that a spec does not name): get an admin
+    # token; create/patch/delete the fleet's own generated token and its KV-event CURVE key pair (owned by the
+    # InferenceDeployment; RBAC cannot narrow by owner or by a name chosen at run time).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
     # Events on start, per failed pod, at the end, and on rollouts.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    # kopf: discovers resources through CRDs, and its peering (two replicas never both act); the operator
-    # creates its peering object when it is missing.
+]
+
+# Cluster-scoped rules of both modes. kopf discovers resources through the CRDs (list, then watch);
+# `ensure_peering` lists them too.
+_CLUSTER: list[Rule] = [
     {
         "apiGroups": ["apiextensions.k8s.io"],
         "resources": ["customresourcedefinitions"],
         "verbs": ["list", "watch"],
     },
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-    {
-        "apiGroups": ["kopf.dev"],
-        "resources": ["clusterkopfpeerings", "kopfpeerings"],
-        "verbs": ["get", "list", "watch", "patch", "create"],
-    },
 ]
+# The peering object: kopf watches it and patches its own entry in; the operator creates it when missing and
+# (cluster-wide) reads it once to warn about peers of equal priority.
+_CLUSTERWIDE_PEERING: Rule = {
+    "apiGroups": ["kopf.dev"],
+    "resources": ["clusterkopfpeerings"],
+    "verbs": ["get", "list", "watch", "patch", "create"],
+}
+_NAMESPACED_PEERING: Rule = {
+    "apiGroups": ["kopf.dev"],
+    "resources": ["kopfpeerings"],
+    "verbs": ["list", "watch", "patch", "create"],
+}
+# kopf follows the namespaces it is told to watch only when it is not cluster-wide.
+_NAMESPACES: Rule = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
 
 
-def cluster_role(name: str = CLUSTER_ROLE_NAME) -> dict[str, Any]:
+def bind_router_role(router_role: str = ROUTER_CLUSTER_ROLE) -> Rule:
+    """`bind` on the router ClusterRole alone: the one way the operator hands out rights."""
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "apiGroups": [RBAC_GROUP],
+        "resources": ["clusterroles"],
+        "verbs": ["bind"],
+        "resourceNames": [router_role],
+    }
+
+
+def operator_rules(
+    clusterwide: bool, router_role: str = ROUTER_CLUSTER_ROLE
+) -> tuple[list[Rule], list[Rule]]:
+    """(the ClusterRole's rules, the rules of the Role in each watched namespace); the second is empty in
+    cluster-wide mode. The bind rule is namespaced: the API server checks `bind` in the binding's namespace."""
+    namespaced = [*_NAMESPACED, bind_router_role(router_role)]
+    if clusterwide:
+        return copy.deepcopy([*namespaced, *_CLUSTER, _CLUSTERWIDE_PEERING]), []
+    return copy.deepcopy([*_CLUSTER, _NAMESPACES]), copy.deepcopy([*namespaced, _NAMESPACED_PEERING])
+
+
+def _meta(name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "labels": {"app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/component": component},
+    }
+
+
+def cluster_role(name: str = CLUSTER_ROLE_NAME, router_role: str = ROUTER_CLUSTER_ROLE) -> dict[str, Any]:
+    """The cluster-wide operator's ClusterRole."""
+    return {
+        "apiVersion": f"{RBAC_GROUP}/v1",
         "kind": "ClusterRole",
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "kvpilot-operator"}},
-        "rules": [dict(r) for r in RULES],
+        "metadata": _meta(name, "operator"),
+        "rules": operator_rules(True, router_role)[0],
+    }
+
+
+def router_cluster_role(name: str = ROUTER_CLUSTER_ROLE) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{RBAC_GROUP}/v1",
+        "kind": "ClusterRole",
+        "metadata": _meta(name, "router"),
+        "rules": copy.deepcopy(ROUTER_RULES),
     }
 
 
@@ -96,9 +176,9 @@ def cluster_role_binding(
     sa_namespace: str, sa_name: str = "kvpilot-operator", role: str = CLUSTER_ROLE_NAME
 ) -> dict[str, Any]:
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "apiVersion": f"{RBAC_GROUP}/v1",
         "kind": "ClusterRoleBinding",
         "metadata": {"name": role},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "roleRef": {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": role},
         "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": sa_namespace}],
     }

@@ -1,8 +1,9 @@
 """Desired manifests of an InferenceDeployment's fleet router (`spec.router`): pure functions of its spec.
 
 The router (`kvpilot router --fleet NAME`) finds the daemons through the fleet Service's EndpointSlices, so it
-gets a ServiceAccount of its own and a Role that may read exactly those (get, list, watch endpointslices in
-the fleet's namespace). Its pods carry their own selector label, never the fleet's: the fleet Service and
+gets a ServiceAccount of its own and a RoleBinding, in the fleet's namespace, to the routers' ClusterRole that
+the chart ships (kvpilot.operator.rbac.ROUTER_RULES): the operator makes no Role, so it needs no rights on
+Roles and none of the router's own (it holds `bind` on that one ClusterRole). Its pods carry their own selector label, never the fleet's: the fleet Service and
 PrefixCacheResets must not pick up router pods as daemons.
 """
 
@@ -12,11 +13,12 @@ import copy
 from typing import Any
 
 from kvpilot.operator.builders import MANAGED_BY, fleet_env, kvpilot_container, router_spec
+from kvpilot.operator.rbac import RBAC_GROUP, ROUTER_CLUSTER_ROLE
 
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
 ROUTER_PORT = 8080
 ROUTER_CONTAINER = "router"
-KINDS = ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount")  # deletion order when disabled
+KINDS = ("Deployment", "Service", "RoleBinding", "ServiceAccount")  # deletion order when disabled
 
 
 def router_name(name: str) -> str:
@@ -52,27 +54,13 @@ def service_account(name: str) -> dict[str, Any]:
     }
 
 
-def role(name: str) -> dict[str, Any]:
+def role_binding(name: str, namespace: str, router_role: str = ROUTER_CLUSTER_ROLE) -> dict[str, Any]:
+    """The router's ServiceAccount gets the routers' ClusterRole in this namespace only."""
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {"name": router_name(name), "labels": router_labels(name)},
-        "rules": [
-            {
-                "apiGroups": ["discovery.k8s.io"],
-                "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"],
-            }
-        ],
-    }
-
-
-def role_binding(name: str, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "apiVersion": f"{RBAC_GROUP}/v1",
         "kind": "RoleBinding",
         "metadata": {"name": router_name(name), "labels": router_labels(name)},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+        "roleRef": {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": router_role},
         "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}],
     }
 
@@ -176,12 +164,13 @@ def service(name: str) -> dict[str, Any]:
     }
 
 
-def objects(name: str, namespace: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Everything the router needs, in creation order (the Role before the binding that names it)."""
+def objects(
+    name: str, namespace: str, spec: dict[str, Any], router_role: str = ROUTER_CLUSTER_ROLE
+) -> list[dict[str, Any]]:
+    """Everything the router needs, in creation order (its identity before the pods that use it)."""
     return [
         service_account(name),
-        role(name),
-        role_binding(name, namespace),
+        role_binding(name, namespace, router_role),
         deployment(name, spec),
         service(name),
     ]

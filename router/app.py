@@ -24,16 +24,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot.daemon.server.auth import authorized
+from kvpilot.daemon.server.errors import error_middleware
 from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER
 from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
+from kvpilot.http_limits import UPSTREAM_IDLE_S, start_server
 from kvpilot.router.engines import PROBES, read_capped
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
-from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin
+from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, block_sizes
 from kvpilot.router.prompts import PromptReader
 from kvpilot.router.settings import RouterSettings
 
@@ -72,7 +74,8 @@ def make_policy(name: str, index: PrefixIndex) -> RoundRobin:
 
 
 def create_app(router: Router) -> web.Application:
-    app = web.Application(client_max_size=router.settings.max_body_bytes, middlewares=[_errors])
+    limit = router.settings.max_body_bytes
+    app = web.Application(client_max_size=limit, middlewares=[error_middleware(limit)])
     app[ROUTER] = router
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -81,17 +84,6 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as err:
-        return json_response(err.body(), status=err.status)
-    except web.HTTPRequestEntityTooLarge:
-        err = ApiError(413, "the request body is too large", code="request_too_large")
-        return json_response(err.body(), status=413)
 
 
 def _no_pod() -> ApiError:
@@ -103,12 +95,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     r = request.app[ROUTER]
     raw = await request.read()
     prompts = None
-    if r.reader is not None and r.policy.needs_prompts:
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the pod answers the 400
-        prompts = await asyncio.to_thread(r.reader.read, request.path, body) if raw else None
+    if r.reader is not None and r.policy.needs_prompts and raw:
+        prompts = await r.reader.prompts(request.path, raw, block_sizes(r.fleet.ready_pods()))
     tried: set[str] = set()
     while True:
         pods = [p for p in r.fleet.ready_pods() if p.name not in tried]
@@ -386,11 +374,12 @@ async def serve(
     policy = make_policy(settings.policy, index)
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # Idle pod connections are dropped before a pod's header timeout would close them under a request.
+    connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_IDLE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         fleet = Fleet(index, metrics_, session, probe=PROBES[settings.engine])
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -403,9 +392,7 @@ async def serve(
             watch.start()
         else:
             fleet.update(pods or [])
-        await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        served = await start_server(app, settings.host, settings.port, settings.limits)
         where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name
@@ -423,6 +410,8 @@ async def serve(
         log.info("shutting down")
         if watch is not None:
             watch.stop()
-        await runner.cleanup()
+        await served.cleanup()
         await fleet.stop()
+        if reader is not None:
+            reader.close()
     return 0

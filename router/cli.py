@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
+from kvpilot.http_limits import ConnectionLimits
 from kvpilot.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
         help="admin token for /reset_prefix_cache, also sent to the pods (default: $KVPILOT_ADMIN_TOKEN)",
     )
     add_flags(p, RouterSettings)
+    add_flags(p, ConnectionLimits, "client connections")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -59,10 +61,11 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         token = load_admin_token(args.admin_token_file)
         pods = parse_endpoints(args.endpoints) if args.endpoints else None
-        settings = from_flags(RouterSettings, args, admin_token=token)
+        limits = from_flags(ConnectionLimits, args)
+        settings = from_flags(RouterSettings, args, admin_token=token, limits=limits)
         settings.validate()
     except (AdminTokenError, ValueError) as exc:
-        log.error("%s", flag_message(exc, RouterSettings))
+        log.error("%s", flag_message(exc, RouterSettings, ConnectionLimits))
         return 2
     namespace = args.namespace or "default"
     if args.fleet:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.pods import Pod
 from kvpilot.router.prompts import Prompts
@@ -27,6 +26,16 @@ class Decision:
     reason: str  # prefix | load | round-robin
     predicted_cached_tokens: int | None = None  # None: no prediction (the pod publishes no events)
     rank: int | None = None  # the data-parallel rank to run on (None: the pod chooses)
+
+
+def _keyed(pod: Pod) -> bool:
+    """The pod's cache is followed: a request is scored there by its prompts' block keys."""
+    return pod.block_size is not None and pod.synced()
+
+
+def block_sizes(pods: list[Pod]) -> set[int]:
+    """The block sizes prefix-aware keys a request's prompts by, for these pods."""
+    return {p.block_size for p in pods if _keyed(p) and p.block_size is not None}
 
 
 class RoundRobin:
@@ -69,18 +78,15 @@ class PrefixAware(RoundRobin):
 
     def predict(self, pods: list[Pod], prompts: Prompts) -> dict[tuple[str, int], int]:
         """Prompt tokens each (pod, rank) would serve from its cache, per the index; pods whose events are
-        not followed are left out. The engine always computes the last prompt token, so at most len-1
-        tokens' worth of blocks."""
+        not followed are left out."""
         out: dict[tuple[str, int], int] = {}
         by_size: dict[int, list[tuple[str, int]]] = {}
         for p in pods:
-            if p.block_size is not None and p.synced():
+            if _keyed(p):
                 by_size.setdefault(p.block_size, []).extend(p.holders())
                 out.update(dict.fromkeys(p.holders(), 0))
         for bs, holders in by_size.items():
-            for ids in prompts.token_ids:
-                usable = (len(ids) - 1) // bs
-                keys = prompt_block_hashes(ids[: usable * bs], bs, prompts.cache_salt)
+            for keys in prompts.block_keys(bs):  # computed off the event loop (PromptReader)
                 for holder, blocks in self.index.matched_blocks(keys, holders).items():
                     out[holder] += blocks * bs
         return out

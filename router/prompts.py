@@ -2,24 +2,54 @@
 
 Validation stays with the daemon: the router reads the body with the daemon's own parsers and, where a
 body does not parse, routes without a prediction and lets the pod answer the 4xx.
+
+Everything a client's body costs happens off the event loop, in a small pool of threads with a bounded
+queue (the daemon's TextPool): JSON parsing, templating, tokenizing and the block keys the policy
+compares with the index. Keys are computed for at most the model's context of each prompt: a longer
+prompt is refused by every pod, so hashing a million tokens of it would only stall the router. When
+the pool's queue is full the request is routed without a prediction, by load.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
+from kvpilot.daemon.engine.block_hash import BlockHash, prompt_block_hashes
 from kvpilot.daemon.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.daemon.server.protocol import ApiError, parse_chat, parse_completion
+from kvpilot.daemon.server.text_pool import Busy, TextPool
+
+log = logging.getLogger(__name__)
+
+# The context assumed for a tokenizer directory whose config.json names none.
+FALLBACK_CONTEXT = 131072
 
 
 @dataclass(frozen=True, slots=True)
 class Prompts:
     token_ids: list[list[int]]  # one list per prompt of the request
     cache_salt: str | None
+    max_tokens: int | None = None  # tokens of a prompt that are hashed at most (None: all)
+    _keys: dict[int, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
+
+    def block_keys(self, block_size: int) -> list[list[BlockHash]]:
+        """Each prompt's keys of the full blocks a pod could serve from its cache: the engine always
+        computes the last prompt token, so at most len-1 tokens' worth, and at most `max_tokens`."""
+        keys = self._keys.get(block_size)
+        if keys is None:
+            keys = self._keys[block_size] = [self._keys_of(ids, block_size) for ids in self.token_ids]
+        return keys
+
+    def _keys_of(self, ids: list[int], block_size: int) -> list[BlockHash]:
+        usable = len(ids) - 1 if self.max_tokens is None else min(len(ids) - 1, self.max_tokens)
+        n = max(usable, 0) // block_size * block_size
+        return prompt_block_hashes(ids[:n], block_size, self.cache_salt)
 
 
 def tokenizer_dir(model: str | None) -> Path:
@@ -32,9 +62,44 @@ def tokenizer_dir(model: str | None) -> Path:
     return path
 
 
+def model_context(path: Path) -> int:
+    """The longest prompt any pod serving the model at `path` accepts: its config's
+    max_position_embeddings, which bounds every daemon's --max-model-len."""
+    try:
+        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    return value if isinstance(value, int) and value > 0 else FALLBACK_CONTEXT
+
+
 class PromptReader:
-    def __init__(self, model: str | None) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(model))
+    def __init__(self, model: str | None, workers: int = 2, max_pending: int = 64) -> None:
+        path = tokenizer_dir(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_model_len = model_context(path)
+        self._pool = TextPool(workers, max_pending)
+
+    async def prompts(self, path: str, raw: bytes, block_sizes: set[int]) -> Prompts | None:
+        """The request's prompts with their keys for each of `block_sizes` computed, from a worker
+        thread; None when the body does not parse, or the pool is too busy to predict."""
+        try:
+            return await self._pool.prepare(self._prepare, path, raw, block_sizes)
+        except Busy:
+            log.debug("prompt pool busy: %s routed by load", path)
+            return None
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _prepare(self, path: str, raw: bytes, block_sizes: set[int]) -> Prompts | None:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
+            return None
+        prompts = self.read(path, body)
+        for size in block_sizes if prompts is not None else ():
+            prompts.block_keys(size)
+        return prompts
 
     def read(self, path: str, body: Any) -> Prompts | None:
         if not isinstance(body, dict):
@@ -45,7 +110,8 @@ class PromptReader:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
                 text = chat.render(tok)
-                return Prompts([tok.encode(text, add_special_tokens=False)], chat.generate.cache_salt)
+                ids = tok.encode(text, add_special_tokens=False)
+                return Prompts([ids], chat.generate.cache_salt, self.max_model_len)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None
@@ -56,4 +122,4 @@ class PromptReader:
             # route by, and predicting a hit would count as a stale prediction.
             return None
         ids = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompts]
-        return Prompts(ids, req.cache_salt)
+        return Prompts(ids, req.cache_salt, self.max_model_len)

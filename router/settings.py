@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.config_flags import flag
+from kvpilot.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py; app.make_policy builds them
 # The pods' engines (router/engines.py says how each is probed; kvpilot.fanout.engines resets them).
@@ -56,6 +57,7 @@ class RouterSettings:
         default=64 << 20,
         metadata=flag("bytes of a pod's non-streamed reply the router passes on; a longer one is a 502"),
     )
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -77,3 +79,4 @@ class RouterSettings:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
         if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
             raise ValueError("proxy_timeout_s and max_reply_bytes must be positive")
+        self.limits.validate()

@@ -22,7 +22,7 @@ from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.choices import TokenTexts
-from kvpilot.daemon.server.errors import ApiError, unavailable
+from kvpilot.daemon.server.errors import ApiError, error_middleware, error_response, unavailable
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
 from kvpilot.daemon.server.prepare import PromptRules
@@ -30,6 +30,7 @@ from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
 from kvpilot.daemon.server.schema import openapi
 from kvpilot.daemon.server.text_pool import Busy, TextPool
+from kvpilot.http_limits import start_server
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         token_texts=TokenTexts(engine.info.tokenizer),
     )
     state.idle.set()
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_error_middleware])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[error_middleware(settings.max_body_bytes), _track_requests],
+    )
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -77,41 +81,21 @@ async def _stop_engine(app: web.Application) -> None:
     app[STATE].text.shutdown()
 
 
-def _error_response(err: ApiError, extra: dict | None = None) -> web.Response:
-    return json_response({**(extra or {}), **err.body()}, status=err.status, headers=err.headers)
-
-
 @web.middleware
-async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure leaves as OpenAI's error JSON; ours (5xx) never carry a stack trace."""
+async def _track_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Count requests in flight for the drain, refuse generations while draining, and word the engine's
+    failures as OpenAI errors (error_middleware, outside this one, answers them)."""
     state = request.app[STATE]
-    generation = request.path in GENERATION_PATHS
-    if generation and state.draining:
-        return _error_response(ApiError(503, "the server is shutting down", code="shutting_down"))
+    if request.path in GENERATION_PATHS and state.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
     state.in_flight += 1
     state.idle.clear()
     try:
         return await handler(request)
-    except ApiError as err:
-        return _error_response(err)
     except Busy as exc:
-        return _error_response(unavailable(str(exc), "queue_full"))
-    except web.HTTPRequestEntityTooLarge:
-        limit = state.settings.max_body_bytes
-        return _error_response(
-            ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error_response(ApiError(exc.status, exc.reason or "error"))
+        raise unavailable(str(exc), "queue_full") from None
     except EngineDeadError:
-        return _error_response(ApiError(503, "the engine is not running", code="engine_unavailable"))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(ApiError(500, "internal server error", code="internal_error"))
+        raise ApiError(503, "the engine is not running", code="engine_unavailable") from None
     finally:
         state.in_flight -= 1
         if state.in_flight == 0:
@@ -204,7 +188,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         names = ", ".join(f"{r.rank} ({r.error})" for r in failed)
         log.error("prefix cache reset failed on rank %s", names)
         err = ApiError(500, f"the prefix cache reset failed on rank {names}", code="reset_failed")
-        return _error_response(err, {"success": False, "ranks": entries})
+        return error_response(err, {"success": False, "ranks": entries})
     m.labels("success").inc()
     result = {
         "success": True,
@@ -242,17 +226,14 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     `shutdown_timeout`, stop the engine, return 0."""
     app = create_app(engine, settings)
     http_log.install()
-    # handler_cancellation: a client that disconnects cancels its handler at once, whose `finally`
-    # aborts the engine request, so its blocks are freed before the next step.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     state = app[STATE]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before listening: no window where a signal is lost
         loop.add_signal_handler(sig, stop.set)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    # A client that disconnects cancels its handler at once, whose `finally` aborts the engine request,
+    # so its blocks are freed before the next step.
+    served = await start_server(app, settings.host, settings.port, settings.limits)
     log.info(
         "serving %s on http://%s:%d (admin token %s, max body %d bytes)",
         ", ".join(state.served),
@@ -262,7 +243,7 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
         settings.max_body_bytes,
     )
     # The line a newcomer waits for (README.md, "Try it"): where to point curl, and that it goes in another shell.
-    url = _local_url(settings.host, runner.addresses[0][1])
+    url = _local_url(settings.host, served.port)
     log.info(
         "ready: in another shell, try `curl -s %s/v1/models` or `.venv/bin/kvpilot bench --url %s`", url, url
     )
@@ -273,11 +254,11 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
         settings.shutdown_timeout,
     )
     state.draining = True
-    await site.stop()  # stop listening; open connections finish their current request
+    served.stop_listening()  # open connections finish their current request
     try:
         await asyncio.wait_for(state.idle.wait(), settings.shutdown_timeout)
     except TimeoutError:
         log.warning("grace period over with %d requests in flight; aborting them", state.in_flight)
-    await runner.cleanup()
+    await served.cleanup()
     log.info("stopped")
     return 0

@@ -9,6 +9,7 @@ import logging
 from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.server.settings import ServerSettings
+from kvpilot.http_limits import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="file holding the admin token for /reset_prefix_cache (default: $KVPILOT_ADMIN_TOKEN)",
     )
+    add_flags(p, ConnectionLimits, "client connections")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -37,12 +39,12 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     config = from_flags(EngineConfig, args)
-    settings = from_flags(ServerSettings, args, admin_token=token)
+    settings = from_flags(ServerSettings, args, admin_token=token, limits=from_flags(ConnectionLimits, args))
     try:
         config.validate()
         settings.validate()
     except ValueError as exc:
-        log.error("%s", flag_message(exc, EngineConfig, ServerSettings))
+        log.error("%s", flag_message(exc, EngineConfig, ServerSettings, ConnectionLimits))
         return 2
 
     from kvpilot.daemon.engine.client import start_engine

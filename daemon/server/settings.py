@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.config_flags import flag
+from kvpilot.http_limits import ConnectionLimits
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class ServerSettings:
     reset_timeout: float = 60.0  # a rank whose reset has not answered by then fails the reset (500)
     text_workers: int = 2  # threads that tokenize, template and detokenize
     max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,3 +51,4 @@ class ServerSettings:
             raise ValueError("request_timeout must be a positive number of seconds")
         if self.reset_timeout <= 0 or self.text_workers < 1 or self.max_pending_prepare < 1:
             raise ValueError("reset_timeout, text_workers and max_pending_prepare must be positive")
+        self.limits.validate()

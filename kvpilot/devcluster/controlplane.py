@@ -62,6 +62,11 @@ class ControlPlane:
     # Extra users for tests, e.g. {"dev": ()} gets a token and no rights.
     extra_users: dict[str, tuple[str, ...]] = field(default_factory=dict)
     verbose: int = 1
+    # An audit policy (audit.k8s.io/v1 Policy as a dict): the apiserver then writes the events it selects to
+    # `audit_log`, one JSON object a line, before it answers (the log backend's blocking mode).
+    audit_policy: dict | None = None
+    # More kube-apiserver flags, e.g. --enable-admission-plugins=...
+    apiserver_args: tuple[str, ...] = ()
     users: dict[str, User] = field(default_factory=dict, init=False)
     url: str = field(default="", init=False)
     _procs: dict = field(default_factory=dict, init=False)
@@ -109,6 +114,18 @@ class ControlPlane:
     @property
     def kubeconfig(self) -> Path:
         return self.workdir / "kubeconfig"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.workdir / "logs" / "audit.log"
+
+    def audit_events(self) -> list[dict]:
+        """The audit log's events so far (empty without an audit policy)."""
+        try:
+            lines = self.audit_log.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
 
     def log(self, name: str) -> Path:
         return self.workdir / "logs" / f"{name}.log"
@@ -203,6 +220,8 @@ class ControlPlane:
                 f"--kubelet-client-key={keys.kubelet_client_key}",
                 "--kubelet-preferred-address-types=InternalIP",
                 f"--v={self.verbose}",
+                *self._audit_args(),
+                *self.apiserver_args,
             ],
         )
         self._wait("kube-apiserver", deadline, lambda: self.request("/readyz")[0] == 200)
@@ -227,6 +246,18 @@ class ControlPlane:
             deadline,
             lambda: self.request("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
         )
+
+    def _audit_args(self) -> list[str]:
+        if self.audit_policy is None:
+            return []
+        policy = self.workdir / "audit-policy.json"  # JSON is YAML: the apiserver reads either
+        policy.write_text(json.dumps(self.audit_policy))
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",
+        ]
 
     def _write_tokens(self) -> None:
         # Static token file: token,user,uid,"group1,group2". Read once at apiserver start,

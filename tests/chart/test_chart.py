@@ -37,7 +37,7 @@ def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 def test_chart_equals_its_sources() -> None:
-    """hack/chart/sync.py --check: chart CRDs are byte copies of crds/, files/rbac-rules.yaml is RULES."""
+    """hack/chart/sync.py --check: chart CRDs are byte copies of crds/, files/rbac-rules.yaml is rbac.py's."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "hack" / "chart" / "sync.py"), "--check"], capture_output=True, text=True
     )
@@ -103,9 +103,17 @@ def test_defaults(helm: Helm) -> None:
     hooks = [o for k in ("Role", "RoleBinding", "ConfigMap", "Pod") for o in objs[k]]
     assert all(o["metadata"]["annotations"]["helm.sh/hook"] == "test" for o in hooks)
 
-    edit, operator_role, view = sorted(objs["ClusterRole"], key=lambda o: o["metadata"]["name"])
+    edit, operator_role, router_role, view = sorted(objs["ClusterRole"], key=lambda o: o["metadata"]["name"])
     assert operator_role["metadata"]["name"] == "kvpilot-operator"
-    assert operator_role["rules"] == rbac.RULES  # rendered from operator/rbac.py, rule for rule
+    # Rendered from operator/rbac.py, rule for rule; the one role the operator may bind is the release's.
+    assert operator_role["rules"] == rbac.operator_rules(True, "kvpilot-router")[0]
+    assert router_role["metadata"]["name"] == "kvpilot-router" and router_role["rules"] == rbac.ROUTER_RULES
+    assert (
+        "--router-cluster-role=kvpilot-router"
+        in objs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    # Bound to the operator alone; the routers get it through the operator's RoleBindings.
+    assert [b["roleRef"]["name"] for b in objs["ClusterRoleBinding"]] == ["kvpilot-operator"]
     assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert {v for r in view["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
@@ -244,6 +252,7 @@ def test_dashboards_toggle(helm: Helm) -> None:
 
 def test_watch_namespaces(helm: Helm) -> None:
     objs = kinds(helm.template("--set", "operator.watchNamespaces={team-a,team-b}"))
+    cluster_rules, role_rules = rbac.operator_rules(False, "kvpilot-router")
     (dep,) = objs["Deployment"]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
@@ -254,14 +263,12 @@ def test_watch_namespaces(helm: Helm) -> None:
     ]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (cluster_role,) = [r for r in objs["ClusterRole"] if r["metadata"]["name"] == "kvpilot-operator"]
-    # Cluster-wide only what cannot be namespaced; together exactly RULES.
-    assert {r for _, r, _ in triples(cluster_role["rules"])} == {
-        "customresourcedefinitions",
-        "namespaces",
-        "clusterkopfpeerings",
-    }
-    assert triples(cluster_role["rules"]) | triples(roles[0]["rules"]) == triples(rbac.RULES)
-    assert not triples(cluster_role["rules"]) & triples(roles[0]["rules"])
+    # Cluster-wide only what cannot be namespaced (kopf's discovery); no Secret, no workload beyond the
+    # watched namespaces. Rendered from operator/rbac.py, rule for rule.
+    assert {r for _, r, _ in triples(cluster_role["rules"])} == {"customresourcedefinitions", "namespaces"}
+    assert cluster_role["rules"] == cluster_rules
+    assert all(r["rules"] == role_rules for r in roles)
+    assert ("", "secrets", "get") in triples(role_rules)
 
 
 @pytest.mark.parametrize(
@@ -281,6 +288,7 @@ def test_peering_object_is_the_operators_not_the_charts(helm: Helm, values: list
     else:
         (role,) = [r for r in objs["ClusterRole"] if r["metadata"]["name"] == "kvpilot-operator"]
         assert ("kopf.dev", "clusterkopfpeerings", "create") in triples(role["rules"])
+        assert ("kopf.dev", "kopfpeerings", "create") not in triples(role["rules"])
 
 
 def test_values_reach_the_deployment(helm: Helm) -> None:

@@ -1,14 +1,11 @@
-"""A real Prometheus (`make tools`) for the tests: its scrape configs translated from the chart's PodMonitor
-and ServiceMonitor objects the way the Prometheus Operator generates them (Kubernetes service discovery,
-the selector as `keep` rules, the standard target labels, then the objects' own relabelings), and its rules
-from the PrometheusRule. `via_http_sd` swaps the discovery for kubernetes_sd.KubernetesSD where the binary
-lacks `kubernetes_sd_configs` (Debian's build)."""
+"""A real Prometheus (`make tools`) for the tests, on a loopback port: with a plain configuration
+(`static_config`) or the one the Prometheus Operator generates from the chart's monitors
+(monitoring/operator_config.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import urllib.parse
 import urllib.request
@@ -18,147 +15,26 @@ from typing import Any
 import yaml
 
 from monitoring.dashboards import load, queries, substitute, variable_queries
-from monitoring.kubernetes_sd import KubernetesSD
 from support.procs import free_port, spawn, stop
 
-_RELABEL_KEYS = {
-    "sourceLabels": "source_labels",
-    "separator": "separator",
-    "targetLabel": "target_label",
-    "regex": "regex",
-    "modulus": "modulus",
-    "replacement": "replacement",
-    "action": "action",
-}
 
-
-def _sanitize(label: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
-
-
-def _relabel(r: dict[str, Any]) -> dict[str, Any]:
-    """A prometheus-operator RelabelConfig (camelCase) as Prometheus' relabel_config."""
-    out = {_RELABEL_KEYS[k]: v for k, v in r.items()}
-    if "action" in out:
-        out["action"] = out["action"].lower()
-    return out
-
-
-def _selector(meta: str, selector: dict[str, Any]) -> list[dict[str, Any]]:
-    assert not selector.get("matchExpressions"), "matchExpressions are not translated"
-    return [
-        {
-            "source_labels": [f"{meta}_label_{_sanitize(k)}", f"{meta}_labelpresent_{_sanitize(k)}"],
-            "regex": f"({v});true",
-            "action": "keep",
-        }
-        for k, v in selector.get("matchLabels", {}).items()
-    ]
-
-
-def _sd(
-    role: str, namespace_selector: dict[str, Any], own_ns: str, api: dict[str, Any] | None
+def static_config(
+    workdir: Path, scrape_configs: list[dict], rule_groups: list[dict], interval: str = "2s"
 ) -> dict[str, Any]:
-    """A kubernetes_sd_config; `api`: api_server, tls_config, authorization (none: in-cluster)."""
-    sd: dict[str, Any] = {"role": role, **(api or {})}
-    if not namespace_selector.get("any"):
-        sd["namespaces"] = {"names": namespace_selector.get("matchNames") or [own_ns]}
-    return sd
-
-
-def _endpoint_job(
-    kind: str,
-    obj: dict[str, Any],
-    i: int,
-    ep: dict[str, Any],
-    sd: dict[str, Any],
-    relabels: list[dict[str, Any]],
-) -> dict[str, Any]:
-    job: dict[str, Any] = {
-        "job_name": f"{kind}/{obj['metadata']['namespace']}/{obj['metadata']['name']}/{i}",
-        "honor_labels": bool(ep.get("honorLabels", False)),
-        "kubernetes_sd_configs": [sd],
-        "metrics_path": ep.get("path", "/metrics"),
-        "relabel_configs": relabels + [_relabel(r) for r in ep.get("relabelings", [])],
+    """A plain configuration: these scrape configs, and the rule groups written to a rule file in `workdir`."""
+    (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups}))
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(workdir / "rules.yaml")],
+        "scrape_configs": scrape_configs,
     }
-    if ep.get("interval"):
-        job["scrape_interval"] = job["scrape_timeout"] = ep["interval"]
-    return job
-
-
-def pod_monitor_jobs(pm: dict[str, Any], api: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    spec, ns = pm["spec"], pm["metadata"]["namespace"]
-    jobs = []
-    for i, ep in enumerate(spec["podMetricsEndpoints"]):
-        m = "__meta_kubernetes_pod"
-        relabels = [
-            *_selector(m, spec["selector"]),
-            {"source_labels": [f"{m}_container_port_name"], "regex": ep["port"], "action": "keep"},
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": [f"{m}_container_name"], "target_label": "container"},
-            {"source_labels": [f"{m}_name"], "target_label": "pod"},
-            {"target_label": "job", "replacement": f"{ns}/{pm['metadata']['name']}"},
-            {"target_label": "endpoint", "replacement": ep["port"]},
-        ]
-        sd = _sd("pod", spec.get("namespaceSelector", {}), ns, api)
-        jobs.append(_endpoint_job("podMonitor", pm, i, ep, sd, relabels))
-    return jobs
-
-
-def service_monitor_jobs(sm: dict[str, Any], api: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    spec, ns = sm["spec"], sm["metadata"]["namespace"]
-    jobs = []
-    for i, ep in enumerate(spec["endpoints"]):
-        relabels = [
-            *_selector("__meta_kubernetes_service", spec["selector"]),
-            {
-                "source_labels": ["__meta_kubernetes_endpointslice_port_name"],
-                "regex": ep["port"],
-                "action": "keep",
-            },
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-            {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
-            {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"},
-            {"target_label": "endpoint", "replacement": ep["port"]},
-        ]
-        sd = _sd("endpointslice", spec.get("namespaceSelector", {}), ns, api)
-        jobs.append(_endpoint_job("serviceMonitor", sm, i, ep, sd, relabels))
-    return jobs
-
-
-def via_http_sd(jobs: list[dict[str, Any]], sd: KubernetesSD) -> list[dict[str, Any]]:
-    """The same jobs with each kubernetes_sd_config served by `sd` over http_sd_configs."""
-    out = []
-    for job in jobs:
-        job = dict(job)
-        configs = job.pop("kubernetes_sd_configs")
-        job["http_sd_configs"] = [
-            sd.sd_config(c["role"], (c.get("namespaces") or {}).get("names")) for c in configs
-        ]
-        out.append(job)
-    return out
 
 
 class Prometheus:
-    """`prometheus` on a loopback port with the given scrape configs and rule groups, in `workdir`."""
+    """`prometheus` on a loopback port with the given configuration, in `workdir`."""
 
-    def __init__(
-        self,
-        binary: str,
-        workdir: Path,
-        scrape_configs: list[dict],
-        rule_groups: list[dict],
-        interval: str = "2s",
-    ) -> None:
+    def __init__(self, binary: str, workdir: Path, config: dict[str, Any]) -> None:
         self.workdir, self.port = workdir, free_port()
-        (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups}))
-        config = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
-            "rule_files": [str(workdir / "rules.yaml")],
-            "scrape_configs": scrape_configs,
-        }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         self.log = workdir / "prometheus.log"
         argv = [

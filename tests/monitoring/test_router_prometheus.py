@@ -16,7 +16,7 @@ from chart.tools import tool
 from router.test_router import SYSTEM, ask, wait_indexed
 
 from monitoring.dashboards import ALERTS, ROUTER_DASHBOARD
-from monitoring.prometheus import Prometheus
+from monitoring.prometheus import Prometheus, static_config
 from support.procs import wait_for
 from support.servers import MODEL, Fleet
 
@@ -43,9 +43,8 @@ def prometheus(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     ]
     groups = [g for g in yaml.safe_load(ALERTS.read_text())["groups"] if g["name"] == "kvpilot-router"]
     assert groups, "no kvpilot-router rule group"
-    prom = Prometheus(
-        tool("prometheus"), tmp_path_factory.mktemp("prometheus"), scrape, groups, interval="1s"
-    )
+    workdir = tmp_path_factory.mktemp("prometheus")
+    prom = Prometheus(tool("prometheus"), workdir, static_config(workdir, scrape, groups, interval="1s"))
     try:
         wait_for(prom.ready, 60, "prometheus /-/ready")
         yield prom

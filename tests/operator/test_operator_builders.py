@@ -163,22 +163,20 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
         },
         "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"},
     }
-    sa, role, binding, dep, svc = router_objects.objects("llama", "team-a", spec)
-    assert [o["kind"] for o in (sa, role, binding, dep, svc)] == [
+    sa, binding, dep, svc = router_objects.objects("llama", "team-a", spec, "rel-router")
+    assert [o["kind"] for o in (sa, binding, dep, svc)] == [
         "ServiceAccount",
-        "Role",
         "RoleBinding",
         "Deployment",
         "Service",
     ]
-    assert {o["metadata"]["name"] for o in (sa, role, binding, dep, svc)} == {"llama-router"}
-    assert role["rules"] == [
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        }
-    ]
+    assert {o["metadata"]["name"] for o in (sa, binding, dep, svc)} == {"llama-router"}
+    # No Role of its own: a binding, in the fleet's namespace, to the routers' ClusterRole the chart ships.
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "rel-router",
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "team-a"}]
     pod = dep["spec"]["template"]
     # Router pods never carry the fleet's label: the fleet Service and resets must not take them for daemons.

@@ -1,4 +1,4 @@
-"""The operator with exactly rbac.RULES against an API server that enforces OwnerReferencesPermissionEnforcement
+"""The operator with exactly its rbac.py rules against an API server that enforces OwnerReferencesPermissionEnforcement
 (as OpenShift and many hardened clusters do): owner references that block deletion need
 `inferencedeployments/finalizers: update`. No node agent: the objects the operator writes are the point."""
 
@@ -26,17 +26,9 @@ PLUGIN = "--enable-admission-plugins=OwnerReferencesPermissionEnforcement"
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 
 
-class EnforcingControlPlane(ControlPlane):
-    """The dev control plane plus the admission plugin (kvpilot.devcluster has no public switch for extra
-    kube-apiserver flags yet, so the one spawn is extended here)."""
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        super()._spawn(name, [*args, PLUGIN] if name == "kube-apiserver" else args)
-
-
 @pytest.fixture(scope="module")
 def enforcing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    cp = EnforcingControlPlane(workdir=tmp_path_factory.mktemp("enforcing") / "cp")
+    cp = ControlPlane(workdir=tmp_path_factory.mktemp("enforcing") / "cp", apiserver_args=(PLUGIN,))
     cp.start(timeout=180)
     try:
         yield cp
@@ -68,7 +60,7 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
     kubectl(cp, "create", "namespace", "t")
     without_finalizers = rbac.cluster_role()
     without_finalizers["rules"] = [
-        r for r in rbac.RULES if "inferencedeployments/finalizers" not in r["resources"]
+        r for r in without_finalizers["rules"] if "inferencedeployments/finalizers" not in r["resources"]
     ]
     apply(
         cp,
@@ -79,6 +71,7 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
         },
         without_finalizers,
         rbac.cluster_role_binding("kvpilot-system"),
+        rbac.router_cluster_role(),
     )
     token = kubectl(
         cp, "create", "token", "kvpilot-operator", "-n", "kvpilot-system", "--duration=1h"
@@ -100,14 +93,13 @@ def test_owner_references_under_exactly_the_rules(enforcing: ControlPlane, tmp_p
         # Without the finalizers rule the plugin refuses the owned objects (which also shows it is on).
         apply(cp, copy.deepcopy(fleet) | {"metadata": {"name": "refused", "namespace": "t"}})
         wait_for(lambda: "cannot set blockOwnerDeletion" in op.log.read_text(), 60, "the plugin's refusal")
-        # With exactly RULES every owned object is written.
+        # With exactly its rules every owned object is written.
         apply(cp, rbac.cluster_role())
         apply(cp, copy.deepcopy(fleet) | {"metadata": {"name": "owned", "namespace": "t"}})
         uid = json.loads(kubectl(cp, "get", "infd", "owned", "-n", "t", "-o", "json"))["metadata"]["uid"]
-        # ... the router's too, its Role included (granting endpointslices needs the operator to hold them).
+        # ... the router's too, its RoleBinding to the routers' ClusterRole included (`bind` on that role).
         router = [
-            (kind, "owned-router")
-            for kind in ("deployment", "service", "serviceaccount", "role", "rolebinding")
+            (kind, "owned-router") for kind in ("deployment", "service", "serviceaccount", "rolebinding")
         ]
         for kind, name in (
             ("deployment", "owned"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from kvpilot.fanout import PodResult
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
@@ -102,10 +104,24 @@ def test_cli_parsers_and_output() -> None:
     assert "llm-0" in line and "epoch 4, 12 blocks evicted" in line and "(0.012s, 1 attempts)" in line
 
 
-def test_rbac_rules_grant_no_wildcards_and_no_secret_listing() -> None:
-    for rule in rbac.RULES:
+@pytest.mark.parametrize("clusterwide", [True, False])
+def test_rbac_rules_grant_no_wildcards_and_no_secret_listing(clusterwide: bool) -> None:
+    cluster, role = rbac.operator_rules(clusterwide)
+    rules = [*cluster, *role, *rbac.ROUTER_RULES]
+    for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-    secrets = [r for r in rbac.RULES if "secrets" in r["resources"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
-    role = rbac.cluster_role()
-    assert role["kind"] == "ClusterRole" and role["rules"] == rbac.RULES
+    secrets = [r for r in rules if "secrets" in r["resources"]]
+    assert secrets == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]}
+    ]
+    # No rights on Roles or ClusterRoles but `bind` on the routers' one; nothing namespaced cluster-wide in
+    # namespaced mode.
+    rbac_rules = [r for r in rules if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
+    assert [r["resources"] for r in rbac_rules] == [["rolebindings"], ["clusterroles"]]
+    assert rbac_rules[1] == rbac.bind_router_role("kvpilot-router")
+    if not clusterwide:
+        assert {r for rule in cluster for r in rule["resources"]} == {
+            "customresourcedefinitions",
+            "namespaces",
+        }
+    assert rbac.cluster_role()["rules"] == rbac.operator_rules(True)[0]

@@ -1,8 +1,8 @@
-"""InferenceDeployment spec.router through the real parts: the operator (with only rbac.RULES) makes the router's
-Deployment, Service, ServiceAccount and Role; the router pod (`kvpilot router --fleet`, in-cluster credentials)
-finds two real daemons through the fleet Service's EndpointSlices and follows their KV events; requests through
-the router's Service land where the prefix is cached, and a reset through it, as AIPerf `--reset-kv-cache`
-sends it, reaches every daemon."""
+"""InferenceDeployment spec.router through the real parts: the operator (with only rbac.cluster_role()) makes the
+router's Deployment, Service, ServiceAccount and RoleBinding (to the routers' ClusterRole); the router pod
+(`kvpilot router --fleet`, in-cluster credentials) finds two real daemons through the fleet Service's
+EndpointSlices and follows their KV events; requests through the router's Service land where the prefix is
+cached, and a reset through it, as AIPerf `--reset-kv-cache` sends it, reaches every daemon."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
-ROUTER_OBJECTS = ("deployment", "service", "serviceaccount", "role", "rolebinding")
+ROUTER_OBJECTS = ("deployment", "service", "serviceaccount", "rolebinding")
 
 
 def service_address(cluster: Cluster, ns: str, service: str) -> str:

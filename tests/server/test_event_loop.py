@@ -4,7 +4,6 @@ a request past its deadline 504."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import statistics
 import threading
 import time
@@ -12,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from support.servers import MODEL, Server, start_server, stop_server
+from support.servers import MODEL, Server, probe_health, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,21 +21,6 @@ FOUR_MIB = 4 << 20
 # the bound itself.
 HEALTH_BOUND_S = 0.100
 HEALTH_MARGIN_S = 0.400
-
-
-def probe_health(server: Server, stop: threading.Event, out: list[float]) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    while not stop.is_set():
-        start = time.perf_counter()
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        resp.read()
-        assert resp.status == 200
-        out.append(time.perf_counter() - start)
-        # Often enough for several probes while the prompts are processed: on a quiet machine that takes only
-        # tens of milliseconds.
-        time.sleep(0.002)
-    conn.close()
 
 
 def test_health_answers_while_4mib_prompts_are_processed(quiet: Server) -> None:

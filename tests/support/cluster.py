@@ -8,6 +8,7 @@ it down, also when tests fail or pytest is interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client, config
@@ -75,12 +77,12 @@ class Cluster:
         return client.ApiClient(cfg)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
+    """A control plane (ControlPlane's fields in `control_plane`) and a node agent of NODES, torn down after."""
     if not Path(KUBECTL).exists():
         pytest.fail("kubectl not found")
-    workdir = tmp_path_factory.mktemp("devcluster")
-    cp = ControlPlane(workdir=workdir / "cp", extra_users={"dev": ()})
+    cp = ControlPlane(workdir=workdir / "cp", **control_plane)
     agent = None
     try:
         cp.start(timeout=120)
@@ -117,6 +119,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if agent is not None:
             stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with dev_cluster(tmp_path_factory.mktemp("devcluster"), extra_users={"dev": ()}) as c:
+        yield c
 
 
 @pytest.fixture

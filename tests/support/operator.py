@@ -1,5 +1,5 @@
 """The operator's cluster tests' parts: our CRDs on the dev cluster (support.cluster), the operator's
-ServiceAccount bound to exactly the rules of kvpilot.operator.rbac, the operator as a subprocess, and
+ServiceAccount bound to exactly the (cluster-wide) rules of kvpilot.operator.rbac, the operator as a subprocess, and
 builders and probes of fleets and resets.
 
 Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
@@ -157,19 +157,11 @@ def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: 
 
 @pytest.fixture(scope="session")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.RULES only.
+    """CRDs installed; a kubeconfig for ServiceAccount kvpilot-system/kvpilot-operator, bound to rbac.cluster_role()
+    only, and the routers' ClusterRole it binds.
     The peering object is not made here: the operator makes it (as for a user who follows the README)."""
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    for crd in (
-        "inferencedeployments.kvpilot.io",
-        "prefixcacheresets.kvpilot.io",
-        "clusterkopfpeerings.kopf.dev",
-    ):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
-    cluster.kubectl("create", "namespace", OP_NS, check=False)
-    wait_for(
-        lambda: cluster.kubectl("get", "sa", "default", "-n", OP_NS, check=False).returncode == 0, 30, "sa"
-    )
+    install_crds(cluster)
+    create_namespace(cluster, OP_NS)
     apply(
         cluster,
         [
@@ -180,12 +172,39 @@ def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFacto
             },
             rbac.cluster_role(),
             rbac.cluster_role_binding(OP_NS),
+            rbac.router_cluster_role(),  # what the operator binds for each fleet router
         ],
     )
-    token = cluster.kubectl(
-        "create", "token", "kvpilot-operator", "-n", OP_NS, "--duration=6h"
-    ).stdout.strip()
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    return service_account_kubeconfig(
+        cluster, OP_NS, "kvpilot-operator", tmp_path_factory.mktemp("operator") / "kubeconfig"
+    )
+
+
+def install_crds(cluster: Cluster) -> None:
+    """crds/ applied (kvpilot's and kopf's peering CRDs) and established."""
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    for crd in (
+        "inferencedeployments.kvpilot.io",
+        "prefixcacheresets.kvpilot.io",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    ):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+def create_namespace(cluster: Cluster, ns: str) -> None:
+    """The namespace (if missing), once its default ServiceAccount exists (pods need it)."""
+    cluster.kubectl("create", "namespace", ns, check=False)
+    wait_for(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", ns, check=False).returncode == 0,
+        30,
+        f"sa in {ns}",
+    )
+
+
+def service_account_kubeconfig(cluster: Cluster, ns: str, name: str, path: Path) -> Path:
+    """A kubeconfig with a token of ServiceAccount ns/name: its requests get exactly that account's rights."""
+    token = cluster.kubectl("create", "token", name, "-n", ns, "--duration=6h").stdout.strip()
     path.write_text(
         yaml.safe_dump(
             {

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -201,6 +202,23 @@ def wait_idle(*servers: Server) -> None:
         while (c := s.cache())["num_running"] or c["num_waiting"]:
             assert time.monotonic() < deadline, c
             time.sleep(0.2)
+
+
+def probe_health(server: Server, stop: threading.Event, out: list[float]) -> None:
+    """GET /health on one kept-alive connection until `stop`, each answer's latency appended to `out`
+    (run it in a thread while the server is busy)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    while not stop.is_set():
+        start = time.perf_counter()
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200
+        out.append(time.perf_counter() - start)
+        # Often enough for several probes while the work is done: on a quiet machine that takes only tens
+        # of milliseconds.
+        time.sleep(0.002)
+    conn.close()
 
 
 def send_completion(port: int, max_tokens: int, stream: bool) -> socket.socket:

@@ -20,14 +20,14 @@ from support import ROOT
 from support.procs import free_port, spawn, stop
 
 BUILD = ROOT / "hack" / "tools" / "build.sh"
-TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "aiperf", "sglang-router")
+TOOLS = ("helm", "controller-gen", "prometheus", "promtool", "prometheus-config", "aiperf", "sglang-router")
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def gomod_pin(tool: str, module: str) -> str:
     for line in (ROOT / "hack" / "tools" / tool / "go.mod").read_text().splitlines():
-        if line.startswith(f"require {module} "):
-            return line.split()[2]
+        if line.startswith(f"require {module} ") or line.startswith(f"\t{module} v"):
+            return line.split()[-1]
     raise AssertionError(f"{module} is not pinned in hack/tools/{tool}/go.mod")
 
 
@@ -65,7 +65,7 @@ def test_a_second_run_changes_nothing(bindir: Path) -> None:
     before = {t: (bindir / t).resolve().stat().st_mtime_ns for t in TOOLS}
     r = run("bash", BUILD)
     assert r.returncode == 0, r.stderr
-    for tool in ("helm", "controller-gen", "crds", "prometheus"):
+    for tool in ("helm", "controller-gen", "crds", "prometheus", "prometheus-config"):
         assert f"{tool}: up to date" in r.stderr, r.stderr
     assert before == {t: (bindir / t).resolve().stat().st_mtime_ns for t in TOOLS}
 
@@ -99,9 +99,15 @@ def test_versions_are_the_pinned_ones(bindir: Path) -> None:
     assert helm.stdout.strip() == gomod_pin("helm", "helm.sh/helm/v3")
     cgen = run(bindir / "controller-gen", "--version")
     assert cgen.stdout.strip() == f"Version: {gomod_pin('controller-gen', 'sigs.k8s.io/controller-tools')}"
+    # Prometheus 3.Y.Z's Go module is numbered v0.3YY.Z; built with Kubernetes discovery only.
+    minor = int(gomod_pin("prometheus", "github.com/prometheus/prometheus").split(".")[1])
+    version = f"version {minor // 100}.{minor % 100}."
     for tool in ("prometheus", "promtool"):
         out = run(bindir / tool, "--version")
-        assert "version 2.42.0" in out.stdout + out.stderr
+        assert (
+            version in out.stdout
+            and "tags:             netgo,remove_all_sd,enable_kubernetes_sd" in out.stdout
+        ), out.stdout
 
 
 def test_helm_creates_lints_and_renders_a_chart(bindir: Path, tmp_path: Path) -> None:

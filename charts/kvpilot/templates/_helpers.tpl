@@ -35,9 +35,18 @@ app.kubernetes.io/component: operator
 {{- if or .Values.monitoring.force (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}true{{- end -}}
 {{- end -}}
 
-{{/* One rule list of files/rbac-rules.yaml ("all", "clusterScoped" or "namespaced"), generated from
-     operator/rbac.py RULES by hack/chart/sync.py. */}}
+{{/* The fleet routers' ClusterRole: the operator binds it (RoleBindings in the fleets' namespaces) and may
+     bind nothing else. */}}
+{{- define "kvpilot.routerRoleName" -}}
+{{- printf "%s-router" (include "kvpilot.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* One rule list of files/rbac-rules.yaml, generated from operator/rbac.py by hack/chart/sync.py: "part" is
+     a path in it (clusterwide, namespaced.clusterRole, namespaced.role, router). `tpl` fills in the router
+     ClusterRole's name. */}}
 {{- define "kvpilot.rbacRules" -}}
-{{- $rules := .root.Files.Get "files/rbac-rules.yaml" | fromYaml -}}
-{{- toYaml (get $rules .part) -}}
+{{- $rules := tpl (.root.Files.Get "files/rbac-rules.yaml") .root | fromYaml -}}
+{{- $part := $rules -}}
+{{- range splitList "." .part }}{{ $part = get $part . }}{{ end -}}
+{{- toYaml $part -}}
 {{- end -}}
