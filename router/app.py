@@ -4,6 +4,10 @@ A generation request is read once (to tokenize it for the policy), then its raw 
 the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
 A client that hangs up cancels its handler, which closes the upstream connection, so the pod aborts the
 request within one engine step, as if the client had called the pod directly.
+
+What comes back from a pod is bounded: a pod silent for `--proxy-timeout` gets the client a 504 (or, once
+a stream has started, an error event that ends it), a non-streamed reply longer than `--max-reply-bytes`
+a 502, and any failure after the request was sent stops routing to the pod until its next passing probe.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER
 from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
 from kvpilot.http_limits import UPSTREAM_IDLE_S, start_server
-from kvpilot.router.engines import PROBES
+from kvpilot.router.engines import PROBES, read_capped
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, block_sizes
@@ -40,6 +45,8 @@ FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
+# The request never reached the pod (refused, or no connection within sock_connect): nothing ran there.
+UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 @dataclass(slots=True)
@@ -98,7 +105,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         decision = r.policy.choose(pods, prompts)
         try:
             return await _proxy(request, r, decision, raw)
-        except aiohttp.ClientConnectorError:
+        except UNREACHED:
             # Never reached the pod, so nothing ran there: safe to send elsewhere.
             log.warning("%s is unreachable; trying another pod", decision.pod.name)
             r.fleet.mark_unready(decision.pod)
@@ -116,8 +123,11 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     pod.in_flight += 1
     r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
     status = 0
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=r.settings.proxy_timeout_s)
     try:
-        async with r.session.post(pod.url + request.path_qs, data=raw, headers=headers) as up:
+        async with r.session.post(
+            pod.url + request.path_qs, data=raw, headers=headers, timeout=timeout
+        ) as up:
             status = up.status
             out_headers = {h: up.headers[h] for h in FORWARD_RESPONSE_HEADERS if h in up.headers}
             out_headers[POD_HEADER] = pod.name
@@ -132,26 +142,30 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
                         async for chunk in up.content.iter_any():
                             await resp.write(chunk)
                             tail = (tail + chunk)[-16384:]
-                    except aiohttp.ClientError as exc:  # headers are sent: end the stream with an error event
-                        log.warning("%s failed mid-stream: %s", pod.name, exc)
-                        err = ApiError(
-                            502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway"
-                        )
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        # Headers are sent: end the stream with an error event.
+                        err = _pod_failed(r, pod, exc)
                         await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                     await resp.write_eof()
                     _record_usage(r, decision, _sse_usage(tail))
                     return resp
-                body = await up.read()
+                body = await read_capped(up, r.settings.max_reply_bytes)
+                if body is None:
+                    log.warning("%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes)
+                    raise ApiError(
+                        502,
+                        f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
+                        code="reply_too_large",
+                    )
                 _record_usage(r, decision, _json_usage(body))
                 return web.Response(body=body, status=up.status, headers=out_headers)
             except BaseException:
                 up.close()  # drop the connection: the pod sees the client leave and aborts
                 raise
-    except aiohttp.ClientConnectorError:
+    except UNREACHED:
         raise
-    except aiohttp.ClientError as exc:
-        log.warning("%s failed mid-request: %s", pod.name, exc)
-        raise ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _pod_failed(r, pod, exc) from None
     finally:
         pod.in_flight -= 1
         if decision.rank is not None:
@@ -160,13 +174,26 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
         r.metrics.requests.labels(pod.name, policy, str(status)).inc()
 
 
+def _pod_failed(r: Router, pod: Pod, exc: BaseException) -> ApiError:
+    """The client's error for a pod that failed after the request was sent: 504 if it went silent, else
+    502. Either way the pod gets no more requests until its next passing probe."""
+    r.fleet.mark_unready(pod)
+    if isinstance(exc, TimeoutError):
+        log.warning("%s sent nothing for %gs", pod.name, r.settings.proxy_timeout_s)
+        return ApiError(
+            504, f"pod {pod.name} sent nothing for {r.settings.proxy_timeout_s:g} s", code="upstream_timeout"
+        )
+    log.warning("%s failed mid-request: %s", pod.name, exc)
+    return ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway")
+
+
 def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
     """Compare the predicted cached tokens with what the pod reported (when both are known)."""
     if decision.predicted_cached_tokens is None or not isinstance(usage, dict):
         return
     details = usage.get("prompt_tokens_details")
     reported = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not isinstance(reported, int):
+    if type(reported) is not int or reported < 0:  # a counter only goes up
         return
     name = decision.pod.name
     r.metrics.predicted.labels(name).inc(decision.predicted_cached_tokens)
@@ -178,7 +205,7 @@ def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
 def _json_usage(body: bytes) -> dict | None:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         return None
     return doc.get("usage") if isinstance(doc, dict) else None
 
@@ -189,7 +216,7 @@ def _sse_usage(tail: bytes) -> dict | None:
         if line.startswith(b"data: {") and b'"usage"' in line:
             try:
                 usage = json.loads(line[6:]).get("usage")
-            except ValueError:
+            except (ValueError, RecursionError, AttributeError):
                 return None
             return usage if isinstance(usage, dict) else None
     return None
@@ -231,17 +258,26 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         r.metrics.resets.labels("no_pods").inc()
         raise ApiError(503, "the fleet has no pods to reset", code="no_pods")
     clears_before = {p.name: {h: r.index.clears(h) for h in p.holders()} for p in pods}
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     results = await reset_pods(
         pods, r.settings.engine, r.settings.admin_token, flag, r.settings.reset_timeout_s
     )
-    # The index must not route on pre-reset blocks once we answer: wait for each reset pod's
-    # AllBlocksCleared (its earlier events come before it, in order), or drop its entries ourselves.
+    # The index must not route on pre-reset blocks once we answer: catch up with each reset pod's events
+    # up to its AllBlocksCleared (its earlier events come before it, in order), or drop its entries
+    # ourselves. One deadline for all of it, within the reset's own: a pod that trickles its replay
+    # cannot hold the answer back.
+    deadline = min(loop.time() + r.settings.clear_wait_s, started + r.settings.reset_timeout_s)
     by_name = {p.name: p for p in pods}
-    waits = [_await_clear(r, by_name[res.pod], clears_before[res.pod]) for res in results if res.success]
-    await asyncio.gather(*waits)
+    reset = [res.pod for res in results if res.success]
+    states = await asyncio.gather(
+        *(_await_clear(r, by_name[name], clears_before[name], deadline) for name in reset)
+    )
+    index_state = dict(zip(reset, states))
     failed = [res.pod for res in results if not res.success]
     r.metrics.resets.labels("failed" if failed else "success").inc()
-    body_out: dict[str, Any] = {"success": not failed, "pods": [res.to_dict() for res in results]}
+    pods_out = [{**res.to_dict(), "index": index_state.get(res.pod)} for res in results]
+    body_out: dict[str, Any] = {"success": not failed, "pods": pods_out}
     if failed:
         log.warning("fleet reset failed on %s", ", ".join(failed))
         err = ApiError(
@@ -255,28 +291,45 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response(body_out)
 
 
-async def _await_clear(r: Router, pod: Pod, before: dict[tuple[str, int], int]) -> None:
-    """Make the pod's entries (each rank's) reflect its reset before the router answers."""
+async def _await_clear(r: Router, pod: Pod, before: dict[tuple[str, int], int], deadline: float) -> str:
+    """Make the pod's entries (each rank's) reflect its reset before the router answers: "cleared" once
+    each rank's AllBlocksCleared is applied by `deadline`, else "dropped" (the rank's entries are emptied
+    and its events ignored until its clear arrives); "none" for a pod whose events are not followed."""
     if pod.kv_events != "on":
         for holder in pod.holders():
             r.index.clear(holder)  # nothing indexed from it; keep it that way
-        return
-    # Each rank recorded AllBlocksCleared before the pod answered, and its publisher sends what it recorded
-    # before serving a replay: one replay per rank now brings every batch up to and including the clear.
-    caught_up = [await s.catch_up() for s in pod.streams]
-    for stream, ok in zip(pod.streams, caught_up):
-        holder = stream.key
-        if ok and r.index.clears(holder) > before.get(holder, 0):
-            continue
-        if not await r.index.wait_cleared(holder, before.get(holder, 0), r.settings.clear_wait_s):
+        return "none"
+    cleared = await asyncio.gather(
+        *(_rank_cleared(r, s, before.get(s.key, 0), deadline) for s in pod.streams)
+    )
+    for stream, ok in zip(pod.streams, cleared):
+        if not ok:
             log.warning(
-                "%s rank %d: no AllBlocksCleared within %.1fs of its reset; ignoring its events until "
-                "one arrives",
+                "%s rank %d: its AllBlocksCleared was not applied within %.1fs of its reset; its entries "
+                "are dropped and its events ignored until one arrives",
                 pod.name,
                 stream.rank,
                 r.settings.clear_wait_s,
             )
-            r.index.distrust(holder)
+            r.index.distrust(stream.key)
+    return "cleared" if all(cleared) else "dropped"
+
+
+async def _rank_cleared(r: Router, stream: PodEventStream, before: int, deadline: float) -> bool:
+    # Each rank recorded AllBlocksCleared before the pod answered, and its publisher sends what it
+    # recorded before serving a replay: one replay per rank now brings every batch up to the clear.
+    holder = stream.key
+    if r.index.clears(holder) > before:
+        return True  # applied live already
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(deadline):
+            await stream.catch_up()
+            if r.index.clears(holder) > before:
+                return True
+            return await r.index.wait_cleared(holder, before, max(0.0, deadline - loop.time()))
+    except TimeoutError:
+        return False
 
 
 async def health(request: web.Request) -> web.Response:

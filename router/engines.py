@@ -100,6 +100,19 @@ def _labels_end(text: str) -> int:
     return -1
 
 
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:
+    """A pod's reply body (decompressed, if it gzips), or None once it passes `max_bytes`."""
+    length = response.content_length
+    if length is not None and length > max_bytes:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > max_bytes:
+            return None
+    return bytes(body)
+
+
 async def read_load(
     session: aiohttp.ClientSession,
     url: str,
@@ -116,11 +129,9 @@ async def read_load(
         ) as r:
             if r.status != 200:
                 return None, f"GET /metrics answered {r.status}"
-            body = bytearray()
-            async for chunk in r.content.iter_chunked(1 << 16):  # decompressed, if the pod gzips
-                body += chunk
-                if len(body) > max_bytes:
-                    return None, f"GET /metrics sent more than {max_bytes} bytes"
+            body = await read_capped(r, max_bytes)
+            if body is None:
+                return None, f"GET /metrics sent more than {max_bytes} bytes"
     except TimeoutError:
         return None, f"GET /metrics took longer than {timeout_s:g}s"
     except aiohttp.ClientError as exc:

@@ -8,6 +8,11 @@ are emptied and rebuilt from the next batch on, so the index never keeps a block
 The stream also catches up when idle (a lost last batch shows no gap until the next one arrives) and
 starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
 sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
+
+Nothing a pod sends can stall or exhaust the router: a replay answer is bounded in batches and bytes (the
+pod's advertised buffer, `kv_info.py`) and in time (silence and total), or it is refused; a message whose
+sequence frame is not 8 bytes or not in [0, 2**62) is a gap (caught up through replay, else the pod's
+entries start over), never an exception; an unreadable batch starts the pod over.
 """
 
 from __future__ import annotations
@@ -15,12 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpilot.daemon.engine.kv_events import END_OF_REPLAY, decode_batch
+from kvpilot.daemon.engine.kv_events import (
+    DEFAULT_BUFFER_BATCHES,
+    DEFAULT_BUFFER_BYTES,
+    END_OF_REPLAY,
+    decode_batch,
+)
 from kvpilot.kv_sockets import reconnect
 from kvpilot.router.index import PrefixIndex
 
@@ -28,31 +39,73 @@ log = logging.getLogger(__name__)
 
 # (pod, result, batches): result is "received", "replayed" or "missed"
 CountFn = Callable[[str, str, int], None]
+# A counter that grows by one per engine step never gets near it; at or above it a sequence number is a
+# lie (and one past 2**63-1 no longer fits the 8-byte frame).
+MAX_SEQ = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayLimits:
+    """What one replay answer may be: the pod's advertised buffer, and how long it may take."""
+
+    batches: int = DEFAULT_BUFFER_BATCHES
+    bytes: int = DEFAULT_BUFFER_BYTES  # of the payloads together
+    silence_s: float = 2.0  # nothing for this long: the pod does not answer
+    total_s: float = 10.0  # the whole answer, however it trickles
+
+
+class ReplayError(Exception):
+    """The replay socket gave no complete, well-formed answer within its limits."""
+
+
+def read_seq(frame: bytes) -> int | None:
+    """A batch's sequence number; None unless the frame is 8 bytes holding a value in [0, MAX_SEQ)."""
+    if len(frame) != 8:
+        return None
+    seq = int.from_bytes(frame, "big", signed=True)
+    return seq if 0 <= seq < MAX_SEQ else None
 
 
 async def fetch_replay(
-    ctx: zmq.asyncio.Context, replay_endpoint: str, start_seq: int, timeout: float = 2.0
-) -> list[tuple[int, bytes]] | None:
-    """Every batch the publisher still buffers from `start_seq` on, as (seq, payload); None if it does
-    not answer within `timeout` per message."""
+    ctx: zmq.asyncio.Context, replay_endpoint: str, start_seq: int, limits: ReplayLimits = ReplayLimits()
+) -> list[tuple[int, bytes]]:
+    """Every batch the publisher still buffers from `start_seq` on, as (seq, payload). Raises ReplayError
+    when the answer breaks `limits` or is malformed (what came so far is dropped)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.total_s
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(replay_endpoint)
     out: list[tuple[int, bytes]] = []
+    size = 0
     try:
         await sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
         while True:
-            if not await sock.poll(int(timeout * 1000)):
-                return None
+            wait = min(limits.silence_s, deadline - loop.time())
+            if wait <= 0:
+                raise ReplayError(f"no complete answer within {limits.total_s:g} s")
+            if not await sock.poll(max(1, int(wait * 1000))):
+                if wait < limits.silence_s:
+                    continue  # the deadline: said on the next turn
+                raise ReplayError(f"no answer for {limits.silence_s:g} s")
             frames = await sock.recv_multipart()
             # [empty delimiter, topic, seq, payload] (vLLM); SGLang-style replies omit the topic.
-            seq_frame, payload = frames[-2], frames[-1]
-            seq = int.from_bytes(seq_frame, "big", signed=True)
-            if seq == END_OF_REPLAY:
+            if len(frames) < 2:
+                raise ReplayError(f"a message of {len(frames)} frames")
+            if frames[-2] == _END_FRAME:
                 return out
-            out.append((seq, payload))
+            seq = read_seq(frames[-2])
+            if seq is None:
+                raise ReplayError("a sequence frame that is no number in [0, 2**62)")
+            size += len(frames[-1])
+            if len(out) >= limits.batches or size > limits.bytes:
+                raise ReplayError(f"more than its buffer ({limits.batches} batches, {limits.bytes} bytes)")
+            out.append((seq, frames[-1]))
     finally:
         sock.close()
+
+
+_END_FRAME = END_OF_REPLAY.to_bytes(8, "big", signed=True)
 
 
 class PodEventStream:
@@ -68,6 +121,8 @@ class PodEventStream:
         ctx: zmq.asyncio.Context,
         idle_check_s: float = 1.0,
         rank: int = 0,
+        limits: ReplayLimits = ReplayLimits(),
+        blocks_total: int | None = None,
     ) -> None:
         self.pod = pod
         self.rank = rank
@@ -78,8 +133,11 @@ class PodEventStream:
         self._count = count
         self._ctx = ctx
         self._idle_check_s = idle_check_s
+        self.limits = limits
         self.last_seq = -1  # highest sequence applied
         self.synced = asyncio.Event()  # set once the initial replay is applied
+        self._replay_error = ""  # the last replay failure, logged once until it changes
+        index.set_capacity(self.key, blocks_total)
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -102,8 +160,11 @@ class PodEventStream:
                     reconnect(sub, self.endpoint)  # also after an oversized frame (MAXMSGSIZE)
                 if sub in ready:
                     frames = await sub.recv_multipart()
-                    if len(frames) == 3:
-                        await self.on_message(int.from_bytes(frames[1], "big", signed=True), frames[2])
+                    seq = read_seq(frames[1]) if len(frames) == 3 else None
+                    if seq is None:
+                        await self.on_gap("a malformed message")
+                    else:
+                        await self.on_message(seq, frames[2])
                 if not ready:
                     await self.catch_up()  # quiet: make sure no last batch was lost
         finally:
@@ -131,27 +192,39 @@ class PodEventStream:
             self.restart(f"batches {self.last_seq + 1}..{seq - 1} are lost")
         self._apply(seq, payload)
 
+    async def on_gap(self, why: str) -> None:
+        """A live message without a usable sequence number: whatever it was, the replay has it, or the
+        pod's entries start over."""
+        self._count(self.pod, "received", 1)
+        if not await self.catch_up():
+            self._count(self.pod, "missed", 1)
+            self.restart(why)
+
     async def catch_up(self, until: int | None = None) -> bool:
         """Apply buffered batches after `last_seq` (up to `until`, exclusive) from the replay socket.
         Without `until`, that is every batch the pod had sent when it answered. False if it did not."""
         if self.replay_endpoint is None:
             return False
-        start = self.last_seq + 1
-        got = await fetch_replay(self._ctx, self.replay_endpoint, start)
-        if got is None:
-            log.warning("KV events of %s: replay did not answer", self.pod)
+        try:
+            got = await fetch_replay(self._ctx, self.replay_endpoint, self.last_seq + 1, self.limits)
+        except ReplayError as exc:
+            if str(exc) != self._replay_error:  # once per reason: a dead pod fails every idle check
+                log.warning("KV events of %s rank %d: replay failed (%s)", self.pod, self.rank, exc)
+            self._replay_error = str(exc)
             return False
-        if got and got[0][0] > start:
-            if self.last_seq >= 0:  # a hole in what we applied (at startup, older history is just gone)
-                self._count(self.pod, "missed", got[0][0] - start)
-                self.restart(f"replay starts at {got[0][0]}, after {start}")
-            self.last_seq = got[0][0] - 1  # the stream is taken from the oldest buffered batch
+        self._replay_error = ""
         for seq, payload in got:
             if until is not None and seq >= until:
                 break
-            if seq > self.last_seq:
-                self._count(self.pod, "replayed", 1)
-                self._apply(seq, payload)
+            if seq <= self.last_seq:
+                continue  # applied meanwhile (live, or by a concurrent catch-up)
+            if seq > self.last_seq + 1:
+                if self.last_seq >= 0:  # a hole in what we applied (at startup, older history is just gone)
+                    self._count(self.pod, "missed", seq - self.last_seq - 1)
+                    self.restart(f"replay has {seq} next, after {self.last_seq}")
+                self.last_seq = seq - 1  # the stream is taken from the oldest buffered batch
+            self._count(self.pod, "replayed", 1)
+            self._apply(seq, payload)
         return True
 
     def _apply(self, seq: int, payload: bytes) -> None:

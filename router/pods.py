@@ -4,11 +4,17 @@ Each pod is probed on its own, as its engine wants (`router/engines.py`): its he
 seconds, then for kvpilot pods GET /kv_events, which tells where it publishes (one `PodEventStream` per
 rank keeps the prefix index current), and for vLLM and SGLang pods their load from GET /metrics. A pod
 that serves no KV events (404, or another engine) is still routed to, by load alone.
+
+Whatever a pod answers, its watch goes on: a reply of the wrong shape is logged (once per reason) and
+asked again at the next probe, and a probe that fails in any way leaves the pod not ready until one
+passes. A pod that stops being ready loses its index entries at once (they are rebuilt from its replay
+buffer when it is back): a pod that died must not keep attracting requests by what it cached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -16,8 +22,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvpilot.kv_sockets import subscriber_context
-from kvpilot.router.engines import PROBES, EngineProbe, read_load
+from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
 from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 
@@ -37,6 +44,7 @@ class Pod:
     rank_in_flight: dict[int, int] = field(default_factory=dict)  # requests sent to a chosen rank
     engine_load: int | None = None  # running + waiting requests, from the pod's metrics; None: not known
     load_error: str = ""  # why engine_load is not known (logged when it changes)
+    events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
 
     @property
     def host(self) -> str:
@@ -130,7 +138,7 @@ class Fleet:
         for gone in old.values():
             self._tasks.pop(gone.name).cancel()
             for holder in gone.holders():
-                self.index.clear(holder)
+                self.index.forget(holder)
             self.metrics.pod_ready.labels(gone.name).set(0)
         if old or len(keep) != len(self.pods):
             log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
@@ -144,6 +152,7 @@ class Fleet:
         self._ctx.term()
 
     def mark_unready(self, pod: Pod) -> None:
+        """Stop routing to the pod until its next passing probe (its entries stay: the probe decides)."""
         pod.ready = False
         self.metrics.pod_ready.labels(pod.name).set(0)
 
@@ -151,20 +160,33 @@ class Fleet:
         streams: list[asyncio.Task] = []
         try:
             while True:
-                pod.ready = await self._healthy(pod)
-                self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
-                if pod.ready and pod.kv_events == "pending":
-                    streams = await self._follow_events(pod)
-                if self.probe.load_metrics:
-                    await self._read_load(pod)
-                self.metrics.indexed_blocks.labels(pod.name).set(self.index.blocks_of(pod.holders()))
+                try:
+                    streams += await self._probe_once(pod)
+                except Exception as exc:  # noqa: BLE001 - a pod's answer must never end its watch
+                    log.warning("%s: probe failed (%s: %s); not ready", pod.name, type(exc).__name__, exc)
+                    self.mark_unready(pod)
                 await asyncio.sleep(self._probe_interval_s)
         finally:
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
             for holder in pod.holders():
-                self.index.clear(holder)  # whatever a cancelled stream applied last
+                self.index.forget(holder)  # whatever a cancelled stream applied last
+
+    async def _probe_once(self, pod: Pod) -> list[asyncio.Task]:
+        """One probe of the pod; returns the event streams it started (the first time events are on)."""
+        pod.ready = await self._healthy(pod)
+        self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
+        if not pod.ready and self.index.blocks_of(pod.holders()):
+            for stream in pod.streams:
+                stream.restart("the pod is not ready")
+        started = []
+        if pod.ready and pod.kv_events == "pending":
+            started = await self._follow_events(pod)
+        if self.probe.load_metrics:
+            await self._read_load(pod)
+        self.metrics.indexed_blocks.labels(pod.name).set(self.index.blocks_of(pod.holders()))
+        return started
 
     async def _healthy(self, pod: Pod) -> bool:
         url = pod.url + self.probe.health_path
@@ -196,26 +218,38 @@ class Fleet:
                     return []
                 if r.status != 200:
                     return []
-                info = await r.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+                raw = await read_capped(r, MAX_REPLY_BYTES)
+        except (TimeoutError, aiohttp.ClientError):
             return []
-        ranks = info.get("ranks") or [info]
-        pod.block_size = int(info["block_size"])
+        try:
+            if raw is None:
+                raise ValueError(f"more than {MAX_REPLY_BYTES} bytes")
+            events = parse_kv_events(json.loads(raw))
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            why = f"GET /kv_events is unusable: {exc}"
+            if why != pod.events_error:
+                log.warning("%s: %s; routed by load, asked again at the next probe", pod.name, why)
+            pod.events_error = why
+            return []
+        pod.events_error = ""
+        pod.block_size = events.block_size
         pod.streams = [
             PodEventStream(
                 pod.name,
-                r["endpoint"],
-                r.get("replay_endpoint"),
+                r.endpoint,
+                r.replay_endpoint,
                 self.index,
                 self.metrics.count_kv,
                 self._ctx,
-                rank=int(r.get("rank", 0)),
+                rank=r.rank,
+                limits=events.limits,
+                blocks_total=r.blocks_total,
             )
-            for r in ranks
+            for r in events.ranks
         ]
         pod.ranks = [s.rank for s in pod.streams]
         pod.kv_events = "on"
-        log.info("%s: following KV events at %s", pod.name, ", ".join(r["endpoint"] for r in ranks))
+        log.info("%s: following KV events at %s", pod.name, ", ".join(r.endpoint for r in events.ranks))
         return [asyncio.create_task(_run_forever(s), name=f"kv events {pod.name}") for s in pod.streams]
 
 

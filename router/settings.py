@@ -49,10 +49,23 @@ class RouterSettings:
             unset="off (pods publishing with CURVE let this router in only with their keys)",
         ),
     )
-    # After a pod's reset, how long its AllBlocksCleared event may take to arrive before the router
-    # empties that pod's entries itself (and ignores its events until the clear arrives).
+    # After a pod's reset, how long catching up with its events (up to its AllBlocksCleared) may take
+    # before the router empties that pod's entries itself (and ignores its events until the clear
+    # arrives); within --reset-timeout in all.
     clear_wait_s: float = 5.0
     max_body_bytes: int = 4 << 20
+    proxy_timeout_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "seconds a pod may send nothing on a proxied request (before its reply, or between two chunks "
+            "of a stream) before the router answers 504 or ends the stream with an error event",
+            name="--proxy-timeout",
+        ),
+    )
+    max_reply_bytes: int = field(
+        default=64 << 20,
+        metadata=flag("bytes of a pod's non-streamed reply the router passes on; a longer one is a 502"),
+    )
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def __post_init__(self) -> None:
@@ -77,4 +90,6 @@ class RouterSettings:
             load_client_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
+        if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
+            raise ValueError("proxy_timeout_s and max_reply_bytes must be positive")
         self.limits.validate()

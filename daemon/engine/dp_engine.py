@@ -35,7 +35,12 @@ from kvpilot.daemon.engine.cpu_budget import available_cpus
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
-from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, describe_ranks, rank_endpoint
+from kvpilot.daemon.engine.kv_events import (
+    DEFAULT_BUFFER_BATCHES,
+    DEFAULT_BUFFER_BYTES,
+    describe_ranks,
+    rank_endpoint,
+)
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
@@ -320,7 +325,9 @@ class DataParallelLoop:
         if not ranks:
             return None
         cfg = self.engine.config
-        return describe_ranks(ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES)
+        return describe_ranks(
+            ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+        )
 
     async def _call(self, rank: _Rank, kind: str, *args: Any) -> Any:
         if rank.dead:

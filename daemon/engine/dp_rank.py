@@ -68,7 +68,9 @@ def rank_main(
         outbox.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     pub = engine.kv_events
-    events = RankEndpoints(rank, pub.endpoint, pub.replay_endpoint) if pub is not None else None
+    events = (
+        RankEndpoints(rank, pub.endpoint, pub.replay_endpoint, engine.num_blocks) if pub is not None else None
+    )
     outbox.send(
         (
             "ready",

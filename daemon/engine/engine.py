@@ -360,6 +360,7 @@ class LLMEngine:
             rank=self.config.data_parallel_rank,
             token_ids=self.config.kv_events_token_ids,
             curve_dir=self.config.kv_events_curve_dir,
+            blocks_total=self.num_blocks,
         )
         self.kv.pool.events = publisher.recorder
         return publisher

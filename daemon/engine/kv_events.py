@@ -21,7 +21,9 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
 - Replay (what vLLM's stream lacks in practice: its buffer is rarely enabled): a ROUTER socket answers a
   request frame holding an 8-byte start sequence with every buffered message from there, each as
   `(topic, seq, payload)`, then `(b"", seq=-1, b"")`. A consumer that missed messages catches up instead
-  of guessing; one that restarts rebuilds its index from the buffer.
+  of guessing; one that restarts rebuilds its index from the buffer. The buffer is bounded in messages
+  and payload bytes, and GET /kv_events says both, with each rank's pool size (`blocks_total`), so a
+  consumer can bound what it accepts from this publisher.
 
 The engine records events while it schedules (on its own thread, no I/O) and hands one batch per step to
 the publisher thread, which owns the sockets. With events off, the pool holds no recorder and nothing
@@ -50,6 +52,7 @@ END_OF_REPLAY = -1
 _IDLE = object()  # the publisher thread found nothing queued
 HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_hash.py's keys for consumers
 DEFAULT_BUFFER_BATCHES = 10_000  # batches a replay socket can serve again
+DEFAULT_BUFFER_BYTES = 64 << 20  # and their payloads' bytes at most (oldest dropped first)
 # Blocks one BlockStored or BlockRemoved carries at most: 1024 blocks of 128 tokens with their ids (5 bytes
 # each at most) and hashes (34) are ~690 KB, so any one event fits a MAX_BATCH_BYTES payload.
 MAX_EVENT_BLOCKS = 1024
@@ -211,13 +214,19 @@ class KVEventPublisher:
         buffer_batches: int = DEFAULT_BUFFER_BATCHES,
         token_ids: bool = False,
         curve_dir: str | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        blocks_total: int | None = None,
     ) -> None:
         self.recorder = KVEventRecorder(block_size, token_ids)
         self.rank = rank
         self.topic = topic
+        self.blocks_total = blocks_total  # the pool's size, advertised: no index of it can hold more
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[EventBatch | None] = queue.SimpleQueue()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_batches = buffer_batches
+        self._buffer_bytes = buffer_bytes
+        self._buffered_bytes = 0
         self._seq = 0
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -254,8 +263,15 @@ class KVEventPublisher:
 
     def describe(self, reached_host: str | None) -> dict[str, Any]:
         """What GET /kv_events answers for a daemon with this one publisher."""
-        ranks = [RankEndpoints(self.rank, self.endpoint, self.replay_endpoint)]
-        return describe_ranks(ranks, reached_host, self.topic, self.recorder.block_size, self._buffer.maxlen)
+        ranks = [RankEndpoints(self.rank, self.endpoint, self.replay_endpoint, self.blocks_total)]
+        return describe_ranks(
+            ranks,
+            reached_host,
+            self.topic,
+            self.recorder.block_size,
+            self._buffer_batches,
+            self._buffer_bytes,
+        )
 
     # ---- publisher thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -288,6 +304,11 @@ class KVEventPublisher:
             seq = self._seq
             self._seq += 1
             self._buffer.append((seq, payload))
+            self._buffered_bytes += len(payload)
+            while self._buffer and (
+                len(self._buffer) > self._buffer_batches or self._buffered_bytes > self._buffer_bytes
+            ):
+                self._buffered_bytes -= len(self._buffer.popleft()[1])
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload))
 
     def _serve_replay(self) -> None:
@@ -321,6 +342,7 @@ class RankEndpoints:
     rank: int
     endpoint: str
     replay_endpoint: str | None
+    blocks_total: int | None = None  # the rank's KV pool, in blocks
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -339,16 +361,23 @@ def describe_ranks(
     reached_host: str | None,
     topic: str,
     block_size: int,
-    buffer_batches: int | None,
+    buffer_batches: int,
+    buffer_bytes: int,
 ) -> dict[str, Any]:
-    """What GET /kv_events answers. `endpoint` and `replay_endpoint` are rank 0's (the reply of a
-    single-rank daemon, which readers from before data parallelism use); `ranks` lists every rank's.
-    A wildcard bind is named by the host the client reached."""
+    """What GET /kv_events answers. `endpoint`, `replay_endpoint` and `blocks_total` are rank 0's (the
+    reply of a single-rank daemon, which readers from before data parallelism use); `ranks` lists every
+    rank's. A wildcard bind is named by the host the client reached. `buffer_batches` and `buffer_bytes`
+    bound one rank's replay answer (its payloads' bytes)."""
     listed = []
     for r in ranks:
         replay = _connectable(r.replay_endpoint, reached_host) if r.replay_endpoint else None
         listed.append(
-            {"rank": r.rank, "endpoint": _connectable(r.endpoint, reached_host), "replay_endpoint": replay}
+            {
+                "rank": r.rank,
+                "endpoint": _connectable(r.endpoint, reached_host),
+                "replay_endpoint": replay,
+                "blocks_total": r.blocks_total,
+            }
         )
     return {
         "endpoint": listed[0]["endpoint"],
@@ -357,7 +386,9 @@ def describe_ranks(
         "format": "vllm",
         "block_size": block_size,
         "block_hash": HASH_SCHEME,
+        "blocks_total": listed[0]["blocks_total"],
         "buffer_batches": buffer_batches,
+        "buffer_bytes": buffer_bytes,
         "ranks": listed,
     }
 

@@ -88,14 +88,15 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
 
 
 def test_matching_stops_at_the_first_missing_block_and_distrust_holds_until_a_clear() -> None:
+    k1, k2, k3 = (bytes([i]) * 32 for i in (1, 2, 3))
     index = PrefixIndex()
-    index.store("a", [b"1", b"2", b"3"])
-    index.store("b", [b"1", b"3"])
-    assert index.matched_blocks([b"1", b"2", b"3"], ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.store("a", [k1, k2, k3])
+    index.store("b", [k1, k3])
+    assert index.matched_blocks([k1, k2, k3], ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
     index.distrust("a")
-    index.apply("a", EventBatch(0.0, [BlockStored([b"1"], None, [0] * 4, 4)]))
+    index.apply("a", EventBatch(0.0, [BlockStored([k1], None, [0] * 4, 4)]))
     assert index.num_blocks("a") == 0  # pre-reset events still arriving are ignored
-    index.apply("a", EventBatch(0.0, [AllBlocksCleared(), BlockStored([b"1"], None, [0] * 4, 4)]))
+    index.apply("a", EventBatch(0.0, [AllBlocksCleared(), BlockStored([k1], None, [0] * 4, 4)]))
     assert index.num_blocks("a") == 1 and index.clears("a") == 1
 
 

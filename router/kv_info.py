@@ -1,0 +1,91 @@
+"""What a pod's `GET /kv_events` says, checked before the router acts on it.
+
+The reply comes from the pod, so each field is checked for its type and range and anything off is a
+ValueError naming the field: the pod is then routed by load until a later probe reads a good reply. What
+the pod advertises bounds what the router takes from it later: its replay answers (`buffer_batches`,
+`buffer_bytes`) and each rank's index entry (`blocks_total`), each within a ceiling of the router's own,
+since a pod may advertise anything.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+from kvpilot.router.kv_stream import ReplayLimits
+
+MAX_REPLY_BYTES = 1 << 20  # a reply naming 256 ranks is ~40 KiB
+MAX_RANKS = 256
+MAX_BLOCK_SIZE = 1 << 16
+# Ceilings on the advertised replay buffer: ten times the daemon's defaults.
+REPLAY_MAX_BATCHES = 10 * DEFAULT_BUFFER_BATCHES
+REPLAY_MAX_BYTES = 4 * DEFAULT_BUFFER_BYTES
+# Only TCP: an ipc:// or inproc:// address would point the router at sockets of its own host.
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankEvents:
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    blocks_total: int | None  # the rank's pool; None when the pod does not say (older daemons)
+
+
+@dataclass(frozen=True, slots=True)
+class PodEvents:
+    block_size: int
+    ranks: list[RankEvents]
+    limits: ReplayLimits
+
+
+def parse_kv_events(info: Any) -> PodEvents:
+    """The checked content of a `GET /kv_events` reply (JSON already decoded); ValueError if off."""
+    if not isinstance(info, dict):
+        raise ValueError(f"the reply is a JSON {type(info).__name__}, not an object")
+    block_size = _int(info, "block_size", 1, MAX_BLOCK_SIZE)
+    listed = info.get("ranks") or [info]  # a daemon from before data parallelism names rank 0 only
+    if not isinstance(listed, list) or len(listed) > MAX_RANKS:
+        raise ValueError(f"ranks must be a list of at most {MAX_RANKS}")
+    ranks = [_rank(r) for r in listed]
+    if len({r.rank for r in ranks}) != len(ranks):
+        raise ValueError("ranks names a rank twice")
+    batches = _int(info, "buffer_batches", 0, None, DEFAULT_BUFFER_BATCHES)
+    size = _int(info, "buffer_bytes", 0, None, DEFAULT_BUFFER_BYTES)
+    limits = ReplayLimits(batches=min(batches, REPLAY_MAX_BATCHES), bytes=min(size, REPLAY_MAX_BYTES))
+    return PodEvents(block_size, ranks, limits)
+
+
+def _rank(r: Any) -> RankEvents:
+    if not isinstance(r, dict):
+        raise ValueError("a rank is not a JSON object")
+    replay = r.get("replay_endpoint")
+    return RankEvents(
+        rank=_int(r, "rank", 0, MAX_RANKS - 1, 0),
+        endpoint=_endpoint(r.get("endpoint"), "endpoint"),
+        replay_endpoint=None if replay is None else _endpoint(replay, "replay_endpoint"),
+        blocks_total=_int(r, "blocks_total", 1, None, None),
+    )
+
+
+def _endpoint(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 300 or not _ENDPOINT.fullmatch(value):
+        raise ValueError(f"{name} is not a tcp://HOST:PORT address")
+    return value
+
+
+_MISSING = object()
+
+
+def _int(obj: dict, name: str, low: int, high: int | None, default: Any = _MISSING) -> Any:
+    """obj[name] as an int in [low, high]; `default` when absent or null (required without one)."""
+    value = obj.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise ValueError(f"{name} is missing")
+        return default
+    if type(value) is not int or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer from {low}" + (f" to {high}" if high else " up"))
+    return value
