@@ -5,6 +5,7 @@ socket refuses frames above its bound without dying. Real engine, real ZeroMQ on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ from kvpilot.daemon.engine.kv_events import (
 )
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream, fetch_replay
+from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
 from kvpilot.router.settings import RouterSettings
 from support.kv_events import BS, kv_events_engine
 from support.procs import free_port
@@ -42,6 +43,14 @@ GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 2 full blocks
 
 
+async def _replay(ctx: zmq.asyncio.Context, endpoint: str, wait_s: float) -> list[tuple[int, bytes]] | None:
+    """A replay from seq 0, or None when the socket gives no answer within `wait_s`."""
+    try:
+        return await fetch_replay(ctx, endpoint, 0, ReplayLimits(silence_s=wait_s, total_s=wait_s))
+    except ReplayError:
+        return None
+
+
 def first_stored(engine: LLMEngine, ctx: zmq.asyncio.Context) -> BlockStored:
     """Generate PROMPT and read its BlockStored back through the replay socket."""
     engine.generate([PROMPT], GREEDY)
@@ -49,7 +58,7 @@ def first_stored(engine: LLMEngine, ctx: zmq.asyncio.Context) -> BlockStored:
     async def go() -> list[tuple[int, bytes]]:
         deadline = time.monotonic() + 20
         while True:
-            got = await fetch_replay(ctx, engine.kv_events.replay_endpoint, 0)
+            got = await _replay(ctx, engine.kv_events.replay_endpoint, 2.0)
             if got:
                 return got
             assert time.monotonic() < deadline, "nothing was published"
@@ -115,8 +124,8 @@ def test_curve_lets_only_the_fleets_router_in(tiny_model_dir: Path, keys: Path, 
             await asyncio.sleep(0.05)
         heard = [await _received_anything(s, 1.0) for s in socks]
         # Replay: the plain and the stranger's DEALER get no answer; the fleet's does.
-        replays = [await fetch_replay(ctx, pub.replay_endpoint, 0, timeout=1.0) for ctx in (plain, wrong)]
-        ours = await fetch_replay(fleet, pub.replay_endpoint, 0, timeout=10.0)
+        replays = [await _replay(ctx, pub.replay_endpoint, 1.0) for ctx in (plain, wrong)]
+        ours = await _replay(fleet, pub.replay_endpoint, 10.0)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         for s in socks:
@@ -167,7 +176,8 @@ def test_router_drops_an_oversized_frame_and_keeps_following() -> None:
     pub = ctx.socket(zmq.PUB)
     pub.bind("tcp://127.0.0.1:*")
     endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-    key = [i.to_bytes(32, "big") for i in range(40_000)]  # 40000 x 34 bytes: over the bound
+    # 40000 x 34 bytes: over the bound; distinct digests (the index keeps a key by its leading 16 bytes)
+    key = [hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(40_000)]
 
     def send(seq: int, keys: list[bytes]) -> None:
         payload = encode_batch(EventBatch(time.time(), [BlockStored(keys, None, [], BS)]))
@@ -223,7 +233,7 @@ def test_replay_socket_drops_an_oversized_request_and_keeps_serving(tiny_model_d
         async def replay() -> list | None:
             actx = zmq.asyncio.Context()
             try:
-                return await fetch_replay(actx, pub.replay_endpoint, 0, timeout=10.0)
+                return await _replay(actx, pub.replay_endpoint, 10.0)
             finally:
                 actx.term()
 
