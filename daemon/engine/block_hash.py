@@ -4,8 +4,10 @@ A block's key is sha256(parent key | token ids | extra keys). Chaining the paren
 the whole prefix, not just the block's own tokens; sha256 makes it collision-resistant and the same in
 every process (Python's hash() is salted per process), so keys are published as KV events and the
 fleet router (`kvpilot.router`) computes the very same keys from a request's tokens with this module.
-Extra keys (e.g. a tenant's `cache_salt`) enter the first block only, which is enough: every later key
-chains from it, so two salts never share any block.
+Extra keys (e.g. a tenant's `cache_salt`, the weight version) enter the first block only, which is
+enough: every later key chains from it, so two salts, or two weight versions, never share any block.
+The weights a daemon loaded without a name (no `--weight-version`, no update yet) add nothing, so a
+router that knows no versions still computes their keys.
 """
 
 from __future__ import annotations
@@ -31,18 +33,22 @@ def hash_block(
     return BlockHash(h.digest())
 
 
-def salt_key(cache_salt: str | None) -> bytes:
-    """The extra key a request's `cache_salt` adds to its first block (empty without a salt)."""
+def salt_key(cache_salt: str | None, weight_version: str | None = None) -> bytes:
+    """The extra key a request's `cache_salt` and the weight version add to its first block (empty
+    without either)."""
     # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
-    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    key = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    if weight_version is not None:
+        key += b"\x00weights\x00" + weight_version.encode("utf-8", "surrogatepass")
+    return key
 
 
 def prompt_block_hashes(
-    token_ids: list[int], block_size: int, cache_salt: str | None = None
+    token_ids: list[int], block_size: int, cache_salt: str | None = None, weight_version: str | None = None
 ) -> list[BlockHash]:
     """The keys of every full block of `token_ids`, as the engine computes them for a request."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, salt_key(cache_salt))
+    extend_block_hashes(hashes, token_ids, block_size, salt_key(cache_salt, weight_version))
     return hashes
 
 

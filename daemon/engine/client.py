@@ -42,6 +42,7 @@ class EngineInfo:
     block_size: int
     num_blocks: int  # KV blocks, all ranks together
     num_ranks: int = 1
+    weight_version: str = "initial"  # the weights loaded at start (`--weight-version`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ class EngineRequest:
     # The rank to run on (X-data-parallel-rank, checked against `EngineInfo.num_ranks` by the server);
     # None: the engine client chooses.
     data_parallel_rank: int | None = None
+    restartable: bool = False  # not streamed: a weight swap may start it again (weights.py)
+    weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
 
 
 @dataclass(slots=True)
@@ -107,6 +110,14 @@ class EngineClient(Protocol):
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         """Where KV events are published (`GET /kv_events`), None when they are off."""
+
+    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
+        """One weight operation (`weights.py`'s ops) on every rank: one reply per rank, each with its
+        `rank`; a failed one carries `error` and `status` (a rank that does not answer within `timeout`
+        or is dead: status 500)."""
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Stop serving for good (not `alive`, `error` = reason): the ranks may hold mixed weights."""
 
 
 def start_engine(config: EngineConfig) -> EngineClient:

@@ -71,6 +71,21 @@ class EngineConfig:
             aliases=["-dp"],
         ),
     )
+    weight_version: str | None = field(
+        default=None,
+        metadata=flag(
+            "the loaded weights' version (system_fingerprint, /weight_info; part of every block key)",
+            unset="initial, not in the keys",
+        ),
+    )
+    weight_transfer_config: str | None = field(
+        default=None,
+        metadata=flag(
+            'how weight updates arrive, as vLLM\'s JSON: {"backend": "checkpoint"} (a Hugging Face '
+            "checkpoint directory per update)",
+            unset='{"backend": "checkpoint"}',
+        ),
+    )
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
@@ -98,6 +113,10 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.weight_transfer_config is not None:
+            from kvpilot.daemon.engine.weight_stage import transfer_backend
+
+            transfer_backend(self.weight_transfer_config)
         if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size

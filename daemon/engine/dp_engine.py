@@ -39,6 +39,7 @@ from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, describe_ran
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
+from kvpilot.daemon.engine.weights import INITIAL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class DataParallelEngine:
             block_size=config.block_size,
             num_blocks=sum(i.num_blocks for i in infos),
             num_ranks=size,
+            weight_version=config.weight_version or INITIAL_VERSION,
         )
 
     def _wait_ready(self, rank: _Rank) -> None:
@@ -192,6 +194,7 @@ class DataParallelLoop:
         self._pending: dict[Any, tuple[int, asyncio.Future]] = {}  # add / call id -> (rank, its verdict)
         self._call_ids = itertools.count()
         self._stopping = False
+        self._unhealthy: str | None = None  # set when the ranks may hold mixed weights
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -204,11 +207,15 @@ class DataParallelLoop:
     @property
     def alive(self) -> bool:
         started = self._loop is not None
-        return started and not self._stopping and all(r.dead is None for r in self._ranks)
+        healthy = self._unhealthy is None and not self._stopping
+        return started and healthy and all(r.dead is None for r in self._ranks)
 
     @property
     def error(self) -> str | None:
-        return "; ".join(r.dead for r in self._ranks if r.dead) or None
+        return "; ".join([*(r.dead for r in self._ranks if r.dead), *filter(None, [self._unhealthy])]) or None
+
+    def mark_unhealthy(self, reason: str) -> None:
+        self._unhealthy = reason
 
     def rank_states(self) -> list[LoopState]:
         return [r.state for r in self._ranks]
@@ -288,6 +295,25 @@ class DataParallelLoop:
             else:  # dead (EngineDeadError) or the reset raised there
                 results.append(ResetResult.failed(rank.rank, str(reply)))
         return results
+
+    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
+        """The operation on every rank at once; a rank that is dead or does not answer fails it."""
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(self._call(r, "weights", op, args), timeout) for r in self._ranks),
+            return_exceptions=True,
+        )
+        out = []
+        for rank, reply in zip(self._ranks, replies):
+            if isinstance(reply, dict):
+                out.append({**reply, "rank": rank.rank})
+            elif isinstance(reply, TimeoutError):
+                out.append({"rank": rank.rank, "error": f"no answer within {timeout:g} s", "status": 500})
+            else:
+                out.append({"rank": rank.rank, "error": str(reply), "status": 500})
+        if op in ("finish", "set_version"):
+            for rank in self._ranks:
+                self._policy.forget(rank.rank)  # its keys now carry the new version
+        return out
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         ranks = [r.info.kv_events for r in self._ranks if r.info is not None and r.info.kv_events is not None]

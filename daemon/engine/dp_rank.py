@@ -1,8 +1,9 @@
 """One data-parallel rank: an engine-core process that runs its own `LLMEngine` (own KV cache, own
 scheduler) and talks to the API server over two one-way pipes.
 
-Messages in (tuples, first item the kind): `add`, `abort`, `reset`, `stats`, `stop`. Messages out:
-`ready` / `failed` once at start, then `added` (an add's verdict), `reply` (a reset's or stats' answer),
+Messages in (tuples, first item the kind): `add`, `abort`, `reset`, `stats`, `weights`, `stop`. Messages
+out: `ready` / `failed` once at start, then `added` (an add's verdict), `reply` (a reset's, stats' or
+weight operation's answer),
 `step` (one step's outputs and the stats after it), `state` (stats after commands, when no step runs).
 
 A reader thread moves incoming messages into a queue as they arrive, so the server never blocks on a
@@ -24,6 +25,7 @@ from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv_events import RankEndpoints
+from kvpilot.daemon.engine.weights import OFF_THREAD_OPS
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,14 @@ class RankWorker:
         if kind == "add":
             req = msg[1]  # an EngineRequest
             try:
-                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
+                self.engine.add_request(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    req.cache_salt,
+                    req.restartable,
+                    req.weight_version,
+                )
             except Exception as exc:  # noqa: BLE001 - handed back; the server maps it to a status
                 self.outbox.send(("added", req.request_id, describe_error(exc)))
             else:
@@ -157,6 +166,31 @@ class RankWorker:
                 self.outbox.send(("reply", call_id, dataclasses.replace(result, rank=self.rank), None))
         elif kind == "stats":
             self.outbox.send(("reply", msg[1], self.engine.stats(), None))
+        elif kind == "weights":
+            self._weights(*msg[1:])
+        elif kind == "weights_done":  # an off-thread operation's reply, sent from this thread
+            self.outbox.send(("reply", msg[1], msg[2], None))
+
+    def _weights(self, call_id: int, op: str, args: dict) -> None:
+        """A weight operation: reading a checkpoint runs on a thread of its own while this one keeps
+        stepping; its reply comes back through the queue, so only this thread writes the outbox."""
+        weights = self.engine.weights
+        if op in OFF_THREAD_OPS:
+
+            def work() -> None:
+                self._queue.put(("weights_done", call_id, weights.run_off_thread(op, args)))
+
+            threading.Thread(target=work, name="kvpilot-rank-weights", daemon=True).start()
+            return
+
+        def reply(value: dict) -> None:
+            self.outbox.send(("reply", call_id, {"rank": self.rank, **value}, None))
+
+        outputs, value = weights.run(op, args, reply)
+        if outputs:
+            self.outbox.send(("step", outputs, self.engine.stats(), self.steps, time.time()))
+        if value is not None:
+            reply(value)
 
 
 def describe_error(exc: Exception) -> tuple[str, str, str | None, str | None]:

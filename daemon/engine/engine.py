@@ -23,6 +23,7 @@ from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
 from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.daemon.engine.weights import GroupArgs, WeightControl
 from kvpilot.kernels import select_ops
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class LLMEngine:
         self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         self._resets = 0
         self._last_reset_time: float | None = None
+        self.weights = WeightControl(self, config.weight_version)
         log.info(
             "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             self.model_name,
@@ -111,9 +113,13 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        restartable: bool = False,
+        weight_version: str | None = None,
     ) -> list[Request]:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
-        `request_id` and the sequence's `index`."""
+        `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
+        it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
+        (`weights.py`)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self._groups:
@@ -139,13 +145,17 @@ class LLMEngine:
         for follower in seqs[1:]:
             follower.prompt_logprobs = None  # the first sequence scores the prompt for all
         seqs[0].forks = seqs[1:]
+        args = GroupArgs(list(prompt_token_ids), params, cache_salt, restartable, weight_version)
+        scheduled = self.weights.admit(request_id, seqs, args)
         self._groups[request_id] = seqs
-        self.scheduler.add(seqs[0])
+        if scheduled:
+            self.scheduler.add(seqs[0])
         return seqs
 
     def abort_request(self, request_id: str) -> bool:
         """Abort every sequence of the request; False when it is not running."""
         seqs = self._groups.pop(request_id, None)
+        self.weights.forget(request_id)
         if seqs is None:
             return False
         for seq in seqs:
@@ -160,7 +170,8 @@ class LLMEngine:
         return seqs[0] if seqs else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Work for the next step (none while paused: held and frozen requests wait)."""
+        return self.weights.may_step() and self.scheduler.has_unfinished()
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -168,12 +179,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             self._flush_kv_events()
+            self.weights.after_step()
             return []
         logits = self.runner.execute(out)
         sampled = self._sample(out, logits)
         advanced = self.scheduler.update(out, sampled)
         self._flush_kv_events()
-        return [self._output(seq) for seq in advanced]
+        outputs = [self._output(seq) for seq in advanced]
+        self.weights.after_step()
+        return outputs
 
     def _flush_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -227,12 +241,14 @@ class LLMEngine:
             logprobs=new_logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=seq.cumulative_logprob,
+            weight_version=self.weights.version,
         )
         if done:
             self.sampler.forget(seq.request_id)
             group = self._groups.get(seq.group_id, ())
             if all(s.status is RequestStatus.FINISHED for s in group):
                 self._groups.pop(seq.group_id, None)
+                self.weights.forget(seq.group_id)
         return out
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:

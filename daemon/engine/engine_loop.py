@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpilot.daemon.engine.client import EngineDeadError, EngineInfo, EngineRequest, LoopState
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
+from kvpilot.daemon.engine.weights import OFF_THREAD_OPS
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.engine import LLMEngine
@@ -78,6 +79,7 @@ class EngineLoop:
             enable_prefix_caching=engine.config.enable_prefix_caching,
             block_size=engine.config.block_size,
             num_blocks=engine.num_blocks,
+            weight_version=engine.weights.version,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -169,6 +171,34 @@ class EngineLoop:
         publisher = self.engine.kv_events
         return None if publisher is None else publisher.describe(reached_host)
 
+    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
+        """A weight operation: `update` and `info` beside the steps, the others between two steps."""
+        weights = self.engine.weights
+        try:
+            if op in OFF_THREAD_OPS:
+                loop = asyncio.get_running_loop()
+                work = loop.run_in_executor(None, weights.run_off_thread, op, args)
+            else:
+                replied: concurrent.futures.Future = concurrent.futures.Future()
+
+                def run(engine: LLMEngine) -> None:
+                    outputs, reply = weights.run(op, args, replied.set_result)
+                    if outputs:
+                        self._deliver(outputs)
+                    if reply is not None:
+                        replied.set_result(reply)
+
+                await self.call(run)
+                work = asyncio.wrap_future(replied)
+            reply = await asyncio.wait_for(work, timeout)
+        except TimeoutError:
+            reply = {"error": f"no answer within {timeout:g} s", "status": 500}
+        return [{"rank": 0, **reply}]
+
+    def mark_unhealthy(self, reason: str) -> None:
+        with self._lock:
+            self._dead, self._error = True, reason
+
     def _submit(self, cmd: object) -> None:
         with self._lock:
             if self._dead:
@@ -218,7 +248,14 @@ class EngineLoop:
                 return  # the caller gave up before we got to it
             req = cmd.request
             try:
-                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, req.cache_salt)
+                self.engine.add_request(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.params,
+                    req.cache_salt,
+                    req.restartable,
+                    req.weight_version,
+                )
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return

@@ -7,7 +7,8 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
   `seq` an 8-byte big-endian counter that grows by one per message, so a consumer sees any gap.
 - `payload` is msgpack: `[ts, events, data_parallel_rank]`, each event an array whose first element is
   its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]` (after a weight update
+  `["AllBlocksCleared", weight_version]`: the version the keys that follow are computed with).
 - Block hashes are the engine's own prefix keys (32-byte sha256 digests, `block_hash.py`), so a router
   that hashes a request's tokens with that module finds them. Only full blocks are published.
 - Replay (what vLLM's stream lacks in practice: its buffer is rarely enabled): a ROUTER socket answers a
@@ -75,8 +76,12 @@ class BlockRemoved:
 
 @dataclass(slots=True)
 class AllBlocksCleared:
+    weight_version: str | None = None  # named weights: every later key is hashed with this version
+
     def wire(self) -> list:
-        return ["AllBlocksCleared"]
+        return (
+            ["AllBlocksCleared"] if self.weight_version is None else ["AllBlocksCleared", self.weight_version]
+        )
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -108,7 +113,7 @@ def decode_batch(payload: bytes) -> EventBatch:
             elif tag == "BlockRemoved":
                 events.append(BlockRemoved(list(ev[1])))
             elif tag == "AllBlocksCleared":
-                events.append(AllBlocksCleared())
+                events.append(AllBlocksCleared(ev[1] if len(ev) > 1 else None))
             else:
                 raise ValueError(f"unknown KV event {tag!r}")
         return EventBatch(float(ts), events, int(rank))
@@ -123,6 +128,7 @@ class KVEventRecorder:
 
     block_size: int
     events: list[KVEvent] = field(default_factory=list)
+    weight_version: str | None = None  # the named weights' version, told with each AllBlocksCleared
 
     def block_stored(self, chain: list[BlockHash], i: int, token_ids: list[int]) -> None:
         """Block `i` of a request whose keys are `chain` was indexed; consecutive blocks of one chain
@@ -145,7 +151,7 @@ class KVEventRecorder:
             self.events.append(BlockRemoved([block_hash]))
 
     def all_cleared(self) -> None:
-        self.events.append(AllBlocksCleared())
+        self.events.append(AllBlocksCleared(self.weight_version))
 
     def drain(self) -> list[KVEvent]:
         out, self.events = self.events, []

@@ -33,6 +33,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first output
     cumulative_logprob: float = 0.0
+    weight_version: str | None = None  # the weights that computed these tokens
+    # A weight swap starts this sequence again from its prompt: drop what it produced so far.
+    restart: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,9 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
+    # The weights' version key (None: the unnamed initial weights): part of the first block's key, so
+    # KV computed by other weights never matches.
+    weight_key: str | None = None
     group_id: str = ""  # the caller's request id, shared by the sequences of one group
     index: int = 0  # this sequence's place in its group
     status: RequestStatus = RequestStatus.WAITING
@@ -127,7 +130,7 @@ class Request:
 
     @property
     def salt_bytes(self) -> bytes:
-        return salt_key(self.cache_salt)
+        return salt_key(self.cache_salt, self.weight_key)
 
     @property
     def stop_ids_blocked(self) -> bool:

@@ -30,6 +30,7 @@ from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
 from kvpilot.daemon.server.replies import json_response
 from kvpilot.daemon.server.schema import openapi
 from kvpilot.daemon.server.text_pool import Busy, TextPool
+from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
 from kvpilot.http_limits import start_server
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         engine,
         settings,
         served,
-        metrics=DaemonMetrics(lambda: _rank_snapshots(engine)),
+        metrics=DaemonMetrics(lambda: _rank_snapshots(engine), engine.info.weight_version),
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
         token_texts=TokenTexts(engine.info.tokenizer),
     )
     state.idle.set()
+    state.weights.version = engine.info.weight_version
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[error_middleware(settings.max_body_bytes), _track_requests],
@@ -67,6 +69,8 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.router.add_get("/prefix_cache", prefix_cache)
     app.router.add_get("/openapi.json", openapi_schema)
     app.router.add_get("/kv_events", kv_events)
+    for method, path, handler in WEIGHT_ROUTES:
+        app.router.add_route(method, path, handler)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     return app
@@ -117,7 +121,10 @@ async def health(request: web.Request) -> web.Response:
     if not state.engine.alive:
         reason = state.engine.error or "starting"
         return json_response({"status": "unhealthy", "reason": reason}, status=503)
-    return json_response({"status": "ok"})
+    w = state.weights
+    return json_response(
+        {"status": "ok", "weight_version": w.version, "digest": w.digest, "paused": w.paused}
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -135,6 +142,7 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "kvpilot",
             "root": state.served[0],
             "max_model_len": state.engine.info.max_model_len,
+            "weight_version": state.weights.version,
         }
         for name in state.served
     ]
@@ -152,6 +160,7 @@ async def prefix_cache(request: web.Request) -> web.Response:
     body["enable_prefix_caching"] = engine.info.enable_prefix_caching
     body["engine_steps"] = sum(s.steps for s in engine.rank_states())
     body["ranks"] = [{"rank": r, **s.to_dict()} for r, s in enumerate(ranks)]
+    body["weight_version"] = request.app[STATE].weights.version
     return json_response(body)
 
 

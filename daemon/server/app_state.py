@@ -18,6 +18,17 @@ from kvpilot.daemon.server.text_pool import TextPool
 
 
 @dataclass(slots=True)
+class WeightStatus:
+    """The served weights as the routes last saw them (for /health, /v1/models, /prefix_cache; each
+    generated token carries its own version, from the engine)."""
+
+    version: str = "initial"
+    digest: str | None = None
+    paused: str | None = None  # the pause mode while paused
+    updating: bool = False  # a weight operation is running (one at a time)
+
+
+@dataclass(slots=True)
 class ServerState:
     engine: EngineClient
     settings: ServerSettings
@@ -30,6 +41,7 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=lambda: int(time.time()))
+    weights: WeightStatus = field(default_factory=WeightStatus)
 
 
 STATE = web.AppKey("kvpilot_state", ServerState)

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvpilot.build_info import register_build_info
 from kvpilot.daemon.engine.outputs import CacheStats
+from kvpilot.daemon.server.weight_metrics import WeightMetrics
 
 PREFIX = "kvpilot_"
 
@@ -91,9 +92,12 @@ class EngineCollector(Collector):
 
 
 class DaemonMetrics:
-    def __init__(self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]], weight_version: str = "initial"
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.weights = WeightMetrics(r, weight_version)
         self.resets = Counter(
             PREFIX + "prefix_cache_resets",
             "Prefix cache reset calls by result (success, failed, unavailable, unauthorized).",

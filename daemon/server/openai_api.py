@@ -63,21 +63,21 @@ async def _generate(
     engine = running_engine(state)
     req = prep.req
     try:
-        sink = await engine.add(EngineRequest(request_id, prompt, params, req.cache_salt, dp_rank))
+        sink = await engine.add(
+            EngineRequest(
+                request_id, prompt, params, req.cache_salt, dp_rank, not req.stream, req.weight_version
+            )
+        )
     except QueueFull as exc:
         raise unavailable(str(exc), "queue_full") from None
     except RequestRejected as exc:
+        if exc.code == "weight_version_mismatch":
+            raise ApiError(409, str(exc), "weight_version", code=exc.code) from None
         raise bad(str(exc), _param_name(exc.param, req, prep.chat), exc.code) from None
     except ValueError as exc:  # SamplingError: the client's input
         raise bad(str(exc)) from None
     tok = engine.info.tokenizer
-    seqs = [
-        Sequence(
-            IncrementalDetokenizer(tok, prompt, req.skip_special_tokens),
-            StopStrings(req.stop, req.include_stop_str_in_output),
-        )
-        for _ in range(params.n)
-    ]
+    seqs = [_fresh_sequence(tok, prompt, req) for _ in range(params.n)]
     m = state.metrics
     engine_open = open_choices = params.n
     last = arrival
@@ -91,6 +91,10 @@ async def _generate(
             for item in items:
                 if isinstance(item, BaseException):  # the engine died under this request: our fault
                     raise ApiError(500, "the engine failed while running this request", code="engine_error")
+                if item.restart:  # a weight swap recomputes it from the prompt: what it had is void
+                    seqs[item.index] = _fresh_sequence(tok, prompt, req)
+                    outputs.append(item)
+                    continue
                 engine_open -= item.finished
                 if not seqs[item.index].done:
                     outputs.append(item)
@@ -114,6 +118,13 @@ async def _generate(
     finally:
         if engine_open:
             engine.abort(request_id)  # client gone, engine failed, or stopped at a stop string
+
+
+def _fresh_sequence(tok: Any, prompt: list[int], req: GenerateRequest) -> Sequence:
+    return Sequence(
+        IncrementalDetokenizer(tok, prompt, req.skip_special_tokens),
+        StopStrings(req.stop, req.include_stop_str_in_output),
+    )
 
 
 async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> Any:
@@ -202,6 +213,9 @@ async def _complete(
     echoes: dict[int, tuple[str, list[LogprobEntry] | None]] = {}
     async with _merged(gens) as events:
         async for i, d in events:
+            if d.output.restart:  # recomputed under new weights: start the choice over
+                choices[(i, d.index)] = Choice()
+                continue
             c = choices.setdefault((i, d.index), Choice())
             if d.echo is not None:
                 echoes[i] = d.echo
@@ -220,12 +234,14 @@ async def _complete(
         for k, (_, c) in enumerate(group[: req.n]):
             body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
     obj = "chat.completion" if prep.chat else "text_completion"
+    versions = {o.weight_version for o in finals.values()} or {state.weights.version}
     return json_response(
         {
             "id": rid,
             "object": obj,
             "created": created,
             "model": req.model,
+            "system_fingerprint": versions.pop() if len(versions) == 1 else "mixed",
             "choices": body_choices,
             "usage": _usage(state, finals),
         },
@@ -318,12 +334,17 @@ async def _stream(
     obj = "chat.completion.chunk" if chat else "text_completion"
     wants_logprobs = req.params.logprobs is not None
 
+    # The weights of the chunk's tokens (each output says which computed it); chunks without tokens
+    # repeat the last one seen.
+    fingerprint = [state.weights.version]
+
     def chunk(choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
         body: dict[str, Any] = {
             "id": rid,
             "object": obj,
             "created": created,
             "model": req.model,
+            "system_fingerprint": fingerprint[0],
             "choices": choices,
         }
         if req.include_usage:  # as OpenAI: null on every chunk but the last
@@ -356,7 +377,9 @@ async def _stream(
         )
         try:
             await resp.prepare(request)
-            await _write_events(resp, first, events, chunk, choice, state, req, chat, wants_logprobs)
+            await _write_events(
+                resp, first, events, chunk, choice, state, req, chat, wants_logprobs, fingerprint
+            )
         except ConnectionResetError:
             pass  # the client left mid-stream: leaving the block aborts its engine requests
         return resp
@@ -372,12 +395,14 @@ async def _write_events(
     req: GenerateRequest,
     chat: bool,
     wants_logprobs: bool,
+    fingerprint: list[str],
 ) -> None:
     finals: dict[tuple[int, int], RequestOutput] = {}
     started: set[int] = set()
     try:
         async for i, d in _chain([first] if first is not None else [], events):
             finals[(i, d.index)] = d.output
+            fingerprint[0] = d.output.weight_version or fingerprint[0]
             index = i * req.n + d.index
             if chat and index not in started:
                 started.add(index)

@@ -26,6 +26,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    weight_version: str | None = None  # the weights the request must run on
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     n: int = 1  # choices per prompt
@@ -166,6 +167,7 @@ def _generate_request(
         stream=bool(r.stream),
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         cache_salt=r.cache_salt,
+        weight_version=r.weight_version,
         n=r.n or 1,
         skip_special_tokens=r.skip_special_tokens is not False,
         include_stop_str_in_output=bool(r.include_stop_str_in_output or r.no_stop_trim),

@@ -57,6 +57,9 @@ class _Request(BaseModel):
     cache_salt: Str | None = Field(
         None, min_length=1, description="requests with different salts share no KV"
     )
+    weight_version: Str | None = Field(
+        None, min_length=1, description="run only on these weights (409 weight_version_mismatch otherwise)"
+    )
     stream: Bool | None = None
     stream_options: StreamOptions | None = None
 

@@ -36,6 +36,9 @@ class ServerSettings:
         ),
     )
     reset_timeout: float = 60.0  # a rank whose reset has not answered by then fails the reset (500)
+    weight_update_timeout: float = (
+        900.0  # a rank whose weight operation (a stage: reading a checkpoint) is slower fails it
+    )
     text_workers: int = 2  # threads that tokenize, template and detokenize
     max_pending_prepare: int = 64  # requests waiting to be tokenized beyond which new ones get 503
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)

@@ -174,8 +174,10 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a Hugging Face Llama-family state dict, fusing q/k/v and gate/up as they arrive."""
+    def checkpoint_slot(self, name: str) -> tuple[str, int, int | None] | None:
+        """Where a Hugging Face tensor goes: (parameter name, first row, rows or None for all of it);
+        None for tensors the model does not keep (rotary tables, a tied LM head). Raises KeyError for a
+        tensor that has no place here. Loading and weight updates (`weight_stage.py`) share it."""
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         fused = {
@@ -185,24 +187,33 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0, a.intermediate_size),
             "up_proj": ("gate_up_proj", a.intermediate_size, a.intermediate_size),
         }
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        name = name.replace("layernorm.weight", "layernorm").replace("norm.weight", "norm")
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in fused:
+            target, offset, size = fused[parts[-2]]
+            return ".".join([*parts[:-2], target, parts[-1]]), offset, size
+        if name not in dict(self.named_parameters()):
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        return name, 0, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a Hugging Face Llama-family state dict, fusing q/k/v and gate/up as they arrive."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            slot = self.checkpoint_slot(name)
+            if slot is None:
                 continue
-            name = name.replace("layernorm.weight", "layernorm").replace("norm.weight", "norm")
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, offset, size = fused[parts[-2]]
-                pname = ".".join([*parts[:-2], target, parts[-1]])
+            pname, offset, size = slot
+            if size is None:
+                params[pname].data.copy_(tensor)
+                loaded.add(pname)
+            else:
                 params[pname].data[offset : offset + size].copy_(tensor)
                 loaded.add(f"{pname}:{offset}")
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
         slices = {"qkv_proj": 3, "gate_up_proj": 2}
         expected = sum(slices.get(p.split(".")[-2], 1) if "." in p else 1 for p in params)
         if len(loaded) != expected:
