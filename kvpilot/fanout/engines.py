@@ -62,7 +62,7 @@ def _body_json(text: str) -> Any:
         return None
 
 
-def _error_message(status: int, text: str) -> str:
+def error_message(status: int, text: str) -> str:
     body = _body_json(text)
     if isinstance(body, dict):
         err = body.get("error")
@@ -90,11 +90,11 @@ class Engine:
 
     def common(self, status: int, text: str) -> Judgement | None:
         if status in (404, 501):
-            return Judgement(Verdict.NOT_SUPPORTED, _error_message(status, text))
+            return Judgement(Verdict.NOT_SUPPORTED, error_message(status, text))
         if status >= 500 or status in (408, 429):
-            return Judgement(Verdict.TRANSIENT, _error_message(status, text))
+            return Judgement(Verdict.TRANSIENT, error_message(status, text))
         if status >= 400:
-            return Judgement(Verdict.FAILED, _error_message(status, text))
+            return Judgement(Verdict.FAILED, error_message(status, text))
         return None
 
 
@@ -152,7 +152,7 @@ class SglangEngine(Engine):
 
     def judge(self, status: int, text: str) -> Judgement:
         if status == 400:
-            return Judgement(Verdict.BUSY, _error_message(status, text))
+            return Judgement(Verdict.BUSY, error_message(status, text))
         if (j := self.common(status, text)) is not None:
             return j
         return Judgement(Verdict.SUCCEEDED, " ".join(text.split())[:200])
