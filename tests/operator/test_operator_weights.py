@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +56,12 @@ def _get(ip: str) -> dict:
         return json.loads(r.read())
 
 
+def kvpilot(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    """The installed `kvpilot` command, against the dev cluster."""
+    argv = [str(Path(sys.executable).parent / "kvpilot"), *args, "--kubeconfig", str(cluster.kubeconfig)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=400)
+
+
 def wu(name: str, spec: dict) -> dict:
     return manifest("kvpilot.io/v1alpha1", "WeightUpdate", name, spec)
 
@@ -73,13 +81,18 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
     old_version = {b["weight_version"] for b in before.values()}
     assert len(old_version) == 1
 
-    # Atomic: every pod on v2 with one digest.
-    apply_ns(
-        cluster,
-        ns,
-        wu("to-v2", {"targetRef": {"name": "llm"}, "modelPath": str(checkpoint), "version": "v2"}),
+    # Atomic, through the CLI: every pod on v2 with one digest, each pod's line as it comes.
+    r = kvpilot(
+        cluster, "weights", "update", "llm", "-n", ns, "--path", str(checkpoint), "--version", "v2", "--wait"
     )
-    obj = wait_done(cluster, ns, "to-v2", 300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("weightupdate.kvpilot.io/llm-") and lines[-1].startswith(
+        "Succeeded: AllPodsUpdated"
+    )
+    for name in llm:
+        assert any(name in x and "Succeeded" in x and "serves v2" in x for x in lines), r.stdout
+    obj = cluster.kubectl_json("get", "wu", lines[0].split("/")[1].split()[0], "-n", ns)
     st = obj["status"]
     assert st["phase"] == "Succeeded", st
     assert obj["spec"]["strategy"] == "Atomic" and obj["spec"]["pauseMode"] == "wait"  # defaults
@@ -121,6 +134,21 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
     )
     for name, ip in llm.items():
         assert _get(ip)["weight_version"] == "v2", name
+
+    # Rolling, 2 pods at a time: two batches, every pod on v4 in the end.
+    wait_for(lambda: ready_replicas(cluster, ns, "llm", 3), 120, "the thawed pod ready again", interval=1)
+    spec = {
+        "targetRef": {"name": "llm"},
+        "modelPath": str(checkpoint),
+        "version": "v4",
+        "strategy": "Rolling",
+        "maxUnavailable": 2,
+    }
+    apply_ns(cluster, ns, wu("rolling", spec))
+    st = wait_done(cluster, ns, "rolling", 300)["status"]
+    assert st["phase"] == "Succeeded" and st["progress"] == "3/3", st
+    assert {_get(ip)["weight_version"] for ip in llm.values()} == {"v4"}
+    assert infd(cluster, ns, "llm")["status"]["weightVersions"] == {"v4": 3}  # v2's count is gone
 
 
 def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
