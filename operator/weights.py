@@ -98,6 +98,8 @@ class Run:
             plan = await resolve(self.kube, self.ns, {"targetRef": self.spec["targetRef"]}, self.deadline)
             targets = await self.targets(plan)
         except ResetFailure as f:
+            if f.reason == "TargetNotFound":  # resolve's hint is about resets' waitForTarget
+                f.message = f"InferenceDeployment {self.ns}/{self.spec['targetRef']['name']} not found"
             return await self.finish("Failed", f.reason, f.message)
         settings = FanoutSettings(
             port=plan.port,
@@ -207,12 +209,13 @@ class Run:
         mode = self.spec.get("pauseMode", "wait")
         version = self.spec["version"]
         paused = await self.call(group, settings, "POST", f"/pause?mode={mode}")
-        finished = await self.call(
-            group, settings, "POST", "/finish_weight_update", {"weight_version": version}
-        )
-        await self.call([t for t in group if paused[t.name].ok], settings, "POST", "/resume")
+        held = [t for t in group if paused[t.name].ok]  # a pod that did not pause is not switched
+        body = {"weight_version": version}
+        finished = await self.call(held, settings, "POST", "/finish_weight_update", body) if held else {}
+        if held:
+            await self.call(held, settings, "POST", "/resume")
         for t in group:
-            p, r = pods[t.name], finished[t.name]
+            p, r = pods[t.name], finished.get(t.name) or paused[t.name]
             if r.body.get("ranks"):
                 p.ranks = rank_entries(r.body)
             if r.ok and r.body.get("weight_version") == version and r.body.get("digest") == p.staged_digest:

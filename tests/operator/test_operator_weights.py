@@ -37,7 +37,7 @@ def llm(cluster: Cluster, ns: str, operator: OperatorProcess) -> Iterator[dict[s
     spec = {
         "replicas": 3,
         "adminTokenSecretRef": {"name": "admin"},
-        "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256},
+        "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256, "dtype": "bfloat16"},
         "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
     }
     apply_ns(cluster, ns, fleet("llm", spec))
@@ -167,3 +167,12 @@ def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProc
 
         r = cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=False)
         assert r.returncode != 0 and why in r.stderr, (spec, r.stderr)
+
+
+def test_a_missing_target_fails_at_once(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    apply_ns(cluster, ns, wu("lost", {"targetRef": {"name": "nope"}, "modelPath": "/ckpt", "version": "v2"}))
+    st = wait_done(cluster, ns, "lost", 60)["status"]
+    cond = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert (st["phase"], cond["reason"]) == ("Failed", "TargetNotFound")
+    assert cond["message"] == f"InferenceDeployment {ns}/nope not found"
+    assert st["target"] == "InferenceDeployment/nope" and st["version"] == "v2"
