@@ -58,8 +58,7 @@ WEIGHT_UPDATES = _metric(
 WEIGHT_UPDATE_DURATION = _metric(
     Histogram,
     "weight_update_duration_seconds",
-    "Seconds from a WeightUpdate's start to its end, by final phase",
-    "result",
+    "Seconds from a WeightUpdate's start to its end",
     buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
 WEIGHT_UPDATES_IN_PROGRESS = _metric(Gauge, "weight_updates_in_progress", "WeightUpdates running now")

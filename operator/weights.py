@@ -248,7 +248,7 @@ class Run:
         )
         metrics.WEIGHT_UPDATES.labels(self.ns, phase).inc()
         if (t0 := parse_time(self.start)) is not None:
-            metrics.WEIGHT_UPDATE_DURATION.labels(phase).observe(max(0.0, time.time() - t0))
+            metrics.WEIGHT_UPDATE_DURATION.observe(max(0.0, time.time() - t0))
         if self.pods:
             await self.fleet_version()
         extra: dict[str, Any] = {"completionTime": now_iso(), "conditions": conds}
