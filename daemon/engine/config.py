@@ -82,7 +82,7 @@ class EngineConfig:
         default=None,
         metadata=flag(
             'how weight updates arrive, as vLLM\'s JSON: {"backend": "checkpoint"} (a Hugging Face '
-            "checkpoint directory per update)",
+            'checkpoint directory per update) or {"backend": "gloo"} (a trainer\'s torch.distributed group)',
             unset='{"backend": "checkpoint"}',
         ),
     )

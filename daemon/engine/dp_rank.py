@@ -141,14 +141,7 @@ class RankWorker:
         if kind == "add":
             req = msg[1]  # an EngineRequest
             try:
-                self.engine.add_request(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.params,
-                    req.cache_salt,
-                    req.restartable,
-                    req.weight_version,
-                )
+                self.engine.submit(req)
             except Exception as exc:  # noqa: BLE001 - handed back; the server maps it to a status
                 self.outbox.send(("added", req.request_id, describe_error(exc)))
             else:

@@ -27,6 +27,7 @@ from kvpilot.daemon.engine.weights import GroupArgs, WeightControl
 from kvpilot.kernels import select_ops
 
 if TYPE_CHECKING:
+    from kvpilot.daemon.engine.client import EngineRequest
     from kvpilot.daemon.engine.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,17 @@ class LLMEngine:
         if scheduled:
             self.scheduler.add(seqs[0])
         return seqs
+
+    def submit(self, req: EngineRequest) -> list[Request]:
+        """`add_request` for a request as the server hands it over (`client.EngineRequest`)."""
+        return self.add_request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.params,
+            req.cache_salt,
+            req.restartable,
+            req.weight_version,
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Abort every sequence of the request; False when it is not running."""

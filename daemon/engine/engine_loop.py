@@ -248,14 +248,7 @@ class EngineLoop:
                 return  # the caller gave up before we got to it
             req = cmd.request
             try:
-                self.engine.add_request(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.params,
-                    req.cache_salt,
-                    req.restartable,
-                    req.weight_version,
-                )
+                self.engine.submit(req)
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return

@@ -139,7 +139,7 @@ class WeightStage:
         return live.detach().to("cpu", copy=True)  # a fused parameter: the slices not sent stay
 
 
-TRANSFER_BACKENDS = ("checkpoint",)
+TRANSFER_BACKENDS = ("checkpoint", "gloo")
 
 
 def transfer_backend(config_json: str | None) -> str:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 INITIAL_VERSION = "initial"  # the version of weights loaded without --weight-version
-OFF_THREAD_OPS = frozenset({"update", "info"})
+OFF_THREAD_OPS = frozenset({"update", "info", "init_transfer"})
 
 
 @dataclass(slots=True)
@@ -66,6 +66,7 @@ class WeightControl:
         self._stage: WeightStage | None = None
         self._staged_digest: str | None = None
         self._busy = False  # an update is reading into the stage
+        self._receiver: Any = None  # the gloo transport's group, once initialized
         self._lock = threading.Lock()
 
     # ---- what the engine asks ----------------------------------------------------------------
@@ -167,11 +168,7 @@ class WeightControl:
     def _op_finish(self, args: dict, on_reply: Callable) -> tuple[list, dict]:
         start = time.perf_counter()
         with self._lock:
-            stage = self._stage
-            if stage is None:
-                raise WeightError(409, "no weight update is started (call /start_weight_update first)")
-            if self._busy:
-                raise WeightError(409, "an update is still receiving tensors")
+            stage = self._open_stage()
             outputs, again = self._take_frozen()
             applied = stage.apply()
             digest = self._staged_digest or stage.digest()
@@ -187,23 +184,51 @@ class WeightControl:
     # ---- operations beside the steps ---------------------------------------------------------
     def run_off_thread(self, op: str, args: dict) -> dict:
         try:
+            if op == "init_transfer":
+                return self._init_transfer(args)
             return self._update(args) if op == "update" else self._info()
         except WeightError as err:
             return error_reply(err)
 
+    def _init_transfer(self, args: dict) -> dict:
+        """Join the trainer's group (blocks until every member has joined)."""
+        from kvpilot.daemon.engine.weight_stage import transfer_backend
+
+        backend = transfer_backend(self.engine.config.weight_transfer_config)
+        if backend == "gloo":
+            from kvpilot.daemon.engine.weight_gloo import GlooReceiver
+
+            try:
+                self._receiver = GlooReceiver(
+                    args.get("init_info") or {}, self.engine.config.data_parallel_rank
+                )
+            except WeightError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a trainer that never came, a refused connection
+                raise WeightError(500, f"joining the trainer's gloo group failed: {exc}") from None
+        return {"backend": backend}
+
+    def _op_shutdown_transfer(self, args: dict, on_reply: Callable) -> tuple[list, dict]:
+        if self._receiver is not None:
+            self._receiver.close()
+        self._receiver = None
+        return [], {"shut_down": True}
+
     def _update(self, args: dict) -> dict:
         start = time.perf_counter()
         with self._lock:
-            stage = self._stage
-            if stage is None:
-                raise WeightError(409, "no weight update is started (call /start_weight_update first)")
-            if self._busy:
-                raise WeightError(409, "another update call is receiving tensors")
+            stage = self._open_stage()
             self._busy = True
         try:
-            tensors = args.get("tensors")
-            if tensors is None:
-                model_path = (args.get("update_info") or {}).get("model_path")
+            info = args.get("update_info") or {}
+            if "names" in info:
+                if self._receiver is None:
+                    raise WeightError(
+                        409, "no weight transfer group (call /init_weight_transfer_engine first)"
+                    )
+                tensors = self._receiver.receive(info)
+            else:
+                model_path = info.get("model_path")
                 if not isinstance(model_path, str) or not model_path:
                     raise WeightError(400, "update_info.model_path must name a checkpoint directory")
                 tensors = checkpoint_tensors(model_path)
@@ -233,6 +258,15 @@ class WeightControl:
             }
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _open_stage(self) -> WeightStage:
+        """The stage an update or a finish works on (hold `_lock`); 409 when there is none or an
+        update is still reading into it."""
+        if self._stage is None:
+            raise WeightError(409, "no weight update is started (call /start_weight_update first)")
+        if self._busy:
+            raise WeightError(409, "an update is still receiving tensors")
+        return self._stage
+
     def _describe(self) -> dict:
         return {"weight_version": self.version, "digest": self._digest, "updates": self.updates}
 

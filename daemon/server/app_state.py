@@ -25,7 +25,6 @@ class WeightStatus:
     version: str = "initial"
     digest: str | None = None
     paused: str | None = None  # the pause mode while paused
-    updating: bool = False  # a weight operation is running (one at a time)
 
 
 @dataclass(slots=True)

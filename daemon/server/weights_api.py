@@ -126,12 +126,15 @@ async def abort_requests(request: web.Request, state: ServerState, body: dict) -
 
 
 async def init_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
-    if not isinstance(body.get("init_info", {}), dict):
+    init_info = body.get("init_info", {})
+    if not isinstance(init_info, dict):
         raise ApiError(400, "init_info must be an object", "init_info")
-    return {"message": "Weight transfer initialized", "backend": "checkpoint"}
+    ranks = await call(state, "init_transfer", {"init_info": init_info}, "init")
+    return {"message": "Weight transfer initialized", "backend": ranks[0]["backend"], "ranks": ranks}
 
 
 async def shutdown_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
+    await call(state, "shutdown_transfer")
     return {"message": "Weight transfer shut down"}
 
 

@@ -83,3 +83,11 @@ def update(server: Server, checkpoint: Path, version: str, mode: str = "abort") 
     assert done["digest"] == staged["staged_digest"], (done, staged)
     admin(server, "POST", "/resume")
     return done
+
+
+def stage_incompatible(server: Server, checkpoint: Path) -> dict:
+    """Start an update and offer it `checkpoint`, which the daemon must refuse (400)."""
+    admin(server, "POST", "/start_weight_update")
+    return admin(
+        server, "POST", "/update_weights", {"update_info": {"model_path": str(checkpoint)}}, expect=400
+    )

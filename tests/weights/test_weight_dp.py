@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, greedy, prompt_ids, tokenizer, update
+from support.weights import admin, greedy, prompt_ids, stage_incompatible, tokenizer, update
 
 TOKENS = 6
 
@@ -44,14 +44,7 @@ def test_both_ranks_swap_or_neither(
     ids = prompt_ids(original_checkpoint)
     assert admin(srv, "GET", "/get_world_size") == {"world_size": 2}
 
-    admin(srv, "POST", "/start_weight_update")
-    refused = admin(
-        srv,
-        "POST",
-        "/update_weights",
-        {"update_info": {"model_path": str(incompatible_checkpoint)}},
-        expect=400,
-    )
+    refused = stage_incompatible(srv, incompatible_checkpoint)
     assert [r["rank"] for r in refused["ranks"]] == [0, 1] and all(r["tensor"] for r in refused["ranks"])
     info = admin(srv, "GET", "/weight_info")
     assert [r["weight_version"] for r in info["ranks"]] == ["v1", "v1"]  # neither changed

@@ -9,7 +9,7 @@ import msgpack
 import zmq
 
 from support.servers import Server
-from support.weights import admin, complete, greedy, prompt_ids, update
+from support.weights import admin, complete, greedy, prompt_ids, stage_incompatible, update
 
 TOKENS = 6
 
@@ -117,14 +117,7 @@ def test_incompatible_checkpoint_is_refused_naming_the_tensor(
     version = srv.request("GET", "/health").json()["weight_version"]
     ids = prompt_ids(original_checkpoint)
     before = complete(srv, ids, TOKENS)["choices"][0]["text"]
-    admin(srv, "POST", "/start_weight_update")
-    r = admin(
-        srv,
-        "POST",
-        "/update_weights",
-        {"update_info": {"model_path": str(incompatible_checkpoint)}},
-        expect=400,
-    )
+    r = stage_incompatible(srv, incompatible_checkpoint)
     assert r["tensor"] == "model.layers.3.mlp.down_proj.weight", r
     assert "model.layers.3.mlp.down_proj.weight" in r["error"]["message"]
     admin(srv, "POST", "/finish_weight_update", {"weight_version": "bad"}, expect=409)  # nothing staged
