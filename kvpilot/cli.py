@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from kvpilot.bench_cli import add_bench_parser
 from kvpilot.daemon.server.cli import add_serve_parser
 from kvpilot.operator.cli import add_endpoint_parser, add_operator_parser, add_reset_parser
+from kvpilot.operator.weights_cli import add_weights_parser
 from kvpilot.router.cli import add_router_parser
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -29,6 +30,7 @@ _COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "endpoint": add_endpoint_parser,
     "bench": add_bench_parser,
     "router": add_router_parser,
+    "weights": add_weights_parser,
 }
 
 

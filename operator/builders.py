@@ -16,6 +16,7 @@ GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
 FLEETS = "inferencedeployments"  # plural names of our resources
 RESETS = "prefixcacheresets"
+WEIGHT_UPDATES = "weightupdates"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
 RESET_ANNOTATION = "kvpilot.io/reset-prefix-cache"
 CONTAINER = "kvpilot"

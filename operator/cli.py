@@ -76,10 +76,15 @@ def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
         spec["timeoutSeconds"] = args.timeout_seconds
     if args.max_concurrency is not None:
         spec["maxConcurrency"] = args.max_concurrency
+    return fleet_object("PrefixCacheReset", name, spec)
+
+
+def fleet_object(kind: str, fleet: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A new resource of ours about InferenceDeployment `fleet`, named after it (generateName `FLEET-`)."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "PrefixCacheReset",
-        "metadata": {"generateName": f"{name[:50]}-"},
+        "kind": kind,
+        "metadata": {"generateName": f"{fleet[:50]}-"},
         "spec": spec,
     }
 
@@ -114,6 +119,20 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
     InferenceDeployment, no cluster), 3 when --timeout passed first.
     """
+    created = create_for_fleet(args, RESETS, reset_body(args.name, args), out)
+    if isinstance(created, int):
+        return created
+    api, ns, obj, errors = created
+    limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
+    return _follow(api, ns, obj["metadata"]["name"], time.monotonic() + limit, out, errors)
+
+
+def create_for_fleet(
+    args: argparse.Namespace, plural: str, body: dict[str, Any], out: TextIO
+) -> int | tuple[Any, str, dict[str, Any], tuple]:
+    """Create `body` (a resource about InferenceDeployment args.name) and say so: (the API, the namespace,
+    the object, the errors worth retrying while following it) when --wait asks to follow it, else an exit
+    code (0 created, 2 an error, said on stderr)."""
     import urllib3
     from kubernetes import client
     from kubernetes.client.rest import ApiException
@@ -128,16 +147,12 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     if _read_fleet(api, ns, args.name) is None:
         return 2
     try:
-        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, RESETS, reset_body(args.name, args))
+        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
     except errors as exc:
-        print(f"error: creating the PrefixCacheReset: {_api_error(exc)}", file=sys.stderr)
+        print(f"error: creating the {body['kind']}: {_api_error(exc)}", file=sys.stderr)
         return 2
-    name = obj["metadata"]["name"]
-    print(f"prefixcachereset.kvpilot.io/{name} created", file=out, flush=True)
-    if not args.wait:
-        return 0
-    limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
-    return _follow(api, ns, name, time.monotonic() + limit, out, errors)
+    print(f"{body['kind'].lower()}.{GROUP}/{obj['metadata']['name']} created", file=out, flush=True)
+    return (api, ns, obj, errors) if args.wait else 0
 
 
 def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:

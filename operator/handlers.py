@@ -17,8 +17,8 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import fleets, metrics, resets
-from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION
+from kvpilot.operator import fleets, metrics, resets, weights
+from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.owners import owner_of_kind
 from kvpilot.operator.reset_expiry import Expiry
@@ -54,6 +54,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
     memo.expiry = Expiry(memo.kube)
+    memo.weight_expiry = Expiry(memo.kube, WEIGHT_UPDATES, "WeightUpdate")
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
     memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
 
@@ -114,6 +115,7 @@ def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
 @kopf.on.cleanup()
 async def stop_expiry(memo: kopf.Memo, **_: Any) -> None:
     await memo.expiry.close()
+    await memo.weight_expiry.close()
 
 
 @kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S, when=resets.unfinished)
@@ -131,3 +133,17 @@ async def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     # Every event, the initial listing included: a finished reset's TTL, without a daemon (and its finalizer).
     # async: kopf runs sync handlers in threads, and the expiry tasks belong to the event loop.
     memo.expiry.seen(body, deleted=type == "DELETED")
+
+
+@kopf.daemon(GROUP, VERSION, WEIGHT_UPDATES, cancellation_timeout=SHUTDOWN_GRACE_S, when=weights.unfinished)
+async def weight_update_runs(
+    namespace: str, name: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+) -> None:
+    # As for resets: a daemon starts for every unfinished WeightUpdate, also after a restart (it starts over).
+    async with _counted("WeightUpdate"):
+        await weights.drive(memo.kube, namespace, name, logger, memo.limiter)
+
+
+@kopf.on.event(GROUP, VERSION, WEIGHT_UPDATES)
+async def weight_update_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+    memo.weight_expiry.seen(body, deleted=type == "DELETED")

@@ -52,7 +52,29 @@ RESETS_IN_PROGRESS = _metric(Gauge, "resets_in_progress", "PrefixCacheResets thi
 RECONCILE_ERRORS = _metric(
     Counter, "reconcile_errors_total", "Handler runs that raised (kopf retries them)", "kind"
 )
-for _kind in ("InferenceDeployment", "PrefixCacheReset"):  # 0 from the start: rate() needs the series
+WEIGHT_UPDATES = _metric(
+    Counter, "weight_updates_total", "WeightUpdates finished, by final phase", "namespace", "result"
+)
+WEIGHT_UPDATE_DURATION = _metric(
+    Histogram,
+    "weight_update_duration_seconds",
+    "Seconds from a WeightUpdate's start to its end",
+    buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+WEIGHT_UPDATES_IN_PROGRESS = _metric(Gauge, "weight_updates_in_progress", "WeightUpdates running now")
+FLEET_WEIGHT_PODS = _metric(
+    Gauge,
+    "weight_version_pods",
+    "Pods per weight version of each InferenceDeployment, as they answered after the last WeightUpdate",
+    "namespace",
+    "deployment",
+    "version",
+)
+for _kind in (
+    "InferenceDeployment",
+    "PrefixCacheReset",
+    "WeightUpdate",
+):  # 0 from the start: rate() needs the series
     RECONCILE_ERRORS.labels(_kind)
 API_CALLS = _metric(
     Counter, "api_calls_total", "Kubernetes API calls made by the operator's own code", "verb", "resource"

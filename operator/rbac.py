@@ -62,9 +62,16 @@ _NAMESPACED: list[Rule] = [
         "resources": ["prefixcacheresets"],
         "verbs": ["get", "list", "watch", "patch", "create", "delete"],
     },
+    # WeightUpdates: watched and read (get: the daemon re-reads it before it runs), patched for kopf's
+    # bookkeeping and finalizers, deleted by ttlSecondsAfterFinished. Made by people and the CLI, never by us.
     {
         "apiGroups": ["kvpilot.io"],
-        "resources": ["inferencedeployments/status", "prefixcacheresets/status"],
+        "resources": ["weightupdates"],
+        "verbs": ["get", "list", "watch", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["kvpilot.io"],
+        "resources": ["inferencedeployments/status", "prefixcacheresets/status", "weightupdates/status"],
         "verbs": ["patch"],
     },
     # Owned workloads (the daemons' Deployment or, with placement DaemonSet, DaemonSet; the router's

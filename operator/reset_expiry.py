@@ -1,4 +1,4 @@
-"""ttlSecondsAfterFinished: delete a finished PrefixCacheReset when its time is up, also after a restart.
+"""ttlSecondsAfterFinished: delete a finished PrefixCacheReset (or WeightUpdate) when its time is up, also after a restart.
 
 Not a kopf daemon or timer: kopf keeps its finalizer on every object a daemon or timer serves, and a finished
 reset carries none (after `helm uninstall`, `kubectl delete pcr --all` must not hang). An event handler sees
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class Expiry:
-    def __init__(self, kube: Kube) -> None:
-        self.kube = kube
+    def __init__(self, kube: Kube, plural: str = RESETS, kind: str = "PrefixCacheReset") -> None:
+        self.kube, self.plural, self.kind = kube, plural, kind
         self.tasks: dict[str, asyncio.Task[None]] = {}  # by uid
 
     def seen(self, body: dict[str, Any], deleted: bool = False) -> None:
@@ -46,15 +46,15 @@ class Expiry:
     async def _expire(self, ns: str, name: str, uid: str, at: float, ttl: int) -> None:
         try:
             await asyncio.sleep(max(0.0, at - time.time()))
-            log.info("deleting PrefixCacheReset %s/%s: ttlSecondsAfterFinished %ss passed", ns, name, ttl)
+            log.info("deleting %s %s/%s: ttlSecondsAfterFinished %ss passed", self.kind, ns, name, ttl)
             delay = 1.0
             while True:
                 try:
-                    await self.kube.delete_cr(RESETS, ns, name, uid)
+                    await self.kube.delete_cr(self.plural, ns, name, uid)
                     return
                 except Exception as exc:  # noqa: BLE001 - retried while it may pass, else reported
                     if not is_transient(exc):
-                        log.warning("PrefixCacheReset %s/%s not deleted after its TTL: %s", ns, name, exc)
+                        log.warning("%s %s/%s not deleted after its TTL: %s", self.kind, ns, name, exc)
                         return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)

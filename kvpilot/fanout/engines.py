@@ -63,7 +63,7 @@ def _body_json(text: str) -> Any:
         return None
 
 
-def _error_message(status: int, text: str, token: str | None) -> str:
+def error_message(status: int, text: str, token: str | None = None) -> str:
     """ "HTTP STATUS", with the pod's OpenAI error message (error.message) when it sent one, as redact says it
     may be reported. Nothing else of the body is ever reported: it may echo what the pod was sent."""
     body = _body_json(text)
@@ -88,11 +88,11 @@ class Engine:
 
     def common(self, status: int, text: str, token: str | None) -> Judgement | None:
         if status in (404, 501):
-            return Judgement(Verdict.NOT_SUPPORTED, _error_message(status, text, token))
+            return Judgement(Verdict.NOT_SUPPORTED, error_message(status, text, token))
         if status >= 500 or status in (408, 429):
-            return Judgement(Verdict.TRANSIENT, _error_message(status, text, token))
+            return Judgement(Verdict.TRANSIENT, error_message(status, text, token))
         if status >= 400:
-            return Judgement(Verdict.FAILED, _error_message(status, text, token))
+            return Judgement(Verdict.FAILED, error_message(status, text, token))
         return None
 
 

@@ -304,6 +304,18 @@ def test_reset_by_the_in_cluster_operator(
     assert (st["phase"], st["progress"], st["succeeded"], st["failed"]) == ("Succeeded", "2/2", 2, 0)
     assert {p["name"] for p in st["pods"]} == set(fleet)
     warm(fleet)  # post-reset traffic: misses, then hits again
+    # A WeightUpdate to the weights they serve under a new version name (the embedded model's own directory):
+    # the weight panels and metrics have data.
+    from kvpilot.daemon.engine.default_model import ensure_default_model
+
+    wu = {
+        "apiVersion": "kvpilot.io/v1alpha1",
+        "kind": "WeightUpdate",
+        "metadata": {"name": "rename", "namespace": FLEET_NS},
+        "spec": {"targetRef": {"name": "llm"}, "modelPath": str(ensure_default_model()), "version": "v2"},
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(wu))
+    cluster.kubectl("wait", "--for=condition=Complete", "wu/rename", "-n", FLEET_NS, "--timeout=300s")
     log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
     assert "flush" in log, "the in-cluster operator's log should show the reset"
     # The fleet's NetworkPolicy lets exactly this operator pod reach the daemons: the chart tells the operator
@@ -405,6 +417,7 @@ def test_namespace_edit_and_view_users_get_kvpilot_resources(cluster: Cluster, r
         lambda: can("create", "inferencedeployments.kvpilot.io", "team-edit"), 30, "aggregation into edit"
     )
     assert can("delete", "prefixcacheresets.kvpilot.io", "team-edit")
+    assert can("create", "weightupdates.kvpilot.io", "team-edit")
     assert can("patch", "inferencedeployments.kvpilot.io/scale", "team-edit")
     wait_for(lambda: can("list", "prefixcacheresets.kvpilot.io", "team-view"), 30, "aggregation into view")
     assert not can("create", "prefixcacheresets.kvpilot.io", "team-view")

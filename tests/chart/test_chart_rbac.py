@@ -2,7 +2,7 @@
 (cluster-wide, and operator.watchNamespaces) the real operator runs under exactly the rendered ServiceAccount,
 ClusterRoles, Roles and bindings (a token of that ServiceAccount, the Deployment's own flags) through every
 feature that needs a right: a fleet with its real router, whose RoleBinding from an older operator (to a Role)
-is replaced, a generated token, a targetRef reset and one that expires, the annotation trigger, placement
+is replaced, a generated token, a targetRef reset and one that expires, a WeightUpdate that expires, the annotation trigger, placement
 DaemonSet and back, the router turned off. Then none of the operator's or the router's requests was Forbidden, and every
 (verb, resource) granted to them was requested at least once.
 
@@ -21,7 +21,7 @@ import yaml
 
 from chart.tools import CHART, Helm
 from kvpilot.operator.builders import MANAGED_BY, RESET_ANNOTATION
-from support.cluster import Cluster, dev_cluster
+from support.cluster import Cluster, dev_cluster, manifest
 from support.operator import (
     STANDIN_ENV,
     OperatorProcess,
@@ -216,6 +216,11 @@ def exercise(cluster: Cluster, ns: str) -> None:
     assert wait_phase(cluster, ns, "r")["status"]["phase"] == "Succeeded"
     apply_ns(cluster, ns, pcr("expires", {"targetRef": {"name": "f"}, "ttlSecondsAfterFinished": 0}))
     wait_for(lambda: gone(cluster, ns, "pcr", "expires"), 90, "the finished reset to expire")
+    # A WeightUpdate that expires right after it ends (the stand-in has no weight routes: it ends Failed after
+    # its pod was called with the fleet's token, and the fleet's weightVersion is written).
+    wu = {"targetRef": {"name": "f"}, "modelPath": "/ckpt", "version": "v2", "ttlSecondsAfterFinished": 0}
+    apply_ns(cluster, ns, manifest("kvpilot.io/v1alpha1", "WeightUpdate", "wu", wu))
+    wait_for(lambda: gone(cluster, ns, "wu", "wu"), 90, "the finished WeightUpdate to expire")
     annotate(cluster, ns, "f", "t1")
     wait_for(lambda: "t1" in (infd(cluster, ns, "f").get("status") or {}).get("resetTokens", []), 60, "token")
     # The router runs: its EndpointSlice watch and its check that each endpoint is a pod of the fleet.

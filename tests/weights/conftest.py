@@ -11,6 +11,7 @@ import pytest
 
 from support.procs import free_port
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server, wait_idle
+from support.weights import perturbed_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -23,19 +24,7 @@ def original_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def changed_checkpoint(tmp_path_factory: pytest.TempPathFactory, original_checkpoint: Path) -> Path:
     """The embedded model with every MLP down projection perturbed (seeded): same names and shapes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("changed-ckpt")
-    model = AutoModelForCausalLM.from_pretrained(original_checkpoint, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(22)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(original_checkpoint).save_pretrained(out)
-    return out
+    return perturbed_checkpoint(original_checkpoint, tmp_path_factory.mktemp("changed-ckpt"))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,276 @@
+"""A WeightUpdate from start to finish: every pod of an InferenceDeployment to new weights, through the
+daemon's weight routes (checkpoint transport: each pod reads spec.modelPath), with the fleet's own token only.
+
+Atomic is a two-phase commit over the pods (and, inside each daemon, over its ranks):
+1. stage: /abort_weight_update (a stage left by an interrupted run), /start_weight_update, /update_weights
+   on every pod. Only when every pod staged the same digest does the commit start; if any stage fails, times
+   out or differs, the stage is dropped everywhere and the update ends Failed with no pod changed.
+2. commit: on every pod, /pause?mode=pauseMode, /finish_weight_update {weight_version}, /resume. A pod whose
+   finish failed is Fenced: it is named in status and the update ends Degraded.
+Rolling runs the same two phases over maxUnavailable pods at a time; a failed batch stops it there.
+
+Every update ends within timeoutSeconds, counted from status.startTime (a restart does not extend it). A run
+that an operator restart interrupted starts over: staging again drops the old stage first, and finishing the
+same weights again on a pod that already serves them is harmless (the same digest), so it is at-least-once.
+At the end every pod is asked what it serves (/weight_info): status.pods[].version and the
+InferenceDeployment's status.weightVersion come from those answers, never from what we expected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import kopf
+
+from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
+from kvpilot.operator import metrics
+from kvpilot.operator.builders import FLEETS, WEIGHT_UPDATES
+from kvpilot.operator.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.kube import ApiException, Kube
+from kvpilot.operator.resets import Plan, ResetFailure, pod_target, resolve, with_retries
+from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+
+DONE = ("Succeeded", "Failed", "Degraded")
+# Of timeoutSeconds, the part kept back from staging for dropping the stage or switching (at most this).
+RESERVE_S = 15.0
+log = logging.getLogger(__name__)
+
+
+def unfinished(status: dict[str, Any], **_: Any) -> bool:
+    """kopf's filter of the update daemon: a finished update runs nothing (no finalizer stays on it)."""
+    return (status or {}).get("phase") not in DONE
+
+
+async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None) -> None:
+    obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
+    if obj is None or not unfinished(obj.get("status") or {}):
+        return
+    metrics.WEIGHT_UPDATES_IN_PROGRESS.inc()
+    try:
+        await Run(kube, obj, logger, limiter).run()
+    finally:
+        metrics.WEIGHT_UPDATES_IN_PROGRESS.dec()
+
+
+class Run:
+    def __init__(self, kube: Kube, obj: dict[str, Any], logger: logging.Logger, limiter: Any) -> None:
+        self.kube, self.obj, self.logger, self.limiter = kube, obj, logger, limiter
+        self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self.spec = obj["spec"]
+        status = obj.get("status") or {}
+        self.start = status.get("startTime") or now_iso()
+        started = parse_time(status.get("startTime"))
+        timeout = float(self.spec.get("timeoutSeconds", 600))
+        self.deadline = time.monotonic() + timeout - (time.time() - started if started else 0)
+        # A pod that never answers its stage must leave time to drop the stage on the others.
+        self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
+        self.pods: list[PodUpdate] = []
+        self.target = f"InferenceDeployment/{self.spec['targetRef']['name']}"
+
+    # ---- status ------------------------------------------------------------------------------------
+    async def patch(self, phase: str, **extra: Any) -> dict[str, Any]:
+        body = {
+            "phase": phase,
+            "target": self.target,
+            "version": self.spec["version"],
+            "startTime": self.start,
+            "observedGeneration": self.obj["metadata"].get("generation"),
+            **(pod_status(self.pods) if self.pods else {}),
+            **extra,
+        }
+        return await self.kube.patch_status(WEIGHT_UPDATES, self.ns, self.name, body)
+
+    async def progress(self, phase: str) -> None:
+        try:
+            await self.patch(phase)
+        except Exception as exc:  # noqa: BLE001 - progress is for people; the final write is retried
+            self.logger.warning("weight update %s/%s: progress not written: %s", self.ns, self.name, exc)
+
+    # ---- the run -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.progress("Pending")
+        try:
+            plan = await resolve(self.kube, self.ns, {"targetRef": self.spec["targetRef"]}, self.deadline)
+            targets = await self.targets(plan)
+        except ResetFailure as f:
+            if f.reason == "TargetNotFound":  # resolve's hint is about resets' waitForTarget
+                f.message = f"InferenceDeployment {self.ns}/{self.spec['targetRef']['name']} not found"
+            return await self.finish("Failed", f.reason, f.message)
+        settings = FanoutSettings(
+            port=plan.port,
+            token=plan.token,
+            timeout_s=float(self.spec.get("timeoutSeconds", 600)),
+            request_timeout_s=float(self.spec.get("timeoutSeconds", 600)),
+            max_concurrency=int(self.spec.get("maxConcurrency", 16)),
+        )
+        self.pods = [PodUpdate(t.name) for t in targets]
+        batch = len(targets)
+        if self.spec.get("strategy") == "Rolling":
+            batch = max(1, int(self.spec.get("maxUnavailable", 1)))
+        kopf.event(
+            self.obj,
+            type="Normal",
+            reason="Started",
+            message=f"updating {len(targets)} pods of {self.target} to {self.spec['version']}",
+        )
+        for i in range(0, len(targets), batch):
+            group = targets[i : i + batch]
+            if not await self.stage(group, settings):
+                await self.read_versions(targets, settings)
+                done = sum(p.result == "Succeeded" for p in self.pods)
+                first = next(p for p in self.pods if p.result == "Failed")
+                why = f"{first.name}: {first.message}"
+                if done:  # Rolling: earlier batches serve the new version
+                    msg = f"a stage failed after {done} pods were updated ({why}); the fleet is on mixed versions"
+                    return await self.finish("Failed", "StageFailed", msg)
+                return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
+            await self.commit(group, settings)
+        await self.read_versions(targets, settings)
+        fenced = [p.name for p in self.pods if p.result == "Fenced"]
+        if fenced:
+            msg = f"{len(fenced)} pods are not on {self.spec['version']}: {', '.join(fenced[:5])} (fenced)"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        digest = self.pods[0].staged_digest
+        msg = f"{len(self.pods)}/{len(self.pods)} pods serve {self.spec['version']} ({digest})"
+        return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
+
+    async def targets(self, plan: Plan) -> list[Target]:
+        """Every pod of the fleet, each callable: an update that cannot reach a pod does not start."""
+        pods, _ = await with_retries(
+            "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
+        )
+        targets = sorted((pod_target(p, plan) for p in pods), key=lambda t: t.name)
+        if not targets:
+            raise ResetFailure("NoTargets", f"{self.target} has no pods")
+        blocked = [t for t in targets if t.skip_reason]
+        if blocked:
+            names = ", ".join(f"{t.name} ({t.skip_reason})" for t in blocked[:5])
+            raise ResetFailure("PodsNotReady", f"no pod changed: not every pod can be called: {names}")
+        return targets
+
+    def _by_name(self) -> dict[str, PodUpdate]:
+        return {p.name: p for p in self.pods}
+
+    async def call(
+        self,
+        group: Sequence[Target],
+        settings: FanoutSettings,
+        method: str,
+        path: str,
+        body: Any = None,
+    ) -> dict[str, PhaseReply]:
+        return await run_phase(
+            group, settings, method, path, body, deadline=self.deadline, limiter=self.limiter
+        )
+
+    async def stage(self, group: Sequence[Target], settings: FanoutSettings) -> bool:
+        """Phase one on `group`: True when every pod staged the same digest; else the stage is dropped
+        on every pod of the group and the failing pods are Failed, the others Dropped."""
+        await self.progress("Staging")
+        pods = self._by_name()
+        info = {"update_info": {"model_path": self.spec["modelPath"]}}
+        steps = [
+            Step("POST", "/abort_weight_update", must_succeed=False),  # a stage an earlier run left
+            Step("POST", "/start_weight_update"),
+            Step("POST", "/update_weights", info),
+        ]
+        replies = await run_steps(group, settings, steps, deadline=self.stage_deadline, limiter=self.limiter)
+        failed: dict[str, str] = {}
+        for n, seq in replies.items():
+            last = seq[-1]
+            if last.body.get("ranks"):
+                pods[n].ranks = rank_entries(last.body)
+            if len(seq) < len(steps) or not last.ok:
+                i, bad = next((i, r) for i, r in enumerate(seq) if not r.ok)  # the first, the cause
+                failed[n] = f"{steps[i].path}: {bad.message}"
+            else:
+                pods[n].staged_digest = str(last.body.get("staged_digest") or "")
+                pods[n].result = "Staged"
+        digests = {pods[t.name].staged_digest for t in group if t.name not in failed}
+        if not failed and len(digests) == 1:
+            return True
+        if not failed:  # every pod staged, but not the same weights: a path that differs between nodes
+            failed = {t.name: f"staged {pods[t.name].staged_digest}, not what the others did" for t in group}
+        await self.call(group, settings, "POST", "/abort_weight_update")
+        for t in group:
+            p = pods[t.name]
+            p.result, p.message = ("Failed", redact(failed[t.name])) if t.name in failed else ("Dropped", "")
+        return False
+
+    async def commit(self, group: Sequence[Target], settings: FanoutSettings) -> None:
+        """Phase two on `group`: pause, finish, resume; a pod whose finish failed is Fenced."""
+        await self.progress("Committing")
+        pods = self._by_name()
+        mode = self.spec.get("pauseMode", "wait")
+        version = self.spec["version"]
+        paused = await self.call(group, settings, "POST", f"/pause?mode={mode}")
+        held = [t for t in group if paused[t.name].ok]  # a pod that did not pause is not switched
+        body = {"weight_version": version}
+        finished = await self.call(held, settings, "POST", "/finish_weight_update", body) if held else {}
+        if held:
+            await self.call(held, settings, "POST", "/resume")
+        for t in group:
+            p, r = pods[t.name], finished.get(t.name) or paused[t.name]
+            if r.body.get("ranks"):
+                p.ranks = rank_entries(r.body)
+            if r.ok and r.body.get("weight_version") == version and r.body.get("digest") == p.staged_digest:
+                p.result, p.message = "Succeeded", ""
+            else:
+                p.result = "Fenced"
+                served = f"serves {r.body.get('weight_version')} ({r.body.get('digest')})"
+                p.message = redact(f"commit: {r.message or served}")
+                kopf.event(self.obj, type="Warning", reason="PodFenced", message=f"{t.name}: {p.message}")
+
+    async def read_versions(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+        """What every pod serves now, as it says (status.pods[].version); unknown when it does not answer."""
+        pods = self._by_name()
+        replies = await run_phase(
+            targets, settings, "GET", "/weight_info", deadline=self.deadline + 10, limiter=self.limiter
+        )
+        for n, r in replies.items():
+            pods[n].version = str(r.body.get("weight_version") or "") if r.ok else ""
+
+    async def finish(self, phase: str, reason: str, message: str, digest: str = "") -> None:
+        """The end: conditions, Event, metrics, the fleet's weightVersion, then the final status write
+        (after it lands kopf's filter no longer matches and the daemon and its finalizer go)."""
+        self.logger.info("weight update %s/%s: %s: %s", self.ns, self.name, phase, message)
+        gen = self.obj["metadata"].get("generation") or 1
+        conds = (self.obj.get("status") or {}).get("conditions")
+        kind = {"Succeeded": "Complete", "Failed": "Failed", "Degraded": "Degraded"}[phase]
+        conds = set_condition(conds, kind, True, reason, message, gen)
+        kopf.event(
+            self.obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
+        )
+        metrics.WEIGHT_UPDATES.labels(self.ns, phase).inc()
+        if (t0 := parse_time(self.start)) is not None:
+            metrics.WEIGHT_UPDATE_DURATION.observe(max(0.0, time.time() - t0))
+        if self.pods:
+            await self.fleet_version()
+        extra: dict[str, Any] = {"completionTime": now_iso(), "conditions": conds}
+        if digest:
+            extra["digest"] = digest
+        await with_retries("final status", lambda: self.patch(phase, **extra), time.monotonic() + 30)
+
+    async def fleet_version(self) -> None:
+        fleet = self.spec["targetRef"]["name"]
+        versions = [p.version or "unknown" for p in self.pods]
+        body = fleet_weight_version(versions)
+        try:
+            old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
+            gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
+            for version in gone:  # a merge patch keeps map keys it does not name
+                body["weightVersions"][version] = None
+                with contextlib.suppress(KeyError):
+                    metrics.FLEET_WEIGHT_PODS.remove(self.ns, fleet, version)
+            for version, n in body["weightVersions"].items():
+                if n is not None:
+                    metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
+            await self.kube.patch_status(FLEETS, self.ns, fleet, body)
+        except ApiException as exc:  # informative; the update's own status is written next
+            if exc.status != 404:
+                log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)

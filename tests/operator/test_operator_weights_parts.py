@@ -1,0 +1,161 @@
+"""WeightUpdate's pure parts and the weight step fan-out against real aiohttp servers on loopback: status
+entries (bounded, failures first, tokens redacted), the fleet's weightVersion, the CLI's body, and
+run_phase's replies (ok, refusals, silence until the deadline)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from aiohttp import web
+
+from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout.phase import Step, run_phase, run_steps
+from kvpilot.operator.weights_cli import describe_pod, update_body
+from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+from support.procs import free_port
+
+
+def test_status_is_bounded_failures_first_and_redacted() -> None:
+    pods = [PodUpdate(f"ok-{i:03d}", "Succeeded", "sha256:a", "v2") for i in range(150)]
+    pods.append(PodUpdate("zz", "Fenced", message=redact("commit: Bearer s3cret failed " + "x" * 500)))
+    st = pod_status(pods)
+    assert (st["targets"], st["succeeded"], st["failed"], st["progress"]) == (151, 150, 1, "150/151")
+    assert len(st["pods"]) == 100 and st["podsOmitted"] == 51
+    first = st["pods"][0]
+    assert first["name"] == "zz" and first["result"] == "Fenced"
+    assert "s3cret" not in first["message"] and len(first["message"]) <= 200
+    assert st["pods"][1] == {
+        "name": "ok-000",
+        "result": "Succeeded",
+        "stagedDigest": "sha256:a",
+        "version": "v2",
+    }
+
+
+def test_rank_entries_and_fleet_version() -> None:
+    body = {
+        "ranks": [
+            {"rank": 0, "weight_version": "v2", "digest": "d"},
+            {"rank": 1, "error": "token=abc oom"},
+            "x",
+        ]
+    }
+    assert rank_entries(body) == [
+        {"rank": 0, "success": True, "version": "v2", "digest": "d"},
+        {"rank": 1, "success": False, "message": "token=<redacted> oom"},
+    ]
+    assert fleet_weight_version(["v2", "v2"]) == {"weightVersion": "v2", "weightVersions": {"v2": 2}}
+    assert fleet_weight_version(["v1", "v2", "v2"]) == {
+        "weightVersion": "mixed",
+        "weightVersions": {"v1": 1, "v2": 2},
+    }
+
+
+def test_cli_body_and_pod_line() -> None:
+    args = argparse.Namespace(
+        path="/ckpt",
+        weight_version="v2",
+        strategy=None,
+        pause_mode="abort",
+        max_unavailable=None,
+        timeout_seconds=30,
+    )
+    body = update_body("llm", args)
+    assert body["kind"] == "WeightUpdate" and body["metadata"] == {"generateName": "llm-"}
+    assert body["spec"] == {
+        "targetRef": {"name": "llm"},
+        "modelPath": "/ckpt",
+        "version": "v2",
+        "pauseMode": "abort",
+        "timeoutSeconds": 30,
+    }
+    line = describe_pod({"name": "p", "result": "Failed", "message": "stage: HTTP 404: no checkpoint"})
+    assert "Failed" in line and "HTTP 404" in line
+
+
+def test_run_phase_replies_refusals_and_silence() -> None:
+    port = free_port()
+    seen: list[tuple[str, dict, str]] = []
+
+    async def ok(request: web.Request) -> web.Response:
+        seen.append((request.remote or "", await request.json(), request.headers.get("Authorization", "")))
+        return web.json_response({"staged_digest": "sha256:x", "ranks": [{"rank": 0}]})
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "no checkpoint at /nope"}}, status=404)
+
+    async def silent(request: web.Request) -> web.Response:
+        await asyncio.sleep(8)
+        return web.json_response({})
+
+    async def go() -> tuple[dict, float]:
+        runners = []
+        for i, handler in enumerate((ok, refuse, silent)):
+            app = web.Application()
+            app.router.add_post("/update_weights", handler)
+            r = web.AppRunner(app)
+            await r.setup()
+            await web.TCPSite(r, f"127.0.8.{i + 1}", port).start()
+            runners.append(r)
+        try:
+            targets = [Target(f"pod-{i}", f"127.0.8.{i + 1}") for i in range(3)]
+            settings = FanoutSettings(port=port, token="t0k", request_timeout_s=60)
+            t0 = time.monotonic()
+            body = {"update_info": {"model_path": "/ckpt"}}
+            replies = await run_phase(targets, settings, "POST", "/update_weights", body, deadline=t0 + 1.5)
+            return replies, time.monotonic() - t0
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    replies, took = asyncio.run(go())
+    assert replies["pod-0"].ok and replies["pod-0"].body["staged_digest"] == "sha256:x"
+    assert [s[1:] for s in seen] == [({"update_info": {"model_path": "/ckpt"}}, "Bearer t0k")]
+    assert not replies["pod-1"].ok and replies["pod-1"].status == 404
+    assert replies["pod-1"].message == "HTTP 404: no checkpoint at /nope"
+    assert not replies["pod-2"].ok and replies["pod-2"].status == 0 and "no reply" in replies["pod-2"].message
+    assert took < 6  # bounded by the deadline (1.5 s), not by the silent pod or the request timeout
+
+
+def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
+    port = free_port()
+    calls: list[tuple[str, str]] = []
+
+    def app(start_status: int) -> web.Application:
+        async def record(request: web.Request) -> web.Response:
+            calls.append((request.host, request.path))
+            status = start_status if request.path == "/start_weight_update" else 409
+            status = 200 if request.path == "/update_weights" else status
+            return web.json_response({"ok": True}, status=status)
+
+        a = web.Application()
+        for path in ("/abort_weight_update", "/start_weight_update", "/update_weights"):
+            a.router.add_post(path, record)
+        return a
+
+    async def go() -> dict:
+        runners = []
+        for i, status in enumerate((200, 500)):
+            r = web.AppRunner(app(status))
+            await r.setup()
+            await web.TCPSite(r, f"127.0.8.{i + 1}", port).start()
+            runners.append(r)
+        try:
+            steps = [
+                Step("POST", "/abort_weight_update", must_succeed=False),
+                Step("POST", "/start_weight_update"),
+                Step("POST", "/update_weights"),
+            ]
+            targets = [Target("good", "127.0.8.1"), Target("bad", "127.0.8.2")]
+            settings = FanoutSettings(port=port)
+            return await run_steps(targets, settings, steps, deadline=time.monotonic() + 30)
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    replies = asyncio.run(go())
+    assert [r.status for r in replies["good"]] == [409, 200, 200]  # a refused optional step goes on
+    assert [r.status for r in replies["bad"]] == [409, 500]  # a failed required step ends its sequence
+    assert (f"127.0.8.2:{port}", "/update_weights") not in calls
