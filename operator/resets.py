@@ -35,7 +35,7 @@ from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube import ApiException, Kube, is_transient
 from kvpilot.operator.owners import controlled_by, controller_ref
-from kvpilot.operator.podwatch import PodWatch
+from kvpilot.operator.podwatch import PodWatch, identity
 from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
 
 DONE = ("Succeeded", "Failed")
@@ -311,10 +311,15 @@ async def _run(
         while True:
             plan = await resolve(kube, ns, spec, deadline)
             t_list = time.monotonic()
+            # Each pod is looked at once, as it is decoded: its target, and its identity for the pod watch.
             pods, version = await with_retries(
-                "list pods", lambda sel=plan.selector: kube.list_pods(ns, sel), deadline
+                "list pods",
+                lambda plan=plan: kube.list_pods(
+                    ns, plan.selector, lambda p: (pod_target(p, plan), identity(p))
+                ),
+                deadline,
             )
-            targets = [pod_target(p, plan) for p in pods]
+            targets = [t for t, _ in pods]
             before = initial_results(targets)  # what status shows until the fan-out's first checkpoint
             logger.info(
                 "reset %s/%s: listed %d pods in %.3fs", ns, name, len(targets), time.monotonic() - t_list
@@ -345,7 +350,8 @@ async def _run(
             reason="Started",
             message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
         )
-        async with PodWatch(kube, ns, plan.selector, pods, version) as watch, _stop_flag(stopped) as stop:
+        listed = {t.name: ident for t, ident in pods}
+        async with PodWatch(kube, ns, plan.selector, listed, version) as watch, _stop_flag(stopped) as stop:
             results = await run_fanout(
                 targets,
                 settings_for(spec, plan),
