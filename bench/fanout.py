@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from th
 STANDIN = r"""
 import asyncio, json, sys
 from aiohttp import web
-first, n, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+k, procs, n, port = (int(x) for x in sys.argv[1:5])
 epochs = {}
 delay = [0.0]
 async def set_delay(request):
@@ -57,14 +57,15 @@ async def main():
     app.router.add_post("/reset_prefix_cache", reset); app.router.add_get("/prefix_cache", stats)
     app.router.add_get("/total", total); app.router.add_post("/delay", set_delay)
     runner = web.AppRunner(app, access_log=None); await runner.setup()
-    for i in range(first, first + n):
+    for i in range(k, n, procs):
         await web.TCPSite(runner, f"127.88.{i // 250}.{i % 250 + 1}", port, backlog=1024).start()
     print("ready", flush=True)
     await asyncio.Event().wait()
 asyncio.run(main())
 """
-# Addresses per stand-in process, so that no one process answering is what bounds a round (checked in each
-# round: busiest_standin_cpu_share, its CPU seconds over the round's wall time).
+# Addresses per stand-in process: address i is served by process i % P, so the calls in flight (in pod name
+# order) spread over all of them, and no one process answering bounds a round (checked in each round:
+# busiest_standin_cpu_share, its CPU seconds over the round's wall time).
 PER_STANDIN = 1000
 
 
@@ -306,20 +307,14 @@ def main() -> int:
         ns = "bench"
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
         try:
+            nproc = -(-args.pods // PER_STANDIN)
             standins = [
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        STANDIN,
-                        str(first),
-                        str(min(PER_STANDIN, args.pods - first)),
-                        str(port),
-                    ],
+                    [sys.executable, "-c", STANDIN, str(k), str(nproc), str(args.pods), str(port)],
                     stdout=subprocess.PIPE,
                     start_new_session=True,
                 )
-                for first in range(0, args.pods, PER_STANDIN)
+                for k in range(nproc)
             ]
             procs += standins
             for standin in standins:
@@ -345,10 +340,10 @@ def main() -> int:
             custom = client.CustomObjectsApi(api)
             pids = {"operator": [op.pid], "standin": [p.pid for p in standins]}
             for delay_ms in args.reply_delay_ms:
-                for first in range(0, args.pods, PER_STANDIN):  # one call per stand-in process
+                for k in range(nproc):  # one call per stand-in process
                     urllib.request.urlopen(
                         urllib.request.Request(
-                            f"http://{ip_of(first)}:{port}/delay?s={delay_ms / 1000}", data=b"", method="POST"
+                            f"http://{ip_of(k)}:{port}/delay?s={delay_ms / 1000}", data=b"", method="POST"
                         )
                     )
                 rounds.append(one_round(custom, ns, port, mport, args, delay_ms, pids))
@@ -366,7 +361,7 @@ def main() -> int:
         "(one at the start, one per second of progress, one final). status_bytes: the finished status (counts "
         "and at most 100 pod entries). The sequential loop is N POSTs only. reply_delay_ms models a daemon "
         "answering a reset at the next engine step boundary.",
-        "standin_processes": len(range(0, args.pods, PER_STANDIN)),
+        "standin_processes": nproc,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
             "cpus": os.cpu_count(),

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.results import PodResult, initial_results
-from kvpilot.fanout.targets import FanoutSettings, Target, base_url
+from kvpilot.fanout.targets import FanoutSettings, Target, address
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,9 @@ async def _reset_one(
     engine = engine_for(settings.engine)
     started = time.monotonic()
     # The request is prepared once per target; its connection is kept per pod (http1.Pool).
-    ep = endpoint(
-        res.target.uid or res.target.name,
-        base_url(res.target, settings),
-        engine.method,
-        engine.path(settings.reset_running_requests),
-        settings.token,
-    )
+    host, port, tls, prefix = address(res.target, settings)
+    path = prefix + engine.path(settings.reset_running_requests)
+    ep = endpoint(res.target.uid or res.target.name, host, port, tls, path, engine.method, settings.token)
     transient = busy = 0
     last = ""
     while True:

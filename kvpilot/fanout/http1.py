@@ -19,7 +19,6 @@ import ssl as ssl_module
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 16 * 1024  # status line and headers; a longer head is a broken reply
 MAX_REPLY_BYTES = 64 * 1024  # of a reply body; past it the rest is not read and the connection is closed
@@ -50,16 +49,13 @@ def header_value_ok(value: str) -> bool:
     return value.isprintable() and value.isascii()
 
 
-def endpoint(identity: str, base: str, method: str, path: str, token: str | None) -> Endpoint:
-    """The endpoint of `base` (scheme://host[:port][/prefix]) for `path`; the token must be
-    `header_value_ok`."""
-    parts = urlsplit(base)
-    tls = parts.scheme == "https"
-    host = parts.hostname or ""
-    port = parts.port or (443 if tls else 80)
-    netloc = f"[{host}]" if ":" in host else host
+def endpoint(
+    identity: str, host: str, port: int, tls: bool, path: str, method: str, token: str | None
+) -> Endpoint:
+    """The endpoint of one target (`identity`: its pod uid or name); the token must be `header_value_ok`."""
+    netloc = f"[{host}]" if ":" in host else host  # IPv6
     head = [
-        f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1",
+        f"{method} {path} HTTP/1.1",
         f"Host: {netloc}:{port}",
         "User-Agent: kvpilot-fanout",
         "Content-Length: 0",

@@ -127,7 +127,7 @@ def test_a_connection_the_pod_closed_while_idle_is_replaced_and_the_call_made_on
     async def go() -> tuple[list[int], int]:
         pool = Pool()
         try:
-            ep = endpoint("uid", f"http://{ip}:{port}", "POST", "/reset_prefix_cache", None)
+            ep = endpoint("uid", ip, port, False, "/reset_prefix_cache", "POST", None)
             first, _ = await pool.request(ep)
             close_first.set()
             time.sleep(0.3)  # the loop is held: the pod's close is not seen before the next call leaves
@@ -160,7 +160,7 @@ def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
         server = await asyncio.start_server(handle, "127.0.8.4", port)
         pool = Pool()
         try:
-            ep = endpoint("p", f"http://127.0.8.4:{port}", "POST", "/reset_prefix_cache", "t")
+            ep = endpoint("p", "127.0.8.4", port, False, "/reset_prefix_cache", "POST", "t")
             return await asyncio.wait_for(pool.request(ep), 10)
         except (ReplyError, OSError) as exc:
             return exc
