@@ -1,16 +1,19 @@
 """Fan-out of one PrefixCacheReset to N pods through the real API server, against a plain sequential loop.
 
-    .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64] [--reply-delay-ms 0 20]
+    .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64] [--reply-delay-ms 0 20] [--profile]
 
 What runs: etcd + kube-apiserver + kube-controller-manager (kvpilot.devcluster.ControlPlane); N Pod objects
 bound to a Node that no agent runs, whose status (Running, a running container, podIP 127.88.x.y) this
-script writes itself; one
-stand-in process answering the daemon's reset reply on all N loopback addresses (port 8000), each address
-with its own epoch; the operator as a subprocess (`python -m kvpilot.operator.main --standalone`). Measured:
-seconds from creating the PrefixCacheReset to phase Succeeded (polled every 20 ms), status patches and API
-calls the operator made for it (its own counters), the size of the finished object and of its status, and the
-same N reset calls as a sequential loop of urllib requests. Writes bench/results/fanout-N.json. Not a test: it
-prints numbers (tests/operator/test_operator_scale.py runs it at 5,000 pods and checks the result).
+script writes itself; stand-in processes answering the daemon's reset reply on the N loopback addresses
+(port 8000), one process per 1,000 addresses, address i served by process i % P so that the calls in flight
+spread over all of them; the operator as a subprocess (`python -m kvpilot.operator.main --standalone`).
+Measured per round: seconds from creating the PrefixCacheReset to phase Succeeded (polled every 20 ms),
+status patches and API calls the operator made for it (its own counters), the CPU seconds of the operator
+and of the stand-ins (from /proc; the busiest stand-in's share of the round says whether it, not the
+operator, bounds the round), the load average, the size of the finished object and of its status, and the
+same N reset calls as a sequential loop of urllib requests. `--profile` samples the operator with py-spy
+during each round (a slower round: time the figures without it). Writes bench/results/fanout-N.json. Not a
+test: it prints numbers (tests/operator/test_operator_scale.py runs it at 5,000 pods and checks the result).
 """
 
 from __future__ import annotations
@@ -234,7 +237,7 @@ def one_round(
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
         out["profile"] = {"raw": raw.name, **profile_summary(raw)}
-    if args.sequential:
+    if args.sequential and delay_ms <= args.sequential_max_delay_ms:
         seq_load = load()
         seq_s = sequential(args.pods, port)
         out |= {
@@ -263,6 +266,12 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time the same calls as a sequential loop (default on)",
+    )
+    ap.add_argument(
+        "--sequential-max-delay-ms",
+        type=float,
+        default=float("inf"),
+        help="run the sequential loop only in rounds with at most this reply delay (10,000 pods at 20 ms: 200 s)",
     )
     ap.add_argument(
         "--profile",

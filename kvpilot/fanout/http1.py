@@ -2,7 +2,7 @@
 
 Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and on two cores aiohttp's
 per-request machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost
-~330 µs of CPU per call against ~60 µs for this (docs/fanout.md, "What bounds it"), which made a fan-out
+~330 µs of user CPU per call against ~60 µs for this (docs/fanout.md, "What bounds it"), which made a fan-out
 over pods that answer at once slower than a sequential loop. Only what a reset call needs is here: a
 request prepared once per target, a status line, the headers that frame the body (Content-Length, chunked,
 or to the end of the connection), and the body, read up to `MAX_REPLY_BYTES`.
