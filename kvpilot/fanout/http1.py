@@ -80,7 +80,7 @@ class _Connection(asyncio.Protocol):
         self._mode = ""  # "" (reading the head), "length", "chunked" or "close"
         self._left = 0  # length: body bytes still to come
         self._body = bytearray()
-        self._chunk = -1  # chunked: bytes left in the current chunk (-1: at a chunk-size line)
+        self._chunk = -1  # chunked: data bytes left in the chunk (-1: at a size line, -2: at its CRLF)
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
