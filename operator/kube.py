@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client
@@ -20,6 +22,13 @@ from kvpilot.operator.owners import owned_by
 __all__ = ["FIELD_MANAGER", "ApiException", "Kube", "is_transient", "namespace_terminating"]
 
 FIELD_MANAGER = "kvpilot-operator"
+
+_T = TypeVar("_T")
+
+
+def _same(pod: dict[str, Any]) -> Any:
+    return pod
+
 
 # kind -> (resource plural for metrics, API group attribute, read/patch/delete method stem)
 _KINDS = {
@@ -114,15 +123,28 @@ class Kube:
                 raise
 
     # ---- pods, replica sets and secrets -----------------------------------
-    def list_pods_sync(self, ns: str, selector: str) -> tuple[list[dict[str, Any]], str]:
-        """(pods as plain dicts, the list's resourceVersion): the client's model classes take ~0.6 s to build
-        1000 pods on these CPUs."""
+    def list_pods_sync(
+        self, ns: str, selector: str, shape: Callable[[dict[str, Any]], _T] = _same
+    ) -> tuple[list[_T], str]:
+        """(`shape(pod)` of each pod, the list's resourceVersion). Pods are plain dicts: the client's model
+        classes take ~0.6 s to build 1000 pods on these CPUs. The cyclic GC waits while the list is decoded
+        and shaped: a 5,000-pod list is ~700k dicts and lists, and the collections they set off cost ~3x the
+        decoding (0.45 s against 0.13 s); pods hold no cycles, so what `shape` drops is freed at once."""
         r = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
-        body = json.loads(r.data)
-        return body["items"], body["metadata"].get("resourceVersion", "")
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            body = json.loads(r.data)
+            version = body["metadata"].get("resourceVersion", "")
+            return [shape(p) for p in body.pop("items")], version
+        finally:
+            if was:
+                gc.enable()
 
-    async def list_pods(self, ns: str, selector: str) -> tuple[list[dict[str, Any]], str]:
-        return await self.call("list", "pods", self.list_pods_sync, ns, selector)
+    async def list_pods(
+        self, ns: str, selector: str, shape: Callable[[dict[str, Any]], _T] = _same
+    ) -> tuple[list[_T], str]:
+        return await self.call("list", "pods", self.list_pods_sync, ns, selector, shape)
 
     async def list_replicasets(self, ns: str, selector: str) -> list[dict[str, Any]]:
         def fetch() -> list[dict[str, Any]]:

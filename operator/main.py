@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Sequence
@@ -171,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         args.liveness_port,
     )
     metrics.serve(args.metrics_port, args.bind)
+    # What the imports built (kopf, the Kubernetes client and its models, aiohttp) lives as long as the process:
+    # out of the cyclic GC's sight, a full collection during a fan-out scans ~10x fewer objects (docs/fanout.md).
+    gc.freeze()
     asyncio.run(
         kopf.operator(
             clusterwide=not args.namespace,

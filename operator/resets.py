@@ -36,7 +36,7 @@ from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube import ApiException, Kube, is_transient
 from kvpilot.operator.owners import controlled_by
-from kvpilot.operator.podwatch import PodWatch
+from kvpilot.operator.podwatch import PodWatch, identity
 from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
 
 DONE = ("Succeeded", "Failed")
@@ -270,6 +270,36 @@ async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict
     return await kube.patch_status(RESETS, ns, name, status)
 
 
+class _Progress:
+    """The status writes for people (Pending at first sight, Running, each checkpoint): best effort, in
+    order (each waits for the one before), and none holds up what it reports (the list, the calls), so a
+    reset's first calls leave while its Running status is on its way. A write is never cancelled halfway
+    (its request would still land, maybe after the final status): `settle` waits for them all."""
+
+    def __init__(self, kube: Kube, ns: str, name: str, logger: logging.Logger) -> None:
+        self.kube, self.ns, self.name, self.logger = kube, ns, name, logger
+        self._last: asyncio.Task[None] | None = None
+
+    def write(self, status: dict[str, Any], what: str) -> asyncio.Task[None]:
+        before = self._last
+
+        async def go() -> None:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                await _patch(self.kube, self.ns, self.name, status)
+            except Exception as exc:  # noqa: BLE001 - for people only
+                self.logger.warning("reset %s/%s: %s not written: %s", self.ns, self.name, what, exc)
+
+        self._last = asyncio.create_task(go())
+        return self._last
+
+    async def settle(self) -> None:
+        """Wait for the writes started so far: the next write must land after them."""
+        if self._last is not None:
+            await asyncio.wait([self._last])
+
+
 async def _run(
     kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any, limiter: asyncio.Semaphore | None
 ) -> dict[str, Any] | None:
@@ -293,21 +323,24 @@ async def _run(
         )
     if status.get("phase") == "Running":
         logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
-    elif not status.get("phase"):  # first sight: TARGET and PHASE for kubectl get, the deadline's start
+    progress = _Progress(kube, ns, name, logger)
+    if not status.get("phase"):  # first sight: TARGET and PHASE for kubectl get, the deadline's start
         gen = obj["metadata"].get("generation")
         first = {"phase": "Pending", "target": describe(spec), "startTime": start, "observedGeneration": gen}
-        try:
-            await _patch(kube, ns, name, first)
-        except Exception as exc:  # noqa: BLE001 - for people only; the Running write follows
-            logger.warning("reset %s/%s: Pending not written: %s", ns, name, exc)
+        progress.write(first, "Pending")  # on its way while the targets are resolved and listed
     try:
         while True:
             plan = await resolve(kube, ns, spec, deadline)
             t_list = time.monotonic()
+            # Each pod is looked at once, as it is decoded: its target, and its identity for the pod watch.
             pods, version = await with_retries(
-                "list pods", lambda sel=plan.selector: kube.list_pods(ns, sel), deadline
+                "list pods",
+                lambda plan=plan: kube.list_pods(
+                    ns, plan.selector, lambda p: (pod_target(p, plan), identity(p))
+                ),
+                deadline,
             )
-            targets = [pod_target(p, plan) for p in pods]
+            targets = [t for t, _ in pods]
             before = initial_results(targets)  # what status shows until the fan-out's first checkpoint
             logger.info(
                 "reset %s/%s: listed %d pods in %.3fs", ns, name, len(targets), time.monotonic() - t_list
@@ -324,26 +357,28 @@ async def _run(
             "observedGeneration": obj["metadata"].get("generation"),
         }
         if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
+            await progress.settle()
             await with_retries(
                 "status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}), deadline
             )
-        else:  # progress for people only: a failed write does not hold the reset up
-            try:
-                await _patch(kube, ns, name, {**running, **pod_status(before)})
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("reset %s/%s: progress not written: %s", ns, name, exc)
+        else:  # progress for people only: the calls do not wait for it
+            progress.write({**running, **pod_status(before)}, "Running")
         kopf.event(
             obj,
             type="Normal",
             reason="Started",
             message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
         )
-        async with PodWatch(kube, ns, plan.selector, pods, version) as watch, _stop_flag(stopped) as stop:
+        listed = {t.name: ident for t, ident in pods}
+        async with PodWatch(kube, ns, plan.selector, listed, version) as watch, _stop_flag(stopped) as stop:
             results = await run_fanout(
                 targets,
                 settings_for(spec, plan),
                 deadline=deadline,
-                checkpoint=lambda now: _patch(kube, ns, name, {**running, **pod_status(now)}),
+                # shielded: when the fan-out ends it cancels its progress task, not a write on its way
+                checkpoint=lambda now: asyncio.shield(
+                    progress.write({**running, **pod_status(now)}, "progress")
+                ),
                 pod_gone=watch.gone,  # asked before every call
                 limiter=limiter,
                 stop=stop,
@@ -352,7 +387,9 @@ async def _run(
             newcomers = watch.newcomers()  # the pods that replaced those skipped as gone, for the message
     except ResetFailure as f:
         logger.warning("reset %s/%s: %s: %s", ns, name, f.reason, f.message)
+        await progress.settle()  # the final status lands last
         return await _finish(kube, obj, None, "Failed", f.reason, f.message, start)
+    await progress.settle()
     if any(r.result == "Pending" for r in results):
         logger.info(
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name

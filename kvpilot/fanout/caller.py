@@ -12,6 +12,9 @@
   `checkpoint(results)` receives progress at most once per `progress_interval_s`, best effort (its errors
   never stop the fan-out); `on_call(verdict, code)` hears of every call, for the caller's own metrics.
 - A reply is read up to MAX_REPLY_BYTES and judged from that; what of it may be reported is redact.py's rule.
+- Calls go through `http1.Pool`: one connection per pod, kept alive for its retries (and never used for
+  another pod), at most a window's worth of them idle; a token that is not a valid header value is never
+  sent (every target Failed).
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import aiohttp
-
 from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for
-from kvpilot.fanout.redact import MAX_REPLY_BYTES, reported
+from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
+from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import PodResult, initial_results
-from kvpilot.fanout.targets import FanoutSettings, Target, base_url
+from kvpilot.fanout.targets import FanoutSettings, Target, address
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,6 @@ PodGone = Callable[[Target], Awaitable[str | None]]
 # on_call(verdict, code): one per call made, with its Verdict value and the HTTP status as text ("0": no
 # reply); once more with ("Failed", "deadline") for a target whose deadline passed before its next call.
 OnCall = Callable[[str, str], None]
-
-
-def _headers(settings: FanoutSettings) -> dict[str, str]:
-    return {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
 
 
 def _backoff(settings: FanoutSettings, n: int) -> float:
@@ -59,40 +57,25 @@ def _decide(res: PodResult, result: str, message: str, started: float, j: Judgem
         res.ranks = list(j.ranks) if j.ranks is not None else None
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, limit: int = MAX_REPLY_BYTES) -> str:
-    """The reply's first `limit` bytes as text: a pod's 2 MiB (or endless) body costs no more than that."""
-    buf = bytearray()
-    while len(buf) < limit:
-        chunk = await resp.content.read(limit - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf.decode(errors="replace")
-
-
 async def _call(
-    session: aiohttp.ClientSession, engine: Engine, url: str, settings: FanoutSettings, timeout: float
+    pool: Pool, engine: Engine, ep: Endpoint, timeout: float, token: str | None
 ) -> tuple[int, Judgement]:
     """One reset call: (HTTP status or 0, verdict)."""
     try:
-        async with session.request(
-            engine.method, url, headers=_headers(settings), timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
-            text = await _read_capped(resp)
-            resp.close()  # the rest of the body is never read: the connection goes with it
-            return resp.status, engine.judge(resp.status, text, settings.token)
+        async with asyncio.timeout(timeout):
+            status, body = await pool.request(ep)
     except TimeoutError:
         return 0, Judgement(Verdict.TRANSIENT, f"no reply within {timeout:.1f}s")
-    except aiohttp.ClientConnectorError as exc:
-        return 0, Judgement(Verdict.TRANSIENT, f"cannot connect: {exc.os_error or exc}")
-    except aiohttp.ClientError as exc:
-        return 0, Judgement(
-            Verdict.TRANSIENT, f"{type(exc).__name__}: {reported(str(exc), (settings.token,))}"
-        )
+    except OSError as exc:
+        return 0, Judgement(Verdict.TRANSIENT, f"cannot connect: {exc}")
+    except ReplyError as exc:
+        # a broken reply's message quotes the pod's first bytes: redacted like any reply text
+        return 0, Judgement(Verdict.TRANSIENT, reported(str(exc), (token,)))
+    return status, engine.judge(status, body.decode("utf-8", "replace"), token)
 
 
 async def _reset_one(
-    session: aiohttp.ClientSession,
+    pool: Pool,
     res: PodResult,
     settings: FanoutSettings,
     deadline: float,
@@ -104,7 +87,10 @@ async def _reset_one(
     assert res.target is not None
     engine = engine_for(settings.engine)
     started = time.monotonic()
-    url = base_url(res.target, settings) + engine.path(settings.reset_running_requests)
+    # The request is prepared once per target; its connection is kept per pod (http1.Pool).
+    host, port, tls, prefix = address(res.target, settings)
+    path = prefix + engine.path(settings.reset_running_requests)
+    ep = endpoint(res.target.uid or res.target.name, host, port, tls, path, engine.method, settings.token)
     transient = busy = 0
     last = ""
     while True:
@@ -120,7 +106,7 @@ async def _reset_one(
         res.attempts += 1
         async with limiter or contextlib.nullcontext():
             status, j = await _call(
-                session, engine, url, settings, min(settings.request_timeout_s, remaining)
+                pool, engine, ep, min(settings.request_timeout_s, remaining), settings.token
             )
         res.http_status = status
         on_call(j.verdict.value, str(status))
@@ -172,48 +158,54 @@ async def run_fanout(
             queue.put_nowait(res)
     if queue.empty():
         return results
+    if settings.token and not header_value_ok(settings.token):
+        for res in results:
+            if res.result == "Pending":
+                res.result = "Failed"
+                res.message = (
+                    "the admin token is not a valid HTTP header value (a line break or control character)"
+                )
+        return results
     stop = stop or asyncio.Event()
     on_call = on_call or _ignore_call
-    connector = aiohttp.TCPConnector(limit=settings.max_concurrency + 8)
+    # Idle connections for the window's worth of pods: a pod is called again only on a retry.
+    pool = Pool(max_idle=settings.max_concurrency)
 
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async def worker() -> None:
+        while not stop.is_set():
+            try:
+                res = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await _reset_one(pool, res, settings, deadline, pod_gone, limiter, on_call)
 
-        async def worker() -> None:
-            while not stop.is_set():
-                try:
-                    res = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                await _reset_one(session, res, settings, deadline, pod_gone, limiter, on_call)
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(settings.progress_interval_s)
+            try:
+                await checkpoint(results)  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - progress is best effort
+                log.warning("progress checkpoint failed (the fan-out goes on): %s", exc)
 
-        async def progress() -> None:
-            while True:
-                await asyncio.sleep(settings.progress_interval_s)
-                try:
-                    await checkpoint(results)  # type: ignore[misc]
-                except Exception as exc:  # noqa: BLE001 - progress is best effort
-                    log.warning("progress checkpoint failed (the fan-out goes on): %s", exc)
-
-        workers = [asyncio.create_task(worker()) for _ in range(min(settings.max_concurrency, queue.qsize()))]
-        stopping = asyncio.create_task(stop.wait())
-        helpers = [stopping]
-        if checkpoint is not None:
-            helpers.append(asyncio.create_task(progress()))
-        all_done = asyncio.gather(*workers)
-        try:
-            # Slack past the deadline: each call is already bounded by it; this only guards against a stall.
-            slack = max(0.0, deadline - time.monotonic()) + 2.0
-            done, _ = await asyncio.wait(
-                [stopping, all_done], return_when=asyncio.FIRST_COMPLETED, timeout=slack
-            )
-            if stopping in done:  # shutting down: calls in flight get a bounded grace
-                await asyncio.wait(workers, timeout=settings.shutdown_grace_s)
-        finally:
-            for t in [*workers, *helpers]:
-                t.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
-            with contextlib.suppress(asyncio.CancelledError):
-                await all_done  # a worker's own error (a bug) surfaces here
+    workers = [asyncio.create_task(worker()) for _ in range(min(settings.max_concurrency, queue.qsize()))]
+    stopping = asyncio.create_task(stop.wait())
+    helpers = [stopping]
+    if checkpoint is not None:
+        helpers.append(asyncio.create_task(progress()))
+    all_done = asyncio.gather(*workers)
+    try:
+        # Slack past the deadline: each call is already bounded by it; this only guards against a stall.
+        slack = max(0.0, deadline - time.monotonic()) + 2.0
+        done, _ = await asyncio.wait([stopping, all_done], return_when=asyncio.FIRST_COMPLETED, timeout=slack)
+        if stopping in done:  # shutting down: calls in flight get a bounded grace
+            await asyncio.wait(workers, timeout=settings.shutdown_grace_s)
+    finally:
+        for t in [*workers, *helpers]:
+            t.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        pool.close()  # calls abandoned after the grace end here too
+        with contextlib.suppress(asyncio.CancelledError):
+            await all_done  # a worker's own error (a bug) surfaces here
     if not stop.is_set():
         for res in results:
             if res.result == "Pending":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +34,10 @@ class FanoutSettings:
     shutdown_grace_s: float = 5.0
 
 
-def base_url(target: Target, settings: FanoutSettings) -> str:
-    if target.url:
-        return target.url.rstrip("/")
-    host = f"[{target.ip}]" if ":" in target.ip else target.ip  # IPv6
-    return f"http://{host}:{settings.port}"
+def address(target: Target, settings: FanoutSettings) -> tuple[str, int, bool, str]:
+    """(host, port, TLS, path prefix) of a target: its pod IP and the settings' port, or its base URL's."""
+    if not target.url:
+        return target.ip, settings.port, False, ""
+    parts = urlsplit(target.url)
+    tls = parts.scheme == "https"
+    return parts.hostname or "", parts.port or (443 if tls else 80), tls, parts.path.rstrip("/")

@@ -1,0 +1,325 @@
+"""The fan-out's HTTP/1.1 client: one bodiless request per call, keep-alive per pod, replies read up to a bound.
+
+Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and on two cores aiohttp's
+per-request machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost
+~330 µs of user CPU per call against ~60 µs for this (docs/fanout.md, "What bounds it"), which made a fan-out
+over pods that answer at once slower than a sequential loop. Only what a reset call needs is here: a
+request prepared once per target, a status line, the headers that frame the body (Content-Length, chunked,
+or to the end of the connection), and the body, read up to `MAX_REPLY_BYTES`.
+
+Connections are kept alive per pod, never per address alone: a `Pool` files each connection under the
+target's identity (its pod uid, or its name) and address, so a connection opened to one pod never carries
+a request, and its admin token, meant for another pod that has since taken the same IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as ssl_module
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvpilot.fanout.redact import MAX_REPLY_BYTES  # past it the rest is not read, the connection closed
+
+MAX_HEAD_BYTES = 16 * 1024  # status line and headers; a longer head is a broken reply
+IDLE_S = 4.0  # how long an idle connection is reused: under uvicorn's 5 s keep-alive (vLLM, SGLang)
+
+
+class ReplyError(Exception):
+    """The connection broke, or what came back is not an HTTP/1.x reply."""
+
+    def __init__(self, message: str, replied: bool = False) -> None:
+        super().__init__(message)
+        self.replied = replied  # some of a reply had arrived: the request was surely received
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where one target's reset goes, and the request bytes, prepared once per target."""
+
+    key: tuple[str, str, int, bool]  # (identity, host, port, tls): connections are kept per key
+    host: str
+    port: int
+    tls: bool
+    request: bytes
+
+
+def header_value_ok(value: str) -> bool:
+    """A header value that cannot break the request apart: printable, no CR, LF or NUL."""
+    return value.isprintable() and value.isascii()
+
+
+def endpoint(
+    identity: str, host: str, port: int, tls: bool, path: str, method: str, token: str | None
+) -> Endpoint:
+    """The endpoint of one target (`identity`: its pod uid or name); the token must be `header_value_ok`."""
+    netloc = f"[{host}]" if ":" in host else host  # IPv6
+    head = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: {netloc}:{port}",
+        "User-Agent: kvpilot-fanout",
+        "Content-Length: 0",
+    ]
+    if token:
+        head.append(f"Authorization: Bearer {token}")
+    request = ("\r\n".join(head) + "\r\n\r\n").encode("ascii")
+    return Endpoint((identity, host, port, tls), host, port, tls, request)
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP (or TLS) connection: a request at a time, its reply parsed as the bytes come."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._buf = bytearray()
+        self._reply: asyncio.Future[tuple[int, bytes, bool]] | None = None
+        self._status = 0
+        self._keep = True
+        self._mode = ""  # "" (reading the head), "length", "chunked" or "close"
+        self._left = 0  # length: body bytes still to come
+        self._body = bytearray()
+        self._chunk = -1  # chunked: data bytes left in the chunk (-1: at a size line, -2: at its CRLF)
+
+    # -- asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._reply is None or self._reply.done():
+            self._abort()  # bytes nobody asked for: this connection cannot be trusted to frame a reply
+            return
+        self._buf += data
+        try:
+            self._parse()
+        except ReplyError as exc:
+            self._fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._reply is None or self._reply.done():
+            return
+        if self._mode == "close":  # a body that runs to the end of the connection has ended
+            self._done(keep=False)
+            return
+        why = f": {exc}" if exc else ""
+        self._fail(
+            ReplyError(f"connection closed before a full reply{why}", replied=bool(self._buf or self._mode))
+        )
+
+    # -- one exchange --------------------------------------------------------------------------------
+    def send(self, request: bytes) -> asyncio.Future[tuple[int, bytes, bool]]:
+        """Write the request; the future gives (status, body up to MAX_REPLY_BYTES, reusable)."""
+        assert self.transport is not None
+        self._reply = asyncio.get_running_loop().create_future()
+        self._buf.clear()
+        self._body = bytearray()
+        self._status, self._keep, self._mode, self._chunk = 0, True, "", -1
+        self.transport.write(request)
+        return self._reply
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: ReplyError) -> None:
+        self._abort()
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_exception(exc)
+
+    def _done(self, keep: bool) -> None:
+        keep = keep and self._keep and not self._buf  # bytes past the reply: do not reuse
+        if not keep:
+            self.close()
+        assert self._reply is not None
+        if not self._reply.done():
+            self._reply.set_result((self._status, bytes(self._body), keep))
+
+    # -- parsing -------------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        while not self._mode:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > MAX_HEAD_BYTES:
+                    raise ReplyError(f"reply head over {MAX_HEAD_BYTES} bytes", replied=True)
+                return
+            head = bytes(self._buf[:end]).decode("latin-1")
+            del self._buf[: end + 4]
+            if not self._head(head):
+                continue  # an interim 1xx reply: the real one follows
+        if self._mode == "length":
+            take = min(self._left, len(self._buf), MAX_REPLY_BYTES - len(self._body))
+            self._body += self._buf[:take]
+            del self._buf[:take]
+            self._left -= take
+            if self._left == 0:
+                self._done(keep=True)
+            elif len(self._body) >= MAX_REPLY_BYTES:
+                self._done(keep=False)
+        elif self._mode == "chunked":
+            self._chunks()
+        else:  # "close": read until the server closes, up to the bound
+            take = min(len(self._buf), MAX_REPLY_BYTES - len(self._body))
+            self._body += self._buf[:take]
+            self._buf.clear()
+            if len(self._body) >= MAX_REPLY_BYTES:
+                self._done(keep=False)
+
+    def _head(self, head: str) -> bool:
+        """Read the status line and framing headers; False for an interim (1xx) reply."""
+        status_line, *lines = head.split("\r\n")
+        version, _, rest = status_line.partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not code.isdigit():
+            raise ReplyError(f"not an HTTP/1.x reply: {status_line[:80]!r}", replied=True)
+        status = int(code)
+        if 100 <= status < 200:
+            return False
+        length: int | None = None
+        chunked = False
+        keep = version != "HTTP/1.0"
+        for line in lines:
+            name, _, value = line.partition(":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == "content-length":
+                if not value.isdigit():
+                    raise ReplyError(f"bad Content-Length {value[:20]!r}", replied=True)
+                length = int(value)
+            elif name == "transfer-encoding":
+                chunked = value.endswith("chunked")
+            elif name == "connection":
+                keep = "close" not in value if keep else "keep-alive" in value
+        self._status, self._keep = status, keep
+        if status in (204, 304):
+            self._mode, self._left = "length", 0
+        elif chunked:
+            self._mode = "chunked"
+        elif length is not None:
+            self._mode, self._left = "length", length
+        else:
+            self._mode, self._keep = "close", False
+        return True
+
+    def _chunks(self) -> None:
+        """Chunked framing: `_chunk` is -1 at a chunk-size line, -2 at the CRLF after a chunk's data, else
+        the data bytes left in the current chunk."""
+        while True:
+            if self._chunk == -1:
+                end = self._buf.find(b"\r\n")
+                if end < 0:
+                    if len(self._buf) > 1024:
+                        raise ReplyError("bad chunk size line", replied=True)
+                    return
+                size = bytes(self._buf[:end]).split(b";", 1)[0].strip()
+                del self._buf[: end + 2]
+                try:
+                    self._chunk = int(size, 16)
+                except ValueError:
+                    raise ReplyError(f"bad chunk size {size[:20]!r}", replied=True) from None
+                if self._chunk == 0:  # the last chunk: trailers are not read, the connection not reused
+                    self._buf.clear()
+                    self._done(keep=False)
+                    return
+            elif self._chunk == -2:
+                if len(self._buf) < 2:
+                    return
+                del self._buf[:2]
+                self._chunk = -1
+            else:
+                take = min(self._chunk, len(self._buf))
+                self._body += self._buf[: min(take, MAX_REPLY_BYTES - len(self._body))]
+                del self._buf[:take]
+                self._chunk -= take
+                if len(self._body) >= MAX_REPLY_BYTES:
+                    self._done(keep=False)
+                    return
+                if self._chunk > 0:
+                    return
+                self._chunk = -2
+
+
+class Pool:
+    """Keep-alive connections for one fan-out (or several: a caller may share one), at most one idle
+    connection per pod and `max_idle` in all (the least recently used closed first), each reused for at most
+    `idle_s`. A pod's key is its identity and address: see the module's docstring."""
+
+    def __init__(self, max_idle: int = 64, idle_s: float = IDLE_S) -> None:
+        self.max_idle, self.idle_s = max_idle, idle_s
+        self._idle: OrderedDict[tuple[str, str, int, bool], _Connection] = OrderedDict()
+        self._open: set[_Connection] = set()
+        self._tls: ssl_module.SSLContext | None = None
+        self.opened = 0  # connections made (tests, the bench)
+
+    async def request(self, ep: Endpoint) -> tuple[int, bytes]:
+        """Send the endpoint's request and read the reply: (status, body up to MAX_REPLY_BYTES). Raises
+        OSError (no connection) or ReplyError (a broken reply). The caller bounds the time (asyncio.timeout);
+        a cancelled call closes its connection."""
+        conn = self._take(ep.key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, ep)
+            except ReplyError as exc:
+                if exc.replied:
+                    raise
+                # The server closed the idle connection as the request left (its keep-alive ran out): it
+                # read nothing, so the request goes once more, on a connection of its own.
+        return await self._exchange(await self._connect(ep), ep)
+
+    async def _exchange(self, conn: _Connection, ep: Endpoint) -> tuple[int, bytes]:
+        try:
+            status, body, keep = await conn.send(ep.request)
+        except BaseException:
+            self._drop(conn)
+            raise
+        if keep:
+            self._put(ep.key, conn)
+        else:
+            self._drop(conn)
+        return status, body
+
+    async def _connect(self, ep: Endpoint) -> _Connection:
+        tls = None
+        if ep.tls:
+            self._tls = self._tls or ssl_module.create_default_context()
+            tls = self._tls
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Connection, ep.host, ep.port, ssl=tls)
+        self.opened += 1
+        self._open.add(conn)
+        return conn
+
+    def _take(self, key: tuple[str, str, int, bool]) -> _Connection | None:
+        conn = self._idle.pop(key, None)
+        if conn is None:
+            return None
+        if conn.closed or time.monotonic() - conn.idle_since >= self.idle_s:
+            self._drop(conn)
+            return None
+        return conn
+
+    def _put(self, key: tuple[str, str, int, bool], conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        if (old := self._idle.pop(key, None)) is not None:
+            self._drop(old)
+        self._idle[key] = conn
+        while len(self._idle) > self.max_idle:
+            self._drop(self._idle.popitem(last=False)[1])
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self._open.discard(conn)
+
+    def close(self) -> None:
+        """Close every connection, idle or in use."""
+        for conn in self._open:
+            conn.close()
+        self._open.clear()
+        self._idle.clear()

@@ -1,0 +1,223 @@
+"""The fan-out's own HTTP/1.1 client (kvpilot/fanout/http1.py) against real servers on loopback: keep-alive
+per pod and never across pods, a stale keep-alive connection, every way a reply body is framed, the bound on
+what is read, and a token that would break the request apart."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from kvpilot.fanout import FanoutSettings, PodResult, Target, run_fanout
+from kvpilot.fanout.http1 import MAX_REPLY_BYTES, Pool, ReplyError, endpoint
+from support.procs import free_port
+
+
+class Pod:
+    """An aiohttp daemon stand-in that records, per reset call, the client port (one per connection) and the
+    Authorization header it came with."""
+
+    def __init__(self, keepalive_timeout: float = 75.0, status: int = 200) -> None:
+        self.calls: list[tuple[int, str | None]] = []
+        self.keepalive_timeout, self.status = keepalive_timeout, status
+        self.runner: web.AppRunner | None = None
+        self.site: web.TCPSite | None = None
+
+    async def reset(self, request: web.Request) -> web.Response:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.calls.append((peer[1] if peer else 0, request.headers.get("Authorization")))
+        if self.status != 200:
+            return web.json_response({"error": {"message": "try again"}}, status=self.status)
+        return web.json_response({"success": True, "epoch": len(self.calls), "evicted_blocks": 1})
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_post("/reset_prefix_cache", self.reset)
+        self.runner = web.AppRunner(app, keepalive_timeout=self.keepalive_timeout)
+        await self.runner.setup()
+        self.site = web.TCPSite(self.runner, host, port)
+        await self.site.start()
+
+    async def stop_listening(self) -> None:
+        """Close the listening socket only: connections already open stay up, as a deleted pod's may for a
+        while."""
+        assert self.site is not None
+        await self.site.stop()
+
+    async def cleanup(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def test_a_pod_is_called_again_on_its_kept_alive_connection() -> None:
+    port = free_port()
+    pod = Pod(status=503)
+
+    async def go() -> tuple[list[PodResult], int]:
+        await pod.start("127.0.8.1", port)
+        try:
+            st = FanoutSettings(port=port, retries_per_pod=2, backoff_base_s=0.01, token="t")
+            return await run_fanout([Target("p", "127.0.8.1", uid="u")], st), 0
+        finally:
+            await pod.cleanup()
+
+    (res,), _ = asyncio.run(go())
+    assert res.result == "Failed" and res.attempts == 3 and res.http_status == 503
+    # three calls (the first and two retries), one connection: the client port never changed
+    assert len(pod.calls) == 3 and len({p for p, _ in pod.calls}) == 1, pod.calls
+
+
+def test_a_kept_alive_connection_never_carries_a_call_to_the_pod_that_took_its_ip() -> None:
+    """Pod `a` is called and its connection kept; then `a` stops listening (deleted, its process still up
+    with that connection open) and pod `b` comes up at the same IP and port. The call meant for `b` goes on
+    a connection of its own: connections are kept per pod, not per address."""
+    port, ip = free_port(), "127.0.8.2"
+    old, new = Pod(), Pod()
+
+    async def go() -> list[PodResult]:
+        await old.start(ip, port)
+
+        async def gone(t: Target) -> str | None:
+            if t.name == "b" and new.site is None:  # before b's call: the IP changes owner
+                await old.stop_listening()
+                await new.start(ip, port)
+            return None
+
+        try:
+            targets = [Target("a", ip, uid="uid-a"), Target("b", ip, uid="uid-b")]
+            st = FanoutSettings(port=port, max_concurrency=1, token="fleet-token")
+            return await run_fanout(targets, st, pod_gone=gone)
+        finally:
+            await old.cleanup()
+            await new.cleanup()
+
+    results = asyncio.run(go())
+    assert [r.result for r in results] == ["Succeeded", "Succeeded"]
+    assert len(old.calls) == 1, old.calls  # only its own call: b's token never reached it
+    assert new.calls == [(new.calls[0][0], "Bearer fleet-token")]
+
+
+def test_a_connection_the_pod_closed_while_idle_is_replaced_and_the_call_made_once() -> None:
+    """The pod closes an idle connection just as the next call leaves on it (its keep-alive ran out; the
+    client has not seen the close yet): the call goes again on a new connection, and the pod receives it
+    once."""
+    port, ip = free_port(), "127.0.8.3"
+    received: list[int] = []  # one entry per request: the connection's number
+    close_first = threading.Event()
+    listener = socket.create_server((ip, port))
+
+    def serve() -> None:
+        for n in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                while (data := conn.recv(65536)) and b"\r\n\r\n" in data:
+                    received.append(n)
+                    conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{"success": true}')
+                    if n == 0:
+                        close_first.wait(10)
+                        break  # closed unread: a request that comes now is never received
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    async def go() -> tuple[list[int], int]:
+        pool = Pool()
+        try:
+            ep = endpoint("uid", ip, port, False, "/reset_prefix_cache", "POST", None)
+            first, _ = await pool.request(ep)
+            close_first.set()
+            time.sleep(0.3)  # the loop is held: the pod's close is not seen before the next call leaves
+            second, _ = await asyncio.wait_for(pool.request(ep), 10)
+            return [first, second], pool.opened
+        finally:
+            pool.close()
+
+    try:
+        statuses, opened = asyncio.run(go())
+    finally:
+        listener.close()
+    assert statuses == [200, 200] and opened == 2
+    assert received == [0, 1]  # the call that met the closed connection was made again, once
+
+
+Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
+    """One Pool.request against a raw server that answers with `reply` (framing under the test's control)."""
+    port = free_port()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reply(reader, writer)
+        await writer.drain()
+
+    async def go() -> tuple[int, bytes] | Exception:
+        server = await asyncio.start_server(handle, "127.0.8.4", port)
+        pool = Pool()
+        try:
+            ep = endpoint("p", "127.0.8.4", port, False, "/reset_prefix_cache", "POST", "t")
+            return await asyncio.wait_for(pool.request(ep), 10)
+        except (ReplyError, OSError) as exc:
+            return exc
+        finally:
+            pool.close()
+            server.close()
+
+    return asyncio.run(go())
+
+
+def sends(*parts: bytes, close: bool = False) -> Reply:
+    async def reply(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for part in parts:  # in pieces, so every parser state meets a boundary
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if close:
+            writer.close()
+
+    return reply
+
+
+def test_reply_bodies_framed_by_length_chunks_or_the_end_of_the_connection() -> None:
+    body = b'{"success": true, "epoch": 3}'
+    length = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n"
+    assert raw_call(sends(length[:10], length[10:] + body[:5], body[5:])) == (200, body)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    parts = (chunked, b"5\r\n" + body[:5], b"\r\n18;ext=1\r", b"\n" + body[5:] + b"\r\n", b"0\r\n\r\n")
+    assert raw_call(sends(*parts)) == (200, body)
+    assert raw_call(sends(b"HTTP/1.0 200 OK\r\n\r\n", body, close=True)) == (200, body)
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert raw_call(sends(interim, length + body)) == (200, body)
+    assert raw_call(sends(b"HTTP/1.1 204 No Content\r\n\r\n")) == (204, b"")
+
+
+def test_a_reply_body_is_read_up_to_the_bound_and_a_broken_reply_is_an_error() -> None:
+    big = b"x" * (4 * MAX_REPLY_BYTES)
+    head = f"HTTP/1.1 500 Oops\r\nContent-Length: {len(big)}\r\n\r\n".encode()
+    status, body = raw_call(sends(head, big))  # type: ignore[misc]
+    assert status == 500 and body == big[:MAX_REPLY_BYTES]
+    assert isinstance(raw_call(sends(b"SSH-2.0-OpenSSH\r\n\r\n")), ReplyError)
+    cut = raw_call(sends(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", close=True))
+    assert isinstance(cut, ReplyError) and cut.replied and "before a full reply" in str(cut)
+
+
+def test_a_token_that_would_break_the_request_apart_is_never_sent() -> None:
+    port = free_port()
+    pod = Pod()
+
+    async def go() -> list[PodResult]:
+        await pod.start("127.0.8.5", port)
+        try:
+            st = FanoutSettings(port=port, token="good\r\nX-Injected: 1")
+            return await run_fanout([Target("p", "127.0.8.5")], st, deadline=time.monotonic() + 10)
+        finally:
+            await pod.cleanup()
+
+    (res,) = asyncio.run(go())
+    assert res.result == "Failed" and "not a valid HTTP header value" in res.message and res.attempts == 0
+    assert pod.calls == []
