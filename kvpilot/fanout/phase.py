@@ -19,7 +19,13 @@ import aiohttp
 
 from kvpilot.fanout.engines import error_message
 from kvpilot.fanout.redact import MAX_REPLY_BYTES
-from kvpilot.fanout.targets import FanoutSettings, Target, base_url
+from kvpilot.fanout.targets import FanoutSettings, Target, address
+
+
+def _url(target: Target, settings: FanoutSettings) -> str:
+    host, port, tls, prefix = address(target, settings)
+    host = f"[{host}]" if ":" in host else host  # IPv6
+    return f"{'https' if tls else 'http'}://{host}:{port}{prefix}"
 
 
 @dataclass(slots=True)
@@ -56,7 +62,7 @@ async def _one(
             limiter or contextlib.nullcontext(),
             session.request(
                 method,
-                base_url(target, settings) + path,
+                _url(target, settings) + path,
                 json=body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=timeout),
