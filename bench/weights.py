@@ -11,7 +11,7 @@ from the daemon's `kvpilot_weight_update_duration_seconds{phase}`. Then the same
 the daemon and `kvpilot serve --model B` on the same port until /health is ready and the first token comes.
 
 Token output: inter-token gaps within each stream over the whole run (p50, p99, max); for each update, the
-longest time no stream sent a token across the swap (`fleet_gap_s`: the restart's is the baseline) and the
+longest time no stream sent a token across pause + swap + resume (`fleet_gap_s`: the restart's is the baseline) and the
 longest a client waited for its next token across it (`client_gap_s`, a new request's first token included).
 Mixed-version check: responses whose `system_fingerprint` changes within the stream, or whose text is not
 their version's greedy output (a prefix when the stream was cut), counted; must be 0.
@@ -302,7 +302,7 @@ def main() -> int:
         n: sorted(t for r in responses if r.client == n for t in r.times) for n in range(args.clients)
     }
     for row in rows:
-        _, _, t0, t1 = row.pop("window")
+        _, t0, _, t1 = row.pop("window")  # from the pause to the resume: generation is held
         row["fleet_gap_s"] = round(gap_across(tokens, t0, t1), 3)
         row["client_gap_s"] = round(max(gap_across(ts, t0, t1) for ts in by_client.values()), 3)
     base = rows[-1]["fleet_gap_s"]
@@ -317,9 +317,10 @@ def main() -> int:
         },
         "load": {
             "seconds": round(t_load_end - t_load, 1),
-            "responses": len(responses),
+            "responses": sum(1 for r in responses if r.fingerprints),
             "tokens": len(tokens),
-            "cut": sum(1 for r in responses if r.error or r.finish == "abort"),
+            "cut": sum(1 for r in responses if r.fingerprints and (r.error or r.finish == "abort")),
+            "refused": sum(1 for r in responses if not r.fingerprints),  # the restart's closed port
             "inter_token_gap_s": {
                 "p50": round(statistics.median(in_stream), 4) if in_stream else 0.0,
                 "p99": round(pct(in_stream, 0.99), 4),
