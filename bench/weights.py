@@ -39,22 +39,6 @@ PROMPTS = ["Tell me about rivers.", "Write a short poem about the sea.", "What i
 MODES = ("keep", "wait", "abort")
 
 
-def make_changed(original: Path, out: Path) -> Path:
-    """The embedded model with every MLP down projection perturbed (seeded): same names and shapes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(2222)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(original).save_pretrained(out)
-    return out
-
-
 class Daemon:
     """The one port the load talks to, and admin calls to whichever daemon serves it."""
 
@@ -256,7 +240,10 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
-        ckpt = {"A": ensure_default_model(), "B": make_changed(ensure_default_model(), tmpd / "ckpt-b")}
+        ckpt = {
+            "A": ensure_default_model(),
+            "B": benchkit.changed_checkpoint(ensure_default_model(), tmpd / "ckpt-b"),
+        }
         token_file = tmpd / "token"
         token_file.write_text(TOKEN + "\n")
         d = Daemon(benchkit.free_port())

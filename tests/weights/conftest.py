@@ -23,19 +23,9 @@ def original_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def changed_checkpoint(tmp_path_factory: pytest.TempPathFactory, original_checkpoint: Path) -> Path:
     """The embedded model with every MLP down projection perturbed (seeded): same names and shapes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvpilot.benchkit import changed_checkpoint
 
-    out = tmp_path_factory.mktemp("changed-ckpt")
-    model = AutoModelForCausalLM.from_pretrained(original_checkpoint, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(22)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(original_checkpoint).save_pretrained(out)
-    return out
+    return changed_checkpoint(original_checkpoint, tmp_path_factory.mktemp("changed-ckpt"))
 
 
 @pytest.fixture(scope="session")
