@@ -95,6 +95,23 @@ def write(path: Path, doc: dict, note: str = "") -> Path:
     return path
 
 
+def changed_checkpoint(original: Path, out: Path, seed: int = 22) -> Path:
+    """Write to `out` the checkpoint `original` with every MLP down projection perturbed (seeded): the same
+    names and shapes, other greedy outputs; a weight update's second version (bench/weights.py, tests)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.down_proj.weight"):
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(original).save_pretrained(out)
+    return out
+
+
 def engine_ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     """Seconds until the first token of one request running alone in `engine`, and its cached prompt tokens."""
     from kvpilot.daemon.engine.request import SamplingParams

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.benchkit import changed_checkpoint
 from support.cluster import Cluster, manifest
 from support.operator import OperatorProcess, apply_ns, fleet, fleet_pods, infd, ready_replicas
 from support.procs import wait_for
-from support.weights import perturbed_checkpoint
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 TOKEN = "wu-admin-token"
@@ -27,7 +27,7 @@ TOKEN = "wu-admin-token"
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpilot.daemon.engine.default_model import ensure_default_model
 
-    return perturbed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
+    return changed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
 
 
 @pytest.fixture

@@ -56,22 +56,6 @@ def admin(server: Server, method: str, path: str, body: dict | None = None, expe
     return r.json()
 
 
-def perturbed_checkpoint(original: Path, out: Path, seed: int = 22) -> Path:
-    """`original` with every MLP down projection perturbed (seeded): same names and shapes, other outputs."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.down_proj.weight"):
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(original).save_pretrained(out)
-    return out
-
-
 def update(server: Server, checkpoint: Path, version: str, mode: str = "abort") -> dict:
     """A trainer's loop, as vLLM's HTTPVLLMWeightSyncClient drives it: pause, start, update, finish,
     resume. Returns finish's reply."""

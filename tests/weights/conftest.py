@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.benchkit import changed_checkpoint as changed_checkpoint_of
 from support.procs import free_port
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server, wait_idle
-from support.weights import perturbed_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def original_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def changed_checkpoint(tmp_path_factory: pytest.TempPathFactory, original_checkpoint: Path) -> Path:
     """The embedded model with every MLP down projection perturbed (seeded): same names and shapes."""
-    return perturbed_checkpoint(original_checkpoint, tmp_path_factory.mktemp("changed-ckpt"))
+    return changed_checkpoint_of(original_checkpoint, tmp_path_factory.mktemp("changed-ckpt"))
 
 
 @pytest.fixture(scope="session")
