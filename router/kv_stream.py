@@ -11,7 +11,8 @@ sequence numbers from 0). A router that restarts rebuilds each pod's entries fro
 
 Each stream also knows the rank's weight version (`weight_versions.py`): the pod's /health names it when
 the stream starts (and when it starts over), and an `AllBlocksCleared` that names a version sets it at
-that point of the stream; a plain one (a reset) leaves it.
+that point of the stream; a plain one (a reset) leaves it. Two probes in a row naming another version win
+(the pod restarted on other weights between two probes, its events naming none).
 
 Nothing a pod sends can stall or exhaust the router: a replay answer is bounded in batches and bytes (the
 pod's advertised buffer, `kv_info.py`) and in time (silence and total), or it is refused; a message whose
@@ -146,6 +147,7 @@ class PodEventStream:
         # current), then each AllBlocksCleared that names one, applied where it stands in the stream.
         self.health_version: Version = weight_version
         self.weight_version: Version = weight_version
+        self._disagreed = False  # the last /health named another version than the events
         self.synced = asyncio.Event()  # set once the initial replay is applied
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
@@ -182,6 +184,20 @@ class PodEventStream:
             sub.disable_monitor()
             monitor.close()
             sub.close()
+
+    def health_says(self, version: Version) -> None:
+        """The pod's /health named `version`. The events decide, but two probes in a row that say
+        otherwise win: the pod restarted on other weights between two probes (one probe that straddles a
+        swap disagrees once)."""
+        disagrees = version != self.weight_version
+        if disagrees and self._disagreed and version == self.health_version:
+            log.info(
+                "KV events of %s rank %d: weight version %r, as /health says", self.pod, self.rank, version
+            )
+            self.weight_version = version
+            disagrees = False
+        self._disagreed = disagrees
+        self.health_version = version
 
     def restart(self, why: str) -> None:
         """Forget the pod's entries and take its stream from the start (what replay still holds)."""

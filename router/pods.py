@@ -216,12 +216,12 @@ class Fleet:
 
     @staticmethod
     def _set_version(pod: Pod, version: Version) -> None:
-        """What /health names becomes each rank's version whenever its stream (re)starts."""
+        """What /health names: each rank's version whenever its stream (re)starts (`health_says`)."""
         if version != pod.weight_version:
             log.info("%s: /health names weight version %r", pod.name, version)
         pod.weight_version = version
         for stream in pod.streams:
-            stream.health_version = version
+            stream.health_says(version)
 
     async def _read_load(self, pod: Pod) -> None:
         if not pod.ready:

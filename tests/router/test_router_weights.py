@@ -5,12 +5,22 @@ weights is ever predicted."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
+import zmq.asyncio
 
+from kvpilot.daemon.engine.block_hash import prompt_block_hashes
 from kvpilot.daemon.engine.default_model import ensure_default_model
+from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_stream import PodEventStream
+from kvpilot.router.pods import Pod
+from kvpilot.router.policy import PrefixAware, hash_schemes
+from kvpilot.router.prompts import Prompts
+from kvpilot.router.weight_versions import MAX_CHARS, UNKNOWN, from_health
 from support.procs import free_port
 from support.servers import (
     ADMIN_TOKEN,
@@ -143,3 +153,59 @@ def test_after_a_weight_update_only_the_new_versions_blocks_are_predicted(named)
     assert again == served and cached >= 16, (again, served, cached)
     final = _counts(router, served)
     assert final[0] == after[0] + 1 and final[1] - after[1] == final[2] - after[2] == cached
+
+
+# ---- what a pod says about its version, checked ------------------------------------------------------
+def test_the_stream_takes_each_version_where_it_stands_and_bounds_it() -> None:
+    async def go() -> list:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex()
+        stream = PodEventStream(
+            "p", "tcp://127.0.0.1:1", None, index, lambda *a: None, ctx, weight_version="v1"
+        )
+        k1 = prompt_block_hashes(list(range(16)), 16, None, "v1")
+        seen = []
+        batches = [
+            [AllBlocksCleared()],  # a reset: the version stays
+            [BlockStored(k1, None, [], 16), AllBlocksCleared("v2")],  # v1's block goes with the swap
+            [AllBlocksCleared("x" * (MAX_CHARS + 1))],  # too long: unknown
+            [AllBlocksCleared("v3")],
+        ]
+        for seq, events in enumerate(batches):
+            await stream.on_message(seq, encode_batch(EventBatch(0.0, events)))
+            seen.append((stream.weight_version, index.num_blocks(("p", 0))))
+        stream.restart("test")
+        seen.append(stream.weight_version)  # the pod may have restarted: /health's again
+        stream.health_says("v3")  # one probe straddling a swap: the events still decide
+        seen.append(stream.weight_version)
+        stream.health_says("v5")
+        stream.health_says("v5")  # twice in a row: the pod restarted on v5 between two probes
+        seen.append(stream.weight_version)
+        ctx.term()
+        return seen
+
+    assert asyncio.run(go()) == [("v1", 0), ("v2", 0), (UNKNOWN, 0), ("v3", 0), "v1", "v1", "v5"]
+    assert from_health(b'{"status": "ok", "weight_version": "initial"}') is None  # unnamed weights
+    assert from_health(b'{"status": "ok", "weight_version": 7}') is UNKNOWN
+    assert from_health(None) is UNKNOWN  # more than its cap
+    assert from_health(b"ok") is None  # a pod that names no version hashes without one
+
+
+def test_a_rank_is_matched_only_with_its_own_versions_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    prompt = list(range(40))
+    index = PrefixIndex()
+    index.store(("a:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v1"))
+    index.store(("b:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v2"))
+    a, b = (Pod(n, f"http://{n}", True, kv_events="on", block_size=16, ranks=[0]) for n in ("a:1", "b:1"))
+    a.weight_version, b.weight_version = "v1", "v1"  # b's blocks are of v2: never predicted as v1
+    pa = PrefixAware(index)
+    assert hash_schemes([a, b]) == {(16, "v1")}
+    assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 0}
+    b.weight_version = "v2"
+    assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 32}
+    b.weight_version = UNKNOWN  # b is routed by load: no prediction
+    assert hash_schemes([a, b]) == {(16, "v1")}
+    a.in_flight = 5
+    d = pa.choose([a, b], Prompts([prompt], None))
+    assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "load", None)
