@@ -8,8 +8,9 @@ that serves no KV events (404, or another engine) is still routed to, by load al
 Whatever a pod answers, its watch goes on: a reply of the wrong shape is logged (once per reason) and
 asked again at the next probe, and a probe that fails in any way leaves the pod not ready until one
 passes. A kvpilot pod's /health also names its weight version, what its ranks' block keys start with
-(`weight_versions.py`). A pod that stops being ready loses its index entries at once (they are rebuilt from its replay
-buffer when it is back): a pod that died must not keep attracting requests by what it cached.
+(`weight_versions.py`). A pod that stops being ready loses its index entries at once (they are rebuilt
+from its replay buffer when it is back): a pod that died must not keep attracting requests by what it
+cached.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Validation stays with the daemon: the router reads the body with the daemon's ow
 body does not parse, routes without a prediction and lets the pod answer the 4xx.
 
 Everything a client's body costs happens off the event loop, in a small pool of threads with a bounded
-queue (the daemon's TextPool): JSON parsing, templating, tokenizing and the block keys the policy
-compares with the index, once per hash scheme (block size, weight version) among the pods. Keys are computed for at most the model's context of each prompt: a longer
-prompt is refused by every pod, so hashing a million tokens of it would only stall the router. When
-the pool's queue is full the request is routed without a prediction, by load.
+queue (the daemon's TextPool): JSON parsing, templating, tokenizing (once) and the block keys the
+policy compares with the index (once per hash scheme, block size and weight version, among the pods).
+Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
+pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
+the request is routed without a prediction, by load.
 """
 
 from __future__ import annotations
