@@ -35,9 +35,10 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
-from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, block_sizes
+from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, hash_schemes
 from kvpilot.router.prompts import PromptReader
 from kvpilot.router.settings import RouterSettings
+from kvpilot.router.weight_versions import describe
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     prompts = None
     if r.reader is not None and r.policy.needs_prompts and raw:
-        prompts = await r.reader.prompts(request.path, raw, block_sizes(r.fleet.ready_pods()))
+        prompts = await r.reader.prompts(request.path, raw, hash_schemes(r.fleet.ready_pods()))
     tried: set[str] = set()
     while True:
         pods = [p for p in r.fleet.ready_pods() if p.name not in tried]
@@ -345,6 +346,7 @@ async def health(request: web.Request) -> web.Response:
             "synced": p.synced(),
             "indexed_blocks": r.index.blocks_of(p.holders()),
             "ranks": p.num_ranks,
+            "weight_versions": [describe(v) for v in p.versions()],
         }
         for p in r.fleet.pods
     ]

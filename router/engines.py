@@ -1,8 +1,9 @@
 """How the router reads each engine's pods: where their health is, whether they publish KV events it can
 follow, and which of their metrics say how busy they are (docs/router.md, "Engines").
 
-- kvpilot: `GET /health` 200; `GET /kv_events` names its event sockets; load: the requests this router has
-  open on the pod (the daemon's events and replies are what the router trusts).
+- kvpilot: `GET /health` 200, naming its weight version; `GET /kv_events` names its event sockets; load:
+  the requests this router has open on the pod (the daemon's events and replies are what the router
+  trusts).
 - vLLM: `GET /health` 200 (503 once its engine died); its KV events, when on, carry vLLM's own block hashes,
   which the router cannot compute, so none are followed; load: `vllm:num_requests_running` plus
   `vllm:num_requests_waiting` from `GET /metrics`, summed over their series (one per engine, i.e. DP rank).
@@ -31,13 +32,14 @@ class EngineProbe:
     name: str
     health_path: str = "/health"
     kv_events: bool = False  # follow the pod's KV events (GET /kv_events)
+    weight_version: bool = False  # its health reply names the weight version its block keys carry
     load_metrics: tuple[str, ...] = ()  # summed into the pod's load; empty: not read
 
 
 PROBES = {
     p.name: p
     for p in (
-        EngineProbe("kvpilot", kv_events=True),
+        EngineProbe("kvpilot", kv_events=True, weight_version=True),
         EngineProbe("vllm", load_metrics=("vllm:num_requests_running", "vllm:num_requests_waiting")),
         EngineProbe("sglang", load_metrics=("sglang:num_running_reqs", "sglang:num_queue_reqs")),
     )

@@ -9,6 +9,11 @@ The stream also catches up when idle (a lost last batch shows no gap until the n
 starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
 sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
 
+Each stream also knows the rank's weight version (`weight_versions.py`): the pod's /health names it when
+the stream starts (and when it starts over), and an `AllBlocksCleared` that names a version sets it at
+that point of the stream; a plain one (a reset) leaves it. Two probes in a row naming another version win
+(the pod restarted on other weights between two probes, its events naming none).
+
 Nothing a pod sends can stall or exhaust the router: a replay answer is bounded in batches and bytes (the
 pod's advertised buffer, `kv_info.py`) and in time (silence and total), or it is refused; a message whose
 sequence frame is not 8 bytes or not in [0, 2**62) is a gap (caught up through replay, else the pod's
@@ -30,10 +35,12 @@ from kvpilot.daemon.engine.kv_events import (
     DEFAULT_BUFFER_BATCHES,
     DEFAULT_BUFFER_BYTES,
     END_OF_REPLAY,
+    AllBlocksCleared,
     decode_batch,
 )
 from kvpilot.kv_sockets import reconnect
 from kvpilot.router.index import PrefixIndex
+from kvpilot.router.weight_versions import Version, checked
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +130,7 @@ class PodEventStream:
         rank: int = 0,
         limits: ReplayLimits = ReplayLimits(),
         blocks_total: int | None = None,
+        weight_version: Version = None,
     ) -> None:
         self.pod = pod
         self.rank = rank
@@ -135,6 +143,11 @@ class PodEventStream:
         self._idle_check_s = idle_check_s
         self.limits = limits
         self.last_seq = -1  # highest sequence applied
+        # What the rank's keys are hashed with: the pod's /health at first (the fleet keeps `health_version`
+        # current), then each AllBlocksCleared that names one, applied where it stands in the stream.
+        self.health_version: Version = weight_version
+        self.weight_version: Version = weight_version
+        self._disagreed = False  # the last /health named another version than the events
         self.synced = asyncio.Event()  # set once the initial replay is applied
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
@@ -172,11 +185,26 @@ class PodEventStream:
             monitor.close()
             sub.close()
 
+    def health_says(self, version: Version) -> None:
+        """The pod's /health named `version`. The events decide, but two probes in a row that say
+        otherwise win: the pod restarted on other weights between two probes (one probe that straddles a
+        swap disagrees once)."""
+        disagrees = version != self.weight_version
+        if disagrees and self._disagreed and version == self.health_version:
+            log.info(
+                "KV events of %s rank %d: weight version %r, as /health says", self.pod, self.rank, version
+            )
+            self.weight_version = version
+            disagrees = False
+        self._disagreed = disagrees
+        self.health_version = version
+
     def restart(self, why: str) -> None:
         """Forget the pod's entries and take its stream from the start (what replay still holds)."""
         log.info("KV events of %s rank %d: starting over (%s)", self.pod, self.rank, why)
         self.index.clear(self.key)
         self.last_seq = -1
+        self.weight_version = self.health_version  # the pod may have restarted on other weights
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """A live batch. Batches the pod sent before it are applied first (from replay)."""
@@ -236,4 +264,7 @@ class PodEventStream:
             self.last_seq = seq
             return
         self.index.apply(self.key, batch)
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared) and ev.weight_version is not None:  # a plain one: a reset
+                self.weight_version = checked(ev.weight_version)
         self.last_seq = seq

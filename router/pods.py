@@ -7,8 +7,10 @@ that serves no KV events (404, or another engine) is still routed to, by load al
 
 Whatever a pod answers, its watch goes on: a reply of the wrong shape is logged (once per reason) and
 asked again at the next probe, and a probe that fails in any way leaves the pod not ready until one
-passes. A pod that stops being ready loses its index entries at once (they are rebuilt from its replay
-buffer when it is back): a pod that died must not keep attracting requests by what it cached.
+passes. A kvpilot pod's /health also names its weight version, what its ranks' block keys start with
+(`weight_versions.py`). A pod that stops being ready loses its index entries at once (they are rebuilt
+from its replay buffer when it is back): a pod that died must not keep attracting requests by what it
+cached.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.weight_versions import MAX_HEALTH_BYTES, UNKNOWN, Version, from_health
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class Pod:
     engine_load: int | None = None  # running + waiting requests, from the pod's metrics; None: not known
     load_error: str = ""  # why engine_load is not known (logged when it changes)
     events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
+    weight_version: Version = None  # what its last /health named (each rank's own: its stream's)
 
     @property
     def host(self) -> str:
@@ -62,6 +66,17 @@ class Pod:
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
+
+    def versions(self) -> list[Version]:
+        """Each followed rank's weight version, in the order of `holders()` (its stream's; what /health
+        named for a rank without one)."""
+        by_rank = {s.rank: s.weight_version for s in self.streams}
+        return [by_rank.get(r, self.weight_version) for r in self.ranks]
+
+    def rank_versions(self) -> list[str | None] | None:
+        """The same, or None when one is unknown (the pod is then routed by load)."""
+        versions = self.versions()
+        return None if UNKNOWN in versions else versions  # type: ignore[return-value]
 
     def synced(self) -> bool:
         return bool(self.streams) and all(s.synced.is_set() for s in self.streams)
@@ -192,9 +207,22 @@ class Fleet:
         url = pod.url + self.probe.health_path
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+                if self.probe.weight_version:
+                    self._set_version(pod, from_health(await read_capped(r, MAX_HEALTH_BYTES)))
+                return True
         except (TimeoutError, aiohttp.ClientError):
             return False
+
+    @staticmethod
+    def _set_version(pod: Pod, version: Version) -> None:
+        """What /health names: each rank's version whenever its stream (re)starts (`health_says`)."""
+        if version != pod.weight_version:
+            log.info("%s: /health names weight version %r", pod.name, version)
+        pod.weight_version = version
+        for stream in pod.streams:
+            stream.health_says(version)
 
     async def _read_load(self, pod: Pod) -> None:
         if not pod.ready:
@@ -244,6 +272,7 @@ class Fleet:
                 rank=r.rank,
                 limits=events.limits,
                 blocks_total=r.blocks_total,
+                weight_version=pod.weight_version,
             )
             for r in events.ranks
         ]

@@ -8,6 +8,10 @@ system prompt keeps landing where it is cached until that pod is busier than a r
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
 `X-data-parallel-rank` header, so the request lands on the very cache the score was computed for.
+
+A rank whose weights are named hashes its keys with the version (`weight_versions.py`), so a request's
+prompt is keyed once per hash scheme, (block size, weight version), and each rank is looked up with the
+keys of its own scheme. A pod with a rank whose version is unknown is routed by load.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.pods import Pod
-from kvpilot.router.prompts import Prompts
+from kvpilot.router.prompts import Prompts, Scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +33,20 @@ class Decision:
 
 
 def _keyed(pod: Pod) -> bool:
-    """The pod's cache is followed: a request is scored there by its prompts' block keys."""
-    return pod.block_size is not None and pod.synced()
+    """The pod's cache is followed and every rank's weight version known: a request is scored there by
+    its prompts' block keys."""
+    return pod.block_size is not None and pod.synced() and pod.rank_versions() is not None
 
 
-def block_sizes(pods: list[Pod]) -> set[int]:
-    """The block sizes prefix-aware keys a request's prompts by, for these pods."""
-    return {p.block_size for p in pods if _keyed(p) and p.block_size is not None}
+def _schemes(pod: Pod) -> list[tuple[tuple[str, int], Scheme]]:
+    """Each (holder, hash scheme) of a keyed pod: its block size and that rank's weight version."""
+    bs, versions = pod.block_size or 0, pod.rank_versions() or []
+    return [(h, (bs, v)) for h, v in zip(pod.holders(), versions, strict=True)]
+
+
+def hash_schemes(pods: list[Pod]) -> set[Scheme]:
+    """The (block size, weight version) pairs prefix-aware keys a request's prompts by, for these pods."""
+    return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
 
 
 class RoundRobin:
@@ -80,15 +91,17 @@ class PrefixAware(RoundRobin):
         """Prompt tokens each (pod, rank) would serve from its cache, per the index; pods whose events are
         not followed are left out."""
         out: dict[tuple[str, int], int] = {}
-        by_size: dict[int, list[tuple[str, int]]] = {}
+        by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
         for p in pods:
             if _keyed(p):
-                by_size.setdefault(p.block_size, []).extend(p.holders())
+                for holder, scheme in _schemes(p):
+                    by_scheme.setdefault(scheme, []).append(holder)
                 out.update(dict.fromkeys(p.holders(), 0))
-        for bs, holders in by_size.items():
-            for keys in prompts.block_keys(bs):  # computed off the event loop (PromptReader)
+        # A rank is looked up only with keys of its own version: blocks of other weights never match.
+        for scheme, holders in by_scheme.items():
+            for keys in prompts.block_keys(scheme):  # computed off the event loop (PromptReader)
                 for holder, blocks in self.index.matched_blocks(keys, holders).items():
-                    out[holder] += blocks * bs
+                    out[holder] += blocks * scheme[0]
         return out
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:

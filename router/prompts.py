@@ -4,10 +4,11 @@ Validation stays with the daemon: the router reads the body with the daemon's ow
 body does not parse, routes without a prediction and lets the pod answer the 4xx.
 
 Everything a client's body costs happens off the event loop, in a small pool of threads with a bounded
-queue (the daemon's TextPool): JSON parsing, templating, tokenizing and the block keys the policy
-compares with the index. Keys are computed for at most the model's context of each prompt: a longer
-prompt is refused by every pod, so hashing a million tokens of it would only stall the router. When
-the pool's queue is full the request is routed without a prediction, by load.
+queue (the daemon's TextPool): JSON parsing, templating, tokenizing (once) and the block keys the
+policy compares with the index (once per hash scheme, block size and weight version, among the pods).
+Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
+pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
+the request is routed without a prediction, by load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from kvpilot.daemon.server.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
+Scheme = tuple[int, str | None]  # how a pod rank hashes its blocks: (block size, weight version)
+
 # The context assumed for a tokenizer directory whose config.json names none.
 FALLBACK_CONTEXT = 131072
 
@@ -36,20 +39,21 @@ class Prompts:
     token_ids: list[list[int]]  # one list per prompt of the request
     cache_salt: str | None
     max_tokens: int | None = None  # tokens of a prompt that are hashed at most (None: all)
-    _keys: dict[int, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
+    _keys: dict[Scheme, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
 
-    def block_keys(self, block_size: int) -> list[list[BlockHash]]:
-        """Each prompt's keys of the full blocks a pod could serve from its cache: the engine always
-        computes the last prompt token, so at most len-1 tokens' worth, and at most `max_tokens`."""
-        keys = self._keys.get(block_size)
+    def block_keys(self, scheme: Scheme) -> list[list[BlockHash]]:
+        """Each prompt's keys of the full blocks a pod rank hashing with `scheme` could serve from its
+        cache: the engine always computes the last prompt token, so at most len-1 tokens' worth, and at
+        most `max_tokens`."""
+        keys = self._keys.get(scheme)
         if keys is None:
-            keys = self._keys[block_size] = [self._keys_of(ids, block_size) for ids in self.token_ids]
+            keys = self._keys[scheme] = [self._keys_of(ids, *scheme) for ids in self.token_ids]
         return keys
 
-    def _keys_of(self, ids: list[int], block_size: int) -> list[BlockHash]:
+    def _keys_of(self, ids: list[int], block_size: int, weight_version: str | None) -> list[BlockHash]:
         usable = len(ids) - 1 if self.max_tokens is None else min(len(ids) - 1, self.max_tokens)
         n = max(usable, 0) // block_size * block_size
-        return prompt_block_hashes(ids[:n], block_size, self.cache_salt)
+        return prompt_block_hashes(ids[:n], block_size, self.cache_salt, weight_version)
 
 
 def tokenizer_dir(model: str | None) -> Path:
@@ -79,11 +83,11 @@ class PromptReader:
         self.max_model_len = model_context(path)
         self._pool = TextPool(workers, max_pending)
 
-    async def prompts(self, path: str, raw: bytes, block_sizes: set[int]) -> Prompts | None:
-        """The request's prompts with their keys for each of `block_sizes` computed, from a worker
-        thread; None when the body does not parse, or the pool is too busy to predict."""
+    async def prompts(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:
+        """The request's prompts, tokenised once, with their keys for each of `schemes` computed, from a
+        worker thread; None when the body does not parse, or the pool is too busy to predict."""
         try:
-            return await self._pool.prepare(self._prepare, path, raw, block_sizes)
+            return await self._pool.prepare(self._prepare, path, raw, schemes)
         except Busy:
             log.debug("prompt pool busy: %s routed by load", path)
             return None
@@ -91,14 +95,14 @@ class PromptReader:
     def close(self) -> None:
         self._pool.shutdown()
 
-    def _prepare(self, path: str, raw: bytes, block_sizes: set[int]) -> Prompts | None:
+    def _prepare(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
             return None
         prompts = self.read(path, body)
-        for size in block_sizes if prompts is not None else ():
-            prompts.block_keys(size)
+        for scheme in schemes if prompts is not None else ():
+            prompts.block_keys(scheme)
         return prompts
 
     def read(self, path: str, body: Any) -> Prompts | None:

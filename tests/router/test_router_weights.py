@@ -1,0 +1,211 @@
+"""Prefix-aware routing in front of daemons whose weights are named: the router hashes each prompt with
+each pod's own weight version (its /health at first, then the version its KV events name at a swap), so
+a repeated prompt lands where it is cached before and after a weight update, and no block of the old
+weights is ever predicted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq.asyncio
+
+from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.daemon.engine.default_model import ensure_default_model
+from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_stream import PodEventStream
+from kvpilot.router.pods import Pod
+from kvpilot.router.policy import PrefixAware, hash_schemes
+from kvpilot.router.prompts import Prompts
+from kvpilot.router.weight_versions import MAX_CHARS, UNKNOWN, from_health
+from support.procs import free_port
+from support.servers import (
+    ADMIN_TOKEN,
+    MODEL,
+    RouterProc,
+    Server,
+    start_router,
+    start_server,
+    stop_fleet,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+# A full block and a bit (about 20 tokens): a repeat is served partly from the cache.
+PROMPT = "The lighthouse keeper wrote in the log that the fog came in at dusk, that the ships kept away"
+
+
+def _daemon(tmp, version: str) -> Server:  # noqa: ANN001
+    return start_server(
+        tmp,
+        "--weight-version",
+        version,
+        "--num-gpu-blocks-override",
+        "64",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        token=ADMIN_TOKEN,
+    )
+
+
+@pytest.fixture(scope="module")
+def named(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProc, list[Server]]]:
+    tmp = tmp_path_factory.mktemp("named")
+    daemons: list[Server] = []
+    router = None
+    try:
+        daemons += [_daemon(tmp, "v1"), _daemon(tmp, "v1")]
+        router = start_router(tmp, [d.url for d in daemons])
+        yield router, daemons
+    finally:
+        stop_fleet(router, daemons)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
+
+
+def _complete(router: RouterProc, prompt: str) -> tuple[str, int]:
+    """(the pod that served it, its cached prompt tokens)."""
+    r = router.request("POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert r.status == 200, r.body
+    return r.headers["X-Kvpilot-Pod"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _counts(router: RouterProc, pod: str) -> tuple[float, float, float, float]:
+    """(prefix decisions, predicted cached tokens, reported cached tokens, stale predictions) for `pod`."""
+    m = router.metrics()
+    return (
+        m.get(
+            f'kvpilot_router_routing_decisions_total{{pod="{pod}",policy="prefix-aware",reason="prefix"}}', 0
+        ),
+        m.get(f'kvpilot_router_predicted_cached_tokens_total{{pod="{pod}"}}', 0),
+        m.get(f'kvpilot_router_reported_cached_tokens_total{{pod="{pod}"}}', 0),
+        m.get(f'kvpilot_router_stale_predictions_total{{pod="{pod}"}}', 0),
+    )
+
+
+def _wait_blocks(router: RouterProc, pod: str, done) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 30
+    while not done(router.pod(pod)["indexed_blocks"]):
+        assert time.monotonic() < deadline, router.health()
+        time.sleep(0.05)
+
+
+def _repeat_lands_where_cached(router: RouterProc, prompt: str) -> str:
+    """Send `prompt` twice: the second goes where the first was cached, predicted exactly."""
+    first, cached = _complete(router, prompt)
+    assert cached == 0
+    _wait_blocks(router, first, lambda n: n > 0)
+    before = _counts(router, first)
+    pod, cached = _complete(router, prompt)
+    after = _counts(router, first)
+    assert pod == first, (pod, first)
+    assert cached >= 16, cached
+    assert after[0] == before[0] + 1  # routed by prefix, not by load
+    assert after[1] - before[1] == after[2] - before[2] == cached  # the index predicted it exactly
+    assert after[3] == before[3]
+    return first
+
+
+def test_named_weights_route_by_prefix(named) -> None:  # noqa: ANN001
+    router, daemons = named
+    wait_idle(*daemons)
+    assert {tuple(p["weight_versions"]) for p in router.health()["pods"]} == {("v1",)}
+    _repeat_lands_where_cached(router, "Named. " + PROMPT)
+
+
+def test_after_a_weight_update_only_the_new_versions_blocks_are_predicted(named) -> None:  # noqa: ANN001
+    router, daemons = named
+    wait_idle(*daemons)
+    prompt = "Updated. " + PROMPT
+    pod = _repeat_lands_where_cached(router, prompt)
+    daemon = next(d for d in daemons if f"127.0.0.1:{d.port}" == pod)
+
+    # SGLang's one-call update (same tensors, a new name): every block of v1 is gone from the index.
+    r = daemon.request(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(ensure_default_model()), "weight_version": "v2"},
+        headers=daemon.admin(),
+        timeout=300,
+    )
+    assert r.status == 200, r.body
+    _wait_blocks(router, pod, lambda n: n == 0)
+    deadline = time.monotonic() + 30
+    while router.pod(pod)["weight_versions"] != ["v2"]:
+        assert time.monotonic() < deadline, router.health()
+        time.sleep(0.05)
+
+    # Nothing of v1 is predicted (the pod computes it all again), and the repeat lands there under v2.
+    before = _counts(router, pod)
+    served, cached = _complete(router, prompt)
+    after = _counts(router, served)
+    assert cached == 0
+    if served == pod:
+        assert after[1:] == before[1:], (before, after)
+    _wait_blocks(router, served, lambda n: n > 0)
+    again, cached = _complete(router, prompt)
+    assert again == served and cached >= 16, (again, served, cached)
+    final = _counts(router, served)
+    assert final[0] == after[0] + 1 and final[1] - after[1] == final[2] - after[2] == cached
+
+
+# ---- what a pod says about its version, checked ------------------------------------------------------
+def test_the_stream_takes_each_version_where_it_stands_and_bounds_it() -> None:
+    async def go() -> list:
+        ctx = zmq.asyncio.Context()
+        index = PrefixIndex()
+        stream = PodEventStream(
+            "p", "tcp://127.0.0.1:1", None, index, lambda *a: None, ctx, weight_version="v1"
+        )
+        k1 = prompt_block_hashes(list(range(16)), 16, None, "v1")
+        seen = []
+        batches = [
+            [AllBlocksCleared()],  # a reset: the version stays
+            [BlockStored(k1, None, [], 16), AllBlocksCleared("v2")],  # v1's block goes with the swap
+            [AllBlocksCleared("x" * (MAX_CHARS + 1))],  # too long: unknown
+            [AllBlocksCleared("v3")],
+        ]
+        for seq, events in enumerate(batches):
+            await stream.on_message(seq, encode_batch(EventBatch(0.0, events)))
+            seen.append((stream.weight_version, index.num_blocks(("p", 0))))
+        stream.restart("test")
+        seen.append(stream.weight_version)  # the pod may have restarted: /health's again
+        stream.health_says("v3")  # one probe straddling a swap: the events still decide
+        seen.append(stream.weight_version)
+        stream.health_says("v5")
+        stream.health_says("v5")  # twice in a row: the pod restarted on v5 between two probes
+        seen.append(stream.weight_version)
+        ctx.term()
+        return seen
+
+    assert asyncio.run(go()) == [("v1", 0), ("v2", 0), (UNKNOWN, 0), ("v3", 0), "v1", "v1", "v5"]
+    assert from_health(b'{"status": "ok", "weight_version": "initial"}') is None  # unnamed weights
+    assert from_health(b'{"status": "ok", "weight_version": 7}') is UNKNOWN
+    assert from_health(None) is UNKNOWN  # more than its cap
+    assert from_health(b"ok") is None  # a pod that names no version hashes without one
+
+
+def test_a_rank_is_matched_only_with_its_own_versions_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    prompt = list(range(40))
+    index = PrefixIndex()
+    index.store(("a:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v1"))
+    index.store(("b:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v2"))
+    a, b = (Pod(n, f"http://{n}", True, kv_events="on", block_size=16, ranks=[0]) for n in ("a:1", "b:1"))
+    a.weight_version, b.weight_version = "v1", "v1"  # b's blocks are of v2: never predicted as v1
+    pa = PrefixAware(index)
+    assert hash_schemes([a, b]) == {(16, "v1")}
+    assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 0}
+    b.weight_version = "v2"
+    assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 32}
+    b.weight_version = UNKNOWN  # b is routed by load: no prediction
+    assert hash_schemes([a, b]) == {(16, "v1")}
+    a.in_flight = 5
+    d = pa.choose([a, b], Prompts([prompt], None))
+    assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "load", None)
