@@ -400,7 +400,9 @@ async def serve(
             watch.start()
         else:
             fleet.update(pods or [])
-        served = await start_server(app, settings.host, settings.port, settings.limits)
+        served = await start_server(
+            app, settings.host, settings.port, settings.limits, shutdown_timeout=settings.shutdown_timeout_s
+        )
         where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name

@@ -54,6 +54,14 @@ class RouterSettings:
     # arrives); within --reset-timeout in all.
     clear_wait_s: float = 5.0
     max_body_bytes: int = 4 << 20
+    shutdown_timeout_s: float = field(
+        # under Kubernetes' default terminationGracePeriodSeconds (30 s), so a rollout's SIGKILL never comes first
+        default=25.0,
+        metadata=flag(
+            "seconds the requests and streams in flight get to finish after SIGTERM (no new ones are taken)",
+            name="--shutdown-timeout",
+        ),
+    )
     proxy_timeout_s: float = field(
         default=600.0,
         metadata=flag(
@@ -88,6 +96,8 @@ class RouterSettings:
             from kvpilot.kv_sockets import load_client_keys
 
             load_client_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must not be negative")
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
         if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
