@@ -49,9 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
     p.add_argument(
         "--router-cluster-role",
-        default=ROUTER_CLUSTER_ROLE,
+        default=None,
         help="ClusterRole that fleet routers get through a RoleBinding in their namespace; the operator "
-        f"needs `bind` on it (default {ROUTER_CLUSTER_ROLE}; the chart's is <release>-router)",
+        f"needs `bind` on it (the chart's is <release>-router). Not given: {ROUTER_CLUSTER_ROLE}, which the "
+        "operator makes itself when it is missing (an operator run by hand, without the chart)",
     )
     p.add_argument(
         "--operator-namespace",
@@ -73,6 +74,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=512,
         help="reset calls to pods in flight at once, across all resets (default 512)",
     )
+
+
+def ensure_router_role(name: str) -> None:
+    """Make the fleet routers' ClusterRole when it is missing: without the chart (an operator run by hand
+    with the user's own credentials) nothing else would, and every fleet router would be refused its
+    EndpointSlices. The chart ships the role and names it, so this never runs there."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    from kvpilot.operator.kube import Kube
+    from kvpilot.operator.rbac import router_cluster_role
+
+    rbac = client.RbacAuthorizationV1Api(Kube().api)
+    try:
+        rbac.read_cluster_role(name)
+        return
+    except ApiException as exc:
+        if exc.status != 404:
+            log.warning(
+                "cannot read ClusterRole %s (HTTP %s %s): fleet routers need it", name, exc.status, exc.reason
+            )
+            return
+    try:
+        rbac.create_cluster_role(router_cluster_role(name))
+        log.info("created ClusterRole %s: what fleet routers may read (the chart ships its own)", name)
+    except ApiException as exc:
+        if exc.status != 409:
+            log.warning(
+                "cannot create ClusterRole %s (HTTP %s %s): fleet routers will be refused their "
+                "EndpointSlices; install the chart's RBAC",
+                name,
+                exc.status,
+                exc.reason,
+            )
 
 
 def ensure_peering(name: str, namespaces: list[str]) -> bool:
@@ -171,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
         args.bind,
         args.liveness_port,
     )
+    router_role = args.router_cluster_role or ROUTER_CLUSTER_ROLE
+    if args.router_cluster_role is None:
+        ensure_router_role(router_role)
     metrics.serve(args.metrics_port, args.bind)
     # What the imports built (kopf, the Kubernetes client and its models, aiohttp) lives as long as the process:
     # out of the cyclic GC's sight, a full collection during a fan-out scans ~10x fewer objects (docs/fanout.md).
@@ -186,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             # Read by the startup handler (handlers.configure); every handler's memo is a copy of this one.
             memo=kopf.Memo(
                 max_calls_in_flight=args.max_calls_in_flight,
-                router_cluster_role=args.router_cluster_role,
+                router_cluster_role=router_role,
                 operator_peer=OperatorPeer(args.operator_namespace, args.operator_pod_labels),
             ),
         )
