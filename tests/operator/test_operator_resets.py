@@ -111,9 +111,7 @@ def test_rbac_rules_grant_no_wildcards_and_no_secret_listing(clusterwide: bool) 
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
     secrets = [r for r in rules if "secrets" in r["resources"]]
-    assert secrets == [
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]}
-    ]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
     # No rights on Roles or ClusterRoles but `bind` on the routers' one; nothing namespaced cluster-wide in
     # namespaced mode.
     rbac_rules = [r for r in rules if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
