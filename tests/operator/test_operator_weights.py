@@ -34,6 +34,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llm(cluster: Cluster, ns: str, operator: OperatorProcess) -> Iterator[dict[str, str]]:
     """3 ready daemons of InferenceDeployment llm; pod name -> IP."""
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, f"--from-literal=token={TOKEN}")
+    # its owner's consent: only a labelled (or the fleet's own) Secret is mounted into a fleet's pods
+    cluster.kubectl("label", "secret", "admin", "-n", ns, "kvpilot.io/admin-token=true")
     spec = {
         "replicas": 3,
         "adminTokenSecretRef": {"name": "admin"},
