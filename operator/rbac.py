@@ -23,8 +23,10 @@ import copy
 from typing import Any
 
 CLUSTER_ROLE_NAME = "kvpilot-operator"
-# The fleet routers' ClusterRole (`kvpilot operator --router-cluster-role`; the chart's "<release>-router").
-ROUTER_CLUSTER_ROLE = "kvpilot-router"
+# The fleet routers' ClusterRole when `kvpilot operator --router-cluster-role` is not given (an operator run by
+# hand makes it). The chart ships and names its own, "<release>-router"; this name never ends in "-router", so
+# no release's role is ever taken (`helm install` refuses to adopt an object it did not make).
+ROUTER_CLUSTER_ROLE = "kvpilot-router-default"
 RBAC_GROUP = "rbac.authorization.k8s.io"
 
 Rule = dict[str, Any]

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from kvpilot.operator import rbac
 from support.cluster import Cluster
 from support.operator import (
     OP_NS,
@@ -627,7 +628,7 @@ def test_operator_identity_is_least_privilege(cluster: Cluster, operator_kubecon
     # the routers' ClusterRole, which the operator may bind, and no other role; it does not hold them itself.
     assert can("delete", "services") and can("create", "rolebindings.rbac.authorization.k8s.io")
     assert not can("watch", "endpointslices.discovery.k8s.io")
-    assert can("bind", "clusterroles.rbac.authorization.k8s.io/kvpilot-router")
+    assert can("bind", f"clusterroles.rbac.authorization.k8s.io/{rbac.ROUTER_CLUSTER_ROLE}")
     assert not can("bind", "clusterroles.rbac.authorization.k8s.io/admin")
     assert not can("create", "clusterroles.rbac.authorization.k8s.io") and not can(
         "escalate", "clusterroles.rbac.authorization.k8s.io"

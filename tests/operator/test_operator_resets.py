@@ -116,7 +116,7 @@ def test_rbac_rules_grant_no_wildcards_and_no_secret_listing(clusterwide: bool) 
     # namespaced mode.
     rbac_rules = [r for r in rules if r["apiGroups"] == ["rbac.authorization.k8s.io"]]
     assert [r["resources"] for r in rbac_rules] == [["rolebindings"], ["clusterroles"]]
-    assert rbac_rules[1] == rbac.bind_router_role("kvpilot-router")
+    assert rbac_rules[1] == rbac.bind_router_role(rbac.ROUTER_CLUSTER_ROLE)
     if not clusterwide:
         assert {r for rule in cluster for r in rule["resources"]} == {
             "customresourcedefinitions",
