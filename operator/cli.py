@@ -9,7 +9,6 @@ Each makes its parser with `kvpilot.config_flags.add_command`, which sets the `h
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any, TextIO
 from kvpilot.config_flags import add_command
 from kvpilot.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
+from kvpilot.operator.cli_follow import Followed, api_error, follow
 
 
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -100,18 +100,6 @@ def describe_pod(p: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _api_error(exc: Exception) -> str:
-    from kubernetes.client.rest import ApiException
-
-    if isinstance(exc, ApiException):
-        try:
-            msg = json.loads(exc.body or "{}").get("message") or exc.reason
-        except ValueError:
-            msg = exc.reason
-        return f"{exc.status} {msg}"
-    return f"cannot reach the Kubernetes API: {exc}"
-
-
 def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset).
 
@@ -124,7 +112,7 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return created
     api, ns, obj, errors = created
     limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
-    return _follow(api, ns, obj["metadata"]["name"], time.monotonic() + limit, out, errors)
+    return follow(api, ns, obj["metadata"]["name"], RESET, time.monotonic() + limit, out, errors)
 
 
 def create_for_fleet(
@@ -149,7 +137,7 @@ def create_for_fleet(
     try:
         obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
     except errors as exc:
-        print(f"error: creating the {body['kind']}: {_api_error(exc)}", file=sys.stderr)
+        print(f"error: creating the {body['kind']}: {api_error(exc)}", file=sys.stderr)
         return 2
     print(f"{body['kind'].lower()}.{GROUP}/{obj['metadata']['name']} created", file=out, flush=True)
     return (api, ns, obj, errors) if args.wait else 0
@@ -166,51 +154,27 @@ def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
         if isinstance(exc, ApiException) and exc.status == 404:
             print(f"error: InferenceDeployment {ns}/{name} not found", file=sys.stderr)
         else:
-            print(f"error: reading InferenceDeployment {ns}/{name}: {_api_error(exc)}", file=sys.stderr)
+            print(f"error: reading InferenceDeployment {ns}/{name}: {api_error(exc)}", file=sys.stderr)
         return None
 
 
-def _follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tuple) -> int:
-    """Print progress until the reset finishes: counts when they move, each pod that did not succeed."""
-    from kubernetes.client.rest import ApiException
+def _reset_progress(st: dict[str, Any]) -> str:
+    if st.get("targets") is None:
+        return ""
+    return f"{st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
 
-    shown: dict[str, str] = {}
-    last = ""
-    while time.monotonic() < until:
-        try:
-            obj = api.get_namespaced_custom_object(GROUP, VERSION, ns, RESETS, name)
-        except errors as exc:
-            if isinstance(exc, ApiException) and exc.status == 404:
-                print(f"error: PrefixCacheReset {ns}/{name} was deleted", file=sys.stderr)
-                return 2
-            print(f"warning: {_api_error(exc)}; retrying", file=sys.stderr)
-            time.sleep(1.0)
-            continue
-        st = obj.get("status") or {}
-        phase = st.get("phase") or "Pending"
-        line = f"phase {phase}"
-        if st.get("targets") is not None:
-            line += f": {st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
-        if line != last:
-            print(line, file=out, flush=True)
-            last = line
-        done = phase in ("Succeeded", "Failed")
-        for p in st.get("pods") or []:
-            final = p.get("result") in ("Failed", "Skipped", "NotSupported") or (
-                done and p.get("result") == "Succeeded"
-            )
-            if final and shown.get(p["name"]) != p["result"]:
-                shown[p["name"]] = p["result"]
-                print("  " + describe_pod(p), file=out, flush=True)
-        if done:
-            if st.get("podsOmitted"):
-                print(f"  ... {st['podsOmitted']} more pods (status keeps 100 entries)", file=out, flush=True)
-            cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True"), {})
-            print(f"{phase}: {cond.get('reason', '')}: {cond.get('message', '')}", file=out, flush=True)
-            return 0 if phase == "Succeeded" else 1
-        time.sleep(0.5)
-    print(f"error: PrefixCacheReset {ns}/{name} did not finish before --timeout", file=sys.stderr)
-    return 3
+
+def _reset_pod_key(p: dict[str, Any], done: bool) -> str | None:
+    """A pod's line as soon as it did not succeed; the successes only at the end."""
+    final = p.get("result") in ("Failed", "Skipped", "NotSupported") or (
+        done and p.get("result") == "Succeeded"
+    )
+    return p["result"] if final else None
+
+
+RESET = Followed(
+    "PrefixCacheReset", RESETS, ("Succeeded", "Failed"), _reset_progress, _reset_pod_key, describe_pod
+)
 
 
 def add_endpoint_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -279,7 +243,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         )
     except Exception as exc:  # noqa: BLE001 - ApiException or no answer: one line either way
         print(
-            f"error: reading the EndpointSlices of Service {ns}/{service}: {_api_error(exc)}", file=sys.stderr
+            f"error: reading the EndpointSlices of Service {ns}/{service}: {api_error(exc)}", file=sys.stderr
         )
         return 2
     pods = ready_endpoints(client.ApiClient().sanitize_for_serialization(slices.items))

@@ -11,8 +11,9 @@ import time
 from typing import Any, TextIO
 
 from kvpilot.config_flags import add_command
-from kvpilot.operator.builders import GROUP, VERSION, WEIGHT_UPDATES
-from kvpilot.operator.cli import _add_target, _api_error, create_for_fleet, fleet_object
+from kvpilot.operator.builders import WEIGHT_UPDATES
+from kvpilot.operator.cli import _add_target, create_for_fleet, fleet_object
+from kvpilot.operator.cli_follow import Followed, follow
 
 DONE = ("Succeeded", "Failed", "Degraded")
 
@@ -61,6 +62,18 @@ def describe_pod(p: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _progress(st: dict[str, Any]) -> str:
+    return f"{st['progress']} pods on {st.get('version')}" if st.get("progress") else ""
+
+
+def _pod_key(p: dict[str, Any], done: bool) -> str | None:
+    """A pod's line each time its result or the version it serves moves."""
+    return None if p.get("result") == "Pending" else f"{p.get('result')}/{p.get('version', '')}"
+
+
+UPDATE = Followed("WeightUpdate", WEIGHT_UPDATES, DONE, _progress, _pod_key, describe_pod)
+
+
 def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Update an InferenceDeployment's weights (creates a WeightUpdate).
 
@@ -72,37 +85,4 @@ def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return created
     api, ns, obj, errors = created
     limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 600) + 30
-    return follow(api, ns, obj["metadata"]["name"], time.monotonic() + limit, out, errors)
-
-
-def follow(api: Any, ns: str, name: str, until: float, out: TextIO, errors: tuple) -> int:
-    """Print the phase when it moves and each pod's line when its result does, until the update ends."""
-    shown: dict[str, str] = {}
-    last = ""
-    while time.monotonic() < until:
-        try:
-            obj = api.get_namespaced_custom_object(GROUP, VERSION, ns, WEIGHT_UPDATES, name)
-        except errors as exc:
-            print(f"warning: {_api_error(exc)}; retrying", file=sys.stderr)
-            time.sleep(1.0)
-            continue
-        st = obj.get("status") or {}
-        phase = st.get("phase") or "Pending"
-        line = f"phase {phase}" + (
-            f": {st['progress']} pods on {st.get('version')}" if st.get("progress") else ""
-        )
-        if line != last:
-            print(line, file=out, flush=True)
-            last = line
-        for p in st.get("pods") or []:
-            key = f"{p.get('result')}/{p.get('version', '')}"
-            if p.get("result") != "Pending" and shown.get(p["name"]) != key:
-                shown[p["name"]] = key
-                print("  " + describe_pod(p), file=out, flush=True)
-        if phase in DONE:
-            cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True"), {})
-            print(f"{phase}: {cond.get('reason', '')}: {cond.get('message', '')}", file=out, flush=True)
-            return 0 if phase == "Succeeded" else 1
-        time.sleep(0.5)
-    print(f"error: WeightUpdate {ns}/{name} did not finish before --timeout", file=sys.stderr)
-    return 3
+    return follow(api, ns, obj["metadata"]["name"], UPDATE, time.monotonic() + limit, out, errors)
