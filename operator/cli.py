@@ -100,64 +100,6 @@ def describe_pod(p: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset).
-
-    Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and each pod that did
-    not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
-    InferenceDeployment, no cluster), 3 when --timeout passed first.
-    """
-    created = create_for_fleet(args, RESETS, reset_body(args.name, args), out)
-    if isinstance(created, int):
-        return created
-    api, ns, obj, errors = created
-    limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 60) + 30
-    return follow(api, ns, obj["metadata"]["name"], RESET, time.monotonic() + limit, out, errors)
-
-
-def create_for_fleet(
-    args: argparse.Namespace, plural: str, body: dict[str, Any], out: TextIO
-) -> int | tuple[Any, str, dict[str, Any], tuple]:
-    """Create `body` (a resource about InferenceDeployment args.name) and say so: (the API, the namespace,
-    the object, the errors worth retrying while following it) when --wait asks to follow it, else an exit
-    code (0 created, 2 an error, said on stderr)."""
-    import urllib3
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
-    errors = (ApiException, urllib3.exceptions.HTTPError, OSError)
-    try:
-        default_ns = load(args.kubeconfig)
-    except KubeconfigError as exc:
-        return fail(exc)
-    ns = args.namespace or default_ns
-    api = client.CustomObjectsApi()
-    if _read_fleet(api, ns, args.name) is None:
-        return 2
-    try:
-        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
-    except errors as exc:
-        print(f"error: creating the {body['kind']}: {api_error(exc)}", file=sys.stderr)
-        return 2
-    print(f"{body['kind'].lower()}.{GROUP}/{obj['metadata']['name']} created", file=out, flush=True)
-    return (api, ns, obj, errors) if args.wait else 0
-
-
-def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
-    """The InferenceDeployment; None after saying on stderr why there is none."""
-    import urllib3
-    from kubernetes.client.rest import ApiException
-
-    try:
-        return api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, name)
-    except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-        if isinstance(exc, ApiException) and exc.status == 404:
-            print(f"error: InferenceDeployment {ns}/{name} not found", file=sys.stderr)
-        else:
-            print(f"error: reading InferenceDeployment {ns}/{name}: {api_error(exc)}", file=sys.stderr)
-        return None
-
-
 def _reset_progress(st: dict[str, Any]) -> str:
     if st.get("targets") is None:
         return ""
@@ -175,6 +117,64 @@ def _reset_pod_key(p: dict[str, Any], done: bool) -> str | None:
 RESET = Followed(
     "PrefixCacheReset", RESETS, ("Succeeded", "Failed"), _reset_progress, _reset_pod_key, describe_pod
 )
+
+
+def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Reset the prefix caches of an InferenceDeployment's pods (creates a PrefixCacheReset).
+
+    Create a PrefixCacheReset for InferenceDeployment NAME; with --wait, show progress and each pod that did
+    not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
+    InferenceDeployment, no cluster), 3 when --timeout passed first.
+    """
+    return create_for_fleet(args, reset_body(args.name, args), RESET, 60, out)
+
+
+def create_for_fleet(
+    args: argparse.Namespace, body: dict[str, Any], what: Followed, default_timeout: int, out: TextIO
+) -> int:
+    """Create `body` (a resource about InferenceDeployment args.name) and say so; with --wait, follow it until
+    it ends or --timeout (default: its spec.timeoutSeconds, else `default_timeout`, plus 30 s) passes. The
+    exit code: 0 created (or Succeeded), 2 an error (said on stderr), else what `follow` returns."""
+    import urllib3
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    errors = (ApiException, urllib3.exceptions.HTTPError, OSError)
+    try:
+        default_ns = load(args.kubeconfig)
+    except KubeconfigError as exc:
+        return fail(exc)
+    ns = args.namespace or default_ns
+    api = client.CustomObjectsApi()
+    if _read_fleet(api, ns, args.name) is None:
+        return 2
+    try:
+        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, what.plural, body)
+    except errors as exc:
+        print(f"error: creating the {body['kind']}: {api_error(exc)}", file=sys.stderr)
+        return 2
+    print(f"{body['kind'].lower()}.{GROUP}/{obj['metadata']['name']} created", file=out, flush=True)
+    if not args.wait:
+        return 0
+    limit = (
+        args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", default_timeout) + 30
+    )
+    return follow(api, ns, obj["metadata"]["name"], what, time.monotonic() + limit, out, errors)
+
+
+def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+    """The InferenceDeployment; None after saying on stderr why there is none."""
+    import urllib3
+    from kubernetes.client.rest import ApiException
+
+    try:
+        return api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, name)
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        if isinstance(exc, ApiException) and exc.status == 404:
+            print(f"error: InferenceDeployment {ns}/{name} not found", file=sys.stderr)
+        else:
+            print(f"error: reading InferenceDeployment {ns}/{name}: {api_error(exc)}", file=sys.stderr)
+        return None
 
 
 def add_endpoint_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any, TextIO
 
 from kvpilot.config_flags import add_command
 from kvpilot.operator.builders import WEIGHT_UPDATES
 from kvpilot.operator.cli import _add_target, create_for_fleet, fleet_object
-from kvpilot.operator.cli_follow import Followed, follow
+from kvpilot.operator.cli_follow import Followed
 
 DONE = ("Succeeded", "Failed", "Degraded")
 
@@ -80,9 +79,4 @@ def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     Create a WeightUpdate for InferenceDeployment NAME; with --wait, show each pod's progress and exit 0 when
     it Succeeded, 1 when it Failed or ended Degraded, 2 on an error, 3 when --timeout passed first.
     """
-    created = create_for_fleet(args, WEIGHT_UPDATES, update_body(args.name, args), out)
-    if isinstance(created, int):
-        return created
-    api, ns, obj, errors = created
-    limit = args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", 600) + 30
-    return follow(api, ns, obj["metadata"]["name"], UPDATE, time.monotonic() + limit, out, errors)
+    return create_for_fleet(args, update_body(args.name, args), UPDATE, 600, out)
