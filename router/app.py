@@ -38,6 +38,7 @@ from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, hash_schemes
 from kvpilot.router.prompts import PromptReader
 from kvpilot.router.settings import RouterSettings
+from kvpilot.router.version_choice import pinned_version
 from kvpilot.router.weight_versions import describe
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompts = None
     if r.reader is not None and r.policy.needs_prompts and raw:
         prompts = await r.reader.prompts(request.path, raw, hash_schemes(r.fleet.ready_pods()))
+    pinned = pinned_version(raw)
     tried: set[str] = set()
     while True:
         pods = [p for p in r.fleet.ready_pods() if p.name not in tried]
         if not pods:
             raise _no_pod()
+        pods = r.fleet.versions.eligible(pods, pinned)  # all of one weight version
         decision = r.policy.choose(pods, prompts)
         try:
             return await _proxy(request, r, decision, raw)

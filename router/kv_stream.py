@@ -131,7 +131,9 @@ class PodEventStream:
         limits: ReplayLimits = ReplayLimits(),
         blocks_total: int | None = None,
         weight_version: Version = None,
+        on_version: Callable[[Version], None] = lambda version: None,
     ) -> None:
+        self._on_version = on_version  # told each version the rank serves from then on (VersionChoice.saw)
         self.pod = pod
         self.rank = rank
         self.key = (pod, rank)
@@ -146,11 +148,21 @@ class PodEventStream:
         # What the rank's keys are hashed with: the pod's /health at first (the fleet keeps `health_version`
         # current), then each AllBlocksCleared that names one, applied where it stands in the stream.
         self.health_version: Version = weight_version
-        self.weight_version: Version = weight_version
+        self._weight_version: Version = weight_version
         self._disagreed = False  # the last /health named another version than the events
         self.synced = asyncio.Event()  # set once the initial replay is applied
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
+
+    @property
+    def weight_version(self) -> Version:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: Version) -> None:
+        if version != self._weight_version:
+            self._on_version(version)
+        self._weight_version = version
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)

@@ -29,6 +29,7 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.version_choice import VersionChoice
 from kvpilot.router.weight_versions import MAX_HEALTH_BYTES, UNKNOWN, Version, from_health
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Fleet:
         # Every KV event socket comes from this context: size-bounded, and CURVE with the fleet's keys.
         self._ctx = subscriber_context(kv_events_curve_dir)
         self._tasks: dict[str, asyncio.Task] = {}
+        self.versions = VersionChoice()  # the weight versions in the order they appeared
 
     def ready_pods(self) -> list[Pod]:
         return [p for p in self.pods if p.ready]
@@ -215,11 +217,11 @@ class Fleet:
         except (TimeoutError, aiohttp.ClientError):
             return False
 
-    @staticmethod
-    def _set_version(pod: Pod, version: Version) -> None:
+    def _set_version(self, pod: Pod, version: Version) -> None:
         """What /health names: each rank's version whenever its stream (re)starts (`health_says`)."""
         if version != pod.weight_version:
             log.info("%s: /health names weight version %r", pod.name, version)
+        self.versions.saw(version)  # also unnamed weights at the start: older than any version that comes
         pod.weight_version = version
         for stream in pod.streams:
             stream.health_says(version)
@@ -273,6 +275,7 @@ class Fleet:
                 limits=events.limits,
                 blocks_total=r.blocks_total,
                 weight_version=pod.weight_version,
+                on_version=self.versions.saw,
             )
             for r in events.ranks
         ]

@@ -15,11 +15,13 @@ import zmq.asyncio
 from kvpilot.daemon.engine.block_hash import prompt_block_hashes
 from kvpilot.daemon.engine.default_model import ensure_default_model
 from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.daemon.server.protocol import ApiError
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.pods import Pod
 from kvpilot.router.policy import PrefixAware, hash_schemes
 from kvpilot.router.prompts import Prompts
+from kvpilot.router.version_choice import VersionChoice, pinned_version, pod_version
 from kvpilot.router.weight_versions import MAX_CHARS, UNKNOWN, from_health
 from support.procs import free_port
 from support.servers import (
@@ -209,3 +211,74 @@ def test_a_rank_is_matched_only_with_its_own_versions_keys(monkeypatch: pytest.M
     a.in_flight = 5
     d = pa.choose([a, b], Prompts([prompt], None))
     assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "load", None)
+
+
+# ---- a fleet on two versions: every request to one of them -------------------------------------------
+def _swap(daemon: Server, version: str) -> None:
+    r = daemon.request(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(ensure_default_model()), "weight_version": version},
+        headers=daemon.admin(),
+        timeout=300,
+    )
+    assert r.status == 200, r.body
+
+
+def _served_by(router: RouterProc, pin: str | None = None) -> tuple[int, str, dict]:
+    body = {"model": MODEL, "prompt": "Which version? " + PROMPT, "max_tokens": 1}
+    if pin is not None:
+        body["weight_version"] = pin
+    r = router.request("POST", "/v1/completions", body)
+    return r.status, r.headers.get("X-Kvpilot-Pod", ""), r.json()
+
+
+def _router_sees(router: RouterProc, versions: dict[str, list[str]]) -> None:
+    deadline = time.monotonic() + 30
+    while {p["pod"]: p["weight_versions"] for p in router.health()["pods"]} != versions:
+        assert time.monotonic() < deadline, router.health()
+        time.sleep(0.05)
+
+
+def test_a_fleet_on_two_versions_serves_each_request_from_the_newest_or_the_pinned(named) -> None:  # noqa: ANN001
+    router, daemons = named
+    wait_idle(*daemons)
+    a, b = (f"127.0.0.1:{d.port}" for d in daemons)
+    _swap(daemons[0], "w-old")
+    _router_sees(router, {a: ["w-old"], b: router.pod(b)["weight_versions"]})
+    _swap(daemons[1], "w-new")  # seen after w-old: the newer
+    _router_sees(router, {a: ["w-old"], b: ["w-new"]})
+    for _ in range(6):  # prefix-aware or not, nothing goes to the older version
+        status, pod, reply = _served_by(router)
+        assert (status, pod, reply["system_fingerprint"].endswith("w-new")) == (200, b, True), reply
+    status, pod, reply = _served_by(router, pin="w-old")
+    assert (status, pod) == (200, a), reply
+    status, _, reply = _served_by(router, pin="w-none")
+    assert status == 409 and reply["error"]["code"] == "weight_version_mismatch", reply
+    assert "w-new" in reply["error"]["message"] and "w-old" in reply["error"]["message"]
+    _swap(daemons[0], "w-newest")  # a version appearing later is newer, whatever its name
+    _router_sees(router, {a: ["w-newest"], b: ["w-new"]})
+    assert {_served_by(router)[1] for _ in range(4)} == {a}
+
+
+def test_version_choice_orders_by_first_sight_then_naturally_and_reads_pins() -> None:
+    def pod(name: str, version) -> Pod:  # noqa: ANN001
+        p = Pod(name, f"http://{name}", True, kv_events="on", block_size=16, ranks=[0])
+        p.weight_version = version
+        return p
+
+    choice = VersionChoice()
+    v2, v10, unknown = pod("a:1", "v2"), pod("b:1", "v10"), pod("c:1", UNKNOWN)
+    assert choice.eligible([v2, v10, unknown], None) == [v10]  # seen together: v10 after v2
+    late = pod("d:1", "v3")
+    assert choice.eligible([v2, v10, late], None) == [late]  # seen later: newer than v10
+    assert choice.eligible([v2, unknown], "v2") == [v2]
+    assert choice.eligible([unknown], None) == [unknown]  # nothing known: whatever is ready
+    assert choice.eligible([pod("e:1", None)], "initial")[0].name == "e:1"  # unnamed weights
+    with pytest.raises(ApiError) as err:
+        choice.eligible([v2, unknown], "v10")
+    assert err.value.status == 409 and "they serve: v2" in str(err.value)
+    assert pinned_version(b'{"prompt": "x", "weight_version": "v2"}') == "v2"
+    assert pinned_version(b'{"prompt": "weight_version"}') is None
+    assert pinned_version(b'["weight_version"]') is None and pinned_version(b'{"weight_version"') is None
+    assert pod_version(pod("f:1", UNKNOWN)) is None
