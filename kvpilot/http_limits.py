@@ -24,7 +24,7 @@ import logging
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvpilot.config_flags import flag
 
@@ -85,7 +85,7 @@ class _Guarded(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self._gate
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is one without subclassing it
         if gate.open >= gate.limits.max_connections:
             transport.write(gate.full_reply)
             transport.close()

@@ -13,10 +13,11 @@ a 502, and any failure after the request was sent stops routing to the pod until
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -49,6 +50,7 @@ POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and te
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
 # The request never reached the pod (refused, or no connection within sock_connect): nothing ran there.
 UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+SSE_TAIL_BYTES = 16384  # of a stream, kept for its usage event (sent last)
 
 
 @dataclass(slots=True)
@@ -60,6 +62,12 @@ class Router:
     reader: PromptReader | None
     metrics: RouterMetrics
     session: aiohttp.ClientSession
+    proxy_timeout: aiohttp.ClientTimeout = field(init=False)  # of every proxied request: made once
+
+    def __post_init__(self) -> None:
+        self.proxy_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=5, sock_read=self.settings.proxy_timeout_s
+        )
 
 
 ROUTER = web.AppKey("kvpilot_router", Router)
@@ -102,7 +110,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     pinned = pinned_version(raw)
     tried: set[str] = set()
     while True:
-        pods = [p for p in r.fleet.ready_pods() if p.name not in tried]
+        pods = [p for p in r.fleet.pods if p.ready and p.name not in tried]
         if not pods:
             raise _no_pod()
         pods = r.fleet.versions.eligible(pods, pinned)  # all of one weight version
@@ -118,41 +126,39 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
     pod = decision.pod
-    policy = r.policy.name
-    r.metrics.decisions.labels(pod.name, policy, decision.reason).inc()
-    headers = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
+    m = r.metrics
+    m.child(m.decisions, pod.name, r.policy.name, decision.reason).inc()
+    in_headers = request.headers
+    headers = {}
+    for h in FORWARD_REQUEST_HEADERS:
+        v = in_headers.get(h)
+        if v is not None:
+            headers[h] = v
     if decision.rank is not None:
         headers[DP_RANK_HEADER] = str(decision.rank)
         pod.rank_in_flight[decision.rank] = pod.rank_in_flight.get(decision.rank, 0) + 1
+    in_flight = m.child(m.in_flight, pod.name)
     pod.in_flight += 1
-    r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
+    in_flight.set(pod.in_flight)
     status = 0
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=r.settings.proxy_timeout_s)
+    # Usage is read (a JSON parse) only where it is compared with a prediction.
+    wants_usage = decision.predicted_cached_tokens is not None
     try:
         async with r.session.post(
-            pod.url + request.path_qs, data=raw, headers=headers, timeout=timeout
+            pod.target(request.path_qs), data=raw, headers=headers, timeout=r.proxy_timeout
         ) as up:
             status = up.status
-            out_headers = {h: up.headers[h] for h in FORWARD_RESPONSE_HEADERS if h in up.headers}
-            out_headers[POD_HEADER] = pod.name
+            up_headers = up.headers
+            out_headers = {POD_HEADER: pod.name}
+            for h in FORWARD_RESPONSE_HEADERS:
+                v = up_headers.get(h)
+                if v is not None:
+                    out_headers[h] = v
             if decision.rank is not None:
                 out_headers[DP_RANK_HEADER] = str(decision.rank)
             try:
-                if up.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    resp = web.StreamResponse(status=up.status, headers=out_headers)
-                    await resp.prepare(request)
-                    tail = b""
-                    try:
-                        async for chunk in up.content.iter_any():
-                            await resp.write(chunk)
-                            tail = (tail + chunk)[-16384:]
-                    except (aiohttp.ClientError, TimeoutError) as exc:
-                        # Headers are sent: end the stream with an error event.
-                        err = _pod_failed(r, pod, exc)
-                        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-                    await resp.write_eof()
-                    _record_usage(r, decision, _sse_usage(tail))
-                    return resp
+                if up_headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return await _relay_stream(request, r, decision, up, out_headers, wants_usage)
                 body = await read_capped(up, r.settings.max_reply_bytes)
                 if body is None:
                     log.warning("%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes)
@@ -161,8 +167,9 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
                         f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
                         code="reply_too_large",
                     )
-                _record_usage(r, decision, _json_usage(body))
-                return web.Response(body=body, status=up.status, headers=out_headers)
+                if wants_usage:
+                    _record_usage(r, decision, _json_usage(body))
+                return web.Response(body=body, status=status, headers=out_headers)
             except BaseException:
                 up.close()  # drop the connection: the pod sees the client leave and aborts
                 raise
@@ -174,8 +181,44 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
         pod.in_flight -= 1
         if decision.rank is not None:
             pod.rank_in_flight[decision.rank] -= 1
-        r.metrics.in_flight.labels(pod.name).set(pod.in_flight)
-        r.metrics.requests.labels(pod.name, policy, str(status)).inc()
+        in_flight.set(pod.in_flight)
+        m.child(m.requests, pod.name, r.policy.name, str(status)).inc()
+
+
+async def _relay_stream(
+    request: web.Request,
+    r: Router,
+    decision: Decision,
+    up: aiohttp.ClientResponse,
+    out_headers: dict[str, str],
+    wants_usage: bool,
+) -> web.StreamResponse:
+    """Relay a server-sent event stream: each upstream read is one write to the client, untouched. Only
+    the last 16 KiB are kept (as the chunks themselves, not copied), for the usage event sent last."""
+    resp = web.StreamResponse(status=up.status, headers=out_headers)
+    await resp.prepare(request)
+    write = resp.write
+    tail: collections.deque[bytes] = collections.deque()
+    kept = 0
+    try:
+        if wants_usage:
+            async for chunk in up.content.iter_any():
+                await write(chunk)
+                tail.append(chunk)
+                kept += len(chunk)
+                while kept - len(tail[0]) >= SSE_TAIL_BYTES:
+                    kept -= len(tail.popleft())
+        else:
+            async for chunk in up.content.iter_any():
+                await write(chunk)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # Headers are sent: end the stream with an error event.
+        err = _pod_failed(r, decision.pod, exc)
+        await write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    await resp.write_eof()
+    if wants_usage:
+        _record_usage(r, decision, _sse_usage(b"".join(tail)[-SSE_TAIL_BYTES:]))
+    return resp
 
 
 def _pod_failed(r: Router, pod: Pod, exc: BaseException) -> ApiError:

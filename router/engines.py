@@ -107,8 +107,10 @@ async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes
     length = response.content_length
     if length is not None and length > max_bytes:
         return None
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(1 << 16):
+    if length is not None and "Content-Encoding" not in response.headers:
+        return await response.read()  # exactly `length` bytes, joined once
+    body = bytearray()  # chunked, or compressed: what it inflates to is counted as it comes
+    async for chunk in response.content.iter_any():
         body += chunk
         if len(body) > max_bytes:
             return None

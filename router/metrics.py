@@ -70,6 +70,16 @@ class RouterMetrics:
         )
         for result in ("success", "failed", "no_pods", "unauthorized"):
             self.resets.labels(result)
+        # Each series once looked up: labels() validates and locks on every call, on the proxy's path.
+        self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
+
+    def child(self, metric: Counter | Gauge, *labels: str):
+        """`metric.labels(*labels)`, cached (series are never removed, so a cached one stays valid)."""
+        key = (id(metric), labels)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*labels)
+        return series
 
     def add_pod(self, pod: str) -> None:
         """Start a new pod's prediction and KV event counters at 0: a counter series born at its first

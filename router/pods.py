@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
@@ -50,6 +51,17 @@ class Pod:
     load_error: str = ""  # why engine_load is not known (logged when it changes)
     events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
     weight_version: Version = None  # what its last /health named (each rank's own: its stream's)
+    _targets: dict[str, URL] = field(default_factory=dict, repr=False)  # path -> its URL on the pod
+
+    def target(self, path_qs: str) -> URL:
+        """The pod's URL for a request to `path_qs`, parsed once per path (the router's few routes);
+        a path with a query string is parsed each time, so clients cannot grow the cache."""
+        url = self._targets.get(path_qs)
+        if url is None:
+            url = URL(self.url + path_qs)
+            if "?" not in path_qs and len(self._targets) < 16:
+                self._targets[path_qs] = url
+        return url
 
     @property
     def host(self) -> str:

@@ -345,6 +345,11 @@ def test_a_non_streamed_reply_is_capped(tmp_path: Path, pod: HostilePod) -> None
         pod.huge_bytes = 5_000_000
         status, body = post(router, "/v1/completions", COMPLETION)
         assert status == 502 and json.loads(body)["error"]["code"] == "reply_too_large", body[:200]
+        # Compressed, its Content-Length is small: what it inflates to is what counts.
+        wait_for(lambda: router.pod(pod.name)["ready"], 30, "the pod ready")
+        pod.completion = "huge_gzip"
+        status, body = post(router, "/v1/completions", COMPLETION)
+        assert status == 502 and json.loads(body)["error"]["code"] == "reply_too_large", body[:200]
     finally:
         stop_router(router)
 

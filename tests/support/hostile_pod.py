@@ -5,7 +5,7 @@ run by a thread of the test process, every behaviour a knob the test sets.
 HTTP: `GET /health` (status `health_status`), `GET /kv_events` (the honest reply naming its sockets, or
 `kv_events_reply`, any JSON value), `POST /reset_prefix_cache` (a daemon's success reply; it records an
 AllBlocksCleared batch, published live only with `publish_live`), `POST /v1/completions` (by `completion`:
-"ok", "silent", "huge" (`huge_bytes` of JSON), "stream_then_silent").
+"ok", "silent", "huge" (`huge_bytes` of JSON), "huge_gzip" (the same, gzipped), "stream_then_silent").
 Replay (`replay`): "honest" (the buffer, then end-of-replay), "trickle" (one batch a second, never ending),
 "flood" (`flood_batches` batches of `flood_payload` bytes, then end-of-replay), "silent".
 """
@@ -13,6 +13,7 @@ Replay (`replay`): "honest" (the buffer, then end-of-replay), "trickle" (one bat
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import threading
 from typing import Any
@@ -204,6 +205,10 @@ class HostilePod:
             return web.Response(
                 body=b'{"pad": "' + b"x" * self.huge_bytes + b'"}', content_type="application/json"
             )
+        if self.completion == "huge_gzip":  # a small Content-Length that inflates past any cap
+            body = gzip.compress(b'{"pad": "' + b"x" * self.huge_bytes + b'"}')
+            headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+            return web.Response(body=body, headers=headers)
         if self.completion == "stream_then_silent":
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
