@@ -6,7 +6,9 @@
 # torch, CUDA libraries, GPU kernels: 9.4 GB) would not fit beside the project's venv, and the client needs
 # none of them; its import runs on the project's torch and requests. The folder is made anew each time and
 # counts only once the import of `HTTPVLLMWeightSyncClient` worked and vLLM says the pinned version.
-# A stamp (the hash of this script, the requirements and the python's version) makes a second run instant.
+# A stamp (the hash of this script, the requirements, the python's and its torch's versions) makes a
+# second run instant. Kept out of hack/tools/build.sh (`make tools`): every stamp there hashes that
+# script, so an entry there would rebuild every tool once. tests/weights/test_weight_client.py runs it.
 #
 # Usage: hack/tools/vllm-client/build.sh [--force] [--print-dir]
 # Env:   KVPILOT_CACHE, VLLM_CLIENT_PYTHON, PIP_INDEX_URL (honoured as usual), BUILD_NICE (default 10)
@@ -30,8 +32,10 @@ python="${VLLM_CLIENT_PYTHON:-$here/../../../.venv/bin/python}"
 [[ -x "$python" ]] || die "no python at $python (run make setup, or set VLLM_CLIENT_PYTHON)"
 version="$(awk -F'==' '$1=="vllm" {print $2}' "$here/requirements.txt")"
 stamp="$tools_dir/.vllm-client.inputs.sha256"
-# cbor2 is a compiled wheel: the folder belongs to one python version.
-hash="$({ cat "$0" "$here/requirements.txt"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -d' ' -f1)"
+# cbor2 is a compiled wheel: the folder belongs to one python version; vLLM's import runs on that
+# python's torch, so another torch checks the import again.
+versions='import sys, importlib.metadata as m; print(sys.version, m.version("torch"))'
+hash="$({ cat "$0" "$here/requirements.txt"; "$python" -c "$versions"; } | sha256sum | cut -d' ' -f1)"
 
 mkdir -p "$tools_dir"
 exec 9>"$tools_dir/.vllm-client.lock"  # one install at a time; the next finds it done
