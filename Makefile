@@ -92,6 +92,13 @@ aiperf:
 sglang-router:
 	bash hack/tools/build.sh sglang-router
 
+# vLLM's trainer-side client alone (tests/weights/test_weight_client.py): vLLM's package without its
+# dependencies, for the project's python (docs/tools.md); then PYTHONPATH="$$(bash hack/tools/vllm-client/build.sh --print-dir)".
+.PHONY: vllm-client
+VLLM_CLIENT_PYTHON ?= $(abspath $(PY))
+vllm-client:
+	@VLLM_CLIENT_PYTHON="$(VLLM_CLIENT_PYTHON)" bash hack/tools/vllm-client/build.sh
+
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:
 	@bash hack/tools/build.sh --print-bindir
