@@ -47,7 +47,7 @@ serve: setup
 demo: setup cluster-build
 	bash hack/demo.sh
 
-test: setup-test cluster-build tools
+test: setup-test cluster-build tools vllm-client
 	$(PY) -m pytest -q
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
