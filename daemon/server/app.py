@@ -66,6 +66,10 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    # SGLang's name for the same reset (its server takes GET and POST): sglang-router's /flush_cache
+    # sends it to every worker.
+    app.router.add_route("GET", "/flush_cache", reset_prefix_cache)
+    app.router.add_post("/flush_cache", reset_prefix_cache)
     app.router.add_get("/prefix_cache", prefix_cache)
     app.router.add_get("/openapi.json", openapi_schema)
     app.router.add_get("/kv_events", kv_events)

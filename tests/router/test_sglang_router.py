@@ -152,3 +152,19 @@ def test_cache_aware_policy_sends_repeats_to_one_pod(sglang_fleet: SglangFleet) 
     assert sorted(q > 0 for q in queried) == [False, True], (queried, hits, cached)
     assert max(hits) == sum(cached) and min(hits) == 0, (hits, cached)
     assert cached[0] == 0 and all(n >= 48 for n in cached[1:]), cached  # the shared prefix, cached
+
+
+def test_flush_cache_through_sglang_router_resets_every_daemon(sglang_fleet: SglangFleet) -> None:
+    """sglang-router's /flush_cache sends SGLang's /flush_cache to every worker: each daemon resets (its
+    cache epoch moves on), as vLLM's /reset_prefix_cache would."""
+    before = [d.request("GET", "/prefix_cache").json()["epoch"] for d in sglang_fleet.daemons]
+    conn = http.client.HTTPConnection(sglang_fleet.url.removeprefix("http://"), timeout=60)
+    try:
+        conn.request("POST", "/flush_cache")
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200, body
+    after = [d.request("GET", "/prefix_cache").json()["epoch"] for d in sglang_fleet.daemons]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1], (before, after, body)
