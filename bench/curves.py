@@ -69,6 +69,24 @@ QUICK = {
 }
 
 
+# name -> (title, x label, y label) of its plot
+TITLES = {
+    "throughput": (
+        "output tokens/s vs requests at once (shared ~300-token prefix)",
+        "requests at once",
+        "output tokens/s",
+    ),
+    "ttft": ("time to first token vs prompt length (one request alone)", "prompt tokens", "seconds"),
+    "reset": ("prefix cache reset latency vs cached blocks", "cached blocks", "milliseconds"),
+    "fanout": ("one PrefixCacheReset to N pods: create to Succeeded (window 64)", "pods", "seconds"),
+    "router": (
+        "router CPU per chat and per streamed chunk vs stub pods (round-robin)",
+        "stub pods behind the router",
+        "router CPU µs",
+    ),
+}
+
+
 def loglog_fit(xs: list[float], ys: list[float]) -> dict | None:
     """y ~ c * x^k by least squares on (log x, log y): k, and the shape it reads as."""
     pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y is not None and y > 0]
@@ -89,17 +107,13 @@ def loglog_fit(xs: list[float], ys: list[float]) -> dict | None:
     return {"exponent": round(k, 3), "shape": shape, "points": len(pts)}
 
 
-def curve(name: str, title: str, xlabel: str, ylabel: str, load_before: tuple, series: dict, **extra) -> dict:
+def curve(name: str, load_before: tuple, series: dict, **extra) -> dict:
     """One curve's document: `series` maps a label to {"x", "y", "baseline"}; fits added here."""
     for s in series.values():
         s["fit"] = loglog_fit(s["x"], s["y"])
-    return benchkit.header(f"curves/{name}", load_before) | {
-        "title": title,
-        "xlabel": xlabel,
-        "ylabel": ylabel,
-        "series": series,
-        **extra,
-    }
+    title, xlabel, ylabel = TITLES[name]
+    doc = benchkit.header(f"curves/{name}", load_before)
+    return doc | {"title": title, "xlabel": xlabel, "ylabel": ylabel, "series": series, **extra}
 
 
 def plot(doc: dict, png: Path) -> None:
@@ -134,6 +148,11 @@ def plot(doc: dict, png: Path) -> None:
 
 def series(baseline: bool = False) -> dict:
     return {"x": [], "y": [], "baseline": baseline}
+
+
+def add(s: dict, label: str, x: float, y: float) -> None:
+    s[label]["x"].append(x)
+    s[label]["y"].append(y)
 
 
 # ---- engine, server, transformers ------------------------------------------------------------------
@@ -178,8 +197,7 @@ def throughput_curve(p: dict, eng: Engines, workdir: Path) -> dict:
             h = asyncio.run(serve._chat_load(url, serve.MODEL, qs, eng.bench.SYSTEM, p["max_tokens"]))
             h.pop("texts")
             for label, r in zip(s, (e, h, t)):
-                s[label]["x"].append(c)
-                s[label]["y"].append(r["tokens_per_s"])
+                add(s, label, c, r["tokens_per_s"])
             raw.append(
                 {"concurrency": c, "engine": e, "server": h, "transformers": t, "load": os.getloadavg()}
             )
@@ -188,16 +206,7 @@ def throughput_curve(p: dict, eng: Engines, workdir: Path) -> dict:
                 f"transformers {t['tokens_per_s']:.1f} tok/s",
                 flush=True,
             )
-    return curve(
-        "throughput",
-        f"output tokens/s vs requests at once ({p['max_tokens']} new tokens each, shared ~300-token prefix)",
-        "requests at once",
-        "output tokens/s",
-        load_before,
-        s,
-        threads=eng.threads,
-        points=raw,
-    )
+    return curve("throughput", load_before, s, max_tokens=p["max_tokens"], threads=eng.threads, points=raw)
 
 
 def prompt_of(eng: Engines, n: int, salt: str = "") -> list[int]:
@@ -239,22 +248,12 @@ def ttft_curve(p: dict, eng: Engines, repeats: int) -> dict:
             times["transformers forward"].append(hf_ttft(eng.model, prompt))
         med = {k: statistics.median(v) for k, v in times.items()}
         for k in s:
-            s[k]["x"].append(n)
-            s[k]["y"].append(med[k])
+            add(s, k, n, med[k])
         raw.append(
             {"prompt_tokens": n, "median_s": med, "cached_tokens": cached_tokens, "load": os.getloadavg()}
         )
         print(f"ttft {n} tokens: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()), flush=True)
-    return curve(
-        "ttft",
-        "time to first token vs prompt length (one request alone)",
-        "prompt tokens",
-        "seconds",
-        load_before,
-        s,
-        threads=eng.threads,
-        points=raw,
-    )
+    return curve("ttft", load_before, s, threads=eng.threads, points=raw)
 
 
 # ---- reset ---------------------------------------------------------------------------------------
@@ -265,21 +264,11 @@ def reset_curve(p: dict) -> dict:
     raw = []
     for n in p["cached_blocks"]:
         r = engine.reset_latency(n, repeats=5 if n <= 100_000 else 2)
-        s["reset (swap the index)"]["x"].append(n)
-        s["reset (swap the index)"]["y"].append(r["median_ms"])
-        s["free the old index at once"]["x"].append(n)
-        s["free the old index at once"]["y"].append(r["free_old_index_median_ms"])
+        add(s, "reset (swap the index)", n, r["median_ms"])
+        add(s, "free the old index at once", n, r["free_old_index_median_ms"])
         raw.append(r | {"load": os.getloadavg()})
         print(f"reset {n} blocks: {r}", flush=True)
-    return curve(
-        "reset",
-        "prefix cache reset latency vs cached blocks",
-        "cached blocks",
-        "milliseconds",
-        load_before,
-        s,
-        points=raw,
-    )
+    return curve("reset", load_before, s, points=raw)
 
 
 # ---- fan-out -------------------------------------------------------------------------------------
@@ -304,11 +293,9 @@ def fanout_curve(p: dict, workdir: Path) -> dict:
         for rnd in doc["rounds"]:
             at_once = rnd["reply_delay_ms"] == 0
             label = "replies at once" if at_once else "20 ms replies"
-            s[f"fan-out, {label}"]["x"].append(n)
-            s[f"fan-out, {label}"]["y"].append(rnd["create_to_complete_s"])
+            add(s, f"fan-out, {label}", n, rnd["create_to_complete_s"])
             if "sequential_loop_s" in rnd:
-                s[f"sequential loop, {label}"]["x"].append(n)
-                s[f"sequential loop, {label}"]["y"].append(rnd["sequential_loop_s"])
+                add(s, f"sequential loop, {label}", n, rnd["sequential_loop_s"])
         raw.append(doc)
         print(
             f"fanout {n} pods: "
@@ -328,15 +315,7 @@ def fanout_curve(p: dict, workdir: Path) -> dict:
             ),
             flush=True,
         )
-    return curve(
-        "fanout",
-        "one PrefixCacheReset to N pods: create to Succeeded (window 64)",
-        "pods",
-        "seconds",
-        load_before,
-        s,
-        runs=raw,
-    )
+    return curve("fanout", load_before, s, runs=raw)
 
 
 # ---- router --------------------------------------------------------------------------------------
@@ -365,20 +344,10 @@ def router_curve(p: dict, workdir: Path) -> dict:
         runs = rc.both_routers(args, binary, workdir)
         for run in runs:
             who = "kvpilot router" if run["router"] == "kvpilot" else "sglang-router"
-            s[f"{who}, per chat"]["x"].append(n)
-            s[f"{who}, per chat"]["y"].append(run["chats"]["cpu_per_request_ms"] * 1000)
-            s[f"{who}, per streamed chunk"]["x"].append(n)
-            s[f"{who}, per streamed chunk"]["y"].append(run["streams"]["cpu_per_chunk_us"])
+            add(s, f"{who}, per chat", n, run["chats"]["cpu_per_request_ms"] * 1000)
+            add(s, f"{who}, per streamed chunk", n, run["streams"]["cpu_per_chunk_us"])
         raw.append({"pods": n, "runs": runs, "load": os.getloadavg()})
-    return curve(
-        "router",
-        "router CPU per proxied chat and per streamed chunk vs stub pods (round-robin)",
-        "stub pods behind the router",
-        "router CPU µs",
-        load_before,
-        s,
-        points=raw,
-    )
+    return curve("router", load_before, s, points=raw)
 
 
 def main() -> int:
