@@ -121,6 +121,7 @@ def plot(doc: dict, png: Path) -> None:
 
     matplotlib.use("Agg")  # files only: no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for label, s in doc["series"].items():
@@ -132,6 +133,10 @@ def plot(doc: dict, png: Path) -> None:
         ax.plot(*zip(*pts), "--" if s["baseline"] else "-", marker="s" if s["baseline"] else "o", label=text)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 64, 0.5: not 2^6, 5x10^-1
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain)
     ax.set_xlabel(doc["xlabel"])
     ax.set_ylabel(doc["ylabel"])
     la, lb = doc["load_average_before"], doc["load_average_after"]
@@ -355,7 +360,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="few points at small sizes: a smoke run")
     ap.add_argument("--only", nargs="+", choices=CURVES, default=list(CURVES))
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNGs from the JSON in --out-dir")
     args = ap.parse_args()
+    if args.replot:
+        for name in args.only:
+            if (args.out_dir / f"{name}.json").exists():
+                plot(json.loads((args.out_dir / f"{name}.json").read_text()), args.out_dir / f"{name}.png")
+        return 0
     p = QUICK if args.quick else FULL
     workdir = Path(tempfile.mkdtemp(prefix="kvpilot-curves-"))
     eng = Engines() if {"throughput", "ttft"} & set(args.only) else None
