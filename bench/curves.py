@@ -121,7 +121,7 @@ def plot(doc: dict, png: Path) -> None:
 
     matplotlib.use("Agg")  # files only: no display
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for label, s in doc["series"].items():
@@ -133,10 +133,12 @@ def plot(doc: dict, png: Path) -> None:
         ax.plot(*zip(*pts), "--" if s["baseline"] else "-", marker="s" if s["baseline"] else "o", label=text)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 64, 0.5: not 2^6, 5x10^-1
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(plain)
-        axis.set_minor_formatter(plain)
+    # ticks at the sizes measured, labels as plain numbers (64, 0.5: not 2^6, 5x10^-1)
+    xs = sorted({x for s in doc["series"].values() for x in s["x"]})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
     ax.set_xlabel(doc["xlabel"])
     ax.set_ylabel(doc["ylabel"])
     la, lb = doc["load_average_before"], doc["load_average_after"]
