@@ -1,9 +1,10 @@
 """Router CPU cost: kvpilot's router against the real `sglang-router` (PyPI), on the same stub workers.
 
-Two stub workers (this file run with --worker: a raw asyncio HTTP/1.1 server, keep-alive) answer OpenAI
+`--workers` stub workers (2 by default; this file run with --worker: a raw asyncio HTTP/1.1 server,
+keep-alive, up to 8 ports in one process) answer OpenAI
 chat completions at once: a JSON reply with usage, or, for `"stream": true`, `--chunks` server-sent
 events sent one per write a little apart (as an engine emits tokens), then the usage event and [DONE].
-Each router in turn fronts both, round-robin (`kvpilot router --policy round-robin`, `sglang-router
+Each router in turn fronts all of them, round-robin (`kvpilot router --policy round-robin`, `sglang-router
 launch --policy round_robin`), and gets the same load from this process: N chats at concurrency C, then
 S streams of K chunks. What a router costs is the CPU seconds of its process over each phase (utime +
 stime of /proc/PID/stat, all its threads, children excluded): CPU per chat, and per streamed chunk (a
@@ -61,7 +62,7 @@ def _event(doc: dict) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
-async def _serve_worker(port: int, gap_s: float, chunks: int) -> None:
+async def _serve_worker(ports: list[int], gap_s: float, chunks: int) -> None:
     reply = _chat_reply()
     delta = _event(
         {
@@ -124,9 +125,8 @@ async def _serve_worker(port: int, gap_s: float, chunks: int) -> None:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
-    async with server:
-        await server.serve_forever()
+    servers = [await asyncio.start_server(handle, "127.0.0.1", p, backlog=1024) for p in ports]
+    await asyncio.gather(*(s.serve_forever() for s in servers))
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -240,9 +240,44 @@ def measure(name: str, proc: subprocess.Popen, url: str, args: argparse.Namespac
     return out
 
 
+def start_workers(n: int, args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """n stub workers, 8 ports to a process (a process each would cost 64 interpreters at 64 pods)."""
+    ports = [free_port() for _ in range(n)]
+    procs = []
+    for i in range(0, n, 8):
+        group = ports[i : i + 8]
+        argv = [sys.executable, __file__, "--worker", ",".join(map(str, group))]
+        argv += ["--chunk-gap-ms", str(args.chunk_gap_ms), "--chunks", str(args.chunks)]
+        log = tmp / f"worker-{group[0]}.log"
+        procs.append(benchkit.launch(argv, log, f"http://127.0.0.1:{group[-1]}", 60))
+    return procs, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def both_routers(args: argparse.Namespace, binary: str, tmp: Path) -> list[dict]:
+    """`args.repeats` rounds of kvpilot's router then sglang-router, each fronting `args.workers` stubs."""
+    worker_procs, workers = start_workers(args.workers, args, tmp)
+    runs = []
+    try:
+        for _ in range(args.repeats):
+            for name, start in (
+                ("kvpilot", lambda: start_kvpilot(workers, tmp)),
+                ("sglang-router", lambda: start_sglang(binary, workers, tmp)),
+            ):
+                proc, url = start()
+                try:
+                    runs.append(measure(name, proc, url, args) | {"workers": args.workers})
+                finally:
+                    benchkit.shutdown(proc)
+    finally:
+        for p in worker_procs:
+            benchkit.shutdown(p)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", metavar="PORT[,PORT...]", help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=2, help="stub workers behind each router (default 2)")
     ap.add_argument("--chats", type=int, default=1500)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--streams", type=int, default=120)
@@ -255,34 +290,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.worker:
-        asyncio.run(_serve_worker(args.worker, args.chunk_gap_ms / 1000, args.chunks))
+        ports = [int(p) for p in args.worker.split(",")]
+        asyncio.run(_serve_worker(ports, args.chunk_gap_ms / 1000, args.chunks))
         return
 
     load_before = os.getloadavg()
     binary = args.sglang_router or sglang_router_bin()
     tmp = Path(tempfile.mkdtemp(prefix="router-cost-"))
-    workers, worker_procs = [], []
-    for _ in range(2):
-        port = free_port()
-        argv = [sys.executable, __file__, "--worker", str(port), "--chunk-gap-ms", str(args.chunk_gap_ms)]
-        argv += ["--chunks", str(args.chunks)]
-        worker_procs.append(benchkit.launch(argv, tmp / f"worker-{port}.log", f"http://127.0.0.1:{port}", 60))
-        workers.append(f"http://127.0.0.1:{port}")
-    runs = []
-    try:
-        for _ in range(args.repeats):
-            for name, start in (
-                ("kvpilot", lambda: start_kvpilot(workers, tmp)),
-                ("sglang-router", lambda: start_sglang(binary, workers, tmp)),
-            ):
-                proc, url = start()
-                try:
-                    runs.append(measure(name, proc, url, args))
-                finally:
-                    benchkit.shutdown(proc)
-    finally:
-        for p in worker_procs:
-            benchkit.shutdown(p)
+    runs = both_routers(args, binary, tmp)
 
     def best(name: str, phase: str, key: str) -> float:
         return min(r[phase][key] for r in runs if r["router"] == name)  # the least noisy run

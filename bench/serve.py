@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import shutil
 import statistics
@@ -108,15 +107,6 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
 
 
 # ---- --vs-generate-batch ---------------------------------------------------------------------------
-def _engine_bench():  # noqa: ANN202 - bench/engine.py, for its load (bench/ is not a package)
-    spec = importlib.util.spec_from_file_location(
-        "bench_engine", Path(__file__).resolve().parent / "engine.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 async def _chat_load(url: str, model: str, questions: list[str], system: str, max_tokens: int) -> dict:
     import aiohttp
 
@@ -193,7 +183,7 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
 
     from kvpilot.daemon.engine.default_model import ensure_default_model
 
-    bench = _engine_bench()
+    bench = benchkit.bench_module(Path(__file__).with_name("engine.py"))  # its load
     questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]
     model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

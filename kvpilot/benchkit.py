@@ -6,6 +6,7 @@ import each other; what they share lives here, on kvpilot.devcluster.procs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +22,15 @@ from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
 
 if TYPE_CHECKING:  # the engine imports torch: only the benches that measure it load it
     from kvpilot.daemon.engine.engine import LLMEngine
+
+
+def bench_module(path: Path):  # noqa: ANN201 - a module
+    """The bench script at `path` (bench/NAME.py) loaded as a module, for a bench that reuses another one's
+    load or functions: bench/ is not a package (its scripts run as files)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def health(url: str) -> dict:
