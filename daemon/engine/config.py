@@ -103,6 +103,14 @@ class EngineConfig:
             unset='{"backend": "checkpoint"}',
         ),
     )
+    weight_staging_memory_bytes: int | None = field(
+        default=None,
+        metadata=flag(
+            "host memory one rank's staging copy of a weight update may take, in bytes (the parameters "
+            "an update touches, copied whole); beyond it /update_weights answers 507 and nothing changes",
+            unset="what the host and its cgroup have free",
+        ),
+    )
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
@@ -134,6 +142,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:
+            raise ValueError("weight_staging_memory_bytes must be positive")
         if self.weight_transfer_config is not None:
             from kvpilot.daemon.engine.weight_stage import transfer_backend
 

@@ -80,11 +80,13 @@ class WeightStage:
     live parameters' names, shapes and dtypes (fixed) and copies their values once, when an update first
     touches a fused parameter."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, max_bytes: int | None = None) -> None:
         self.model = model
         self.live = dict(model.named_parameters())
         self.staged: dict[str, torch.Tensor] = {}
         self.received = 0
+        self.max_bytes = max_bytes  # --weight-staging-memory-bytes: the operator's cap on the host copy
+        self.bytes = 0  # host memory the staged copies take
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         slot = self._slot(name)
@@ -132,8 +134,16 @@ class WeightStage:
     def _host_copy(self, pname: str, whole: bool) -> torch.Tensor:
         live = self.live[pname]
         need = live.numel() * live.element_size()
+        if self.max_bytes is not None and self.bytes + need > self.max_bytes:
+            raise WeightError(
+                507,
+                f"staging {pname!r} ({need} bytes) would take the staging copy to {self.bytes + need} bytes, "
+                f"above --weight-staging-memory-bytes {self.max_bytes}",
+                pname,
+            )
         if need + HEADROOM_BYTES > host_memory_available():
             raise WeightError(507, f"not enough host memory to stage {pname!r} ({need} bytes)", pname)
+        self.bytes += need
         if whole:
             return torch.empty(live.shape, dtype=live.dtype)
         return live.detach().to("cpu", copy=True)  # a fused parameter: the slices not sent stay

@@ -150,7 +150,9 @@ class WeightControl:
         with self._lock:
             if self._stage is not None:
                 raise WeightError(409, "a weight update is already started: finish or abort it first")
-            self._stage = WeightStage(self.engine.runner.model)
+            self._stage = WeightStage(
+                self.engine.runner.model, self.engine.config.weight_staging_memory_bytes
+            )
             self._staged_digest = None
         return [], {"started": True}
 
