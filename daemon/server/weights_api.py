@@ -147,7 +147,13 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
     info = body.get("update_info")
     if not isinstance(info, dict):
         raise ApiError(400, "update_info must be an object", "update_info")
-    ranks = await call(state, "update", {"update_info": info}, "update")
+    try:
+        ranks = await call(state, "update", {"update_info": info}, "update")
+    except WeightFailure:
+        # A refused update leaves no stage on any rank: those that staged must not keep theirs open
+        # (the next start would meet it), and a rank that refused has dropped its own already.
+        await _drop(state)
+        raise
     digests = {r["staged_digest"] for r in ranks}
     if len(digests) != 1:
         await _drop(state)
