@@ -99,7 +99,8 @@ class EngineConfig:
         default=None,
         metadata=flag(
             'how weight updates arrive, as vLLM\'s JSON: {"backend": "checkpoint"} (a Hugging Face '
-            'checkpoint directory per update) or {"backend": "gloo"} (a trainer\'s torch.distributed group)',
+            'checkpoint directory per update), {"backend": "gloo"} (a trainer\'s torch.distributed group) '
+            'or {"backend": "nccl"} (the same on CUDA tensors)',
             unset='{"backend": "checkpoint"}',
         ),
     )
@@ -147,7 +148,7 @@ class EngineConfig:
         if self.weight_transfer_config is not None:
             from kvpilot.daemon.engine.weight_stage import transfer_backend
 
-            transfer_backend(self.weight_transfer_config)
+            transfer_backend(self.weight_transfer_config, str(self.torch_device()))
         if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size

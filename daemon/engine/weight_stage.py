@@ -149,12 +149,12 @@ class WeightStage:
         return live.detach().to("cpu", copy=True)  # a fused parameter: the slices not sent stay
 
 
-TRANSFER_BACKENDS = ("checkpoint", "gloo")
+TRANSFER_BACKENDS = ("checkpoint", "gloo", "nccl")
 
 
-def transfer_backend(config_json: str | None) -> str:
+def transfer_backend(config_json: str | None, device: str | None = None) -> str:
     """The backend `--weight-transfer-config` names (vLLM's JSON form); ValueError when it is not one
-    this daemon has."""
+    this daemon has, or (given the engine's `device`) it cannot run there: nccl moves CUDA tensors."""
     import json
 
     if not config_json:
@@ -169,4 +169,14 @@ def transfer_backend(config_json: str | None) -> str:
             f"--weight-transfer-config backend {backend!r} is not available; this daemon has "
             + ", ".join(TRANSFER_BACKENDS)
         )
+    if backend == "nccl" and device is not None:
+        import torch.distributed as dist
+
+        if device != "cuda" and not device.startswith("cuda:"):
+            raise ValueError(
+                f'--weight-transfer-config backend "nccl" needs a CUDA device; this engine runs on {device} '
+                '(on the CPU use {"backend": "gloo"}, its CPU twin)'
+            )
+        if not dist.is_nccl_available():
+            raise ValueError('--weight-transfer-config backend "nccl": this torch has no NCCL')
     return backend

@@ -193,21 +193,22 @@ class WeightControl:
             return error_reply(err)
 
     def _init_transfer(self, args: dict) -> dict:
-        """Join the trainer's group (blocks until every member has joined)."""
+        """Join the trainer's group (gloo: blocks until every member has joined)."""
         from kvpilot.daemon.engine.weight_stage import transfer_backend
 
-        backend = transfer_backend(self.engine.config.weight_transfer_config)
-        if backend == "gloo":
-            from kvpilot.daemon.engine.weight_gloo import GlooReceiver
+        config = self.engine.config
+        backend = transfer_backend(config.weight_transfer_config)
+        if backend in ("gloo", "nccl"):
+            from kvpilot.daemon.engine.weight_group import GroupReceiver
 
             try:
-                self._receiver = GlooReceiver(
-                    args.get("init_info") or {}, self.engine.config.data_parallel_rank
+                self._receiver = GroupReceiver(
+                    args.get("init_info") or {}, config.data_parallel_rank, backend, config.torch_device()
                 )
             except WeightError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a trainer that never came, a refused connection
-                raise WeightError(500, f"joining the trainer's gloo group failed: {exc}") from None
+                raise WeightError(500, f"joining the trainer's {backend} group failed: {exc}") from None
         return {"backend": backend}
 
     def _op_shutdown_transfer(self, args: dict, on_reply: Callable) -> tuple[list, dict]:
