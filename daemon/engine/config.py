@@ -143,6 +143,14 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.weight_version is not None:
+            from kvpilot.daemon.engine.weights import RESERVED_VERSIONS
+
+            if not self.weight_version or self.weight_version in RESERVED_VERSIONS:
+                raise ValueError(
+                    f"weight_version {self.weight_version!r} is reserved (the daemon reports 'initial' for "
+                    "weights loaded unnamed, 'mixed' for ranks that differ): name the weights otherwise"
+                )
         if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:
             raise ValueError("weight_staging_memory_bytes must be positive")
         if self.weight_transfer_config is not None:

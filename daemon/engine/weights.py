@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 INITIAL_VERSION = "initial"  # the version of weights loaded without --weight-version
+MIXED_VERSION = "mixed"  # what /weight_info says when the ranks serve different versions
+RESERVED_VERSIONS = frozenset({INITIAL_VERSION, MIXED_VERSION})  # no caller may name weights so
 OFF_THREAD_OPS = frozenset({"update", "info", "init_transfer"})
 
 

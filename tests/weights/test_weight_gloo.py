@@ -37,6 +37,8 @@ def test_a_trainer_broadcasts_new_weights(
     gloo_daemon: Server, original_checkpoint: Path, changed_checkpoint: Path
 ) -> None:
     srv = gloo_daemon
+    health = srv.request("GET", "/health").json()  # loaded without --weight-version, never updated
+    assert health["weight_version"] == "initial" and health["digest"] is None, health
     staged = trainer_broadcast(srv, changed_checkpoint, "gloo-1")
 
     ids = prompt_ids(original_checkpoint)
