@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvpilot.benchkit import changed_checkpoint as changed_checkpoint_of
-from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, complete, prompt_ids, trainer_broadcast, update
+from support.servers import Server
+from support.weights import admin, complete, prompt_ids, trainer_broadcast, update, weights_daemon
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.device_count() < 2,
@@ -32,19 +32,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def nccl_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("weights-nccl"),
-        "--device",
-        "cuda:1",
-        "--dtype",
-        "float32",
-        "--weight-transfer-config",
-        '{"backend": "nccl"}',
-        token=ADMIN_TOKEN,
-    )
-    yield srv
-    stop_server(srv)
-    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+    flags = ("--device", "cuda:1", "--dtype", "float32", "--weight-transfer-config", '{"backend": "nccl"}')
+    with weights_daemon(tmp_path_factory.mktemp("weights-nccl"), *flags) as srv:
+        yield srv
 
 
 def test_a_trainer_broadcasts_new_weights_over_nccl(

@@ -3,10 +3,12 @@ update through the daemon's vLLM routes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
-from support.servers import Server
+from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
 
 # Two full KV blocks and a bit, so a repeat hits the prefix cache.
 PROMPT = "The weather report for the coast says that tomorrow the wind will turn to the north and bring"
@@ -125,3 +127,24 @@ def trainer_broadcast(server: Server, checkpoint: Path, version: str, backend: s
     admin(server, "POST", "/finish_weight_update", {"weight_version": version})
     admin(server, "POST", "/shutdown_weight_transfer_engine")
     return staged[0]
+
+
+@contextlib.contextmanager
+def weights_daemon(tmp: Path, *flags: str) -> Iterator[Server]:
+    """A daemon with the admin token and `flags`, stopped afterwards; its log must hold no traceback."""
+    srv = start_server(tmp, *flags, token=ADMIN_TOKEN)
+    yield srv
+    stop_server(srv)
+    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+
+
+def refused_at_start(*flags: str) -> str:
+    """`kvpilot serve FLAGS` must refuse to start (exit 2, before loading anything); returns its stderr."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "kvpilot", "serve", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    return r.stderr

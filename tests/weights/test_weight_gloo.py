@@ -7,30 +7,32 @@ here, nccl is refused at start (no CUDA)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, complete, greedy, prompt_ids, tokenizer, trainer_broadcast
+from support.servers import Server
+from support.weights import (
+    admin,
+    complete,
+    greedy,
+    prompt_ids,
+    refused_at_start,
+    tokenizer,
+    trainer_broadcast,
+    weights_daemon,
+)
 
 TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def gloo_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("weights-gloo"),
-        "--weight-transfer-config",
-        '{"backend": "gloo"}',
-        token=ADMIN_TOKEN,
-    )
-    yield srv
-    stop_server(srv)
-    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+    with weights_daemon(
+        tmp_path_factory.mktemp("weights-gloo"), "--weight-transfer-config", '{"backend": "gloo"}'
+    ) as srv:
+        yield srv
 
 
 def test_a_trainer_broadcasts_new_weights(
@@ -54,20 +56,5 @@ def test_a_trainer_broadcasts_new_weights(
 
 
 def test_nccl_without_cuda_is_refused_at_start() -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvpilot",
-            "serve",
-            "--device",
-            "cpu",
-            "--weight-transfer-config",
-            '{"backend": "nccl"}',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert '"nccl" needs a CUDA device' in r.stderr and "gloo" in r.stderr, r.stderr[-2000:]
+    stderr = refused_at_start("--device", "cpu", "--weight-transfer-config", '{"backend": "nccl"}')
+    assert '"nccl" needs a CUDA device' in stderr and "gloo" in stderr, stderr[-2000:]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, complete, greedy, prompt_ids, tokenizer
+from support.servers import Server
+from support.weights import admin, complete, greedy, prompt_ids, refused_at_start, tokenizer, weights_daemon
 
 TOKENS = 6
 CAP = 8_000_000
@@ -20,17 +20,9 @@ SMALL = "model.layers.3.mlp.down_proj.weight"  # 576 x 1536 float32: 3.5 MB
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("weights-507"),
-        "--weight-version",
-        "v1",
-        "--weight-staging-memory-bytes",
-        str(CAP),
-        token=ADMIN_TOKEN,
-    )
-    yield srv
-    stop_server(srv)
-    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+    flags = ("--weight-version", "v1", "--weight-staging-memory-bytes", str(CAP))
+    with weights_daemon(tmp_path_factory.mktemp("weights-507"), *flags) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +71,5 @@ def test_a_stage_beyond_the_cap_is_507_and_changes_nothing(
     assert srv.request("GET", "/health").json()["status"] == "ok"
 
 
-def test_the_cap_must_be_positive(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [sys.executable, "-m", "kvpilot", "serve", "--weight-staging-memory-bytes", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2 and "weight-staging-memory-bytes" in r.stderr, r.stderr[-2000:]
+def test_the_cap_must_be_positive() -> None:
+    assert "weight-staging-memory-bytes" in refused_at_start("--weight-staging-memory-bytes", "0")

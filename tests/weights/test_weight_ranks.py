@@ -21,31 +21,18 @@ from pathlib import Path
 import pytest
 
 from support.procs import wait_for
-from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, prompt_ids
+from support.servers import Server
+from support.weights import admin, prompt_ids, weights_daemon
 
 LONG_PROMPT = 2000  # tokens: a prefill step (2048 tokens) of rank 1 takes seconds on its CPU share
-
-
-def _dp_daemon(tmp: Path) -> Server:
-    return start_server(
-        tmp,
-        "--data-parallel-size",
-        "2",
-        "--weight-version",
-        "v1",
-        "--max-model-len",
-        "2048",
-        token=ADMIN_TOKEN,
-    )
 
 
 @pytest.fixture
 def dp_daemon(tmp_path: Path) -> Iterator[Server]:
     """A daemon of its own per test: each test kills one of its ranks."""
-    srv = _dp_daemon(tmp_path)
-    yield srv
-    stop_server(srv)
+    flags = ("--data-parallel-size", "2", "--weight-version", "v1", "--max-model-len", "2048")
+    with weights_daemon(tmp_path, *flags) as srv:
+        yield srv
 
 
 def _rank_pid(srv: Server, rank: int) -> int:

@@ -9,7 +9,7 @@ import msgpack
 import zmq
 
 from support.servers import Server
-from support.weights import admin, complete, greedy, prompt_ids, stage_incompatible, update
+from support.weights import admin, complete, greedy, prompt_ids, refused_at_start, stage_incompatible, update
 
 TOKENS = 6
 
@@ -180,9 +180,6 @@ def test_pause_holds_new_requests_until_resume(quiet: Server, original_checkpoin
 def test_the_names_the_daemon_reports_are_reserved(quiet: Server) -> None:
     """`initial` (weights loaded unnamed: /health's weight_version, not in the block keys, where vLLM says
     "default") and `mixed` are what the daemon reports itself, so no caller may name weights so."""
-    import subprocess
-    import sys
-
     srv = quiet
     for path, field in [
         ("/finish_weight_update", "weight_version"),
@@ -199,10 +196,4 @@ def test_the_names_the_daemon_reports_are_reserved(quiet: Server) -> None:
     )
     assert r.status == 400 and "reserved" in r.json()["error"]["message"], r.body
     assert srv.request("GET", "/health").json()["weight_version"] not in ("initial", "mixed")
-    cli = subprocess.run(
-        [sys.executable, "-m", "kvpilot", "serve", "--weight-version", "initial"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert cli.returncode == 2 and "reserved" in cli.stderr, cli.stderr[-2000:]
+    assert "reserved" in refused_at_start("--weight-version", "initial")
