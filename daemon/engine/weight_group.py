@@ -20,12 +20,15 @@ blocked in a broadcast nobody receives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 
 from kvpilot.daemon.engine.weight_stage import WeightError
+
+log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT = timedelta(seconds=300)
 STORE_PREFIX = "kvpilot-weights"
@@ -89,4 +92,10 @@ class GroupReceiver:
         return t.cpu() if t.is_cuda else t
 
     def close(self) -> None:
-        self.group = None
+        group, self.group = self.group, None
+        if group is not None and self.device.type == "cuda":
+            # NCCL's communicators hold GPU memory and threads until shut down; gloo's go with the object.
+            try:
+                group.shutdown()
+            except RuntimeError as exc:
+                log.warning("leaving the trainer's nccl group: %s", exc)
