@@ -126,6 +126,8 @@ def trainer_broadcast(server: Server, checkpoint: Path, version: str, backend: s
     assert staged and staged[0]["staged_digest"].startswith("sha256:"), staged
     admin(server, "POST", "/finish_weight_update", {"weight_version": version})
     admin(server, "POST", "/shutdown_weight_transfer_engine")
+    if backend == "nccl":
+        group.shutdown()  # its communicator's GPU memory and threads
     return staged[0]
 
 
