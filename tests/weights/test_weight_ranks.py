@@ -30,7 +30,17 @@ LONG_PROMPT = 2000  # tokens: a prefill step (2048 tokens) of rank 1 takes secon
 @pytest.fixture
 def dp_daemon(tmp_path: Path) -> Iterator[Server]:
     """A daemon of its own per test: each test kills one of its ranks."""
-    flags = ("--data-parallel-size", "2", "--weight-version", "v1", "--max-model-len", "2048")
+    # One torch thread per rank, whatever the machine: a 2048-token prefill step then takes seconds.
+    flags = (
+        "--data-parallel-size",
+        "2",
+        "--weight-version",
+        "v1",
+        "--max-model-len",
+        "2048",
+        "--cpu-threads",
+        "1",
+    )
     with weights_daemon(tmp_path, *flags) as srv:
         yield srv
 
