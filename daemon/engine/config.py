@@ -99,8 +99,17 @@ class EngineConfig:
         default=None,
         metadata=flag(
             'how weight updates arrive, as vLLM\'s JSON: {"backend": "checkpoint"} (a Hugging Face '
-            'checkpoint directory per update) or {"backend": "gloo"} (a trainer\'s torch.distributed group)',
+            'checkpoint directory per update), {"backend": "gloo"} (a trainer\'s torch.distributed group) '
+            'or {"backend": "nccl"} (the same on CUDA tensors)',
             unset='{"backend": "checkpoint"}',
+        ),
+    )
+    weight_staging_memory_bytes: int | None = field(
+        default=None,
+        metadata=flag(
+            "host memory one rank's staging copy of a weight update may take, in bytes (the parameters "
+            "an update touches, copied whole); beyond it /update_weights answers 507 and nothing changes",
+            unset="what the host and its cgroup have free",
         ),
     )
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
@@ -134,10 +143,20 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.weight_version is not None:
+            from kvpilot.daemon.engine.weights import RESERVED_VERSIONS
+
+            if not self.weight_version or self.weight_version in RESERVED_VERSIONS:
+                raise ValueError(
+                    f"weight_version {self.weight_version!r} is reserved (the daemon reports 'initial' for "
+                    "weights loaded unnamed, 'mixed' for ranks that differ): name the weights otherwise"
+                )
+        if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:
+            raise ValueError("weight_staging_memory_bytes must be positive")
         if self.weight_transfer_config is not None:
             from kvpilot.daemon.engine.weight_stage import transfer_backend
 
-            transfer_backend(self.weight_transfer_config)
+            transfer_backend(self.weight_transfer_config, str(self.torch_device()))
         if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size

@@ -80,11 +80,13 @@ class WeightStage:
     live parameters' names, shapes and dtypes (fixed) and copies their values once, when an update first
     touches a fused parameter."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, max_bytes: int | None = None) -> None:
         self.model = model
         self.live = dict(model.named_parameters())
         self.staged: dict[str, torch.Tensor] = {}
         self.received = 0
+        self.max_bytes = max_bytes  # --weight-staging-memory-bytes: the operator's cap on the host copy
+        self.bytes = 0  # host memory the staged copies take
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         slot = self._slot(name)
@@ -132,19 +134,27 @@ class WeightStage:
     def _host_copy(self, pname: str, whole: bool) -> torch.Tensor:
         live = self.live[pname]
         need = live.numel() * live.element_size()
+        if self.max_bytes is not None and self.bytes + need > self.max_bytes:
+            raise WeightError(
+                507,
+                f"staging {pname!r} ({need} bytes) would take the staging copy to {self.bytes + need} bytes, "
+                f"above --weight-staging-memory-bytes {self.max_bytes}",
+                pname,
+            )
         if need + HEADROOM_BYTES > host_memory_available():
             raise WeightError(507, f"not enough host memory to stage {pname!r} ({need} bytes)", pname)
+        self.bytes += need
         if whole:
             return torch.empty(live.shape, dtype=live.dtype)
         return live.detach().to("cpu", copy=True)  # a fused parameter: the slices not sent stay
 
 
-TRANSFER_BACKENDS = ("checkpoint", "gloo")
+TRANSFER_BACKENDS = ("checkpoint", "gloo", "nccl")
 
 
-def transfer_backend(config_json: str | None) -> str:
+def transfer_backend(config_json: str | None, device: str | None = None) -> str:
     """The backend `--weight-transfer-config` names (vLLM's JSON form); ValueError when it is not one
-    this daemon has."""
+    this daemon has, or (given the engine's `device`) it cannot run there: nccl moves CUDA tensors."""
     import json
 
     if not config_json:
@@ -159,4 +169,14 @@ def transfer_backend(config_json: str | None) -> str:
             f"--weight-transfer-config backend {backend!r} is not available; this daemon has "
             + ", ".join(TRANSFER_BACKENDS)
         )
+    if backend == "nccl" and device is not None:
+        import torch.distributed as dist
+
+        if device != "cuda" and not device.startswith("cuda:"):
+            raise ValueError(
+                f'--weight-transfer-config backend "nccl" needs a CUDA device; this engine runs on {device} '
+                '(on the CPU use {"backend": "gloo"}, its CPU twin)'
+            )
+        if not dist.is_nccl_available():
+            raise ValueError('--weight-transfer-config backend "nccl": this torch has no NCCL')
     return backend

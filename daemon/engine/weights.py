@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 INITIAL_VERSION = "initial"  # the version of weights loaded without --weight-version
+MIXED_VERSION = "mixed"  # what /weight_info says when the ranks serve different versions
+RESERVED_VERSIONS = frozenset({INITIAL_VERSION, MIXED_VERSION})  # no caller may name weights so
 OFF_THREAD_OPS = frozenset({"update", "info", "init_transfer"})
 
 
@@ -150,7 +152,9 @@ class WeightControl:
         with self._lock:
             if self._stage is not None:
                 raise WeightError(409, "a weight update is already started: finish or abort it first")
-            self._stage = WeightStage(self.engine.runner.model)
+            self._stage = WeightStage(
+                self.engine.runner.model, self.engine.config.weight_staging_memory_bytes
+            )
             self._staged_digest = None
         return [], {"started": True}
 
@@ -191,21 +195,22 @@ class WeightControl:
             return error_reply(err)
 
     def _init_transfer(self, args: dict) -> dict:
-        """Join the trainer's group (blocks until every member has joined)."""
+        """Join the trainer's group (gloo: blocks until every member has joined)."""
         from kvpilot.daemon.engine.weight_stage import transfer_backend
 
-        backend = transfer_backend(self.engine.config.weight_transfer_config)
-        if backend == "gloo":
-            from kvpilot.daemon.engine.weight_gloo import GlooReceiver
+        config = self.engine.config
+        backend = transfer_backend(config.weight_transfer_config)
+        if backend in ("gloo", "nccl"):
+            from kvpilot.daemon.engine.weight_group import GroupReceiver
 
             try:
-                self._receiver = GlooReceiver(
-                    args.get("init_info") or {}, self.engine.config.data_parallel_rank
+                self._receiver = GroupReceiver(
+                    args.get("init_info") or {}, config.data_parallel_rank, backend, config.torch_device()
                 )
             except WeightError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a trainer that never came, a refused connection
-                raise WeightError(500, f"joining the trainer's gloo group failed: {exc}") from None
+                raise WeightError(500, f"joining the trainer's {backend} group failed: {exc}") from None
         return {"backend": backend}
 
     def _op_shutdown_transfer(self, args: dict, on_reply: Callable) -> tuple[list, dict]:

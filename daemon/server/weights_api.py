@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineDeadError
+from kvpilot.daemon.engine.weights import MIXED_VERSION, RESERVED_VERSIONS
 from kvpilot.daemon.server.app_state import STATE, ServerState
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.errors import ApiError
@@ -147,7 +148,13 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
     info = body.get("update_info")
     if not isinstance(info, dict):
         raise ApiError(400, "update_info must be an object", "update_info")
-    ranks = await call(state, "update", {"update_info": info}, "update")
+    try:
+        ranks = await call(state, "update", {"update_info": info}, "update")
+    except WeightFailure:
+        # A refused update leaves no stage on any rank: those that staged must not keep theirs open
+        # (the next start would meet it), and a rank that refused has dropped its own already.
+        await _drop(state)
+        raise
     digests = {r["staged_digest"] for r in ranks}
     if len(digests) != 1:
         await _drop(state)
@@ -157,8 +164,8 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
 
 async def finish_update(request: web.Request, state: ServerState, body: dict) -> dict:
     version = body.get("weight_version")
-    if version is not None and (not isinstance(version, str) or not version):
-        raise ApiError(400, "weight_version must be a non-empty string", "weight_version")
+    if version is not None:
+        version = _new_version(version, "weight_version")
     ranks = await _commit(state, version)
     return {"message": "Weight update finished", **_served(state), "ranks": ranks}
 
@@ -169,9 +176,7 @@ async def abort_update(request: web.Request, state: ServerState, body: dict) -> 
 
 
 async def update_version(request: web.Request, state: ServerState, body: dict) -> dict:
-    version = body.get("new_version")
-    if not isinstance(version, str) or not version:
-        raise ApiError(400, "new_version must be a non-empty string", "new_version")
+    version = _new_version(body.get("new_version"), "new_version")
     ranks = await call(state, "set_version", {"version": version})
     _serving(state, ranks)
     return {"success": True, "new_version": version}
@@ -182,7 +187,7 @@ async def weight_info(request: web.Request, state: ServerState, body: dict) -> d
     _serving(state, ranks)
     versions = {r["weight_version"] for r in ranks}
     return {
-        "weight_version": versions.pop() if len(versions) == 1 else "mixed",
+        "weight_version": versions.pop() if len(versions) == 1 else MIXED_VERSION,
         "digest": ranks[0]["digest"],
         "paused": state.weights.paused is not None,
         "ranks": ranks,
@@ -202,6 +207,8 @@ async def update_from_disk(request: web.Request, state: ServerState, body: dict)
     if not isinstance(path, str) or not path:
         raise ApiError(400, "model_path must name a checkpoint directory", "model_path")
     version = body.get("weight_version")
+    if version is not None and version != "":
+        version = _new_version(version, "weight_version")
     paused_here = bool(body.get("abort_all_requests")) and state.weights.paused is None
     if paused_here:
         await pause_mode(state, "abort")
@@ -264,6 +271,17 @@ async def _drop(state: ServerState) -> None:
         await state.engine.weight_call("abort_update", {}, state.settings.weight_update_timeout)
     except EngineDeadError:
         pass
+
+
+def _new_version(value: object, field: str) -> str:
+    """A version a caller names: a non-empty string, and not one of the names the daemon itself reports
+    (`initial`: weights loaded unnamed, whose block keys carry no version; `mixed`: ranks that differ), so
+    those always mean what they say."""
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{field} must be a non-empty string", field)
+    if value in RESERVED_VERSIONS:
+        raise ApiError(400, f"{field} {value!r} is reserved: the daemon reports it itself", field)
+    return value
 
 
 def _serving(state: ServerState, ranks: list[dict]) -> None:

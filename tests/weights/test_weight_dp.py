@@ -9,25 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
-from support.weights import admin, greedy, prompt_ids, stage_incompatible, tokenizer, update
+from support.servers import Server
+from support.weights import admin, greedy, prompt_ids, stage_incompatible, tokenizer, update, weights_daemon
 
 TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def dp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        tmp_path_factory.mktemp("weights-dp"),
-        "--data-parallel-size",
-        "2",
-        "--weight-version",
-        "v1",
-        token=ADMIN_TOKEN,
-    )
-    yield srv
-    stop_server(srv)
-    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+    flags = ("--data-parallel-size", "2", "--weight-version", "v1")
+    with weights_daemon(tmp_path_factory.mktemp("weights-dp"), *flags) as srv:
+        yield srv
 
 
 def _on_rank(srv: Server, ids: list[int], rank: int) -> dict:

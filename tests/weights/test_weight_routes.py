@@ -9,7 +9,7 @@ import msgpack
 import zmq
 
 from support.servers import Server
-from support.weights import admin, complete, greedy, prompt_ids, stage_incompatible, update
+from support.weights import admin, complete, greedy, prompt_ids, refused_at_start, stage_incompatible, update
 
 TOKENS = 6
 
@@ -175,3 +175,25 @@ def test_pause_holds_new_requests_until_resume(quiet: Server, original_checkpoin
     admin(srv, "POST", "/resume")
     t.join(120)
     assert got and got[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_names_the_daemon_reports_are_reserved(quiet: Server) -> None:
+    """`initial` (weights loaded unnamed: /health's weight_version, not in the block keys, where vLLM says
+    "default") and `mixed` are what the daemon reports itself, so no caller may name weights so."""
+    srv = quiet
+    for path, field in [
+        ("/finish_weight_update", "weight_version"),
+        ("/update_weight_version", "new_version"),
+    ]:
+        for name in ("initial", "mixed"):
+            r = admin(srv, "POST", path, {field: name}, expect=400)
+            assert "reserved" in r["error"]["message"] and r["error"]["param"] == field, r
+    r = srv.request(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": "/x", "weight_version": "initial"},
+        headers=srv.admin(),
+    )
+    assert r.status == 400 and "reserved" in r.json()["error"]["message"], r.body
+    assert srv.request("GET", "/health").json()["weight_version"] not in ("initial", "mixed")
+    assert "reserved" in refused_at_start("--weight-version", "initial")
