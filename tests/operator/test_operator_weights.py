@@ -158,6 +158,7 @@ def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProc
     bad = [
         ({**good, "modelPath": "relative/dir"}, "absolute path"),
         ({**good, "version": "mixed"}, "not 'mixed'"),
+        ({**good, "version": "initial"}, "'initial'"),  # the daemons' name for unnamed weights
         ({**good, "strategy": "Sideways"}, "Unsupported value"),
         ({**good, "maxUnavailable": 2}, "maxUnavailable is for the Rolling strategy"),
         ({k: v for k, v in good.items() if k != "version"}, "version: Required value"),
