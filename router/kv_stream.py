@@ -150,6 +150,9 @@ class PodEventStream:
         self.health_version: Version = weight_version
         self._weight_version: Version = weight_version
         self._disagreed = False  # the last /health named another version than the events
+        # The pod is not ready: its entries are gone and nothing is applied (not even from replay, which
+        # the idle check would otherwise do within a second) until it is back (`hold`, `release`).
+        self.held = False
         self.synced = asyncio.Event()  # set once the initial replay is applied
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
@@ -218,9 +221,21 @@ class PodEventStream:
         self.last_seq = -1
         self.weight_version = self.health_version  # the pod may have restarted on other weights
 
+    def hold(self, why: str) -> None:
+        """The pod stopped being ready: forget its entries and apply nothing until `release`."""
+        if not self.held:
+            self.restart(why)
+            self.held = True
+
+    def release(self) -> None:
+        """The pod is ready again: its entries are rebuilt from replay (the next message or idle check)."""
+        self.held = False
+
     async def on_message(self, seq: int, payload: bytes) -> None:
         """A live batch. Batches the pod sent before it are applied first (from replay)."""
         self._count(self.pod, "received", 1)
+        if self.held:
+            return
         if seq <= self.last_seq:
             return  # already applied through replay
         if seq > self.last_seq + 1:
@@ -243,6 +258,8 @@ class PodEventStream:
     async def catch_up(self, until: int | None = None) -> bool:
         """Apply buffered batches after `last_seq` (up to `until`, exclusive) from the replay socket.
         Without `until`, that is every batch the pod had sent when it answered. False if it did not."""
+        if self.held:
+            return True  # nothing is applied while the pod is not ready: nothing to catch up on
         if self.replay_endpoint is None:
             return False
         try:

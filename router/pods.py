@@ -206,9 +206,11 @@ class Fleet:
         """One probe of the pod; returns the event streams it started (the first time events are on)."""
         pod.ready = await self._healthy(pod)
         self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
-        if not pod.ready and self.index.blocks_of(pod.holders()):
-            for stream in pod.streams:
-                stream.restart("the pod is not ready")
+        for stream in pod.streams:
+            if pod.ready:
+                stream.release()
+            else:
+                stream.hold("the pod is not ready")
         started = []
         if pod.ready and pod.kv_events == "pending":
             started = await self._follow_events(pod)

@@ -308,7 +308,8 @@ def test_a_pod_that_turns_unready_loses_its_entries_until_it_is_back(tmp_path: P
         wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 6, 30, "the pod's blocks indexed")
         pod.health_status = 503
         wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 0, 30, "its entries dropped")
-        assert not router.pod(pod.name)["ready"]
+        time.sleep(3)  # a few idle checks of its stream (1 s each): none may rebuild them from replay
+        assert router.pod(pod.name)["indexed_blocks"] == 0 and not router.pod(pod.name)["ready"]
         pod.health_status = 200
         wait_for(lambda: router.pod(pod.name)["indexed_blocks"] == 6, 30, "its entries rebuilt from replay")
     finally:
