@@ -81,7 +81,7 @@ class TorchBound:
         ids = torch.tensor([x[p:] + [x[-1]] * (width - n) for x, n in zip(prompts, lens)])
         pos = torch.arange(p, p + width).expand(rows, width)
         first = self._forward(ids, pos, prefix, tail, torch.zeros(rows, dtype=torch.int64), lens)
-        out: list[list[int]] = [[t] for t in first.argmax(-1).tolist()]
+        out: list[list[int]] = [[t] for t in first.max(-1).indices.tolist()]
         active = [r for r in range(rows) if not self._done(out[r], max_tokens)]
         prefill_s = time.perf_counter() - start
         steps = []
@@ -92,7 +92,7 @@ class TorchBound:
             logits = self._forward(
                 ids, pos, prefix, tail, torch.tensor([lens[r] for r in active]), [1] * len(active)
             )
-            for r, t in zip(active, logits.argmax(-1).tolist()):
+            for r, t in zip(active, logits.max(-1).indices.tolist()):  # greedy: argmax, at less CPU
                 out[r].append(t)
                 lens[r] += 1
             keep = [i for i, r in enumerate(active) if not self._done(out[r], max_tokens)]
