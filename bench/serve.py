@@ -313,15 +313,7 @@ def _engine_load(engine, spent: dict[str, float], prompts: list[list[int]], max_
     phases["model"] -= phases["step tensors"] + phases["attention plan"]  # both run inside it
     phases["rest of step"] = phases["step"] - sum(v for k, v in phases.items() if k != "step")
     phases["outside step"] = wall - phases.pop("step")
-    tokens = sum(len(o) for o in out)
-    return {
-        "seconds": wall,
-        "output_tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "completion_tokens": [len(o) for o in out],
-        "token_ids": out,
-        "phase_seconds": phases,
-    }
+    return {**_bench_module("torch_bound").completion_figures(out, wall), "phase_seconds": phases}
 
 
 def _daemon_pid() -> int:

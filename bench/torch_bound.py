@@ -101,14 +101,8 @@ class TorchBound:
                 tail = [(k.index_select(0, index), v.index_select(0, index)) for k, v in tail]
                 active = [active[i] for i in keep]
             steps.append(time.perf_counter() - t0)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o) for o in out)
         return {
-            "seconds": seconds,
-            "output_tokens": tokens,
-            "tokens_per_s": tokens / seconds,
-            "completion_tokens": [len(o) for o in out],
-            "token_ids": out,
+            **completion_figures(out, time.perf_counter() - start),
             "prefill_seconds": prefill_s,
             "decode_steps": len(steps),
             "decode_step_ms": statistics.median(steps) * 1e3 if steps else None,
@@ -202,6 +196,18 @@ class TorchBound:
         bias = torch.zeros(seen.shape[0], n, 1, plen + width)
         bias[..., plen:].masked_fill_(~seen[:, :, None], float("-inf"))
         return bias
+
+
+def completion_figures(token_ids: list[list[int]], seconds: float) -> dict:
+    """What every side of `bench/serve.py --vs-bound` reports of its completions."""
+    tokens = sum(len(t) for t in token_ids)
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "completion_tokens": [len(t) for t in token_ids],
+        "token_ids": token_ids,
+    }
 
 
 def _common_prefix(prompts: list[list[int]]) -> int:
