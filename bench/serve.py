@@ -12,6 +12,7 @@ skipped is recorded. Results go to `bench/results/serve-<time>.json`.
     .venv/bin/python bench/serve.py --concurrency 1 8 32 64 --max-tokens 128 --rounds 4   # bigger
     .venv/bin/python bench/serve.py --url http://host:8000 # an already running daemon
     .venv/bin/python bench/serve.py --vs-generate-batch    # bench/engine.py's load over HTTP, see below
+    .venv/bin/python bench/serve.py --vs-bound             # the same load against the torch decode bound
 
 `--vs-generate-batch`: bench/engine.py's shared-prefix load (16 chat requests sharing a ~295-token system
 prompt) sent at once as chat completions that stop at EOS (`--max-tokens` caps them, 64 by default here),
@@ -20,6 +21,14 @@ same EOS, in this process and with the daemon's thread count. Runs alternate bet
 each); the daemon's prefix cache is reset before each of its runs. Output tokens/s = completion tokens
 / wall time; the two sides' completions are compared token for token. Results go to
 `bench/results/serve-vs-generate-batch-<time>.json`.
+
+`--vs-bound`: the same load against its bound, bench/torch_bound.py (the daemon's model weights in a
+plain torch loop over a static KV cache, same prompts, same thread count, greedy to the same EOS), and,
+to split the gap, against the daemon's engine run in this process without HTTP (`engine_in_process`),
+its step timed by phase (scheduler, step inputs, attention plan, model, sampling). Runs alternate
+between the three (`--rounds` each). The bound's tokens are checked against both (same token ids as the
+engine, same texts and token counts as the daemon). `--profile` adds one more daemon run under py-spy
+(shares of its samples per thread and function). Results go to `bench/results/serve-vs-bound-<time>.json`.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,6 +116,11 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
         benchkit.shutdown(proc)
 
 
+def _bench(name: str):  # noqa: ANN202 - a module
+    """bench/NAME.py, whose load or functions this bench reuses."""
+    return benchkit.bench_module(Path(__file__).with_name(f"{name}.py"))
+
+
 # ---- --vs-generate-batch ---------------------------------------------------------------------------
 async def _chat_load(url: str, model: str, questions: list[str], system: str, max_tokens: int) -> dict:
     import aiohttp
@@ -164,10 +179,7 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int)
     # The EOS token ends a completion; it is not part of its text (nor of kvpilot's completion_tokens? it
     # is: OpenAI usage counts it), so both sides count it.
     tokens = [len(o.generated_tokens) for o in results]
-    texts = [
-        tokenizer.decode([t for t in o.generated_tokens if t not in eos], skip_special_tokens=True)
-        for o in results
-    ]
+    texts = _texts(tokenizer, [o.generated_tokens for o in results], eos)
     return {
         "seconds": wall,
         "output_tokens": sum(tokens),
@@ -177,18 +189,28 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int)
     }
 
 
+def _texts(tokenizer, completions: list[list[int]], eos: set[int] | frozenset[int]) -> list[str]:  # noqa: ANN001
+    """Completions as the chat API returns their text: the EOS that ended them is not part of it."""
+    return [tokenizer.decode([t for t in c if t not in eos], skip_special_tokens=True) for c in completions]
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """torch threads of every side: as asked, else the daemon's default on this machine."""
+    return args.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+
+
 def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpilot.daemon.engine.default_model import ensure_default_model
 
-    bench = benchkit.bench_module(Path(__file__).with_name("engine.py"))  # its load
+    bench = _bench("engine")  # its load
     questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]
     model_dir = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [bench.chat(tokenizer, q) for q in questions]
-    threads = args.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = _threads(args)
     flags = ["--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]
     runs: dict[str, list[dict]] = {"kvpilot_http": [], "transformers_generate_batch_sharing": []}
     with benchkit.kvpilot_serve(logdir / "kvpilot.log", 600, *flags) as url:
@@ -227,6 +249,227 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     }
 
 
+# ---- --vs-bound ------------------------------------------------------------------------------------
+# Where an engine step's time goes, as `_time_phases` splits it: (object attribute, phase).
+PHASES = (
+    ("scheduler.schedule", "scheduler"),
+    ("scheduler.update", "scheduler"),
+    ("runner.plan", "step plan"),  # token ids, positions, slots, block tables as lists
+    ("runner._batch", "step tensors"),  # ... as tensors, and the attention metadata
+    ("runner.run", "model"),  # the forward pass, with "step tensors" and "attention plan" inside it
+    ("_sample", "sampling"),
+)
+
+
+def _time_phases(engine) -> dict[str, float]:  # noqa: ANN001 - an LLMEngine of this process
+    """Wrap the engine's step parts in timers; returns the seconds per phase, added up as steps run.
+    The reference attention's plan (built by the first layer of each step) is its own phase;
+    "step" is all of `step()`, so "step" minus the phases is the rest of it."""
+    from kvpilot.kernels import reference_plan
+
+    spent: dict[str, float] = {"step": 0.0, "attention plan": 0.0}
+
+    def timed(fn, phase: str):  # noqa: ANN001, ANN202
+        spent.setdefault(phase, 0.0)
+
+        def run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[phase] += time.perf_counter() - t0
+
+        return run
+
+    for path, phase in PHASES:
+        owner_path, _, attr = path.rpartition(".")
+        owner = engine
+        for part in filter(None, owner_path.split(".")):
+            owner = getattr(owner, part)
+        setattr(owner, attr, timed(getattr(owner, attr), phase))
+    engine.step = timed(engine.step, "step")
+    reference_plan._build = timed(reference_plan._build, "attention plan")
+    return spent
+
+
+def _engine_load(engine, spent: dict[str, float], prompts: list[list[int]], max_tokens: int) -> dict:  # noqa: ANN001
+    """The load through the engine in this process (greedy, to EOS), from a cold prefix cache."""
+    from kvpilot.daemon.engine.request import SamplingParams
+
+    engine.reset_prefix_cache()
+    before = dict(spent)
+    start = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    wall = time.perf_counter() - start
+    phases = {k: v - before[k] for k, v in spent.items()}
+    phases["model"] -= phases["step tensors"] + phases["attention plan"]  # both run inside it
+    phases["rest of step"] = phases["step"] - sum(v for k, v in phases.items() if k != "step")
+    phases["outside step"] = wall - phases.pop("step")
+    return {**_bench("torch_bound").completion_figures(out, wall), "phase_seconds": phases}
+
+
+def _daemon_pid() -> int:
+    """The `kvpilot serve` this process started (`benchkit.kvpilot_serve` keeps its handle)."""
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return int(pid)
+    raise RuntimeError("no `kvpilot serve` child found")
+
+
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process `pid` has used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _measured(run, daemon: int | None) -> dict:  # noqa: ANN001 - a side's run, called with no arguments
+    """Run one side, adding the CPU it took: `cpu_seconds` is this process's for a side run here, the
+    daemon's (all its threads) for the one over HTTP, then with its engine thread's share apart and the
+    load generator's (this process) beside it. On a shared machine, wall time says more about the other
+    jobs; tokens per CPU second compare the work."""
+    load = os.getloadavg()
+    before, own = (_thread_cpu(daemon) if daemon else {}), time.process_time()
+    r = run()
+    own = time.process_time() - own
+    r["load_average_before"] = load
+    if daemon:
+        spent = {t: c - before.get(t, 0.0) for t, c in _thread_cpu(daemon).items()}
+        r["cpu_seconds"] = sum(spent.values())
+        r["engine_thread_cpu_seconds"] = max(spent.values())  # the busiest thread: the engine's
+        r["load_generator_cpu_seconds"] = own
+    else:
+        r["cpu_seconds"] = own
+    r["tokens_per_cpu_s"] = r["output_tokens"] / r["cpu_seconds"]
+    return r
+
+
+def _profiled_load(url: str, questions: list[str], system: str, max_tokens: int, logdir: Path) -> dict:
+    """One more run of the load with py-spy sampling the daemon (all threads, native frames off)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    raw = logdir / "daemon-profile.txt"
+    argv = [py_spy, "record", "--pid", str(_daemon_pid()), "--rate", "100", "--nonblocking", "--threads"]
+    proc = subprocess.Popen([*argv, "--format", "raw", "--output", str(raw)], stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    run = asyncio.run(_chat_load(url, MODEL, questions, system, max_tokens))
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    summary = _bench("fanout").profile_summary(raw)
+    threads: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit():
+            name = stack.split(";", 1)[0]
+            threads[name] = threads.get(name, 0) + int(count)
+    total = max(sum(threads.values()), 1)
+    return {
+        "tokens_per_s": run["tokens_per_s"],
+        "threads": {k: round(v / total, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+        **summary,
+        "raw": str(raw),
+    }
+
+
+def vs_bound(args: argparse.Namespace, logdir: Path) -> dict:
+    import torch
+
+    from kvpilot.daemon.engine.config import EngineConfig
+    from kvpilot.daemon.engine.engine import LLMEngine
+
+    bench = _bench("engine")  # its load
+    questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]
+    threads = _threads(args)
+    flags = ["--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]
+    # The in-process engine's pool only needs to hold the load; the daemon's is its default size.
+    engine = LLMEngine(EngineConfig(max_num_seqs=args.requests, cpu_threads=threads, num_kv_blocks=1024))
+    spent = _time_phases(engine)
+    bound = _bench("torch_bound").TorchBound(engine.runner.model, engine.eos_token_ids)
+    prompts = [bench.chat(engine.tokenizer, q) for q in questions]
+    runs: dict[str, list[dict]] = {"kvpilot_http": [], "engine_in_process": [], "torch_bound": []}
+    profile = None
+    with benchkit.kvpilot_serve(logdir / "kvpilot.log", 600, *flags) as url:
+        asyncio.run(_chat_load(url, MODEL, questions[:1], bench.SYSTEM, 2))  # warm-up
+        daemon = _daemon_pid()
+        for _ in range(args.rounds):
+            sides = {
+                "kvpilot_http": lambda: asyncio.run(
+                    _chat_load(url, MODEL, questions, bench.SYSTEM, args.max_tokens)
+                ),
+                "engine_in_process": lambda: _engine_load(engine, spent, prompts, args.max_tokens),
+                "torch_bound": lambda: bound.generate(prompts, args.max_tokens),
+            }
+            for name, run in sides.items():
+                r = _measured(run, daemon if name == "kvpilot_http" else None)
+                runs[name].append(r)
+                print(
+                    f"{name:18}: {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in "
+                    f"{r['seconds']:.1f} s), {r['tokens_per_cpu_s']:.1f} tokens per CPU second; "
+                    f"load {r['load_average_before'][0]:.2f}",
+                    flush=True,
+                )
+        if args.profile:
+            profile = _profiled_load(url, questions, bench.SYSTEM, args.max_tokens, logdir)
+    med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+    per_cpu = {k: statistics.median(r["tokens_per_cpu_s"] for r in v) for k, v in runs.items()}
+    http, ours, theirs = runs["kvpilot_http"][-1], runs["engine_in_process"][-1], runs["torch_bound"][-1]
+    eos = engine.eos_token_ids
+    phases = {
+        k: statistics.median(r["phase_seconds"][k] for r in runs["engine_in_process"])
+        for k in runs["engine_in_process"][0]["phase_seconds"]
+    }
+    return {
+        "load": {
+            "requests": len(prompts),
+            "prompt_tokens": [len(p) for p in prompts],
+            "shared_prefix_tokens": theirs["shared_prefix_tokens"],
+            "max_tokens": args.max_tokens,
+            "stop": "EOS",
+            "threads": threads,
+            "torch": torch.__version__,
+        },
+        "runs": runs,
+        "median_tokens_per_s": med,
+        "ratio_kvpilot_http_vs_bound": med["kvpilot_http"] / med["torch_bound"],
+        "ratio_engine_in_process_vs_bound": med["engine_in_process"] / med["torch_bound"],
+        "median_tokens_per_cpu_s": per_cpu,
+        "ratio_per_cpu_s_kvpilot_http_vs_bound": per_cpu["kvpilot_http"] / per_cpu["torch_bound"],
+        "ratio_per_cpu_s_engine_in_process_vs_bound": per_cpu["engine_in_process"] / per_cpu["torch_bound"],
+        "median_engine_phase_seconds": phases,
+        "bound_same_token_ids_as_engine": ours["token_ids"] == theirs["token_ids"],
+        "bound_same_completion_tokens_as_daemon": http["completion_tokens"] == theirs["completion_tokens"],
+        "bound_same_texts_as_daemon": http["texts"] == _texts(engine.tokenizer, theirs["token_ids"], eos),
+        "daemon_profile": profile,
+    }
+
+
+def run_vs_bound(args: argparse.Namespace) -> int:
+    _load_defaults(args)
+    logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
+    report = {
+        **benchkit.header("serve --vs-bound", os.getloadavg()),
+        **vs_bound(args, logdir),
+    }
+    report["load_average_after"] = os.getloadavg()
+    print(
+        f"kvpilot over HTTP / bound: {report['ratio_kvpilot_http_vs_bound']:.2f} in tok/s, "
+        f"{report['ratio_per_cpu_s_kvpilot_http_vs_bound']:.2f} in tokens per CPU second; engine in process / "
+        f"bound: {report['ratio_engine_in_process_vs_bound']:.2f}, "
+        f"{report['ratio_per_cpu_s_engine_in_process_vs_bound']:.2f}; bound's tokens the same: "
+        f"{report['bound_same_token_ids_as_engine']} (engine's ids), "
+        f"{report['bound_same_texts_as_daemon']} (daemon's texts)"
+    )
+    out = args.output or benchkit.default_path(ROOT / "bench" / "results", "serve-vs-bound")
+    benchkit.write(out, report, f" (server log in {logdir})")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -248,12 +491,20 @@ def main() -> int:
         action="store_true",
         help="bench/engine.py's load as chat requests stopping at EOS vs transformers generate_batch",
     )
+    p.add_argument(
+        "--vs-bound",
+        action="store_true",
+        help="that load against the torch decode bound (bench/torch_bound.py) and the engine in process",
+    )
+    p.add_argument("--profile", action="store_true", help="--vs-bound: one more daemon run under py-spy")
     p.add_argument("--requests", type=int, default=16, help="requests of the --vs-generate-batch load")
     p.add_argument("--cpu-threads", type=int, help="torch threads of both sides (default: all cores but one)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     if args.vs_generate_batch:
         return run_vs_generate_batch(args)
+    if args.vs_bound:
+        return run_vs_bound(args)
 
     logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
     report: dict = {
@@ -276,11 +527,16 @@ def main() -> int:
     return 0
 
 
-def run_vs_generate_batch(args: argparse.Namespace) -> int:
+def _load_defaults(args: argparse.Namespace) -> None:
+    """The shared-prefix load's sizes where the command line does not set them."""
     if "--max-tokens" not in sys.argv:
         args.max_tokens = 64
     if "--rounds" not in sys.argv:
         args.rounds = 2
+
+
+def run_vs_generate_batch(args: argparse.Namespace) -> int:
+    _load_defaults(args)
     logdir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
     report = {
         "benchmark": "serve --vs-generate-batch",

@@ -225,7 +225,9 @@ class LLMEngine:
                     seqs.append(seq)
         if not rows:
             return {}
-        tokens, logprobs = self.sampler.sample(logits[rows], seqs)
+        # A decode step samples every row in order: no need to gather a copy of the logits.
+        picked = logits if rows == list(range(len(logits))) else logits[rows]
+        tokens, logprobs = self.sampler.sample(picked, seqs)
         return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs)}
 
     def _score_prompt(self, req: Request, start: int, stop: int, logits: torch.Tensor) -> None:
