@@ -64,7 +64,7 @@ async def set_serving(
         return False
     reason, verb = ("PodUnfenced", "back in the Service") if on else ("PodFenced", "out of the Service")
     message = f"{name}: {verb} ({why})"
-    log.info("pod %s/%s: %s", ns, name, message)
+    log.info("pod %s/%s %s (%s)", ns, name, verb, why)
     if event_on is not None:
         kopf.event(event_on, type="Normal" if on else "Warning", reason=reason, message=message)
     return True
