@@ -29,7 +29,7 @@ import kopf
 from kvpilot.fanout import FanoutSettings, Target
 from kvpilot.fanout.phase import run_phase
 from kvpilot.fleet_members import is_member
-from kvpilot.operator import fence
+from kvpilot.operator import fence, metrics
 from kvpilot.operator.builders import FLEETS, GROUP, VERSION, WEIGHT_UPDATES
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.resets import ResetFailure, pod_target, resolve
@@ -117,6 +117,7 @@ class CatchUps:
         )
         lagging: list[Target] = []
         more = False
+        fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
         for pod in pods:
             name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
             t = targets[name]
@@ -127,18 +128,24 @@ class CatchUps:
             action = fence.decide(weights, answer, fence.is_ready(pod))
             if action == fence.SERVE:
                 self._backoff.pop(uid, None)
-                if not fence.serving(pod):
-                    await fence.set_serving(self.kube, ns, name, uid, True, "on the fleet's weights", body)
+                back = "on the fleet's weights"
+                if not fence.serving(pod) and await fence.set_serving(
+                    self.kube, ns, name, uid, True, back, body
+                ):
+                    fenced.discard(name)
                 continue
             more = True
             if action in (fence.FENCE, fence.CATCH_UP) and fence.serving(pod):
                 why = "not answering while not Ready" if action == fence.FENCE else _serves(answer)
-                await fence.set_serving(self.kube, ns, name, uid, False, why, body)
+                if await fence.set_serving(self.kube, ns, name, uid, False, why, body):
+                    fenced.add(name)
             if action == fence.CATCH_UP:  # one at a time: the pass waits for its catch-ups
                 if time.monotonic() >= self._backoff.get(uid, (0, 0.0))[1]:
                     lagging.append(t)
         if lagging:
-            await asyncio.gather(*(self._catch_up(body, weights, t, settings) for t in lagging))
+            back = await asyncio.gather(*(self._catch_up(body, weights, t, settings) for t in lagging))
+            fenced -= {t.name for t, ok in zip(lagging, back, strict=True) if ok}
+        metrics.FENCED_PODS.labels(ns, fleet).set(len(fenced))
         return more
 
     async def _update_running(self, ns: str, fleet: str) -> bool:
@@ -151,8 +158,9 @@ class CatchUps:
 
     async def _catch_up(
         self, body: dict[str, Any], weights: dict[str, Any], t: Target, settings: Any
-    ) -> None:
-        """Stage and commit the fleet's weights on one fenced pod; un-fence it when it serves them."""
+    ) -> bool:
+        """Stage and commit the fleet's weights on one fenced pod; un-fence it when it serves them (True
+        once it is back in the Service)."""
         ns, fleet = body["metadata"]["namespace"], body["metadata"]["name"]
         obj = {
             "apiVersion": f"{GROUP}/{VERSION}",
@@ -188,13 +196,14 @@ class CatchUps:
         if p.result == "Succeeded":
             self._backoff.pop(t.uid, None)
             await run.unfence([t], f"caught up to {weights['version']}")
-            return
+            return t.name not in run.fenced_before
         failures = self._backoff.get(t.uid, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
         self._backoff[t.uid] = (failures, time.monotonic() + delay)
         message = f"{t.name}: catch-up to {weights['version']} failed ({p.message}); next try in {delay:.0f}s"
         log.warning("catch-up of %s/%s: %s", ns, fleet, message)
         kopf.event(obj, type="Warning", reason="CatchUpFailed", message=message)
+        return False
 
 
 def _serves(answer: dict[str, Any] | None) -> str:

@@ -118,7 +118,7 @@ async def owned_changed(
 def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
     _fleets.discard((namespace, name))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
-    for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS):
+    for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS, metrics.FENCED_PODS):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
 

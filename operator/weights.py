@@ -307,6 +307,7 @@ class Run:
                 if n is not None:
                     metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
             await self.kube.patch_status(FLEETS, self.ns, fleet, body)
+            metrics.FENCED_PODS.labels(self.ns, fleet).set(len(self.fenced_before))
         except ApiException as exc:  # informative; the update's own status is written next
             if exc.status != 404:
                 log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)

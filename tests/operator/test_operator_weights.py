@@ -271,6 +271,7 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
             lambda: set(service_endpoints(cluster, ns, "llm")) == {other}, 60, "the victim out of the Service"
         )
         wait_for(lambda: _events(cluster, ns, "CatchUpFailed"), 120, "a catch-up that fails (no checkpoint)")
+        assert operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 1
         assert _serving_label(cluster, ns, victim) == "false" and set(
             service_endpoints(cluster, ns, "llm")
         ) == {other}
@@ -285,6 +286,7 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
         lambda: service_endpoints(cluster, ns, "llm") == dict.fromkeys(pods, True), 60, "both in the Service"
     )
     assert any(victim in m and "caught up to v2" in m for m in _events(cluster, ns, "PodUnfenced"))
+    assert operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 0
 
     # A restart with no update running (its container comes back on --model): fenced, caught up, let back.
     fenced_before = len(_events(cluster, ns, "PodFenced"))
