@@ -175,7 +175,7 @@ class CatchUps:
         }
         run = CatchUpRun(self.kube, obj, log, self.limiter)
         run.pods = [PodUpdate(t.name)]
-        run.fenced_before = {t.name}
+        run.fenced = {t.name}
         log.info("catch-up of %s/%s: %s to %s", ns, fleet, t.name, weights["version"])
         full = FanoutSettings(
             port=settings.port,
@@ -196,7 +196,7 @@ class CatchUps:
         if p.result == "Succeeded":
             self._backoff.pop(t.uid, None)
             await run.unfence([t], f"caught up to {weights['version']}")
-            return t.name not in run.fenced_before
+            return t.name not in run.fenced
         failures = self._backoff.get(t.uid, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
         self._backoff[t.uid] = (failures, time.monotonic() + delay)

@@ -6,8 +6,8 @@ Atomic is a two-phase commit over the pods (and, inside each daemon, over its ra
    on every pod. Only when every pod staged the same digest does the commit start; if any stage fails, times
    out or differs, the stage is dropped everywhere and the update ends Failed with no pod changed.
 2. commit: on every pod, /pause?mode=pauseMode, /finish_weight_update {weight_version}, /resume. A pod whose
-   finish failed is Fenced: taken out of the fleet's Service (fence.py), named in status, and the update ends
-   Degraded. A pod an earlier update fenced is let back once this one commits on it.
+   finish failed is Fenced: named in status, the update ends Degraded, and once some pod serves the new
+   weights it is taken out of the fleet's Service (fence.py). A pod an earlier update fenced is let back once this one commits on it.
 Rolling runs the same two phases over maxUnavailable pods at a time; a failed batch stops it there.
 
 Every update ends within timeoutSeconds, counted from status.startTime (a restart does not extend it). A run
@@ -16,9 +16,11 @@ same weights again on a pod that already serves them is harmless (the same diges
 At the end every pod is asked what it serves (/weight_info): status.pods[].version and the
 InferenceDeployment's status.weightVersion come from those answers, never from what we expected.
 
-An update that committed on the whole fleet (Succeeded, or Degraded with fenced pods) records the fleet's
-weights in the InferenceDeployment's status.weights {version, modelPath, digest}: what catchup.py brings every
-pod back to. A Rolling update that failed part way clears it (the fleet has no one version then).
+An update that committed on at least one pod (Succeeded, or Degraded with the others fenced) records the
+fleet's weights in the InferenceDeployment's status.weights {version, modelPath, digest}: what catchup.py
+brings every pod back to. One whose commit failed on every pod fences none and leaves status.weights as it
+was (the fleet is still on its old weights); a Rolling update that failed part way clears it (the fleet has
+no one version then).
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ class Run:
         self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
         self.pods: list[PodUpdate] = []
         self.target = f"InferenceDeployment/{self.spec['targetRef']['name']}"
-        self.fenced_before: set[str] = set()  # pods out of the Service when the update started
+        self.fenced: set[str] = (
+            set()
+        )  # pods out of the Service (label kvpilot.io/serving "false"), as far as known
         self.weights: Any = _KEEP  # the fleet's status.weights once the update ends
 
     # ---- status ------------------------------------------------------------------------------------
@@ -147,15 +151,20 @@ class Run:
                     return await self.finish("Failed", "StageFailed", msg)
                 return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
             await self.commit(group, settings)
+        await self.fence_behind(targets)  # a Rolling batch's failures, once a later batch succeeded
         await self.read_versions(targets, settings)
         await self.unfence(targets, "on the fleet's weights again")
         digest = self.pods[0].staged_digest
+        fenced = [p.name for p in self.pods if p.result == "Fenced"]
+        if not any(p.result == "Succeeded" for p in self.pods):  # the fleet stays on its weights
+            why = "not fenced: no pod changed weights"
+            msg = f"no pod serves {self.spec['version']}: {', '.join(fenced[:5])} ({why})"
+            return await self.finish("Degraded", "CommitFailed", msg)
         self.weights = {
             "version": self.spec["version"],
             "modelPath": self.spec["modelPath"],
             "digest": digest,
         }
-        fenced = [p.name for p in self.pods if p.result == "Fenced"]
         if fenced:
             msg = f"{len(fenced)} pods are not on {self.spec['version']}: {', '.join(fenced[:5])} (fenced)"
             return await self.finish("Degraded", "CommitFailed", msg)
@@ -168,7 +177,7 @@ class Run:
             "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
         )
         targets = sorted((pod_target(p, plan) for p in pods), key=lambda t: t.name)
-        self.fenced_before = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
+        self.fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
         if not targets:
             raise ResetFailure("NoTargets", f"{self.target} has no pods")
         blocked = [t for t in targets if t.skip_reason]
@@ -248,17 +257,27 @@ class Run:
                 p.result = "Fenced"
                 served = f"serves {r.body.get('weight_version')} ({r.body.get('digest')})"
                 p.message = redact(f"commit: {r.message or served}")
-                if t.name not in self.fenced_before:  # out of the Service until it is back
-                    await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj)
-                    self.fenced_before.add(t.name)
+        await self.fence_behind(group)
+
+    async def fence_behind(self, group: Sequence[Target]) -> None:
+        """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
+        are behind the fleet); while none does, the fleet is still on its old weights, as they are."""
+        if not any(p.result == "Succeeded" for p in self.pods):
+            return
+        pods = self._by_name()
+        for t in group:
+            p = pods[t.name]
+            if p.result == "Fenced" and t.name not in self.fenced:  # out of the Service until it is back
+                if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+                    self.fenced.add(t.name)
 
     async def unfence(self, group: Sequence[Target], why: str) -> None:
         """Let the pods of `group` that this run updated and that were fenced back into the Service."""
         for t in group:
             p = self._by_name()[t.name]
-            if p.result == "Succeeded" and t.name in self.fenced_before:
+            if p.result == "Succeeded" and t.name in self.fenced:
                 if await fence.set_serving(self.kube, self.ns, t.name, t.uid, True, why, self.obj):
-                    self.fenced_before.discard(t.name)
+                    self.fenced.discard(t.name)
 
     async def read_versions(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
         """What every pod serves now, as it says (status.pods[].version); unknown when it does not answer."""
@@ -307,7 +326,7 @@ class Run:
                 if n is not None:
                     metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
             await self.kube.patch_status(FLEETS, self.ns, fleet, body)
-            metrics.FENCED_PODS.labels(self.ns, fleet).set(len(self.fenced_before))
+            metrics.FENCED_PODS.labels(self.ns, fleet).set(len(self.fenced))
         except ApiException as exc:  # informative; the update's own status is written next
             if exc.status != 404:
                 log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)

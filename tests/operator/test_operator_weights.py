@@ -222,38 +222,64 @@ def _stream(ip: str, out: list[str]) -> None:
         out.append(f"error: {exc}")
 
 
+def _committing(cluster: Cluster, ns: str, update: str, streams: dict[str, list[str]]) -> None:
+    """Wait until the update commits while each pod of `streams` drains its stream (pause mode wait)."""
+
+    def committing() -> bool:
+        phase = (cluster.kubectl_json("get", "wu", update, "-n", ns).get("status") or {}).get("phase")
+        assert phase not in ("Succeeded", "Failed", "Degraded"), f"ended {phase} early; streams {streams}"
+        return phase == "Committing"
+
+    wait_for(committing, 120, f"{update} to commit", interval=0.2)
+
+
+def _start_streams(pods: dict[str, str], names: list[str]) -> dict[str, list[str]]:
+    import threading
+
+    streams: dict[str, list[str]] = {n: [] for n in names}
+    for n in names:
+        threading.Thread(target=_stream, args=(pods[n], streams[n]), daemon=True).start()
+    wait_for(lambda: all(streams.values()), 120, "the streams to start")
+    return streams
+
+
+def _kill(cluster: Cluster, ns: str, pod: str) -> None:
+    os.killpg(os.getpgid(container_pid(cluster, ns, pod)), signal.SIGKILL)
+
+
 def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     cluster: Cluster, ns: str, operator: OperatorProcess, checkpoint: Path
 ) -> None:
-    import threading
-
     pods = real_fleet(cluster, ns, 2, kvCacheBlocks=80, maxModelLen=1100)
     victim, other = sorted(pods)
     assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
     assert service_endpoints(cluster, ns, "llm") == dict.fromkeys(pods, True)
-    out: list[str] = []
-    stream = threading.Thread(target=_stream, args=(pods[victim], out), daemon=True)
-    stream.start()
-    wait_for(lambda: out, 120, "the victim's stream to start")
 
+    # Both killed mid-commit: no pod changed weights, so none is fenced and the fleet records no weights
+    # (fencing them would take the whole fleet out of its Service).
+    streams = _start_streams(pods, [victim, other])
+    apply_ns(cluster, ns, wu("to-v1", llm_update(checkpoint, "v1", timeoutSeconds=120)))
+    _committing(cluster, ns, "to-v1", streams)
+    for name in pods:
+        _kill(cluster, ns, name)
+    st = wait_done(cluster, ns, "to-v1", 180)["status"]
+    cond = {c["type"]: c for c in st["conditions"]}["Degraded"]
+    assert cond["reason"] == "CommitFailed" and "no pod serves v1" in cond["message"], cond
+    assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
+    assert "weights" not in infd(cluster, ns, "llm")["status"]
+    wait_for(lambda: ready_replicas(cluster, ns, "llm", 2), 180, "both restarted", interval=1)
+
+    # One killed mid-commit: it is fenced, the other serves v2.
+    out = _start_streams(pods, [victim])[victim]
     apply_ns(cluster, ns, wu("to-v2", llm_update(checkpoint, "v2", timeoutSeconds=120)))
-
-    def committing() -> bool:
-        phase = (cluster.kubectl_json("get", "wu", "to-v2", "-n", ns).get("status") or {}).get("phase")
-        assert phase not in ("Succeeded", "Failed", "Degraded"), (
-            f"ended {phase} before the kill; stream {out[-1:]}"
-        )
-        return phase == "Committing"
-
-    wait_for(committing, 120, "the update to commit", interval=0.2)
+    _committing(cluster, ns, "to-v2", {victim: out})
     # Staged on both: from here on the checkpoint is not read. Hidden, the first catch-ups fail (404), so
     # the fenced pod is seen fenced; the victim is killed while its pause drains the stream.
     hidden = checkpoint.with_name(checkpoint.name + "-hidden")
     checkpoint.rename(hidden)
     try:
-        os.killpg(os.getpgid(container_pid(cluster, ns, victim)), signal.SIGKILL)
+        _kill(cluster, ns, victim)
         st = wait_done(cluster, ns, "to-v2", 180)["status"]
-        stream.join(30)
         assert not {"length", "stop"} & set(out), out[-3:]  # cut, never finished: killed mid-commit
         assert st["phase"] == "Degraded", st
         cond = {c["type"]: c for c in st["conditions"]}["Degraded"]
@@ -290,7 +316,7 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
 
     # A restart with no update running (its container comes back on --model): fenced, caught up, let back.
     fenced_before = len(_events(cluster, ns, "PodFenced"))
-    os.killpg(os.getpgid(container_pid(cluster, ns, victim)), signal.SIGKILL)
+    _kill(cluster, ns, victim)
     wait_for(lambda: len(_events(cluster, ns, "PodFenced")) > fenced_before, 120, "the restarted pod fenced")
 
     def back() -> bool:
