@@ -239,7 +239,7 @@ def _start_streams(pods: dict[str, str], names: list[str]) -> dict[str, list[str
     streams: dict[str, list[str]] = {n: [] for n in names}
     for n in names:
         threading.Thread(target=_stream, args=(pods[n], streams[n]), daemon=True).start()
-    wait_for(lambda: all(streams.values()), 120, "the streams to start")
+    wait_for(lambda: all("token" in v for v in streams.values()), 120, f"the streams to start: {streams}")
     return streams
 
 
@@ -253,7 +253,8 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     pods = real_fleet(cluster, ns, 2, kvCacheBlocks=80, maxModelLen=1100)
     victim, other = sorted(pods)
     assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
-    assert service_endpoints(cluster, ns, "llm") == dict.fromkeys(pods, True)
+    all_in = dict.fromkeys(pods, True)  # the EndpointSlice controller follows the pods' readiness a bit later
+    wait_for(lambda: service_endpoints(cluster, ns, "llm") == all_in, 60, "both pods in the Service")
 
     # Both killed mid-commit: no pod changed weights, so none is fenced and the fleet records no weights
     # (fencing them would take the whole fleet out of its Service).
@@ -267,7 +268,15 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     assert cond["reason"] == "CommitFailed" and "no pod serves v1" in cond["message"], cond
     assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
     assert "weights" not in infd(cluster, ns, "llm")["status"]
-    wait_for(lambda: ready_replicas(cluster, ns, "llm", 2), 180, "both restarted", interval=1)
+
+    def restarted() -> bool:
+        for name in pods:
+            c = cluster.kubectl_json("get", "pod", name, "-n", ns)["status"]["containerStatuses"][0]
+            if not (c["restartCount"] >= 1 and c["ready"]):
+                return False
+        return True
+
+    wait_for(restarted, 180, "both restarted and ready", interval=1)
 
     # One killed mid-commit: it is fenced, the other serves v2.
     out = _start_streams(pods, [victim])[victim]
@@ -308,11 +317,13 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     wait_for(lambda: _serving_label(cluster, ns, victim) == "true", 180, "the victim caught up, un-fenced")
     info = _get(pods[victim])
     assert (info["weight_version"], info["digest"]) == ("v2", digest)
-    wait_for(
-        lambda: service_endpoints(cluster, ns, "llm") == dict.fromkeys(pods, True), 60, "both in the Service"
-    )
+    wait_for(lambda: service_endpoints(cluster, ns, "llm") == all_in, 60, "both in the Service")
     assert any(victim in m and "caught up to v2" in m for m in _events(cluster, ns, "PodUnfenced"))
-    assert operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 0
+    wait_for(
+        lambda: operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 0,
+        30,
+        "0 fenced",
+    )
 
     # A restart with no update running (its container comes back on --model): fenced, caught up, let back.
     fenced_before = len(_events(cluster, ns, "PodFenced"))
