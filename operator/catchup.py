@@ -12,7 +12,8 @@ status) and at the end of every WeightUpdate; each pass asks every pod /weight_i
 The loop ends once every pod serves the fleet's weights. One catch-up per pod at a time; a pod whose
 catch-up failed waits 5 s, 10 s, ... up to 5 min before the next (it stays fenced meanwhile, as does a pod
 that never answers); an Event on the InferenceDeployment and a log line for every action. A WeightUpdate of
-the fleet and its catch-up never run at once (`lock`): each would drop the other's stage.
+the fleet and its catch-up never run at once (`lock`): each would drop the other's stage. Weights recorded
+over another spec.model than the fleet's now are dropped, not forced on pods of the new model.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ PASS_INTERVAL_S = 3.0  # between two passes of a fleet with a pod not yet back
 CATCH_UP_TIMEOUT_S = 300.0  # one pod's stage and commit
 BACKOFF_S, BACKOFF_MAX_S = 5.0, 300.0
 ASK_TIMEOUT_S = 10.0  # a pod's /weight_info
+MAX_CATCH_UPS = 16  # pods of one fleet caught up at once (each stages a host copy of the weights)
 
 
 class CatchUpRun(Run):
@@ -59,7 +61,8 @@ class CatchUps:
         self.kube, self.limiter = kube, limiter
         self._loops: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._backoff: dict[str, tuple[int, float]] = {}  # pod uid -> (failures, not before)
+        # per fleet: pod uid -> (failed catch-ups, not before); pods gone are dropped at each pass
+        self._backoff: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
 
     @contextlib.asynccontextmanager
     async def lock(self, ns: str, fleet: str) -> AsyncIterator[None]:
@@ -103,6 +106,9 @@ class CatchUps:
         weights = (body.get("status") or {}).get("weights")
         if not weights or not weights.get("version"):
             return False
+        if not fence.recorded_for(weights, body.get("spec") or {}):
+            await self._forget(body, weights)
+            return False
         if await self._update_running(ns, fleet):
             return True  # it ends by its timeout and pokes this loop again; until then, look again later
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
@@ -117,6 +123,9 @@ class CatchUps:
         )
         lagging: list[Target] = []
         more = False
+        backoff = self._backoff.setdefault((ns, fleet), {})
+        for gone in set(backoff) - {p["metadata"]["uid"] for p in pods}:
+            del backoff[gone]
         fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
         for pod in pods:
             name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
@@ -127,7 +136,7 @@ class CatchUps:
             answer = r.body if r is not None and r.ok else None
             action = fence.decide(weights, answer, fence.is_ready(pod))
             if action == fence.SERVE:
-                self._backoff.pop(uid, None)
+                backoff.pop(uid, None)
                 back = "on the fleet's weights"
                 if not fence.serving(pod) and await fence.set_serving(
                     self.kube, ns, name, uid, True, back, body
@@ -140,13 +149,28 @@ class CatchUps:
                 if await fence.set_serving(self.kube, ns, name, uid, False, why, body):
                     fenced.add(name)
             if action == fence.CATCH_UP:  # one at a time: the pass waits for its catch-ups
-                if time.monotonic() >= self._backoff.get(uid, (0, 0.0))[1]:
+                if time.monotonic() >= backoff.get(uid, (0, 0.0))[1]:
                     lagging.append(t)
         if lagging:
-            back = await asyncio.gather(*(self._catch_up(body, weights, t, settings) for t in lagging))
+            window = asyncio.Semaphore(MAX_CATCH_UPS)
+
+            async def bounded(t: Target) -> bool:
+                async with window:
+                    return await self._catch_up(body, weights, t, settings, backoff)
+
+            back = await asyncio.gather(*(bounded(t) for t in lagging))
             fenced -= {t.name for t, ok in zip(lagging, back, strict=True) if ok}
         metrics.FENCED_PODS.labels(ns, fleet).set(len(fenced))
         return more
+
+    async def _forget(self, body: dict[str, Any], weights: dict[str, Any]) -> None:
+        """spec.model changed since the weights were recorded: the fleet rolls out on the new model, which is
+        its weights from now on; the record goes (a pod fenced before is replaced by the rollout)."""
+        ns, fleet = body["metadata"]["namespace"], body["metadata"]["name"]
+        await self.kube.patch_status(FLEETS, ns, fleet, {"weights": None})
+        message = f"spec.model changed since {weights['version']} was recorded: no pod is brought back to it"
+        log.info("catch-up of %s/%s: %s", ns, fleet, message)
+        kopf.event(body, type="Normal", reason="WeightsForgotten", message=message)
 
     async def _update_running(self, ns: str, fleet: str) -> bool:
         updates = await self.kube.list_crs(WEIGHT_UPDATES, ns)
@@ -157,7 +181,12 @@ class CatchUps:
         )
 
     async def _catch_up(
-        self, body: dict[str, Any], weights: dict[str, Any], t: Target, settings: Any
+        self,
+        body: dict[str, Any],
+        weights: dict[str, Any],
+        t: Target,
+        settings: Any,
+        backoff: dict[str, tuple[int, float]],
     ) -> bool:
         """Stage and commit the fleet's weights on one fenced pod; un-fence it when it serves them (True
         once it is back in the Service)."""
@@ -194,12 +223,12 @@ class CatchUps:
             else:
                 await run.commit([t], full)
         if p.result == "Succeeded":
-            self._backoff.pop(t.uid, None)
+            backoff.pop(t.uid, None)
             await run.unfence([t], f"caught up to {weights['version']}")
             return t.name not in run.fenced
-        failures = self._backoff.get(t.uid, (0, 0.0))[0] + 1
+        failures = backoff.get(t.uid, (0, 0.0))[0] + 1
         delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
-        self._backoff[t.uid] = (failures, time.monotonic() + delay)
+        backoff[t.uid] = (failures, time.monotonic() + delay)
         message = f"{t.name}: catch-up to {weights['version']} failed ({p.message}); next try in {delay:.0f}s"
         log.warning("catch-up of %s/%s: %s", ns, fleet, message)
         kopf.event(obj, type="Warning", reason="CatchUpFailed", message=message)

@@ -39,6 +39,13 @@ def decide(weights: dict[str, Any] | None, answer: dict[str, Any] | None, ready:
     return CATCH_UP
 
 
+def recorded_for(weights: dict[str, Any], spec: dict[str, Any]) -> bool:
+    """Whether the fleet's recorded weights still apply to its spec: they were committed over the model the
+    pods load (`spec.model`, "" for the default). Once spec.model changes, the pods roll out on the new
+    model and the weights of an update of the old one must not be forced on them."""
+    return str(weights.get("model") or "") == str(spec.get("model") or "")
+
+
 def serving(pod: dict[str, Any]) -> bool:
     """Whether the pod is in its fleet's Service (not fenced)."""
     return ((pod.get("metadata") or {}).get("labels") or {}).get(SERVING_LABEL) != "false"

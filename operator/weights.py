@@ -17,7 +17,7 @@ At the end every pod is asked what it serves (/weight_info): status.pods[].versi
 InferenceDeployment's status.weightVersion come from those answers, never from what we expected.
 
 An update that committed on at least one pod (Succeeded, or Degraded with the others fenced) records the
-fleet's weights in the InferenceDeployment's status.weights {version, modelPath, digest}: what catchup.py
+fleet's weights in the InferenceDeployment's status.weights {version, modelPath, digest, model}: what catchup.py
 brings every pod back to. One whose commit failed on every pod fences none and leaves status.weights as it
 was (the fleet is still on its old weights); a Rolling update that failed part way clears it (the fleet has
 no one version then).
@@ -313,10 +313,11 @@ class Run:
         fleet = self.spec["targetRef"]["name"]
         versions = [p.version or "unknown" for p in self.pods]
         body: dict[str, Any] = fleet_weight_version(versions)
-        if self.weights is not _KEEP:
-            body["weights"] = self.weights
         try:
             old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
+            if self.weights is not _KEEP:  # with the model they were committed over (fence.recorded_for)
+                model = str((old.get("spec") or {}).get("model") or "")
+                body["weights"] = self.weights and {**self.weights, "model": model}
             gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
             for version in gone:  # a merge patch keeps map keys it does not name
                 body["weightVersions"][version] = None

@@ -298,7 +298,7 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
         digest = results[other]["stagedDigest"]
         # the fleet's weights, recorded: what the catch-up brings the victim to
         weights = infd(cluster, ns, "llm")["status"]["weights"]
-        assert weights == {"version": "v2", "modelPath": str(checkpoint), "digest": digest}
+        assert weights == {"version": "v2", "modelPath": str(checkpoint), "digest": digest, "model": ""}
         # Fenced through the API server: labelled not serving, out of the Service's EndpointSlices (so out
         # of the router's), while its restarted container serves again on its --model.
         assert _serving_label(cluster, ns, victim) == "false"
@@ -339,3 +339,13 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
 
     wait_for(back, 180, "the restarted pod caught up and un-fenced")
     assert _get(pods[other])["weight_version"] == "v2"
+
+    # Weights recorded over another model than spec.model (as after a change of spec.model): dropped at the
+    # next look (a restart), not forced on the pod, which comes back on its --model and stays in the Service.
+    other_model = '{"status":{"weights":{"model":"/models/before"}}}'
+    cluster.kubectl(
+        "patch", "infd", "llm", "-n", ns, "--subresource=status", "--type=merge", "-p", other_model
+    )
+    _kill(cluster, ns, victim)
+    wait_for(lambda: "weights" not in infd(cluster, ns, "llm")["status"], 120, "the record dropped")
+    assert _events(cluster, ns, "WeightsForgotten") and _serving_label(cluster, ns, victim) == "true"

@@ -162,7 +162,7 @@ def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
 
 
 def test_fence_decision() -> None:
-    from kvpilot.operator.fence import CATCH_UP, FENCE, LEAVE, SERVE, WAIT, decide, serving
+    from kvpilot.operator.fence import CATCH_UP, FENCE, LEAVE, SERVE, WAIT, decide, recorded_for, serving
 
     fleet = {"version": "v2", "modelPath": "/ckpt", "digest": "sha256:b"}
     on_v2 = {"weight_version": "v2", "digest": "sha256:b"}
@@ -175,4 +175,10 @@ def test_fence_decision() -> None:
     assert decide(fleet, None, True) == WAIT  # Ready, silent once: asked again, not fenced on one miss
     assert serving({"metadata": {"labels": {}}}) and not serving(
         {"metadata": {"labels": {"kvpilot.io/serving": "false"}}}
+    )
+    # recorded over the default model: they apply while spec.model stays unset, not once it names another
+    assert recorded_for({**fleet, "model": ""}, {}) and recorded_for(fleet, {"model": None})
+    assert not recorded_for({**fleet, "model": ""}, {"model": "/models/other"})
+    assert recorded_for({**fleet, "model": "/m"}, {"model": "/m"}) and not recorded_for(
+        {**fleet, "model": "/m"}, {}
     )
