@@ -23,6 +23,11 @@ CONTAINER = "kvpilot"
 ADMIN_TOKEN_LABEL = (
     "kvpilot.io/admin-token"  # value "true": its owner lets kvpilot send its token to pods (tokens.py)
 )
+# On every fleet pod: "true" while it may serve. The fleet's Service selects it, so a pod the operator fences
+# ("false": not on the fleet's weights, fence.py) leaves the Service's EndpointSlices and with them the fleet
+# router. Never part of a workload's selector: a fenced pod stays its ReplicaSet's, and is still reached by
+# the operator's fan-outs (they list pods by the fleet label alone).
+SERVING_LABEL = "kvpilot.io/serving"
 ANNOTATION_RESET_TTL_S = 86400  # annotation-created resets are deleted a day after they finished
 
 # engine field -> `kvpilot serve` flag (flag names follow vLLM's, docs/server.md "Flags")
@@ -74,6 +79,11 @@ def label_selector(sel: dict[str, Any]) -> str:
 
 def selector_string(name: str) -> str:
     return label_selector({"matchLabels": selector_labels(name)})
+
+
+def serving_selector(name: str) -> dict[str, str]:
+    """The fleet Service's selector: the fleet's pods that are not fenced."""
+    return {**selector_labels(name), SERVING_LABEL: "true"}
 
 
 def pod_labels(name: str) -> dict[str, str]:
@@ -328,7 +338,7 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
     return {
         "metadata": {
-            "labels": pod_labels(name),
+            "labels": {**pod_labels(name), SERVING_LABEL: "true"},  # a new pod serves until fenced
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(port),
@@ -368,7 +378,7 @@ def service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"name": name, "labels": pod_labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": serving_selector(name),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
     }

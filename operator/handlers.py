@@ -19,6 +19,7 @@ import kopf
 
 from kvpilot.operator import fleets, metrics, resets, weights
 from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.catchup import CatchUps
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.owners import owner_of_kind
 from kvpilot.operator.reset_expiry import Expiry
@@ -57,6 +58,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.weight_expiry = Expiry(memo.kube, WEIGHT_UPDATES, "WeightUpdate")
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
     memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
+    memo.catchups = CatchUps(memo.kube, memo.limiter)  # fleets' pods back on their weights (catchup.py)
 
 
 @contextlib.asynccontextmanager
@@ -76,6 +78,14 @@ async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
     async with _counted("InferenceDeployment"):
         await fleets.reconcile(memo.kube, body, logger, memo.router_cluster_role, memo.operator_peer)
+    _catch_up(memo, body)
+
+
+def _catch_up(memo: kopf.Memo, fleet: Any) -> None:
+    # A fleet with recorded weights: its pods are looked at (a readiness change of one of them, a restart,
+    # a new pod all reconcile the fleet through its workload's status).
+    if (fleet.get("status") or {}).get("weights"):
+        memo.catchups.poke(fleet["metadata"]["namespace"], fleet["metadata"]["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY)
@@ -101,13 +111,14 @@ async def owned_changed(
         return
     async with _counted("InferenceDeployment"):
         await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role, memo.operator_peer)
+    _catch_up(memo, fleet)
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)
 def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
     _fleets.discard((namespace, name))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
-    for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS):
+    for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS, metrics.FENCED_PODS):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
 
@@ -116,6 +127,7 @@ def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
 async def stop_expiry(memo: kopf.Memo, **_: Any) -> None:
     await memo.expiry.close()
     await memo.weight_expiry.close()
+    await memo.catchups.close()
 
 
 @kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S, when=resets.unfinished)
@@ -141,7 +153,7 @@ async def weight_update_runs(
 ) -> None:
     # As for resets: a daemon starts for every unfinished WeightUpdate, also after a restart (it starts over).
     async with _counted("WeightUpdate"):
-        await weights.drive(memo.kube, namespace, name, logger, memo.limiter)
+        await weights.drive(memo.kube, namespace, name, logger, memo.limiter, memo.catchups)
 
 
 @kopf.on.event(GROUP, VERSION, WEIGHT_UPDATES)

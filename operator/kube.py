@@ -84,6 +84,12 @@ class Kube:
                 return None
             raise
 
+    async def list_crs(self, plural: str, ns: str) -> list[dict[str, Any]]:
+        r = await self.call(
+            "list", plural, self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural
+        )
+        return list(r.get("items") or [])
+
     async def patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         return await self.call(
             "patch",
@@ -145,6 +151,20 @@ class Kube:
         self, ns: str, selector: str, shape: Callable[[dict[str, Any]], _T] = _same
     ) -> tuple[list[_T], str]:
         return await self.call("list", "pods", self.list_pods_sync, ns, selector, shape)
+
+    async def patch_pod_labels(self, ns: str, name: str, uid: str, labels: dict[str, str]) -> None:
+        """Set labels on one pod, that pod only: the uid in the patch is a precondition (a pod of the same
+        name made since is refused with 409)."""
+        body = {"metadata": {"uid": uid, "labels": labels}}
+        await self.call(
+            "patch",
+            "pods",
+            self.core.patch_namespaced_pod,
+            name,
+            ns,
+            body,
+            _content_type="application/merge-patch+json",
+        )
 
     async def list_replicasets(self, ns: str, selector: str) -> list[dict[str, Any]]:
         def fetch() -> list[dict[str, Any]]:

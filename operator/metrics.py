@@ -70,6 +70,13 @@ FLEET_WEIGHT_PODS = _metric(
     "deployment",
     "version",
 )
+FENCED_PODS = _metric(
+    Gauge,
+    "fenced_pods",
+    "Pods of each InferenceDeployment out of its Service because they are not on its weights, at the last look",
+    "namespace",
+    "deployment",
+)
 for _kind in (
     "InferenceDeployment",
     "PrefixCacheReset",

@@ -100,8 +100,10 @@ _NAMESPACED: list[Rule] = [
         "resources": ["rolebindings"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    # Reset targets: listed by label selector at start, then watched so a token never goes to a stale IP.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # Reset and weight update targets: listed by label selector at start, then watched so a token never goes
+    # to a stale IP; patched to fence a fleet pod that is not on the fleet's weights and to let it back (its
+    # kvpilot.io/serving label only, which the fleet's Service selects: operator/fence.py).
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
     # generated token and its KV event keys (both made once, never patched).
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},

@@ -6,7 +6,8 @@ Atomic is a two-phase commit over the pods (and, inside each daemon, over its ra
    on every pod. Only when every pod staged the same digest does the commit start; if any stage fails, times
    out or differs, the stage is dropped everywhere and the update ends Failed with no pod changed.
 2. commit: on every pod, /pause?mode=pauseMode, /finish_weight_update {weight_version}, /resume. A pod whose
-   finish failed is Fenced: it is named in status and the update ends Degraded.
+   finish failed is Fenced: named in status, the update ends Degraded, and once some pod serves the new
+   weights it is taken out of the fleet's Service (fence.py). A pod an earlier update fenced is let back once this one commits on it.
 Rolling runs the same two phases over maxUnavailable pods at a time; a failed batch stops it there.
 
 Every update ends within timeoutSeconds, counted from status.startTime (a restart does not extend it). A run
@@ -14,6 +15,12 @@ that an operator restart interrupted starts over: staging again drops the old st
 same weights again on a pod that already serves them is harmless (the same digest), so it is at-least-once.
 At the end every pod is asked what it serves (/weight_info): status.pods[].version and the
 InferenceDeployment's status.weightVersion come from those answers, never from what we expected.
+
+An update that committed on at least one pod (Succeeded, or Degraded with the others fenced) records the
+fleet's weights in the InferenceDeployment's status.weights {version, modelPath, digest, model}: what catchup.py
+brings every pod back to. One whose commit failed on every pod fences none and leaves status.weights as it
+was (the fleet is still on its old weights); a Rolling update that failed part way clears it (the fleet has
+no one version then).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import kopf
 
 from kvpilot.fanout import FanoutSettings, Target
 from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
-from kvpilot.operator import metrics
+from kvpilot.operator import fence, metrics
 from kvpilot.operator.builders import FLEETS, WEIGHT_UPDATES
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube import ApiException, Kube
@@ -38,6 +45,7 @@ from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod
 DONE = ("Succeeded", "Failed", "Degraded")
 # Of timeoutSeconds, the part kept back from staging for dropping the stage or switching (at most this).
 RESERVE_S = 15.0
+_KEEP = object()  # status.weights left as it is (an update that changed no pod)
 log = logging.getLogger(__name__)
 
 
@@ -46,15 +54,23 @@ def unfinished(status: dict[str, Any], **_: Any) -> bool:
     return (status or {}).get("phase") not in DONE
 
 
-async def drive(kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None) -> None:
+async def drive(
+    kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None, catchups: Any = None
+) -> None:
+    """Run the update unless it is finished. `catchups` (catchup.CatchUps): no catch-up of the fleet runs
+    meanwhile, and one looks at the fleet afterwards (the pods this update fenced)."""
     obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
     if obj is None or not unfinished(obj.get("status") or {}):
         return
+    fleet = obj["spec"]["targetRef"]["name"]
     metrics.WEIGHT_UPDATES_IN_PROGRESS.inc()
     try:
-        await Run(kube, obj, logger, limiter).run()
+        async with catchups.lock(ns, fleet) if catchups else contextlib.nullcontext():
+            await Run(kube, obj, logger, limiter).run()
     finally:
         metrics.WEIGHT_UPDATES_IN_PROGRESS.dec()
+    if catchups:
+        catchups.poke(ns, fleet)
 
 
 class Run:
@@ -71,6 +87,10 @@ class Run:
         self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
         self.pods: list[PodUpdate] = []
         self.target = f"InferenceDeployment/{self.spec['targetRef']['name']}"
+        self.fenced: set[str] = (
+            set()
+        )  # pods out of the Service (label kvpilot.io/serving "false"), as far as known
+        self.weights: Any = _KEEP  # the fleet's status.weights once the update ends
 
     # ---- status ------------------------------------------------------------------------------------
     async def patch(self, phase: str, **extra: Any) -> dict[str, Any]:
@@ -126,16 +146,28 @@ class Run:
                 first = next(p for p in self.pods if p.result == "Failed")
                 why = f"{first.name}: {first.message}"
                 if done:  # Rolling: earlier batches serve the new version
+                    self.weights = None  # no one version to bring pods back to
                     msg = f"a stage failed after {done} pods were updated ({why}); the fleet is on mixed versions"
                     return await self.finish("Failed", "StageFailed", msg)
                 return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
             await self.commit(group, settings)
+        await self.fence_behind(targets)  # a Rolling batch's failures, once a later batch succeeded
         await self.read_versions(targets, settings)
+        await self.unfence(targets, "on the fleet's weights again")
+        digest = self.pods[0].staged_digest
         fenced = [p.name for p in self.pods if p.result == "Fenced"]
+        if not any(p.result == "Succeeded" for p in self.pods):  # the fleet stays on its weights
+            why = "not fenced: no pod changed weights"
+            msg = f"no pod serves {self.spec['version']}: {', '.join(fenced[:5])} ({why})"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        self.weights = {
+            "version": self.spec["version"],
+            "modelPath": self.spec["modelPath"],
+            "digest": digest,
+        }
         if fenced:
             msg = f"{len(fenced)} pods are not on {self.spec['version']}: {', '.join(fenced[:5])} (fenced)"
             return await self.finish("Degraded", "CommitFailed", msg)
-        digest = self.pods[0].staged_digest
         msg = f"{len(self.pods)}/{len(self.pods)} pods serve {self.spec['version']} ({digest})"
         return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
 
@@ -145,6 +177,7 @@ class Run:
             "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
         )
         targets = sorted((pod_target(p, plan) for p in pods), key=lambda t: t.name)
+        self.fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
         if not targets:
             raise ResetFailure("NoTargets", f"{self.target} has no pods")
         blocked = [t for t in targets if t.skip_reason]
@@ -224,7 +257,27 @@ class Run:
                 p.result = "Fenced"
                 served = f"serves {r.body.get('weight_version')} ({r.body.get('digest')})"
                 p.message = redact(f"commit: {r.message or served}")
-                kopf.event(self.obj, type="Warning", reason="PodFenced", message=f"{t.name}: {p.message}")
+        await self.fence_behind(group)
+
+    async def fence_behind(self, group: Sequence[Target]) -> None:
+        """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
+        are behind the fleet); while none does, the fleet is still on its old weights, as they are."""
+        if not any(p.result == "Succeeded" for p in self.pods):
+            return
+        pods = self._by_name()
+        for t in group:
+            p = pods[t.name]
+            if p.result == "Fenced" and t.name not in self.fenced:  # out of the Service until it is back
+                if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+                    self.fenced.add(t.name)
+
+    async def unfence(self, group: Sequence[Target], why: str) -> None:
+        """Let the pods of `group` that this run updated and that were fenced back into the Service."""
+        for t in group:
+            p = self._by_name()[t.name]
+            if p.result == "Succeeded" and t.name in self.fenced:
+                if await fence.set_serving(self.kube, self.ns, t.name, t.uid, True, why, self.obj):
+                    self.fenced.discard(t.name)
 
     async def read_versions(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
         """What every pod serves now, as it says (status.pods[].version); unknown when it does not answer."""
@@ -259,9 +312,12 @@ class Run:
     async def fleet_version(self) -> None:
         fleet = self.spec["targetRef"]["name"]
         versions = [p.version or "unknown" for p in self.pods]
-        body = fleet_weight_version(versions)
+        body: dict[str, Any] = fleet_weight_version(versions)
         try:
             old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
+            if self.weights is not _KEEP:  # with the model they were committed over (fence.recorded_for)
+                model = str((old.get("spec") or {}).get("model") or "")
+                body["weights"] = self.weights and {**self.weights, "model": model}
             gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
             for version in gone:  # a merge patch keeps map keys it does not name
                 body["weightVersions"][version] = None
@@ -271,6 +327,7 @@ class Run:
                 if n is not None:
                     metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
             await self.kube.patch_status(FLEETS, self.ns, fleet, body)
+            metrics.FENCED_PODS.labels(self.ns, fleet).set(len(self.fenced))
         except ApiException as exc:  # informative; the update's own status is written next
             if exc.status != 404:
                 log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)

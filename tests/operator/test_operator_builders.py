@@ -25,6 +25,8 @@ def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_
     assert d["spec"]["selector"] == {"matchLabels": {"kvpilot.io/inference-deployment": "llama"}}
     tpl = d["spec"]["template"]
     assert tpl["metadata"]["labels"]["kvpilot.io/inference-deployment"] == "llama"
+    # a new pod serves until fenced; the label is not in the selector (a fenced pod stays its ReplicaSet's)
+    assert tpl["metadata"]["labels"]["kvpilot.io/serving"] == "true"
     assert tpl["metadata"]["annotations"]["prometheus.io/port"] == "8123"
     c = tpl["spec"]["containers"][0]
     assert c["command"] == ["kvpilot"]
@@ -59,9 +61,9 @@ def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
     )
 
 
-def test_service_selects_the_fleet_on_its_port() -> None:
+def test_service_selects_the_fleets_serving_pods_on_its_port() -> None:
     s = builders.service("llama", SPEC)
-    assert s["spec"]["selector"] == builders.selector_labels("llama")
+    assert s["spec"]["selector"] == {"kvpilot.io/inference-deployment": "llama", "kvpilot.io/serving": "true"}
     assert (
         s["spec"]["ports"][0]["port"] == 8123
         and builders.selector_string("llama") == "kvpilot.io/inference-deployment=llama"

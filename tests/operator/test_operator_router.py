@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 
 from support.cluster import Cluster
-from support.operator import PROMPT, STANDIN_ENV, OperatorProcess, apply_ns, fleet, fleet_pods, http, infd
+from support.operator import (
+    PROMPT,
+    STANDIN_ENV,
+    OperatorProcess,
+    apply_ns,
+    fleet,
+    fleet_pods,
+    http,
+    infd,
+    service_endpoints,
+)
 from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -35,13 +45,6 @@ def service_address(cluster: Cluster, ns: str, service: str) -> str:
             if (ep.get("conditions") or {}).get("ready"):
                 return f"{ep['addresses'][0]}:{port}"
     raise AssertionError(f"Service {ns}/{service} has no ready endpoint: {slices['items']}")
-
-
-def service_pods(cluster: Cluster, ns: str, service: str) -> set[str]:
-    slices = cluster.kubectl_json(
-        "get", "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={service}"
-    )
-    return {ep["targetRef"]["name"] for s in slices["items"] for ep in s.get("endpoints") or []}
 
 
 def post(url: str, body: dict | None, token: str | None = None) -> tuple[int, dict, dict]:
@@ -82,7 +85,7 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     daemons = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
     assert len(daemons) == 2
     # The router pod is not a daemon: the fleet Service (and so resets and the router itself) never sees it.
-    assert service_pods(cluster, ns, "llm") == set(daemons)
+    assert set(service_endpoints(cluster, ns, "llm")) == set(daemons)
     for kind in ROUTER_OBJECTS:
         obj = cluster.kubectl_json("get", kind, "llm-router", "-n", ns)
         assert obj["metadata"]["ownerReferences"][0]["name"] == "llm", kind

@@ -1,7 +1,9 @@
 """WeightUpdate against the dev cluster: an InferenceDeployment of 3 real `kvpilot serve` daemons (the
 embedded model, few blocks), a checkpoint on a host path every pod reads, the operator under its RBAC.
 Atomic ends Succeeded with every pod on the new version and digest; a pod that never answers its stage
-leaves all 3 on the old version; the API server refuses bad specs."""
+leaves all 3 on the old version; a pod killed mid-commit is fenced (out of the Service's EndpointSlices)
+and reported, then caught up to the fleet's weights and let back, also after a later restart; the API server
+refuses bad specs."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ import pytest
 
 from kvpilot.benchkit import changed_checkpoint
 from support.cluster import Cluster, manifest
-from support.operator import OperatorProcess, apply_ns, fleet, fleet_pods, infd, ready_replicas
+from support.operator import (
+    OperatorProcess,
+    apply_ns,
+    container_pid,
+    fleet,
+    fleet_pods,
+    infd,
+    ready_replicas,
+    service_endpoints,
+)
 from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
@@ -30,21 +41,29 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return changed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
 
 
-@pytest.fixture
-def llm(cluster: Cluster, ns: str, operator: OperatorProcess) -> Iterator[dict[str, str]]:
-    """3 ready daemons of InferenceDeployment llm; pod name -> IP."""
+def real_fleet(cluster: Cluster, ns: str, replicas: int, **engine: int) -> dict[str, str]:
+    """`replicas` ready daemons of InferenceDeployment llm (the embedded model; `engine` over the small
+    defaults); pod name -> IP."""
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, f"--from-literal=token={TOKEN}")
     # its owner's consent: only a labelled (or the fleet's own) Secret is mounted into a fleet's pods
     cluster.kubectl("label", "secret", "admin", "-n", ns, "kvpilot.io/admin-token=true")
     spec = {
-        "replicas": 3,
+        "replicas": replicas,
         "adminTokenSecretRef": {"name": "admin"},
-        "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256, "dtype": "bfloat16"},
+        "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256, "dtype": "bfloat16", **engine},
         "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
     }
     apply_ns(cluster, ns, fleet("llm", spec))
-    wait_for(lambda: ready_replicas(cluster, ns, "llm", 3), 300, "3 ready kvpilot daemons", interval=1)
-    yield {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
+    wait_for(
+        lambda: ready_replicas(cluster, ns, "llm", replicas), 300, f"{replicas} ready daemons", interval=1
+    )
+    return {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
+
+
+@pytest.fixture
+def llm(cluster: Cluster, ns: str, operator: OperatorProcess) -> Iterator[dict[str, str]]:
+    """3 ready daemons of InferenceDeployment llm; pod name -> IP."""
+    yield real_fleet(cluster, ns, 3)
 
 
 def _get(ip: str) -> dict:
@@ -66,6 +85,11 @@ def kvpilot(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
 
 def wu(name: str, spec: dict) -> dict:
     return manifest("kvpilot.io/v1alpha1", "WeightUpdate", name, spec)
+
+
+def llm_update(checkpoint: Path, version: str, **extra: object) -> dict:
+    """A WeightUpdate spec of fleet llm to `checkpoint` as `version`."""
+    return {"targetRef": {"name": "llm"}, "modelPath": str(checkpoint), "version": version, **extra}
 
 
 def wait_done(cluster: Cluster, ns: str, name: str, timeout: float) -> dict:
@@ -110,17 +134,10 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
 
     # One pod frozen (SIGSTOP): its stage never answers; the stage is dropped on the others, no pod changes.
     frozen = sorted(llm)[0]
-    pod = cluster.kubectl_json("get", "pod", frozen, "-n", ns)
-    pid = int(pod["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[-1])
+    pid = container_pid(cluster, ns, frozen)
     os.killpg(os.getpgid(pid), signal.SIGSTOP)
     try:
-        spec = {
-            "targetRef": {"name": "llm"},
-            "modelPath": str(checkpoint),
-            "version": "v3",
-            "timeoutSeconds": 40,
-        }
-        apply_ns(cluster, ns, wu("to-v3", spec))
+        apply_ns(cluster, ns, wu("to-v3", llm_update(checkpoint, "v3", timeoutSeconds=40)))
         st = wait_done(cluster, ns, "to-v3", 120)["status"]
     finally:
         os.killpg(os.getpgid(pid), signal.SIGCONT)
@@ -139,13 +156,7 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
 
     # Rolling, 2 pods at a time: two batches, every pod on v4 in the end.
     wait_for(lambda: ready_replicas(cluster, ns, "llm", 3), 120, "the thawed pod ready again", interval=1)
-    spec = {
-        "targetRef": {"name": "llm"},
-        "modelPath": str(checkpoint),
-        "version": "v4",
-        "strategy": "Rolling",
-        "maxUnavailable": 2,
-    }
+    spec = llm_update(checkpoint, "v4", strategy="Rolling", maxUnavailable=2)
     apply_ns(cluster, ns, wu("rolling", spec))
     st = wait_done(cluster, ns, "rolling", 300)["status"]
     assert st["phase"] == "Succeeded" and st["progress"] == "3/3", st
@@ -179,3 +190,163 @@ def test_a_missing_target_fails_at_once(cluster: Cluster, ns: str, operator: Ope
     assert (st["phase"], cond["reason"]) == ("Failed", "TargetNotFound")
     assert cond["message"] == f"InferenceDeployment {ns}/nope not found"
     assert st["target"] == "InferenceDeployment/nope" and st["version"] == "v2"
+
+
+def _serving_label(cluster: Cluster, ns: str, pod: str) -> str | None:
+    return cluster.kubectl_json("get", "pod", pod, "-n", ns)["metadata"]["labels"].get("kvpilot.io/serving")
+
+
+def _events(cluster: Cluster, ns: str, reason: str) -> list[str]:
+    evs = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", f"reason={reason}")["items"]
+    return [e["message"] for e in evs]
+
+
+def _stream(ip: str, out: list[str]) -> None:
+    """A long greedy stream on the pod, so that its pause (mode wait) drains it: the commit waits on this
+    pod while the test kills it. `out`: "token" per chunk, its finish_reason, or the error that ended it."""
+    import json
+    import urllib.request
+
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    reason = json.loads(line[6:])["choices"][0].get("finish_reason")
+                    out.append(reason or "token")
+    except Exception as exc:  # noqa: BLE001 - the kill ends it: that is the point
+        out.append(f"error: {exc}")
+
+
+def _committing(cluster: Cluster, ns: str, update: str, streams: dict[str, list[str]]) -> None:
+    """Wait until the update commits while each pod of `streams` drains its stream (pause mode wait)."""
+
+    def committing() -> bool:
+        phase = (cluster.kubectl_json("get", "wu", update, "-n", ns).get("status") or {}).get("phase")
+        assert phase not in ("Succeeded", "Failed", "Degraded"), f"ended {phase} early; streams {streams}"
+        return phase == "Committing"
+
+    wait_for(committing, 120, f"{update} to commit", interval=0.2)
+
+
+def _start_streams(pods: dict[str, str], names: list[str]) -> dict[str, list[str]]:
+    import threading
+
+    streams: dict[str, list[str]] = {n: [] for n in names}
+    for n in names:
+        threading.Thread(target=_stream, args=(pods[n], streams[n]), daemon=True).start()
+    wait_for(lambda: all("token" in v for v in streams.values()), 120, f"the streams to start: {streams}")
+    return streams
+
+
+def _kill(cluster: Cluster, ns: str, pod: str) -> None:
+    os.killpg(os.getpgid(container_pid(cluster, ns, pod)), signal.SIGKILL)
+
+
+def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
+    cluster: Cluster, ns: str, operator: OperatorProcess, checkpoint: Path
+) -> None:
+    pods = real_fleet(cluster, ns, 2, kvCacheBlocks=80, maxModelLen=1100)
+    victim, other = sorted(pods)
+    assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
+    all_in = dict.fromkeys(pods, True)  # the EndpointSlice controller follows the pods' readiness a bit later
+    wait_for(lambda: service_endpoints(cluster, ns, "llm") == all_in, 60, "both pods in the Service")
+
+    # Both killed mid-commit: no pod changed weights, so none is fenced and the fleet records no weights
+    # (fencing them would take the whole fleet out of its Service).
+    streams = _start_streams(pods, [victim, other])
+    apply_ns(cluster, ns, wu("to-v1", llm_update(checkpoint, "v1", timeoutSeconds=120)))
+    _committing(cluster, ns, "to-v1", streams)
+    for name in pods:
+        _kill(cluster, ns, name)
+    st = wait_done(cluster, ns, "to-v1", 180)["status"]
+    cond = {c["type"]: c for c in st["conditions"]}["Degraded"]
+    assert cond["reason"] == "CommitFailed" and "no pod serves v1" in cond["message"], cond
+    assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
+    assert "weights" not in infd(cluster, ns, "llm")["status"]
+
+    def restarted() -> bool:
+        for name in pods:
+            c = cluster.kubectl_json("get", "pod", name, "-n", ns)["status"]["containerStatuses"][0]
+            if not (c["restartCount"] >= 1 and c["ready"]):
+                return False
+        return True
+
+    wait_for(restarted, 180, "both restarted and ready", interval=1)
+
+    # One killed mid-commit: it is fenced, the other serves v2.
+    out = _start_streams(pods, [victim])[victim]
+    apply_ns(cluster, ns, wu("to-v2", llm_update(checkpoint, "v2", timeoutSeconds=120)))
+    _committing(cluster, ns, "to-v2", {victim: out})
+    # Staged on both: from here on the checkpoint is not read. Hidden, the first catch-ups fail (404), so
+    # the fenced pod is seen fenced; the victim is killed while its pause drains the stream.
+    hidden = checkpoint.with_name(checkpoint.name + "-hidden")
+    checkpoint.rename(hidden)
+    try:
+        _kill(cluster, ns, victim)
+        st = wait_done(cluster, ns, "to-v2", 180)["status"]
+        assert not {"length", "stop"} & set(out), out[-3:]  # cut, never finished: killed mid-commit
+        assert st["phase"] == "Degraded", st
+        cond = {c["type"]: c for c in st["conditions"]}["Degraded"]
+        assert cond["reason"] == "CommitFailed" and victim in cond["message"] and other not in cond["message"]
+        results = {p["name"]: p for p in st["pods"]}
+        assert (results[victim]["result"], results[other]["result"]) == ("Fenced", "Succeeded"), st["pods"]
+        digest = results[other]["stagedDigest"]
+        # the fleet's weights, recorded: what the catch-up brings the victim to
+        weights = infd(cluster, ns, "llm")["status"]["weights"]
+        assert weights == {"version": "v2", "modelPath": str(checkpoint), "digest": digest, "model": ""}
+        # Fenced through the API server: labelled not serving, out of the Service's EndpointSlices (so out
+        # of the router's), while its restarted container serves again on its --model.
+        assert _serving_label(cluster, ns, victim) == "false"
+        wait_for(
+            lambda: set(service_endpoints(cluster, ns, "llm")) == {other}, 60, "the victim out of the Service"
+        )
+        wait_for(lambda: _events(cluster, ns, "CatchUpFailed"), 120, "a catch-up that fails (no checkpoint)")
+        assert operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 1
+        assert _serving_label(cluster, ns, victim) == "false" and set(
+            service_endpoints(cluster, ns, "llm")
+        ) == {other}
+    finally:
+        hidden.rename(checkpoint)
+    # The checkpoint back: the next catch-up (after its back-off) stages and commits v2 on the victim alone
+    # and lets it back into the Service.
+    wait_for(lambda: _serving_label(cluster, ns, victim) == "true", 180, "the victim caught up, un-fenced")
+    info = _get(pods[victim])
+    assert (info["weight_version"], info["digest"]) == ("v2", digest)
+    wait_for(lambda: service_endpoints(cluster, ns, "llm") == all_in, 60, "both in the Service")
+    assert any(victim in m and "caught up to v2" in m for m in _events(cluster, ns, "PodUnfenced"))
+    wait_for(
+        lambda: operator.metric("kvpilot_operator_fenced_pods", namespace=ns, deployment="llm") == 0,
+        30,
+        "0 fenced",
+    )
+
+    # A restart with no update running (its container comes back on --model): fenced, caught up, let back.
+    fenced_before = len(_events(cluster, ns, "PodFenced"))
+    _kill(cluster, ns, victim)
+    wait_for(lambda: len(_events(cluster, ns, "PodFenced")) > fenced_before, 120, "the restarted pod fenced")
+
+    def back() -> bool:
+        try:
+            on_v2 = _get(pods[victim])["weight_version"] == "v2"
+        except OSError:
+            return False
+        return on_v2 and _serving_label(cluster, ns, victim) == "true"
+
+    wait_for(back, 180, "the restarted pod caught up and un-fenced")
+    assert _get(pods[other])["weight_version"] == "v2"
+
+    # Weights recorded over another model than spec.model (as after a change of spec.model): dropped at the
+    # next look (a restart), not forced on the pod, which comes back on its --model and stays in the Service.
+    other_model = '{"status":{"weights":{"model":"/models/before"}}}'
+    cluster.kubectl(
+        "patch", "infd", "llm", "-n", ns, "--subresource=status", "--type=merge", "-p", other_model
+    )
+    _kill(cluster, ns, victim)
+    wait_for(lambda: "weights" not in infd(cluster, ns, "llm")["status"], 120, "the record dropped")
+    assert _events(cluster, ns, "WeightsForgotten") and _serving_label(cluster, ns, victim) == "true"

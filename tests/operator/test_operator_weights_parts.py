@@ -159,3 +159,26 @@ def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
     assert [r.status for r in replies["good"]] == [409, 200, 200]  # a refused optional step goes on
     assert [r.status for r in replies["bad"]] == [409, 500]  # a failed required step ends its sequence
     assert (f"127.0.8.2:{port}", "/update_weights") not in calls
+
+
+def test_fence_decision() -> None:
+    from kvpilot.operator.fence import CATCH_UP, FENCE, LEAVE, SERVE, WAIT, decide, recorded_for, serving
+
+    fleet = {"version": "v2", "modelPath": "/ckpt", "digest": "sha256:b"}
+    on_v2 = {"weight_version": "v2", "digest": "sha256:b"}
+    assert decide(None, {"weight_version": "v1"}, True) == LEAVE  # no recorded weights: never fenced
+    assert decide(fleet, on_v2, True) == decide(fleet, on_v2, False) == SERVE
+    assert decide(fleet, {"weight_version": "v1", "digest": "sha256:a"}, True) == CATCH_UP  # a restart
+    assert decide(fleet, {"weight_version": "v2", "digest": "sha256:z"}, True) == CATCH_UP  # same name, other
+    assert decide({"version": "v2"}, {"weight_version": "v2", "digest": "x"}, True) == SERVE  # no digest kept
+    assert decide(fleet, None, False) == FENCE  # restarting or loading: it comes back on old weights
+    assert decide(fleet, None, True) == WAIT  # Ready, silent once: asked again, not fenced on one miss
+    assert serving({"metadata": {"labels": {}}}) and not serving(
+        {"metadata": {"labels": {"kvpilot.io/serving": "false"}}}
+    )
+    # recorded over the default model: they apply while spec.model stays unset, not once it names another
+    assert recorded_for({**fleet, "model": ""}, {}) and recorded_for(fleet, {"model": None})
+    assert not recorded_for({**fleet, "model": ""}, {"model": "/models/other"})
+    assert recorded_for({**fleet, "model": "/m"}, {"model": "/m"}) and not recorded_for(
+        {**fleet, "model": "/m"}, {}
+    )

@@ -126,6 +126,26 @@ def fleet_pods(cluster: Cluster, ns: str, name: str) -> list[dict]:
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
+def service_endpoints(cluster: Cluster, ns: str, service: str) -> dict[str, bool]:
+    """The pods in the Service's EndpointSlices (what the fleet router and kube-proxy read), each with its
+    endpoint's ready condition."""
+    slices = cluster.kubectl_json(
+        "get", "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={service}"
+    )
+    return {
+        ep["targetRef"]["name"]: bool((ep.get("conditions") or {}).get("ready"))
+        for s in slices["items"]
+        for ep in s.get("endpoints") or []
+    }
+
+
+def container_pid(cluster: Cluster, ns: str, pod: str) -> int:
+    """The pid of the pod's first container: the dev cluster's node agent names the process in containerID
+    (its process group is the container's)."""
+    obj = cluster.kubectl_json("get", "pod", pod, "-n", ns)
+    return int(obj["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[-1])
+
+
 def infd(cluster: Cluster, ns: str, name: str) -> dict:
     return cluster.kubectl_json("get", "infd", name, "-n", ns)
 
