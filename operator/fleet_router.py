@@ -22,6 +22,7 @@ class RouterState:
     reason: str = ""  # why not (a CamelCase reason for the Ready condition)
     message: str = ""
     retry: bool = False  # a problem that a later reconcile may solve (an API error, a name taken)
+    retry_delay_s: float = 60.0
 
     @property
     def problem(self) -> tuple[str, str] | None:
@@ -59,7 +60,11 @@ async def reconcile_router(
         # Removal reads four objects, so it runs only when there may be something to remove: status says a
         # router ran, or the spec just changed (a router that never reached status, e.g. after a crash).
         if status.get("router") or meta.get("generation") != status.get("observedGeneration"):
-            await _remove(kube, ns, rname, uid, logger)
+            if stopping := await _remove(kube, ns, name, uid, logger):
+                # status.router stays until they are gone, so the next reconcile removes the rest
+                msg = f"router {rname} is stopping: its RoleBinding goes once its {stopping} pods are gone"
+                left = {"replicas": stopping, "readyReplicas": 0}
+                return RouterState(left, message=msg, retry=True, retry_delay_s=5.0)
         return RouterState(None)
     objs = router_objects.objects(name, ns, spec, router_role)
     try:
@@ -91,7 +96,20 @@ async def reconcile_router(
     return deployment_state(name, int(wanted.get("replicas", 1)), dep)
 
 
-async def _remove(kube: Kube, ns: str, rname: str, uid: str, logger: logging.Logger) -> None:
-    removed = [kind for kind in router_objects.KINDS if await kube.delete_owned(kind, ns, rname, uid)]
+async def _remove(kube: Kube, ns: str, name: str, uid: str, logger: logging.Logger) -> int:
+    """Remove the fleet's router objects; the router pods still running (0: all is gone). Its RoleBinding and ServiceAccount stay
+    while a router pod still runs (it shuts down for up to its --shutdown-timeout and may still read its
+    EndpointSlices and the fleet's pods meanwhile: without them those reads would be refused)."""
+    rname = router_objects.router_name(name)
+    workload = [k for k in router_objects.KINDS if k not in ("RoleBinding", "ServiceAccount")]
+    removed = [kind for kind in workload if await kube.delete_owned(kind, ns, rname, uid)]
+    pods, _ = await kube.list_pods(
+        ns, builders.label_selector({"matchLabels": router_objects.router_selector(name)})
+    )
+    if not pods:
+        removed += [
+            k for k in ("RoleBinding", "ServiceAccount") if await kube.delete_owned(k, ns, rname, uid)
+        ]
     if removed:
         logger.info("router %s/%s removed (%s): spec.router.enabled is false", ns, rname, ", ".join(removed))
+    return len(pods)

@@ -204,4 +204,5 @@ async def reconcile(
     if (
         router.retry or policy.problem
     ):  # status says what is wrong; look again later (a name freed, the API back)
-        raise kopf.TemporaryError(router.message or (policy.problem or ("", ""))[1], delay=60)
+        delay = router.retry_delay_s if router.retry else 60
+        raise kopf.TemporaryError(router.message or (policy.problem or ("", ""))[1], delay=delay)
