@@ -392,7 +392,8 @@ async def health(request: web.Request) -> web.Response:
             "synced": p.synced(),
             "indexed_blocks": r.index.blocks_of(p.holders()),
             "ranks": p.num_ranks,
-            "weight_versions": [describe(v) for v in p.versions()],
+            # each followed rank's; without KV events, what its /health names
+            "weight_versions": [describe(v) for v in p.versions() or [p.weight_version]],
         }
         for p in r.fleet.pods
     ]

@@ -3,7 +3,8 @@ embedded model, few blocks), a checkpoint on a host path every pod reads, the op
 Atomic ends Succeeded with every pod on the new version and digest; a pod that never answers its stage
 leaves all 3 on the old version; a pod killed mid-commit is fenced (out of the Service's EndpointSlices)
 and reported, then caught up to the fleet's weights and let back, also after a later restart; the API server
-refuses bad specs."""
+refuses bad specs; a Rolling update behind the fleet's router answers throughout, never going back to the
+old weights once the router knows the new."""
 
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return changed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
 
 
-def real_fleet(cluster: Cluster, ns: str, replicas: int, **engine: int) -> dict[str, str]:
+def real_fleet(
+    cluster: Cluster, ns: str, replicas: int, router: bool = False, **engine: int
+) -> dict[str, str]:
     """`replicas` ready daemons of InferenceDeployment llm (the embedded model; `engine` over the small
-    defaults); pod name -> IP."""
+    defaults), with its fleet router if `router`; pod name -> IP."""
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, f"--from-literal=token={TOKEN}")
     # its owner's consent: only a labelled (or the fleet's own) Secret is mounted into a fleet's pods
     cluster.kubectl("label", "secret", "admin", "-n", ns, "kvpilot.io/admin-token=true")
@@ -52,6 +55,7 @@ def real_fleet(cluster: Cluster, ns: str, replicas: int, **engine: int) -> dict[
         "adminTokenSecretRef": {"name": "admin"},
         "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256, "dtype": "bfloat16", **engine},
         "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
+        **({"router": {"enabled": True, "policy": "round-robin"}} if router else {}),
     }
     apply_ns(cluster, ns, fleet("llm", spec))
     wait_for(
@@ -350,3 +354,77 @@ def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     _kill(cluster, ns, victim)
     wait_for(lambda: "weights" not in infd(cluster, ns, "llm")["status"], 120, "the record dropped")
     assert _events(cluster, ns, "WeightsForgotten") and _serving_label(cluster, ns, victim) == "true"
+
+
+# ---- Rolling behind the fleet's router ----------------------------------------------------------------
+def _router_get(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _router_complete(router: str) -> tuple[int, str | None]:
+    """(status, system_fingerprint) of a 2-token completion through the router."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "One, two, three,", "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(
+        f"{router}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()).get("system_fingerprint")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def test_rolling_behind_the_router_answers_throughout_each_from_one_version(
+    cluster: Cluster, ns: str, operator: OperatorProcess, checkpoint: Path
+) -> None:
+    """A Rolling update of 3 pods, one at a time, while a client keeps asking through the fleet's router:
+    every answer is a 200 from the old or the new weights, and once the router knows a pod on the new
+    ones (its /health says so before the request is sent), every answer comes from them."""
+    import threading
+
+    real_fleet(cluster, ns, 3, router=True)
+    cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", ns, "--timeout=300s")
+    slices = cluster.kubectl_json(
+        "get", "endpointslices", "-n", ns, "-l", "kubernetes.io/service-name=llm-router"
+    )
+    (ep,) = [
+        e
+        for s in slices["items"]
+        for e in s.get("endpoints") or []
+        if (e.get("conditions") or {}).get("ready")
+    ]
+    router = f"http://{ep['addresses'][0]}:8080"
+    seen: list[tuple[bool, int, str | None]] = []  # (the router knew a pod on r2, status, fingerprint)
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            pods = _router_get(f"{router}/health")["pods"]
+            knew = any(p["ready"] and p["weight_versions"] == ["r2"] for p in pods)
+            seen.append((knew, *_router_complete(router)))
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(seen) >= 2, 120, "answers through the router before the update")
+        apply_ns(cluster, ns, wu("roll", llm_update(checkpoint, "r2", strategy="Rolling", maxUnavailable=1)))
+        st = wait_done(cluster, ns, "roll", 420)["status"]
+        n = len(seen)
+        wait_for(lambda: len(seen) >= n + 3, 120, "answers after the update")
+    finally:
+        stop.set()
+        t.join(180)
+    assert st["phase"] == "Succeeded" and st["progress"] == "3/3", st
+    assert [s for s in seen if s[1] != 200] == [], seen
+    old = seen[0][2]
+    assert old != "r2" and {f for _, _, f in seen} == {old, "r2"}, seen
+    assert [s for s in seen if s[0] and s[2] != "r2"] == [], seen  # never back to the old weights
+    assert seen[-1][2] == "r2"
