@@ -12,6 +12,7 @@ import pytest
 from kubernetes import config
 
 from kvpilot.endpointslices import Endpoint
+from kvpilot.operator.builders import serving_selector
 from kvpilot.router.discovery import FleetMembers
 from support.cluster import Cluster
 from support.operator import (
@@ -68,7 +69,7 @@ def test_router_follows_only_the_fleets_own_pods(
     cluster.kubectl("create", "configmap", "owner", "-n", ns)
     cm_uid = cluster.kubectl_json("get", "configmap", "owner", "-n", ns)["metadata"]["uid"]
     owner = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": cm_uid, "controller": True}
-    apply_ns(cluster, ns, standin_pod("rogue", {"kvpilot.io/inference-deployment": "llm"}, owner=owner))
+    apply_ns(cluster, ns, standin_pod("rogue", serving_selector("llm"), owner=owner))
     apply_ns(cluster, ns, standin_pod("listener", {"role": "listener"}))
     for pod in ("rogue", "listener"):
         cluster.kubectl("wait", "--for=condition=Ready", f"pod/{pod}", "-n", ns, "--timeout=60s")
