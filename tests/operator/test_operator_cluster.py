@@ -543,7 +543,9 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
     # nothing written at all
     assert dep1["metadata"]["resourceVersion"] == dep0["metadata"]["resourceVersion"]
     assert events1 == events0, cluster.kubectl("get", "events", "-n", ns).stdout
-    assert applies1 - applies0 <= 3, f"{applies1 - applies0} applies in 20 s: a loop"
+    # A loop re-applies within ~0.1 s of each event (100+ in 20 s); a few are the poke and owned-object events
+    # (pod and status writes): CI once saw 4 with nothing written.
+    assert applies1 - applies0 <= 6, f"{applies1 - applies0} applies in 20 s: a loop"
     assert dep1["metadata"]["annotations"]["team.example/owner"] == "ml"
     fields = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns, "--show-managed-fields")["metadata"]
     managers = {m["manager"] for m in fields["managedFields"] if m["operation"] == "Apply"}
