@@ -14,6 +14,15 @@ What a pod sends is bounded here, whatever it sends:
   advertised `blocks_total`, at most `MAX_BLOCKS_PER_HOLDER`): a stream that would go past it no longer
   matches any pool, so the entry is emptied and rebuilt from the events that follow.
 
+Expected blocks: a request the router has just sent computes its prompt's blocks there, but their
+`BlockStored` events come only after that prefill. Until then a second request with the same prefix would
+be scored as a miss everywhere and could land on another pod (or rank), which then computes the prefix too.
+So the policy notes what it sent where (`expect`), and matching may count those keys as well
+(`matched_blocks(..., expected=True)`) for `EXPECTED_TTL_S` or until the pod's events store, remove or clear
+them. Expected keys only steer the choice: the prediction reported against the pod's `cached_tokens` counts
+the keys the pod's events confirmed. A data-parallel daemon's own rank choice remembers what it sent in the
+same way, so this is what lets the router's exact choice of rank do at least as well.
+
 Memory: each key is kept as the integer of its first 16 bytes in a per-holder set (about 80-110 B per key
 with CPython's set and int layouts; `bench/index_memory.py` measures it). 128 bits of a sha256 digest
 keep accidental collisions out of reach (the birthday bound is 2**64 keys), and a collision could only
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Hashable, Iterable
 
 from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -36,6 +46,13 @@ KEY_BYTES = 16  # what the index keeps of it
 # Blocks one holder may hold whatever its pod advertises: a rank with 2M blocks of 16 tokens caches 32M
 # tokens, far beyond any one accelerator's KV memory today; it bounds a lying pod at ~230 MB.
 MAX_BLOCKS_PER_HOLDER = 1 << 21
+# How long a key sent to a holder counts as expected there: past the longest prefill plus event delivery
+# that a 2-core CPU pod shows (a 4k-token prompt takes ~12 s); on an accelerator the events come far sooner
+# and confirm the key before. A request that never computed its prefix misleads the choice until then.
+EXPECTED_TTL_S = 30.0
+# Expected keys kept per holder, the oldest dropped first: the prompts of the requests most recently sent
+# there (256 prompts of 1k tokens in 16-token blocks).
+MAX_EXPECTED_PER_HOLDER = 1 << 14
 
 
 def index_key(block_hash: object) -> int | None:
@@ -53,6 +70,7 @@ class PrefixIndex:
         self._distrusted: set[Holder] = set()  # holders whose entries stay empty until their next clear
         self._refused: set[Holder] = set()  # holders already warned about for hashes of the wrong form
         self._cleared = asyncio.Event()  # set (and replaced) whenever a holder reports AllBlocksCleared
+        self._expected: dict[Holder, dict[int, float]] = {}  # holder -> key -> when it stops being expected
 
     # ---- updates -------------------------------------------------------------------------------
     def set_capacity(self, holder: Holder, blocks: int | None) -> None:
@@ -80,11 +98,13 @@ class PrefixIndex:
     def store(self, holder: Holder, hashes: Iterable[object]) -> None:
         held = self._blocks.setdefault(holder, set())
         cap = self._capacity.get(holder, MAX_BLOCKS_PER_HOLDER)
+        expected = self._expected.get(holder) or {}
         for h in hashes:
             k = index_key(h)
             if k is None:
                 self._refuse(holder, h)
                 continue
+            expected.pop(k, None)  # confirmed: the pod's events speak for it from now on
             if len(held) >= cap and k not in held:
                 # More blocks than the pool has: events were lost or the pod is lying. Start over.
                 log.warning("%s: more than its %d blocks indexed; emptying its entry", holder, cap)
@@ -92,16 +112,36 @@ class PrefixIndex:
             held.add(k)
 
     def remove(self, holder: Holder, hashes: Iterable[object]) -> None:
-        held = self._blocks.get(holder)
-        if not held:
+        held = self._blocks.get(holder) or set()
+        expected = self._expected.get(holder) or {}
+        if not held and not expected:
             return
         for h in hashes:
             k = index_key(h)
             if k is not None:
                 held.discard(k)  # a malformed hash was never stored
+                expected.pop(k, None)
 
     def clear(self, holder: Holder) -> None:
         self._blocks.pop(holder, None)
+        self._expected.pop(holder, None)
+
+    def expect(self, holder: Holder, hashes: Iterable[object]) -> None:
+        """`holder` was just sent a prompt with these block hashes: count them as expected there until its
+        events confirm or drop them, or for EXPECTED_TTL_S."""
+        if holder in self._distrusted:
+            return  # a reset on its way: nothing sent before it counts
+        held = self._blocks.get(holder) or ()
+        expected = self._expected.setdefault(holder, {})
+        until = time.monotonic() + EXPECTED_TTL_S
+        for h in hashes:
+            k = index_key(h)
+            if k is None or k in held:
+                continue
+            expected.pop(k, None)  # re-inserted last: the newest are kept when the bound drops the oldest
+            expected[k] = until
+        while len(expected) > MAX_EXPECTED_PER_HOLDER:
+            del expected[next(iter(expected))]
 
     def forget(self, holder: Holder) -> None:
         """Drop everything about a holder that left the fleet."""
@@ -138,17 +178,25 @@ class PrefixIndex:
     def clears(self, holder: Holder) -> int:
         return self._clears.get(holder, 0)
 
-    def matched_blocks(self, hashes: list[bytes], holders: Iterable[Holder]) -> dict[Holder, int]:
+    def matched_blocks(
+        self, hashes: list[bytes], holders: Iterable[Holder], expected: bool = False
+    ) -> dict[Holder, int]:
         """For each holder, how many leading block hashes it holds without a gap (the engine stops at its
-        first miss too)."""
+        first miss too); with `expected`, keys it was sent and has not confirmed yet count as held."""
         out = {h: 0 for h in holders}
-        alive = [(h, held) for h in out if (held := self._blocks.get(h))]
+        empty: dict[int, float] = {}
+        now = time.monotonic()
+        alive = [
+            (h, self._blocks.get(h) or (), (self._expected.get(h) or empty) if expected else empty)
+            for h in out
+        ]
+        alive = [a for a in alive if a[1] or a[2]]
         for i, block_hash in enumerate(hashes):
             k = index_key(block_hash)
-            alive = [(h, held) for h, held in alive if k in held]
+            alive = [a for a in alive if k in a[1] or a[2].get(k, 0.0) > now]
             if not alive:
                 break
-            for h, _ in alive:
+            for h, _, _ in alive:
                 out[h] = i + 1
         return out
 

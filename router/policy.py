@@ -1,9 +1,10 @@
 """Where a request goes: `prefix-aware` (kvpilot pods' default), `round-robin` or `least-load`.
 
 prefix-aware scores each ready pod by the work the request would cost there: the prompt tokens it would
-have to compute (those not in the pod's cached prefix, as its KV events say) plus a charge per request the
-pod is already serving. The cheapest pod wins; ties go to the least loaded, then round-robin. So a shared
-system prompt keeps landing where it is cached until that pod is busier than a recompute is worth.
+have to compute (those not in the pod's cached prefix, as its KV events say or as the router just sent
+there: index.py, "Expected blocks") plus a charge per request the pod is already serving. The cheapest pod
+wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
+cached until that pod is busier than a recompute is worth.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -78,18 +79,23 @@ class PrefixAware(RoundRobin):
     name = "prefix-aware"
     needs_prompts = True
 
-    def __init__(self, index: PrefixIndex, tokens_per_running_request: int = 64) -> None:
+    def __init__(self, index: PrefixIndex, tokens_per_running_request: int = 32) -> None:
         super().__init__()
         self.index = index
         # What one request already open on a pod costs a newcomer there, in prompt tokens to compute.
         # With continuous batching a decoding neighbour adds about one token of work per step, far less
-        # than a recomputed prefix, so a cached prefix stays put until its pod is several requests
-        # busier than the others (then one spill also warms a second pod for that prefix).
+        # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
+        # requests open than another (then one spill also warms a second pod for that prefix): 4 for a
+        # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon: bench/router.py's
+        # hit rate was 0.607 with it and 0.750 with 32 (docs/router.md).
         self.load_tokens = tokens_per_running_request
 
-    def predict(self, pods: list[Pod], prompts: Prompts) -> dict[tuple[str, int], int]:
-        """Prompt tokens each (pod, rank) would serve from its cache, per the index; pods whose events are
-        not followed are left out."""
+    def predict(
+        self, pods: list[Pod], prompts: Prompts, expected: bool = False
+    ) -> dict[tuple[str, int], int]:
+        """Prompt tokens each (pod, rank) would serve from its cache, per the index (with `expected`, also
+        from the prompts just sent there whose events have not come yet); pods whose events are not
+        followed are left out."""
         out: dict[tuple[str, int], int] = {}
         by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
         for p in pods:
@@ -100,7 +106,7 @@ class PrefixAware(RoundRobin):
         # A rank is looked up only with keys of its own version: blocks of other weights never match.
         for scheme, holders in by_scheme.items():
             for keys in prompts.block_keys(scheme):  # computed off the event loop (PromptReader)
-                for holder, blocks in self.index.matched_blocks(keys, holders).items():
+                for holder, blocks in self.index.matched_blocks(keys, holders, expected).items():
                     out[holder] += blocks * scheme[0]
         return out
 
@@ -109,13 +115,16 @@ class PrefixAware(RoundRobin):
         if prompts is None:
             return Decision(min(order, key=lambda p: p.in_flight), "load")
         n = sum(len(ids) for ids in prompts.token_ids)
-        predicted = self.predict(order, prompts)
+        # Scored on what each rank holds or was just sent (index.py, "Expected blocks"); reported as
+        # predicted: what its events confirmed, which the pod's cached_tokens is compared with.
+        likely = self.predict(order, prompts, expected=True)
+        confirmed = self.predict(order, prompts)
         # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
-        candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, predicted cached tokens
+        candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
         for pod in order:
-            held = [h for h in pod.holders() if h in predicted]
+            held = [h for h in pod.holders() if h in likely]
             if held:
-                candidates += [(pod, rank, predicted[(pod.name, rank)]) for _, rank in held]
+                candidates += [(pod, rank, likely[(pod.name, rank)]) for _, rank in held]
             else:
                 candidates.append((pod, None, None))
 
@@ -128,5 +137,11 @@ class PrefixAware(RoundRobin):
             return (n - (cached or 0) + self.load_tokens * load, load, i)
 
         pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
+        predicted = None
+        if rank is not None:
+            predicted = confirmed[(pod.name, rank)]
+            scheme = dict(_schemes(pod))[(pod.name, rank)]
+            for keys in prompts.block_keys(scheme):
+                self.index.expect((pod.name, rank), keys)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
-        return Decision(pod, "prefix" if cached else "load", cached, rank if pod.num_ranks > 1 else None)
+        return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)

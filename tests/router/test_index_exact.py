@@ -13,6 +13,7 @@ from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.kv_events import (
     AllBlocksCleared,
+    BlockRemoved,
     BlockStored,
     EventBatch,
     KVEventRecorder,
@@ -20,6 +21,7 @@ from kvpilot.daemon.engine.kv_events import (
     encode_batch,
 )
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.router import index as index_module
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.pods import Pod, parse_endpoints
 from kvpilot.router.policy import LeastLoad, PrefixAware, RoundRobin
@@ -100,6 +102,46 @@ def test_matching_stops_at_the_first_missing_block_and_distrust_holds_until_a_cl
     assert index.num_blocks("a") == 1 and index.clears("a") == 1
 
 
+def test_expected_keys_count_until_confirmed_dropped_or_expired(monkeypatch: pytest.MonkeyPatch) -> None:
+    k1, k2, k3 = (bytes([i]) * 32 for i in (1, 2, 3))
+    now = [100.0]
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: now[0])
+    index = PrefixIndex()
+    index.store("a", [k1])
+    index.expect("a", [k1, k2, k3, b"short"])  # a malformed hash is never expected
+    assert index.matched_blocks([k1, k2, k3], ["a"]) == {"a": 1}  # confirmed only
+    assert index.matched_blocks([k1, k2, k3], ["a"], expected=True) == {"a": 3}
+    index.apply("a", EventBatch(0.0, [BlockRemoved([k2])]))  # evicted before it was confirmed
+    assert index.matched_blocks([k1, k2, k3], ["a"], expected=True) == {"a": 1}
+    index.expect("b", [k1, k2])
+    now[0] += index_module.EXPECTED_TTL_S + 1
+    assert index.matched_blocks([k1, k2], ["b"], expected=True) == {"b": 0}  # expired
+    index.expect("b", [k1, k2])
+    index.apply("b", EventBatch(0.0, [AllBlocksCleared()]))
+    assert index.matched_blocks([k1, k2], ["b"], expected=True) == {"b": 0}  # a clear drops them too
+    index.distrust("c")
+    index.expect("c", [k1])  # sent before a reset's clear came: not counted
+    assert index.matched_blocks([k1], ["c"], expected=True) == {"c": 0}
+    monkeypatch.setattr(index_module, "MAX_EXPECTED_PER_HOLDER", 2)
+    index.expect("d", [k1, k2, k3])  # the oldest goes first
+    assert index.matched_blocks([k2, k3], ["d"], expected=True) == {"d": 2}
+    assert index.matched_blocks([k1], ["d"], expected=True) == {"d": 0}
+
+
+def test_a_prompt_just_sent_draws_the_next_one_to_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests with one new prefix: the second goes to the rank the first was sent to, although no
+    event has named the blocks yet; what is reported as predicted stays what the events confirmed."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    prompt = list(range(400))  # 99 blocks of 4 outweigh the first request's load (64 tokens)
+    dp = pod("dp:1", ranks=2)
+    pa = PrefixAware(index)
+    first = pa.choose([dp], Prompts([prompt], None))
+    dp.rank_in_flight[first.rank] = dp.in_flight = 1
+    second = pa.choose([dp], Prompts([prompt[:396] + [9] * 4], None))
+    assert (second.rank, second.reason, second.predicted_cached_tokens) == (first.rank, "prefix", 0)
+
+
 def pod(name: str, in_flight: int = 0, ranks: int = 1) -> Pod:
     return Pod(
         name,
@@ -123,7 +165,9 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (d.pod, d.reason, d.predicted_cached_tokens, d.rank) == (b, "prefix", 36, None)
     # another tenant's salt shares nothing
     assert pa.choose([a, b], Prompts([prompt], "other")).predicted_cached_tokens == 0
-    b.in_flight = 1  # 36 cached tokens outweigh one open request (64 tokens)? no: 40-36+64 > 40
+    b.in_flight = 1  # 36 cached tokens outweigh one open request (32 tokens): 40-36+32 < 40
+    assert pa.choose([a, b], Prompts([prompt], None)).pod is b
+    b.in_flight = 2  # but not two: 40-36+64 > 40
     assert pa.choose([a, b], Prompts([prompt], None)).pod is a
     assert LeastLoad().choose([a, b], None).pod is a
     rr = RoundRobin()
@@ -140,8 +184,8 @@ def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.
     d = pa.choose([a, dp], Prompts([prompt], None))
     assert (d.pod, d.rank, d.predicted_cached_tokens) == (dp, 1, 36)
     # Load counts per rank: rank 1 busy, the prefix moves on; rank 0 idle is as good as the other pod.
-    dp.rank_in_flight[1] = 1
-    dp.in_flight = 1
+    dp.rank_in_flight[1] = 2
+    dp.in_flight = 2
     d = pa.choose([a, dp], Prompts([prompt], None))
     assert d.predicted_cached_tokens == 0 and (d.pod, d.rank) in ((a, None), (dp, 0))
 

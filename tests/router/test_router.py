@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import time
 
@@ -75,6 +76,27 @@ def test_shared_prefix_lands_where_it_is_cached(quiet_fleet: Fleet) -> None:
         m[f'kvpilot_router_routing_decisions_total{{pod="{first}",policy="prefix-aware",reason="prefix"}}']
         >= 3
     )
+
+
+def test_a_prefix_just_sent_draws_its_followers_before_its_events_come(quiet_fleet: Fleet) -> None:
+    """The second of two requests sharing a new long prefix is sent while the first is still computing it,
+    before any KV event names its blocks: it goes to the same pod (index.py, "Expected blocks"), where
+    before it went to the idle pod, which computed the whole prefix again."""
+    fleet = quiet_fleet
+    system = " ".join([SYSTEM] * 8) + " (sent just now)"  # ~600 tokens: a prefill of about a second here
+    blocks_before = {p["pod"]: p["indexed_blocks"] for p in fleet.router.health()["pods"]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask, fleet, system, "When do you open?")
+        deadline = time.monotonic() + 10
+        while not any(p["in_flight"] for p in fleet.router.health()["pods"]):
+            assert time.monotonic() < deadline and not first.done()
+            time.sleep(0.005)
+        busy = next(p for p in fleet.router.health()["pods"] if p["in_flight"])
+        # its prefix is not indexed yet: only the router's note of what it sent can draw the second there
+        assert busy["indexed_blocks"] == blocks_before[busy["pod"]], busy
+        second, _ = ask(fleet, system, "How much is a tyre?")
+        assert first.result()[0] == busy["pod"]
+    assert second == busy["pod"], (second, busy)
 
 
 def test_prompt_logprobs_predict_no_hit(quiet_fleet: Fleet) -> None:
