@@ -92,10 +92,13 @@ async def relay_stream(
         return await _relay_by_task(content, resp, _Sink(None, tail_max))
     sink = _Sink(transport, tail_max)
     key = id(content)
+    first = content.read_nowait()  # what came with the headers: it goes first
     content.__class__ = _Relaying  # same layout (no new slots): aiohttp's parser now feeds the sink
     _SINKS[key] = sink
     try:
-        sink.queued = True  # what came with the headers is in the buffer: it goes first
+        if first and not sink.relay(first):
+            await resp.write(first)  # the client is behind already: wait for it
+            sink.keep(first)
         return await _relay_by_task(content, resp, sink)
     finally:
         del _SINKS[key]
