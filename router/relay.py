@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.streams import StreamReader
 
 CLIENT_BUFFER_MAX = 0x10000  # bytes queued for the client beyond which relaying waits for it (aiohttp's)
@@ -88,7 +88,9 @@ async def relay_stream(
     last `tail_max` bytes or more (b"" when 0). Raises what reading the pod raises (aiohttp.ClientError,
     TimeoutError); the bytes relayed before stay sent."""
     transport = request.transport
-    if transport is None or type(content) is not StreamReader:
+    # Framed here as HTTP chunks: an HTTP/1.0 client's body is not chunked (aiohttp ends it by closing).
+    chunked = resp.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+    if transport is None or not chunked or type(content) is not StreamReader:
         return await _relay_by_task(content, resp, _Sink(None, tail_max))
     sink = _Sink(transport, tail_max)
     key = id(content)

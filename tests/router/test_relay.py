@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
 from aiohttp import web
 from aiohttp.streams import StreamReader
 
@@ -24,7 +25,11 @@ def _recv_until(sock: socket.socket, got: bytes, end: bytes) -> bytes:
     return got
 
 
-def test_each_piece_is_written_to_the_client_inside_the_feed() -> None:
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+def test_each_piece_is_written_to_the_client_inside_the_feed(version: str) -> None:
+    """Over HTTP/1.1 each piece is one HTTP chunk written at once; HTTP/1.0 has no chunks, so there the
+    task writes the body as aiohttp does (and ends it by closing)."""
+
     async def go() -> tuple[bytes, bytes]:
         started = asyncio.Event()
         reader: list[StreamReader] = []
@@ -50,11 +55,20 @@ def test_each_piece_is_written_to_the_client_inside_the_feed() -> None:
         port = site._server.sockets[0].getsockname()[1]
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         try:
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET / HTTP/%s\r\nHost: x\r\n\r\n" % version.encode())
             await asyncio.wait_for(started.wait(), 30)
             for _ in range(5):
                 await asyncio.sleep(0)  # the relay is waiting now, on the reader
             content = reader[0]
+            if version == "1.0":
+                for n in (1, 2):
+                    content.feed_data(b"data: %d\n\n" % n)
+                content.feed_eof()
+                tail = await asyncio.wait_for(done, 30)
+                got = b""
+                while chunk := await asyncio.to_thread(sock.recv, 65536):
+                    got += chunk
+                return got, tail
             first = _recv_until(sock, b"", b"data: 0\n\n")
             # Blocking reads on the loop's own thread: no task runs until they return.
             content.feed_data(b"data: 1\n\n")
@@ -71,6 +85,8 @@ def test_each_piece_is_written_to_the_client_inside_the_feed() -> None:
 
     got, tail = asyncio.run(go())
     body = got.partition(b"\r\n\r\n")[2]
-    # one HTTP chunk per piece, in order, then the last chunk
-    assert body == b"9\r\ndata: 0\n\n\r\n9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n", body
+    if version == "1.0":
+        assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n", body
+    else:  # one HTTP chunk per piece, in order, then the last chunk
+        assert body == b"9\r\ndata: 0\n\n\r\n9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n", body
     assert tail.endswith(b"data: 1\n\ndata: 2\n\n"), tail  # at least the last 12 bytes, as chunks
