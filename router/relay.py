@@ -15,6 +15,7 @@ task writes them with aiohttp's draining writes until it has caught up.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 from aiohttp import hdrs, web
@@ -28,7 +29,7 @@ class _Sink:
 
     __slots__ = ("transport", "queued", "tail", "kept", "tail_max")
 
-    def __init__(self, transport, tail_max: int) -> None:
+    def __init__(self, transport: asyncio.Transport | None, tail_max: int) -> None:
         self.transport = transport
         self.queued = False  # pieces wait in the reader's buffer: keep their order until the task caught up
         self.tail: collections.deque[bytes] | None = collections.deque() if tail_max else None
