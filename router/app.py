@@ -13,7 +13,6 @@ a 502, and any failure after the request was sent stops routing to the pod until
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import signal
@@ -38,6 +37,7 @@ from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import Decision, LeastLoad, PrefixAware, RoundRobin, hash_schemes
 from kvpilot.router.prompts import PromptReader
+from kvpilot.router.relay import relay_stream
 from kvpilot.router.settings import RouterSettings
 from kvpilot.router.version_choice import pinned_version
 from kvpilot.router.weight_versions import describe
@@ -193,31 +193,20 @@ async def _relay_stream(
     out_headers: dict[str, str],
     wants_usage: bool,
 ) -> web.StreamResponse:
-    """Relay a server-sent event stream: each upstream read is one write to the client, untouched. Only
-    the last 16 KiB are kept (as the chunks themselves, not copied), for the usage event sent last."""
+    """Relay a server-sent event stream: each piece read from the pod is one write to the client,
+    untouched (router/relay.py). Only the last 16 KiB are kept, for the usage event sent last."""
     resp = web.StreamResponse(status=up.status, headers=out_headers)
     await resp.prepare(request)
-    write = resp.write
-    tail: collections.deque[bytes] = collections.deque()
-    kept = 0
+    tail = b""
     try:
-        if wants_usage:
-            async for chunk in up.content.iter_any():
-                await write(chunk)
-                tail.append(chunk)
-                kept += len(chunk)
-                while kept - len(tail[0]) >= SSE_TAIL_BYTES:
-                    kept -= len(tail.popleft())
-        else:
-            async for chunk in up.content.iter_any():
-                await write(chunk)
+        tail = await relay_stream(up.content, request, resp, SSE_TAIL_BYTES if wants_usage else 0)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # Headers are sent: end the stream with an error event.
         err = _pod_failed(r, decision.pod, exc)
-        await write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
     await resp.write_eof()
     if wants_usage:
-        _record_usage(r, decision, _sse_usage(b"".join(tail)[-SSE_TAIL_BYTES:]))
+        _record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
     return resp
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -387,3 +388,30 @@ def test_a_daemon_killed_mid_stream_ends_the_stream_cleanly_and_leaves(tmp_path:
         )
     finally:
         stop_fleet(router, [daemon])
+
+
+# ---- a fast stream to a slow client ---------------------------------------------------------------------
+def test_a_stream_faster_than_its_client_arrives_whole_and_in_order(tmp_path: Path, pod: HostilePod) -> None:
+    """The client reads nothing for a while, then slowly: the router stops relaying straight to it once
+    it is behind, and catches up through aiohttp's draining writes, losing and reordering nothing."""
+    router = router_for(tmp_path, pod)
+    try:
+        pod.completion, pod.flood_events, pod.huge_bytes = "stream_flood", 4000, 1000  # ~4 MB
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=60)
+        conn.connect()
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        body = json.dumps({**COMPLETION, "stream": True}).encode()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        time.sleep(2)  # the pod has sent it all by now; the router holds what the client has not read
+        resp = conn.getresponse()
+        events = []
+        while piece := resp.read(16384):
+            events.append(piece)
+            time.sleep(0.001)
+        conn.close()
+        events = b"".join(events).split(b"\n\n")
+        assert resp.status == 200 and events[-2:] == [b"data: [DONE]", b""], events[-3:]
+        numbers = [json.loads(e.removeprefix(b"data: "))["n"] for e in events[:-2]]
+        assert numbers == list(range(4000)), numbers[:10]
+    finally:
+        stop_router(router)

@@ -5,7 +5,8 @@ run by a thread of the test process, every behaviour a knob the test sets.
 HTTP: `GET /health` (status `health_status`), `GET /kv_events` (the honest reply naming its sockets, or
 `kv_events_reply`, any JSON value), `POST /reset_prefix_cache` (a daemon's success reply; it records an
 AllBlocksCleared batch, published live only with `publish_live`), `POST /v1/completions` (by `completion`:
-"ok", "silent", "huge" (`huge_bytes` of JSON), "huge_gzip" (the same, gzipped), "stream_then_silent").
+"ok", "silent", "huge" (`huge_bytes` of JSON), "huge_gzip" (the same, gzipped), "stream_then_silent",
+"stream_flood" (`flood_events` events of `huge_bytes` padding each, numbered, as fast as it can)).
 Replay (`replay`): "honest" (the buffer, then end-of-replay), "trickle" (one batch a second, never ending),
 "flood" (`flood_batches` batches of `flood_payload` bytes, then end-of-replay), "silent".
 """
@@ -58,6 +59,7 @@ class HostilePod:
         self.kv_events_reply: Any = None  # None: the honest reply
         self.completion = "ok"
         self.huge_bytes = 0
+        self.flood_events = 0
         self.replay = "honest"
         self.flood_batches = 0
         self.flood_payload = 100
@@ -214,4 +216,13 @@ class HostilePod:
             await resp.prepare(request)
             await resp.write(b'data: {"choices": [{"index": 0, "text": "one"}]}\n\n')
             await asyncio.sleep(3600)
+        if self.completion == "stream_flood":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            pad = "x" * self.huge_bytes
+            for n in range(self.flood_events):
+                await resp.write(b'data: {"n": %d, "pad": "%s"}\n\n' % (n, pad.encode()))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}]})

@@ -1,0 +1,126 @@
+"""A pod's server-sent event stream relayed to the client from inside the upstream's data callback.
+
+Read the usual way (`async for chunk in up.content`), every chunk costs a future resolved, a task woken,
+three coroutine frames resumed and aiohttp's writer layers, on top of the one socket write. Here the
+response's reader is switched to `_Relaying`, whose `feed_data` (called by aiohttp's parser as the pod's
+bytes arrive) writes each piece straight to the client's transport, framed as one HTTP chunk: the
+handler's task sleeps until the stream ends or fails. What aiohttp does between the socket and the
+reader is unchanged, so `--proxy-timeout` (its read timer), a pod that drops the connection and a client
+that hangs up (its handler is cancelled) end the stream as before.
+
+A client that reads slowly is not written past: once its transport holds more than `CLIENT_BUFFER_MAX`
+bytes the pieces go to the reader's buffer instead (which pauses the pod's socket when full), and the
+task writes them with aiohttp's draining writes until it has caught up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from aiohttp import hdrs, web
+from aiohttp.streams import StreamReader
+
+CLIENT_BUFFER_MAX = 0x10000  # bytes queued for the client beyond which relaying waits for it (aiohttp's)
+
+
+class _Sink:
+    """Where one stream's bytes go; `tail` keeps the last `tail_max` bytes (as chunks) when asked."""
+
+    __slots__ = ("transport", "queued", "tail", "kept", "tail_max")
+
+    def __init__(self, transport: asyncio.Transport | None, tail_max: int) -> None:
+        self.transport = transport
+        self.queued = False  # pieces wait in the reader's buffer: keep their order until the task caught up
+        self.tail: collections.deque[bytes] | None = collections.deque() if tail_max else None
+        self.kept = 0
+        self.tail_max = tail_max
+
+    def keep(self, data: bytes) -> None:
+        tail = self.tail
+        if tail is None:
+            return
+        tail.append(data)
+        self.kept += len(data)
+        while self.kept - len(tail[0]) >= self.tail_max:
+            self.kept -= len(tail.popleft())
+
+    def relay(self, data: bytes) -> bool:
+        """Write `data` to the client now, if it keeps up; False: leave it to the task."""
+        t = self.transport
+        if self.queued or t.is_closing() or t.get_write_buffer_size() > CLIENT_BUFFER_MAX:
+            self.queued = True
+            return False
+        t.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self.tail is not None:
+            self.keep(data)
+        return True
+
+
+# The reader has __slots__, so a relaying one cannot carry its sink: sinks are found by the reader's id,
+# registered only while `relay_stream` runs.
+_SINKS: dict[int, _Sink] = {}
+
+
+class _Relaying(StreamReader):
+    """aiohttp's reader whose pieces go to the stream's sink when it takes them."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        sink = _SINKS.get(id(self))
+        if sink is not None and data and sink.relay(data):
+            return False
+        return StreamReader.feed_data(self, data, size)
+
+    # HTTP chunk boundaries only matter to readchunk(), which nothing calls here; aiohttp's versions of
+    # these would wake the task on every chunk.
+    def begin_http_chunk_receiving(self) -> None:
+        pass
+
+    def end_http_chunk_receiving(self) -> None:
+        pass
+
+
+async def relay_stream(
+    content: StreamReader, request: web.Request, resp: web.StreamResponse, tail_max: int = 0
+) -> bytes:
+    """Send `content` to the client as the body of `resp` (prepared, chunked) until its end; returns its
+    last `tail_max` bytes or more (b"" when 0). Raises what reading the pod raises (aiohttp.ClientError,
+    TimeoutError); the bytes relayed before stay sent."""
+    transport = request.transport
+    # Framed here as HTTP chunks: an HTTP/1.0 client's body is not chunked (aiohttp ends it by closing).
+    chunked = resp.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+    if transport is None or not chunked or type(content) is not StreamReader:
+        return await _relay_by_task(content, resp, _Sink(None, tail_max))
+    sink = _Sink(transport, tail_max)
+    key = id(content)
+    first = content.read_nowait()  # what came with the headers: it goes first
+    content.__class__ = _Relaying  # same layout (no new slots): aiohttp's parser now feeds the sink
+    _SINKS[key] = sink
+    try:
+        if first and not sink.relay(first):
+            await resp.write(first)  # the client is behind already: wait for it
+            sink.keep(first)
+        return await _relay_by_task(content, resp, sink)
+    finally:
+        del _SINKS[key]
+        content.__class__ = StreamReader
+
+
+async def _relay_by_task(content: StreamReader, resp: web.StreamResponse, sink: _Sink) -> bytes:
+    """The task's part: write what the sink left in the reader's buffer, then sleep until more is left
+    there, or the stream ends (b"" from readany) or fails (raised)."""
+    write = resp.write
+    while True:
+        data = await content.readany()
+        if not data:
+            break
+        await write(data)
+        sink.keep(data)
+        # Caught up (nothing buffered, and nothing can arrive before the next await): back to relaying.
+        while data := content.read_nowait():
+            await write(data)
+            sink.keep(data)
+        sink.queued = False
+    return b"".join(sink.tail) if sink.tail is not None else b""
