@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README's benchmark table in one run: every bench it quotes, one after the other, on one machine state.
 #
-#     bash bench/readme_run.sh            # ~30 minutes on 2 cores; run it on a quiet machine
+#     bash bench/readme_run.sh            # ~12 minutes on 2 cores; run it on a quiet machine
 #
 # Each bench writes its JSON under bench/results/readme-<UTC date>/ and run.log there gets the load average
 # before and after each one: a figure from a loaded machine is noise, and the log says which were.
