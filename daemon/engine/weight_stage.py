@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.daemon.engine.memory_budget import host_memory_available
+
 # Host memory left free beyond what the stage takes, for the rest of the process.
 HEADROOM_BYTES = 256 << 20
 
@@ -29,25 +31,6 @@ class WeightError(Exception):
         super().__init__(message)
         self.status = status
         self.tensor = tensor
-
-
-def host_memory_available() -> int:
-    """Bytes this process may still take: the kernel's MemAvailable, capped by the cgroup's limit."""
-    available = 1 << 62
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
