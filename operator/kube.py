@@ -201,6 +201,7 @@ class Kube:
         """Server-side apply as field manager kvpilot-operator, forced: fields we set are ours, fields we no
         longer set are removed, fields others set are kept. A no-op apply writes nothing."""
         kind = body["kind"]
+        metrics.APPLIES.labels(ns, kind).inc()
         obj = await self.call(
             "apply",
             _KINDS[kind][0],

@@ -86,6 +86,15 @@ for _kind in (
 API_CALLS = _metric(
     Counter, "api_calls_total", "Kubernetes API calls made by the operator's own code", "verb", "resource"
 )
+# Per namespace and kind: a steady rate while no spec changes is an apply loop (a field the API server
+# normalizes differently from what was sent), which a no-op apply hides from the objects themselves.
+APPLIES = _metric(
+    Counter,
+    "applies_total",
+    "Server-side applies of owned objects, by namespace and kind",
+    "namespace",
+    "kind",
+)
 STATUS_PATCHES = _metric(Counter, "reset_status_patches_total", "Status patches written to PrefixCacheResets")
 
 _KEEP_RESETS = 50  # "for the latest resets": bounded label cardinality

@@ -524,7 +524,7 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
     # cpu 0.5 (stored as 500m): no patch loop. Over 20 s of owned-object events (the pod turning ready,
     # controllers writing status) the Deployment's spec stays at one generation and no Event repeats.
     dep0 = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns)
-    applies0 = operator.metric("kvpilot_operator_api_calls_total", verb="apply", resource="deployments")
+    applies0 = operator.metric("kvpilot_operator_applies_total", namespace=ns, kind="Deployment")
     events0 = len(
         cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "involvedObject.name=ssa")[
             "items"
@@ -538,13 +538,14 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
             "items"
         ]
     )
-    applies1 = operator.metric("kvpilot_operator_api_calls_total", verb="apply", resource="deployments")
+    applies1 = operator.metric("kvpilot_operator_applies_total", namespace=ns, kind="Deployment")
     assert dep1["metadata"]["generation"] == dep0["metadata"]["generation"]
     # nothing written at all
     assert dep1["metadata"]["resourceVersion"] == dep0["metadata"]["resourceVersion"]
     assert events1 == events0, cluster.kubectl("get", "events", "-n", ns).stdout
-    # A loop re-applies within ~0.1 s of each event (100+ in 20 s); a few are the poke and owned-object events
-    # (pod and status writes): CI once saw 4 with nothing written.
+    # A loop re-applies within ~0.1 s of each event (100+ in 20 s); a few are the poke and this fleet's
+    # owned-object events (pod and status writes). Counted in this namespace only: the shared operator's
+    # other fleets apply too (counted all together, CI saw 4 and then 7 with nothing written here).
     assert applies1 - applies0 <= 6, f"{applies1 - applies0} applies in 20 s: a loop"
     assert dep1["metadata"]["annotations"]["team.example/owner"] == "ml"
     fields = cluster.kubectl_json("get", "deployment", "ssa", "-n", ns, "--show-managed-fields")["metadata"]
