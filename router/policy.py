@@ -115,10 +115,8 @@ class PrefixAware(RoundRobin):
         if prompts is None:
             return Decision(min(order, key=lambda p: p.in_flight), "load")
         n = sum(len(ids) for ids in prompts.token_ids)
-        # Scored on what each rank holds or was just sent (index.py, "Expected blocks"); reported as
-        # predicted: what its events confirmed, which the pod's cached_tokens is compared with.
+        # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
         likely = self.predict(order, prompts, expected=True)
-        confirmed = self.predict(order, prompts)
         # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
         candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
         for pod in order:
@@ -139,9 +137,13 @@ class PrefixAware(RoundRobin):
         pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
         predicted = None
         if rank is not None:
-            predicted = confirmed[(pod.name, rank)]
-            scheme = dict(_schemes(pod))[(pod.name, rank)]
+            # Reported as predicted: what the chosen rank's events confirmed (the pod's cached_tokens is
+            # compared with it), counted for that rank alone.
+            holder = (pod.name, rank)
+            scheme = dict(_schemes(pod))[holder]
+            predicted = 0
             for keys in prompts.block_keys(scheme):
-                self.index.expect((pod.name, rank), keys)
+                predicted += self.index.matched_blocks(keys, [holder])[holder] * scheme[0]
+                self.index.expect(holder, keys)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
