@@ -4,7 +4,8 @@ The fan-out asks before every call whether the pod it resolved at the start is s
 address (`gone`), so a token is never sent to an IP that a deleted pod left behind. Answers come from memory;
 the watch runs in a thread (the official client is synchronous) and re-lists when the stream breaks. Each
 event is parsed once, to a dict, and kept as the pod's (uid, IP, terminating): the client's own watch would
-parse it, dump it and parse it again into model objects, ~0.6 ms a pod event on these CPUs (0.02 ms here).
+parse it, dump it and parse it again into model objects, at many times the CPU (docs/fanout.md, "What
+bounds it").
 """
 
 from __future__ import annotations

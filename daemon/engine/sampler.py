@@ -30,8 +30,8 @@ class Sampler:
         asks for logprobs or ranks its sequences (n > 1)."""
         logits = logits.float()
         shaped = _apply_penalties(logits, requests)
-        # max(dim).indices is argmax (the first of equal maxima, NaN wins as in argmax) at a third of its
-        # CPU time over a [16, 49k] batch: ~1.5 ms of each decode step.
+        # max(dim).indices is argmax (the first of equal maxima, NaN wins as in argmax) at a fraction of its
+        # CPU time over a decode step's logits (docs/performance.md, "Server vs the decode bound").
         tokens = shaped.max(dim=-1).indices
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

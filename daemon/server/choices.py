@@ -15,6 +15,14 @@ LogprobEntry = tuple[str, float | None, list[tuple[str, float]] | None]
 
 
 @dataclass(slots=True)
+class PromptEcho:
+    """The prompt as `echo` returns it: its text, and its logprobs once the engine has sent them."""
+
+    text: str
+    logprobs: list[LogprobEntry] | None = None
+
+
+@dataclass(slots=True)
 class Delta:
     """What one engine output adds to one choice."""
 
@@ -23,7 +31,7 @@ class Delta:
     logprobs: list[LogprobEntry] | None
     finish_reason: str | None
     output: RequestOutput
-    echo: tuple[str, list[LogprobEntry] | None] | None = None  # the prompt, before the first delta
+    echo: PromptEcho | None = None  # the prompt, on a choice's first delta
 
 
 @dataclass(slots=True)
@@ -40,7 +48,6 @@ class Choice:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     output: RequestOutput | None = None
-    has_logprobs: bool = False
 
 
 class TokenTexts:
@@ -62,7 +69,7 @@ def feed(
     seqs: list[Sequence],
     outputs: list[RequestOutput],
     prompt: list[int],
-    echo: list | None,
+    echo: PromptEcho | None,
 ) -> list[Delta]:
     """Detokenize engine outputs into deltas (in the text pool)."""
     deltas = []
@@ -70,14 +77,14 @@ def feed(
         seq = seqs[out.index]
         if out.prompt_logprobs is not None and echo is not None:
             first = (texts(prompt[0]), None, None)
-            echo[1] = [first, *(entry(texts, lp) for lp in out.prompt_logprobs[1:])]
+            echo.logprobs = [first, *(entry(texts, lp) for lp in out.prompt_logprobs[1:])]
         text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
         reason = "stop" if stopped else out.finish_reason if out.finished else None
         seq.done = reason is not None
         logprobs = [entry(texts, lp) for lp in out.logprobs] if out.logprobs is not None else None
         delta = Delta(out.index, text, logprobs, reason, out)
         if echo is not None and not seq.started:
-            delta.echo = (echo[0], echo[1])
+            delta.echo = PromptEcho(echo.text, echo.logprobs)
         seq.started = True
         deltas.append(delta)
     return deltas

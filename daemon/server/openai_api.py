@@ -28,7 +28,7 @@ from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import (
     Choice,
     Delta,
-    LogprobEntry,
+    PromptEcho,
     Sequence,
     chat_logprobs,
     completion_logprobs,
@@ -81,7 +81,7 @@ async def _generate(
     m = state.metrics
     engine_open = open_choices = params.n
     last = arrival
-    echo: list = [prompt_text, None]
+    echo = PromptEcho(prompt_text)
     try:
         while open_choices:
             items = [await _next(sink, state.settings.request_timeout, arrival)]
@@ -210,7 +210,7 @@ async def _complete(
     req = prep.req
     created = int(time.time())
     choices: dict[tuple[int, int], Choice] = {}
-    echoes: dict[int, tuple[str, list[LogprobEntry] | None]] = {}
+    echoes: dict[int, PromptEcho] = {}
     async with _merged(gens) as events:
         async for i, d in events:
             if d.output.restart:  # recomputed under new weights: start the choice over
@@ -221,7 +221,6 @@ async def _complete(
                 echoes[i] = d.echo
             c.text += d.text
             if d.logprobs is not None:
-                c.has_logprobs = True
                 c.logprobs.extend(d.logprobs)
             c.finish_reason = d.finish_reason or c.finish_reason
             c.output = d.output
@@ -254,7 +253,7 @@ def _note_headers(req: GenerateRequest) -> dict[str, str]:
     return {IGNORED_FIELDS_HEADER: header_value(req.ignored_fields)} if req.ignored_fields else {}
 
 
-def _final_choice(prep: Prepared, index: int, c: Choice, echo: tuple | None) -> dict:
+def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> dict:
     wants_logprobs = prep.req.params.logprobs is not None
     if prep.chat:
         return {
@@ -265,8 +264,8 @@ def _final_choice(prep: Prepared, index: int, c: Choice, echo: tuple | None) -> 
         }
     text, entries = c.text, c.logprobs
     if echo is not None:
-        text = echo[0] + text
-        entries = (echo[1] or []) + entries
+        text = echo.text + text
+        entries = (echo.logprobs or []) + entries
     return {
         "index": index,
         "text": text,
@@ -328,42 +327,6 @@ async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterat
 async def _stream(
     request: web.Request, state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
 ) -> web.StreamResponse:
-    req = prep.req
-    chat = prep.chat
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    wants_logprobs = req.params.logprobs is not None
-
-    # The weights of the chunk's tokens (each output says which computed it); chunks without tokens
-    # repeat the last one seen.
-    fingerprint = [state.weights.version]
-
-    def chunk(choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": fingerprint[0],
-            "choices": choices,
-        }
-        if req.include_usage:  # as OpenAI: null on every chunk but the last
-            body["usage"] = usage if final else None
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-    def choice(index: int, d: Delta) -> dict:
-        entries = d.logprobs
-        text = d.text
-        if chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            lp = chat_logprobs(entries) if wants_logprobs and entries else None
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        if d.echo is not None:
-            text = d.echo[0] + text
-            entries = (d.echo[1] or []) + (entries or [])
-        lp = completion_logprobs(entries) if wants_logprobs and entries is not None else None
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
-
     async with _merged(gens) as events:
         # Pull the first event before sending headers: an invalid request still gets a proper 4xx.
         first = await anext(events, None)
@@ -372,56 +335,87 @@ async def _stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
-                **_note_headers(req),
+                **_note_headers(prep.req),
             }
         )
         try:
             await resp.prepare(request)
-            await _write_events(
-                resp, first, events, chunk, choice, state, req, chat, wants_logprobs, fingerprint
-            )
+            await _EventStream(state, prep, rid).write(resp, first, events)
         except ConnectionResetError:
             pass  # the client left mid-stream: leaving the block aborts its engine requests
         return resp
 
 
-async def _write_events(
-    resp: web.StreamResponse,
-    first: tuple | None,
-    events: AsyncIterator,
-    chunk: Any,
-    choice: Any,
-    state: ServerState,
-    req: GenerateRequest,
-    chat: bool,
-    wants_logprobs: bool,
-    fingerprint: list[str],
-) -> None:
-    finals: dict[tuple[int, int], RequestOutput] = {}
-    started: set[int] = set()
-    try:
-        async for i, d in _chain([first] if first is not None else [], events):
-            finals[(i, d.index)] = d.output
-            fingerprint[0] = d.output.weight_version or fingerprint[0]
-            index = i * req.n + d.index
-            if chat and index not in started:
-                started.add(index)
-                role = {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                await resp.write(chunk([role]))
-            if d.text or d.finish_reason or d.echo is not None or (wants_logprobs and d.logprobs):
-                await resp.write(chunk([choice(index, d)]))
-    except (EngineDeadError, ApiError) as exc:
-        err = exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
-        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-    if req.include_usage:
-        await resp.write(chunk([], _usage(state, finals), final=True))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+class _EventStream:
+    """One streamed reply's server-sent events: a chunk per delta, the usage chunk, `[DONE]`."""
+
+    def __init__(self, state: ServerState, prep: Prepared, rid: str) -> None:
+        self.state = state
+        self.req = prep.req
+        self.chat = prep.chat
+        self.rid = rid
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if prep.chat else "text_completion"
+        self.wants_logprobs = prep.req.params.logprobs is not None
+        # The weights of the chunk's tokens (each output says which computed it); chunks without tokens
+        # repeat the last one seen.
+        self.fingerprint = state.weights.version
+
+    async def write(self, resp: web.StreamResponse, first: tuple | None, events: AsyncIterator) -> None:
+        req = self.req
+        finals: dict[tuple[int, int], RequestOutput] = {}
+        started: set[int] = set()
+        try:
+            async for i, d in _chain([first] if first is not None else [], events):
+                finals[(i, d.index)] = d.output
+                self.fingerprint = d.output.weight_version or self.fingerprint
+                index = i * req.n + d.index
+                if self.chat and index not in started:
+                    started.add(index)
+                    role = {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    await resp.write(self.chunk([role]))
+                if d.text or d.finish_reason or d.echo is not None or (self.wants_logprobs and d.logprobs):
+                    await resp.write(self.chunk([self.choice(index, d)]))
+        except (EngineDeadError, ApiError) as exc:
+            err = (
+                exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
+            )
+            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        if req.include_usage:
+            await resp.write(self.chunk([], _usage(self.state, finals), final=True))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
+        body: dict[str, Any] = {
+            "id": self.rid,
+            "object": self.object,
+            "created": self.created,
+            "model": self.req.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
+        if self.req.include_usage:  # as OpenAI: null on every chunk but the last
+            body["usage"] = usage if final else None
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    def choice(self, index: int, d: Delta) -> dict:
+        entries = d.logprobs
+        text = d.text
+        if self.chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            lp = chat_logprobs(entries) if self.wants_logprobs and entries else None
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+        if d.echo is not None:
+            text = d.echo.text + text
+            entries = (d.echo.logprobs or []) + (entries or [])
+        lp = completion_logprobs(entries) if self.wants_logprobs and entries is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:

@@ -7,7 +7,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "kvpilot_"
 RESULTS = ("success", "failed", "refused", "unauthorized")
-PHASES = ("init", "pause", "start", "update", "finish", "resume")
 # A stage reads a checkpoint (seconds to minutes); a swap copies it in (milliseconds to seconds).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0)
 

@@ -1,9 +1,9 @@
 """The fan-out's HTTP/1.1 client: one bodiless request per call, keep-alive per pod, replies read up to a bound.
 
-Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and on two cores aiohttp's
-per-request machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost
-~330 µs of user CPU per call against ~60 µs for this (docs/fanout.md, "What bounds it"), which made a fan-out
-over pods that answer at once slower than a sequential loop. Only what a reset call needs is here: a
+Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and aiohttp's per-request
+machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost several
+times this client's CPU per call, which made a fan-out over pods that answer at once slower than a
+sequential loop (measured in docs/fanout.md, "What bounds it"). Only what a reset call needs is here: a
 request prepared once per target, a status line, the headers that frame the body (Content-Length, chunked,
 or to the end of the connection), and the body, read up to `MAX_REPLY_BYTES`.
 
