@@ -42,13 +42,28 @@ all_present() {
     local b
     for b in "${binaries[@]}"; do [[ -x "$bindir/$b" ]] || return 1; done
 }
-if [[ $force == 0 ]] && all_present && [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$inputs_hash" ]]; then
+up_to_date() {
+    [[ $force == 0 ]] && all_present && [[ -f "$stamp" ]] && [[ "$(cat "$stamp")" == "$inputs_hash" ]]
+}
+if up_to_date; then
     step "up to date: $bindir (k8s $k8s_version, etcd $etcd_version)"
     exit 0
 fi
 
-command -v go >/dev/null || die "the 'go' command is not on PATH (need Go >= 1.26)"
 mkdir -p "$bindir"
+# One build at a time (two checkouts' test runs share this cache): two builds of one binary raced on its
+# .tmp file and one failed. The next waits, then finds the binaries up to date.
+exec 9>"$bindir/.lock"
+if ! flock -n 9; then
+    step "waiting for another build of the cluster binaries to finish"
+    flock 9
+    if up_to_date; then
+        step "up to date: $bindir (k8s $k8s_version, etcd $etcd_version)"
+        exit 0
+    fi
+fi
+
+command -v go >/dev/null || die "the 'go' command is not on PATH (need Go >= 1.26)"
 export GOFLAGS="${GOFLAGS:-} -mod=readonly -buildvcs=false"
 nice_cmd=(nice -n "${BUILD_NICE:-10}")
 
