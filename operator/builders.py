@@ -10,6 +10,8 @@ import hashlib
 import math
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvpilot.fleet_members import FLEET_LABEL
 from kvpilot.operator.specs import EngineSpec, FleetSpec, RouterSpec, SecretKeyRef
 
@@ -44,6 +46,16 @@ _ENGINE_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size",
 }
 GPU_RESOURCE = "nvidia.com/gpu"
+# InferenceDeployment fields every daemon pod takes as they are (its container's: `container`)
+_POD_FIELDS = (
+    "service_account_name",
+    "node_selector",
+    "tolerations",
+    "affinity",
+    "volumes",
+    "image_pull_secrets",
+    "priority_class_name",
+)
 # Where each daemon publishes its KV events when the fleet has a router (the router learns them from the
 # daemon's GET /kv_events, so these are not a contract with the router, only ports inside the pod). Rank r
 # of a data-parallel daemon publishes on port + r: the events take 5557..5557+N-1, the replay sockets the
@@ -284,19 +296,19 @@ def container(name: str, spec: FleetSpec) -> dict[str, Any]:
             "failureThreshold": 6,
         },
     )
-    for key, value in (
-        ("resources", spec.resources),
-        ("volumeMounts", spec.volume_mounts),
-        ("securityContext", spec.security_context),
-        ("startupProbe", spec.startup_probe),
-    ):
-        if value:
-            c[key] = copy.deepcopy(value)
+    c.update(copied(spec, ("resources", "volume_mounts", "security_context", "startup_probe")))
     if "resources" in c:
         _gpus_per_pod(c["resources"], spec.engine)
     if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
         c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
+
+
+def copied(spec: BaseModel, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Those of `fields` that are set (not None, not empty), deep-copied, under their names in the CRD, which
+    are the Kubernetes ones: what a pod or a container takes from the spec as it is."""
+    values = {type(spec).model_fields[f].alias or f: getattr(spec, f) for f in fields}
+    return {key: copy.deepcopy(value) for key, value in values.items() if value}
 
 
 def _gpus_per_pod(resources: dict[str, Any], engine: EngineSpec) -> None:
@@ -317,17 +329,7 @@ def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
         # (e.g. a cloud identity that reads the model store), so its token is mounted then.
         "automountServiceAccountToken": bool(spec.service_account_name),
     }
-    for field, value in (
-        ("serviceAccountName", spec.service_account_name),
-        ("nodeSelector", spec.node_selector),
-        ("tolerations", spec.tolerations),
-        ("affinity", spec.affinity),
-        ("volumes", spec.volumes),
-        ("imagePullSecrets", spec.image_pull_secrets),
-        ("priorityClassName", spec.priority_class_name),
-    ):
-        if value:
-            pod_spec[field] = copy.deepcopy(value)
+    pod_spec.update(copied(spec, _POD_FIELDS))
     if spec.pod_security_context:
         pod_spec["securityContext"] = copy.deepcopy(spec.pod_security_context)
     if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):

@@ -65,18 +65,20 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also preempt running requests (no pre-reset KV used afterwards)",
     )
-    # Unset flags stay out of the spec: the API server fills in the CRD's defaults, which the help names.
-    p.add_argument(
-        "--timeout-seconds",
-        type=int,
-        default=None,
-        help=f"deadline of the whole reset (default {RESET_TIMEOUT_S})",
-    )
+    add_timeout_seconds(p, "the whole reset", RESET_TIMEOUT_S)
     p.add_argument(
         "--max-concurrency",
         type=int,
         default=None,
         help=f"pods called at once (default {ResetSpec.default('max_concurrency')})",
+    )
+
+
+def add_timeout_seconds(p: argparse.ArgumentParser, what: str, default: int) -> None:
+    """--timeout-seconds, the spec's timeoutSeconds. Unset flags stay out of a spec: the API server fills in
+    the CRD's defaults, which the help names (from kvpilot.operator.specs)."""
+    p.add_argument(
+        "--timeout-seconds", type=int, default=None, help=f"deadline of {what} (default {default})"
     )
 
 

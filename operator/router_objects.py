@@ -16,6 +16,7 @@ from kvpilot.operator.builders import (
     KV_KEYS_DIR,
     MANAGED_BY,
     ROUTER_KEY_FILES,
+    copied,
     fleet_env,
     kv_keys_mount,
     kvpilot_container,
@@ -111,11 +112,7 @@ def _container(name: str, spec: FleetSpec, r: RouterSpec) -> dict[str, Any]:
             "failureThreshold": 6,
         },
     )
-    if r.resources:
-        c["resources"] = copy.deepcopy(r.resources)
-    for field, value in (("volumeMounts", spec.volume_mounts), ("securityContext", spec.security_context)):
-        if value:
-            c[field] = copy.deepcopy(value)
+    c.update(copied(r, ("resources",)) | copied(spec, ("volume_mounts", "security_context")))
     if keys:
         c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
@@ -135,14 +132,7 @@ def deployment(name: str, spec: FleetSpec) -> dict[str, Any]:
     # The fleet's volumes hold its model, whose tokenizer the router loads; they may exist only on the fleet's
     # nodes (hostPath, local volumes), so the router goes where the daemons may go: their nodeSelector,
     # tolerations and node affinity. Not their pod (anti-)affinity, which is about the daemons' own labels.
-    for field, value in (
-        ("volumes", spec.volumes),
-        ("imagePullSecrets", spec.image_pull_secrets),
-        ("nodeSelector", spec.node_selector),
-        ("tolerations", spec.tolerations),
-    ):
-        if value:
-            pod_spec[field] = copy.deepcopy(value)
+    pod_spec.update(copied(spec, ("volumes", "image_pull_secrets", "node_selector", "tolerations")))
     if keys := kv_keys_mount(name, spec, ROUTER_KEY_FILES):
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
     node_affinity = (spec.affinity or {}).get("nodeAffinity")

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from kvpilot.config_flags import add_command
 from kvpilot.operator.builders import WEIGHT_UPDATES
-from kvpilot.operator.cli import _add_target, create_for_fleet, fleet_object
+from kvpilot.operator.cli import _add_target, add_timeout_seconds, create_for_fleet, fleet_object
 from kvpilot.operator.cli_follow import Followed
 from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, WeightUpdateSpec
 
@@ -38,12 +38,7 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"Rolling: pods at a time (default {ROLLING_MAX_UNAVAILABLE})",
     )
-    u.add_argument(
-        "--timeout-seconds",
-        type=int,
-        default=None,
-        help=f"deadline of the update (default {UPDATE_TIMEOUT_S})",
-    )
+    add_timeout_seconds(u, "the update", UPDATE_TIMEOUT_S)
     u.add_argument("--wait", action="store_true", help="follow the update until it ends, pod by pod")
     u.add_argument(
         "--timeout", type=float, default=None, help="with --wait: stop waiting after this many seconds"
