@@ -36,7 +36,7 @@ from kvpilot.operator.builders import FLEETS, GROUP, VERSION, WEIGHT_UPDATES
 from kvpilot.operator.fleet_targets import fleet_plan, pod_target
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.retries import RunFailure
-from kvpilot.operator.specs import FleetSpec, WeightUpdateSpec
+from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import Run, unfinished
 from kvpilot.operator.weights_status import PodUpdate
 
@@ -199,14 +199,14 @@ class CatchUps:
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "InferenceDeployment",
             "metadata": body["metadata"],
-            "spec": {
-                "targetRef": {"name": fleet},
-                "modelPath": weights.get("modelPath") or "",
-                "version": weights["version"],
-                "timeoutSeconds": CATCH_UP_TIMEOUT_S,
-            },
         }
-        run = CatchUpRun(self.kube, obj, log, self.limiter)
+        spec = WeightUpdateSpec(
+            target_ref=TargetRef(name=fleet),
+            model_path=weights.get("modelPath") or "",
+            version=weights["version"],
+            timeout_seconds=CATCH_UP_TIMEOUT_S,
+        )
+        run = CatchUpRun(self.kube, obj, spec, log, self.limiter)
         run.pods = [PodUpdate(t.name)]
         run.fenced = {t.name}
         log.info("catch-up of %s/%s: %s to %s", ns, fleet, t.name, weights["version"])

@@ -64,12 +64,13 @@ async def drive(
     obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
     if obj is None or not unfinished(obj.get("status") or {}):
         return
-    run = Run(kube, obj, logger, limiter)
-    fleet = run.spec.target_ref.name
+    spec = WeightUpdateSpec.parse(obj["spec"])
+    fleet = spec.target_ref.name
     metrics.WEIGHT_UPDATES_IN_PROGRESS.inc()
     try:
         async with catchups.lock(ns, fleet) if catchups else contextlib.nullcontext():
-            await run.run()
+            # made once the fleet is ours: a first run's timeout counts from here, not from the wait
+            await Run(kube, obj, spec, logger, limiter).run()
     finally:
         metrics.WEIGHT_UPDATES_IN_PROGRESS.dec()
     if catchups:
@@ -77,10 +78,11 @@ async def drive(
 
 
 class Run:
-    def __init__(self, kube: Kube, obj: dict[str, Any], logger: logging.Logger, limiter: Any) -> None:
-        self.kube, self.obj, self.logger, self.limiter = kube, obj, logger, limiter
+    def __init__(
+        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: logging.Logger, limiter: Any
+    ) -> None:
+        self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self.spec = WeightUpdateSpec.parse(obj["spec"])
         status = obj.get("status") or {}
         self.start = status.get("startTime") or now_iso()
         started = parse_time(status.get("startTime"))
