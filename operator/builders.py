@@ -10,7 +10,10 @@ import hashlib
 import math
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvpilot.fleet_members import FLEET_LABEL
+from kvpilot.operator.specs import EngineSpec, FleetSpec, RouterSpec, SecretKeyRef
 
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
@@ -32,17 +35,27 @@ ANNOTATION_RESET_TTL_S = 86400  # annotation-created resets are deleted a day af
 
 # engine field -> `kvpilot serve` flag (flag names follow vLLM's, docs/server.md "Flags")
 _ENGINE_FLAGS = {
-    "blockSize": "--block-size",
-    "maxNumSeqs": "--max-num-seqs",
-    "maxNumBatchedTokens": "--max-num-batched-tokens",
-    "maxModelLen": "--max-model-len",
-    "kvCacheBlocks": "--num-gpu-blocks-override",
-    "kvCacheMemoryBytes": "--kv-cache-memory-bytes",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "kv_cache_blocks": "--num-gpu-blocks-override",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
     "dtype": "--dtype",
-    "dataParallelSize": "--data-parallel-size",
-    "tensorParallelSize": "--tensor-parallel-size",
+    "data_parallel_size": "--data-parallel-size",
+    "tensor_parallel_size": "--tensor-parallel-size",
 }
 GPU_RESOURCE = "nvidia.com/gpu"
+# InferenceDeployment fields every daemon pod takes as they are (its container's: `container`)
+_POD_FIELDS = (
+    "service_account_name",
+    "node_selector",
+    "tolerations",
+    "affinity",
+    "volumes",
+    "image_pull_secrets",
+    "priority_class_name",
+)
 # Where each daemon publishes its KV events when the fleet has a router (the router learns them from the
 # daemon's GET /kv_events, so these are not a contract with the router, only ports inside the pod). Rank r
 # of a data-parallel daemon publishes on port + r: the events take 5557..5557+N-1, the replay sockets the
@@ -96,15 +109,14 @@ def pod_labels(name: str) -> dict[str, str]:
     }
 
 
-def token_secret_ref(name: str, spec: dict[str, Any]) -> dict[str, str] | None:
+def token_secret_ref(name: str, spec: FleetSpec) -> SecretKeyRef | None:
     """The Secret key holding the fleet's admin token: its own adminTokenSecretRef, else the Secret the
     operator generates for it; None only when the spec opts out (disableAdminToken)."""
-    ref = spec.get("adminTokenSecretRef")
-    if ref:
-        return {"name": ref["name"], "key": ref.get("key", "token")}
-    if spec.get("disableAdminToken"):
+    if spec.admin_token_secret_ref:
+        return spec.admin_token_secret_ref
+    if spec.disable_admin_token:
         return None
-    return {"name": f"{name}-admin-token", "key": "token"}
+    return SecretKeyRef(name=f"{name}-admin-token")
 
 
 def generated_token_secret(name: str, token: str) -> dict[str, Any]:
@@ -135,7 +147,7 @@ def kv_keys_secret(name: str, files: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def kv_keys_mount(name: str, spec: dict[str, Any], files: tuple[str, ...]) -> tuple[dict, dict] | None:
+def kv_keys_mount(name: str, spec: FleetSpec, files: tuple[str, ...]) -> tuple[dict, dict] | None:
     """(pod volume, container mount) of the fleet's KV event keys for one side (`files`), read-only; None when
     the daemons publish no KV events."""
     if kv_events_ports_by_rank(spec) is None:
@@ -151,56 +163,54 @@ def kv_keys_mount(name: str, spec: dict[str, Any], files: tuple[str, ...]) -> tu
     return volume, {"name": KV_KEYS_VOLUME, "mountPath": KV_KEYS_DIR, "readOnly": True}
 
 
-def cpu_threads(spec: dict[str, Any]) -> int | None:
+def cpu_threads(spec: FleetSpec) -> int | None:
     """Whole CPUs of the container's CPU limit (rounded up), or None without a limit."""
-    q = str(((spec.get("resources") or {}).get("limits") or {}).get("cpu", "")).strip()
+    q = str(((spec.resources or {}).get("limits") or {}).get("cpu", "")).strip()
     if not q:
         return None
     cores = float(q[:-1]) / 1000 if q.endswith("m") else float(q)
     return max(1, math.ceil(cores))
 
 
-def serve_args(spec: dict[str, Any]) -> list[str]:
+def serve_args(spec: FleetSpec) -> list[str]:
     """Arguments of `kvpilot serve` for this spec. The daemon binds the pod IP (a pod's own address; on the
     dev cluster's loopback network two pods must not both bind 0.0.0.0:port)."""
-    port = int(spec.get("port", 8000))
-    args = ["serve", "--host", "$(POD_IP)", "--port", str(port)]
-    if spec.get("model"):
-        args += ["--model", str(spec["model"])]
-    if spec.get("servedModelName"):
-        args += ["--served-model-name", str(spec["servedModelName"])]
-    engine = spec.get("engine") or {}
+    args = ["serve", "--host", "$(POD_IP)", "--port", str(spec.port)]
+    if spec.model:
+        args += ["--model", spec.model]
+    if spec.served_model_name:
+        args += ["--served-model-name", spec.served_model_name]
+    engine = spec.engine
     for field, flag in _ENGINE_FLAGS.items():
-        if engine.get(field) is not None:
-            args += [flag, str(engine[field])]
-    if engine.get("enablePrefixCaching") is False:
+        if (value := getattr(engine, field)) is not None:
+            args += [flag, str(value)]
+    if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
     if (threads := cpu_threads(spec)) is not None:
         args += ["--cpu-threads", str(threads)]  # torch threads follow the CPU limit, not the node's cores
     return args + kv_events_args(spec)
 
 
-def router_spec(spec: dict[str, Any]) -> dict[str, Any] | None:
+def router_spec(spec: FleetSpec) -> RouterSpec | None:
     """`spec.router` when the router is enabled, else None."""
-    r = spec.get("router") or {}
-    return r if r.get("enabled") else None
+    return spec.router if spec.router and spec.router.enabled else None
 
 
-def data_parallel_size(spec: dict[str, Any]) -> int:
-    return int((spec.get("engine") or {}).get("dataParallelSize") or 1)
+def data_parallel_size(spec: FleetSpec) -> int:
+    return spec.engine.data_parallel_size or 1
 
 
-def kv_events_ports_by_rank(spec: dict[str, Any]) -> list[tuple[int, int]] | None:
+def kv_events_ports_by_rank(spec: FleetSpec) -> list[tuple[int, int]] | None:
     """(events port, replay port) of each rank, for fleets whose router routes by KV events
     (prefix-aware); None otherwise."""
     r = router_spec(spec)
-    if not r or r.get("policy", "prefix-aware") != "prefix-aware":
+    if not r or r.policy != "prefix-aware":
         return None
     n = data_parallel_size(spec)
     return [(KV_EVENTS_PORT + rank, KV_EVENTS_PORT + n + rank) for rank in range(n)]
 
 
-def kv_events_args(spec: dict[str, Any]) -> list[str]:
+def kv_events_args(spec: FleetSpec) -> list[str]:
     """Daemon flags that publish KV events (rank 0's ports; the daemon adds the rank). Bound to the pod's
     own IP, like the HTTP port."""
     ports = kv_events_ports_by_rank(spec)
@@ -216,7 +226,7 @@ def kv_events_args(spec: dict[str, Any]) -> list[str]:
     ]
 
 
-def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def kv_events_ports(spec: FleetSpec) -> list[dict[str, Any]]:
     """The container ports of every rank's KV events (rank 0's keep the names of a single-rank pod)."""
     out = []
     for rank, (pub, replay) in enumerate(kv_events_ports_by_rank(spec) or []):
@@ -228,7 +238,7 @@ def kv_events_ports(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def fleet_env(name: str, spec: dict[str, Any], downward: dict[str, str]) -> list[dict[str, Any]]:
+def fleet_env(name: str, spec: FleetSpec, downward: dict[str, str]) -> list[dict[str, Any]]:
     """The env of a fleet's containers (daemons and router): the downward-API fields named (env name -> field
     path), the fleet's admin token from its Secret, then the user's spec.env (where the model is cached, ...).
     The token comes from the Secret at pod start: it never appears in the pod spec or in args."""
@@ -236,14 +246,14 @@ def fleet_env(name: str, spec: dict[str, Any], downward: dict[str, str]) -> list
         {"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}} for var, path in downward.items()
     ]
     if ref := token_secret_ref(name, spec):
-        secret = {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}
+        secret = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
         env.append({"name": "KVPILOT_ADMIN_TOKEN", "valueFrom": secret})
-    return env + copy.deepcopy(spec.get("env") or [])
+    return env + copy.deepcopy(spec.env or [])
 
 
 def kvpilot_container(
     name: str,
-    spec: dict[str, Any],
+    spec: FleetSpec,
     args: list[str],
     env: list[dict[str, Any]],
     ports: list[dict[str, Any]],
@@ -253,8 +263,8 @@ def kvpilot_container(
     /health answers 200: a daemon once its model is loaded, a router once some daemon is ready."""
     return {
         "name": name,
-        "image": spec.get("image", "ghcr.io/kvpilot/kvpilot:latest"),
-        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
         "command": ["kvpilot"],
         "args": args,
         "env": env,
@@ -269,15 +279,14 @@ def kvpilot_container(
     }
 
 
-def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    port = int(spec.get("port", 8000))
+def container(name: str, spec: FleetSpec) -> dict[str, Any]:
     env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"})
     c = kvpilot_container(
         CONTAINER,
         spec,
         serve_args(spec),
         env,
-        [{"name": "http", "containerPort": port, "protocol": "TCP"}, *kv_events_ports(spec)],
+        [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *kv_events_ports(spec)],
         # Generous: loading a model can take minutes; a liveness kill mid-load would loop forever.
         {
             "httpGet": {"path": "/health", "port": "http"},
@@ -287,31 +296,30 @@ def container(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "failureThreshold": 6,
         },
     )
-    for field, key in (
-        ("resources", "resources"),
-        ("volumeMounts", "volumeMounts"),
-        ("securityContext", "securityContext"),
-        ("startupProbe", "startupProbe"),
-    ):
-        if spec.get(field):
-            c[key] = copy.deepcopy(spec[field])
+    c.update(copied(spec, ("resources", "volume_mounts", "security_context", "startup_probe")))
     if "resources" in c:
-        _gpus_per_pod(c["resources"], spec.get("engine") or {})
+        _gpus_per_pod(c["resources"], spec.engine)
     if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
         c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
 
 
-def _gpus_per_pod(resources: dict[str, Any], engine: dict[str, Any]) -> None:
+def copied(spec: BaseModel, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Those of `fields` that are set (not None, not empty), deep-copied, under their names in the CRD, which
+    are the Kubernetes ones: what a pod or a container takes from the spec as it is."""
+    values = {type(spec).model_fields[f].alias or f: getattr(spec, f) for f in fields}
+    return {key: copy.deepcopy(value) for key, value in values.items() if value}
+
+
+def _gpus_per_pod(resources: dict[str, Any], engine: EngineSpec) -> None:
     """A pod that asks for GPUs gets one per rank: data-parallel size x tensor-parallel size."""
-    gpus = int(engine.get("dataParallelSize") or 1) * int(engine.get("tensorParallelSize") or 1)
+    gpus = (engine.data_parallel_size or 1) * (engine.tensor_parallel_size or 1)
     for kind in ("requests", "limits"):
         if GPU_RESOURCE in (resources.get(kind) or {}):
             resources[kind][GPU_RESOURCE] = gpus
 
 
-def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    port = int(spec.get("port", 8000))
+def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container(name, spec)],
         # The daemon drains in-flight requests on SIGTERM (its --shutdown-timeout is 30 s).
@@ -319,21 +327,11 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "enableServiceLinks": False,
         # The daemon never talks to the API server; a ServiceAccount the user names may be for something else
         # (e.g. a cloud identity that reads the model store), so its token is mounted then.
-        "automountServiceAccountToken": bool(spec.get("serviceAccountName")),
+        "automountServiceAccountToken": bool(spec.service_account_name),
     }
-    for field in (
-        "serviceAccountName",
-        "nodeSelector",
-        "tolerations",
-        "affinity",
-        "volumes",
-        "imagePullSecrets",
-        "priorityClassName",
-    ):
-        if spec.get(field):
-            pod_spec[field] = copy.deepcopy(spec[field])
-    if spec.get("podSecurityContext"):
-        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
+    pod_spec.update(copied(spec, _POD_FIELDS))
+    if spec.pod_security_context:
+        pod_spec["securityContext"] = copy.deepcopy(spec.pod_security_context)
     if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
     return {
@@ -341,7 +339,7 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "labels": {**pod_labels(name), SERVING_LABEL: "true"},  # a new pod serves until fenced
             "annotations": {
                 "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(port),
+                "prometheus.io/port": str(spec.port),
                 "prometheus.io/path": "/metrics",
             },
         },
@@ -349,11 +347,11 @@ def pod_template(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def workload_kind(spec: dict[str, Any]) -> str:
-    return "DaemonSet" if spec.get("placement") == "DaemonSet" else "Deployment"
+def workload_kind(spec: FleetSpec) -> str:
+    return spec.placement
 
 
-def workload(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def workload(name: str, spec: FleetSpec) -> dict[str, Any]:
     """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons."""
     kind = workload_kind(spec)
     body: dict[str, Any] = {
@@ -366,12 +364,11 @@ def workload(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         },
     }
     if kind == "Deployment":
-        body["spec"]["replicas"] = int(spec.get("replicas", 1))
+        body["spec"]["replicas"] = spec.replicas
     return body
 
 
-def service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    port = int(spec.get("port", 8000))
+def service(name: str, spec: FleetSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -379,7 +376,7 @@ def service(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": serving_selector(name),
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 

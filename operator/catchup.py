@@ -28,12 +28,15 @@ from typing import Any
 import kopf
 
 from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.phase import run_phase
 from kvpilot.fleet_members import is_member
 from kvpilot.operator import fence, metrics
 from kvpilot.operator.builders import FLEETS, GROUP, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.fleet_targets import fleet_plan, pod_target
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.resets import ResetFailure, pod_target, resolve
+from kvpilot.operator.retries import RunFailure
+from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import Run, unfinished
 from kvpilot.operator.weights_status import PodUpdate
 
@@ -88,7 +91,7 @@ class CatchUps:
             try:
                 async with self.lock(ns, fleet):
                     more = await self.one_pass(ns, fleet)
-            except ResetFailure as f:  # the fleet's token or pods cannot be read now: try again later
+            except RunFailure as f:  # the fleet's token or pods cannot be read now: try again later
                 log.warning("catch-up of %s/%s: %s: %s", ns, fleet, f.reason, f.message)
                 more = True
             except Exception:  # noqa: BLE001 - a loop that dies would leave fenced pods fenced
@@ -106,13 +109,14 @@ class CatchUps:
         weights = (body.get("status") or {}).get("weights")
         if not weights or not weights.get("version"):
             return False
-        if not fence.recorded_for(weights, body.get("spec") or {}):
+        spec = FleetSpec.parse(body.get("spec"))
+        if not fence.recorded_for(weights, spec):
             await self._forget(body, weights)
             return False
         if await self._update_running(ns, fleet):
             return True  # it ends by its timeout and pokes this loop again; until then, look again later
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
-        plan = await resolve(self.kube, ns, {"targetRef": {"name": fleet}}, deadline)
+        plan = await fleet_plan(self.kube, ns, body["metadata"], spec, deadline)
         pods, _ = await self.kube.list_pods(ns, plan.selector)
         pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         targets = {p["metadata"]["name"]: pod_target(p, plan) for p in pods}
@@ -175,7 +179,7 @@ class CatchUps:
     async def _update_running(self, ns: str, fleet: str) -> bool:
         updates = await self.kube.list_crs(WEIGHT_UPDATES, ns)
         return any(
-            (u.get("spec") or {}).get("targetRef", {}).get("name") == fleet
+            WeightUpdateSpec.parse(u.get("spec")).target_ref.name == fleet
             and unfinished(u.get("status") or {})
             for u in updates
         )
@@ -195,14 +199,14 @@ class CatchUps:
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "InferenceDeployment",
             "metadata": body["metadata"],
-            "spec": {
-                "targetRef": {"name": fleet},
-                "modelPath": weights.get("modelPath") or "",
-                "version": weights["version"],
-                "timeoutSeconds": CATCH_UP_TIMEOUT_S,
-            },
         }
-        run = CatchUpRun(self.kube, obj, log, self.limiter)
+        spec = WeightUpdateSpec(
+            target_ref=TargetRef(name=fleet),
+            model_path=weights.get("modelPath") or "",
+            version=weights["version"],
+            timeout_seconds=CATCH_UP_TIMEOUT_S,
+        )
+        run = CatchUpRun(self.kube, obj, spec, log, self.limiter)
         run.pods = [PodUpdate(t.name)]
         run.fenced = {t.name}
         log.info("catch-up of %s/%s: %s to %s", ns, fleet, t.name, weights["version"])
@@ -227,7 +231,7 @@ class CatchUps:
             await run.unfence([t], f"caught up to {weights['version']}")
             return t.name not in run.fenced
         failures = backoff.get(t.uid, (0, 0.0))[0] + 1
-        delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (failures - 1))
+        delay = backoff_delay(failures, BACKOFF_S, BACKOFF_MAX_S, jitter=False)  # said in the Event as it is
         backoff[t.uid] = (failures, time.monotonic() + delay)
         message = f"{t.name}: catch-up to {weights['version']} failed ({p.message}); next try in {delay:.0f}s"
         log.warning("catch-up of %s/%s: %s", ns, fleet, message)

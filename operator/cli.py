@@ -18,6 +18,9 @@ from kvpilot.config_flags import add_command
 from kvpilot.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
 from kvpilot.operator.cli_follow import Followed, api_error, follow
+from kvpilot.operator.specs import ResetSpec
+
+RESET_TIMEOUT_S = ResetSpec.default("timeout_seconds")
 
 
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,10 +65,21 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also preempt running requests (no pre-reset KV used afterwards)",
     )
+    add_timeout_seconds(p, "the whole reset", RESET_TIMEOUT_S)
     p.add_argument(
-        "--timeout-seconds", type=int, default=None, help="deadline of the whole reset (default 60)"
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help=f"pods called at once (default {ResetSpec.default('max_concurrency')})",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="pods called at once (default 64)")
+
+
+def add_timeout_seconds(p: argparse.ArgumentParser, what: str, default: int) -> None:
+    """--timeout-seconds, the spec's timeoutSeconds. Unset flags stay out of a spec: the API server fills in
+    the CRD's defaults, which the help names (from kvpilot.operator.specs)."""
+    p.add_argument(
+        "--timeout-seconds", type=int, default=None, help=f"deadline of {what} (default {default})"
+    )
 
 
 def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +140,7 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
     InferenceDeployment, no cluster), 3 when --timeout passed first.
     """
-    return create_for_fleet(args, reset_body(args.name, args), RESET, 60, out)
+    return create_for_fleet(args, reset_body(args.name, args), RESET, RESET_TIMEOUT_S, out)
 
 
 def create_for_fleet(

@@ -13,6 +13,7 @@ import kopf
 
 from kvpilot.operator.builders import SERVING_LABEL
 from kvpilot.operator.kube import ApiException, Kube
+from kvpilot.operator.specs import FleetSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,11 @@ def decide(weights: dict[str, Any] | None, answer: dict[str, Any] | None, ready:
     return CATCH_UP
 
 
-def recorded_for(weights: dict[str, Any], spec: dict[str, Any]) -> bool:
+def recorded_for(weights: dict[str, Any], spec: FleetSpec) -> bool:
     """Whether the fleet's recorded weights still apply to its spec: they were committed over the model the
     pods load (`spec.model`, "" for the default). Once spec.model changes, the pods roll out on the new
     model and the weights of an update of the old one must not be forced on them."""
-    return str(weights.get("model") or "") == str(spec.get("model") or "")
+    return str(weights.get("model") or "") == (spec.model or "")
 
 
 def serving(pod: dict[str, Any]) -> bool:

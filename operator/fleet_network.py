@@ -16,6 +16,7 @@ from kvpilot.operator import builders, network_policy
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.network_policy import OperatorPeer
 from kvpilot.operator.owners import owned_by
+from kvpilot.operator.specs import FleetSpec
 
 Problem = tuple[str, str]  # (reason, message) for the fleet's Ready condition
 
@@ -32,11 +33,13 @@ def _taken(owner: dict[str, Any], kind: str, name: str, reason: str, what: str) 
     return reason, msg
 
 
-async def ensure_kv_keys(kube: Kube, owner: dict[str, Any], logger: logging.Logger) -> Problem | None:
+async def ensure_kv_keys(
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: logging.Logger
+) -> Problem | None:
     """A fleet whose daemons publish KV events gets its key pairs once (never logged, never rewritten:
     running pods keep the keys they started with). A Secret of that name that is not the fleet's is never
     used: someone else may know its keys."""
-    meta, spec = owner["metadata"], owner.get("spec") or {}
+    meta = owner["metadata"]
     if builders.kv_events_ports_by_rank(spec) is None:
         return None
     ns, name = meta["namespace"], builders.kv_keys_secret_name(meta["name"])
@@ -62,9 +65,9 @@ async def ensure_kv_keys(kube: Kube, owner: dict[str, Any], logger: logging.Logg
 
 
 async def reconcile_policy(
-    kube: Kube, owner: dict[str, Any], status: dict[str, Any], peer: OperatorPeer
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, status: dict[str, Any], peer: OperatorPeer
 ) -> PolicyState:
-    meta, spec = owner["metadata"], owner.get("spec") or {}
+    meta = owner["metadata"]
     ns, uid = meta["namespace"], meta["uid"]
     name = network_policy.policy_name(meta["name"])
     if not network_policy.enabled(spec):

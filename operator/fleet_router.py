@@ -13,6 +13,7 @@ from kvpilot.operator import builders, router_objects
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.owners import holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
+from kvpilot.operator.specs import FleetSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +49,12 @@ def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> Rou
 async def reconcile_router(
     kube: Kube,
     owner: dict[str, Any],
+    spec: FleetSpec,
     status: dict[str, Any],
     logger: logging.Logger,
     router_role: str = ROUTER_CLUSTER_ROLE,
 ) -> RouterState:
-    meta, spec = owner["metadata"], owner["spec"]
+    meta = owner["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     rname = router_objects.router_name(name)
     wanted = builders.router_spec(spec)
@@ -93,7 +95,7 @@ async def reconcile_router(
         kopf.event(owner, type="Warning", reason="RouterFailed", message=msg)
         return RouterState(status.get("router"), False, "RouterFailed", msg, retry=True)
     dep = next(o for o in applied if o["kind"] == "Deployment")
-    return deployment_state(name, int(wanted.get("replicas", 1)), dep)
+    return deployment_state(name, wanted.replicas, dep)
 
 
 async def _remove(kube: Kube, ns: str, name: str, uid: str, logger: logging.Logger) -> int:

@@ -24,41 +24,40 @@ from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.network_policy import OperatorPeer
 from kvpilot.operator.owners import holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
+from kvpilot.operator.specs import FleetSpec
 from kvpilot.operator.tokens import refusal
 
 _KEEP_TOKENS = 20
 
 
-async def _ensure_token_secret(kube: Kube, owner: dict[str, Any], logger: logging.Logger) -> None:
+async def _ensure_token_secret(
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: logging.Logger
+) -> None:
     """A fleet without adminTokenSecretRef gets a random token of its own, made once (never logged)."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    spec = owner.get("spec") or {}
-    if spec.get("adminTokenSecretRef") or spec.get("disableAdminToken"):
+    if spec.admin_token_secret_ref or spec.disable_admin_token:
         return
     ref = builders.token_secret_ref(name, spec)
     assert ref is not None
-    if await kube.secret(ns, ref["name"]) is not None:
+    if await kube.secret(ns, ref.name) is not None:
         return
     body = builders.generated_token_secret(name, secrets.token_urlsafe(32))
     kopf.adopt(body, owner=owner)
     try:
         await kube.create_secret(ns, body)
-        logger.info("created Secret %s/%s with a generated admin token", ns, ref["name"])
+        logger.info("created Secret %s/%s with a generated admin token", ns, ref.name)
     except ApiException as exc:
         if exc.status != 409 and not namespace_terminating(exc):
             raise
 
 
-async def _token_refusal(kube: Kube, owner: dict[str, Any]) -> tuple[str, str] | None:
+async def _token_refusal(kube: Kube, owner: dict[str, Any], spec: FleetSpec) -> tuple[str, str] | None:
     """Why the fleet's pods may not mount the Secret its adminTokenSecretRef names (tokens.py), checked
     before anything that mounts it is applied; None when they may (or the operator generated the token)."""
-    meta, spec = owner["metadata"], owner["spec"]
-    ref = spec.get("adminTokenSecretRef")
+    meta, ref = owner["metadata"], spec.admin_token_secret_ref
     if not ref:
         return None
-    ref = builders.token_secret_ref(meta["name"], spec)
-    assert ref is not None
-    secret = await kube.secret(meta["namespace"], ref["name"])
+    secret = await kube.secret(meta["namespace"], ref.name)
     return refusal(secret, meta["namespace"], ref, meta["uid"], "adminTokenSecretRef")
 
 
@@ -89,10 +88,10 @@ async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> 
         raise
 
 
-def _counts(kind: str, wl: dict[str, Any] | None, spec: dict[str, Any]) -> tuple[int, int, int, int, bool]:
+def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int, int, int, int, bool]:
     """(desired, replicas, ready, updated, stalled) of the workload."""
     if wl is None:
-        return int(spec.get("replicas", 1)) if kind == "Deployment" else 0, 0, 0, 0, False
+        return spec.replicas if kind == "Deployment" else 0, 0, 0, 0, False
     st = wl.get("status") or {}
     if kind == "Deployment":
         stalled = any(
@@ -121,30 +120,31 @@ async def reconcile(
     router_role: str = ROUTER_CLUSTER_ROLE,
     peer: OperatorPeer | None = None,
 ) -> None:
-    meta, spec = body["metadata"], dict(body.get("spec") or {})
-    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": spec}
+    meta, raw_spec = body["metadata"], dict(body.get("spec") or {})
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": raw_spec}
+    spec = FleetSpec.parse(raw_spec)
     status = dict(body.get("status") or {})
     ns, name = meta["namespace"], meta["name"]
     kind = builders.workload_kind(spec)
     other = "DaemonSet" if kind == "Deployment" else "Deployment"
     gen = meta.get("generation")
 
-    await _ensure_token_secret(kube, owner, logger)
+    await _ensure_token_secret(kube, owner, spec, logger)
     own = [builders.workload(name, spec), builders.service(name, spec)]
     taken = await _name_taken(kube, owner, own)
-    problem = taken or await _token_refusal(kube, owner)
+    problem = taken or await _token_refusal(kube, owner, spec)
     if problem is not None:
         kopf.event(owner, type="Warning", reason=problem[0], message=problem[1])
     else:  # KV event keys someone else made are never mounted (ensure_kv_keys posts its own Event)
-        problem = await fleet_network.ensure_kv_keys(kube, owner, logger)
+        problem = await fleet_network.ensure_kv_keys(kube, owner, spec, logger)
     if problem is None:
         wl = await _apply(kube, owner, own[0])
         await _apply(kube, owner, own[1])
-        router = await reconcile_router(kube, owner, status, logger, router_role)
+        router = await reconcile_router(kube, owner, spec, status, logger, router_role)
     else:  # nothing that would mount the token or the keys, or write over another's object, is applied
         wl = None if taken else await kube.read(kind, ns, name)
         router = RouterState(status.get("router"))
-    policy = await fleet_network.reconcile_policy(kube, owner, status, peer or OperatorPeer())
+    policy = await fleet_network.reconcile_policy(kube, owner, spec, status, peer or OperatorPeer())
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
             owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"

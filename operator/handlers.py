@@ -23,6 +23,7 @@ from kvpilot.operator.catchup import CatchUps
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.owners import owner_of_kind
 from kvpilot.operator.reset_expiry import Expiry
+from kvpilot.operator.specs import WeightUpdateSpec
 
 # The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics
 # registry it feeds is (a restarted operator counts again from its resume handlers).
@@ -55,7 +56,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[group, plural] = managed
     memo.kube = Kube()
     memo.expiry = Expiry(memo.kube)
-    memo.weight_expiry = Expiry(memo.kube, WEIGHT_UPDATES, "WeightUpdate")
+    memo.weight_expiry = Expiry(memo.kube, WEIGHT_UPDATES, "WeightUpdate", WeightUpdateSpec)
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
     memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
     memo.catchups = CatchUps(memo.kube, memo.limiter)  # fleets' pods back on their weights (catchup.py)

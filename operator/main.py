@@ -42,11 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peering",
         default="kvpilot",
-        help="kopf peering object shared by the replicas; created when missing (default kvpilot)",
+        help="kopf peering object shared by the replicas; created when missing (default %(default)s)",
     )
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
-    p.add_argument("--liveness-port", type=int, default=8080, help="port of GET /healthz (default 8080)")
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus metrics port (default 9090)")
+    p.add_argument(
+        "--priority", type=int, default=0, help="peering priority of this replica (default %(default)s)"
+    )
+    p.add_argument(
+        "--liveness-port", type=int, default=8080, help="port of GET /healthz (default %(default)s)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9090, help="Prometheus metrics port (default %(default)s)"
+    )
     p.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics servers")
     p.add_argument(
         "--router-cluster-role",
@@ -73,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-calls-in-flight",
         type=int,
         default=512,
-        help="reset calls to pods in flight at once, across all resets (default 512)",
+        help="reset calls to pods in flight at once, across all resets (default %(default)s)",
     )
 
 

@@ -23,6 +23,7 @@ from kvpilot.operator.builders import (
     selector_labels,
 )
 from kvpilot.operator.router_objects import router_selector
+from kvpilot.operator.specs import FleetSpec
 
 NAMESPACE_NAME = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 # The labels the chart gives the operator's pod (charts/kvpilot templates/_helpers.tpl operatorSelector, less
@@ -39,8 +40,8 @@ class OperatorPeer:
     labels: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_OPERATOR_LABELS))
 
 
-def enabled(spec: dict[str, Any]) -> bool:
-    return bool((spec.get("networkPolicy") or {}).get("enabled", True))
+def enabled(spec: FleetSpec) -> bool:
+    return spec.network_policy.enabled
 
 
 def policy_name(name: str) -> str:
@@ -52,8 +53,8 @@ def _router_peer(name: str) -> dict[str, Any]:
     return {"podSelector": {"matchLabels": router_selector(name)}}
 
 
-def network_policy(name: str, spec: dict[str, Any], operator: OperatorPeer) -> dict[str, Any]:
-    port = int(spec.get("port", 8000))
+def network_policy(name: str, spec: FleetSpec, operator: OperatorPeer) -> dict[str, Any]:
+    port = spec.port
     http_from: list[dict[str, Any]] = []
     if router_spec(spec):
         http_from.append(_router_peer(name))
@@ -64,7 +65,7 @@ def network_policy(name: str, spec: dict[str, Any], operator: OperatorPeer) -> d
                 "podSelector": {"matchLabels": dict(operator.labels)},
             }
         )
-    for ns in (spec.get("networkPolicy") or {}).get("allowFromNamespaces") or []:
+    for ns in spec.network_policy.allow_from_namespaces or []:
         http_from.append({"namespaceSelector": {"matchLabels": {NAMESPACE_NAME: ns}}})
     # An empty `from` would mean "from anywhere": with no peer at all the rule is left out (nobody may).
     ingress: list[dict[str, Any]] = []

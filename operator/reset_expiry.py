@@ -15,16 +15,24 @@ import logging
 import time
 from typing import Any
 
+from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.operator.builders import RESETS
 from kvpilot.operator.conditions import parse_time
 from kvpilot.operator.kube import Kube, is_transient
+from kvpilot.operator.specs import ResetSpec, WeightUpdateSpec
 
 log = logging.getLogger(__name__)
 
 
 class Expiry:
-    def __init__(self, kube: Kube, plural: str = RESETS, kind: str = "PrefixCacheReset") -> None:
-        self.kube, self.plural, self.kind = kube, plural, kind
+    def __init__(
+        self,
+        kube: Kube,
+        plural: str = RESETS,
+        kind: str = "PrefixCacheReset",
+        spec_type: type[ResetSpec | WeightUpdateSpec] = ResetSpec,
+    ) -> None:
+        self.kube, self.plural, self.kind, self.spec_type = kube, plural, kind, spec_type
         self.tasks: dict[str, asyncio.Task[None]] = {}  # by uid
 
     def seen(self, body: dict[str, Any], deleted: bool = False) -> None:
@@ -35,7 +43,7 @@ class Expiry:
             if task := self.tasks.pop(uid, None):
                 task.cancel()
             return
-        ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+        ttl = self.spec_type.parse(body.get("spec")).ttl_seconds_after_finished
         done = parse_time((body.get("status") or {}).get("completionTime"))
         if ttl is None or done is None or uid in self.tasks:
             return
@@ -47,7 +55,7 @@ class Expiry:
         try:
             await asyncio.sleep(max(0.0, at - time.time()))
             log.info("deleting %s %s/%s: ttlSecondsAfterFinished %ss passed", self.kind, ns, name, ttl)
-            delay = 1.0
+            failures = 0
             while True:
                 try:
                     await self.kube.delete_cr(self.plural, ns, name, uid)
@@ -56,8 +64,8 @@ class Expiry:
                     if not is_transient(exc):
                         log.warning("%s %s/%s not deleted after its TTL: %s", self.kind, ns, name, exc)
                         return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
+                failures += 1
+                await asyncio.sleep(backoff_delay(failures, 1.0, 60.0, jitter=False))
         finally:
             if self.tasks.get(uid) is asyncio.current_task():
                 del self.tasks[uid]

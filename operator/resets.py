@@ -19,175 +19,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import kopf
 
-from kvpilot.fanout import FanoutSettings, PodResult, Target, initial_results, run_fanout
-from kvpilot.fleet_members import is_member, workload_controllers
-from kvpilot.operator import builders, metrics, tokens
+from kvpilot.fanout import FanoutSettings, PodResult, initial_results, run_fanout
+from kvpilot.operator import builders, metrics
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
-from kvpilot.operator.kube import ApiException, Kube, is_transient
-from kvpilot.operator.owners import controlled_by
+from kvpilot.operator.fleet_targets import Plan, fleet_plan, pod_target, read_fleet, secret_token
+from kvpilot.operator.kube import ApiException, Kube
 from kvpilot.operator.podwatch import PodWatch, identity
 from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
+from kvpilot.operator.retries import RunFailure, with_retries
+from kvpilot.operator.specs import FleetSpec, ResetSpec
 
 DONE = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
 _FINAL_PATCH_GRACE_S = 30.0  # how long the final status write is retried past the deadline
 
 
-class ResetFailure(Exception):
-    """The reset cannot go on: it ends Failed with this reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason, self.message = reason, message
-
-
-_API_REASONS = {400: "InvalidRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}
-
-
-def _api_message(exc: ApiException) -> str:
-    try:
-        return json.loads(exc.body or "{}").get("message") or str(exc.reason)
-    except (ValueError, AttributeError):
-        return str(exc.reason)
-
-
-async def with_retries(
-    what: str, call: Callable[[], Awaitable[Any]], deadline: float, also: tuple[int, ...] = ()
-) -> Any:
-    """`call()`, retried with backoff on transient API errors (and on the statuses in `also`) until the
-    deadline; any other API error (4xx) ends the reset with a specific reason."""
-    n = 0
-    while True:
-        try:
-            return await call()
-        except ApiException as exc:
-            if not is_transient(exc) and exc.status not in also:
-                raise ResetFailure(
-                    _API_REASONS.get(exc.status, "ApiError"),
-                    f"{what}: HTTP {exc.status}: {_api_message(exc)}",
-                ) from exc
-            last: BaseException = exc
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            last = exc
-        n += 1
-        delay = min(5.0, 0.2 * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
-        if time.monotonic() + delay >= deadline:
-            raise ResetFailure("ApiUnavailable", f"{what}: {last} (tried {n} times until timeoutSeconds)")
-        await asyncio.sleep(delay)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What a reset is aimed at, resolved from its spec."""
-
-    description: str  # InferenceDeployment/NAME or the selector
-    selector: str  # label selector of the candidate pods
-    port: int
-    token: str | None
-    container: str | None  # the engine container that must be running; None: any container
-    controllers: frozenset[str] | None  # uids that must control a pod (its fleet's workload), None: any
-    waits_for_pods: bool = False  # a fleet that wants pods but has none to call yet is waited for
-
-
-def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
-    """A candidate pod as a target: called when it has an IP and a running engine container (Ready or not:
-    a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
-    meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-    skip = ""
-    running = {
-        c.get("name") for c in st.get("containerStatuses") or [] if "running" in (c.get("state") or {})
-    }
-    if meta.get("deletionTimestamp"):
-        skip = "pod is terminating"
-    elif plan.controllers is not None and not is_member(pod, plan.controllers):
-        skip = "pod is not run by the InferenceDeployment's workload: its admin token is not sent there"
-    elif not st.get("podIP"):
-        skip = f"pod has no IP (phase {st.get('phase')})"
-    elif (plan.container not in running) if plan.container else not running:
-        skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
-    return Target(
-        meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
-    )
-
-
-async def _token(
-    kube: Kube, ns: str, ref: dict[str, Any], deadline: float, use: str, owner_uid: str | None
-) -> str:
-    """The token of `ref`, if its Secret consents to being sent (tokens.refusal); `owner_uid`: the targeted
-    InferenceDeployment, whose own Secret counts as consented."""
-    secret = await with_retries(f"Secret {ns}/{ref['name']}", lambda: kube.secret(ns, ref["name"]), deadline)
-    if problem := tokens.refusal(secret, ns, ref, owner_uid, use):
-        raise ResetFailure(*problem)
-    assert secret is not None
-    return secret["data"][ref.get("key", "token")].strip()
-
-
-async def _fleet_controllers(kube: Kube, ns: str, fleet: dict[str, Any], deadline: float) -> frozenset[str]:
-    """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers)."""
-    name, uid = fleet["metadata"]["name"], fleet["metadata"]["uid"]
-    kind = builders.workload_kind(fleet.get("spec") or {})
-    wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
-    if wl is None or not controlled_by(wl, uid) or kind == "DaemonSet":
-        return workload_controllers(uid, wl, ())
-    sel = builders.selector_string(name)
-    rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
-    return workload_controllers(uid, wl, rsets)
-
-
-def describe(spec: dict[str, Any]) -> str:
+def describe(spec: ResetSpec) -> str:
     """status.target, from the spec alone: InferenceDeployment/NAME, or the selector."""
-    if spec.get("targetRef"):
-        return f"InferenceDeployment/{spec['targetRef']['name']}"
-    return builders.label_selector(spec["selector"])
+    if spec.target_ref:
+        return f"InferenceDeployment/{spec.target_ref.name}"
+    return builders.label_selector(spec.selector or {})
 
 
-async def resolve(kube: Kube, ns: str, spec: dict[str, Any], deadline: float) -> Plan:
-    """The reset's targets and token; raises ResetFailure with a reason when it cannot go on."""
-    if not spec.get("targetRef"):
-        sel = builders.label_selector(spec["selector"])
-        ref = spec.get("adminTokenSecretRef")
-        token = await _token(kube, ns, ref, deadline, "adminTokenSecretRef", None) if ref else None
-        return Plan(sel, sel, int(spec.get("port") or 8000), token, None, None)
-    name = spec["targetRef"]["name"]
-    while (
-        fleet := await with_retries(
-            f"InferenceDeployment {ns}/{name}", lambda: kube.get_cr(FLEETS, ns, name), deadline
-        )
-    ) is None:
-        if not spec.get("waitForTarget"):
+async def resolve(kube: Kube, ns: str, spec: ResetSpec, deadline: float) -> Plan:
+    """The reset's targets and token; raises RunFailure with a reason when it cannot go on."""
+    if not spec.target_ref:
+        sel = builders.label_selector(spec.selector or {})
+        ref = spec.admin_token_secret_ref
+        token = await secret_token(kube, ns, ref, deadline, "adminTokenSecretRef", None) if ref else None
+        # a selector's pods: the port an InferenceDeployment's daemons default to
+        return Plan(sel, sel, spec.port or FleetSpec().port, token, None, None)
+    name = spec.target_ref.name
+    while (fleet := await read_fleet(kube, ns, name, deadline)) is None:
+        if not spec.wait_for_target:
             hint = "set spec.waitForTarget: true to wait for it until timeoutSeconds"
-            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found ({hint})")
+            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found ({hint})")
         if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
-            waited = f"timeoutSeconds ({spec.get('timeoutSeconds', 60)}s, waitForTarget)"
-            raise ResetFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found within {waited}")
+            waited = f"timeoutSeconds ({spec.timeout_seconds}s, waitForTarget)"
+            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found within {waited}")
         await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
-    fspec = fleet.get("spec") or {}
-    ref = builders.token_secret_ref(name, fspec)
-    use = f"the admin token of {name}"
-    token = await _token(kube, ns, ref, deadline, use, fleet["metadata"]["uid"]) if ref else None
-    controllers = await _fleet_controllers(kube, ns, fleet, deadline)
-    wants_pods = builders.workload_kind(fspec) == "DaemonSet" or int(fspec.get("replicas", 1)) > 0
-    return Plan(
-        f"InferenceDeployment/{name}",
-        builders.selector_string(name),
-        int(spec.get("port") or fspec.get("port", 8000)),
-        token,
-        builders.CONTAINER,
-        controllers,
-        wants_pods,
+    return await fleet_plan(
+        kube, ns, fleet["metadata"], FleetSpec.parse(fleet.get("spec")), deadline, spec.port
     )
 
 
@@ -228,16 +108,16 @@ def outcome(
     return "Failed", "PodsFailed", detail + first + note
 
 
-def settings_for(spec: dict[str, Any], plan: Plan) -> FanoutSettings:
+def settings_for(spec: ResetSpec, plan: Plan) -> FanoutSettings:
     return FanoutSettings(
-        engine=spec.get("engine", "kvpilot"),
+        engine=spec.engine,
         port=plan.port,
         token=plan.token,
-        reset_running_requests=bool(spec.get("resetRunningRequests")),
-        timeout_s=float(spec.get("timeoutSeconds", 60)),
-        request_timeout_s=float(spec.get("requestTimeoutSeconds") or min(10, spec.get("timeoutSeconds", 60))),
-        max_concurrency=int(spec.get("maxConcurrency", 64)),
-        retries_per_pod=int(spec.get("retriesPerPod", 3)),
+        reset_running_requests=spec.reset_running_requests,
+        timeout_s=float(spec.timeout_seconds),
+        request_timeout_s=float(spec.request_timeout_seconds or min(10, spec.timeout_seconds)),
+        max_concurrency=spec.max_concurrency,
+        retries_per_pod=spec.retries_per_pod,
     )
 
 
@@ -305,14 +185,15 @@ async def _run(
 ) -> dict[str, Any] | None:
     """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    spec, status = obj["spec"], obj.get("status") or {}
+    spec, status = ResetSpec.parse(obj["spec"]), obj.get("status") or {}
     start = status.get("startTime") or now_iso()
     started = parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
-    deadline = time.monotonic() + spec.get("timeoutSeconds", 60) - (time.time() - started if started else 0)
-    if status.get("phase") == "Running" and spec.get("resetRunningRequests"):
+    deadline = time.monotonic() + spec.timeout_seconds - (time.time() - started if started else 0)
+    if status.get("phase") == "Running" and spec.reset_running_requests:
         return await _finish(
             kube,
             obj,
+            spec,
             None,
             "Failed",
             "Interrupted",
@@ -356,7 +237,7 @@ async def _run(
             "startTime": start,
             "observedGeneration": obj["metadata"].get("generation"),
         }
-        if spec.get("resetRunningRequests"):  # at-most-once: recorded before any call, or no call at all
+        if spec.reset_running_requests:  # at-most-once: recorded before any call, or no call at all
             await progress.settle()
             await with_retries(
                 "status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}), deadline
@@ -385,22 +266,21 @@ async def _run(
                 on_call=metrics.count_pod_call,
             )
             newcomers = watch.newcomers()  # the pods that replaced those skipped as gone, for the message
-    except ResetFailure as f:
+    except RunFailure as f:
         logger.warning("reset %s/%s: %s: %s", ns, name, f.reason, f.message)
         await progress.settle()  # the final status lands last
-        return await _finish(kube, obj, None, "Failed", f.reason, f.message, start)
+        return await _finish(kube, obj, spec, None, "Failed", f.reason, f.message, start)
     await progress.settle()
     if any(r.result == "Pending" for r in results):
         logger.info(
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
         return None
-    ratio, allow_none = float(spec.get("minSuccessRatio", 1.0)), bool(spec.get("allowNoTargets"))
-    phase, reason, message = outcome(results, ratio, allow_none, newcomers)
+    phase, reason, message = outcome(results, spec.min_success_ratio, spec.allow_no_targets, newcomers)
     logger.info("reset %s/%s: %s", ns, name, message)
     for r in [r for r in results if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
         kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
-    return await _finish(kube, obj, results, phase, reason, message, start)
+    return await _finish(kube, obj, spec, results, phase, reason, message, start)
 
 
 @contextlib.asynccontextmanager
@@ -425,6 +305,7 @@ async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
 async def _finish(
     kube: Kube,
     obj: dict[str, Any],
+    spec: ResetSpec,
     records: list[PodResult] | None,
     phase: str,
     reason: str,
@@ -444,8 +325,8 @@ async def _finish(
     if (t0 := parse_time(start)) is not None:
         metrics.RESET_DURATION.observe(max(0.0, time.time() - t0))
     metrics.record_reset_pods(ns, name, summarize(records or []))
-    target = (obj["spec"].get("targetRef") or {}).get("name")
-    if target:
+    if spec.target_ref:
+        target = spec.target_ref.name
         try:
             await kube.patch_status(
                 FLEETS, ns, target, {"lastReset": {"name": name, "time": end, "result": phase}}

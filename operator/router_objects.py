@@ -16,12 +16,14 @@ from kvpilot.operator.builders import (
     KV_KEYS_DIR,
     MANAGED_BY,
     ROUTER_KEY_FILES,
+    copied,
     fleet_env,
     kv_keys_mount,
     kvpilot_container,
     router_spec,
 )
 from kvpilot.operator.rbac import RBAC_GROUP, ROUTER_CLUSTER_ROLE
+from kvpilot.operator.specs import FleetSpec, RouterSpec
 
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
 ROUTER_PORT = 8080
@@ -47,11 +49,11 @@ def router_labels(name: str) -> dict[str, str]:
     }
 
 
-def endpoint(name: str, namespace: str, spec: dict[str, Any]) -> str:
+def endpoint(name: str, namespace: str, spec: FleetSpec) -> str:
     """The URL clients use for this fleet: the router's Service when there is one, else the fleet's."""
     if router_spec(spec):
         return f"http://{router_name(name)}.{namespace}.svc:{ROUTER_PORT}"
-    return f"http://{name}.{namespace}.svc:{int(spec.get('port', 8000))}"
+    return f"http://{name}.{namespace}.svc:{spec.port}"
 
 
 def service_account(name: str) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def role_binding(name: str, namespace: str, router_role: str = ROUTER_CLUSTER_RO
     }
 
 
-def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+def _container(name: str, spec: FleetSpec, r: RouterSpec) -> dict[str, Any]:
     args = [
         "router",
         "--fleet",
@@ -81,14 +83,14 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
         "--namespace",
         "$(POD_NAMESPACE)",
         "--policy",
-        r.get("policy", "prefix-aware"),
+        r.policy,
         "--host",
         "$(POD_IP)",
         "--port",
         str(ROUTER_PORT),
     ]
-    if spec.get("model"):
-        args += ["--model", str(spec["model"])]  # the router tokenizes with the daemons' tokenizer
+    if spec.model:
+        args += ["--model", spec.model]  # the router tokenizes with the daemons' tokenizer
     keys = kv_keys_mount(name, spec, ROUTER_KEY_FILES)
     if keys:
         args += ["--kv-events-curve-dir", KV_KEYS_DIR]  # the daemons let in only this key pair
@@ -110,17 +112,13 @@ def _container(name: str, spec: dict[str, Any], r: dict[str, Any]) -> dict[str, 
             "failureThreshold": 6,
         },
     )
-    if r.get("resources"):
-        c["resources"] = copy.deepcopy(r["resources"])
-    for field in ("volumeMounts", "securityContext"):
-        if spec.get(field):
-            c[field] = copy.deepcopy(spec[field])
+    c.update(copied(r, ("resources",)) | copied(spec, ("volume_mounts", "security_context")))
     if keys:
         c["volumeMounts"] = [*c.get("volumeMounts", []), keys[1]]
     return c
 
 
-def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def deployment(name: str, spec: FleetSpec) -> dict[str, Any]:
     r = router_spec(spec)
     assert r is not None
     pod_spec: dict[str, Any] = {
@@ -134,22 +132,20 @@ def deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     # The fleet's volumes hold its model, whose tokenizer the router loads; they may exist only on the fleet's
     # nodes (hostPath, local volumes), so the router goes where the daemons may go: their nodeSelector,
     # tolerations and node affinity. Not their pod (anti-)affinity, which is about the daemons' own labels.
-    for field in ("volumes", "imagePullSecrets", "nodeSelector", "tolerations"):
-        if spec.get(field):
-            pod_spec[field] = copy.deepcopy(spec[field])
+    pod_spec.update(copied(spec, ("volumes", "image_pull_secrets", "node_selector", "tolerations")))
     if keys := kv_keys_mount(name, spec, ROUTER_KEY_FILES):
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
-    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    node_affinity = (spec.affinity or {}).get("nodeAffinity")
     if node_affinity:
         pod_spec["affinity"] = {"nodeAffinity": copy.deepcopy(node_affinity)}
-    if spec.get("podSecurityContext"):
-        pod_spec["securityContext"] = copy.deepcopy(spec["podSecurityContext"])
+    if spec.pod_security_context:
+        pod_spec["securityContext"] = copy.deepcopy(spec.pod_security_context)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": router_name(name), "labels": router_labels(name)},
         "spec": {
-            "replicas": int(r.get("replicas", 1)),
+            "replicas": r.replicas,
             "selector": {"matchLabels": router_selector(name)},
             "template": {
                 "metadata": {
@@ -180,7 +176,7 @@ def service(name: str) -> dict[str, Any]:
 
 
 def objects(
-    name: str, namespace: str, spec: dict[str, Any], router_role: str = ROUTER_CLUSTER_ROLE
+    name: str, namespace: str, spec: FleetSpec, router_role: str = ROUTER_CLUSTER_ROLE
 ) -> list[dict[str, Any]]:
     """Everything the router needs, in creation order (its identity before the pods that use it)."""
     return [

@@ -13,18 +13,19 @@ from typing import Any
 
 from kvpilot.operator.builders import ADMIN_TOKEN_LABEL
 from kvpilot.operator.owners import owned_by
+from kvpilot.operator.specs import SecretKeyRef
 
 NOT_ALLOWED = "AdminTokenNotAllowed"
 UNAVAILABLE = "AdminTokenUnavailable"
 
 
 def refusal(
-    secret: dict[str, Any] | None, ns: str, ref: dict[str, Any], owner_uid: str | None, use: str
+    secret: dict[str, Any] | None, ns: str, ref: SecretKeyRef, owner_uid: str | None, use: str
 ) -> tuple[str, str] | None:
     """(reason, message) when the token of `ref` may not be used, else None. `secret` is Kube.secret's
     answer; `owner_uid`, the InferenceDeployment whose own Secret counts as consented (None: only the label
     does); `use` says what the token was wanted for, for the message."""
-    where = f"Secret {ns}/{ref['name']}"
+    where = f"Secret {ns}/{ref.name}"
     if secret is None:
         return UNAVAILABLE, f"{where} ({use}) not found"
     owned = owner_uid is not None and owned_by({"metadata": secret}, owner_uid)
@@ -33,10 +34,9 @@ def refusal(
         return (
             NOT_ALLOWED,
             f"{where} ({use}) is not labelled {ADMIN_TOKEN_LABEL}=true{mine}: a Secret's token goes to pods "
-            f"only with its owner's consent (label it: kubectl label secret {ref['name']} "
+            f"only with its owner's consent (label it: kubectl label secret {ref.name} "
             f"{ADMIN_TOKEN_LABEL}=true)",
         )
-    key = ref.get("key", "token")
-    if not secret["data"].get(key, "").strip():
-        return UNAVAILABLE, f"{where} ({use}) has no key {key!r}"
+    if not secret["data"].get(ref.key, "").strip():
+        return UNAVAILABLE, f"{where} ({use}) has no key {ref.key!r}"
     return None

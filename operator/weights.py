@@ -38,8 +38,10 @@ from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
 from kvpilot.operator import fence, metrics
 from kvpilot.operator.builders import FLEETS, WEIGHT_UPDATES
 from kvpilot.operator.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.fleet_targets import Plan, fleet_plan, pod_target, read_fleet
 from kvpilot.operator.kube import ApiException, Kube
-from kvpilot.operator.resets import Plan, ResetFailure, pod_target, resolve, with_retries
+from kvpilot.operator.retries import RunFailure, with_retries
+from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpdateSpec
 from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
 
 DONE = ("Succeeded", "Failed", "Degraded")
@@ -62,11 +64,13 @@ async def drive(
     obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
     if obj is None or not unfinished(obj.get("status") or {}):
         return
-    fleet = obj["spec"]["targetRef"]["name"]
+    spec = WeightUpdateSpec.parse(obj["spec"])
+    fleet = spec.target_ref.name
     metrics.WEIGHT_UPDATES_IN_PROGRESS.inc()
     try:
         async with catchups.lock(ns, fleet) if catchups else contextlib.nullcontext():
-            await Run(kube, obj, logger, limiter).run()
+            # made once the fleet is ours: a first run's timeout counts from here, not from the wait
+            await Run(kube, obj, spec, logger, limiter).run()
     finally:
         metrics.WEIGHT_UPDATES_IN_PROGRESS.dec()
     if catchups:
@@ -74,19 +78,20 @@ async def drive(
 
 
 class Run:
-    def __init__(self, kube: Kube, obj: dict[str, Any], logger: logging.Logger, limiter: Any) -> None:
-        self.kube, self.obj, self.logger, self.limiter = kube, obj, logger, limiter
+    def __init__(
+        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: logging.Logger, limiter: Any
+    ) -> None:
+        self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self.spec = obj["spec"]
         status = obj.get("status") or {}
         self.start = status.get("startTime") or now_iso()
         started = parse_time(status.get("startTime"))
-        timeout = float(self.spec.get("timeoutSeconds", 600))
+        timeout = float(self.spec.timeout_seconds)
         self.deadline = time.monotonic() + timeout - (time.time() - started if started else 0)
         # A pod that never answers its stage must leave time to drop the stage on the others.
         self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
         self.pods: list[PodUpdate] = []
-        self.target = f"InferenceDeployment/{self.spec['targetRef']['name']}"
+        self.target = f"InferenceDeployment/{self.spec.target_ref.name}"
         self.fenced: set[str] = (
             set()
         )  # pods out of the Service (label kvpilot.io/serving "false"), as far as known
@@ -97,7 +102,7 @@ class Run:
         body = {
             "phase": phase,
             "target": self.target,
-            "version": self.spec["version"],
+            "version": self.spec.version,
             "startTime": self.start,
             "observedGeneration": self.obj["metadata"].get("generation"),
             **(pod_status(self.pods) if self.pods else {}),
@@ -114,29 +119,32 @@ class Run:
     # ---- the run -----------------------------------------------------------------------------------
     async def run(self) -> None:
         await self.progress("Pending")
+        fleet = self.spec.target_ref.name
         try:
-            plan = await resolve(self.kube, self.ns, {"targetRef": self.spec["targetRef"]}, self.deadline)
+            if (body := await read_fleet(self.kube, self.ns, fleet, self.deadline)) is None:
+                raise RunFailure("TargetNotFound", f"InferenceDeployment {self.ns}/{fleet} not found")
+            plan = await fleet_plan(
+                self.kube, self.ns, body["metadata"], FleetSpec.parse(body.get("spec")), self.deadline
+            )
             targets = await self.targets(plan)
-        except ResetFailure as f:
-            if f.reason == "TargetNotFound":  # resolve's hint is about resets' waitForTarget
-                f.message = f"InferenceDeployment {self.ns}/{self.spec['targetRef']['name']} not found"
+        except RunFailure as f:
             return await self.finish("Failed", f.reason, f.message)
         settings = FanoutSettings(
             port=plan.port,
             token=plan.token,
-            timeout_s=float(self.spec.get("timeoutSeconds", 600)),
-            request_timeout_s=float(self.spec.get("timeoutSeconds", 600)),
-            max_concurrency=int(self.spec.get("maxConcurrency", 16)),
+            timeout_s=float(self.spec.timeout_seconds),
+            request_timeout_s=float(self.spec.timeout_seconds),
+            max_concurrency=self.spec.max_concurrency,
         )
         self.pods = [PodUpdate(t.name) for t in targets]
         batch = len(targets)
-        if self.spec.get("strategy") == "Rolling":
-            batch = max(1, int(self.spec.get("maxUnavailable", 1)))
+        if self.spec.strategy == "Rolling":
+            batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
         kopf.event(
             self.obj,
             type="Normal",
             reason="Started",
-            message=f"updating {len(targets)} pods of {self.target} to {self.spec['version']}",
+            message=f"updating {len(targets)} pods of {self.target} to {self.spec.version}",
         )
         for i in range(0, len(targets), batch):
             group = targets[i : i + batch]
@@ -158,17 +166,17 @@ class Run:
         fenced = [p.name for p in self.pods if p.result == "Fenced"]
         if not any(p.result == "Succeeded" for p in self.pods):  # the fleet stays on its weights
             why = "not fenced: no pod changed weights"
-            msg = f"no pod serves {self.spec['version']}: {', '.join(fenced[:5])} ({why})"
+            msg = f"no pod serves {self.spec.version}: {', '.join(fenced[:5])} ({why})"
             return await self.finish("Degraded", "CommitFailed", msg)
         self.weights = {
-            "version": self.spec["version"],
-            "modelPath": self.spec["modelPath"],
+            "version": self.spec.version,
+            "modelPath": self.spec.model_path,
             "digest": digest,
         }
         if fenced:
-            msg = f"{len(fenced)} pods are not on {self.spec['version']}: {', '.join(fenced[:5])} (fenced)"
+            msg = f"{len(fenced)} pods are not on {self.spec.version}: {', '.join(fenced[:5])} (fenced)"
             return await self.finish("Degraded", "CommitFailed", msg)
-        msg = f"{len(self.pods)}/{len(self.pods)} pods serve {self.spec['version']} ({digest})"
+        msg = f"{len(self.pods)}/{len(self.pods)} pods serve {self.spec.version} ({digest})"
         return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
 
     async def targets(self, plan: Plan) -> list[Target]:
@@ -179,11 +187,11 @@ class Run:
         targets = sorted((pod_target(p, plan) for p in pods), key=lambda t: t.name)
         self.fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
         if not targets:
-            raise ResetFailure("NoTargets", f"{self.target} has no pods")
+            raise RunFailure("NoTargets", f"{self.target} has no pods")
         blocked = [t for t in targets if t.skip_reason]
         if blocked:
             names = ", ".join(f"{t.name} ({t.skip_reason})" for t in blocked[:5])
-            raise ResetFailure("PodsNotReady", f"no pod changed: not every pod can be called: {names}")
+            raise RunFailure("PodsNotReady", f"no pod changed: not every pod can be called: {names}")
         return targets
 
     def _by_name(self) -> dict[str, PodUpdate]:
@@ -206,7 +214,7 @@ class Run:
         on every pod of the group and the failing pods are Failed, the others Dropped."""
         await self.progress("Staging")
         pods = self._by_name()
-        info = {"update_info": {"model_path": self.spec["modelPath"]}}
+        info = {"update_info": {"model_path": self.spec.model_path}}
         steps = [
             Step("POST", "/abort_weight_update", must_succeed=False),  # a stage an earlier run left
             Step("POST", "/start_weight_update"),
@@ -239,8 +247,8 @@ class Run:
         """Phase two on `group`: pause, finish, resume; a pod whose finish failed is Fenced."""
         await self.progress("Committing")
         pods = self._by_name()
-        mode = self.spec.get("pauseMode", "wait")
-        version = self.spec["version"]
+        mode = self.spec.pause_mode
+        version = self.spec.version
         paused = await self.call(group, settings, "POST", f"/pause?mode={mode}")
         held = [t for t in group if paused[t.name].ok]  # a pod that did not pause is not switched
         body = {"weight_version": version}
@@ -310,13 +318,13 @@ class Run:
         await with_retries("final status", lambda: self.patch(phase, **extra), time.monotonic() + 30)
 
     async def fleet_version(self) -> None:
-        fleet = self.spec["targetRef"]["name"]
+        fleet = self.spec.target_ref.name
         versions = [p.version or "unknown" for p in self.pods]
         body: dict[str, Any] = fleet_weight_version(versions)
         try:
             old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
             if self.weights is not _KEEP:  # with the model they were committed over (fence.recorded_for)
-                model = str((old.get("spec") or {}).get("model") or "")
+                model = FleetSpec.parse(old.get("spec")).model or ""
                 body["weights"] = self.weights and {**self.weights, "model": model}
             gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
             for version in gone:  # a merge patch keeps map keys it does not name

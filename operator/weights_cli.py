@@ -11,10 +11,12 @@ from typing import Any, TextIO
 
 from kvpilot.config_flags import add_command
 from kvpilot.operator.builders import WEIGHT_UPDATES
-from kvpilot.operator.cli import _add_target, create_for_fleet, fleet_object
+from kvpilot.operator.cli import _add_target, add_timeout_seconds, create_for_fleet, fleet_object
 from kvpilot.operator.cli_follow import Followed
+from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, WeightUpdateSpec
 
 DONE = ("Succeeded", "Failed", "Degraded")
+UPDATE_TIMEOUT_S = WeightUpdateSpec.default("timeout_seconds")
 
 
 def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,10 +26,19 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_target(u)
     u.add_argument("--path", required=True, help="checkpoint directory as every pod sees it")
     u.add_argument("--version", required=True, dest="weight_version", help="the weight version afterwards")
-    u.add_argument("--strategy", choices=("Atomic", "Rolling"), default=None, help="default Atomic")
-    u.add_argument("--pause-mode", choices=("abort", "wait", "keep"), default=None, help="default wait")
-    u.add_argument("--max-unavailable", type=int, default=None, help="Rolling: pods at a time (default 1)")
-    u.add_argument("--timeout-seconds", type=int, default=None, help="deadline of the update (default 600)")
+    # Unset flags stay out of the spec: the API server fills in the CRD's defaults, which the help names.
+    strategy, pause_mode = WeightUpdateSpec.default("strategy"), WeightUpdateSpec.default("pause_mode")
+    u.add_argument("--strategy", choices=("Atomic", "Rolling"), default=None, help=f"default {strategy}")
+    u.add_argument(
+        "--pause-mode", choices=("abort", "wait", "keep"), default=None, help=f"default {pause_mode}"
+    )
+    u.add_argument(
+        "--max-unavailable",
+        type=int,
+        default=None,
+        help=f"Rolling: pods at a time (default {ROLLING_MAX_UNAVAILABLE})",
+    )
+    add_timeout_seconds(u, "the update", UPDATE_TIMEOUT_S)
     u.add_argument("--wait", action="store_true", help="follow the update until it ends, pod by pod")
     u.add_argument(
         "--timeout", type=float, default=None, help="with --wait: stop waiting after this many seconds"
@@ -79,4 +90,4 @@ def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     Create a WeightUpdate for InferenceDeployment NAME; with --wait, show each pod's progress and exit 0 when
     it Succeeded, 1 when it Failed or ended Degraded, 2 on an error, 3 when --timeout passed first.
     """
-    return create_for_fleet(args, update_body(args.name, args), UPDATE, 600, out)
+    return create_for_fleet(args, update_body(args.name, args), UPDATE, UPDATE_TIMEOUT_S, out)

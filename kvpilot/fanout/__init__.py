@@ -9,6 +9,7 @@ Kubernetes, kopf or either caller's metrics.
 - `engines.py`: how kvpilot's, vLLM's and SGLang's reset endpoints are called and their replies judged.
 - `caller.py`: the sliding-window caller: retries, backoff, deadline, shutdown grace.
 - `results.py`: per-pod and per-rank results, under the daemon's field names.
+- `backoff.py`: the exponential back-off of every retry loop, the operator's included.
 """
 
 from kvpilot.fanout.caller import Checkpoint, OnCall, PodGone, run_fanout

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
@@ -41,12 +41,6 @@ PodGone = Callable[[Target], Awaitable[str | None]]
 # on_call(verdict, code): one per call made, with its Verdict value and the HTTP status as text ("0": no
 # reply); once more with ("Failed", "deadline") for a target whose deadline passed before its next call.
 OnCall = Callable[[str, str], None]
-
-
-def _backoff(settings: FanoutSettings, n: int) -> float:
-    """Exponential backoff with jitter: the n-th wait is between half and all of base * 2**(n-1)."""
-    cap = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** max(n - 1, 0))
-    return cap * random.uniform(0.5, 1.0)
 
 
 def _decide(res: PodResult, result: str, message: str, started: float, j: Judgement | None = None) -> None:
@@ -128,7 +122,8 @@ async def _reset_one(
                 return
         else:
             busy += 1
-        delay = _backoff(settings, transient if j.verdict is Verdict.TRANSIENT else busy)
+        n = transient if j.verdict is Verdict.TRANSIENT else busy
+        delay = backoff_delay(n, settings.backoff_base_s, settings.backoff_max_s)
         await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 

@@ -4,6 +4,7 @@ pod's GPU request."""
 from __future__ import annotations
 
 from kvpilot.operator import builders
+from kvpilot.operator.specs import FleetSpec
 
 
 def test_rank_fields_become_serve_flags_and_gpus_per_pod() -> None:
@@ -11,7 +12,7 @@ def test_rank_fields_become_serve_flags_and_gpus_per_pod() -> None:
         "engine": {"dataParallelSize": 2, "tensorParallelSize": 4},
         "resources": {"requests": {"cpu": "8", "nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}},
     }
-    c = builders.container("llm", spec)
+    c = builders.container("llm", FleetSpec.parse(spec))
     args = c["args"]
     assert args[args.index("--data-parallel-size") + 1] == "2"
     assert args[args.index("--tensor-parallel-size") + 1] == "4"
@@ -21,8 +22,8 @@ def test_rank_fields_become_serve_flags_and_gpus_per_pod() -> None:
 
 def test_cpu_pods_get_no_gpus_and_defaults_add_no_flags() -> None:
     c = builders.container(
-        "llm", {"engine": {"dataParallelSize": 2}, "resources": {"requests": {"cpu": "4"}}}
+        "llm", FleetSpec.parse({"engine": {"dataParallelSize": 2}, "resources": {"requests": {"cpu": "4"}}})
     )
     assert c["resources"] == {"requests": {"cpu": "4"}}
     assert "--tensor-parallel-size" not in c["args"]
-    assert "--data-parallel-size" not in builders.container("llm", {})["args"]
+    assert "--data-parallel-size" not in builders.container("llm", FleetSpec.parse({}))["args"]

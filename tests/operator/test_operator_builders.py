@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
 from kvpilot.operator.fleet_router import deployment_state
+from kvpilot.operator.specs import FleetSpec
 
 SPEC = {
     "replicas": 3,
@@ -20,7 +21,7 @@ SPEC = {
 
 
 def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_annotations() -> None:
-    d = builders.workload("llama", SPEC)
+    d = builders.workload("llama", FleetSpec.parse(SPEC))
     assert d["kind"] == "Deployment" and d["spec"]["replicas"] == 3
     assert d["spec"]["selector"] == {"matchLabels": {"kvpilot.io/inference-deployment": "llama"}}
     tpl = d["spec"]["template"]
@@ -50,7 +51,7 @@ def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_
 
 
 def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
-    d = builders.workload("x", {"placement": "DaemonSet", "model": "/models/q"})
+    d = builders.workload("x", FleetSpec.parse({"placement": "DaemonSet", "model": "/models/q"}))
     assert d["kind"] == "DaemonSet" and "replicas" not in d["spec"]
     args = d["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/q" and "--port" in args
@@ -62,7 +63,7 @@ def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
 
 
 def test_service_selects_the_fleets_serving_pods_on_its_port() -> None:
-    s = builders.service("llama", SPEC)
+    s = builders.service("llama", FleetSpec.parse(SPEC))
     assert s["spec"]["selector"] == {"kvpilot.io/inference-deployment": "llama", "kvpilot.io/serving": "true"}
     assert (
         s["spec"]["ports"][0]["port"] == 8123
@@ -71,7 +72,7 @@ def test_service_selects_the_fleets_serving_pods_on_its_port() -> None:
 
 
 def test_generated_admin_token_unless_a_secret_is_named_or_the_spec_opts_out() -> None:
-    env = lambda spec: builders.workload("f", spec)["spec"]["template"]["spec"]["containers"][0]["env"]  # noqa: E731
+    env = lambda spec: builders.container("f", FleetSpec.parse(spec))["env"]  # noqa: E731
     tok = next(e for e in env({}) if e["name"] == "KVPILOT_ADMIN_TOKEN")
     assert tok["valueFrom"]["secretKeyRef"] == {"name": "f-admin-token", "key": "token"}
     assert not any(e["name"] == "KVPILOT_ADMIN_TOKEN" for e in env({"disableAdminToken": True}))
@@ -93,7 +94,7 @@ def test_gpu_node_fields_reach_the_pod_and_cpu_limit_sets_threads() -> None:
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}},
         "resources": {"limits": {"cpu": "2500m", "nvidia.com/gpu": 1}},
     }
-    pod = builders.workload("g", spec)["spec"]["template"]["spec"]
+    pod = builders.workload("g", FleetSpec.parse(spec))["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert pod["serviceAccountName"] == "reader" and pod["automountServiceAccountToken"] is True
     assert pod["imagePullSecrets"] == [{"name": "reg"}] and pod["volumes"][0]["name"] == "models"
@@ -101,8 +102,10 @@ def test_gpu_node_fields_reach_the_pod_and_cpu_limit_sets_threads() -> None:
     assert c["volumeMounts"][0]["mountPath"] == "/models" and c["securityContext"]["runAsNonRoot"]
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     assert c["args"][c["args"].index("--cpu-threads") + 1] == "3"
-    assert builders.cpu_threads({"resources": {"limits": {"cpu": "0.5"}}}) == 1
-    assert builders.cpu_threads({}) is None and "--cpu-threads" not in builders.serve_args({})
+    assert builders.cpu_threads(FleetSpec.parse({"resources": {"limits": {"cpu": "0.5"}}})) == 1
+    assert builders.cpu_threads(FleetSpec.parse({})) is None and "--cpu-threads" not in builders.serve_args(
+        FleetSpec.parse({})
+    )
 
 
 def test_label_selector_strings() -> None:
@@ -165,7 +168,7 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
         },
         "router": {"enabled": True, "replicas": 2, "policy": "prefix-aware"},
     }
-    sa, binding, dep, svc = router_objects.objects("llama", "team-a", spec, "rel-router")
+    sa, binding, dep, svc = router_objects.objects("llama", "team-a", FleetSpec.parse(spec), "rel-router")
     assert [o["kind"] for o in (sa, binding, dep, svc)] == [
         "ServiceAccount",
         "RoleBinding",
@@ -209,15 +212,20 @@ def test_router_objects_find_the_fleet_and_the_daemons_publish_kv_events() -> No
         pod["spec"]["affinity"] == {"nodeAffinity": spec["affinity"]["nodeAffinity"]} and "resources" not in c
     )
     assert svc["spec"]["ports"][0]["port"] == 8080
-    args = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = builders.workload("llama", FleetSpec.parse(spec))["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
     assert args[args.index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"
     assert args[args.index("--kv-events-replay-endpoint") + 1] == "tcp://$(POD_IP):5558"
-    assert router_objects.endpoint("llama", "team-a", spec) == "http://llama-router.team-a.svc:8080"
+    assert (
+        router_objects.endpoint("llama", "team-a", FleetSpec.parse(spec))
+        == "http://llama-router.team-a.svc:8080"
+    )
 
 
 def test_each_rank_of_a_data_parallel_daemon_gets_its_kv_event_ports() -> None:
     spec = {**SPEC, "engine": {"dataParallelSize": 3}, "router": {"enabled": True}}
-    c = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]
+    c = builders.workload("llama", FleetSpec.parse(spec))["spec"]["template"]["spec"]["containers"][0]
     # Rank r publishes on 5557 + r; the replay sockets follow the events' range, so nothing collides.
     assert c["args"][c["args"].index("--kv-events-endpoint") + 1] == "tcp://$(POD_IP):5557"
     assert c["args"][c["args"].index("--kv-events-replay-endpoint") + 1] == "tcp://$(POD_IP):5560"
@@ -235,9 +243,9 @@ def test_each_rank_of_a_data_parallel_daemon_gets_its_kv_event_ports() -> None:
 def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
     for router in (None, {"enabled": False}, {"enabled": True, "policy": "least-load"}):
         spec = {**SPEC, **({"router": router} if router else {})}
-        c = builders.workload("llama", spec)["spec"]["template"]["spec"]["containers"][0]
+        c = builders.workload("llama", FleetSpec.parse(spec))["spec"]["template"]["spec"]["containers"][0]
         assert "--kv-events-endpoint" not in c["args"] and [p["name"] for p in c["ports"]] == ["http"]
-    assert router_objects.endpoint("llama", "ns", SPEC) == "http://llama.ns.svc:8123"
+    assert router_objects.endpoint("llama", "ns", FleetSpec.parse(SPEC)) == "http://llama.ns.svc:8123"
 
 
 def test_ready_waits_for_the_router_unless_no_pod_is_wanted() -> None:

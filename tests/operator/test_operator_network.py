@@ -17,6 +17,7 @@ import pytest
 from kvpilot import kv_sockets
 from kvpilot.operator import builders, router_objects
 from kvpilot.operator.network_policy import OperatorPeer, network_policy
+from kvpilot.operator.specs import FleetSpec
 from support.cluster import Cluster
 from support.operator import OP_NS, OperatorProcess, apply_ns, fleet, infd
 from support.procs import wait_for
@@ -33,7 +34,7 @@ def router_peer(name: str) -> dict:
 
 def test_policy_lets_the_router_operator_and_listed_namespaces_in() -> None:
     spec = {**ROUTED, "networkPolicy": {"allowFromNamespaces": ["monitoring"]}}
-    pol = network_policy("llm", spec, PEER)
+    pol = network_policy("llm", FleetSpec.parse(spec), PEER)
     assert pol["spec"]["podSelector"] == {"matchLabels": {"kvpilot.io/inference-deployment": "llm"}}
     assert pol["spec"]["policyTypes"] == ["Ingress"]
     http, events = pol["spec"]["ingress"]
@@ -55,7 +56,9 @@ def test_policy_lets_the_router_operator_and_listed_namespaces_in() -> None:
 
 def test_policy_without_a_router_or_peers() -> None:
     # No router: no router peer, no KV event ports; an operator outside the cluster is named by nothing.
-    pol = network_policy("llm", {"networkPolicy": {"allowFromNamespaces": ["app"]}}, OperatorPeer())
+    pol = network_policy(
+        "llm", FleetSpec.parse({"networkPolicy": {"allowFromNamespaces": ["app"]}}), OperatorPeer()
+    )
     assert pol["spec"]["ingress"] == [
         {
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "app"}}}],
@@ -63,12 +66,12 @@ def test_policy_without_a_router_or_peers() -> None:
         }
     ]
     # Nobody listed at all: no rule (an empty `from` would let everyone in).
-    nobody = network_policy("llm", {}, OperatorPeer())["spec"]
+    nobody = network_policy("llm", FleetSpec.parse({}), OperatorPeer())["spec"]
     assert nobody["policyTypes"] == ["Ingress"] and "ingress" not in nobody
 
 
 def test_each_side_mounts_only_its_keys() -> None:
-    pod = builders.workload("llm", ROUTED)["spec"]["template"]["spec"]
+    pod = builders.workload("llm", FleetSpec.parse(ROUTED))["spec"]["template"]["spec"]
     (vol,) = [v for v in pod["volumes"] if v["name"] == builders.KV_KEYS_VOLUME]
     assert vol["secret"]["secretName"] == "llm-kv-events-curve"
     assert [i["key"] for i in vol["secret"]["items"]] == ["server.key_secret", "client.key"]
@@ -77,14 +80,14 @@ def test_each_side_mounts_only_its_keys() -> None:
         "volumeMounts"
     ]
     assert c["args"][c["args"].index("--kv-events-curve-dir") + 1] == builders.KV_KEYS_DIR
-    rpod = router_objects.deployment("llm", ROUTED)["spec"]["template"]["spec"]
+    rpod = router_objects.deployment("llm", FleetSpec.parse(ROUTED))["spec"]["template"]["spec"]
     (rvol,) = rpod["volumes"]
     assert [i["key"] for i in rvol["secret"]["items"]] == ["client.key_secret", "server.key"]
     rc = rpod["containers"][0]
     assert rc["volumeMounts"][-1]["readOnly"] and "--kv-events-curve-dir" in rc["args"]
     # No KV events, no keys: a least-load router, or none.
     for spec in ({"router": {"enabled": True, "policy": "least-load"}}, {}):
-        pod = builders.workload("llm", spec)["spec"]["template"]["spec"]
+        pod = builders.workload("llm", FleetSpec.parse(spec))["spec"]["template"]["spec"]
         assert "volumes" not in pod and "--kv-events-curve-dir" not in pod["containers"][0]["args"]
 
 

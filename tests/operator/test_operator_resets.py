@@ -9,8 +9,9 @@ import pytest
 from kvpilot.fanout import PodResult
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
+from kvpilot.operator.fleet_targets import Plan, pod_target
 from kvpilot.operator.reset_status import pod_status
-from kvpilot.operator.resets import Plan, outcome, pod_target
+from kvpilot.operator.resets import outcome
 
 
 def pod(

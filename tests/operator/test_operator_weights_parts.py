@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvpilot.fanout import FanoutSettings, Target
 from kvpilot.fanout.phase import Step, run_phase, run_steps
+from kvpilot.operator.specs import FleetSpec
 from kvpilot.operator.weights_cli import describe_pod, update_body
 from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
 from support.procs import free_port
@@ -177,8 +178,10 @@ def test_fence_decision() -> None:
         {"metadata": {"labels": {"kvpilot.io/serving": "false"}}}
     )
     # recorded over the default model: they apply while spec.model stays unset, not once it names another
-    assert recorded_for({**fleet, "model": ""}, {}) and recorded_for(fleet, {"model": None})
-    assert not recorded_for({**fleet, "model": ""}, {"model": "/models/other"})
-    assert recorded_for({**fleet, "model": "/m"}, {"model": "/m"}) and not recorded_for(
-        {**fleet, "model": "/m"}, {}
+    assert recorded_for({**fleet, "model": ""}, FleetSpec.parse({})) and recorded_for(
+        fleet, FleetSpec.parse({"model": None})
+    )
+    assert not recorded_for({**fleet, "model": ""}, FleetSpec.parse({"model": "/models/other"}))
+    assert recorded_for({**fleet, "model": "/m"}, FleetSpec.parse({"model": "/m"})) and not recorded_for(
+        {**fleet, "model": "/m"}, FleetSpec.parse({})
     )
