@@ -32,7 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+from devcluster.procs import free_port, spawn, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from the installed package
 
@@ -288,7 +290,7 @@ def main() -> int:
 
     from kubernetes import client, config
 
-    from kvpilot.devcluster import ControlPlane
+    from devcluster import ControlPlane
 
     work = Path(tempfile.mkdtemp(prefix="kvpilot-bench-fanout-"))
     procs: list[subprocess.Popen] = []

@@ -28,7 +28,7 @@ from . import mountns, procs
 from .netns import Network, PodNet
 from .podspec import SpecResolver
 
-log = logging.getLogger("kvpilot.devcluster.pod")
+log = logging.getLogger("devcluster.pod")
 # The dev cluster's "image" is the venv the node agent runs from: its bin folder (kvpilot,
 # python3 with the project's packages) comes first on every pod's PATH, as an image's PATH would.
 IMAGE_BIN = sysconfig.get_path("scripts")

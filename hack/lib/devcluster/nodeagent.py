@@ -27,7 +27,7 @@ from .logserver import LogServer
 from .netns import Network
 from .podrunner import PodRunner, now
 
-log = logging.getLogger("kvpilot.devcluster.agent")
+log = logging.getLogger("devcluster.agent")
 KUBE_VERSION = "v1.37.2"
 LEASE_SECONDS = 40
 MERGE = "application/merge-patch+json"
