@@ -39,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "curves"

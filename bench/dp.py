@@ -20,7 +20,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 from kvpilot.loadgen import sweep
 
 HERE = Path(__file__).resolve().parent

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.benchkit import engine_ttft
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+from benchkit import engine_ttft
 from kvpilot.daemon.engine.block_hash import hash_block
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.config import EngineConfig

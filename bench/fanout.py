@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64] [--reply-delay-ms 0 20] [--profile]
 
-What runs: etcd + kube-apiserver + kube-controller-manager (kvpilot.devcluster.ControlPlane); N Pod objects
+What runs: etcd + kube-apiserver + kube-controller-manager (devcluster.ControlPlane, hack/lib); N Pod objects
 bound to a Node that no agent runs, whose status (Running, a running container, podIP 127.88.x.y) this
 script writes itself; stand-in processes answering the daemon's reset reply on the N loopback addresses
 (port 8000), one process per 1,000 addresses, address i served by process i % P so that the calls in flight
@@ -32,7 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+from devcluster.procs import free_port, spawn, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from the installed package
 
@@ -288,7 +290,7 @@ def main() -> int:
 
     from kubernetes import client, config
 
-    from kvpilot.devcluster import ControlPlane
+    from devcluster import ControlPlane
 
     work = Path(tempfile.mkdtemp(prefix="kvpilot-bench-fanout-"))
     procs: list[subprocess.Popen] = []

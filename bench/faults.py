@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 
 ROOT = Path(__file__).resolve().parents[1]
 

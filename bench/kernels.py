@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 
 # Datasheet HBM bandwidth (GB/s), matched by substring of the device name; the measured copy bandwidth
 # is reported too, since it is what a kernel can actually reach.

@@ -41,8 +41,10 @@ from pathlib import Path
 
 import aiohttp
 
-from kvpilot import benchkit
-from kvpilot.devcluster.procs import free_port
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
+from devcluster.procs import free_port
 from kvpilot.loadgen import pct
 
 ROOT = Path(__file__).resolve().parent.parent

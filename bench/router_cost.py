@@ -33,8 +33,10 @@ from pathlib import Path
 
 import aiohttp
 
-from kvpilot import benchkit
-from kvpilot.devcluster.procs import free_port
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
+from devcluster.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
@@ -162,7 +164,7 @@ def start_kvpilot(workers: list[str], tmp: Path) -> tuple[subprocess.Popen, str]
 
 
 def start_sglang(binary: str, workers: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
-    from kvpilot.devcluster.procs import spawn, wait_ready
+    from devcluster.procs import spawn, wait_ready
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -46,8 +46,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvpilot import benchkit
-from kvpilot.devcluster.procs import free_port
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
+from devcluster.procs import free_port
 from kvpilot.loadgen import RunResult, sweep
 
 ROOT = Path(__file__).resolve().parent.parent

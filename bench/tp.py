@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 
 HERE = Path(__file__).resolve().parent
 

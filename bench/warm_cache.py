@@ -15,11 +15,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from kvpilot.benchkit import engine_ttft
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+from benchkit import engine_ttft
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams

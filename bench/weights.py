@@ -31,7 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from kvpilot import benchkit
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+
+import benchkit
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "bench-weights-admin"

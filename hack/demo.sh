@@ -17,12 +17,12 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 cleanup() {
   say "tearing down"
   [[ -n "${OPERATOR_PID:-}" ]] && kill "$OPERATOR_PID" 2>/dev/null && wait "$OPERATOR_PID" 2>/dev/null || true
-  python -m kvpilot.devcluster down --dir "$DIR" >/dev/null 2>&1 || true
+  python hack/cluster/devcluster.py down --dir "$DIR" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
 say "starting the dev cluster (etcd, kube-apiserver, kube-controller-manager, node agent)"
-python -m kvpilot.devcluster up --dir "$DIR"
+python hack/cluster/devcluster.py up --dir "$DIR"
 kubectl apply -f crds/ >/dev/null
 kubectl wait --for=condition=Established crd --all >/dev/null
 

@@ -84,15 +84,6 @@ def key_files(name: str) -> dict[str, str]:
     return {f"{name}.key": certificate(public), f"{name}.key_secret": certificate(public, secret)}
 
 
-def write_fleet_keys(folder: Path) -> None:
-    """A folder with a server and a client key pair (what the operator's Secret holds): for tests and
-    for fleets run by hand."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in (SERVER, CLIENT):
-        for file, text in key_files(name).items():
-            (folder / file).write_text(text)
-
-
 def _pair(folder: Path, name: str) -> tuple[bytes, bytes]:
     path = folder / f"{name}.key_secret"
     try:

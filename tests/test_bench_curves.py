@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot import benchkit
+import benchkit
 from support import ROOT
 
 CURVES = benchkit.bench_module(ROOT / "bench" / "curves.py")

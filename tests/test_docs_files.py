@@ -22,7 +22,7 @@ PAGES = {
     "operator": "docs/operator.md",
     "kvpilot": "docs/architecture.md",
     "kvpilot/fanout": "docs/fanout.md",
-    "kvpilot/devcluster": "docs/cluster.md",
+    "hack/lib/devcluster": "docs/cluster.md",
     "hack": "docs/tools.md",
     "bench": "README.md",
     "tests/support": "docs/architecture.md",

@@ -177,10 +177,6 @@ class LLMEngine:
         seqs[0].forks = []
         return True
 
-    def get_request(self, request_id: str) -> Request | None:
-        seqs = self._groups.get(request_id)
-        return seqs[0] if seqs else None
-
     def has_unfinished_requests(self) -> bool:
         """Work for the next step (none while paused: held and frozen requests wait)."""
         return self.weights.may_step() and self.scheduler.has_unfinished()

@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""Launcher for `kvpilot.devcluster` that works from a checkout, installed or not.
+"""Launcher for the dev cluster (`devcluster`, in hack/lib): `make cluster-up`, `make cluster-down`, the demo
+and the tests run it as `python hack/cluster/devcluster.py up|down|run|agent` with the venv's python.
 
-It appends the repo root to sys.path rather than prepending it (as `python -m`
-from the root would), so the root's `operator/` folder, which the installed
-package maps to `kvpilot.operator`, can never shadow the standard library's
-`operator` module.
+The dev cluster is dev tooling, not part of the kvpilot package, so it is found by appending hack/lib to
+sys.path: appended, not prepended, and never the checkout itself, whose `operator/` folder (installed as
+`kvpilot.operator`) would shadow the standard library's `operator` module.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "lib"))
 
-from kvpilot.devcluster.cli import main  # noqa: E402
+from devcluster.cli import main  # noqa: E402
 
 raise SystemExit(main())

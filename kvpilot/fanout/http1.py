@@ -256,7 +256,6 @@ class Pool:
         self._idle: OrderedDict[tuple[str, str, int, bool], _Connection] = OrderedDict()
         self._open: set[_Connection] = set()
         self._tls: ssl_module.SSLContext | None = None
-        self.opened = 0  # connections made (tests, the bench)
 
     async def request(self, ep: Endpoint) -> tuple[int, bytes]:
         """Send the endpoint's request and read the reply: (status, body up to MAX_REPLY_BYTES). Raises
@@ -292,7 +291,6 @@ class Pool:
             tls = self._tls
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(_Connection, ep.host, ep.port, ssl=tls)
-        self.opened += 1
         self._open.add(conn)
         return conn
 

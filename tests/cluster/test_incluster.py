@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from kvpilot.devcluster import mountns
-from kvpilot.devcluster.podspec import SpecResolver
+from devcluster import mountns
+from devcluster.podspec import SpecResolver
 from support import ROOT
 from support.procs import wait_for
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from kvpilot.devcluster import apiproxy, mountns
-from kvpilot.devcluster.podspec import refresh_time
+from devcluster import apiproxy, mountns
+from devcluster.podspec import refresh_time
 from support.procs import free_port
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpilot.daemon.engine.request import SamplingParams
+from support.engine import request_of
 
 # 37 tokens: the prompt ends inside a block (block size 16), so forks share a partly filled block.
 PROMPT = list(range(700, 737))
@@ -27,7 +28,7 @@ def run(engine, rid: str, params: SamplingParams) -> dict[int, list]:  # noqa: A
     """All outputs of one request, by sequence index."""
     engine.add_request(rid, PROMPT, params)
     outs: dict[int, list] = {}
-    while engine.get_request(rid) is not None:
+    while request_of(engine, rid) is not None:
         for o in engine.step():
             if o.request_id == rid:
                 outs.setdefault(o.index, []).append(o)
@@ -64,7 +65,7 @@ def test_greedy_forks_share_blocks_and_equal_a_single_sequence(engine) -> None: 
     engine.add_request("fork", PROMPT, SamplingParams(max_tokens=6, n=3, ignore_eos=True))
     outs: dict[int, list[int]] = {0: [], 1: [], 2: []}
     peak = 0
-    while engine.get_request("fork") is not None:
+    while request_of(engine, "fork") is not None:
         for o in engine.step():
             outs[o.index].extend(o.new_token_ids)
         peak = max(peak, engine.stats().blocks_used - used_before)

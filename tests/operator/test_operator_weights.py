@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.benchkit import changed_checkpoint
+from benchkit import changed_checkpoint
 from support.cluster import Cluster, manifest
 from support.operator import (
     OperatorProcess,

@@ -32,7 +32,7 @@ from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
 from kvpilot.router.settings import RouterSettings
-from support.kv_events import BS, kv_events_engine
+from support.kv_events import BS, kv_events_engine, write_fleet_keys
 from support.procs import free_port
 from support.servers import MODEL, start_router, start_server, stop_fleet
 
@@ -71,7 +71,7 @@ def first_stored(engine: LLMEngine, ctx: zmq.asyncio.Context) -> BlockStored:
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
     """The fleet's keys, as the operator's Secret holds them: server and client pairs."""
-    kv_sockets.write_fleet_keys(tmp_path / "fleet")
+    write_fleet_keys(tmp_path / "fleet")
     return tmp_path / "fleet"
 
 
@@ -97,7 +97,7 @@ def test_curve_lets_only_the_fleets_router_in(tiny_model_dir: Path, keys: Path, 
     pub = engine.kv_events
     # A stranger's key pair: a valid CURVE client that knows the server's public key, but is not listed.
     stranger = tmp_path / "stranger"
-    kv_sockets.write_fleet_keys(stranger)
+    write_fleet_keys(stranger)
     (stranger / "server.key").write_text((keys / "server.key").read_text())
 
     async def go() -> tuple[bool, bool, bool, list | None, list | None, PrefixIndex]:

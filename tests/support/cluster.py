@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from kvpilot.devcluster import ControlPlane
+from devcluster import ControlPlane
 from support import ROOT
 from support.procs import spawn, stop, wait_for
 

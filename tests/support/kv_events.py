@@ -1,11 +1,12 @@
 """An in-process engine that publishes KV events (PUB and replay on free loopback ports): the KV event and
-privacy tests' publisher."""
+privacy tests' publisher; and the fleet's CURVE key files, as the operator's Secret holds them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from kvpilot import kv_sockets
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 
@@ -25,3 +26,11 @@ def kv_events_engine(model: Path, **config: Any) -> LLMEngine:
             **config,
         )
     )
+
+
+def write_fleet_keys(folder: Path) -> None:
+    """`folder` with a server and a client key pair, the files the operator's Secret holds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (kv_sockets.SERVER, kv_sockets.CLIENT):
+        for file, text in kv_sockets.key_files(name).items():
+            (folder / file).write_text(text)

@@ -1,4 +1,4 @@
-"""Free ports and child processes for tests, on kvpilot.devcluster.procs: every process a test starts
+"""Free ports and child processes for tests, on the dev cluster's devcluster.procs: every process a test starts
 runs in its own process group, and whatever a test left running is stopped, group and all, when the
 session ends."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpilot.devcluster.procs import free_port, spawn, stop, stop_all, wait_ready
+from devcluster.procs import free_port, spawn, stop, stop_all, wait_ready
 
 __all__ = ["free_port", "spawn", "stop", "wait_ready", "wait_for"]
 

@@ -165,7 +165,7 @@ def test_monitoring_crds_are_served_and_validate_objects(bindir: Path, tmp_path:
     from kubernetes import client, config
     from kubernetes.client.rest import ApiException
 
-    from kvpilot.devcluster import ControlPlane
+    from devcluster import ControlPlane
     from support.cluster import manifest
 
     with ControlPlane(workdir=tmp_path / "cp") as cp:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.benchkit import changed_checkpoint as changed_checkpoint_of
+from benchkit import changed_checkpoint as changed_checkpoint_of
 from support.procs import free_port
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server, wait_idle
 

@@ -154,7 +154,8 @@ def _run_client(client_dir: Path, tmp: Path, *args: str) -> dict:
     """This file as a script in its own process group, vLLM's package first on its path; its report."""
     out = tmp / f"{args[0]}-report.json"
     log = tmp / f"{args[0]}.log"
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(client_dir), str(ROOT / "tests")])}
+    path = [str(client_dir), str(ROOT / "tests"), str(ROOT / "hack" / "lib")]  # support.procs: devcluster
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(path)}
     proc = spawn([sys.executable, __file__, *args, str(out)], log_path=log, env=env, cwd=tmp)
     try:
         rc = proc.wait(timeout=600)

@@ -10,43 +10,26 @@ pod when it changes, so all API writes stay in one place.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sysconfig
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import mountns, procs
+from . import mountns, probes, procs
+from .kubeapi import now
 from .netns import Network, PodNet
 from .podspec import SpecResolver
+from .probes import Probe
 
-log = logging.getLogger("kvpilot.devcluster.pod")
+log = logging.getLogger("devcluster.pod")
 # The dev cluster's "image" is the venv the node agent runs from: its bin folder (kvpilot,
 # python3 with the project's packages) comes first on every pod's PATH, as an image's PATH would.
 IMAGE_BIN = sysconfig.get_path("scripts")
-
-
-def now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass
-class Probe:
-    """Schedule and counters of one probe (readiness or liveness)."""
-
-    spec: dict
-    next_at: float
-    successes: int = 0
-    failures: int = 0
-    passing: bool = False
 
 
 @dataclass
@@ -290,7 +273,7 @@ class PodRunner:
                 continue
             spec = probe.spec
             probe.next_at = t + spec.get("periodSeconds", 10)
-            ok = self._check(spec, c)
+            ok = probes.check(spec, c, self.net.ip)
             if ok:
                 probe.successes, probe.failures = probe.successes + 1, 0
                 if probe.successes >= spec.get("successThreshold", 1):
@@ -306,43 +289,6 @@ class PodRunner:
                         c.next_start = t  # a liveness kill restarts at once
                         probe.failures = 0
                         return
-
-    def _check(self, spec: dict, c: Container) -> bool:
-        timeout = spec.get("timeoutSeconds", 1)
-        try:
-            if "httpGet" in spec:
-                hg = spec["httpGet"]
-                port = self._port(hg["port"], c)
-                host = hg.get("host") or self.net.ip
-                url = f"{hg.get('scheme', 'HTTP').lower()}://{host}:{port}{hg.get('path', '/')}"
-                req = urllib.request.Request(url)
-                for h in hg.get("httpHeaders") or []:
-                    req.add_header(h["name"], h["value"])
-                try:
-                    with urllib.request.urlopen(req, timeout=timeout) as resp:
-                        return 200 <= resp.status < 400
-                except urllib.error.HTTPError as e:
-                    return 200 <= e.code < 400
-            if "tcpSocket" in spec:
-                port = self._port(spec["tcpSocket"]["port"], c)
-                with socket.create_connection((self.net.ip, port), timeout=timeout):
-                    return True
-            if "exec" in spec:
-                argv = c.prefix + list(spec["exec"]["command"])
-                r = subprocess.run(argv, env=c.env, cwd=c.cwd, capture_output=True, timeout=timeout)
-                return r.returncode == 0
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            return False
-        return True  # grpc and unknown probe kinds: not checked, treated as passing
-
-    @staticmethod
-    def _port(port: int | str, c: Container) -> int:
-        if isinstance(port, int) or str(port).isdigit():
-            return int(port)
-        for p in c.spec.get("ports") or []:
-            if p.get("name") == port:
-                return int(p["containerPort"])
-        raise ValueError(f"unknown named port {port}")
 
     def _grace(self) -> float:
         return float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))

@@ -2,7 +2,8 @@
 group and waited for, one
 request's time to first token in an engine, the machine and its load beside the numbers (they depend on what
 else runs there), and one JSON file per run. bench/ scripts run as files (`python bench/x.py`) and so cannot
-import each other; what they share lives here, on kvpilot.devcluster.procs."""
+import each other; what they share lives here, on devcluster.procs: dev tooling in hack/lib (which each script
+appends to sys.path), outside the kvpilot package and its image."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpilot.devcluster.procs import free_port, spawn, stop, wait_ready
+from devcluster.procs import free_port, spawn, stop, wait_ready
 
 if TYPE_CHECKING:  # the engine imports torch: only the benches that measure it load it
     from kvpilot.daemon.engine.engine import LLMEngine

@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # hack/lib/devcluster/binaries.py
 BUILD_SCRIPT = REPO_ROOT / "hack" / "cluster" / "build.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from kubernetes import client
 
-log = logging.getLogger("kvpilot.devcluster.pod")
+log = logging.getLogger("devcluster.pod")
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 

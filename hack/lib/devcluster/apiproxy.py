@@ -14,7 +14,7 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
-log = logging.getLogger("kvpilot.devcluster.apiproxy")
+log = logging.getLogger("devcluster.apiproxy")
 SERVICE_PORT = 443
 
 

@@ -11,7 +11,6 @@ that is cheap, and a poll loop cannot miss an event or hang on a dead watch.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import threading
@@ -21,16 +20,17 @@ from pathlib import Path
 
 from kubernetes import client
 
-from . import apiproxy, pki, scheduling
+from . import apiproxy, pki
 from .apiproxy import ApiProxy
+from .binding import Binder
+from .kubeapi import MERGE, json_of, micro_now, now
 from .logserver import LogServer
 from .netns import Network
-from .podrunner import PodRunner, now
+from .podrunner import PodRunner
 
-log = logging.getLogger("kvpilot.devcluster.agent")
+log = logging.getLogger("devcluster.agent")
 KUBE_VERSION = "v1.37.2"
 LEASE_SECONDS = 40
-MERGE = "application/merge-patch+json"
 
 
 @dataclass
@@ -50,14 +50,6 @@ class NodeSpec:
         return cap
 
 
-def _micro_now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _json(resp) -> dict:
-    return json.loads(resp.data)
-
-
 class NodeAgent:
     def __init__(
         self,
@@ -74,11 +66,10 @@ class NodeAgent:
         self.workdir = workdir
         self.nodes = {n.name: n for n in nodes}
         self.node_index = {n.name: i + 1 for i, n in enumerate(nodes)}
-        self.bind_pods = bind_pods  # None: bind only while no kube-scheduler holds its lease
+        self.binder = Binder(self.core, self.coord, self.nodes, bind_pods)
         self.runners: dict[str, PodRunner] = {}  # by pod uid
         self.stopping: set[str] = set()
         self.sent: dict[str, dict] = {}  # last status patched, by pod uid
-        self.unschedulable: dict[str, str] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.logs: LogServer | None = None
@@ -178,7 +169,7 @@ class NodeAgent:
                 raise
             self.core.patch_node(spec.name, {"metadata": {"labels": labels}}, _preload_content=False)
         self._patch_node_status(spec)
-        node = _json(self.core.read_node(spec.name, _preload_content=False))
+        node = json_of(self.core.read_node(spec.name, _preload_content=False))
         lease = {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
@@ -192,7 +183,7 @@ class NodeAgent:
             "spec": {
                 "holderIdentity": spec.name,
                 "leaseDurationSeconds": LEASE_SECONDS,
-                "renewTime": _micro_now(),
+                "renewTime": micro_now(),
             },
         }
         try:
@@ -247,7 +238,7 @@ class NodeAgent:
         )
 
     def _renew(self, name: str) -> None:
-        body = {"spec": {"renewTime": _micro_now(), "holderIdentity": name}}
+        body = {"spec": {"renewTime": micro_now(), "holderIdentity": name}}
         self.coord.patch_namespaced_lease(
             name, "kube-node-lease", body, _preload_content=False, _content_type=MERGE
         )
@@ -281,7 +272,7 @@ class NodeAgent:
             self._stop.wait(0.5)
 
     def _sync(self) -> None:
-        pods = _json(self.core.list_pod_for_all_namespaces(_preload_content=False))["items"]
+        pods = json_of(self.core.list_pod_for_all_namespaces(_preload_content=False))["items"]
         seen = set()
         pending = []
         for pod in pods:
@@ -292,8 +283,8 @@ class NodeAgent:
                     pending.append(pod)
             elif node in self.nodes:
                 self._sync_pod(pod)
-        if pending and self._should_bind():
-            self._bind(pending, pods)
+        if pending and self.binder.should_bind():
+            self.binder.bind(pending, pods)
         for uid in list(self.runners):
             if uid not in seen and uid not in self.stopping:  # force-deleted: just stop it
                 self._stop_pod(uid, None, 2.0)
@@ -388,82 +379,6 @@ class NodeAgent:
                 self.stopping.discard(uid)
 
         threading.Thread(target=work, name=f"stop-{uid[:8]}", daemon=True).start()
-
-    # ---- binding ---------------------------------------------------------
-    def _should_bind(self) -> bool:
-        if self.bind_pods is not None:
-            return self.bind_pods
-        try:
-            lease = _json(
-                self.coord.read_namespaced_lease("kube-scheduler", "kube-system", _preload_content=False)
-            )
-        except client.ApiException:
-            return True
-        renew = (lease.get("spec") or {}).get("renewTime")
-        if not renew:
-            return True
-        age = dt.datetime.now(dt.UTC) - dt.datetime.fromisoformat(renew.replace("Z", "+00:00"))
-        return age.total_seconds() > 30
-
-    def _bind(self, pending: list[dict], pods: list[dict]) -> None:
-        nodes = [
-            n
-            for n in _json(self.core.list_node(_preload_content=False))["items"]
-            if n["metadata"]["name"] in self.nodes
-        ]
-        by_node: dict[str, list[dict]] = {}
-        for p in pods:
-            if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") not in (
-                "Succeeded",
-                "Failed",
-            ):
-                by_node.setdefault(p["spec"]["nodeName"], []).append(p)
-        for pod in pending:
-            if pod["spec"].get("schedulerName", "default-scheduler") != "default-scheduler":
-                continue
-            meta = pod["metadata"]
-            target, why = scheduling.choose_node(pod, nodes, by_node)
-            if target is None:
-                self._mark_unschedulable(pod, why)
-                continue
-            body = {
-                "apiVersion": "v1",
-                "kind": "Binding",
-                "metadata": {"name": meta["name"], "uid": meta["uid"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": target},
-            }
-            try:
-                self.core.create_namespaced_pod_binding(
-                    meta["name"], meta["namespace"], body, _preload_content=False
-                )
-                by_node.setdefault(target, []).append(pod)
-                log.info("bound %s/%s to %s", meta["namespace"], meta["name"], target)
-            except client.ApiException as e:
-                log.warning("binding %s/%s failed: %s", meta["namespace"], meta["name"], e.reason)
-
-    def _mark_unschedulable(self, pod: dict, why: str) -> None:
-        uid = pod["metadata"]["uid"]
-        if self.unschedulable.get(uid) == why:
-            return
-        cond = {
-            "type": "PodScheduled",
-            "status": "False",
-            "reason": "Unschedulable",
-            "message": why,
-            "lastTransitionTime": now(),
-            "lastProbeTime": None,
-        }
-        try:
-            self.core.patch_namespaced_pod_status(
-                pod["metadata"]["name"],
-                pod["metadata"]["namespace"],
-                {"status": {"conditions": [cond]}},
-                _preload_content=False,
-                _content_type=MERGE,
-            )
-            self.unschedulable[uid] = why
-        except client.ApiException:
-            pass
 
     @staticmethod
     def _safe(fn, *args) -> None:

@@ -199,7 +199,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m kvpilot.devcluster",
+        prog="hack/cluster/devcluster.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
