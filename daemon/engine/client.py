@@ -23,18 +23,13 @@ from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.engine.weight_ops import (
     AbortRequests,
-    AbortUpdate,
+    Command,
     FinishUpdate,
-    GetInfo,
     InitTransfer,
-    IsPaused,
     Pause,
     PauseMode,
     RankReply,
-    Resume,
     SetVersion,
-    ShutdownTransfer,
-    StartUpdate,
     UpdateWeights,
     WeightOp,
 )
@@ -101,10 +96,10 @@ class WeightOperations(Protocol):
         return await self.run_weight_op(Pause(mode), timeout)
 
     async def resume_generation(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(Resume(), timeout)
+        return await self.run_weight_op(Command.RESUME, timeout)
 
     async def is_paused(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(IsPaused(), timeout)
+        return await self.run_weight_op(Command.IS_PAUSED, timeout)
 
     async def abort_requests(self, request_ids: tuple[str, ...], timeout: float) -> list[RankReply]:
         """Abort these requests (none named: all), each where it runs."""
@@ -114,10 +109,10 @@ class WeightOperations(Protocol):
         return await self.run_weight_op(InitTransfer(init_info), timeout)
 
     async def shutdown_weight_transfer(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(ShutdownTransfer(), timeout)
+        return await self.run_weight_op(Command.SHUTDOWN_TRANSFER, timeout)
 
     async def start_weight_update(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(StartUpdate(), timeout)
+        return await self.run_weight_op(Command.START_UPDATE, timeout)
 
     async def update_weights(self, update_info: dict[str, Any], timeout: float) -> list[RankReply]:
         return await self.run_weight_op(UpdateWeights(update_info), timeout)
@@ -126,13 +121,13 @@ class WeightOperations(Protocol):
         return await self.run_weight_op(FinishUpdate(version), timeout)
 
     async def abort_weight_update(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(AbortUpdate(), timeout)
+        return await self.run_weight_op(Command.ABORT_UPDATE, timeout)
 
     async def update_weight_version(self, version: str, timeout: float) -> list[RankReply]:
         return await self.run_weight_op(SetVersion(version), timeout)
 
     async def weight_info(self, timeout: float) -> list[RankReply]:
-        return await self.run_weight_op(GetInfo(), timeout)
+        return await self.run_weight_op(Command.GET_INFO, timeout)
 
 
 class EngineClient(WeightOperations, Protocol):

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv_events import RankEndpoints
-from kvpilot.daemon.engine.weight_ops import BESIDE_STEPS, WeightOp
+from kvpilot.daemon.engine.weight_ops import WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class RankWorker:
         """A weight operation: reading a checkpoint runs on a thread of its own while this one keeps
         stepping; its reply comes back through the queue, so only this thread writes the outbox."""
         weights = self.weights
-        if isinstance(op, BESIDE_STEPS):
+        if beside_steps(op):
 
             def work() -> None:
                 self._queue.put(("weights_done", call_id, weights.run_beside_steps(op)))

@@ -39,7 +39,7 @@ from kvpilot.daemon.engine.client import (
     WeightOperations,
 )
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.engine.weight_ops import BESIDE_STEPS, RankReply, WeightOp
+from kvpilot.daemon.engine.weight_ops import RankReply, WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class EngineLoop(WeightOperations):
         weights = self.weights
         reply: Reply | TimeoutError
         try:
-            if isinstance(op, BESIDE_STEPS):
+            if beside_steps(op):
                 work = asyncio.get_running_loop().run_in_executor(None, weights.run_beside_steps, op)
             else:
                 replied: concurrent.futures.Future = concurrent.futures.Future()

@@ -45,20 +45,19 @@ class WeightError(Exception):
         return type(self), (self.kind, str(self), self.tensor)
 
 
-# ---- the operations -------------------------------------------------------------------------------
+# ---- the operations: those without arguments as members of `Command`, the others as one class each ----
+class Command(enum.Enum):
+    RESUME = "resume"
+    IS_PAUSED = "is_paused"
+    SHUTDOWN_TRANSFER = "shutdown_transfer"
+    START_UPDATE = "start_update"
+    ABORT_UPDATE = "abort_update"
+    GET_INFO = "get_info"
+
+
 @dataclass(frozen=True, slots=True)
 class Pause:
     mode: PauseMode
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class IsPaused:
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +71,6 @@ class InitTransfer:
 
 
 @dataclass(frozen=True, slots=True)
-class ShutdownTransfer:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class StartUpdate:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class UpdateWeights:
     update_info: dict[str, Any]
 
@@ -92,37 +81,17 @@ class FinishUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortUpdate:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
 class SetVersion:
     version: str
 
 
-@dataclass(frozen=True, slots=True)
-class GetInfo:
-    pass
+WeightOp = Command | Pause | AbortRequests | InitTransfer | UpdateWeights | FinishUpdate | SetVersion
 
 
-WeightOp = (
-    Pause
-    | Resume
-    | IsPaused
-    | AbortRequests
-    | InitTransfer
-    | ShutdownTransfer
-    | StartUpdate
-    | UpdateWeights
-    | FinishUpdate
-    | AbortUpdate
-    | SetVersion
-    | GetInfo
-)
-# Reading a checkpoint, receiving from a trainer and hashing the weights take up to seconds: these run on a
-# thread beside the engine's steps, the others between two steps.
-BESIDE_STEPS = (UpdateWeights, InitTransfer, GetInfo)
+def beside_steps(op: WeightOp) -> bool:
+    """Reading a checkpoint, joining a trainer's group and hashing the weights take up to seconds: these
+    run on a thread beside the engine's steps, the others between two steps."""
+    return isinstance(op, UpdateWeights | InitTransfer) or op is Command.GET_INFO
 
 
 @dataclass(frozen=True, slots=True)

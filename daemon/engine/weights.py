@@ -6,9 +6,9 @@ operation (`weight_ops.py`) to its handler.
 - `run(op)`: on the engine thread between two steps (pause, resume, start, finish, ...). It returns
   the outputs to deliver (requests ended or restarted by the operation) and the reply, or no reply yet
   when the pause waits for a drain: `on_reply` gets it after the step that drained the batch.
-- `run_beside_steps(op)`: `UpdateWeights`, `GetInfo` and `InitTransfer`, which read a checkpoint, hash
-  the weights or join a trainer's group for up to seconds; they run beside the steps and touch only the
-  stage (the live weights are read, never written: `_lock` keeps a swap from racing a digest).
+- `run_beside_steps(op)`: `UpdateWeights`, `Command.GET_INFO` and `InitTransfer`, which read a
+  checkpoint, hash the weights or join a trainer's group for up to seconds; they run beside the steps
+  and touch only the stage (the live weights are read, never written: `_lock` keeps a swap from racing a digest).
 A reply is the rank's fields for the route's `ranks`, or the `WeightError` that refused the operation.
 
 The pause modes, the requests and the version are the engine's (`LLMEngine.pause`, `swap_weights`,
@@ -29,25 +29,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.daemon.engine import weight_ops as ops
 from kvpilot.daemon.engine.outputs import RequestOutput
-from kvpilot.daemon.engine.weight_ops import (
-    INITIAL_VERSION,
-    AbortRequests,
-    AbortUpdate,
-    FinishUpdate,
-    GetInfo,
-    InitTransfer,
-    IsPaused,
-    Pause,
-    Resume,
-    SetVersion,
-    ShutdownTransfer,
-    StartUpdate,
-    UpdateWeights,
-    WeightError,
-    WeightErrorKind,
-    WeightOp,
-)
+from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, WeightError, WeightErrorKind
 from kvpilot.daemon.engine.weight_stage import WeightStage, checkpoint_tensors, weights_digest
 
 if TYPE_CHECKING:
@@ -71,50 +55,50 @@ class WeightControl:
         self._lock = threading.Lock()
 
     # ---- the dispatch --------------------------------------------------------------------------
-    def run(self, op: WeightOp, on_reply: Callable[[Reply], None]) -> Done:
+    def run(self, op: ops.WeightOp, on_reply: Callable[[Reply], None]) -> Done:
         """Run `op` between two steps; returns the outputs to deliver and the reply (None: `on_reply`
         gets it later)."""
         try:
             match op:
-                case Pause(mode=mode):
+                case ops.Pause(mode=mode):
                     outputs, drained = self.engine.pause(mode, lambda: on_reply({"status": "paused"}))
                     return outputs, {"status": "paused"} if drained else None
-                case Resume():
+                case ops.Command.RESUME:
                     self.engine.resume()
                     return [], {"status": "resumed"}
-                case IsPaused():
+                case ops.Command.IS_PAUSED:
                     mode = self.engine.paused.mode
                     return [], {"is_paused": mode is not None, "mode": mode and mode.value}
-                case AbortRequests(request_ids=ids):
+                case ops.AbortRequests(request_ids=ids):
                     return self.abort_requests(ids)
-                case StartUpdate():
+                case ops.Command.START_UPDATE:
                     return [], self.start()
-                case AbortUpdate():
+                case ops.Command.ABORT_UPDATE:
                     return [], self.abort_update()
-                case SetVersion(version=version):
+                case ops.SetVersion(version=version):
                     self.engine.set_weight_version(version)
                     return [], self._describe()
-                case FinishUpdate(version=version):
+                case ops.FinishUpdate(version=version):
                     return self.finish(version)
-                case ShutdownTransfer():
+                case ops.Command.SHUTDOWN_TRANSFER:
                     return [], self.shutdown_transfer()
                 case _:
-                    raise TypeError(f"{type(op).__name__} runs beside the steps (run_beside_steps)")
+                    raise TypeError(f"{op} runs beside the steps (run_beside_steps)")
         except WeightError as err:
             return [], err
 
-    def run_beside_steps(self, op: WeightOp) -> Reply:
+    def run_beside_steps(self, op: ops.WeightOp) -> Reply:
         """Run `op` beside the steps, on the caller's thread."""
         try:
             match op:
-                case UpdateWeights(update_info=info):
+                case ops.UpdateWeights(update_info=info):
                     return self.update(info)
-                case GetInfo():
+                case ops.Command.GET_INFO:
                     return self.info()
-                case InitTransfer(init_info=info):
+                case ops.InitTransfer(init_info=info):
                     return self.init_transfer(info)
                 case _:
-                    raise TypeError(f"{type(op).__name__} runs between two steps (run)")
+                    raise TypeError(f"{op} runs between two steps (run)")
         except WeightError as err:
             return err
 

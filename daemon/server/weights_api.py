@@ -6,12 +6,13 @@ written for vLLM drive this daemon unchanged; replies carry kvpilot's extras bes
 `weight_version`, `digest`). Every route needs the admin token.
 
 A trainer's loop: `/pause` -> `/start_weight_update` -> `/update_weights` (one or more) ->
-`/finish_weight_update` -> `/resume`. The engine side (stage, swap, cache generation, pause modes) is
-`daemon/engine/weights.py`; this module checks the order on every rank and answers honestly: never 200
-unless every rank did it. The engine names what went wrong (`WeightErrorKind`); `HTTP_STATUS` here is
-the one place that says which status each kind answers with. `finish` is a two-phase commit over the ranks: every rank must hold a stage of
-the same digest before any swaps, and if a rank fails its swap after another succeeded, the daemon
-stops serving (unhealthy) rather than serve mixed weights.
+`/finish_weight_update` -> `/resume`. The engine side (stage, swap, cache generation) is
+`daemon/engine/weights.py`, the pause modes `engine.py`'s; this module checks the order on every rank
+and answers honestly: never 200 unless every rank did it. `finish` is a two-phase commit over the
+ranks: every rank must hold a stage of the same digest before any swaps, and if a rank fails its swap
+after another succeeded, the daemon stops serving (unhealthy) rather than serve mixed weights. The
+engine names what went wrong (`WeightErrorKind`); `HTTP_STATUS` here is the one place that says which
+status each kind answers with.
 """
 
 from __future__ import annotations
