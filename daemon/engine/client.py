@@ -7,7 +7,8 @@ server never asks which kind it has.
 
 Errors are part of the contract: `add` raises the engine's `RequestRejected` or `SamplingError` (both
 `ValueError`, the client's fault) and `QueueFull` (try again later); every call raises
-`EngineDeadError` once the client no longer runs.
+`EngineDeadError` once the client no longer runs. A weight operation answers per rank: a `RankReply`
+with the rank's fields or its `WeightError` (`weight_ops.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.daemon.engine.weight_ops import (
+    AbortRequests,
+    Command,
+    FinishUpdate,
+    InitTransfer,
+    Pause,
+    PauseMode,
+    RankReply,
+    SetVersion,
+    UpdateWeights,
+    WeightOp,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,7 +82,55 @@ class LoopState:
     last_step_time: float = 0.0
 
 
-class EngineClient(Protocol):
+class WeightOperations(Protocol):
+    """The weight operations of an engine client, by name (vLLM's `pause_generation`, ...), each on every
+    rank: one `RankReply` per rank, a failed one for a rank that errs, is dead (`RANK_FAILED`) or does not
+    answer within `timeout` (`TIMEOUT`). Both clients inherit these and carry an operation to their
+    ranks in `run_weight_op`."""
+
+    async def run_weight_op(self, op: WeightOp, timeout: float) -> list[RankReply]:
+        """`op` on every rank."""
+        raise NotImplementedError
+
+    async def pause_generation(self, mode: PauseMode, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Pause(mode), timeout)
+
+    async def resume_generation(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.RESUME, timeout)
+
+    async def is_paused(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.IS_PAUSED, timeout)
+
+    async def abort_requests(self, request_ids: tuple[str, ...], timeout: float) -> list[RankReply]:
+        """Abort these requests (none named: all), each where it runs."""
+        return await self.run_weight_op(AbortRequests(request_ids), timeout)
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(InitTransfer(init_info), timeout)
+
+    async def shutdown_weight_transfer(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.SHUTDOWN_TRANSFER, timeout)
+
+    async def start_weight_update(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.START_UPDATE, timeout)
+
+    async def update_weights(self, update_info: dict[str, Any], timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(UpdateWeights(update_info), timeout)
+
+    async def finish_weight_update(self, version: str | None, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(FinishUpdate(version), timeout)
+
+    async def abort_weight_update(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.ABORT_UPDATE, timeout)
+
+    async def update_weight_version(self, version: str, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(SetVersion(version), timeout)
+
+    async def weight_info(self, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(Command.GET_INFO, timeout)
+
+
+class EngineClient(WeightOperations, Protocol):
     """The engine as the server drives it. Create it off the event loop (it loads the model), then
     `start()` it on the event loop that will call it."""
 
@@ -110,11 +171,6 @@ class EngineClient(Protocol):
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         """Where KV events are published (`GET /kv_events`), None when they are off."""
-
-    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
-        """One weight operation (`weights.py`'s ops) on every rank: one reply per rank, each with its
-        `rank`; a failed one carries `error` and `status` (a rank that does not answer within `timeout`
-        or is dead: status 500)."""
 
     def mark_unhealthy(self, reason: str) -> None:
         """Stop serving for good (not `alive`, `error` = reason): the ranks may hold mixed weights."""

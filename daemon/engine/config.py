@@ -144,7 +144,7 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
         if self.weight_version is not None:
-            from kvpilot.daemon.engine.weights import RESERVED_VERSIONS
+            from kvpilot.daemon.engine.weight_ops import RESERVED_VERSIONS
 
             if not self.weight_version or self.weight_version in RESERVED_VERSIONS:
                 raise ValueError(

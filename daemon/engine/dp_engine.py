@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.daemon.engine.block_hash import prompt_block_hashes
-from kvpilot.daemon.engine.client import EngineDeadError, EngineInfo, EngineRequest, LoopState
+from kvpilot.daemon.engine.client import (
+    EngineDeadError,
+    EngineInfo,
+    EngineRequest,
+    LoopState,
+    WeightOperations,
+)
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import available_cpus
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
@@ -44,7 +50,7 @@ from kvpilot.daemon.engine.kv_events import (
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
-from kvpilot.daemon.engine.weights import INITIAL_VERSION
+from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +191,7 @@ class DataParallelEngine:
             rank.outbox.close()
 
 
-class DataParallelLoop:
+class DataParallelLoop(WeightOperations):
     """The `EngineClient` of the ranks. Everything but the reader threads runs on the event loop, so the
     bookkeeping (open requests, pending replies) needs no lock."""
 
@@ -301,21 +307,14 @@ class DataParallelLoop:
                 results.append(ResetResult.failed(rank.rank, str(reply)))
         return results
 
-    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
+    async def run_weight_op(self, op: WeightOp, timeout: float) -> list[RankReply]:
         """The operation on every rank at once; a rank that is dead or does not answer fails it."""
         replies = await asyncio.gather(
-            *(asyncio.wait_for(self._call(r, "weights", op, args), timeout) for r in self._ranks),
+            *(asyncio.wait_for(self._call(r, "weights", op), timeout) for r in self._ranks),
             return_exceptions=True,
         )
-        out = []
-        for rank, reply in zip(self._ranks, replies):
-            if isinstance(reply, dict):
-                out.append({**reply, "rank": rank.rank})
-            elif isinstance(reply, TimeoutError):
-                out.append({"rank": rank.rank, "error": f"no answer within {timeout:g} s", "status": 500})
-            else:
-                out.append({"rank": rank.rank, "error": str(reply), "status": 500})
-        if op in ("finish", "set_version"):
+        out = [RankReply.of(rank.rank, reply, timeout) for rank, reply in zip(self._ranks, replies)]
+        if isinstance(op, FinishUpdate | SetVersion):
             for rank in self._ranks:
                 self._policy.forget(rank.rank)  # its keys now carry the new version
         return out

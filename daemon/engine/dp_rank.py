@@ -1,9 +1,9 @@
 """One data-parallel rank: an engine-core process that runs its own `LLMEngine` (own KV cache, own
 scheduler) and talks to the API server over two one-way pipes.
 
-Messages in (tuples, first item the kind): `add`, `abort`, `reset`, `stats`, `weights`, `stop`. Messages
-out: `ready` / `failed` once at start, then `added` (an add's verdict), `reply` (a reset's, stats' or
-weight operation's answer),
+Messages in (tuples, first item the kind): `add`, `abort`, `reset`, `stats`, `weights` (a `weight_ops`
+operation), `stop`. Messages out: `ready` / `failed` once at start, then `added` (an add's verdict),
+`reply` (a reset's, stats' or weight operation's answer: the rank's fields or its `WeightError`),
 `step` (one step's outputs and the stats after it), `state` (stats after commands, when no step runs).
 
 A reader thread moves incoming messages into a queue as they arrive, so the server never blocks on a
@@ -25,7 +25,8 @@ from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv_events import RankEndpoints
-from kvpilot.daemon.engine.weights import OFF_THREAD_OPS
+from kvpilot.daemon.engine.weight_ops import WeightOp, beside_steps
+from kvpilot.daemon.engine.weights import Reply, WeightControl
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class RankWorker:
     def __init__(self, rank: int, engine, inbox: Connection, outbox: Connection) -> None:  # noqa: ANN001
         self.rank = rank
         self.engine = engine
+        self.weights = WeightControl(engine)
         self.outbox = outbox
         self.steps = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -166,22 +168,22 @@ class RankWorker:
         elif kind == "weights_done":  # an off-thread operation's reply, sent from this thread
             self.outbox.send(("reply", msg[1], msg[2], None))
 
-    def _weights(self, call_id: int, op: str, args: dict) -> None:
+    def _weights(self, call_id: int, op: WeightOp) -> None:
         """A weight operation: reading a checkpoint runs on a thread of its own while this one keeps
         stepping; its reply comes back through the queue, so only this thread writes the outbox."""
-        weights = self.engine.weights
-        if op in OFF_THREAD_OPS:
+        weights = self.weights
+        if beside_steps(op):
 
             def work() -> None:
-                self._queue.put(("weights_done", call_id, weights.run_off_thread(op, args)))
+                self._queue.put(("weights_done", call_id, weights.run_beside_steps(op)))
 
             threading.Thread(target=work, name="kvpilot-rank-weights", daemon=True).start()
             return
 
-        def reply(value: dict) -> None:
-            self.outbox.send(("reply", call_id, {"rank": self.rank, **value}, None))
+        def reply(value: Reply) -> None:
+            self.outbox.send(("reply", call_id, value, None))
 
-        outputs, value = weights.run(op, args, reply)
+        outputs, value = weights.run(op, reply)
         if outputs:
             self.outbox.send(("step", outputs, self.engine.stats(), self.steps, time.time()))
         if value is not None:

@@ -10,24 +10,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import engine_threads
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
 from kvpilot.daemon.engine.loader import load
 from kvpilot.daemon.engine.model_runner import ModelRunner, kv_bytes_per_block
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
+from kvpilot.daemon.engine.pause import PauseState, stopped_output
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
 from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.daemon.engine.weights import GroupArgs, WeightControl
+from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, PauseMode
 from kvpilot.kernels import select_ops
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.client import EngineRequest
     from kvpilot.daemon.engine.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
@@ -88,10 +90,13 @@ class LLMEngine:
             self.runner.on_step = tp.send_step
         self.sampler = Sampler()
         self._groups: dict[str, list[Request]] = {}
+        self._added: dict[str, EngineRequest] = {}  # each group as added: what a weight swap restarts
         self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         self._resets = 0
         self._last_reset_time: float | None = None
-        self.weights = WeightControl(self, config.weight_version)
+        self.weight_version = config.weight_version or INITIAL_VERSION
+        self._weight_key = config.weight_version  # None: unnamed initial weights add nothing to block keys
+        self.paused = PauseState()
         log.info(
             "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
             self.model_name,
@@ -120,7 +125,7 @@ class LLMEngine:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
         `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
-        (`weights.py`)."""
+        (`weights.py`). While paused it is held, not scheduled, until `resume`."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self._groups:
@@ -131,6 +136,12 @@ class LLMEngine:
         limit = self.config.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFull(f"{limit} requests are already waiting")
+        if weight_version is not None and weight_version != self.weight_version:
+            raise RequestRejected(
+                f"weight_version {weight_version!r} is not served here: this server has {self.weight_version!r}",
+                "weight_version",
+                "weight_version_mismatch",
+            )
         seqs = [
             Request(
                 request_id if params.n == 1 else f"{request_id}#{i}",
@@ -140,16 +151,18 @@ class LLMEngine:
                 cache_salt,
                 group_id=request_id,
                 index=i,
+                weight_key=self._weight_key,
             )
             for i in range(params.n)
         ]
         for follower in seqs[1:]:
             follower.prompt_logprobs = None  # the first sequence scores the prompt for all
         seqs[0].forks = seqs[1:]
-        args = GroupArgs(list(prompt_token_ids), params, cache_salt, restartable, weight_version)
-        scheduled = self.weights.admit(request_id, seqs, args)
         self._groups[request_id] = seqs
-        if scheduled:
+        self._added[request_id] = EngineRequest(
+            request_id, list(prompt_token_ids), params, cache_salt, None, restartable, weight_version
+        )
+        if not self.paused.hold(request_id):
             self.scheduler.add(seqs[0])
         return seqs
 
@@ -167,7 +180,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Abort every sequence of the request; False when it is not running."""
         seqs = self._groups.pop(request_id, None)
-        self.weights.forget(request_id)
+        self._added.pop(request_id, None)
+        self.paused.release(request_id)
         if seqs is None:
             return False
         for seq in seqs:
@@ -179,7 +193,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Work for the next step (none while paused: held and frozen requests wait)."""
-        return self.weights.may_step() and self.scheduler.has_unfinished()
+        return self.paused.may_step() and self.scheduler.has_unfinished()
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -187,14 +201,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             self._flush_kv_events()
-            self.weights.after_step()
+            self.paused.after_step(self.scheduler.has_unfinished())
             return []
         logits = self.runner.execute(out)
         sampled = self._sample(out, logits)
         advanced = self.scheduler.update(out, sampled)
         self._flush_kv_events()
         outputs = [self._output(seq) for seq in advanced]
-        self.weights.after_step()
+        self.paused.after_step(self.scheduler.has_unfinished())
         return outputs
 
     def _flush_kv_events(self) -> None:
@@ -251,14 +265,14 @@ class LLMEngine:
             logprobs=new_logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=seq.cumulative_logprob,
-            weight_version=self.weights.version,
+            weight_version=self.weight_version,
         )
         if done:
             self.sampler.forget(seq.request_id)
             group = self._groups.get(seq.group_id, ())
             if all(s.status is RequestStatus.FINISHED for s in group):
                 self._groups.pop(seq.group_id, None)
-                self.weights.forget(seq.group_id)
+                self._added.pop(seq.group_id, None)
         return out
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
@@ -322,6 +336,64 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+    # ---- pause and weight generations (weights.py drives them, between two steps) -------------
+    def pause(self, mode: PauseMode, on_drained: Callable[[], None]) -> tuple[list[RequestOutput], bool]:
+        """Stop stepping: ABORT ends every request, KEEP freezes them, WAIT steps until the batch has
+        drained (`PauseState.start`). Returns the ended requests' outputs and whether it is drained."""
+        outputs = self.abort_groups(self.group_ids()) if mode is PauseMode.ABORT else []
+        return outputs, self.paused.start(mode, self.scheduler.has_unfinished(), on_drained)
+
+    def resume(self) -> None:
+        """Step again; the requests held while paused are scheduled."""
+        for gid in self.paused.end():
+            seqs = self._groups.get(gid)
+            if seqs and seqs[0].status is RequestStatus.WAITING:
+                self.scheduler.add(seqs[0])
+
+    def group_ids(self) -> list[str]:
+        return list(self._groups)  # the requests in the engine (running, waiting or held)
+
+    def abort_groups(self, ids: list[str]) -> list[RequestOutput]:
+        """Abort these requests; each open sequence's last output (finish_reason "abort")."""
+        outputs = []
+        for gid in ids:
+            open_seqs = [s for s in self._groups.get(gid, ()) if s.status is not RequestStatus.FINISHED]
+            self.abort_request(gid)
+            outputs += [stopped_output(s, self.weight_version) for s in open_seqs]
+        return outputs
+
+    def swap_weights(self, version: str, apply: Callable[[], object]) -> list[RequestOutput]:
+        """New weights: every request is taken out, `apply` changes the weights, a new cache generation
+        starts (`set_weight_version`), and each request starts again from its prompt; a stream that sent
+        tokens, or one pinned to the old version, ends instead. The outputs of those ended or restarted."""
+        outputs: list[RequestOutput] = []
+        again: list[EngineRequest] = []
+        for gid, seqs in list(self._groups.items()):
+            added, sent = self._added.get(gid), any(s.output_token_ids for s in seqs)
+            ended = self.abort_groups([gid])
+            if added is None or added.weight_version is not None or (sent and not added.restartable):
+                outputs += ended
+                continue
+            if sent:
+                outputs += [stopped_output(s, self.weight_version, restart=True) for s in seqs]
+            again.append(added)
+        apply()
+        self.set_weight_version(version)
+        for a in again:  # with the new weights and keys
+            self.add_request(a.request_id, a.prompt_token_ids, a.params, a.cache_salt, restartable=True)
+        return outputs
+
+    def set_weight_version(self, version: str) -> None:
+        """A new cache generation: nothing indexed before is reachable, every key from now on has it."""
+        self.weight_version = self._weight_key = version
+        for gid in self.paused.held:
+            for seq in self._groups.get(gid, ()):
+                seq.weight_key = version
+                seq.block_hashes.clear()
+        if self.kv_events is not None:
+            self.kv_events.recorder.weight_version = version
+        self.reset_prefix_cache()
 
     # ---- offline convenience -----------------------------------------------------------------
     def generate(

@@ -31,9 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvpilot.daemon.engine.client import EngineDeadError, EngineInfo, EngineRequest, LoopState
+from kvpilot.daemon.engine.client import (
+    EngineDeadError,
+    EngineInfo,
+    EngineRequest,
+    LoopState,
+    WeightOperations,
+)
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.engine.weights import OFF_THREAD_OPS
+from kvpilot.daemon.engine.weight_ops import RankReply, WeightOp, beside_steps
+from kvpilot.daemon.engine.weights import Reply, WeightControl
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.engine import LLMEngine
@@ -66,12 +73,13 @@ class _Stop:
     pass
 
 
-class EngineLoop:
+class EngineLoop(WeightOperations):
     """The `EngineClient` of one engine: owns the engine thread. `start()` on the event loop, then
     `add`/`abort`/`call`."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.weights = WeightControl(engine)
         self.info = EngineInfo(
             model_name=engine.model_name,
             max_model_len=engine.max_model_len,
@@ -79,7 +87,7 @@ class EngineLoop:
             enable_prefix_caching=engine.config.enable_prefix_caching,
             block_size=engine.config.block_size,
             num_blocks=engine.num_blocks,
-            weight_version=engine.weights.version,
+            weight_version=engine.weight_version,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -171,18 +179,18 @@ class EngineLoop:
         publisher = self.engine.kv_events
         return None if publisher is None else publisher.describe(reached_host)
 
-    async def weight_call(self, op: str, args: dict, timeout: float) -> list[dict]:
-        """A weight operation: `update` and `info` beside the steps, the others between two steps."""
-        weights = self.engine.weights
+    async def run_weight_op(self, op: WeightOp, timeout: float) -> list[RankReply]:
+        """A weight operation: reading, hashing and joining beside the steps, the others between two."""
+        weights = self.weights
+        reply: Reply | TimeoutError
         try:
-            if op in OFF_THREAD_OPS:
-                loop = asyncio.get_running_loop()
-                work = loop.run_in_executor(None, weights.run_off_thread, op, args)
+            if beside_steps(op):
+                work = asyncio.get_running_loop().run_in_executor(None, weights.run_beside_steps, op)
             else:
                 replied: concurrent.futures.Future = concurrent.futures.Future()
 
                 def run(engine: LLMEngine) -> None:
-                    outputs, reply = weights.run(op, args, replied.set_result)
+                    outputs, reply = weights.run(op, replied.set_result)
                     if outputs:
                         self._deliver(outputs)
                     if reply is not None:
@@ -191,9 +199,9 @@ class EngineLoop:
                 await self.call(run)
                 work = asyncio.wrap_future(replied)
             reply = await asyncio.wait_for(work, timeout)
-        except TimeoutError:
-            reply = {"error": f"no answer within {timeout:g} s", "status": 500}
-        return [{"rank": 0, **reply}]
+        except TimeoutError as exc:
+            reply = exc
+        return [RankReply.of(0, reply, timeout)]
 
     def mark_unhealthy(self, reason: str) -> None:
         with self._lock:

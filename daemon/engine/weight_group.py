@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch
 
-from kvpilot.daemon.engine.weight_stage import WeightError
+from kvpilot.daemon.engine.weight_ops import WeightError, WeightErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,14 @@ class GroupReceiver:
             me = int(init_info.get("rank_offset", 1)) + rank
         except (KeyError, TypeError, ValueError):
             raise WeightError(
-                400, "init_info needs master_address, master_port, world_size (and rank_offset)"
+                WeightErrorKind.INCOMPATIBLE,
+                "init_info needs master_address, master_port, world_size (and rank_offset)",
             ) from None
         if not 0 < me < world:
-            raise WeightError(400, f"rank {me} is outside the group of {world} (rank 0 is the trainer)")
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE,
+                f"rank {me} is outside the group of {world} (rank 0 is the trainer)",
+            )
         self.device = device if backend == "nccl" else torch.device("cpu")
         group_class = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
         store = dist.TCPStore(address, port, world, is_master=False, timeout=JOIN_TIMEOUT)
@@ -60,21 +64,32 @@ class GroupReceiver:
         dtypes = update_info.get("dtype_names")
         shapes = update_info.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise WeightError(400, "update_info needs names, dtype_names and shapes (lists)")
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE, "update_info needs names, dtype_names and shapes (lists)"
+            )
         if not len(names) == len(dtypes) == len(shapes):
-            raise WeightError(400, "names, dtype_names and shapes must have the same length")
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE, "names, dtype_names and shapes must have the same length"
+            )
         if update_info.get("packed"):
-            raise WeightError(400, "packed broadcasts are not supported: send each tensor (packed: false)")
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE,
+                "packed broadcasts are not supported: send each tensor (packed: false)",
+            )
         announced = []
         for name, dtype_name, shape in zip(names, dtypes, shapes):  # all checked before any broadcast
             dtype = getattr(torch, str(dtype_name), None)
             if not isinstance(dtype, torch.dtype):
-                raise WeightError(400, f"tensor {name!r}: unknown dtype {dtype_name!r}", str(name))
+                raise WeightError(
+                    WeightErrorKind.INCOMPATIBLE, f"tensor {name!r}: unknown dtype {dtype_name!r}", str(name)
+                )
             try:
                 announced.append((str(name), [int(s) for s in shape], dtype))
             except (TypeError, ValueError):
                 raise WeightError(
-                    400, f"tensor {name!r}: shape {shape!r} is not a list of sizes", str(name)
+                    WeightErrorKind.INCOMPATIBLE,
+                    f"tensor {name!r}: shape {shape!r} is not a list of sizes",
+                    str(name),
                 ) from None
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):  # this runs on a thread of its own: name the device
@@ -86,7 +101,9 @@ class GroupReceiver:
         try:
             self.group.broadcast(t, 0).wait()
         except RuntimeError as exc:  # the trainer went away or timed out
-            raise WeightError(500, f"receiving {name!r} from the trainer failed: {exc}", name) from None
+            raise WeightError(
+                WeightErrorKind.TRANSFER_FAILED, f"receiving {name!r} from the trainer failed: {exc}", name
+            ) from None
         # On CUDA `wait` orders the current stream after the broadcast; the copy to the host runs on it
         # and returns once the tensor has arrived.
         return t.cpu() if t.is_cuda else t

@@ -18,19 +18,10 @@ from pathlib import Path
 import torch
 
 from kvpilot.daemon.engine.memory_budget import host_memory_available
+from kvpilot.daemon.engine.weight_ops import WeightError, WeightErrorKind
 
 # Host memory left free beyond what the stage takes, for the rest of the process.
 HEADROOM_BYTES = 256 << 20
-
-
-class WeightError(Exception):
-    """A weight operation refused: `status` is the HTTP status the routes answer with (400 incompatible
-    tensor, 404 no checkpoint, 409 out of order, 507 no host memory), `tensor` names the tensor."""
-
-    def __init__(self, status: int, message: str, tensor: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.tensor = tensor
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -45,13 +36,15 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a Hugging Face checkpoint directory (its *.safetensors files). Raises WeightError
-    404 when there is none there."""
+    NOT_FOUND when there is none there."""
     from safetensors import safe_open
 
     path = Path(model_path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
-        raise WeightError(404, f"no checkpoint at {model_path!r} (a directory of *.safetensors files)")
+        raise WeightError(
+            WeightErrorKind.NOT_FOUND, f"no checkpoint at {model_path!r} (a directory of *.safetensors files)"
+        )
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -80,10 +73,16 @@ class WeightStage:
         want = tuple(live.shape) if size is None else (size, *live.shape[1:])
         if tuple(tensor.shape) != want:
             raise WeightError(
-                400, f"tensor {name!r} has shape {list(tensor.shape)}, the model's is {list(want)}", name
+                WeightErrorKind.INCOMPATIBLE,
+                f"tensor {name!r} has shape {list(tensor.shape)}, the model's is {list(want)}",
+                name,
             )
         if not tensor.is_floating_point():
-            raise WeightError(400, f"tensor {name!r} has dtype {tensor.dtype}, not a floating one", name)
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE,
+                f"tensor {name!r} has dtype {tensor.dtype}, not a floating one",
+                name,
+            )
         staged = self.staged.get(pname)
         if staged is None:
             staged = self.staged[pname] = self._host_copy(pname, whole=size is None)
@@ -112,20 +111,24 @@ class WeightStage:
         try:
             return self.model.checkpoint_slot(name)
         except KeyError:
-            raise WeightError(400, f"tensor {name!r} has no place in the model", name) from None
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE, f"tensor {name!r} has no place in the model", name
+            ) from None
 
     def _host_copy(self, pname: str, whole: bool) -> torch.Tensor:
         live = self.live[pname]
         need = live.numel() * live.element_size()
         if self.max_bytes is not None and self.bytes + need > self.max_bytes:
             raise WeightError(
-                507,
+                WeightErrorKind.NO_MEMORY,
                 f"staging {pname!r} ({need} bytes) would take the staging copy to {self.bytes + need} bytes, "
                 f"above --weight-staging-memory-bytes {self.max_bytes}",
                 pname,
             )
         if need + HEADROOM_BYTES > host_memory_available():
-            raise WeightError(507, f"not enough host memory to stage {pname!r} ({need} bytes)", pname)
+            raise WeightError(
+                WeightErrorKind.NO_MEMORY, f"not enough host memory to stage {pname!r} ({need} bytes)", pname
+            )
         self.bytes += need
         if whole:
             return torch.empty(live.shape, dtype=live.dtype)

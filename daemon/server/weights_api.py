@@ -6,11 +6,13 @@ written for vLLM drive this daemon unchanged; replies carry kvpilot's extras bes
 `weight_version`, `digest`). Every route needs the admin token.
 
 A trainer's loop: `/pause` -> `/start_weight_update` -> `/update_weights` (one or more) ->
-`/finish_weight_update` -> `/resume`. The engine side (stage, swap, cache generation, pause modes) is
-`daemon/engine/weights.py`; this module checks the order on every rank and answers honestly: never 200
-unless every rank did it. `finish` is a two-phase commit over the ranks: every rank must hold a stage of
-the same digest before any swaps, and if a rank fails its swap after another succeeded, the daemon
-stops serving (unhealthy) rather than serve mixed weights.
+`/finish_weight_update` -> `/resume`. The engine side (stage, swap, cache generation) is
+`daemon/engine/weights.py`, the pause modes `engine.py`'s; this module checks the order on every rank
+and answers honestly: never 200 unless every rank did it. `finish` is a two-phase commit over the
+ranks: every rank must hold a stage of the same digest before any swaps, and if a rank fails its swap
+after another succeeded, the daemon stops serving (unhealthy) rather than serve mixed weights. The
+engine names what went wrong (`WeightErrorKind`); `HTTP_STATUS` here is the one place that says which
+status each kind answers with.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineDeadError
-from kvpilot.daemon.engine.weights import MIXED_VERSION, RESERVED_VERSIONS
+from kvpilot.daemon.engine.weight_ops import (
+    MIXED_VERSION,
+    RESERVED_VERSIONS,
+    PauseMode,
+    RankReply,
+    WeightErrorKind,
+)
 from kvpilot.daemon.server.app_state import STATE, ServerState
 from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.errors import ApiError
@@ -33,6 +41,17 @@ from kvpilot.daemon.server.replies import json_response
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request, ServerState, dict], Awaitable[dict]]
+HTTP_STATUS = {
+    WeightErrorKind.INCOMPATIBLE: 400,
+    WeightErrorKind.NOT_FOUND: 404,
+    WeightErrorKind.OUT_OF_ORDER: 409,
+    WeightErrorKind.NO_MEMORY: 507,
+    WeightErrorKind.TRANSFER_FAILED: 500,
+    WeightErrorKind.RANK_FAILED: 500,
+    WeightErrorKind.TIMEOUT: 500,
+}
+# The client's own verdicts on a rank that did not answer: they name no tensor.
+NO_ANSWER = frozenset({WeightErrorKind.RANK_FAILED, WeightErrorKind.TIMEOUT})
 CODES = {400: "incompatible_weights", 404: "no_checkpoint", 409: "out_of_order", 507: "no_staging_memory"}
 
 
@@ -82,10 +101,24 @@ def route(handler: Handler, sglang: bool = False) -> Callable[[web.Request], Awa
     return wrapped
 
 
-async def call(state: ServerState, op: str, args: dict | None = None, phase: str | None = None) -> list[dict]:
-    """`op` on every rank; WeightFailure unless every rank succeeded."""
+def rank_entry(reply: RankReply) -> dict:
+    """One rank's reply as the routes report it in `ranks`: its fields, or its error and status."""
+    err = reply.error
+    if err is None:
+        return {"rank": reply.rank, **(reply.value or {})}
+    entry: dict[str, Any] = {"rank": reply.rank, "error": str(err), "status": HTTP_STATUS[err.kind]}
+    if err.kind not in NO_ANSWER:
+        entry["tensor"] = err.tensor
+    return entry
+
+
+async def call(
+    state: ServerState, operation: Awaitable[list[RankReply]], phase: str | None = None
+) -> list[dict]:
+    """An engine client's weight operation (not started yet), run on every rank; WeightFailure unless
+    every rank succeeded."""
     start = time.monotonic()
-    ranks = await state.engine.weight_call(op, args or {}, state.settings.weight_update_timeout)
+    ranks = [rank_entry(r) for r in await operation]
     if phase is not None:
         state.metrics.weights.duration.labels(phase).observe(time.monotonic() - start)
     failed = [r for r in ranks if "error" in r]
@@ -107,14 +140,14 @@ async def pause(request: web.Request, state: ServerState, body: dict) -> dict:
 
 
 async def resume(request: web.Request, state: ServerState, body: dict) -> dict:
-    await call(state, "resume", phase="resume")
+    await call(state, state.engine.resume_generation(_timeout(state)), "resume")
     state.weights.paused = None
     state.metrics.weights.paused.set(0)
     return {"status": "resumed"}
 
 
 async def is_paused(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, "is_paused")
+    ranks = await call(state, state.engine.is_paused(_timeout(state)))
     return {"is_paused": any(r["is_paused"] for r in ranks), "mode": ranks[0]["mode"], "ranks": ranks}
 
 
@@ -122,7 +155,7 @@ async def abort_requests(request: web.Request, state: ServerState, body: dict) -
     ids = body.get("request_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise ApiError(400, "request_ids must be a list of strings", "request_ids")
-    ranks = await call(state, "abort", {"request_ids": ids})
+    ranks = await call(state, state.engine.abort_requests(tuple(ids), _timeout(state)))
     return {"status": "aborted", "aborted": sum(r["aborted"] for r in ranks)}
 
 
@@ -130,17 +163,17 @@ async def init_transfer(request: web.Request, state: ServerState, body: dict) ->
     init_info = body.get("init_info", {})
     if not isinstance(init_info, dict):
         raise ApiError(400, "init_info must be an object", "init_info")
-    ranks = await call(state, "init_transfer", {"init_info": init_info}, "init")
+    ranks = await call(state, state.engine.init_weight_transfer(init_info, _timeout(state)), "init")
     return {"message": "Weight transfer initialized", "backend": ranks[0]["backend"], "ranks": ranks}
 
 
 async def shutdown_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
-    await call(state, "shutdown_transfer")
+    await call(state, state.engine.shutdown_weight_transfer(_timeout(state)))
     return {"message": "Weight transfer shut down"}
 
 
 async def start_update(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, "start", phase="start")
+    ranks = await call(state, state.engine.start_weight_update(_timeout(state)), "start")
     return {"message": "Weight update started", "ranks": ranks}
 
 
@@ -149,7 +182,7 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
     if not isinstance(info, dict):
         raise ApiError(400, "update_info must be an object", "update_info")
     try:
-        ranks = await call(state, "update", {"update_info": info}, "update")
+        ranks = await call(state, state.engine.update_weights(info, _timeout(state)), "update")
     except WeightFailure:
         # A refused update leaves no stage on any rank: those that staged must not keep theirs open
         # (the next start would meet it), and a rank that refused has dropped its own already.
@@ -171,19 +204,19 @@ async def finish_update(request: web.Request, state: ServerState, body: dict) ->
 
 
 async def abort_update(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, "abort_update")
+    ranks = await call(state, state.engine.abort_weight_update(_timeout(state)))
     return {"message": "Weight update dropped", "dropped": any(r["dropped"] for r in ranks), "ranks": ranks}
 
 
 async def update_version(request: web.Request, state: ServerState, body: dict) -> dict:
     version = _new_version(body.get("new_version"), "new_version")
-    ranks = await call(state, "set_version", {"version": version})
+    ranks = await call(state, state.engine.update_weight_version(version, _timeout(state)))
     _serving(state, ranks)
     return {"success": True, "new_version": version}
 
 
 async def weight_info(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, "info")
+    ranks = await call(state, state.engine.weight_info(_timeout(state)))
     _serving(state, ranks)
     versions = {r["weight_version"] for r in ranks}
     return {
@@ -212,15 +245,17 @@ async def update_from_disk(request: web.Request, state: ServerState, body: dict)
     paused_here = bool(body.get("abort_all_requests")) and state.weights.paused is None
     if paused_here:
         await pause_mode(state, "abort")
-    await call(state, "start", phase="start")
+    await call(state, state.engine.start_weight_update(_timeout(state)), "start")
     try:
-        ranks = await call(state, "update", {"update_info": {"model_path": path}}, "update")
+        ranks = await call(
+            state, state.engine.update_weights({"model_path": path}, _timeout(state)), "update"
+        )
     except WeightFailure:
         await _drop(state)
         raise
     await _commit(state, version if isinstance(version, str) and version else None)
     if paused_here and not body.get("keep_pause"):
-        await call(state, "resume", phase="resume")
+        await call(state, state.engine.resume_generation(_timeout(state)), "resume")
         state.weights.paused = None
         state.metrics.weights.paused.set(0)
     return {
@@ -233,7 +268,12 @@ async def update_from_disk(request: web.Request, state: ServerState, body: dict)
 
 
 async def pause_mode(state: ServerState, mode: str) -> None:
-    await call(state, "pause", {"mode": mode}, "pause")
+    try:
+        parsed = PauseMode(mode)
+    except ValueError:
+        modes = ", ".join(m.value for m in PauseMode)
+        raise WeightFailure(400, f"mode must be one of {modes}, got {mode!r}") from None
+    await call(state, state.engine.pause_generation(parsed, _timeout(state)), "pause")
     state.weights.paused = mode
     state.metrics.weights.paused.set(1)
 
@@ -241,7 +281,7 @@ async def pause_mode(state: ServerState, mode: str) -> None:
 # ---- the commit -----------------------------------------------------------------------------------
 async def _commit(state: ServerState, version: str | None) -> list[dict]:
     """Swap on every rank, only once every rank staged the same weights."""
-    staged = await call(state, "info")
+    staged = await call(state, state.engine.weight_info(_timeout(state)))
     missing = [r["rank"] for r in staged if not r["staging"]]
     if missing:
         raise WeightFailure(
@@ -251,7 +291,7 @@ async def _commit(state: ServerState, version: str | None) -> list[dict]:
         await _drop(state)
         raise WeightFailure(500, "the ranks staged different weights; the update is dropped", staged)
     try:
-        ranks = await call(state, "finish", {"version": version}, "finish")
+        ranks = await call(state, state.engine.finish_weight_update(version, _timeout(state)), "finish")
     except WeightFailure as fail:
         done = [r for r in fail.ranks if "error" not in r]
         if done:  # some ranks swapped, some did not: mixed weights must not be served
@@ -268,9 +308,14 @@ async def _commit(state: ServerState, version: str | None) -> list[dict]:
 
 async def _drop(state: ServerState) -> None:
     try:
-        await state.engine.weight_call("abort_update", {}, state.settings.weight_update_timeout)
+        await state.engine.abort_weight_update(_timeout(state))
     except EngineDeadError:
         pass
+
+
+def _timeout(state: ServerState) -> float:
+    """How long a weight operation may take on a rank before it counts as failed there."""
+    return state.settings.weight_update_timeout
 
 
 def _new_version(value: object, field: str) -> str:
