@@ -23,12 +23,12 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvpilot.daemon.server.auth import authorized
-from kvpilot.daemon.server.errors import error_middleware
-from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER
-from kvpilot.daemon.server.protocol import ApiError, parse_reset_flag
-from kvpilot.daemon.server.replies import json_response
+from kvpilot.admin_token import authorized
 from kvpilot.http_limits import UPSTREAM_IDLE_S, start_server
+from kvpilot.protocol.errors import error_middleware
+from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
+from kvpilot.protocol.replies import json_response
+from kvpilot.protocol.requests import ApiError, parse_reset_flag
 from kvpilot.router.engines import PROBES, read_capped
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.index import PrefixIndex

@@ -33,7 +33,7 @@ class RouterSettings:
             unset="prefix-aware with --engine kvpilot, else least-load",
         ),
     )
-    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (auth.py)
+    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
     reset_timeout_s: float = field(
         default=60.0,
         metadata=flag(

@@ -28,7 +28,7 @@ from kvpilot.kernels import select_ops
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.client import EngineRequest
-    from kvpilot.daemon.engine.kv_events import KVEventPublisher
+    from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ class LLMEngine:
     def _start_kv_events(self) -> KVEventPublisher | None:
         if not self.config.kv_events_endpoint:
             return None
-        from kvpilot.daemon.engine.kv_events import KVEventPublisher
+        from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 
         publisher = KVEventPublisher(
             self.config.kv_events_endpoint,
