@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 
 from kvpilot.block_keys import BlockHash, prompt_block_hashes
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from kvpilot.protocol.requests import ApiError, parse_chat, parse_completion
+from kvpilot.protocol.errors import ApiError
+from kvpilot.protocol.requests import parse_chat, parse_completion
 from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import zmq.asyncio
 from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.default_model import ensure_default_model
 from kvpilot.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
-from kvpilot.protocol.requests import ApiError
+from kvpilot.protocol.errors import ApiError
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.pods import Pod
