@@ -10,9 +10,9 @@ Curves (one JSON and one PNG each under bench/results/curves/, or --out-dir):
   (bench/serve.py's `_chat_load`, stops at EOS) and transformers `generate_batch` with block sharing
   (`run_transformers`), alternating per point, all with the same torch threads (all cores but one: the
   server keeps one for HTTP).
-- ttft: time to first token vs prompt length (`benchkit.engine_ttft`): cold (after a reset), cached (the
-  same prompt with its last 16 tokens new, so all but one block is a hit), and transformers' forward over
-  the whole prompt (no cache) as the baseline.
+- ttft: time to first token vs prompt length (bench/engine.py's `engine_ttft`): cold (after a reset), cached
+  (the same prompt with its last 16 tokens new, so all but one block is a hit), and transformers' forward
+  over the whole prompt (no cache) as the baseline.
 - reset: `BlockPool.reset()` vs cached blocks (bench/engine.py's `reset_latency`), against freeing the old
   index at once, as an eager reset would before answering.
 - fanout: bench/fanout.py per pod count (its own control plane each): create to Succeeded with replies at
@@ -251,8 +251,8 @@ def ttft_curve(p: dict, eng: Engines, repeats: int) -> dict:
         for r in range(repeats if n <= 1024 else 1):
             prompt = prompt_of(eng, n, salt=f"Run {r}. ")
             eng.engine.reset_prefix_cache()
-            times["cold"].append(benchkit.engine_ttft(eng.engine, prompt)[0])
-            t, cached_tokens = benchkit.engine_ttft(eng.engine, prompt[:-16] + new_tail)
+            times["cold"].append(eng.bench.engine_ttft(eng.engine, prompt)[0])
+            t, cached_tokens = eng.bench.engine_ttft(eng.engine, prompt[:-16] + new_tail)
             times["cached prefix (last 16 tokens new)"].append(t)
             times["transformers forward"].append(hf_ttft(eng.model, prompt))
         med = {k: statistics.median(v) for k, v in times.items()}

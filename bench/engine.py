@@ -25,10 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
-
-from benchkit import engine_ttft
-from kvpilot.daemon.engine.block_hash import hash_block
+from kvpilot.block_keys import hash_block
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
@@ -143,6 +140,17 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int, sharing: 
     secs = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in out.values())
     return {"seconds": secs, "output_tokens": tokens, "tokens_per_s": tokens / secs, "block_sharing": sharing}
+
+
+def engine_ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds until the first token of one request running alone in `engine`, and its cached prompt tokens."""
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    cached = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    return time.perf_counter() - start, cached
 
 
 def ttft_cases(engine: LLMEngine, tokenizer, repeats: int) -> dict:  # noqa: ANN001

@@ -88,7 +88,7 @@ def bench_transformers(args: argparse.Namespace, logdir: Path) -> tuple[list[Run
             [],
             "transformers serve needs fastapi and uvicorn (pip install 'transformers[serving]'), not installed",
         )
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     model_dir = str(ensure_default_model())
     port = free_port()
@@ -205,7 +205,7 @@ def vs_generate_batch(args: argparse.Namespace, logdir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     bench = _bench("engine")  # its load
     questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit
 
-from benchkit import engine_ttft
+import benchkit
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
+engine_ttft = benchkit.bench_module(Path(__file__).with_name("engine.py")).engine_ttft
 TEXT = (
     "Every replica keeps a prefix cache of attention keys and values, so prompts that share their beginning "
     "are computed once; benchmarks flush it before every run so that each run starts cold. "

@@ -238,7 +238,7 @@ def main() -> int:
     args = p.parse_args()
     max_tokens, settle = (12, 2.0) if args.quick else (32, 6.0)
     load_before = os.getloadavg()
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)

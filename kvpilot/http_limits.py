@@ -138,7 +138,7 @@ class _Guarded(asyncio.Protocol):
 
 def _reply(status: int, reason: str, message: str, code: str, extra: str = "") -> bytes:
     """A complete HTTP/1.1 reply with OpenAI's error JSON, for a connection no handler will serve."""
-    from kvpilot.daemon.server.errors import ApiError
+    from kvpilot.protocol.errors import ApiError
 
     body = (json.dumps(ApiError(status, message, code=code).body()) + "\n").encode()
     head = (

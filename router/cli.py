@@ -56,7 +56,7 @@ def run_router(args: argparse.Namespace) -> int:
     reset every pod's prefix cache with one POST /reset_prefix_cache. With --engine vllm or sglang it fronts
     vLLM or SGLang pods: their own health endpoints and resets, routed by the load their metrics report.
     """
-    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
+    from kvpilot.admin_token import AdminTokenError, load_admin_token
     from kvpilot.router.app import serve
     from kvpilot.router.pods import parse_endpoints
 

@@ -8,7 +8,7 @@ entry is emptied and rebuilt from the events that follow: from then on it holds 
 the router may under-predict a hit but never predicts one that is not there.
 
 What a pod sends is bounded here, whatever it sends:
-- a block hash is kept only if it is one of kvpilot's keys (32 bytes, `block_hash.py`); anything else is
+- a block hash is kept only if it is one of kvpilot's keys (32 bytes, `block_keys.py`); anything else is
   skipped (it can name no block the router would look up, so skipping it loses nothing);
 - a holder's entry never holds more keys than the rank's pool has blocks (`set_capacity`, from the pod's
   advertised `blocks_total`, at most `MAX_BLOCKS_PER_HOLDER`): a stream that would go past it no longer
@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Hashable, Iterable
 
-from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.daemon.engine.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+from kvpilot.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvpilot.router.kv_stream import ReplayLimits
 
 MAX_REPLY_BYTES = 1 << 20  # a reply naming 256 ranks is ~40 KiB

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvpilot.daemon.engine.kv_events import (
+from kvpilot.kv_events import (
     DEFAULT_BUFFER_BATCHES,
     DEFAULT_BUFFER_BYTES,
     END_OF_REPLAY,

@@ -1,4 +1,5 @@
-"""Where a request goes: `prefix-aware` (kvpilot pods' default), `round-robin` or `least-load`.
+"""Where a request goes: `prefix-aware` (kvpilot pods' default), `round-robin` or `least-load`, each a
+`Policy`.
 
 prefix-aware scores each ready pod by the work the request would cost there: the prompt tokens it would
 have to compute (those not in the pod's cached prefix, as its KV events say or as the router just sent
@@ -18,6 +19,7 @@ keys of its own scheme. A pod with a rank whose version is unknown is routed by 
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kvpilot.router.index import PrefixIndex
@@ -50,22 +52,34 @@ def hash_schemes(pods: list[Pod]) -> set[Scheme]:
     return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
 
 
-class RoundRobin:
-    name = "round-robin"
-    needs_prompts = False
+class Policy(ABC):
+    """A routing policy: picks the pod (and rank) for one request among the ready pods of one weight
+    version. Each policy's ties go round-robin, so equal pods share the load."""
+
+    name: str  # as `--policy` names it, and the metrics' `policy` label
+    needs_prompts = False  # whether `choose` is given the request's prompts (tokenized and keyed)
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
     def order(self, pods: list[Pod]) -> list[Pod]:
+        """`pods` rotated by one more place each call: the tie-break order."""
         k = next(self._turn) % len(pods)
         return pods[k:] + pods[:k]
+
+    @abstractmethod
+    def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
+        """The decision for one request; `pods` is not empty."""
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
         return Decision(self.order(pods)[0], "round-robin")
 
 
-class LeastLoad(RoundRobin):
+class LeastLoad(Policy):
     """Fewest requests on the pod (`Pod.load`: the router's own open requests, or the pod's metrics where
     its engine publishes them); ties go round-robin."""
 
@@ -75,7 +89,7 @@ class LeastLoad(RoundRobin):
         return Decision(min(self.order(pods), key=Pod.load), "load")
 
 
-class PrefixAware(RoundRobin):
+class PrefixAware(Policy):
     name = "prefix-aware"
     needs_prompts = True
 
@@ -86,8 +100,8 @@ class PrefixAware(RoundRobin):
         # With continuous batching a decoding neighbour adds about one token of work per step, far less
         # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
         # requests open than another (then one spill also warms a second pod for that prefix): 4 for a
-        # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon: bench/router.py's
-        # hit rate was 0.607 with it and 0.750 with 32 (docs/router.md).
+        # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon, lowering
+        # bench/router.py's hit rate (docs/performance.md).
         self.load_tokens = tokens_per_running_request
 
     def predict(
@@ -147,3 +161,14 @@ class PrefixAware(RoundRobin):
                 self.index.expect(holder, keys)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
+
+
+def make_policy(name: str, index: PrefixIndex) -> Policy:
+    """The policy `--policy NAME` names (settings.POLICIES)."""
+    if name == "prefix-aware":
+        return PrefixAware(index)
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    raise ValueError(f"unknown policy {name!r}")

@@ -21,10 +21,11 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from kvpilot.daemon.engine.block_hash import BlockHash, prompt_block_hashes
-from kvpilot.daemon.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from kvpilot.daemon.server.protocol import ApiError, parse_chat, parse_completion
-from kvpilot.daemon.server.text_pool import Busy, TextPool
+from kvpilot.block_keys import BlockHash, prompt_block_hashes
+from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvpilot.protocol.errors import ApiError
+from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 

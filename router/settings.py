@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvpilot.config_flags import flag
 from kvpilot.http_limits import ConnectionLimits
 
-POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py; app.make_policy builds them
+POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where make_policy builds them
 # The pods' engines (router/engines.py says how each is probed; kvpilot.fanout.engines resets them).
 # Spelled out here rather than imported: importing kvpilot.fanout pulls in aiohttp, and this module is
 # imported by `kvpilot --help`. tests/router/test_engines.py checks both lists name the same engines.
@@ -33,7 +33,7 @@ class RouterSettings:
             unset="prefix-aware with --engine kvpilot, else least-load",
         ),
     )
-    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (auth.py)
+    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
     reset_timeout_s: float = field(
         default=60.0,
         metadata=flag(

@@ -17,7 +17,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
-from kvpilot.daemon.server.protocol import ApiError
+from kvpilot.protocol.errors import ApiError
 
 if TYPE_CHECKING:
     from kvpilot.router.pods import Pod

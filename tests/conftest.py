@@ -32,7 +32,7 @@ def tiny_model_shape() -> dict:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted from its GGUF once per machine."""
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     return ensure_default_model()
 

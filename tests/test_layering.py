@@ -1,5 +1,7 @@
-"""The parts import each other only downwards: the router and the operator never import each other, and the
-reset fan-out both use imports neither of them (nor Kubernetes or kopf). Read from the source with `ast`,
+"""The parts import each other only downwards: the router and the operator never import each other, the
+router imports nothing of the daemon (what they share, the OpenAI protocol, the KV-event format, block keys
+and the admin token, are neutral modules under kvpilot/), the reset fan-out both use imports neither of them
+(nor Kubernetes or kopf), and no shared module under kvpilot/ imports a part. Read from the source with `ast`,
 nothing imported, so an import inside a function counts as much as one at the top."""
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+PARTS = ("kvpilot.daemon", "kvpilot.router", "kvpilot.operator", "kvpilot.kernels")
+
 # folder -> (its import name, the packages none of its modules may import)
 RULES = {
-    "router": ("kvpilot.router", ("kvpilot.operator",)),
+    "router": ("kvpilot.router", ("kvpilot.operator", "kvpilot.daemon")),
     "operator": ("kvpilot.operator", ("kvpilot.router",)),
     "kvpilot/fanout": ("kvpilot.fanout", ("kvpilot.operator", "kvpilot.router", "kubernetes", "kopf")),
 }
+
+# The modules of kvpilot/ that may import the parts: the CLI dispatcher, which hands each subcommand to its
+# part's own cli.py. Every other module there is shared (fan-out aside: it has its own rule above).
+CLI_DISPATCHER = {"kvpilot/cli.py", "kvpilot/__main__.py"}
+
+
+def shared_modules() -> list[Path]:
+    """The modules of kvpilot/ that the parts share: all but the CLI dispatcher and the fan-out."""
+    return [
+        path
+        for path in sorted((ROOT / "kvpilot").rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() not in CLI_DISPATCHER
+        and not path.is_relative_to(ROOT / "kvpilot" / "fanout")
+    ]
 
 
 def imports(source: str, package: str) -> list[tuple[int, str]]:
@@ -52,6 +70,19 @@ def test_no_forbidden_import(folder: str) -> None:
     assert not bad, "layering broken:\n" + "\n".join(bad)
 
 
+def test_shared_modules_import_no_part() -> None:
+    files = shared_modules()
+    assert ROOT / "kvpilot" / "kv_events.py" in files and ROOT / "kvpilot" / "cli.py" not in files
+    assert all((ROOT / name).is_file() for name in CLI_DISPATCHER), "a listed dispatcher module is gone"
+    bad = []
+    for path in files:
+        package = ".".join(["kvpilot", *path.relative_to(ROOT / "kvpilot").parent.parts])
+        for line, name in imports(path.read_text(), package):
+            if any(within(name, part) for part in PARTS):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, "a shared module imports a part:\n" + "\n".join(bad)
+
+
 def test_the_check_sees_every_form_of_import() -> None:
     source = (
         "import kopf\n"
@@ -75,3 +106,15 @@ def test_the_check_sees_every_form_of_import() -> None:
     ):
         found = imports((ROOT / folder / module).read_text(), package)
         assert any(within(name, "kvpilot.fanout") for _, name in found), module
+    # the neutral contracts are what the router and the daemon really import: the rules above see them
+    for folder, package, module, contract in (
+        ("router", "kvpilot.router", "kv_stream.py", "kvpilot.kv_events"),
+        ("daemon/engine", "kvpilot.daemon.engine", "kv_publisher.py", "kvpilot.kv_events"),
+        ("router", "kvpilot.router", "prompts.py", "kvpilot.protocol"),
+        ("daemon/server", "kvpilot.daemon.server", "prepare.py", "kvpilot.protocol"),
+    ):
+        found = imports((ROOT / folder / module).read_text(), package)
+        assert any(within(name, contract) for _, name in found), module
+    # and the shared-module rule sees a part imported by a real dispatcher module
+    found = imports((ROOT / "kvpilot" / "cli.py").read_text(), "kvpilot")
+    assert any(within(name, "kvpilot.daemon") for _, name in found)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpilot.daemon.engine.block_hash import BlockHash
+from kvpilot.block_keys import BlockHash
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.kv_events import KVEventRecorder
+    from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its fla
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv_events.py)
+ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv_publisher.py)
 
 
 @dataclass(slots=True)

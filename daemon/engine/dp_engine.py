@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
@@ -41,16 +41,12 @@ from kvpilot.daemon.engine.cpu_budget import available_cpus
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
-from kvpilot.daemon.engine.kv_events import (
-    DEFAULT_BUFFER_BATCHES,
-    DEFAULT_BUFFER_BYTES,
-    describe_ranks,
-    rank_endpoint,
-)
+from kvpilot.daemon.engine.kv_publisher import describe_ranks, rank_endpoint
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
+from kvpilot.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 
 log = logging.getLogger(__name__)
 

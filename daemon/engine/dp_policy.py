@@ -2,7 +2,7 @@
 
 Pure logic (no processes, no I/O); only the daemon's data-parallel loop uses it (the fleet router scores
 pods by their KV events instead, in `router/policy.py`). Each rank's recent prefixes are remembered as
-block keys (`block_hash.py`, the same keys the engines index), bounded LRU per rank; a reset forgets
+block keys (`kvpilot/block_keys.py`, the same keys the engines index), bounded LRU per rank; a reset forgets
 them. Load is the caller's count of open requests.
 
 Choice: among the live ranks whose load is within `load_slack` of the least loaded one, the one whose
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from kvpilot.daemon.engine.block_hash import BlockHash
+from kvpilot.block_keys import BlockHash
 
 DEFAULT_LOAD_SLACK = 4
 DEFAULT_KEYS_PER_RANK = 65536  # 32 bytes each: ~2 MiB of keys per rank at most

@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.kv_events import RankEndpoints
+from kvpilot.daemon.engine.kv_publisher import RankEndpoints
 from kvpilot.daemon.engine.weight_ops import WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
 

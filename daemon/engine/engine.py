@@ -30,7 +30,7 @@ from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, PauseMode
 from kvpilot.kernels import select_ops
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.kv_events import KVEventPublisher
+    from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ class LLMEngine:
     def _start_kv_events(self) -> KVEventPublisher | None:
         if not self.config.kv_events_endpoint:
             return None
-        from kvpilot.daemon.engine.kv_events import KVEventPublisher
+        from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 
         publisher = KVEventPublisher(
             self.config.kv_events_endpoint,

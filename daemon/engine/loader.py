@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from kvpilot.daemon.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.daemon.engine.models import load_model
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
+from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.kernels import Ops
 
 log = logging.getLogger(__name__)

@@ -10,14 +10,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.engine.block_hash import BlockHash, extend_block_hashes, salt_key
+from kvpilot.block_keys import BlockHash, extend_block_hashes, salt_key
 from kvpilot.daemon.engine.outputs import TokenLogprob
+from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 # Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
 GREEDY_BELOW_TEMPERATURE = 1e-5
-MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
-MAX_STOP_TOKEN_IDS = 256
-MAX_SEQUENCES = 16  # n and best_of
 
 
 class SamplingError(ValueError):

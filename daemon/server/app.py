@@ -16,22 +16,22 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot import __version__
+from kvpilot.admin_token import authorized
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
-from kvpilot.daemon.server.auth import authorized
 from kvpilot.daemon.server.choices import TokenTexts
-from kvpilot.daemon.server.errors import ApiError, error_middleware, error_response, unavailable
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions
 from kvpilot.daemon.server.prepare import PromptRules
-from kvpilot.daemon.server.protocol import parse_json_object, parse_reset_flag
-from kvpilot.daemon.server.replies import json_response
-from kvpilot.daemon.server.schema import openapi
-from kvpilot.daemon.server.text_pool import Busy, TextPool
 from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
 from kvpilot.http_limits import start_server
+from kvpilot.protocol.errors import ApiError, error_middleware, error_response, unavailable
+from kvpilot.protocol.replies import json_response
+from kvpilot.protocol.requests import parse_json_object, parse_reset_flag
+from kvpilot.protocol.schema import openapi
+from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.settings import ServerSettings
-from kvpilot.daemon.server.text_pool import TextPool
+from kvpilot.text_pool import TextPool
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.
     """
-    from kvpilot.daemon.server.auth import AdminTokenError, load_admin_token
+    from kvpilot.admin_token import AdminTokenError, load_admin_token
 
     try:
         token = load_admin_token(args.admin_token_file)

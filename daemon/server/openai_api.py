@@ -35,11 +35,11 @@ from kvpilot.daemon.server.choices import (
     feed,
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
-from kvpilot.daemon.server.errors import ApiError, bad, unavailable
-from kvpilot.daemon.server.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.daemon.server.prepare import Prepared, prepare_chat, prepare_completion
-from kvpilot.daemon.server.protocol import GenerateRequest
-from kvpilot.daemon.server.replies import json_response
+from kvpilot.protocol.errors import ApiError, bad, unavailable
+from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
+from kvpilot.protocol.replies import json_response
+from kvpilot.protocol.requests import GenerateRequest
 
 _IGNORED_LOG = IgnoredFieldLog()
 

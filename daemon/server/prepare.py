@@ -9,8 +9,8 @@ from typing import Any
 
 from kvpilot.daemon.engine.client import EngineInfo
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.daemon.server.errors import bad
-from kvpilot.daemon.server.protocol import GenerateRequest, parse_chat, parse_completion, parse_json_object
+from kvpilot.protocol.errors import bad
+from kvpilot.protocol.requests import GenerateRequest, parse_chat, parse_completion, parse_json_object
 
 # No token of a vocabulary decodes to more characters than its longest entry; 4x covers normalizers
 # that shrink text before splitting it (NFKC and friends).
@@ -91,9 +91,10 @@ def _decode(tok: Any, ids: list[int]) -> str:
 
 
 def _params_for(req: GenerateRequest, chat: bool, prompt: list[int], max_model_len: int) -> SamplingParams:
-    """The prompt's own parameters: without max_tokens, what fits beside this prompt (not the
-    batch's shortest room); the engine checks the context for everything else."""
-    params = dataclasses.replace(req.params)
+    """The prompt's own engine parameters, from what the client asked (the one place the protocol's
+    `Sampling` becomes the engine's `SamplingParams`): without max_tokens, what fits beside this prompt
+    (not the batch's shortest room); the engine checks the context for everything else."""
+    params = SamplingParams(**{f.name: getattr(req.params, f.name) for f in dataclasses.fields(req.params)})
     if not req.max_tokens_given:
         room = max_model_len - len(prompt)
         params.max_tokens = max(1, room if chat else min(params.max_tokens, room))

@@ -21,7 +21,7 @@ class ServerSettings:
             unset="the model's name",
         ),
     )
-    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (auth.py)
+    admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
     max_body_bytes: int = field(  # a full 128k-token context as JSON fits well below the default
         default=4 << 20,
         metadata=flag("larger request bodies are refused with 413", name="--max-request-body-bytes"),

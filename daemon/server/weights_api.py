@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.admin_token import authorized
 from kvpilot.daemon.engine.client import EngineDeadError
 from kvpilot.daemon.engine.weight_ops import (
     MIXED_VERSION,
@@ -33,10 +34,9 @@ from kvpilot.daemon.engine.weight_ops import (
     WeightErrorKind,
 )
 from kvpilot.daemon.server.app_state import STATE, ServerState
-from kvpilot.daemon.server.auth import authorized
-from kvpilot.daemon.server.errors import ApiError
-from kvpilot.daemon.server.protocol import parse_json_object
-from kvpilot.daemon.server.replies import json_response
+from kvpilot.protocol.errors import ApiError
+from kvpilot.protocol.replies import json_response
+from kvpilot.protocol.requests import parse_json_object
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
 """What the benchmarks in bench/ share: servers (`kvpilot serve` among them) started in their own process
-group and waited for, one
-request's time to first token in an engine, the machine and its load beside the numbers (they depend on what
+group and waited for, the machine and its load beside the numbers (they depend on what
 else runs there), and one JSON file per run. bench/ scripts run as files (`python bench/x.py`) and so cannot
 import each other; what they share lives here, on devcluster.procs: dev tooling in hack/lib (which each script
 appends to sys.path), outside the kvpilot package and its image."""
@@ -17,12 +16,8 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from devcluster.procs import free_port, spawn, stop, wait_ready
-
-if TYPE_CHECKING:  # the engine imports torch: only the benches that measure it load it
-    from kvpilot.daemon.engine.engine import LLMEngine
 
 
 def bench_module(path: Path):  # noqa: ANN201 - a module
@@ -121,16 +116,3 @@ def changed_checkpoint(original: Path, out: Path, seed: int = 22) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(original).save_pretrained(out)
     return out
-
-
-def engine_ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
-    """Seconds until the first token of one request running alone in `engine`, and its cached prompt tokens."""
-    from kvpilot.daemon.engine.request import SamplingParams
-
-    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1))
-    start = time.perf_counter()
-    cached = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            cached = out.num_cached_tokens
-    return time.perf_counter() - start, cached

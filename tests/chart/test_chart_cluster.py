@@ -306,7 +306,7 @@ def test_reset_by_the_in_cluster_operator(
     warm(fleet)  # post-reset traffic: misses, then hits again
     # A WeightUpdate to the weights they serve under a new version name (the embedded model's own directory):
     # the weight panels and metrics have data.
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     wu = {
         "apiVersion": "kvpilot.io/v1alpha1",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvpilot.daemon.engine.block_hash import extend_block_hashes, hash_block
+from kvpilot.block_keys import extend_block_hashes, hash_block
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
 from kvpilot.daemon.engine.request import Request, SamplingParams
@@ -24,7 +24,7 @@ def test_keys_chain_the_prefix_and_the_salt() -> None:
 
 
 def test_keys_are_the_same_in_another_process() -> None:
-    code = "from kvpilot.daemon.engine.block_hash import hash_block; print(hash_block(None, [1, 2, 3], b's').hex())"
+    code = "from kvpilot.block_keys import hash_block; print(hash_block(None, [1, 2, 3], b's').hex())"
     other = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -10,7 +10,7 @@ from pathlib import Path
 SCRIPT = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from kvpilot.daemon.engine.default_model import ensure_default_model
+from kvpilot.default_model import ensure_default_model
 print(ensure_default_model())
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.daemon.engine.dp_engine import cpu_shares
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 

@@ -37,7 +37,7 @@ TOKEN = "wu-admin-token"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     return changed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
 

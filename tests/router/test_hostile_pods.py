@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvpilot.daemon.engine.kv_events import KVEventPublisher
+from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 from kvpilot.router.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex
 from kvpilot.router.kv_info import REPLAY_MAX_BATCHES, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay

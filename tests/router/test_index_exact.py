@@ -8,19 +8,19 @@ import pytest
 from engine.test_accounting import SHARED_PREFIXES, ops  # the same random operations as the pool's test
 from hypothesis import HealthCheck, given, settings
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.kv_events import (
+from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    KVEventRecorder,
     decode_batch,
     encode_batch,
 )
-from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router import index as index_module
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.pods import Pod, parse_endpoints

@@ -10,11 +10,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, fetch_replay
 from support.kv_events import BS, kv_events_engine
@@ -187,7 +187,7 @@ def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -
 def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine) -> None:
     """The pod goes away (its connection drops): its entries go; its successor's stream, numbered from 0
     again, is followed."""
-    from kvpilot.daemon.engine.kv_events import KVEventPublisher
+    from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
 
     first = engine.kv_events
 

@@ -17,10 +17,11 @@ import zmq
 import zmq.asyncio
 
 from kvpilot import kv_sockets
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+from kvpilot.block_keys import prompt_block_hashes
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.kv_events import (
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -28,7 +29,6 @@ from kvpilot.daemon.engine.kv_events import (
     encode_batch,
     encode_batches,
 )
-from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
 from kvpilot.router.settings import RouterSettings

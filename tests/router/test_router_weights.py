@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 
-from kvpilot.daemon.engine.block_hash import prompt_block_hashes
-from kvpilot.daemon.engine.default_model import ensure_default_model
-from kvpilot.daemon.engine.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
-from kvpilot.daemon.server.protocol import ApiError
+from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.default_model import ensure_default_model
+from kvpilot.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.protocol.errors import ApiError
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.pods import Pod

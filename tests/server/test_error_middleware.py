@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpilot.daemon.server.errors import ApiError, error_middleware
 from kvpilot.http_limits import ConnectionLimits, start_server
+from kvpilot.protocol.errors import ApiError, error_middleware
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,7 @@ def test_every_failure_is_openai_error_json(caplog: pytest.LogCaptureFixture) ->
         ("GET", "/raise/bug", None),
         ("GET", "/nowhere", None),
     ]
-    with caplog.at_level(logging.ERROR, logger="kvpilot.daemon.server.errors"):
+    with caplog.at_level(logging.ERROR, logger="kvpilot.protocol.errors"):
         replies = asyncio.run(_ask(cases))
     codes = [(status, body["error"]["code"]) for status, body, _ in replies]
     assert codes == [

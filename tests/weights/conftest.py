@@ -16,7 +16,7 @@ from support.servers import ADMIN_TOKEN, Server, start_server, stop_server, wait
 
 @pytest.fixture(scope="session")
 def original_checkpoint() -> Path:
-    from kvpilot.daemon.engine.default_model import ensure_default_model
+    from kvpilot.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -52,7 +52,7 @@ def test_update_serves_the_new_weights_everywhere(
         events = _events(sub, until=lambda evs: any(e[0] == "BlockStored" for e in evs))
         cleared = [e for e in events if e[0] == "AllBlocksCleared"]
         assert cleared and cleared[-1][1:] == ["v2"], events
-        from kvpilot.daemon.engine.block_hash import prompt_block_hashes
+        from kvpilot.block_keys import prompt_block_hashes
 
         stored = [h for e in events if e[0] == "BlockStored" for h in e[1]]
         assert stored[0] == prompt_block_hashes(ids, 16, None, "v2")[0]  # the version is in the key

@@ -1,5 +1,9 @@
 """OpenAI request parsing: raw bytes in, a `GenerateRequest` (what the routes run) or an `ApiError`
-naming the offending field out. The field types and ranges live in `schema.py` (pydantic)."""
+naming the offending field out. The field types and ranges live in `schema.py` (pydantic).
+
+The daemon and the router parse alike with this module, so the router predicts exactly the prompt a daemon
+will run. How to sample is returned as a plain `Sampling` value: the daemon turns it into its engine's
+parameters (daemon/server/prepare.py); nothing here knows the engine."""
 
 from __future__ import annotations
 
@@ -9,10 +13,28 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.daemon.server.errors import ApiError, bad
-from kvpilot.daemon.server.fields import ignored_fields
-from kvpilot.daemon.server.schema import ChatCompletionRequest, CompletionRequest
+from kvpilot.protocol.errors import ApiError, bad
+from kvpilot.protocol.fields import ignored_fields
+from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How the client asked to sample, OpenAI's defaults filled in, in the engine's terms."""
+
+    max_tokens: int  # without max_tokens given: OpenAI's legacy 16 (the daemon fits it to the context)
+    temperature: float
+    top_p: float
+    top_k: int  # 0: off
+    min_p: float
+    repetition_penalty: float
+    min_tokens: int
+    seed: int | None
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    n: int  # sequences run per prompt: best_of when larger than the choices returned
+    logprobs: int | None
+    prompt_logprobs: int | None
 
 
 @dataclass(slots=True)
@@ -21,7 +43,7 @@ class GenerateRequest:
 
     model: str
     prompts: list[str | list[int]]
-    params: SamplingParams
+    params: Sampling
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -141,9 +163,15 @@ def _resolve_model(name: str | None, served: list[str]) -> str:
     return served[0]
 
 
-def _params(r: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+def _sampling(
+    r: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    n: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> Sampling:
     top_k = r.top_k or 0
-    return SamplingParams(
+    return Sampling(
         max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's legacy default; chat: the room left
         temperature=1.0 if r.temperature is None else r.temperature,  # OpenAI's default: sampled
         top_p=r.top_p or 1.0,
@@ -154,11 +182,14 @@ def _params(r: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
         seed=r.seed,
         stop_token_ids=frozenset(r.stop_token_ids or ()),
         ignore_eos=bool(r.ignore_eos),
+        n=n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
 def _generate_request(
-    r: CompletionRequest | ChatCompletionRequest, served: list[str], params: SamplingParams, **fields: Any
+    r: CompletionRequest | ChatCompletionRequest, served: list[str], params: Sampling, **fields: Any
 ) -> GenerateRequest:
     return GenerateRequest(
         model=_resolve_model(r.model, served),
@@ -179,11 +210,9 @@ def _generate_request(
 # ---- endpoints -----------------------------------------------------------------------------------
 def parse_completion(body: dict, served: list[str]) -> GenerateRequest:
     r: CompletionRequest = _validate(CompletionRequest, body)
-    params = _params(r, r.max_tokens)
-    params.n = r.best_of or r.n or 1
-    params.logprobs = r.logprobs
-    if r.echo and (r.logprobs is not None or r.max_tokens == 0):
-        params.prompt_logprobs = r.logprobs or 0
+    echo_scores = r.echo and (r.logprobs is not None or r.max_tokens == 0)
+    prompt_logprobs = (r.logprobs or 0) if echo_scores else None
+    params = _sampling(r, r.max_tokens, r.best_of or r.n or 1, r.logprobs, prompt_logprobs)
     return _generate_request(
         r, served, params, prompts=r.prompt, max_tokens_given=r.max_tokens is not None, echo=bool(r.echo)
     )
@@ -192,10 +221,7 @@ def parse_completion(body: dict, served: list[str]) -> GenerateRequest:
 def parse_chat(body: dict, served: list[str]) -> ChatRequest:
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-    params = _params(r, max_tokens)
-    params.n = r.n or 1
-    if r.logprobs:
-        params.logprobs = r.top_logprobs or 0
+    params = _sampling(r, max_tokens, r.n or 1, (r.top_logprobs or 0) if r.logprobs else None)
     req = _generate_request(
         r,
         served,

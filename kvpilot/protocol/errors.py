@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kvpilot.daemon.server.replies import json_response
+from kvpilot.protocol.replies import json_response
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import re
 from typing import Any
 
-from kvpilot.daemon.server.errors import bad
+from kvpilot.protocol.errors import bad
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from kvpilot.daemon.engine.request import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
-from kvpilot.daemon.server.errors import ApiError, bad
+from kvpilot.protocol.errors import ApiError, bad
+from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]

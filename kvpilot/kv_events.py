@@ -1,0 +1,141 @@
+"""KV cache events: what entered and left a daemon's prefix index, in vLLM's wire format. The daemon
+publishes them (daemon/engine/kv_publisher.py) and the router subscribes (router/kv_stream.py); both read
+the format from here, the one place it is written down.
+
+Consumers written for vLLM (llm-d's KV cache indexer, Dynamo's KV router, `kvpilot router`) read them
+unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
+
+- One ZeroMQ PUB message per engine step that changed the index (more for a very big step, below): three
+  frames `(topic, seq, payload)`, `seq` an 8-byte big-endian counter that grows by one per message, so a
+  consumer sees any gap.
+- `payload` is msgpack: `[ts, events, data_parallel_rank]`, each event an array whose first element is
+  its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]` (after a weight update
+  `["AllBlocksCleared", weight_version]`: the version the keys that follow are computed with).
+- Block hashes are the engine's own prefix keys (32-byte sha256 digests, `block_keys.py`), so a router
+  that hashes a request's tokens with that module finds them. Only full blocks are published.
+- Private by default: `token_ids` is an empty list (vLLM's shape, no prompt in it) unless the daemon runs
+  with `--kv-events-token-ids`; with `--kv-events-curve-dir` both sockets are CURVE servers that only the
+  fleet's router may connect to (kvpilot/kv_sockets.py, docs/security.md).
+- Bounded: no payload exceeds `kv_sockets.MAX_BATCH_BYTES` (one event holds at most `MAX_EVENT_BLOCKS`
+  blocks; a step whose events are bigger goes out as consecutive messages), so a consumer can refuse
+  bigger frames (`MAXMSGSIZE`) without ever losing an honest one.
+- Replay (what vLLM's stream lacks in practice: its buffer is rarely enabled): a ROUTER socket answers a
+  request frame holding an 8-byte start sequence with every buffered message from there, each as
+  `(topic, seq, payload)`, then `(b"", seq=-1, b"")`. A consumer that missed messages catches up instead
+  of guessing; one that restarts rebuilds its index from the buffer. The buffer is bounded in messages
+  and payload bytes, and GET /kv_events says both, with each rank's pool size (`blocks_total`), so a
+  consumer can bound what it accepts from this publisher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+from kvpilot import kv_sockets
+from kvpilot.block_keys import BlockHash
+
+END_OF_REPLAY = -1  # the sequence number of the frame that ends a replay answer
+HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_keys.py's keys for consumers
+DEFAULT_BUFFER_BATCHES = 10_000  # batches a replay socket can serve again
+DEFAULT_BUFFER_BYTES = 64 << 20  # and their payloads' bytes at most (oldest dropped first)
+# Blocks one BlockStored or BlockRemoved carries at most: 1024 blocks of 128 tokens with their ids (5 bytes
+# each at most) and hashes (34) are ~690 KB, so any one event fits a MAX_BATCH_BYTES payload.
+MAX_EVENT_BLOCKS = 1024
+
+
+# ---- events (vLLM's tagged array layout) -------------------------------------------------------
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+    def wire(self) -> list:
+        # lora_id, medium, lora_name: kvpilot has no LoRA; None medium is the engine's own KV pool.
+        return [
+            "BlockStored",
+            self.block_hashes,
+            self.parent_block_hash,
+            self.token_ids,
+            self.block_size,
+            None,
+            None,
+            None,
+        ]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash]
+
+    def wire(self) -> list:
+        return ["BlockRemoved", self.block_hashes, None]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    weight_version: str | None = None  # named weights: every later key is hashed with this version
+
+    def wire(self) -> list:
+        return (
+            ["AllBlocksCleared"] if self.weight_version is None else ["AllBlocksCleared", self.weight_version]
+        )
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int = 0
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    return msgpack.packb([batch.ts, [e.wire() for e in batch.events], batch.data_parallel_rank])
+
+
+def encode_batches(batch: EventBatch, limit: int = kv_sockets.MAX_BATCH_BYTES) -> list[bytes]:
+    """The batch as payloads of at most `limit` bytes each, its events in order: one payload (exactly
+    `encode_batch`'s) unless it would be bigger."""
+    packer = msgpack.Packer()
+    head = packer.pack_array_header(3) + packer.pack(batch.ts)
+    tail = packer.pack(batch.data_parallel_rank)
+    room = limit - len(head) - len(tail) - 5  # 5: the largest array header
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for packed in (packer.pack(e.wire()) for e in batch.events):
+        if chunks[-1] and size + len(packed) > room:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(packed)
+        size += len(packed)
+    return [head + packer.pack_array_header(len(c)) + b"".join(c) + tail for c in chunks]
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Parse one payload (ours or vLLM's: integer hashes and missing trailing fields are accepted).
+    Raises ValueError for anything that is not an event batch."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False)
+        ts, wire_events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 and raw[2] is not None else 0
+        events: list[KVEvent] = []
+        for ev in wire_events:
+            tag = ev[0]
+            if tag == "BlockStored":
+                events.append(BlockStored(list(ev[1]), ev[2], list(ev[3]), int(ev[4])))
+            elif tag == "BlockRemoved":
+                events.append(BlockRemoved(list(ev[1])))
+            elif tag == "AllBlocksCleared":
+                events.append(AllBlocksCleared(ev[1] if len(ev) > 1 else None))
+            else:
+                raise ValueError(f"unknown KV event {tag!r}")
+        return EventBatch(float(ts), events, int(rank))
+    except (msgpack.UnpackException, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise ValueError(f"not a KV event batch: {exc}") from None

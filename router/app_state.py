@@ -1,0 +1,36 @@
+"""What the router's handlers share (settings, fleet, index, policy, prompt reader, metrics, the client
+session), held by the aiohttp app under one key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from kvpilot.router.index import PrefixIndex
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.pods import Fleet
+from kvpilot.router.policy import Policy
+from kvpilot.router.prompts import PromptReader
+from kvpilot.router.settings import RouterSettings
+
+
+@dataclass(slots=True)
+class Router:
+    settings: RouterSettings
+    fleet: Fleet
+    index: PrefixIndex
+    policy: Policy
+    reader: PromptReader | None
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession
+    proxy_timeout: aiohttp.ClientTimeout = field(init=False)  # of every proxied request: made once
+
+    def __post_init__(self) -> None:
+        self.proxy_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=5, sock_read=self.settings.proxy_timeout_s
+        )
+
+
+ROUTER = web.AppKey("kvpilot_router", Router)

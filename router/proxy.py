@@ -1,0 +1,212 @@
+"""The OpenAI routes, proxied: each generation request to the pod its policy chooses, `/v1/models` to any
+ready pod.
+
+A generation request is read once (to tokenize it for the policy), then its raw body goes unchanged to
+the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
+A client that hangs up cancels its handler, which closes the upstream connection, so the pod aborts the
+request within one engine step, as if the client had called the pod directly.
+
+What comes back from a pod is bounded: a pod silent for `--proxy-timeout` gets the client a 504 (or, once
+a stream has started, an error event that ends it), a non-streamed reply longer than `--max-reply-bytes`
+a 502, and any failure after the request was sent stops routing to the pod until its next passing probe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+
+from kvpilot.protocol.errors import ApiError
+from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
+from kvpilot.router.app_state import ROUTER, Router
+from kvpilot.router.engines import read_capped
+from kvpilot.router.pods import Pod
+from kvpilot.router.policy import Decision, hash_schemes
+from kvpilot.router.relay import relay_stream
+from kvpilot.router.version_choice import pinned_version
+
+log = logging.getLogger(__name__)
+
+FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
+FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
+POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
+# The request never reached the pod (refused, or no connection within sock_connect): nothing ran there.
+UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+SSE_TAIL_BYTES = 16384  # of a stream, kept for its usage event (sent last)
+
+
+def _no_pod() -> ApiError:
+    return ApiError(503, "no pod of the fleet is ready", code="no_ready_pod")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    r = request.app[ROUTER]
+    raw = await request.read()
+    prompts = None
+    if r.reader is not None and r.policy.needs_prompts and raw:
+        prompts = await r.reader.prompts(request.path, raw, hash_schemes(r.fleet.ready_pods()))
+    pinned = pinned_version(raw)
+    tried: set[str] = set()
+    while True:
+        pods = [p for p in r.fleet.pods if p.ready and p.name not in tried]
+        if not pods:
+            raise _no_pod()
+        pods = r.fleet.versions.eligible(pods, pinned)  # all of one weight version
+        decision = r.policy.choose(pods, prompts)
+        try:
+            return await _proxy(request, r, decision, raw)
+        except UNREACHED:
+            # Never reached the pod, so nothing ran there: safe to send elsewhere.
+            log.warning("%s is unreachable; trying another pod", decision.pod.name)
+            r.fleet.mark_unready(decision.pod)
+            tried.add(decision.pod.name)
+
+
+async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
+    pod = decision.pod
+    m = r.metrics
+    m.child(m.decisions, pod.name, r.policy.name, decision.reason).inc()
+    headers = _forwarded(request.headers, FORWARD_REQUEST_HEADERS, {})
+    if decision.rank is not None:
+        headers[DP_RANK_HEADER] = str(decision.rank)
+        pod.rank_in_flight[decision.rank] = pod.rank_in_flight.get(decision.rank, 0) + 1
+    in_flight = m.child(m.in_flight, pod.name)
+    pod.in_flight += 1
+    in_flight.set(pod.in_flight)
+    status = 0
+    # Usage is read (a JSON parse) only where it is compared with a prediction.
+    wants_usage = decision.predicted_cached_tokens is not None
+    try:
+        async with r.session.post(
+            pod.target(request.path_qs), data=raw, headers=headers, timeout=r.proxy_timeout
+        ) as up:
+            status = up.status
+            up_headers = up.headers
+            out_headers = _forwarded(up_headers, FORWARD_RESPONSE_HEADERS, {POD_HEADER: pod.name})
+            if decision.rank is not None:
+                out_headers[DP_RANK_HEADER] = str(decision.rank)
+            try:
+                if up_headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return await _relay_stream(request, r, decision, up, out_headers, wants_usage)
+                body = await read_capped(up, r.settings.max_reply_bytes)
+                if body is None:
+                    log.warning("%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes)
+                    raise ApiError(
+                        502,
+                        f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
+                        code="reply_too_large",
+                    )
+                if wants_usage:
+                    _record_usage(r, decision, _json_usage(body))
+                return web.Response(body=body, status=status, headers=out_headers)
+            except BaseException:
+                up.close()  # drop the connection: the pod sees the client leave and aborts
+                raise
+    except UNREACHED:
+        raise
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _pod_failed(r, pod, exc) from None
+    finally:
+        pod.in_flight -= 1
+        if decision.rank is not None:
+            pod.rank_in_flight[decision.rank] -= 1
+        in_flight.set(pod.in_flight)
+        m.child(m.requests, pod.name, r.policy.name, str(status)).inc()
+
+
+def _forwarded(headers: Mapping[str, str], names: tuple[str, ...], into: dict[str, str]) -> dict[str, str]:
+    """`into` with those of `names` that `headers` carries: only these pass between client and pod."""
+    for h in names:
+        v = headers.get(h)
+        if v is not None:
+            into[h] = v
+    return into
+
+
+async def _relay_stream(
+    request: web.Request,
+    r: Router,
+    decision: Decision,
+    up: aiohttp.ClientResponse,
+    out_headers: dict[str, str],
+    wants_usage: bool,
+) -> web.StreamResponse:
+    """Relay a server-sent event stream: each piece read from the pod is one write to the client,
+    untouched (router/relay.py). Only the last 16 KiB are kept, for the usage event sent last."""
+    resp = web.StreamResponse(status=up.status, headers=out_headers)
+    await resp.prepare(request)
+    tail = b""
+    try:
+        tail = await relay_stream(up.content, request, resp, SSE_TAIL_BYTES if wants_usage else 0)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # Headers are sent: end the stream with an error event.
+        err = _pod_failed(r, decision.pod, exc)
+        await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    await resp.write_eof()
+    if wants_usage:
+        _record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
+    return resp
+
+
+def _pod_failed(r: Router, pod: Pod, exc: BaseException) -> ApiError:
+    """The client's error for a pod that failed after the request was sent: 504 if it went silent, else
+    502. Either way the pod gets no more requests until its next passing probe."""
+    r.fleet.mark_unready(pod)
+    if isinstance(exc, TimeoutError):
+        log.warning("%s sent nothing for %gs", pod.name, r.settings.proxy_timeout_s)
+        return ApiError(
+            504, f"pod {pod.name} sent nothing for {r.settings.proxy_timeout_s:g} s", code="upstream_timeout"
+        )
+    log.warning("%s failed mid-request: %s", pod.name, exc)
+    return ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway")
+
+
+def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
+    """Compare the predicted cached tokens with what the pod reported (when both are known)."""
+    if decision.predicted_cached_tokens is None or not isinstance(usage, dict):
+        return
+    details = usage.get("prompt_tokens_details")
+    reported = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(reported) is not int or reported < 0:  # a counter only goes up
+        return
+    name = decision.pod.name
+    r.metrics.predicted.labels(name).inc(decision.predicted_cached_tokens)
+    r.metrics.reported.labels(name).inc(reported)
+    if reported < decision.predicted_cached_tokens:
+        r.metrics.stale.labels(name).inc()
+
+
+def _json_usage(body: bytes) -> dict | None:
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
+        return None
+    return doc.get("usage") if isinstance(doc, dict) else None
+
+
+def _sse_usage(tail: bytes) -> dict | None:
+    """The usage chunk of a stream (sent last, when the client asked for stream_options.include_usage)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[6:]).get("usage")
+            except (ValueError, RecursionError, AttributeError):
+                return None
+            return usage if isinstance(usage, dict) else None
+    return None
+
+
+async def models(request: web.Request) -> web.Response:
+    r = request.app[ROUTER]
+    for pod in r.fleet.ready_pods():
+        try:
+            async with r.session.get(pod.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as up:
+                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError):
+            r.fleet.mark_unready(pod)
+    raise _no_pod()
