@@ -17,6 +17,10 @@ PARTS = ("kvpilot.daemon", "kvpilot.router", "kvpilot.operator", "kvpilot.kernel
 
 # folder -> (its import name, the packages none of its modules may import)
 RULES = {
+    "daemon": ("kvpilot.daemon", ("kvpilot.router", "kvpilot.operator")),
+    # the engine speaks no HTTP: the server maps its errors to statuses
+    "daemon/engine": ("kvpilot.daemon.engine", ("kvpilot.daemon.server", "aiohttp")),
+    "kernels": ("kvpilot.kernels", ("kvpilot.daemon", "kvpilot.router", "kvpilot.operator")),
     "router": ("kvpilot.router", ("kvpilot.operator", "kvpilot.daemon")),
     "operator": ("kvpilot.operator", ("kvpilot.router",)),
     "kvpilot/fanout": ("kvpilot.fanout", ("kvpilot.operator", "kvpilot.router", "kubernetes", "kopf")),
