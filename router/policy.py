@@ -101,7 +101,7 @@ class PrefixAware(Policy):
         # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
         # requests open than another (then one spill also warms a second pod for that prefix): 4 for a
         # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon, lowering
-        # bench/router.py's hit rate (docs/performance.md).
+        # bench/router.py's hit rate (docs/router.md, the table of the two changes under "Benchmark").
         self.load_tokens = tokens_per_running_request
 
     def predict(
