@@ -132,7 +132,7 @@ class Kube:
         self, ns: str, selector: str, shape: Callable[[dict[str, Any]], _T] = _same
     ) -> tuple[list[_T], str]:
         """(`shape(pod)` of each pod, the list's resourceVersion). Pods are plain dicts: the client's model
-        classes take ~0.6 s to build 1000 pods on these CPUs. Each pod is shaped as soon as the list is
+        classes cost many times the JSON's decoding (docs/fanout.md, "What bounds it"). Each pod is shaped as soon as the list is
         decoded, so only what `shape` keeps outlives this call."""
         r = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
         body = json.loads(r.data)

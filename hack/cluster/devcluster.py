@@ -10,7 +10,11 @@ sys.path: appended, not prepended, and never the checkout itself, whose `operato
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "lib"))
+here = Path(__file__).resolve().parent
+# Run as a script without PYTHONSAFEPATH, Python puts this folder first on sys.path, where this very file
+# would be found as `devcluster` instead of the package it launches.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+sys.path.append(str(here.parent / "lib"))
 
 from devcluster.cli import main  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvpilot.daemon.server as server_package
-from kvpilot.daemon.engine.client import EngineClient
+from kvpilot.daemon.engine.client import EngineClient, WeightOperations
 from kvpilot.daemon.engine.dp_engine import DataParallelLoop
 from kvpilot.daemon.engine.engine_loop import EngineLoop
 
@@ -18,7 +18,22 @@ IMPLEMENTATIONS = ("engine_loop", "dp_engine", "dp_rank", "dp_policy", "tp")
 
 
 def _members() -> dict[str, object]:
-    return {name: value for name, value in vars(EngineClient).items() if not name.startswith("_")}
+    """Every public member of the contract, the ones it inherits (the named weight operations) included."""
+    members: dict[str, object] = {}
+    for cls in reversed(EngineClient.__mro__):
+        if cls.__module__ == EngineClient.__module__:
+            members.update((name, value) for name, value in vars(cls).items() if not name.startswith("_"))
+    return members
+
+
+def test_the_contract_includes_the_weight_operations() -> None:
+    assert {"run_weight_op", "pause_generation", "finish_weight_update", "add", "reset_ranks"} <= set(_members())
+
+
+@pytest.mark.parametrize("client", [EngineLoop, DataParallelLoop])
+def test_each_client_carries_weight_operations_itself(client: type) -> None:
+    # the contract's run_weight_op only raises: a client that inherits it would fail every weight route
+    assert client.run_weight_op is not WeightOperations.run_weight_op
 
 
 @pytest.mark.parametrize("client", [EngineLoop, DataParallelLoop])
