@@ -27,7 +27,9 @@ def _members() -> dict[str, object]:
 
 
 def test_the_contract_includes_the_weight_operations() -> None:
-    assert {"run_weight_op", "pause_generation", "finish_weight_update", "add", "reset_ranks"} <= set(_members())
+    assert {"run_weight_op", "pause_generation", "finish_weight_update", "add", "reset_ranks"} <= set(
+        _members()
+    )
 
 
 @pytest.mark.parametrize("client", [EngineLoop, DataParallelLoop])
