@@ -347,13 +347,9 @@ def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
     }
 
 
-def workload_kind(spec: FleetSpec) -> str:
-    return spec.placement
-
-
 def workload(name: str, spec: FleetSpec) -> dict[str, Any]:
     """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons."""
-    kind = workload_kind(spec)
+    kind = spec.placement
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": kind,

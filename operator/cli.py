@@ -129,7 +129,13 @@ def _reset_pod_key(p: dict[str, Any], done: bool) -> str | None:
 
 
 RESET = Followed(
-    "PrefixCacheReset", RESETS, ("Succeeded", "Failed"), _reset_progress, _reset_pod_key, describe_pod
+    "PrefixCacheReset",
+    RESETS,
+    ("Succeeded", "Failed"),
+    _reset_progress,
+    _reset_pod_key,
+    describe_pod,
+    ResetSpec,
 )
 
 
@@ -140,14 +146,12 @@ def _run_reset(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     not succeed as it happens, and exit 0 when it Succeeded, 1 when it Failed, 2 on an error (no such
     InferenceDeployment, no cluster), 3 when --timeout passed first.
     """
-    return create_for_fleet(args, reset_body(args.name, args), RESET, RESET_TIMEOUT_S, out)
+    return create_for_fleet(args, reset_body(args.name, args), RESET, out)
 
 
-def create_for_fleet(
-    args: argparse.Namespace, body: dict[str, Any], what: Followed, default_timeout: int, out: TextIO
-) -> int:
+def create_for_fleet(args: argparse.Namespace, body: dict[str, Any], what: Followed, out: TextIO) -> int:
     """Create `body` (a resource about InferenceDeployment args.name) and say so; with --wait, follow it until
-    it ends or --timeout (default: its spec.timeoutSeconds, else `default_timeout`, plus 30 s) passes. The
+    it ends or --timeout (default: its spec.timeoutSeconds, as the API server defaulted it, plus 30 s) passes. The
     exit code: 0 created (or Succeeded), 2 an error (said on stderr), else what `follow` returns."""
     import urllib3
     from kubernetes import client
@@ -170,9 +174,7 @@ def create_for_fleet(
     print(f"{body['kind'].lower()}.{GROUP}/{obj['metadata']['name']} created", file=out, flush=True)
     if not args.wait:
         return 0
-    limit = (
-        args.timeout if args.timeout is not None else obj["spec"].get("timeoutSeconds", default_timeout) + 30
-    )
+    limit = args.timeout if args.timeout is not None else what.spec.parse(obj["spec"]).timeout_seconds + 30
     return follow(api, ns, obj["metadata"]["name"], what, time.monotonic() + limit, out, errors)
 
 

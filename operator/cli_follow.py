@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from kvpilot.operator.builders import GROUP, VERSION
+from kvpilot.operator.specs import ResetSpec, WeightUpdateSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Followed:
     # (pod entry, finished) -> a key that changes when the pod's line should be printed again; None: not yet.
     pod_key: Callable[[dict[str, Any], bool], str | None]
     describe_pod: Callable[[dict[str, Any]], str]
+    spec: type[ResetSpec | WeightUpdateSpec]  # its spec, typed: --wait's default limit is its timeoutSeconds
 
 
 def api_error(exc: Exception) -> str:

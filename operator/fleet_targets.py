@@ -77,7 +77,7 @@ async def _fleet_controllers(
 ) -> frozenset[str]:
     """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers)."""
     name, uid = meta["name"], meta["uid"]
-    kind = builders.workload_kind(spec)
+    kind = spec.placement
     wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
     if wl is None or not controlled_by(wl, uid) or kind == "DaemonSet":
         return workload_controllers(uid, wl, ())
@@ -96,7 +96,7 @@ async def fleet_plan(
     use = f"the admin token of {name}"
     token = await secret_token(kube, ns, ref, deadline, use, meta["uid"]) if ref else None
     controllers = await _fleet_controllers(kube, ns, meta, spec, deadline)
-    wants_pods = builders.workload_kind(spec) == "DaemonSet" or spec.replicas > 0
+    wants_pods = spec.placement == "DaemonSet" or spec.replicas > 0
     return Plan(
         f"InferenceDeployment/{name}",
         builders.selector_string(name),

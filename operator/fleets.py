@@ -125,7 +125,7 @@ async def reconcile(
     spec = FleetSpec.parse(raw_spec)
     status = dict(body.get("status") or {})
     ns, name = meta["namespace"], meta["name"]
-    kind = builders.workload_kind(spec)
+    kind = spec.placement
     other = "DaemonSet" if kind == "Deployment" else "Deployment"
     gen = meta.get("generation")
 

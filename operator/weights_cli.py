@@ -81,7 +81,7 @@ def _pod_key(p: dict[str, Any], done: bool) -> str | None:
     return None if p.get("result") == "Pending" else f"{p.get('result')}/{p.get('version', '')}"
 
 
-UPDATE = Followed("WeightUpdate", WEIGHT_UPDATES, DONE, _progress, _pod_key, describe_pod)
+UPDATE = Followed("WeightUpdate", WEIGHT_UPDATES, DONE, _progress, _pod_key, describe_pod, WeightUpdateSpec)
 
 
 def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -90,4 +90,4 @@ def _run_update(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     Create a WeightUpdate for InferenceDeployment NAME; with --wait, show each pod's progress and exit 0 when
     it Succeeded, 1 when it Failed or ended Degraded, 2 on an error, 3 when --timeout passed first.
     """
-    return create_for_fleet(args, update_body(args.name, args), UPDATE, UPDATE_TIMEOUT_S, out)
+    return create_for_fleet(args, update_body(args.name, args), UPDATE, out)
