@@ -48,7 +48,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         engine,
         settings,
         served,
-        metrics=DaemonMetrics(lambda: _rank_snapshots(engine), engine.info.weight_version),
+        metrics=DaemonMetrics(lambda: _rank_snapshots(engine), served[0], engine.info.weight_version),
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
         token_texts=TokenTexts(engine.info.tokenizer),

@@ -6,6 +6,10 @@ Two kinds, both on a per-app `CollectorRegistry` (so two servers in one process 
 - what the engine counts itself (prefix-cache queries and hits, blocks, queue lengths, preemptions,
   epoch) is read at scrape time from the snapshot the engine thread publishes after every step, by a
   custom collector. A scrape therefore never waits for a step and never touches the engine.
+
+Three of the engine gauges are exported twice: as `kvpilot_*` and under vLLM's names and labels, which the
+Gateway API Inference Extension's model-server protocol reads, so GAIE endpoint pickers schedule kvpilot pods
+as they do vLLM ones. Both come from the same snapshot in the same scrape, so they never disagree.
 """
 
 from __future__ import annotations
@@ -27,14 +31,41 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
+# (kvpilot name, vLLM's name, help, value) of the load gauges. vLLM labels its gauges with the served model
+# name and the engine (data-parallel rank, "0" without data parallelism); GAIE pickers read them by name.
+# `vllm:kv_cache_usage_perc` is, despite its name, a fraction (0-1) in vLLM too. `vllm:lora_requests_info`
+# waits for LoRA adapters, which kvpilot does not serve yet.
+LOAD_GAUGES: tuple[tuple[str, str, str, Callable[[CacheStats], float]], ...] = (
+    (
+        "kv_cache_usage_ratio",
+        "vllm:kv_cache_usage_perc",
+        "Share of KV cache blocks held by requests (0-1).",
+        lambda s: s.usage_ratio,
+    ),
+    (
+        "num_requests_running",
+        "vllm:num_requests_running",
+        "Requests in the running batch.",
+        lambda s: s.num_running,
+    ),
+    (
+        "num_requests_waiting",
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        lambda s: s.num_waiting,
+    ),
+)
+VLLM_LABELS = ["model_name", "engine"]
+
 
 class EngineCollector(Collector):
     """Engine-side counters and gauges from each rank's latest published `CacheStats`. With several
     data-parallel ranks every sample carries a `rank` label (sum over it for the daemon's total); with
-    one, none, exactly as before ranks existed."""
+    one, none, exactly as before ranks existed. The vLLM-named gauges always carry vLLM's labels."""
 
-    def __init__(self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]]) -> None:
+    def __init__(self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]], model_name: str) -> None:
         self._snapshot = snapshot
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         ranks = self._snapshot()
@@ -78,14 +109,12 @@ class EngineCollector(Collector):
             blocks.add_metric(["cached", *extra], s.blocks_cached)
             blocks.add_metric(["used", *extra], s.blocks_used)
         yield blocks
-        yield family(
-            G,
-            "kv_cache_usage_ratio",
-            "Share of KV cache blocks held by requests (0-1).",
-            lambda s: s.usage_ratio,
-        )
-        yield family(G, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
-        yield family(G, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        for name, vllm_name, doc, value in LOAD_GAUGES:
+            yield family(G, name, doc, value)
+            compat = GaugeMetricFamily(vllm_name, f"{doc} Same as {PREFIX}{name}.", labels=VLLM_LABELS)
+            for rank, s in ranks:
+                compat.add_metric([self._model_name, rank or "0"], value(s))
+            yield compat
         yield family(
             C, "num_preemptions", "Requests preempted to be recomputed later.", lambda s: s.num_preemptions
         )
@@ -93,7 +122,10 @@ class EngineCollector(Collector):
 
 class DaemonMetrics:
     def __init__(
-        self, snapshot: Callable[[], list[tuple[str | None, CacheStats]]], weight_version: str = "initial"
+        self,
+        snapshot: Callable[[], list[tuple[str | None, CacheStats]]],
+        model_name: str,
+        weight_version: str = "initial",
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -136,7 +168,7 @@ class DaemonMetrics:
             registry=r,
         )
         register_build_info(r)
-        r.register(EngineCollector(snapshot))
+        r.register(EngineCollector(snapshot, model_name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -33,7 +33,8 @@ def daemon_metric_names() -> set[str]:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     stats = CacheStats(**{f.name: 0 for f in required})
-    return _sample_names(DaemonMetrics(lambda: [(None, stats)]).registry.collect())  # one rank, unlabelled
+    metrics = DaemonMetrics(lambda: [(None, stats)], "model")  # one rank, unlabelled
+    return _sample_names(metrics.registry.collect())
 
 
 def operator_metric_names() -> set[str]:
