@@ -13,10 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.fanout import FanoutSettings, Target, run_fanout
 from kvpilot.operator.reset_status import pod_entry
-from support.servers import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
+from support.servers import (
+    ADMIN_TOKEN,
+    MODEL,
+    Server,
+    read_until_decoding,
+    send_completion,
+    start_server,
+    stop_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -106,6 +116,32 @@ def test_fleet_fanout_records_every_rank(dp_server: Server) -> None:
         {"rank": r.rank, "success": r.success, "epoch": r.epoch, "evictedBlocks": r.evicted_blocks}
         for r in rec.ranks
     ]
+
+
+def test_gaie_gauges_have_one_series_per_rank(dp_server: Server) -> None:
+    """vllm:* gauges (GAIE's model-server protocol) carry vLLM's `engine` label per rank, each equal to the
+    kvpilot_* gauge's `rank` series of the same scrape, while a request decodes on one rank."""
+    sock = send_completion(dp_server.port, 400, stream=True)
+    try:
+        read_until_decoding(sock)
+        text = dp_server.request("GET", "/metrics").body.decode()
+    finally:
+        sock.close()
+        wait_idle(dp_server)  # the hang-up aborts the request; the next tests start from an idle server
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    for vllm, ours in [
+        ("vllm:num_requests_waiting", "kvpilot_num_requests_waiting"),
+        ("vllm:num_requests_running", "kvpilot_num_requests_running"),
+        ("vllm:kv_cache_usage_perc", "kvpilot_kv_cache_usage_ratio"),
+    ]:
+        by_engine = {s.labels["engine"]: s for s in families[vllm]}
+        assert sorted(by_engine) == ["0", "1"], families[vllm]
+        assert all(s.labels["model_name"] == MODEL for s in by_engine.values())
+        assert {s.labels["rank"]: s.value for s in families[ours]} == {
+            e: s.value for e, s in by_engine.items()
+        }
+    assert sum(s.value for s in families["vllm:num_requests_running"]) == 1
+    assert sum(s.value > 0 for s in families["vllm:kv_cache_usage_perc"]) == 1  # the rank that decodes
 
 
 def test_killed_rank_fails_its_requests_and_health(dp_server: Server, client) -> None:  # noqa: ANN001
