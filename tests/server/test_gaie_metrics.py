@@ -1,14 +1,17 @@
 """The gauges the Gateway API Inference Extension's model-server protocol reads (`vllm:num_requests_waiting`,
 `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`), scraped from a real `kvpilot serve` and parsed
 with prometheus-client's text parser: gauges with vLLM's labels, equal to the `kvpilot_` gauges of the same
-scrape, idle and while a request decodes, and listed in docs/metrics.md."""
+scrape, idle and while a request decodes, and listed in docs/metrics.md. promtool reads the exposition with Prometheus' Go text parser, the one GAIE's
+endpoint pickers use."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from chart.tools import tool
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.servers import MODEL, Server, read_until_decoding, send_completion, start_server, stop_server
@@ -84,3 +87,21 @@ def test_the_vllm_gauges_are_documented(server: Server) -> None:
     assert exposed == set(SAME_AS) == set(rows), (exposed, rows)
     for name, row in rows.items():
         assert row.count("|") >= 6 and f"`{SAME_AS[name]}`" in row, row  # metric, type, unit, labels, meaning
+
+
+def test_prometheus_go_parser_reads_the_exposition(server: Server) -> None:
+    """`promtool check metrics` parses the scrape as GAIE's pickers do (Go's expfmt). Its lint flags the `:` of
+    vLLM's names (reserved by convention for recording rules) and nothing else: the names are vLLM's, which GAIE
+    looks up verbatim."""
+    text = server.request("GET", "/metrics").body.decode()
+    check = [tool("promtool"), "check", "metrics"]
+    # --extended: a table of each family's series count, read by the parser alone
+    parsed = subprocess.run(
+        [*check, "--lint=none", "--extended"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert parsed.returncode == 0, parsed.stdout + parsed.stderr
+    series = {line.split()[0]: line.split()[1] for line in parsed.stdout.splitlines()[1:] if line.strip()}
+    assert {name: series.get(name) for name in SAME_AS} == dict.fromkeys(SAME_AS, "1"), parsed.stdout
+    linted = subprocess.run(check, input=text, capture_output=True, text=True, timeout=60)
+    findings = sorted((linted.stdout + linted.stderr).splitlines())
+    assert findings == sorted(f"{name} metric names should not contain ':'" for name in SAME_AS), findings
