@@ -16,16 +16,9 @@ import msgpack
 import pytest
 import zmq.asyncio
 
+from kvpilot import kv_events
 from kvpilot.block_keys import prompt_block_hashes
-from kvpilot.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    decode_batch,
-    encode_batch,
-    encode_batches,
-)
+from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
 from support import vllm_client
@@ -59,9 +52,9 @@ def test_vllms_own_structs_decode_kvpilots_batches(vllm_client_dir: Path) -> Non
     source = (vllm_client_dir / "vllm/v1/core/kv_cache_utils.py").read_text()
     assert KV_CACHE_UTILS_LINE in source  # the one name stood in, as vLLM defines it
     big = EventBatch(4.5, [BlockStored(K * 300, None, [], 16) for _ in range(40)], 0)
-    split = encode_batches(big)
+    split = kv_events.encode_batches(big)
     assert len(split) > 1  # a step split into messages: each one a batch of vLLM's shape
-    payloads = [encode_batch(b) for b in BATCHES] + split
+    payloads = [kv_events.encode_batch(b) for b in BATCHES] + split
     env = os.environ | {"PYTHONPATH": str(vllm_client_dir)}
     script = Path(__file__).parents[1] / "support" / "vllm_kv_events.py"
     r = subprocess.run(
@@ -140,7 +133,7 @@ def test_the_router_reads_vllms_own_encoding() -> None:
             ],
         ]
     )
-    assert decode_batch(payload) == EventBatch(
+    assert kv_events.decode_batch(payload) == EventBatch(
         7.0,
         [
             BlockStored([K[0], K[1]], None, list(range(32)), 16),
@@ -174,7 +167,7 @@ def test_the_router_still_follows_the_older_array_layout() -> None:
         return seen
 
     assert asyncio.run(go()) == [(3, None), (2, None), (1, "v2"), (2, "v2")]
-    assert decode_batch(msgpack.packb(old[2])) == EventBatch(
+    assert kv_events.decode_batch(msgpack.packb(old[2])) == EventBatch(
         3.0, [AllBlocksCleared("v2"), BlockStored(K[:1], None, [], 16)], 0
     )
 
@@ -195,4 +188,4 @@ def test_the_router_still_follows_the_older_array_layout() -> None:
 )
 def test_malformed_events_are_refused_in_either_layout(batch: object) -> None:
     with pytest.raises(ValueError, match="not a KV event batch"):
-        decode_batch(msgpack.packb(batch))
+        kv_events.decode_batch(msgpack.packb(batch))
