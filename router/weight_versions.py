@@ -3,7 +3,7 @@
 A kvpilot daemon whose weights are named (`--weight-version`, or after any weight update) adds the version
 to every block key, so the router must hash a request's prompt with the same version to find that pod's
 blocks. The version comes from two places: the pod's `GET /health` (`weight_version`) when the router
-starts following it, and each `["AllBlocksCleared", version]` in its KV events, at the very point of the
+starts following it, and each AllBlocksCleared naming a `weight_version` in its KV events, at the very point of the
 swap. The daemon's unnamed initial weights (health says "initial") add nothing to the keys: None.
 
 What a pod sends is checked: a version is a non-empty string of at most MAX_CHARS characters; anything

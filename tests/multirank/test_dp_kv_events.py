@@ -89,7 +89,7 @@ def test_each_rank_publishes_its_own_events_and_the_header_picks_the_rank(dp_dae
 
         topic, seq, payload = wait_for(rank1_event, 60, "a KV event batch from rank 1")
         ts, events, rank = msgpack.unpackb(payload)
-        assert rank == 1 and events[0][0] == "BlockStored"
+        assert rank == 1 and events[0]["type"] == "BlockStored"
         assert subs[0].poll(500) == 0  # rank 0 ran nothing, so it published nothing
         again = dp_daemon.request(
             "POST", "/v1/completions", ASK, headers={"X-data-parallel-rank": "1"}

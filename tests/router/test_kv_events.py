@@ -66,11 +66,11 @@ def test_stored_removed_cleared_on_the_wire_and_replayed(engine: LLMEngine) -> N
     salt = "tenant-a"
     engine.generate([prompt], GREEDY, cache_salt=salt)
     first = wait_replayed(pub.replay_endpoint, 1)
-    # vLLM's layout: [ts, events, data_parallel_rank], events as tagged arrays
+    # vLLM's layout: [ts, events, data_parallel_rank], events as maps tagged by "type"
     raw = msgpack.unpackb(first[0][1], raw=False)
     assert isinstance(raw[0], float) and raw[2] == 0
-    assert raw[1][0][0] == "BlockStored" and raw[1][0][4] == BS
-    assert raw[1][0][3] == []  # token_ids: vLLM's field, empty without --kv-events-token-ids
+    assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["block_size"] == BS
+    assert raw[1][0]["token_ids"] == []  # token_ids: vLLM's field, empty without --kv-events-token-ids
     batch = decode_batch(first[0][1])
     stored = [e for e in batch.events if isinstance(e, BlockStored)]
     assert len(stored) == 1, batch  # consecutive blocks of one chain travel together

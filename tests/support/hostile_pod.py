@@ -33,7 +33,17 @@ def seq_frame(seq: int) -> bytes:
 
 def stored(hashes: list[Any]) -> bytes:
     """A batch storing `hashes` (not necessarily valid block keys), encoded as a daemon sends it."""
-    return msgpack.packb([0.0, [["BlockStored", hashes, None, [], 16, None, None, None]], 0])
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return msgpack.packb([0.0, [event], 0])
 
 
 def stored_keys(hashes: list[bytes]) -> bytes:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from support import ROOT
+from support import ROOT, vllm_client
 from support.procs import free_port, spawn, stop
 from support.servers import Server, start_server, stop_server
 from support.weights import admin, complete, greedy, prompt_ids, tokenizer
@@ -118,25 +118,7 @@ def _background(fn: Callable, *args: object) -> Callable[[], None]:
 
 @pytest.fixture(scope="module")
 def vllm_client_dir() -> Path:
-    """`make vllm-client` (vLLM's package, --no-deps, for this python); skipped, saying why, only when
-    the install itself fails (no package index)."""
-    r = subprocess.run(
-        ["make", "-s", "-C", str(ROOT), "vllm-client", f"VLLM_CLIENT_PYTHON={sys.executable}"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if r.returncode != 0 and "vllm-client: ERROR: pip install" in r.stderr:
-        pytest.skip(f"vLLM's package could not be installed (make vllm-client): {r.stderr[-2000:]}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = subprocess.run(
-        ["bash", str(ROOT / "hack/tools/vllm-client/build.sh"), "--print-dir"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    return Path(r.stdout.strip())
+    return vllm_client.vllm_client_dir()
 
 
 @pytest.fixture(scope="module")

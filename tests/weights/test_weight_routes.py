@@ -49,12 +49,12 @@ def test_update_serves_the_new_weights_everywhere(
         assert after["system_fingerprint"] == "v2"
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # v1's KV never matches
 
-        events = _events(sub, until=lambda evs: any(e[0] == "BlockStored" for e in evs))
-        cleared = [e for e in events if e[0] == "AllBlocksCleared"]
-        assert cleared and cleared[-1][1:] == ["v2"], events
+        events = _events(sub, until=lambda evs: any(e["type"] == "BlockStored" for e in evs))
+        cleared = [e for e in events if e["type"] == "AllBlocksCleared"]
+        assert cleared and cleared[-1] == {"type": "AllBlocksCleared", "weight_version": "v2"}, events
         from kvpilot.block_keys import prompt_block_hashes
 
-        stored = [h for e in events if e[0] == "BlockStored" for h in e[1]]
+        stored = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
         assert stored[0] == prompt_block_hashes(ids, 16, None, "v2")[0]  # the version is in the key
         assert stored[0] != prompt_block_hashes(ids, 16, None, "v1")[0]
     finally:
