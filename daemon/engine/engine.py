@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,9 +19,10 @@ import torch
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import engine_threads
-from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
+from kvpilot.daemon.engine.kv_offload import DiskTier, HostTier, KVOffload, checkpoint_files
 from kvpilot.daemon.engine.loader import load
-from kvpilot.daemon.engine.model_runner import ModelRunner, kv_bytes_per_block
+from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.pause import PauseState, stopped_output
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
@@ -81,7 +83,8 @@ class LLMEngine:
             )
             self.max_model_len = pool_tokens
 
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        offload = self._start_offload(model) if config.offloads_kv else None
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
@@ -92,6 +95,9 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}
         self._added: dict[str, EngineRequest] = {}  # each group as added: what a weight swap restarts
         self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
+        if offload is not None and self.kv_events is not None:
+            offload.on_stored = self.kv_events.recorder.block_offloaded
+            offload.on_removed = self.kv_events.recorder.block_removed
         self._resets = 0
         self._last_reset_time: float | None = None
         self.weight_version = config.weight_version or INITIAL_VERSION
@@ -198,7 +204,11 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.kv.pool.release_retired()  # the index dropped by the last reset, freed off its clock
+        if self.kv.offload is not None:
+            self.kv.offload.poll()
         out = self.scheduler.schedule()
+        if out.kv_transfers:
+            self._transfer_kv(out.kv_transfers)
         if not out.chunks:
             self._flush_kv_events()
             self.paused.after_step(self.scheduler.has_unfinished())
@@ -210,6 +220,14 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in advanced]
         self.paused.after_step(self.scheduler.has_unfinished())
         return outputs
+
+    def _transfer_kv(self, t: KVTransfers) -> None:
+        """Evicted blocks into the offload tiers, then blocks found there back into the pool: before the
+        forward pass, which may overwrite the one and reads the other."""
+        if t.saves:
+            self.kv.store_offloaded(t.saves, self.runner.read_blocks([b for b, _ in t.saves]))
+        if t.loads:
+            self.runner.write_blocks([b for b, _ in t.loads], [data for _, data in t.loads])
 
     def _flush_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -305,7 +323,7 @@ class LLMEngine:
         start = time.perf_counter()
         in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
         preempted = self.scheduler.preempt_all_running() if reset_running_requests else 0
-        evicted = self.kv.reset_prefix_cache()
+        evicted = self.kv.reset_prefix_cache()  # every tier
         self._resets += 1
         self._last_reset_time = time.time()
         if self.kv_events is not None:
@@ -313,10 +331,11 @@ class LLMEngine:
         return ResetResult(
             success=True,
             epoch=self.kv.epoch,
-            evicted_blocks=evicted,
+            evicted_blocks=evicted["pool"],
             in_flight_requests=in_flight,
             preempted_requests=preempted,
             duration_ms=(time.perf_counter() - start) * 1e3,
+            evicted_by_tier=evicted,
         )
 
     def stats(self) -> CacheStats:
@@ -335,6 +354,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
+            offload=self.kv.offload.stats() if self.kv.offload is not None else (),
         )
 
     # ---- pause and weight generations (weights.py drives them, between two steps) -------------
@@ -417,6 +437,34 @@ class LLMEngine:
     def close(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv.offload is not None:
+            self.kv.offload.close()
+
+    def _start_offload(self, model) -> KVOffload:  # noqa: ANN001
+        """The tiers below the pool (kv_offload.py); a data-parallel rank gets its share of each and a
+        directory of its own."""
+        c = self.config
+        shape = kv_block_shape(model, c.block_size)
+        block_bytes = kv_bytes_per_block(model, c.block_size, self.dtype)
+        share = c.data_parallel_size
+        host = disk = None
+        if c.kv_offloading_size is not None:
+            host = HostTier(int(c.kv_offloading_size * 2**30) // share, block_bytes)
+        if c.kv_offloading_dir is not None:
+            root = Path(c.kv_offloading_dir)
+            if share > 1:
+                root /= f"rank-{c.data_parallel_rank}"
+            identity = {"model": str(self.model_dir), "files": checkpoint_files(self.model_dir)}
+            disk = DiskTier(root, int(c.kv_offloading_dir_size * 2**30) // share, shape, self.dtype, identity)
+        log.info(
+            "KV offloading: host %s, disk %s, %.0f KiB a block",
+            f"{host.capacity_bytes / 2**30:.2f} GiB" if host else "off",
+            f"{disk.root} ({disk.capacity_bytes / 2**30:.2f} GiB, {len(disk)} blocks kept)"
+            if disk
+            else "off",
+            block_bytes / 1024,
+        )
+        return KVOffload(host, disk)
 
     def _start_kv_events(self) -> KVEventPublisher | None:
         if not self.config.kv_events_endpoint:

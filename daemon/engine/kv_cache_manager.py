@@ -8,23 +8,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.block_keys import BlockHash
 from kvpilot.daemon.engine.block_pool import BlockPool, KVBlock
+from kvpilot.daemon.engine.kv_offload import DiskTier, HostBlock, HostTier, KVOffload
 from kvpilot.daemon.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
+class TierHit:
+    """A block found in an offload tier, to be copied back into the pool."""
+
+    tier: HostTier | DiskTier
+    key: BlockHash
+    block: HostBlock
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Cached blocks found for a waiting request, to pass back into `allocate_slots`."""
+    """Cached blocks found for a waiting request, to pass back into `allocate_slots`: `blocks` in the
+    pool, then `loaded` from the offload tiers; `num_tokens` counts both."""
 
     blocks: tuple[KVBlock, ...]
     num_tokens: int
+    loaded: tuple[TierHit, ...] = ()
 
 
 NO_HIT = PrefixHit((), 0)
 
 
+@dataclass(slots=True)
+class KVTransfers:
+    """Block copies between the offload tiers and the pool that one step must make before its forward
+    pass: `saves` (pool block ids evicted this step, to read before anything overwrites them, with their
+    keys) first, then `loads` (pool block ids and the data to write there)."""
+
+    saves: list[tuple[int, BlockHash]]
+    loads: list[tuple[int, HostBlock]]
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -34,6 +66,10 @@ class KVCacheManager:
         self.hit_tokens = 0
         # (source, destination) block copies the model runner must make before the next forward pass.
         self.pending_copies: list[tuple[int, int]] = []
+        self.offload = offload if enable_prefix_caching else None
+        self._transfers = KVTransfers([], [])
+        if self.offload is not None:
+            self.pool.on_evict = lambda block, key: self._transfers.saves.append((block.block_id, key))
 
     @property
     def epoch(self) -> int:
@@ -55,11 +91,20 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return PrefixHit(tuple(hits), len(hits) * self.block_size)
+        loaded: list[TierHit] = []
+        if self.offload is not None:  # the prefix goes on in the tiers below the pool
+            for h in req.block_hashes[len(hits) : max_blocks]:
+                found = self.offload.lookup(h)
+                if found is None:
+                    break
+                loaded.append(TierHit(found[0], h, found[1]))
+        return PrefixHit(tuple(hits), (len(hits) + len(loaded)) * self.block_size, tuple(loaded))
 
-    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_query(self, num_tokens: int, hit: PrefixHit) -> None:
         self.query_tokens += num_tokens
-        self.hit_tokens += num_hit_tokens
+        self.hit_tokens += hit.num_tokens
+        for t in hit.loaded:
+            t.tier.hit_tokens += self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Reserve blocks for `num_new_tokens` more tokens (after `hit`'s). False, and nothing changes,
@@ -76,13 +121,27 @@ class KVCacheManager:
             held[shared] = copy
         if not held:
             req.cache_epoch = self.pool.epoch
-            self._num_indexed[req.request_id] = len(hit.blocks)
+            self._num_indexed[req.request_id] = len(hit.blocks) + len(hit.loaded)
         if hit.blocks:
             self.pool.touch(list(hit.blocks))
             held.extend(hit.blocks)
         if need > 0:
-            held.extend(self.pool.allocate(need))
+            new = self.pool.allocate(need)
+            self._load(req, len(held), new, hit.loaded)
+            held.extend(new)
         return True
+
+    def _load(self, req: Request, first: int, blocks: list[KVBlock], loaded: tuple[TierHit, ...]) -> None:
+        """The first of the request's new blocks take the blocks found in the tiers: they leave their
+        tier and are indexed in the pool at once (their data is written before this step's forward
+        pass, like a block computed in it)."""
+        events = self.pool.events
+        for i, (block, t) in enumerate(zip(blocks, loaded), start=first):
+            self.offload.take(t.tier, t.key)  # type: ignore[union-attr]
+            self.pool.cache_block(block, t.key)
+            self._transfers.loads.append((block.block_id, t.block))
+            if events is not None:
+                events.block_stored(req.block_hashes, i, req.all_token_ids)
 
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Index the request's blocks that are full once its first `num_tokens` tokens are computed.
@@ -105,8 +164,12 @@ class KVCacheManager:
         req.update_block_hashes(self.block_size)
         events = self.pool.events
         for i in range(start, num_full):
-            if self.pool.cache_block(held[i], req.block_hashes[i]) and events is not None:
+            if not self.pool.cache_block(held[i], req.block_hashes[i]):
+                continue
+            if events is not None:
                 events.block_stored(req.block_hashes, i, req.all_token_ids)
+            if self.offload is not None:
+                self.offload.discard(req.block_hashes[i])  # computed again: no tier keeps a second copy
         self._num_indexed[req.request_id] = num_full
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -122,6 +185,17 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def take_transfers(self) -> KVTransfers:
+        out, self._transfers = self._transfers, KVTransfers([], [])
+        return out
+
+    def store_offloaded(self, saves: list[tuple[int, BlockHash]], blocks: list[HostBlock]) -> None:
+        """The evicted blocks' data, read off the pool: into the tiers, unless the pool has indexed the
+        same key again meanwhile (a request of the same step computed it)."""
+        for (_, key), block in zip(saves, blocks):
+            if self.pool.lookup(key) is None:
+                self.offload.store(key, block)  # type: ignore[union-attr]
+
     def free(self, req: Request) -> None:
         blocks = self._blocks.pop(req.request_id, None)
         self._num_indexed.pop(req.request_id, None)
@@ -131,8 +205,12 @@ class KVCacheManager:
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]
 
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset()
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Every tier at once; the blocks each made unreachable, by tier ("pool", "host", "disk")."""
+        evicted = {"pool": self.pool.reset()}
+        if self.offload is not None:
+            evicted |= self.offload.reset()
+        return evicted
 
     def _shared_partial_block(self, req: Request) -> int | None:
         """Index of the partly filled block the next token goes to, when another sequence holds it too."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.block_keys import BlockHash
-from kvpilot.kv_events import MAX_EVENT_BLOCKS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvpilot.kv_events import MAX_EVENT_BLOCKS, MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class KVEventRecorder:
         last = self.events[-1] if self.events else None
         if (
             isinstance(last, BlockStored)
+            and last.medium == MEDIUM
             and parent is not None
             and last.block_hashes[-1] == parent
             and len(last.block_hashes) < MAX_EVENT_BLOCKS
@@ -37,12 +38,21 @@ class KVEventRecorder:
         else:
             self.events.append(BlockStored([chain[i]], parent, list(tokens), bs))
 
-    def block_removed(self, block_hash: BlockHash) -> None:
+    def block_removed(self, block_hash: BlockHash, medium: str = MEDIUM) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and len(last.block_hashes) < MAX_EVENT_BLOCKS:
+        if (
+            isinstance(last, BlockRemoved)
+            and last.medium == medium
+            and len(last.block_hashes) < MAX_EVENT_BLOCKS
+        ):
             last.block_hashes.append(block_hash)
         else:
-            self.events.append(BlockRemoved([block_hash]))
+            self.events.append(BlockRemoved([block_hash], medium))
+
+    def block_offloaded(self, block_hash: BlockHash, medium: str) -> None:
+        """A block entered an offload tier (`medium` "CPU" or "STORAGE"): an event of its own, with no
+        parent, since blocks leave the pool in LRU order, not as a chain."""
+        self.events.append(BlockStored([block_hash], None, [], self.block_size, medium))
 
     def all_cleared(self) -> None:
         self.events.append(AllBlocksCleared(self.weight_version))

@@ -11,15 +11,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpilot.daemon.engine.kv_offload import HostBlock
 from kvpilot.daemon.engine.models import ForwardBatch
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.daemon.engine.scheduler import SchedulerOutput
 from kvpilot.kernels import AttentionMetadata
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_shape(model: LlamaForCausalLM, block_size: int) -> tuple[int, ...]:
+    """One block of every layer as the offload tiers hold it: [layers, K/V, block_size, kv_heads, head_dim]."""
     a = model.args
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(dtype).bits // 8
+    return (a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim)
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    return torch.Size(kv_block_shape(model, block_size)).numel() * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
@@ -42,6 +48,44 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(a.num_layers)
         ]
+        self.block_shape = kv_block_shape(model, block_size)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ---- offload tiers (kv_offload.py) ---------------------------------------------------------
+    def read_blocks(self, block_ids: list[int]) -> list[HostBlock]:
+        """Copy these pool blocks to host memory, one tensor each. Call before anything writes to them;
+        on a GPU the copy to (pinned) host memory runs on a side stream and each block's `ready` event
+        says when it has landed, so the step goes on without it."""
+        idx = torch.tensor(block_ids, device=self.device)
+        staged = torch.empty(
+            (len(block_ids), *self.block_shape), dtype=self.kv_caches[0][0].dtype, device=self.device
+        )
+        for layer, (k, v) in enumerate(self.kv_caches):
+            staged[:, layer, 0] = k.index_select(0, idx)
+            staged[:, layer, 1] = v.index_select(0, idx)
+        if self._copy_stream is None:
+            return [HostBlock(b.clone()) for b in staged.unbind(0)]
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host = [torch.empty(self.block_shape, dtype=staged.dtype, pin_memory=True) for _ in block_ids]
+            for h, b in zip(host, staged.unbind(0)):
+                h.copy_(b, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        staged.record_stream(self._copy_stream)  # not reused before the side stream is done with it
+        return [HostBlock(h, ready) for h in host]
+
+    def write_blocks(self, block_ids: list[int], blocks: list[HostBlock]) -> None:
+        """Copy blocks from the offload tiers into these pool blocks, before the step's forward pass."""
+        current = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
+        for b in blocks:
+            if current is not None and b.ready is not None:
+                current.wait_event(b.ready)  # a block saved in an earlier step may still be on its way
+        batch = torch.stack([b.data for b in blocks]).to(self.device, non_blocking=True)
+        idx = torch.tensor(block_ids, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, batch[:, layer, 0])
+            v.index_copy_(0, idx, batch[:, layer, 1])
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns the logits of positions `chunk.logits_from` to the chunk's end of

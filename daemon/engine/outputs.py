@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,9 @@ class ResetResult:
     duration_ms: float
     rank: int = 0
     error: str | None = None
+    # The blocks the reset made unreachable in each tier: "pool" (= evicted_blocks), and "host" and
+    # "disk" when those offload tiers are on.
+    evicted_by_tier: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def failed(cls, rank: int, error: str) -> ResetResult:
@@ -57,6 +61,28 @@ class ResetResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One offload tier's contents and counters (the pool's own are CacheStats' block counts)."""
+
+    tier: str
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    hit_tokens: int  # prompt tokens served from this tier (copied back instead of computed)
+    stored_blocks: int  # blocks written into it, since start
+    loaded_blocks: int  # blocks copied back from it into the pool, since start
+
+    @staticmethod
+    def total(ranks: list[tuple[TierStats, ...]]) -> tuple[TierStats, ...]:
+        """The same tier of every data-parallel rank, summed."""
+        counts = [f.name for f in dataclasses.fields(TierStats)][1:]
+        return tuple(
+            TierStats(same[0].tier, *(sum(getattr(s, name) for s in same) for name in counts))
+            for same in zip(*ranks)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +100,7 @@ class CacheStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
+    offload: tuple[TierStats, ...] = ()  # the tiers below the pool (kv_offload.py), when on
 
     @classmethod
     def total(cls, ranks: list[CacheStats]) -> CacheStats:
@@ -94,6 +121,7 @@ class CacheStats:
             num_running=sum(s.num_running for s in ranks),
             num_waiting=sum(s.num_waiting for s in ranks),
             num_preemptions=sum(s.num_preemptions for s in ranks),
+            offload=TierStats.total([s.offload for s in ranks]),
         )
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus
 
@@ -47,6 +47,8 @@ class SchedulerOutput:
     num_preempted: int = 0
     # (source, destination) KV block copies to make before the forward pass (copy on write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Blocks to read into the offload tiers, then to write back from them, before the forward pass.
+    kv_transfers: KVTransfers | None = None
 
 
 class Scheduler:
@@ -100,7 +102,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: a recompute after preemption is not a query
                 req.num_cached_tokens = hit.num_tokens
-                self.kv.record_query(req.num_tokens, hit.num_tokens)
+                self.kv.record_query(req.num_tokens, hit)
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -113,6 +115,7 @@ class Scheduler:
             sample = start + n == req.num_tokens
             out.chunks.append(ScheduledChunk(req, start, n, self.kv.block_ids(req), sample))
         out.block_copies = self.kv.take_pending_copies()
+        out.kv_transfers = self.kv.take_transfers()
         return out
 
     def update(

@@ -188,7 +188,17 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         )
     raw = await request.read()
     body = parse_json_object(raw) if raw.strip() else None
-    flag = parse_reset_flag(request.query.get("reset_running_requests"), body)
+    flag = parse_reset_flag("reset_running_requests", request.query.get("reset_running_requests"), body)
+    # vLLM's reset_external=false leaves its offload tiers serving blocks from before the reset (vLLM
+    # 57727); kvpilot's reset always covers every tier, so it refuses to be asked for less.
+    if not parse_reset_flag("reset_external", request.query.get("reset_external"), body, default=True):
+        raise ApiError(
+            400,
+            "reset_external=false is not supported: a kvpilot reset always clears every KV tier (pool, host "
+            "memory, disk), so nothing from before it can be served",
+            param="reset_external",
+            code="unsupported",
+        )
     try:
         ranks = await state.engine.reset_ranks(flag, state.settings.reset_timeout)
     except EngineDeadError:
@@ -210,6 +220,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         "in_flight_requests": sum(r.in_flight_requests for r in ranks),
         "preempted_requests": sum(r.preempted_requests for r in ranks),
         "duration_ms": max(r.duration_ms for r in ranks),
+        "evicted_by_tier": {
+            t: sum(r.evicted_by_tier.get(t, 0) for r in ranks) for t in ranks[0].evicted_by_tier
+        },
         "ranks": entries,
     }
     log.info(

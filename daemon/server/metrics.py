@@ -57,6 +57,37 @@ LOAD_GAUGES: tuple[tuple[str, str, str, Callable[[CacheStats], float]], ...] = (
 )
 VLLM_LABELS = ["model_name", "engine"]
 
+# (kind, name, help, TierStats field) of the offload tiers' families.
+OFFLOAD_FAMILIES = (
+    (GaugeMetricFamily, "kv_offload_blocks", "KV blocks held in each offload tier.", "blocks"),
+    (GaugeMetricFamily, "kv_offload_bytes", "Bytes of KV held in each offload tier.", "bytes"),
+    (
+        GaugeMetricFamily,
+        "kv_offload_capacity_bytes",
+        "Most bytes each offload tier may hold.",
+        "capacity_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_hits",
+        "Prompt tokens served from each offload tier (copied back into the KV cache instead of computed; "
+        "part of kvpilot_prefix_cache_hits_total).",
+        "hit_tokens",
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_stored_blocks",
+        "KV blocks written into each offload tier.",
+        "stored_blocks",
+    ),
+    (
+        CounterMetricFamily,
+        "kv_offload_loaded_blocks",
+        "KV blocks copied back from each offload tier into the KV cache.",
+        "loaded_blocks",
+    ),
+)
+
 
 class EngineCollector(Collector):
     """Engine-side counters and gauges from each rank's latest published `CacheStats`. With several
@@ -118,6 +149,20 @@ class EngineCollector(Collector):
         yield family(
             C, "num_preemptions", "Requests preempted to be recomputed later.", lambda s: s.num_preemptions
         )
+        yield from self._offload(ranks, rank_label)
+
+    @staticmethod
+    def _offload(ranks: list[tuple[str | None, CacheStats]], rank_label: list[str]) -> Iterator[Metric]:
+        """The offload tiers below the pool (`--kv-offloading-size`, `--kv-offloading-dir`), one `tier`
+        series each ("host", "disk"); nothing when they are off."""
+        if not ranks[0][1].offload:
+            return
+        for kind, name, doc, field in OFFLOAD_FAMILIES:
+            m = kind(PREFIX + name, doc, labels=["tier", *rank_label])
+            for rank, s in ranks:
+                for t in s.offload:
+                    m.add_metric([t.tier, *([rank] if rank_label else [])], getattr(t, field))
+            yield m
 
 
 class DaemonMetrics:

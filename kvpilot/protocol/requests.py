@@ -238,16 +238,17 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
     return ChatRequest(req, messages, r.add_generation_prompt is not False and not cont, cont, r.tools)
 
 
-def parse_reset_flag(query_value: str | None, body: dict | None) -> bool:
-    """`reset_running_requests` from the query string (vLLM's way) or a JSON body."""
+def parse_reset_flag(name: str, query_value: str | None, body: dict | None, default: bool = False) -> bool:
+    """A boolean of POST /reset_prefix_cache (`reset_running_requests`, `reset_external`) from the query
+    string (vLLM's way) or a JSON body."""
     if query_value is not None:
         lowered = query_value.strip().lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no", ""):
             return False
-        raise bad("'reset_running_requests' must be true or false", "reset_running_requests")
-    value = (body or {}).get("reset_running_requests")
+        raise bad(f"'{name}' must be true or false", name)
+    value = (body or {}).get(name)
     if value is not None and not isinstance(value, bool):
-        raise bad(f"'reset_running_requests' must be a boolean, not {_kind(value)}", "reset_running_requests")
-    return bool(value)
+        raise bad(f"'{name}' must be a boolean, not {_kind(value)}", name)
+    return default if value is None else value

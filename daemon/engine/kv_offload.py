@@ -1,0 +1,395 @@
+"""The second KV tier: blocks the pool evicts stay in host memory and, past that, on disk; a prefix that
+misses the pool but hits here is copied back into the pool instead of being computed again.
+
+Each tier is an LRU map from the pool's own block key (`block_keys.py`) to the block's K and V for every
+layer, bounded in bytes. The tiers and the pool never hold one key twice: a block copied back leaves its
+tier, a key the pool indexes again is dropped from the tiers, and a block the host tier evicts moves to the
+disk tier. A reset empties every tier in O(1): the host tier swaps its map for an empty one (as the pool
+does), the disk tier starts a new generation directory, and a disk write still in flight from before the
+reset lands in the old generation, which is never read again (`DiskTier`).
+
+Copies: the block's data is gathered off the pool before the step's forward pass can overwrite it (on a
+GPU, into pinned host memory on a side stream the step does not wait for; on the CPU the gather is that
+copy). Disk writes run on a worker thread; a step never waits for one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpilot.block_keys import BlockHash
+from kvpilot.daemon.engine.outputs import TierStats
+
+log = logging.getLogger(__name__)
+
+HOST, DISK = "host", "disk"
+# The tiers' names in KV events, as vLLM names the media of its offloading connector.
+MEDIUM = {HOST: "CPU", DISK: "STORAGE"}
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "kvpilot-kv-offload-v1"
+# Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
+# instead of spilled (a slow disk must not grow the daemon's memory without bound).
+MAX_PENDING_WRITE_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class HostBlock:
+    """One block's K and V of every layer, [layers, 2, block_size, kv_heads, head_dim], in host memory.
+    `ready` (a CUDA event) is set once the copy off the GPU has landed; None on the CPU."""
+
+    data: torch.Tensor
+    ready: object | None = None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()  # type: ignore[attr-defined]
+
+
+class HostTier:
+    name = HOST
+
+    def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        self._blocks: OrderedDict[BlockHash, HostBlock] = OrderedDict()
+        self.hit_tokens = self.stored_blocks = self.loaded_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: BlockHash) -> HostBlock | None:
+        return self._blocks.get(key)
+
+    def discard(self, key: BlockHash) -> bool:
+        return self._blocks.pop(key, None) is not None
+
+    def put(self, key: BlockHash, block: HostBlock) -> list[tuple[BlockHash, HostBlock]]:
+        """Store a block; returns the least recently stored ones pushed out to stay within capacity."""
+        self._blocks[key] = block
+        self._blocks.move_to_end(key)
+        self.stored_blocks += 1
+        out = []
+        while len(self._blocks) * self.block_bytes > self.capacity_bytes:
+            out.append(self._blocks.popitem(last=False))
+        return out
+
+    def reset(self) -> int:
+        n = len(self._blocks)
+        self._blocks = OrderedDict()  # the old map and its tensors go with the last reference
+        return n
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            HOST,
+            len(self._blocks),
+            len(self._blocks) * self.block_bytes,
+            self.capacity_bytes,
+            self.hit_tokens,
+            self.stored_blocks,
+            self.loaded_blocks,
+        )
+
+
+class DiskTier:
+    """Blocks as files `<dir>/gen-<N>/<key hex>.kv`, raw bytes of the block's tensor.
+
+    `manifest.json` names the current generation and what the files were computed by (the checkpoint's
+    files, dtype, block shape). A reset writes the next generation into the manifest before it answers,
+    then the worker removes the old directory; a write that was in flight lands in the old directory and
+    is never read. A daemon that starts over a directory keeps the manifest's generation only when it
+    matches the same checkpoint and shape (a restart keeps the warm disk tier, never one from before a
+    reset or from other weights); every other `gen-*` directory is removed.
+    """
+
+    name = DISK
+
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        identity: dict,
+    ) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.shape = block_shape
+        self.dtype = dtype
+        self.block_bytes = torch.Size(block_shape).numel() * torch.finfo(dtype).bits // 8
+        self._identity = {
+            "format": MANIFEST_FORMAT,
+            "shape": list(block_shape),
+            "dtype": str(dtype),
+            **identity,
+        }
+        self._lock = threading.Lock()  # the index and generation, shared with the writer thread
+        self._index: OrderedDict[BlockHash, None] = OrderedDict()
+        self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
+        self._pending_bytes = 0
+        self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
+        root.mkdir(parents=True, exist_ok=True)
+        self.generation = self._open()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, key: BlockHash) -> HostBlock | None:
+        with self._lock:
+            if key not in self._index:
+                return None
+            path = self._path(self.generation, key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None  # evicted by the writer meanwhile
+        if len(raw) != self.block_bytes:
+            log.warning(
+                "disk tier: %s has %d bytes, not %d; dropping it", path.name, len(raw), self.block_bytes
+            )
+            self.discard(key)
+            return None
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(self.shape)
+        return HostBlock(data)
+
+    def put(self, key: BlockHash, block: HostBlock) -> bool:
+        """Queue the block's write; False (dropped) when the writer is too far behind."""
+        if self._pending_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
+            self.dropped_blocks += 1
+            return False
+        with self._lock:
+            self._pending_bytes += self.block_bytes
+            gen = self.generation
+        self._queue.put(("write", gen, key, block))
+        return True
+
+    def discard(self, key: BlockHash) -> bool:
+        """Forget the block (its file goes on the writer thread); False when it was not here."""
+        with self._lock:
+            if key not in self._index:
+                return False
+            del self._index[key]
+            self._queue.put(("unlink", self.generation, key, None))
+        return True
+
+    def reset(self) -> int:
+        """A new generation: nothing stored before is found again, whatever the writer is doing."""
+        with self._lock:
+            n = len(self._index)
+            old, self.generation = self.generation, self.generation + 1
+            self._index = OrderedDict()
+            self._done.clear()
+            (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
+            self._write_manifest()
+        self._queue.put(("rmtree", old, None, None))
+        return n
+
+    def drain(self) -> list[tuple[str, BlockHash]]:
+        """What the writer stored and evicted since the last call, for the engine's KV events."""
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    def stats(self) -> TierStats:
+        n = len(self._index)
+        return TierStats(
+            DISK,
+            n,
+            n * self.block_bytes,
+            self.capacity_bytes,
+            self.hit_tokens,
+            self.stored_blocks,
+            self.loaded_blocks,
+        )
+
+    # ---- writer thread -------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            op, gen, key, block = job
+            try:
+                if op == "write":
+                    self._write(gen, key, block)
+                elif op == "unlink":
+                    self._path(gen, key).unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(self.root / f"gen-{gen}", ignore_errors=True)
+            except OSError as exc:
+                log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else gen, exc)
+
+    def _write(self, gen: int, key: BlockHash, block: HostBlock) -> None:
+        try:
+            block.wait()
+            path = self._path(gen, key)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
+            os.replace(tmp, path)
+        finally:
+            with self._lock:
+                self._pending_bytes -= self.block_bytes
+        evicted = []
+        with self._lock:
+            if gen != self.generation:
+                return  # a reset came first: the old generation's directory goes, this file with it
+            self._index[key] = None
+            self._index.move_to_end(key)
+            self.stored_blocks += 1
+            self._done.append(("stored", key))
+            while len(self._index) * self.block_bytes > self.capacity_bytes:
+                old, _ = self._index.popitem(last=False)
+                evicted.append(old)
+                self._done.append(("removed", old))
+        for old in evicted:
+            self._path(gen, old).unlink(missing_ok=True)
+
+    # ---- the directory -------------------------------------------------------------------------
+    def _path(self, gen: int, key: BlockHash) -> Path:
+        return self.root / f"gen-{gen}" / f"{key.hex()}.kv"
+
+    def _open(self) -> int:
+        """The generation to serve: the manifest's when it matches these weights and shape, with the
+        files it holds; otherwise a new empty one. Other generations are removed."""
+        gen = 0
+        try:
+            manifest = json.loads((self.root / MANIFEST).read_text())
+            gen = int(manifest["generation"])
+            keep = {k: v for k, v in manifest.items() if k != "generation"} == self._identity
+        except (OSError, ValueError, KeyError, TypeError):
+            keep = False
+        if not keep:
+            gen += 1
+        for d in self.root.glob("gen-*"):
+            if d.name != f"gen-{gen}":
+                shutil.rmtree(d, ignore_errors=True)
+        current = self.root / f"gen-{gen}"
+        current.mkdir(exist_ok=True)
+        files = sorted(current.glob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
+        for p in files:
+            try:
+                key = BlockHash(bytes.fromhex(p.stem))
+            except ValueError:
+                key = None
+            if key is None or p.stat().st_size != self.block_bytes:
+                p.unlink(missing_ok=True)
+                continue
+            self._index[key] = None
+        while len(self._index) * self.block_bytes > self.capacity_bytes:
+            old, _ = self._index.popitem(last=False)
+            (current / f"{old.hex()}.kv").unlink(missing_ok=True)
+        for p in current.glob("*.tmp"):
+            p.unlink(missing_ok=True)
+        self.generation = gen
+        self._write_manifest()
+        if self._index:
+            log.info(
+                "disk tier %s: %d blocks kept from before this start (generation %d)",
+                self.root,
+                len(self._index),
+                gen,
+            )
+        return gen
+
+    def _write_manifest(self) -> None:
+        tmp = self.root / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({**self._identity, "generation": self.generation}))
+        os.replace(tmp, self.root / MANIFEST)
+
+
+def checkpoint_files(model_dir: Path) -> list[list]:
+    """What the disk tier's blocks were computed from: each checkpoint file's name, size and mtime (a
+    digest of gigabytes would cost a start seconds; a changed file changes its size or mtime)."""
+    return [
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(model_dir.iterdir())
+        if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()
+    ]
+
+
+class KVOffload:
+    """The tiers below the pool, host then disk (either may be off), as the cache manager sees them."""
+
+    def __init__(
+        self,
+        host: HostTier | None,
+        disk: DiskTier | None,
+        on_stored: Callable[[BlockHash, str], None] | None = None,
+        on_removed: Callable[[BlockHash, str], None] | None = None,
+    ) -> None:
+        self.tiers: tuple[HostTier | DiskTier, ...] = tuple(t for t in (host, disk) if t is not None)
+        self.host, self.disk = host, disk
+        # KV events (medium per tier); set by the cache manager when events are published.
+        self.on_stored, self.on_removed = on_stored, on_removed
+
+    def lookup(self, key: BlockHash) -> tuple[HostTier | DiskTier, HostBlock] | None:
+        for tier in self.tiers:
+            block = tier.get(key)
+            if block is not None:
+                return tier, block
+        return None
+
+    def take(self, tier: HostTier | DiskTier, key: BlockHash) -> None:
+        """The block was copied back into the pool: it leaves its tier."""
+        if tier.discard(key):
+            tier.loaded_blocks += 1
+            self._removed(key, tier.name)
+
+    def store(self, key: BlockHash, block: HostBlock) -> None:
+        """A block the pool evicted: into the host tier (its overflow to disk), or straight to disk."""
+        if self.host is None:
+            self.disk.put(key, block)  # type: ignore[union-attr]
+            return
+        pushed_out = self.host.put(key, block)
+        self._stored(key, HOST)
+        for old_key, old in pushed_out:
+            self._removed(old_key, HOST)
+            if self.disk is not None:
+                self.disk.put(old_key, old)
+
+    def discard(self, key: BlockHash) -> None:
+        """The pool indexed this key again (computed anew): no tier keeps a second copy."""
+        if self.host is not None and self.host.discard(key):
+            self._removed(key, HOST)
+        if self.disk is not None and self.disk.discard(key):
+            self._removed(key, DISK)
+
+    def reset(self) -> dict[str, int]:
+        return {t.name: t.reset() for t in self.tiers}
+
+    def poll(self) -> None:
+        """Tell the events what the disk writer did since the last step."""
+        if self.disk is None:
+            return
+        for what, key in self.disk.drain():
+            (self._stored if what == "stored" else self._removed)(key, DISK)
+
+    def stats(self) -> tuple[TierStats, ...]:
+        return tuple(t.stats() for t in self.tiers)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def _stored(self, key: BlockHash, tier: str) -> None:
+        if self.on_stored is not None:
+            self.on_stored(key, MEDIUM[tier])
+
+    def _removed(self, key: BlockHash, tier: str) -> None:
+        if self.on_removed is not None:
+            self.on_removed(key, MEDIUM[tier])
