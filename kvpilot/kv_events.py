@@ -39,8 +39,8 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
   request frame holding an 8-byte start sequence with every buffered message from there, each as
   `(topic, seq, payload)`, then `(b"", seq=-1, b"")`. A consumer that missed messages catches up instead
   of guessing; one that restarts rebuilds its index from the buffer. The buffer is bounded in messages
-  and payload bytes, and GET /kv_events says both, with each rank's pool size (`blocks_total`), so a
-  consumer can bound what it accepts from this publisher.
+  and payload bytes, and GET /kv_events says both, with the blocks each rank can hold (`blocks_total`: its
+  pool and offload tiers), so a consumer can bound what it accepts from this publisher.
 """
 
 from __future__ import annotations

@@ -478,7 +478,9 @@ class LLMEngine:
             rank=self.config.data_parallel_rank,
             token_ids=self.config.kv_events_token_ids,
             curve_dir=self.config.kv_events_curve_dir,
-            blocks_total=self.num_blocks,
+            # every block the rank can hold, offload tiers included: a consumer caps its index of this
+            # rank at it (router/index.py), and a tier holds blocks the pool no longer does
+            blocks_total=self.num_blocks + (self.kv.offload.capacity_blocks if self.kv.offload else 0),
         )
         self.kv.pool.events = publisher.recorder
         return publisher

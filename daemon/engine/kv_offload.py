@@ -337,6 +337,10 @@ class KVOffload:
         # KV events (medium per tier); set by the cache manager when events are published.
         self.on_stored, self.on_removed = on_stored, on_removed
 
+    @property
+    def capacity_blocks(self) -> int:
+        return sum(t.capacity_bytes // t.block_bytes for t in self.tiers)
+
     def lookup(self, key: BlockHash) -> tuple[HostTier | DiskTier, HostBlock] | None:
         for tier in self.tiers:
             block = tier.get(key)

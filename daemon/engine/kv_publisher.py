@@ -57,7 +57,7 @@ class KVEventPublisher:
         self.recorder = KVEventRecorder(block_size, token_ids)
         self.rank = rank
         self.topic = topic
-        self.blocks_total = blocks_total  # the pool's size, advertised: no index of it can hold more
+        self.blocks_total = blocks_total  # the pool's and offload tiers' blocks: no index of it can hold more
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[EventBatch | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque()
@@ -179,7 +179,7 @@ class RankEndpoints:
     rank: int
     endpoint: str
     replay_endpoint: str | None
-    blocks_total: int | None = None  # the rank's KV pool, in blocks
+    blocks_total: int | None = None  # the rank's KV pool and offload tiers, in blocks
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -76,12 +76,17 @@ class ModelRunner:
         return [HostBlock(h, ready) for h in host]
 
     def write_blocks(self, block_ids: list[int], blocks: list[HostBlock]) -> None:
-        """Copy blocks from the offload tiers into these pool blocks, before the step's forward pass."""
+        """Copy blocks from the offload tiers into these pool blocks, before the step's forward pass. On a
+        GPU the copies queue on the step's stream behind each block's own copy off the GPU, if that is
+        still on its way; the host never waits."""
         current = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
-        for b in blocks:
+        batch = torch.empty(
+            (len(blocks), *self.block_shape), dtype=self.kv_caches[0][0].dtype, device=self.device
+        )
+        for row, b in zip(batch.unbind(0), blocks):
             if current is not None and b.ready is not None:
-                current.wait_event(b.ready)  # a block saved in an earlier step may still be on its way
-        batch = torch.stack([b.data for b in blocks]).to(self.device, non_blocking=True)
+                current.wait_event(b.ready)
+            row.copy_(b.data, non_blocking=True)
         idx = torch.tensor(block_ids, device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, batch[:, layer, 0])

@@ -177,3 +177,14 @@ def test_disk_tier_survives_a_restart_but_not_a_reset(
     )  # its blocks were on disk before the reset
     assert cached == 0, "nothing from before the reset is served after a restart"
     after_reset.close()
+
+
+def test_new_weights_clear_every_tier(make_engine, shared_prefix_prompts, long_prompts) -> None:  # noqa: ANN001
+    eng = make_engine(num_kv_blocks=POOL_BLOCKS, kv_offloading_size=HOST_GIB)
+    run_one(eng, "a", shared_prefix_prompts[4])
+    flush_pool(eng, long_prompts, "flush")
+    assert eng.stats().offload[0].blocks > 0
+    eng.set_weight_version("v2")  # what a weight swap does once the new weights are in
+    assert eng.stats().offload[0].blocks == 0
+    _, cached = run_one(eng, "b", shared_prefix_prompts[4])
+    assert cached == 0

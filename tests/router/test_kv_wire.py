@@ -31,6 +31,8 @@ BATCHES = [
     EventBatch(1.5, [BlockStored(K[:2], None, [], 16), BlockStored(K[2:], K[1], list(range(32, 64)), 16)], 0),
     EventBatch(2.5, [BlockRemoved(K[3:]), AllBlocksCleared()], 1),
     EventBatch(3.5, [AllBlocksCleared("v2"), BlockStored(K[:1], None, [], 16)], 0),
+    # the offload tiers' media, as vLLM's offloading connector names them
+    EventBatch(4.0, [BlockStored(K[3:], None, [], 16, "CPU"), BlockRemoved(K[3:], "STORAGE")], 0),
 ]
 
 
@@ -94,7 +96,10 @@ def test_vllms_own_structs_decode_kvpilots_batches(vllm_client_dir: Path) -> Non
     assert [g["batch"]["data_parallel_rank"] for g in got[:3]] == [0, 1, 0]
     # kvpilot's weight version is a field vLLM's struct lacks: vLLM's consumers read a plain clear.
     assert got[2]["batch"]["events"][0] == {"struct": "AllBlocksCleared"}
-    assert sum(len(g["batch"]["events"]) for g in got[3:]) == len(big.events)
+    offloaded, spilled = got[3]["batch"]["events"]
+    assert (offloaded["struct"], offloaded["medium"]) == ("BlockStored", "CPU")
+    assert (spilled["struct"], spilled["medium"]) == ("BlockRemoved", "STORAGE")
+    assert sum(len(g["batch"]["events"]) for g in got[4:]) == len(big.events)
 
     # vLLM writes back what it read exactly as kvpilot wrote it, field order included (all but the
     # version, which it dropped): kvpilot's layout is vLLM's.
@@ -137,7 +142,7 @@ def test_the_router_reads_vllms_own_encoding() -> None:
         7.0,
         [
             BlockStored([K[0], K[1]], None, list(range(32)), 16),
-            BlockStored([2**63 + 5], 17, list(range(32)), 16),
+            BlockStored([2**63 + 5], 17, list(range(32)), 16, "CPU"),
             BlockRemoved([K[1]]),
             AllBlocksCleared(),
         ],
