@@ -210,6 +210,8 @@ class LLMEngine:
         if out.kv_transfers:
             self._transfer_kv(out.kv_transfers)
         if not out.chunks:
+            if self.kv.offload is not None:
+                self.kv.offload.wait_for_reads(timeout=0.01)
             self._flush_kv_events()
             self.paused.after_step(self.scheduler.has_unfinished())
             return []

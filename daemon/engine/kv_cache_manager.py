@@ -31,6 +31,7 @@ class PrefixHit:
     blocks: tuple[KVBlock, ...]
     num_tokens: int
     loaded: tuple[TierHit, ...] = ()
+    pending: bool = False  # more of the prefix is being read from disk: admit the request later
 
 
 NO_HIT = PrefixHit((), 0)
@@ -91,14 +92,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        loaded: list[TierHit] = []
+        loaded: tuple[TierHit, ...] = ()
         if self.offload is not None:  # the prefix goes on in the tiers below the pool
-            for h in req.block_hashes[len(hits) : max_blocks]:
-                found = self.offload.lookup(h)
-                if found is None:
-                    break
-                loaded.append(TierHit(found[0], h, found[1]))
-        return PrefixHit(tuple(hits), (len(hits) + len(loaded)) * self.block_size, tuple(loaded))
+            found = self.offload.find(req.request_id, req.block_hashes[len(hits) : max_blocks])
+            if found is None:
+                return PrefixHit(tuple(hits), len(hits) * self.block_size, pending=True)
+            loaded = tuple(TierHit(*f) for f in found)
+        return PrefixHit(tuple(hits), (len(hits) + len(loaded)) * self.block_size, loaded)
 
     def record_query(self, num_tokens: int, hit: PrefixHit) -> None:
         self.query_tokens += num_tokens
@@ -197,6 +197,8 @@ class KVCacheManager:
                 self.offload.store(key, block)  # type: ignore[union-attr]
 
     def free(self, req: Request) -> None:
+        if self.offload is not None:
+            self.offload.forget(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
         self._num_indexed.pop(req.request_id, None)
         if blocks:

@@ -23,6 +23,7 @@ import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,15 @@ class HostTier:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """A disk read on its way for a waiting request: the blocks from `first` on, read in `generation`."""
+
+    first: BlockHash
+    generation: int
+    future: Future[list[HostBlock]]
+
+
 class DiskTier:
     """Blocks as files `<dir>/gen-<N>/<key hex>.kv`, raw bytes of the block's tensor.
 
@@ -143,10 +153,31 @@ class DiskTier:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
 
     # ---- engine thread ---------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._index)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def prefetch(self, keys: list[BlockHash]) -> Prefetch:
+        """Read these blocks on the reader thread; the result stops at the first one that is gone."""
+        with self._lock:
+            gen = self.generation
+
+        def read() -> list[HostBlock]:
+            out = []
+            for key in keys:
+                block = self.get(key)
+                if block is None:
+                    break
+                out.append(block)
+            return out
+
+        return Prefetch(keys[0], gen, self._reader.submit(read))
 
     def get(self, key: BlockHash) -> HostBlock | None:
         with self._lock:
@@ -205,6 +236,7 @@ class DiskTier:
         return out
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._queue.put(None)
         self._writer.join(timeout=30)
 
@@ -334,6 +366,7 @@ class KVOffload:
     ) -> None:
         self.tiers: tuple[HostTier | DiskTier, ...] = tuple(t for t in (host, disk) if t is not None)
         self.host, self.disk = host, disk
+        self._prefetches: dict[str, Prefetch] = {}  # request id -> its disk read on its way
         # KV events (medium per tier); set by the cache manager when events are published.
         self.on_stored, self.on_removed = on_stored, on_removed
 
@@ -341,12 +374,36 @@ class KVOffload:
     def capacity_blocks(self) -> int:
         return sum(t.capacity_bytes // t.block_bytes for t in self.tiers)
 
-    def lookup(self, key: BlockHash) -> tuple[HostTier | DiskTier, HostBlock] | None:
-        for tier in self.tiers:
-            block = tier.get(key)
-            if block is not None:
-                return tier, block
-        return None
+    def find(
+        self, request_id: str, keys: list[BlockHash]
+    ) -> list[tuple[HostTier | DiskTier, BlockHash, HostBlock]] | None:
+        """The longest run of `keys` (the rest of a prefix the pool missed) held in the tiers: host first,
+        then disk. Disk blocks are read off the engine's thread: the first call starts the read and
+        answers None (the request waits, the step goes on without it); a later one takes the blocks."""
+        found: list[tuple[HostTier | DiskTier, BlockHash, HostBlock]] = []
+        host, disk = self.host, self.disk
+        while host is not None and len(found) < len(keys) and (b := host.get(keys[len(found)])) is not None:
+            found.append((host, keys[len(found)], b))
+        rest = keys[len(found) :]
+        if disk is None or not rest or rest[0] not in disk:
+            return found
+        pending = self._prefetches.get(request_id)
+        if pending is None or pending.first != rest[0] or pending.generation != disk.generation:
+            self._prefetches[request_id] = disk.prefetch(rest)
+            return None
+        if not pending.future.done():
+            return None
+        del self._prefetches[request_id]
+        return found + [(disk, k, b) for k, b in zip(rest, pending.future.result())]
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """A step with nothing to run but requests waiting on disk: wait for a read, not spin."""
+        if self._prefetches:
+            wait([p.future for p in self._prefetches.values()], timeout, FIRST_COMPLETED)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the queue: drop a read it no longer needs."""
+        self._prefetches.pop(request_id, None)
 
     def take(self, tier: HostTier | DiskTier, key: BlockHash) -> None:
         """The block was copied back into the pool: it leaves its tier."""

@@ -96,6 +96,8 @@ class Scheduler:
         ):
             req = self.waiting[0]
             hit = self.kv.find_prefix(req)
+            if hit.pending:  # its prefix is on its way from disk: admitted on a later step, in order
+                break
             n = min(req.num_tokens - hit.num_tokens, budget, _chunk_cap(req))
             if not self.kv.allocate_slots(req, n, hit):
                 break
@@ -159,6 +161,7 @@ class Scheduler:
         for req in self.waiting:
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                self.kv.free(req)  # a disk read on its way for it is dropped
                 req.finish_reason = "abort"
                 req.status = RequestStatus.FINISHED
                 return req
