@@ -147,6 +147,7 @@ class DiskTier:
         self._index: OrderedDict[BlockHash, None] = OrderedDict()
         self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
         self._pending_bytes = 0
+        self._writing: set[BlockHash] = set()  # queued writes not discarded since
         self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
         root.mkdir(parents=True, exist_ok=True)
         self.generation = self._open()
@@ -204,6 +205,7 @@ class DiskTier:
             return False
         with self._lock:
             self._pending_bytes += self.block_bytes
+            self._writing.add(key)
             gen = self.generation
         self._queue.put(("write", gen, key, block))
         return True
@@ -211,6 +213,7 @@ class DiskTier:
     def discard(self, key: BlockHash) -> bool:
         """Forget the block (its file goes on the writer thread); False when it was not here."""
         with self._lock:
+            self._writing.discard(key)  # a write on its way is dropped when it lands
             if key not in self._index:
                 return False
             del self._index[key]
@@ -223,6 +226,7 @@ class DiskTier:
             n = len(self._index)
             old, self.generation = self.generation, self.generation + 1
             self._index = OrderedDict()
+            self._writing.clear()
             self._done.clear()
             (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
             self._write_manifest()
@@ -234,6 +238,12 @@ class DiskTier:
         with self._lock:
             out, self._done = self._done, []
         return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued so far has landed (or was dropped); False on timeout."""
+        landed = threading.Event()
+        self._queue.put(("flush", 0, None, landed))
+        return landed.wait(timeout)
 
     def close(self) -> None:
         self._reader.shutdown(wait=True, cancel_futures=True)
@@ -261,18 +271,24 @@ class DiskTier:
                     self._write(gen, key, block)
                 elif op == "unlink":
                     self._path(gen, key).unlink(missing_ok=True)
+                elif op == "flush":
+                    block.set()
                 else:
                     shutil.rmtree(self.root / f"gen-{gen}", ignore_errors=True)
             except OSError as exc:
                 log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else gen, exc)
 
     def _write(self, gen: int, key: BlockHash, block: HostBlock) -> None:
+        path = self._path(gen, key)
         try:
             block.wait()
-            path = self._path(gen, key)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
             os.replace(tmp, path)
+        except OSError:
+            with self._lock:
+                self._writing.discard(key)
+            raise
         finally:
             with self._lock:
                 self._pending_bytes -= self.block_bytes
@@ -280,6 +296,10 @@ class DiskTier:
         with self._lock:
             if gen != self.generation:
                 return  # a reset came first: the old generation's directory goes, this file with it
+            if key not in self._writing:  # discarded meanwhile: the pool computed it again
+                path.unlink(missing_ok=True)
+                return
+            self._writing.discard(key)
             self._index[key] = None
             self._index.move_to_end(key)
             self.stored_blocks += 1

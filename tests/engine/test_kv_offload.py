@@ -77,17 +77,12 @@ def test_evicted_prefix_comes_back_from_the_tier(
     eng.close()
 
 
-def wait_for_disk(engine, timeout: float = 30.0) -> None:  # noqa: ANN001
-    """The disk writer runs off the engine's thread: let it catch up (poll as a step does)."""
-    import time
-
+def wait_for_disk(engine) -> None:  # noqa: ANN001
+    """The disk writer runs off the engine's thread: let it catch up, and tell the events (as a step does)."""
     disk = engine.kv.offload.disk
-    if disk is None:
-        return
-    deadline = time.monotonic() + timeout
-    while disk._pending_bytes and time.monotonic() < deadline:
-        time.sleep(0.01)
-    engine.kv.offload.poll()
+    if disk is not None:
+        assert disk.flush(30)
+        engine.kv.offload.poll()
 
 
 def test_reset_clears_every_tier(make_engine, shared_prefix_prompts, long_prompts, tmp_path) -> None:  # noqa: ANN001

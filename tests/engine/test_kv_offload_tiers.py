@@ -1,0 +1,127 @@
+"""The offload tiers' bookkeeping on real files, without the model: LRU within capacity, writes that a
+discard or a reset overtakes, and what a restart keeps."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from kvpilot.block_keys import BlockHash
+from kvpilot.daemon.engine.kv_offload import DiskTier, HostBlock, HostTier, KVOffload
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head dim
+BLOCK_BYTES = 2 * 2 * 4 * 8 * 4
+IDENTITY = {"model": "m", "files": [["model.safetensors", 10, 1]]}
+
+
+def key(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def block(i: int) -> HostBlock:
+    return HostBlock(torch.full(SHAPE, float(i)))
+
+
+def disk_tier(root: Path, blocks: int = 8, identity: dict = IDENTITY) -> DiskTier:
+    return DiskTier(root, blocks * BLOCK_BYTES, SHAPE, torch.float32, identity)
+
+
+class Gate:
+    """Stands in for the CUDA event that says a block's copy off the GPU has landed: the disk writer waits
+    on it before writing, so a test can hold a write on its way."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+
+    def synchronize(self) -> None:
+        self.opened.wait(10)
+
+
+def test_host_tier_keeps_the_most_recent_blocks_within_capacity() -> None:
+    host = HostTier(3 * BLOCK_BYTES, BLOCK_BYTES)
+    pushed = [k for i in range(5) for k, _ in host.put(key(i), block(i))]
+    assert pushed == [key(0), key(1)]
+    assert [host.get(key(i)) is not None for i in range(5)] == [False, False, True, True, True]
+    assert host.stats().bytes == 3 * BLOCK_BYTES
+    assert host.reset() == 3 and host.get(key(4)) is None
+
+
+def test_disk_blocks_round_trip_and_lru(tmp_path: Path) -> None:
+    disk = disk_tier(tmp_path, blocks=3)
+    for i in range(5):
+        assert disk.put(key(i), block(i))
+    assert disk.flush(10)
+    assert [key(i) in disk for i in range(5)] == [False, False, True, True, True]
+    assert torch.equal(disk.get(key(4)).data, block(4).data)
+    assert sorted(p.name for p in (tmp_path / f"gen-{disk.generation}").iterdir()) == sorted(
+        f"{key(i).hex()}.kv" for i in (2, 3, 4)
+    )
+    events = disk.drain()
+    assert [k for what, k in events if what == "stored"] == [key(i) for i in range(5)]
+    assert [k for what, k in events if what == "removed"] == [key(0), key(1)]
+    disk.close()
+
+
+def test_a_discard_or_a_reset_overtakes_a_write_on_its_way(tmp_path: Path) -> None:
+    disk = disk_tier(tmp_path)
+    gate = Gate()
+    disk.put(key(1), HostBlock(block(1).data, gate))
+    disk.put(key(2), block(2))
+    assert not disk.discard(key(1)), "not on disk yet"  # the pool computed it again meanwhile
+    gate.opened.set()
+    assert disk.flush(10)
+    assert key(1) not in disk and key(2) in disk, "the discarded write was dropped when it landed"
+    assert not (tmp_path / f"gen-{disk.generation}" / f"{key(1).hex()}.kv").exists()
+
+    gate = Gate()
+    disk.put(key(3), HostBlock(block(3).data, gate))
+    old = disk.generation
+    assert disk.reset() == 1
+    gate.opened.set()  # key(3) lands in the old generation, after the reset
+    assert disk.flush(10)
+    assert len(disk) == 0 and key(3) not in disk
+    assert not (tmp_path / f"gen-{old}").exists()
+    disk.close()
+
+
+def test_a_restart_keeps_the_same_checkpoints_blocks_only(tmp_path: Path) -> None:
+    disk = disk_tier(tmp_path)
+    disk.put(key(1), block(1))
+    assert disk.flush(10)
+    disk.close()
+
+    again = disk_tier(tmp_path)
+    assert key(1) in again and torch.equal(again.get(key(1)).data, block(1).data)
+    again.close()
+
+    other = disk_tier(tmp_path, identity=IDENTITY | {"files": [["model.safetensors", 11, 2]]})
+    assert len(other) == 0 and key(1) not in other, "other weights: nothing kept"
+    assert [p.name for p in tmp_path.glob("gen-*")] == [f"gen-{other.generation}"]
+    other.close()
+
+
+def test_offload_moves_host_overflow_to_disk_and_reports_media(tmp_path: Path) -> None:
+    events: list[tuple[str, BlockHash, str]] = []
+    tiers = KVOffload(
+        HostTier(2 * BLOCK_BYTES, BLOCK_BYTES),
+        disk_tier(tmp_path),
+        on_stored=lambda k, m: events.append(("stored", k, m)),
+        on_removed=lambda k, m: events.append(("removed", k, m)),
+    )
+    for i in range(3):
+        tiers.store(key(i), block(i))
+    assert tiers.disk.flush(10)
+    tiers.poll()
+    assert ("removed", key(0), "CPU") in events and ("stored", key(0), "STORAGE") in events
+    found = tiers.find("r", [key(1), key(2)])
+    assert [(t.name, k) for t, k, _ in found] == [("host", key(1)), ("host", key(2))]
+    assert tiers.find("r", [key(0)]) is None  # on disk: the read starts, the request waits
+    tiers.wait_for_reads(10)
+    ((t, k, b),) = tiers.find("r", [key(0)])
+    assert (t.name, k) == ("disk", key(0)) and torch.equal(b.data, block(0).data)
+    tiers.discard(key(0))
+    assert ("removed", key(0), "STORAGE") in events and key(0) not in tiers.disk
+    assert tiers.reset() == {"host": 2, "disk": 0}
+    tiers.close()
