@@ -15,7 +15,7 @@ The copy bandwidth is `ModelRunner.read_blocks` (pool -> host) and `write_blocks
 longest prompt's blocks, against a plain copy of the same bytes between one contiguous pool-side tensor
 and one host tensor (pinned on CUDA: the PCIe bound as this machine reaches it) measured in the same run.
 
-    python bench/kv_tiers.py                       # 1024 and 4096 tokens, CPU fp32, ~2 minutes on 2 cores
+    python bench/kv_tiers.py                       # 1024 and 4096 tokens, CPU fp32, ~3 minutes on 2 cores
     python bench/kv_tiers.py --device cuda         # the same in bf16 on a GPU, copy bandwidth included
 """
 
