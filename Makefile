@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # kvpilot.operator, ... through the package-dir mapping in pyproject.toml).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup setup-test serve demo test test-gpu lint bench-engine
+.PHONY: setup setup-test serve demo test test-gpu gpu-check lint bench-engine
 
 # `make setup`: what serving and the operator need (`make serve`, the CLI); `make setup-test` adds the test
 # tools (pytest, openai, lm-eval, ruff, ...). Both are idempotent and quick once done.
@@ -54,6 +54,12 @@ test: setup-test cluster-build tools vllm-client
 # interpreter for the whole process it runs in).
 test-gpu: setup-test
 	$(PY) -m pytest -q tests/gpu
+
+# Every GPU figure in one command on a CUDA machine, within 8 minutes (hack/gpu_check.sh): the tests of
+# test-gpu, the kernel benches, decode tokens/s and bandwidth share in bf16, the KV tiers' copy bandwidth;
+# JSON and logs under bench/results/gpu-check-<time>/. Without a CUDA device it fails at once, saying so.
+gpu-check: setup-test
+	PY=$(PY) bash hack/gpu_check.sh
 
 # ruff is pinned in pyproject's test extras: another version may format the same code differently.
 lint: setup-test

@@ -24,7 +24,7 @@ def _sample_names(families: Iterable[Metric]) -> set[str]:
 
 
 def daemon_metric_names() -> set[str]:
-    from kvpilot.daemon.engine.outputs import CacheStats
+    from kvpilot.daemon.engine.outputs import CacheStats, TierStats
     from kvpilot.daemon.server.metrics import DaemonMetrics
 
     required = [
@@ -32,7 +32,9 @@ def daemon_metric_names() -> set[str]:
         for f in dataclasses.fields(CacheStats)
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
-    stats = CacheStats(**{f.name: 0 for f in required})
+    # with both offload tiers on: their families exist only then (--kv-offloading-size, --kv-offloading-dir)
+    tiers = tuple(TierStats(tier, 0, 0, 0, 0, 0, 0) for tier in ("host", "disk"))
+    stats = CacheStats(**{f.name: 0 for f in required}, offload=tiers)
     metrics = DaemonMetrics(lambda: [(None, stats)], "model")  # one rank, unlabelled
     return _sample_names(metrics.registry.collect())
 
