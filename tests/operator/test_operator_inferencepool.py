@@ -47,6 +47,10 @@ def test_the_pool_follows_the_crd_and_the_spec(
         "env": STANDIN_ENV,
         "router": {"enabled": True, "replicas": 0, "endpointPicker": {"enabled": True}},
     }
+    clash = {"router": {"enabled": True, "endpointPicker": {"enabled": True, "port": 8080}}}
+    doc = json.dumps({**fleet("bad", clash), "metadata": {"name": "bad", "namespace": ns}})
+    r = cluster.kubectl("apply", "-f", "-", input=doc, check=False)
+    assert r.returncode != 0 and "port 8080 is the router's HTTP port" in r.stderr, r.stderr
     apply_ns(cluster, ns, fleet("gw", spec))
 
     # Without GAIE's CRD: the fleet and its router are made as ever, the condition says how to get the pool.
