@@ -33,10 +33,12 @@ async def reconcile_pool(
     pname = ip.pool_name(name)
     picker = ip.endpoint_picker(spec)
     if picker is None:
-        # One read to remove it, only when there may be one: status names it, or the spec just changed. Where
-        # the CRD is not served the read finds nothing (404), as for a pool already gone.
+        # Removed only when there may be one: status names it, or the spec just changed (a pool made before a
+        # crash, not yet in status), and only where the CRD is served (discovery first: no request for a
+        # resource the cluster does not have).
         if status.get("inferencePool") or meta.get("generation") != status.get("observedGeneration"):
-            await kube.delete_owned("InferencePool", ns, pname, uid)
+            if await kube.serves(ip.GROUP, ip.VERSION, ip.PLURAL):
+                await kube.delete_owned("InferencePool", ns, pname, uid)
         return PoolState(None)
     if not await kube.serves(ip.GROUP, ip.VERSION, ip.PLURAL):
         return PoolState(None, (False, "CRDNotInstalled", f"{ip.CRD_NAME} is not served: {ip.INSTALL_HINT}"))
