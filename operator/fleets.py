@@ -16,9 +16,10 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import builders, fleet_network, metrics, router_objects
+from kvpilot.operator import builders, fleet_network, inference_pool, metrics, router_objects
 from kvpilot.operator.builders import FLEETS, RESETS
 from kvpilot.operator.conditions import fleet_conditions, set_condition
+from kvpilot.operator.fleet_pool import PoolState, reconcile_pool
 from kvpilot.operator.fleet_router import RouterState, reconcile_router
 from kvpilot.operator.kube import ApiException, Kube, namespace_terminating
 from kvpilot.operator.network_policy import OperatorPeer
@@ -144,6 +145,9 @@ async def reconcile(
     else:  # nothing that would mount the token or the keys, or write over another's object, is applied
         wl = None if taken else await kube.read(kind, ns, name)
         router = RouterState(status.get("router"))
+    pool: PoolState | None = None  # None: the pool and its condition are left as they are
+    if problem is None and router.reason != "RouterNameConflict":  # never a pool naming another's Service
+        pool = await reconcile_pool(kube, owner, spec, status)
     policy = await fleet_network.reconcile_policy(kube, owner, spec, status, peer or OperatorPeer())
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
@@ -162,6 +166,7 @@ async def reconcile(
         "workload": f"{kind}/{name}",
         "endpoint": router_objects.endpoint(name, ns, spec),
         "router": router.status,
+        "inferencePool": pool.name if pool else status.get("inferencePool"),
         "networkPolicy": policy.name,
         "conditions": fleet_conditions(
             status.get("conditions"),
@@ -176,6 +181,12 @@ async def reconcile(
     }
     if problem is not None:  # Ready says why the spec is not rolled out, whatever the pods from before do
         new["conditions"] = set_condition(new["conditions"], "Ready", False, *problem, gen or 0)
+    if pool is not None and pool.condition is not None:
+        new["conditions"] = set_condition(
+            new["conditions"], inference_pool.CONDITION, *pool.condition, gen or 0
+        )
+    elif pool is not None:  # no picker: no condition about its pool
+        new["conditions"] = [c for c in new["conditions"] if c["type"] != inference_pool.CONDITION]
 
     token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
     tokens = list(status.get("resetTokens") or [])
@@ -201,8 +212,14 @@ async def reconcile(
         await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))
     if problem is not None:  # a Secret labelled or a name freed later is seen on the retry
         raise kopf.TemporaryError(problem[1], delay=30)
+    pool_retry = pool is not None and pool.retry
     if (
-        router.retry or policy.problem
+        router.retry or policy.problem or pool_retry
     ):  # status says what is wrong; look again later (a name freed, the API back)
         delay = router.retry_delay_s if router.retry else 60
-        raise kopf.TemporaryError(router.message or (policy.problem or ("", ""))[1], delay=delay)
+        why = (
+            router.message
+            or (policy.problem or ("", ""))[1]
+            or (pool.condition[2] if pool and pool.condition else "")
+        )
+        raise kopf.TemporaryError(why, delay=delay)

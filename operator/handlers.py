@@ -17,13 +17,13 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import fleets, metrics, resets, weights
+from kvpilot.operator import fleets, inference_pool, metrics, resets, weights
 from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
 from kvpilot.operator.catchup import CatchUps
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.owners import owner_of_kind
 from kvpilot.operator.reset_expiry import Expiry
-from kvpilot.operator.specs import WeightUpdateSpec
+from kvpilot.operator.specs import FleetSpec, WeightUpdateSpec
 
 # The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics
 # registry it feeds is (a restarted operator counts again from its resume handlers).
@@ -113,6 +113,29 @@ async def owned_changed(
     async with _counted("InferenceDeployment"):
         await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role, memo.operator_peer)
     _catch_up(memo, fleet)
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io",
+    "v1",
+    "customresourcedefinitions",
+    when=lambda name, **_: name == inference_pool.CRD_NAME,
+)
+async def pool_crd_changed(logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    # GAIE's InferencePool CRD installed, established or removed after the fleets were reconciled: no event
+    # of theirs follows, so each fleet whose router is its endpoint picker is reconciled now (its pool made,
+    # or its condition turned to CRDNotInstalled). The initial listing comes here too, before or after the
+    # fleets' own resume handlers: either way each one is reconciled once more.
+    for ns, name in sorted(_fleets):
+        fleet = await memo.kube.get_cr(FLEETS, ns, name)
+        if fleet is None or fleet["metadata"].get("deletionTimestamp"):
+            continue
+        if inference_pool.endpoint_picker(FleetSpec.parse(fleet.get("spec"))) is None:
+            continue
+        # A problem of one fleet (written to its status) must not keep the others from being looked at.
+        with contextlib.suppress(kopf.TemporaryError):
+            async with _counted("InferenceDeployment"):
+                await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role, memo.operator_peer)
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)

@@ -14,7 +14,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from kvpilot.kubeconfig import load
-from kvpilot.operator import metrics
+from kvpilot.operator import inference_pool, metrics
 from kvpilot.operator.builders import GROUP, VERSION
 from kvpilot.operator.owners import owned_by
 
@@ -39,6 +39,9 @@ _KINDS = {
     "RoleBinding": ("rolebindings", "rbac", "role_binding"),
     "NetworkPolicy": ("networkpolicies", "networking", "network_policy"),
 }
+# Custom kinds of other projects the operator writes: kind -> (group, version, plural). Their CRDs may be
+# missing (Kube.serves tells); kvpilot's own resources have their own calls above.
+_CUSTOM_KINDS = {"InferencePool": (inference_pool.GROUP, inference_pool.VERSION, inference_pool.PLURAL)}
 
 
 def namespace_terminating(exc: ApiException) -> bool:
@@ -183,8 +186,27 @@ class Kube:
     async def create_secret(self, ns: str, body: dict[str, Any]) -> None:
         await self.call("create", "secrets", self.core.create_namespaced_secret, ns, body)
 
+    async def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves that resource now (discovery, which every authenticated user may
+        read): a CRD that is not installed, or not yet established, is not."""
+        try:
+            found = await self.call("get", "discovery", self.custom.get_api_resources, group, version)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.name == plural for r in found.resources or [])
+
     # ---- owned objects: server-side apply ----------------------------------
+    def _resource(self, kind: str) -> str:
+        return _CUSTOM_KINDS[kind][2] if kind in _CUSTOM_KINDS else _KINDS[kind][0]
+
     def _method(self, kind: str, verb: str) -> Any:
+        if kind in _CUSTOM_KINDS:
+            group_, version, plural = _CUSTOM_KINDS[kind]
+            fn = getattr(self.custom, f"{'get' if verb == 'read' else verb}_namespaced_custom_object")
+            # the typed calls' shape, (name, namespace, ...), so that apply, read and delete serve both
+            return lambda name, ns, *a, **kw: fn(group_, version, ns, plural, name, *a, **kw)
         _, group, stem = _KINDS[kind]
         api = {"apps": self.apps, "core": self.core, "rbac": self.rbac, "networking": self.networking}[group]
         return getattr(api, f"{verb}_namespaced_{stem}")
@@ -196,7 +218,7 @@ class Kube:
         metrics.APPLIES.labels(ns, kind).inc()
         obj = await self.call(
             "apply",
-            _KINDS[kind][0],
+            self._resource(kind),
             self._method(kind, "patch"),
             body["metadata"]["name"],
             ns,
@@ -209,7 +231,7 @@ class Kube:
 
     async def read(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
         try:
-            obj = await self.call("get", _KINDS[kind][0], self._method(kind, "read"), name, ns)
+            obj = await self.call("get", self._resource(kind), self._method(kind, "read"), name, ns)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -229,7 +251,7 @@ class Kube:
         try:
             await self.call(
                 "delete",
-                _KINDS[kind][0],
+                self._resource(kind),
                 self._method(kind, "delete"),
                 name,
                 ns,

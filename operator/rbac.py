@@ -114,12 +114,21 @@ _NAMESPACED: list[Rule] = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    # A fleet's InferencePool (spec.router.endpointPicker, where GAIE's CRD is served): read (only ours is
+    # ever written or deleted), server-side applied, deleted when the picker is turned off. Not watched: the
+    # fleet's own events and the CRD's (customresourcedefinitions, below) reconcile it.
+    {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
     # Events on start, per failed pod, at the end, and on rollouts.
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
 # Cluster-scoped rules of both modes. kopf discovers resources through the CRDs (list, then watch);
-# `ensure_peering` lists them too.
+# `ensure_peering` lists them too, and the InferencePool CRD's events reconcile the fleets with an endpoint
+# picker (handlers.pool_crd_changed).
 _CLUSTER: list[Rule] = [
     {
         "apiGroups": ["apiextensions.k8s.io"],

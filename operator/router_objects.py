@@ -28,6 +28,9 @@ from kvpilot.operator.specs import FleetSpec, RouterSpec
 ROUTER_LABEL = "kvpilot.io/router"  # value: the InferenceDeployment's name
 ROUTER_PORT = 8080
 ROUTER_CONTAINER = "router"
+PICKER_PORT_NAME = (
+    "grpc-epp"  # the endpoint picker's port (spec.router.endpointPicker), container and Service
+)
 KINDS = ("Deployment", "Service", "RoleBinding", "ServiceAccount")  # deletion order when disabled
 
 
@@ -91,6 +94,10 @@ def _container(name: str, spec: FleetSpec, r: RouterSpec) -> dict[str, Any]:
     ]
     if spec.model:
         args += ["--model", spec.model]  # the router tokenizes with the daemons' tokenizer
+    ports = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
+    if r.endpoint_picker.enabled:
+        args += ["--endpoint-picker-port", str(r.endpoint_picker.port)]
+        ports.append({"name": PICKER_PORT_NAME, "containerPort": r.endpoint_picker.port, "protocol": "TCP"})
     keys = kv_keys_mount(name, spec, ROUTER_KEY_FILES)
     if keys:
         args += ["--kv-events-curve-dir", KV_KEYS_DIR]  # the daemons let in only this key pair
@@ -102,7 +109,7 @@ def _container(name: str, spec: FleetSpec, r: RouterSpec) -> dict[str, Any]:
         spec,
         args,
         env,
-        [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        ports,
         # Alive is "listening": a fleet scaled to zero must not get its router restarted in a loop.
         {
             "tcpSocket": {"port": "http"},
@@ -162,7 +169,20 @@ def deployment(name: str, spec: FleetSpec) -> dict[str, Any]:
     }
 
 
-def service(name: str) -> dict[str, Any]:
+def service(name: str, spec: FleetSpec) -> dict[str, Any]:
+    ports = [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]
+    r = router_spec(spec)
+    if r and r.endpoint_picker.enabled:
+        # h2c: gateways that read appProtocol (Envoy Gateway, Istio) then speak gRPC's HTTP/2 to the picker.
+        ports.append(
+            {
+                "name": PICKER_PORT_NAME,
+                "port": r.endpoint_picker.port,
+                "targetPort": PICKER_PORT_NAME,
+                "protocol": "TCP",
+                "appProtocol": "kubernetes.io/h2c",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -170,7 +190,7 @@ def service(name: str) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": router_selector(name),
-            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}],
+            "ports": ports,
         },
     }
 
@@ -183,5 +203,5 @@ def objects(
         service_account(name),
         role_binding(name, namespace, router_role),
         deployment(name, spec),
-        service(name),
+        service(name, spec),
     ]

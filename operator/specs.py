@@ -58,11 +58,17 @@ class EngineSpec(_Spec):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
+class EndpointPickerSpec(_Spec):
+    enabled: bool = False
+    port: int = 9002  # the port GAIE's InferencePool takes for a picker when it names none
+
+
 class RouterSpec(_Spec):
     enabled: bool = False
     replicas: int = 1
     policy: Literal["prefix-aware", "round-robin", "least-load"] = "prefix-aware"
     resources: dict[str, Any] | None = None
+    endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
 
 
 class NetworkPolicySpec(_Spec):

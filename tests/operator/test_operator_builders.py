@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.operator import builders, router_objects
+from kvpilot.operator import builders, inference_pool, router_objects
 from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
 from kvpilot.operator.fleet_router import deployment_state
 from kvpilot.operator.specs import FleetSpec
@@ -246,6 +246,66 @@ def test_without_a_prefix_aware_router_the_daemons_publish_nothing() -> None:
         c = builders.workload("llama", FleetSpec.parse(spec))["spec"]["template"]["spec"]["containers"][0]
         assert "--kv-events-endpoint" not in c["args"] and [p["name"] for p in c["ports"]] == ["http"]
     assert router_objects.endpoint("llama", "ns", FleetSpec.parse(SPEC)) == "http://llama.ns.svc:8123"
+
+
+def test_the_router_serves_as_endpoint_picker_and_the_pool_names_it() -> None:
+    spec = FleetSpec.parse({**SPEC, "router": {"enabled": True, "endpointPicker": {"enabled": True}}})
+    _, _, dep, svc = router_objects.objects("llama", "team-a", spec)
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--endpoint-picker-port") + 1] == "9002"  # GAIE's usual EPP port
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8080), ("grpc-epp", 9002)]
+    assert svc["spec"]["ports"][1] == {
+        "name": "grpc-epp",
+        "port": 9002,
+        "targetPort": "grpc-epp",
+        "protocol": "TCP",
+        "appProtocol": "kubernetes.io/h2c",  # gRPC: HTTP/2 without TLS
+    }
+    pool = inference_pool.inference_pool("llama", spec)
+    assert (pool["apiVersion"], pool["kind"], pool["metadata"]["name"]) == (
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+        "llama",
+    )
+    # The pods the fleet's Service selects (fenced ones left out), on the daemons' port; never router pods.
+    fleet_svc = builders.service("llama", spec)
+    assert pool["spec"]["selector"] == {"matchLabels": fleet_svc["spec"]["selector"]}
+    assert "kvpilot.io/router" not in pool["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["targetPorts"] == [{"number": 8123}]
+    # A Service reference names the Service port, which is the picker's.
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": svc["metadata"]["name"],
+        "port": {"number": 9002},
+    }
+    assert pool["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kvpilot-operator"
+
+    moved = FleetSpec.parse(
+        {**SPEC, "router": {"enabled": True, "endpointPicker": {"enabled": True, "port": 9100}}}
+    )
+    _, _, dep, svc = router_objects.objects("llama", "team-a", moved)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        args[args.index("--endpoint-picker-port") + 1] == "9100" and svc["spec"]["ports"][1]["port"] == 9100
+    )
+    assert inference_pool.inference_pool("llama", moved)["spec"]["endpointPickerRef"]["port"] == {
+        "number": 9100
+    }
+
+
+def test_no_endpoint_picker_without_the_router_or_the_option() -> None:
+    for router in (
+        {"enabled": True},
+        {"enabled": True, "endpointPicker": {"enabled": False}},
+        {"enabled": False, "endpointPicker": {"enabled": True}},  # the picker is the router: off with it
+    ):
+        spec = FleetSpec.parse({**SPEC, "router": router})
+        assert inference_pool.endpoint_picker(spec) is None, router
+        if router["enabled"]:
+            _, _, dep, svc = router_objects.objects("llama", "ns", spec)
+            c = dep["spec"]["template"]["spec"]["containers"][0]
+            assert "--endpoint-picker-port" not in c["args"] and [p["name"] for p in c["ports"]] == ["http"]
+            assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]
 
 
 def test_ready_waits_for_the_router_unless_no_pod_is_wanted() -> None:
