@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvpilot.daemon.engine.request import RequestStatus, SamplingParams
-from support.engine import request_of
+from support.engine import request_of, run_alone
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 POOL_BLOCKS = 24  # 384 tokens: the shared-prefix prompts (~120 tokens) push each other out
@@ -18,13 +18,7 @@ ROUNDS = 12  # of the reset soak, one reset each
 
 
 def run_one(engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:  # noqa: ANN001
-    engine.add_request(rid, prompt, PARAMS)
-    tokens, cached = [], -1
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            tokens += o.new_token_ids
-            cached = o.num_cached_tokens
-    return tokens, cached
+    return run_alone(engine, rid, prompt, PARAMS)
 
 
 def flush_pool(engine, prompts: list[list[int]], tag: str) -> None:  # noqa: ANN001

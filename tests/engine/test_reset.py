@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.daemon.engine.request import SamplingParams
+from support.engine import run_alone
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -16,14 +17,7 @@ def quiet_outputs(make_engine, shared_prefix_prompts) -> list[list[int]]:  # noq
 
 
 def run_one(engine, rid: str, prompt: list[int]) -> tuple[list[int], int]:  # noqa: ANN001
-    """Tokens and cached-token count of one request run alone."""
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=4))
-    tokens, cached = [], -1
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            tokens += o.new_token_ids
-            cached = o.num_cached_tokens
-    return tokens, cached
+    return run_alone(engine, rid, prompt, SamplingParams(max_tokens=4))
 
 
 def test_zero_hits_right_after_reset(engine, shared_prefix_prompts) -> None:  # noqa: ANN001

@@ -1,9 +1,10 @@
-"""What the engine tests read of a running engine that the server never needs: a request by its id."""
+"""What the engine tests read of a running engine that the server never needs: a request by its id, one
+request's tokens and cached-token count."""
 
 from __future__ import annotations
 
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.request import Request
+from kvpilot.daemon.engine.request import Request, SamplingParams
 
 
 def request_of(engine: LLMEngine, request_id: str) -> Request | None:
@@ -11,3 +12,17 @@ def request_of(engine: LLMEngine, request_id: str) -> Request | None:
     aborted or never added."""
     seqs = engine._groups.get(request_id)
     return seqs[0] if seqs else None
+
+
+def run_alone(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], int]:
+    """Run one request to its end (others may share its steps): its tokens and its cached-token count."""
+    engine.add_request(request_id, prompt, params)
+    tokens, cached = [], -1
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == request_id:
+                tokens += o.new_token_ids
+                cached = o.num_cached_tokens
+    return tokens, cached
