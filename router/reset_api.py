@@ -38,7 +38,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         except ValueError:
             raise ApiError(400, "the body must be JSON", code="invalid_json") from None
     flag = parse_reset_flag(
-        request.query.get("reset_running_requests"), body if isinstance(body, dict) else None
+        "reset_running_requests",
+        request.query.get("reset_running_requests"),
+        body if isinstance(body, dict) else None,
     )
     pods = list(r.fleet.pods)
     if not pods:
