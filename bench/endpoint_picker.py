@@ -13,9 +13,11 @@ pick would). The same load goes three ways, each from a fleet reset (cold caches
 
 Per way: the prefix hit share (cached / prompt tokens, from each stream's `usage`), TTFT and end-to-end
 p50/p99, and the CPU seconds the router and the Envoy used per request (utime + stime of their processes,
-/proc/PID/stat). The picker's added latency is picker vs direct (same Envoy, same pods, same hits).
+/proc/PID/stat). The picker's added latency is picker vs direct (same Envoy, same pods, same hits), and,
+less exposed to the machine's other work, the picker's own answer time: each request of the load sent to it
+alone, one at a time, through the generated gRPC stub.
 
-    .venv/bin/python bench/endpoint_picker.py                       # 6 prompts x 6 users, 4 clients, 2 repeats
+    .venv/bin/python bench/endpoint_picker.py                       # 6 prompts x 6 users, 2 clients, 2 repeats
     .venv/bin/python bench/endpoint_picker.py --prompts 4 --users 3 --repeats 1   # a quick look
 
 Results go to bench/results/endpoint-picker-YYYYmmdd-HHMMSS.json.
@@ -144,6 +146,46 @@ async def run_load(url: str, work: list[tuple[str, str, str | None]], concurrenc
     return results
 
 
+def picker_round_trips(port: int, work: list[tuple[str, str]], max_tokens: int) -> dict:
+    """The picker's own answer time, as the gateway waits for it: one BUFFERED stream per request of the
+    load (headers, body, the pick back), one at a time, through the generated gRPC stub."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    stub = ep_grpc.ExternalProcessorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    headers = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
+            )
+        ),
+        protocol_config=ep.ProtocolConfiguration(
+            request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED
+        ),
+    )
+    times = []
+    for system, user in work:
+        body = {
+            "model": ROUTER_BENCH.MODEL,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        }
+        msgs = [
+            headers,
+            ep.ProcessingRequest(
+                request_body=ep.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
+            ),
+        ]
+        start = time.perf_counter()
+        replies = list(stub.Process(iter(msgs), timeout=60))
+        times.append(time.perf_counter() - start)
+        assert replies[-1].WhichOneof("response") == "request_body", replies[-1]
+    return {"requests": len(times), "p50_ms": pct(times, 50) * 1e3, "p99_ms": pct(times, 99) * 1e3}
+
+
 def summarize(results: list[dict]) -> dict:
     ok = [r for r in results if "error" not in r]
     prompt = sum(r["prompt_tokens"] for r in ok)
@@ -167,7 +209,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6, help="system prompts (topics)")
     p.add_argument("--users", type=int, default=6, help="users per system prompt")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=2)
     p.add_argument("--kv-blocks", type=int, default=256, help="KV blocks per daemon")
     p.add_argument("--repeats", type=int, default=2)
@@ -254,6 +296,7 @@ def main() -> int:
                         f"ms/req  errors {run['errors']}",
                         flush=True,
                     )
+            round_trip = picker_round_trips(picker_port, work, args.max_tokens)
             metrics = ROUTER_BENCH.router_metrics(router_url)
         finally:
             for proc in reversed(procs):
@@ -302,6 +345,8 @@ def main() -> int:
             "e2e_p50_ms": summary["picker"]["e2e_p50_ms"] - summary["direct"]["e2e_p50_ms"],
             "ttft_p50_ratio": summary["picker"]["ttft_p50_ms"] / summary["direct"]["ttft_p50_ms"],
         },
+        # what a request through Envoy waits for the picker: its answer time, one request at a time
+        "picker_round_trip": round_trip,
         "picker_requests": {
             k.split('"')[1]: v
             for k, v in metrics.items()

@@ -54,6 +54,7 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 MESSAGE_SLACK_BYTES = 256 << 10
 MAX_STREAMS = 1024  # concurrent streams per gateway connection: requests being picked or in flight
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -75,6 +76,7 @@ class _Request:
     path: str = ""
     body: bytearray | None = None  # None: no body (headers ended the request)
     full_duplex: bool = False
+    trailers: bool = False  # the body was ended by trailers (FULL_DUPLEX_STREAMED), still to be answered
     subset: frozenset[str] | None = None  # None: no hint, any pod of the fleet
 
 
@@ -119,7 +121,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 if msg.HasField("protocol_config"):
-                    req.full_duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX
+                    mode = msg.protocol_config.request_body_mode
+                    if mode not in (BUFFERED, FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE):
+                        name = processing_mode_pb2.ProcessingMode.BodySendMode.Name(mode)
+                        raise ApiError(
+                            500,
+                            f"the gateway sends bodies {name}; the endpoint picker reads BUFFERED or "
+                            "FULL_DUPLEX_STREAMED",
+                            code="unsupported_body_mode",
+                        )
+                    req.full_duplex = mode == FULL_DUPLEX
                 req.subset = _subset(msg.metadata_context)
                 req.path = _header(msg.request_headers.headers, ":path").partition("?")[0]
                 if msg.request_headers.end_of_stream:
@@ -133,10 +144,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     raise ApiError(
                         413, f"the request body exceeds {self.max_body} bytes", code="request_too_large"
                     )
-                if msg.request_body.end_of_stream:
+                # BUFFERED: one message holds the whole body (trailers, if any, come after its answer)
+                if msg.request_body.end_of_stream or not req.full_duplex:
                     return req
-            elif kind == "request_trailers" and req.body is not None:
-                return req  # trailers end the body
+            elif kind == "request_trailers" and req.body is not None and req.full_duplex:
+                req.trailers = True  # they end the body
+                return req
             else:
                 raise bad(f"ext_proc message {kind} before the request's headers and body", code="bad_stream")
 
@@ -184,15 +197,18 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         # FULL_DUPLEX_STREAMED: the held headers' answer, then the body, unchanged, from the processor.
         body = ep.CommonResponse(
             body_mutation=ep.BodyMutation(
-                streamed_response=ep.StreamedBodyResponse(body=raw, end_of_stream=True)
+                streamed_response=ep.StreamedBodyResponse(body=raw, end_of_stream=not req.trailers)
             )
         )
-        return pod, [
+        replies = [
             ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=mutation), dynamic_metadata=metadata
             ),
             ep.ProcessingResponse(request_body=ep.BodyResponse(response=body)),
         ]
+        if req.trailers:  # passed on unchanged, after the body
+            replies.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+        return pod, replies
 
     async def _answer_the_rest(self, context: grpc.aio.ServicerContext) -> None:
         """Until the gateway closes the stream: whatever else it sends goes on unchanged."""

@@ -10,6 +10,7 @@ import http.client
 import json
 import re
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ def picker(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         [d.url for d in fleet.daemons],
         "--endpoint-picker-port",
         str(port),
+        "--endpoint-picker-timeout",
+        "5",
     )
     try:
         yield Picker(router, port)
@@ -153,6 +156,35 @@ def test_full_duplex_streamed_holds_the_headers_and_sends_the_body_back(picker: 
     assert picked(replies[0], "request_headers") in endpoints(fleet)
     streamed = replies[1].request_body.response.body_mutation.streamed_response
     assert streamed.body == body and streamed.end_of_stream
+
+
+def test_trailers_end_a_streamed_body_and_are_passed_on(picker: Picker, fleet: Fleet) -> None:
+    body = json.dumps(chat(SYSTEM, "Hi")).encode()
+    trailers = ep.ProcessingRequest(request_trailers=ep.HttpTrailers())
+    replies = picker.process(
+        [headers_msg(mode=MODES.FULL_DUPLEX_STREAMED), body_msg(body, end=False), trailers]
+    )
+    assert [r.WhichOneof("response") for r in replies] == [
+        "request_headers",
+        "request_body",
+        "request_trailers",
+    ]
+    assert picked(replies[0], "request_headers") in endpoints(fleet)
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and not streamed.end_of_stream
+
+
+def test_a_slow_body_and_an_unread_body_mode_are_refused(picker: Picker) -> None:
+    def slow() -> Iterator[ep.ProcessingRequest]:
+        yield headers_msg(mode=MODES.FULL_DUPLEX_STREAMED)
+        time.sleep(8)  # past the picker's 5 s
+        yield body_msg(b"{}")
+
+    first = next(picker.stub().Process(slow(), timeout=60))
+    status, err = error_of(first)
+    assert (status, err["code"]) == (408, "request_timeout")
+    status, err = error_of(picker.process([headers_msg(mode=MODES.STREAMED), body_msg(b"{}")])[0])
+    assert (status, err["code"]) == (500, "unsupported_body_mode")
 
 
 def test_a_request_without_body_is_picked_on_its_headers(picker: Picker, fleet: Fleet) -> None:
