@@ -258,8 +258,11 @@ TOPICS = [
 USERS = ["Hello!", "When do you open?", "How much does it cost?", "Can I come on Sunday?"]
 
 
-def envoy_config(tmp: Path, listen: int, picker_port: int) -> Path:
+def envoy_config(tmp: Path, listen: int, picker_port: int, full_duplex: bool = False) -> Path:
     text = ENVOY_CONFIG.read_text()
+    if full_duplex:  # Envoy wants the trailers too in this mode
+        text = text.replace("request_body_mode: BUFFERED", "request_body_mode: FULL_DUPLEX_STREAMED")
+        text = text.replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
     text, n = re.subn(r"port_value: 10000\b", f"port_value: {listen}", text)
     text, m = re.subn(r"port_value: 9002\b", f"port_value: {picker_port}", text)
     assert n == m == 1, "examples/envoy-endpoint-picker.yaml: the listener or picker port moved"
@@ -268,14 +271,16 @@ def envoy_config(tmp: Path, listen: int, picker_port: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def envoy(picker: Picker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+@pytest.fixture(scope="module", params=["buffered", "full-duplex"])
+def envoy(
+    picker: Picker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[int]:
     tmp = tmp_path_factory.mktemp("envoy")
     listen = free_port()
     argv = [
         str(ENVOY),
         "-c",
-        str(envoy_config(tmp, listen, picker.port)),
+        str(envoy_config(tmp, listen, picker.port, full_duplex=request.param == "full-duplex")),
         "--use-dynamic-base-id",
         "-l",
         "warning",
