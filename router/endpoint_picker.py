@@ -276,7 +276,7 @@ def _result(reply: ep.ProcessingResponse) -> str:
 
 
 async def start(router: Router, host: str, port: int) -> grpc.aio.Server:
-    """The picker and gRPC health (`""` and the ext_proc service: SERVING) on host:port, started."""
+    """The picker and gRPC health on host:port, started."""
     limit = router.settings.max_body_bytes + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(
         options=[
@@ -287,7 +287,9 @@ async def start(router: Router, host: str, port: int) -> grpc.aio.Server:
     )
     ep_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     checks = health.aio.HealthServicer()
-    for name in ("", SERVICE):
+    # GAIE's EPP names liveness, readiness and the ext_proc service; "" is gRPC's whole-server check. One
+    # router serves them all (no leader election), from its start.
+    for name in ("", "liveness", "readiness", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -236,7 +236,7 @@ def test_no_ready_pod_is_503_and_health_serves(tmp_path: Path) -> None:
         )
         assert status == 503 and err["code"] == "no_ready_pod"
         checks = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             reply = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
