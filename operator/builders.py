@@ -44,6 +44,9 @@ _ENGINE_FLAGS = {
     "dtype": "--dtype",
     "data_parallel_size": "--data-parallel-size",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "kv_offloading_size": "--kv-offloading-size",
+    "kv_offloading_dir": "--kv-offloading-dir",
+    "kv_offloading_dir_size": "--kv-offloading-dir-size",
 }
 GPU_RESOURCE = "nvidia.com/gpu"
 # InferenceDeployment fields every daemon pod takes as they are (its container's: `container`)

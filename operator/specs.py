@@ -56,6 +56,9 @@ class EngineSpec(_Spec):
     kv_cache_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_offloading_size: float | None = None  # GiB
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float | None = None  # GiB
 
 
 class EndpointPickerSpec(_Spec):

@@ -202,7 +202,8 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
             "replicas": 2,
             "adminTokenSecretRef": {"name": "admin"},
             "router": {"enabled": True},
-            "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+            # a host offload tier of ~14 blocks: the dashboards' offload panels have series to answer
+            "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512, "kvOffloadingSize": 0.01},
             "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
         },
     }

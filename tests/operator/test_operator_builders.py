@@ -363,3 +363,22 @@ def test_crds_have_no_stray_keys() -> None:
     for f in sorted((pathlib.Path(__file__).parents[2] / "crds").glob("*.yaml")):
         for doc in yaml.safe_load_all(f.read_text()):
             walk(doc, f.name)
+
+
+def test_offload_tiers_reach_kvpilot_serve_as_its_own_flags() -> None:
+    """engine.kvOffloading*: the daemon's offload tiers (docs/engine.md), parsed by `kvpilot serve` itself."""
+    from kvpilot.cli import build_parser
+    from kvpilot.config_flags import from_flags
+    from kvpilot.daemon.engine.config import EngineConfig
+
+    engine = {"kvOffloadingSize": 2.5, "kvOffloadingDir": "/kv", "kvOffloadingDirSize": 40}
+    d = builders.workload("llama", FleetSpec.parse({"engine": engine}))
+    args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser().parse_args([a.replace("$(POD_IP)", "127.0.0.1") for a in args])
+    config = from_flags(EngineConfig, parsed)
+    assert (config.kv_offloading_size, config.kv_offloading_dir, config.kv_offloading_dir_size) == (
+        2.5,
+        "/kv",
+        40.0,
+    )
+    config.validate()
