@@ -246,8 +246,9 @@ def test_no_ready_pod_is_503_and_health_serves(tmp_path: Path) -> None:
 # --- behind a real Envoy ---------------------------------------------------------------------------------
 
 TOPICS = [
-    "You are the support assistant of the Northwind bicycle shop. Answer in one short sentence. The shop "
-    "opens at nine and closes at six, repairs take two days, tyres cost twenty euros, and a service sixty.",
+    # Topics of their own: test_router.py's first request on the shared fleet must find its prompt cold.
+    "You are the counter of the Linden Lane bakery. Answer in one short sentence. The bakery opens at "
+    "seven and closes at two, rye bread costs four euros, cakes need a day's notice, and Mondays it rests.",
     "You are the front desk of the Harbour View hotel. Answer in one short sentence. Breakfast is served "
     "from seven to ten, checkout is at eleven, parking costs twelve euros a night, and pets are welcome.",
     "You are the help line of the Riverside swimming pool. Answer in one short sentence. Lanes open at six, "
