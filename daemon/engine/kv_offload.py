@@ -344,7 +344,7 @@ class DiskTier:
             self._index[key] = None
         while len(self._index) * self.block_bytes > self.capacity_bytes:
             old, _ = self._index.popitem(last=False)
-            (current / f"{old.hex()}.kv").unlink(missing_ok=True)
+            self._path(gen, old).unlink(missing_ok=True)
         for p in current.glob("*.tmp"):
             p.unlink(missing_ok=True)
         self.generation = gen
@@ -387,7 +387,7 @@ class KVOffload:
         self.tiers: tuple[HostTier | DiskTier, ...] = tuple(t for t in (host, disk) if t is not None)
         self.host, self.disk = host, disk
         self._prefetches: dict[str, Prefetch] = {}  # request id -> its disk read on its way
-        # KV events (medium per tier); set by the cache manager when events are published.
+        # KV events (medium per tier); the engine sets them when it publishes events.
         self.on_stored, self.on_removed = on_stored, on_removed
 
     @property
