@@ -90,60 +90,14 @@ def start_envoy(config: Path, log: Path, port: int):  # noqa: ANN201 - a Popen
     return proc
 
 
-async def chat(
-    session: aiohttp.ClientSession, url: str, system: str, user: str, pin: str | None, n: int
-) -> dict:
-    body = {
-        "model": ROUTER_BENCH.MODEL,
-        "max_tokens": n,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-    }
-    start = time.perf_counter()
-    ttft, usage = None, {}
-    async with session.post(
-        url + "/v1/chat/completions", json=body, headers={DESTINATION: pin} if pin else {}
-    ) as resp:
-        if resp.status != 200:
-            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
-        pod = resp.headers.get("X-Kvpilot-Pod") or resp.headers.get("x-upstream-host")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if ttft is None and any(
-                (c.get("delta") or {}).get("content") for c in event.get("choices") or []
-            ):
-                ttft = time.perf_counter() - start
-    e2e = time.perf_counter() - start
-    return {
-        "pod": pod,
-        "ttft": ttft if ttft is not None else e2e,
-        "e2e": e2e,
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-    }
-
-
 async def run_load(url: str, work: list[tuple[str, str, str | None]], concurrency: int, n: int) -> list[dict]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for item in work:
-        queue.put_nowait(item)
-    results: list[dict] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+    """Each (system, user, pin) as a streamed chat; a pin sends it straight to that pod through Envoy."""
 
-        async def client() -> None:
-            while not queue.empty():
-                system, user, pin = queue.get_nowait()
-                results.append(await chat(session, url, system, user, pin, n))
+    def ask(session: aiohttp.ClientSession, w: tuple[str, str, str | None]):  # noqa: ANN202 - a coroutine
+        pin = {DESTINATION: w[2]} if w[2] else None
+        return benchkit.stream_chat(session, url, ROUTER_BENCH.MODEL, w[0], w[1], n, pin)
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results
+    return await benchkit.run_load(work, concurrency, ask)
 
 
 def picker_round_trips(port: int, work: list[tuple[str, str]], max_tokens: int) -> dict:

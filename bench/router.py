@@ -105,54 +105,10 @@ def launch(args: list[str], log: Path, url: str) -> subprocess.Popen:
     return benchkit.launch([sys.executable, "-m", "kvpilot", *args], log, url, 600, ready=synced)
 
 
-async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str, max_tokens: int) -> dict:
-    body = {
-        "model": MODEL,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-    }
-    start = time.perf_counter()
-    ttft, usage = None, {}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
-        pod = resp.headers.get("X-Kvpilot-Pod")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if ttft is None and any(
-                (c.get("delta") or {}).get("content") for c in event.get("choices") or []
-            ):
-                ttft = time.perf_counter() - start
-    return {
-        "pod": pod,
-        "ttft": ttft if ttft is not None else time.perf_counter() - start,
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-    }
-
-
 async def run_load(url: str, work: list[tuple[str, str]], concurrency: int, max_tokens: int) -> list[dict]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for item in work:
-        queue.put_nowait(item)
-    results: list[dict] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
-
-        async def client() -> None:
-            while not queue.empty():
-                system, user = queue.get_nowait()
-                results.append(await chat(session, url, system, user, max_tokens))
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results
+    return await benchkit.run_load(
+        work, concurrency, lambda s, w: benchkit.stream_chat(s, url, MODEL, w[0], w[1], max_tokens)
+    )
 
 
 async def fleet_reset(url: str) -> dict:

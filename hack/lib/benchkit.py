@@ -6,6 +6,7 @@ appends to sys.path), outside the kvpilot package and its image."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -13,9 +14,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import aiohttp
 
 from devcluster.procs import free_port, spawn, stop, wait_ready
 
@@ -116,3 +119,70 @@ def changed_checkpoint(original: Path, out: Path, seed: int = 22) -> Path:
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(original).save_pretrained(out)
     return out
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    system: str,
+    user: str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+) -> dict:
+    """One streamed chat completion as its client sees it: the pod that answered (kvpilot's router names it
+    in X-Kvpilot-Pod, Envoy in x-upstream-host), the time to its first content token (`ttft`; the whole
+    reply when none came) and to its end (`e2e`), its prompt and cached tokens. `{"error": ...}` for a
+    reply other than 200."""
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+    start = time.perf_counter()
+    ttft, usage = None, {}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as resp:
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+        pod = resp.headers.get("X-Kvpilot-Pod") or resp.headers.get("x-upstream-host")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if ttft is None and any(
+                (c.get("delta") or {}).get("content") for c in event.get("choices") or []
+            ):
+                ttft = time.perf_counter() - start
+    e2e = time.perf_counter() - start
+    return {
+        "pod": pod,
+        "ttft": ttft if ttft is not None else e2e,
+        "e2e": e2e,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
+
+
+async def run_load(
+    items: Sequence, concurrency: int, ask: Callable[[aiohttp.ClientSession, object], Awaitable[dict]]
+) -> list[dict]:
+    """`ask(session, item)` for every item, `concurrency` clients at a time sharing one session; the
+    results in the order they finished."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        queue.put_nowait(item)
+    results: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+
+        async def client() -> None:
+            while not queue.empty():
+                results.append(await ask(session, queue.get_nowait()))
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results
