@@ -5,6 +5,9 @@
   in flight across them.
 - Retries: transient failures (no connection, timeout, 5xx, 408/429) up to `retries_per_pod` times, busy
   answers (SGLang's 400 while requests run) until the deadline; both with exponential backoff and jitter.
+- A target's reset is its engine's calls in order (engines.py: SGLang's HiCache storage clear after its
+  flush), each retried until final; with `settings.verify`, a canary before and after proves the pod cold
+  (verify.py), and a pod that answered success but still serves the canary from cache Fails, StillWarm.
 - Every target ends with a final result by `deadline`; a `stop` event ends the fan-out early: no new calls
   start and calls in flight get `shutdown_grace_s` to finish, the others are left Pending (in doubt).
 - The caller's hooks, all optional: `pod_gone(target)` is asked before every call (so a token never goes to
@@ -21,15 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
+from kvpilot.fanout import verify
 from kvpilot.fanout.backoff import backoff_delay
-from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for
+from kvpilot.fanout.engines import Engine, Judgement, ResetCall, Verdict, engine_for
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
-from kvpilot.fanout.results import PodResult, initial_results
+from kvpilot.fanout.results import STILL_WARM, PodResult, initial_results
 from kvpilot.fanout.targets import FanoutSettings, Target, address
 
 log = logging.getLogger(__name__)
@@ -51,21 +58,135 @@ def _decide(res: PodResult, result: str, message: str, started: float, j: Judgem
         res.ranks = list(j.ranks) if j.ranks is not None else None
 
 
-async def _call(
-    pool: Pool, engine: Engine, ep: Endpoint, timeout: float, token: str | None
-) -> tuple[int, Judgement]:
-    """One reset call: (HTTP status or 0, verdict)."""
+async def _send(pool: Pool, ep: Endpoint, timeout: float, token: str | None) -> tuple[int, str]:
+    """One request: (HTTP status, reply text), or (0, why there is no reply)."""
     try:
         async with asyncio.timeout(timeout):
             status, body = await pool.request(ep)
     except TimeoutError:
-        return 0, Judgement(Verdict.TRANSIENT, f"no reply within {timeout:.1f}s")
+        return 0, f"no reply within {timeout:.1f}s"
     except OSError as exc:
-        return 0, Judgement(Verdict.TRANSIENT, f"cannot connect: {exc}")
+        return 0, f"cannot connect: {exc}"
     except ReplyError as exc:
         # a broken reply's message quotes the pod's first bytes: redacted like any reply text
-        return 0, Judgement(Verdict.TRANSIENT, reported(str(exc), (token,)))
-    return status, engine.judge(status, body.decode("utf-8", "replace"), token)
+        return 0, reported(str(exc), (token,))
+    return status, body.decode("utf-8", "replace")
+
+
+class _Gone(Exception):
+    """pod_gone said the target no longer counts (deleted, replaced, new IP): it is Skipped."""
+
+
+class _Pod:
+    """One target's calls: its address, the fan-out's pool, limiter, deadline and pod_gone check."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        res: PodResult,
+        settings: FanoutSettings,
+        deadline: float,
+        limiter: asyncio.Semaphore | None,
+        pod_gone: PodGone | None,
+    ) -> None:
+        assert res.target is not None
+        self.pool, self.settings, self.deadline, self.limiter = pool, settings, deadline, limiter
+        self.target, self.pod_gone = res.target, pod_gone
+        self.identity = res.target.uid or res.target.name
+        self.host, self.port, self.tls, self.prefix = address(res.target, settings)
+
+    def endpoint(
+        self, method: str, path: str, body: dict[str, Any] | None = None, headers: tuple[str, ...] = ()
+    ) -> Endpoint:
+        raw = json.dumps(body).encode() if body is not None else b""
+        return endpoint(
+            self.identity,
+            self.host,
+            self.port,
+            self.tls,
+            self.prefix + path,
+            method,
+            self.settings.token,
+            raw,
+            headers,
+        )
+
+    async def send(self, ep: Endpoint) -> tuple[int, str]:
+        """One call, after asking pod_gone (so a token never goes to an address the target no longer
+        holds); raises _Gone when it says the target no longer counts."""
+        if self.pod_gone is not None and (reason := await self.pod_gone(self.target)):
+            raise _Gone(reason)
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0.01:
+            return 0, f"not called: timeoutSeconds ({self.settings.timeout_s:g}s) passed"
+        async with self.limiter or contextlib.nullcontext():
+            return await _send(
+                self.pool, ep, min(self.settings.request_timeout_s, remaining), self.settings.token
+            )
+
+    async def ask(
+        self, method: str, path: str, body: dict[str, Any] | None, headers: tuple[str, ...]
+    ) -> tuple[int, str]:
+        return await self.send(self.endpoint(method, path, body, headers))
+
+    async def info(self, engine: Engine) -> dict[str, Any] | None:
+        """The engine's info reply (its tiers, its ranks), or None when no path answers a JSON object."""
+        for path in engine.info_paths:
+            status, text = await self.ask("GET", path, None, ())
+            if status == 200:
+                try:
+                    info = json.loads(text)
+                except ValueError:
+                    return None
+                return info if isinstance(info, dict) else None
+        return None
+
+
+async def _reset_call(
+    pod: _Pod,
+    res: PodResult,
+    engine: Engine,
+    call: ResetCall,
+    started: float,
+    on_call: OnCall,
+) -> Judgement | None:
+    """One call of the reset, retried until it is final: its successful judgement, or None once `res`
+    holds the target's final result (Failed, NotSupported); raises _Gone."""
+    settings = pod.settings
+    ep = pod.endpoint(call.method, call.path)  # prepared once; the connection is kept per pod (http1.Pool)
+    transient = busy = 0
+    last = ""
+    while True:
+        if pod.deadline - time.monotonic() <= 0.01:
+            why = f"; last: {last}" if last else ""
+            _decide(res, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
+            on_call(Verdict.FAILED.value, "deadline")
+            return None
+        res.attempts += 1
+        status, text = await pod.send(ep)
+        j = engine.judge(call, status, text, settings.token) if status else Judgement(Verdict.TRANSIENT, text)
+        res.http_status = status
+        on_call(j.verdict.value, str(status))
+        if j.verdict is Verdict.SUCCEEDED:
+            return j
+        if j.verdict is Verdict.NOT_SUPPORTED:
+            _decide(res, "NotSupported", j.message, started)
+            return None
+        if j.verdict is Verdict.FAILED:
+            _decide(res, "Failed", j.message, started)
+            return None
+        last = j.message
+        if j.verdict is Verdict.TRANSIENT:
+            transient += 1
+            if transient > settings.retries_per_pod:
+                gave_up = f"gave up after {res.attempts} attempts, retriesPerPod {settings.retries_per_pod}"
+                _decide(res, "Failed", f"{last} ({gave_up})", started)
+                return None
+        else:
+            busy += 1
+        n = transient if j.verdict is Verdict.TRANSIENT else busy
+        delay = backoff_delay(n, settings.backoff_base_s, settings.backoff_max_s)
+        await asyncio.sleep(max(0.0, min(delay, pod.deadline - time.monotonic())))
 
 
 async def _reset_one(
@@ -76,55 +197,50 @@ async def _reset_one(
     pod_gone: PodGone | None,
     limiter: asyncio.Semaphore | None,
     on_call: OnCall,
+    run_id: str,
 ) -> None:
-    """Call one target until it has a final result; `res` is updated in place."""
-    assert res.target is not None
+    """Reset one target (every call its engine needs, then the canary's check when asked) until it has a
+    final result; `res` is updated in place."""
     engine = engine_for(settings.engine)
     started = time.monotonic()
-    # The request is prepared once per target; its connection is kept per pod (http1.Pool).
-    host, port, tls, prefix = address(res.target, settings)
-    path = prefix + engine.path(settings.reset_running_requests)
-    ep = endpoint(res.target.uid or res.target.name, host, port, tls, path, engine.method, settings.token)
-    transient = busy = 0
-    last = ""
-    while True:
-        if pod_gone is not None and (reason := await pod_gone(res.target)):
-            _decide(res, "Skipped", reason, started)
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0.01:
-            why = f"; last: {last}" if last else ""
-            _decide(res, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
-            on_call(Verdict.FAILED.value, "deadline")
-            return
-        res.attempts += 1
-        async with limiter or contextlib.nullcontext():
-            status, j = await _call(
-                pool, engine, ep, min(settings.request_timeout_s, remaining), settings.token
-            )
-        res.http_status = status
-        on_call(j.verdict.value, str(status))
-        if j.verdict is Verdict.SUCCEEDED:
-            _decide(res, "Succeeded", j.message, started, j)
-            return
-        if j.verdict is Verdict.NOT_SUPPORTED:
-            _decide(res, "NotSupported", j.message, started)
-            return
-        if j.verdict is Verdict.FAILED:
-            _decide(res, "Failed", j.message, started)
-            return
-        last = j.message
-        if j.verdict is Verdict.TRANSIENT:
-            transient += 1
-            if transient > settings.retries_per_pod:
-                gave_up = f"gave up after {res.attempts} attempts, retriesPerPod {settings.retries_per_pod}"
-                _decide(res, "Failed", f"{last} ({gave_up})", started)
-                return
+    pod = _Pod(pool, res, settings, deadline, limiter, pod_gone)
+    try:
+        await _reset_checked(pod, res, engine, started, on_call, run_id)
+    except _Gone as gone:
+        _decide(res, "Skipped", str(gone), started)
+
+
+async def _reset_checked(
+    pod: _Pod, res: PodResult, engine: Engine, started: float, on_call: OnCall, run_id: str
+) -> None:
+    settings = pod.settings
+    # kvpilot's ranks matter only to the canary; SGLang's tiers decide the calls
+    wants_info = engine.info_paths and (settings.verify or engine.info_decides_calls)
+    info = await pod.info(engine) if wants_info else None
+    canary: verify.Canary | None = None
+    if settings.verify:
+        prepared = await verify.prepare(pod.ask, engine.name, engine.ranks(info), run_id, res.name)
+        if isinstance(prepared, verify.Canary):
+            canary = prepared
         else:
-            busy += 1
-        n = transient if j.verdict is Verdict.TRANSIENT else busy
-        delay = backoff_delay(n, settings.backoff_base_s, settings.backoff_max_s)
-        await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            res.verified, res.verify_message = prepared.verdict, prepared.message
+    judgement: Judgement | None = None
+    cleared: list[str] = []
+    for call in engine.calls(settings, info):
+        judgement = await _reset_call(pod, res, engine, call, started, on_call)
+        if judgement is None:
+            return
+        cleared += [t for t in judgement.tiers if t not in cleared]
+    res.cleared = cleared
+    assert judgement is not None
+    if canary is not None:
+        checked = await verify.check(pod.ask, canary, tuple(cleared))
+        res.verified, res.verify_message = checked.verdict, checked.message
+        if checked.verdict == verify.WARM:
+            _decide(res, "Failed", checked.message, started, judgement)
+            res.reason = STILL_WARM
+            return
+    _decide(res, "Succeeded", judgement.message, started, judgement)
 
 
 def _ignore_call(verdict: str, code: str) -> None:
@@ -165,6 +281,7 @@ async def run_fanout(
     on_call = on_call or _ignore_call
     # Idle connections for the window's worth of pods: a pod is called again only on a retry.
     pool = Pool(max_idle=settings.max_concurrency)
+    run_id = secrets.token_hex(6)  # names this fan-out's canaries (verify.py)
 
     async def worker() -> None:
         while not stop.is_set():
@@ -172,7 +289,7 @@ async def run_fanout(
                 res = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            await _reset_one(pool, res, settings, deadline, pod_gone, limiter, on_call)
+            await _reset_one(pool, res, settings, deadline, pod_gone, limiter, on_call, run_id)
 
     async def progress() -> None:
         while True:

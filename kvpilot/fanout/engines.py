@@ -2,9 +2,12 @@
 
 kvpilot: POST /reset_prefix_cache, JSON {"success": true, "epoch", "evicted_blocks", "ranks", ...}
          (docs/server.md, "POST /reset_prefix_cache").
-vLLM:    POST /reset_prefix_cache?reset_running_requests=..; success is read from the body when there is one
-         (a 200 with "success": false is a failure); 404 when the server runs without VLLM_SERVER_DEV_MODE=1.
-SGLang:  POST /flush_cache; 200 when flushed, 400 while requests are pending (busy: retried until the deadline).
+vLLM:    POST /reset_prefix_cache?reset_external=true[&reset_running_requests=true]; success is read from the
+         body when there is one (a 200 with "success": false is busy: retried until the deadline); 404 when
+         the server runs without VLLM_SERVER_DEV_MODE=1 (vLLM 0.32, serve/dev/cache/api_router.py).
+SGLang:  POST /flush_cache, then POST /clear_hicache_storage_backend when /get_server_info names a HiCache
+         storage backend; 200 when done, 400 while requests are pending or HiCache moves data (busy: retried
+         until the deadline) (SGLang 0.5.x, entrypoints/http_server.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
+from kvpilot.fanout.targets import FanoutSettings
 
 
 class Verdict(enum.Enum):
@@ -33,6 +37,7 @@ class Judgement:
     epoch: int | None = None
     evicted_blocks: int | None = None
     ranks: tuple[RankResult, ...] | None = None  # kvpilot: one entry per data-parallel rank
+    tiers: tuple[str, ...] = ()  # the cache tiers the call cleared
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -74,16 +79,34 @@ def error_message(status: int, text: str, token: str | None = None) -> str:
     return f"HTTP {status}"
 
 
+@dataclass(frozen=True, slots=True)
+class ResetCall:
+    """One call of an engine's reset, and the cache tiers it clears once it succeeds (the result's `cleared`)."""
+
+    path: str
+    tiers: tuple[str, ...]
+    method: str = "POST"
+
+
 class Engine:
     name = "base"
-    method = "POST"
+    # GETs, tried in order until one answers a JSON object, whose reply says which tiers and how many
+    # data-parallel ranks the pod runs; asked once per pod before its reset (empty: nothing to ask).
+    info_paths: tuple[str, ...] = ()
+    info_decides_calls = False  # True: the info is asked before every reset, not only to verify
 
-    def path(self, reset_running_requests: bool) -> str:
+    def ranks(self, info: dict[str, Any] | None) -> int:
+        """How many data-parallel ranks a canary must reach, each by vLLM's X-data-parallel-rank header;
+        1: the engine picks the rank (one canary)."""
+        return 1
+
+    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+        """The calls that reset every tier of one pod, in order; each is retried until it is final."""
         raise NotImplementedError
 
-    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
-        """The verdict on a reply (`text`: its first bytes, as much as the caller read); `token`, the one sent,
-        is redacted from anything reported."""
+    def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
+        """The verdict on a reply to `call` (`text`: its first bytes, as much as the caller read); `token`,
+        the one sent, is redacted from anything reported."""
         raise NotImplementedError
 
     def common(self, status: int, text: str, token: str | None) -> Judgement | None:
@@ -96,35 +119,58 @@ class Engine:
         return None
 
 
+def _query(path: str, **flags: bool) -> str:
+    on = [name for name, value in flags.items() if value]
+    return path + ("?" + "&".join(f"{name}=true" for name in on) if on else "")
+
+
 class KvpilotEngine(Engine):
     name = "kvpilot"
+    info_paths = ("/prefix_cache",)
 
-    def path(self, reset_running_requests: bool) -> str:
-        return "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
+    def ranks(self, info: dict[str, Any] | None) -> int:
+        listed = (info or {}).get("ranks")
+        return max(1, min(len(listed), 64)) if isinstance(listed, list) else 1
 
-    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
+    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+        # A kvpilot reset always clears every tier (pool, host, disk): reset_external is not needed. The
+        # tiers it cleared are those its reply counts in evicted_by_tier.
+        path = _query("/reset_prefix_cache", reset_running_requests=settings.reset_running_requests)
+        return [ResetCall(path, ())]
+
+    def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
         if (j := self.common(status, text, token)) is not None:
             return j
         body = _body_json(text)
         if not isinstance(body, dict) or body.get("success") is not True:
             what = "not JSON" if body is None else "without success: true"
             return Judgement(Verdict.FAILED, f"HTTP {status}: a reply {what} (not a kvpilot reset reply)")
+        by_tier = body.get("evicted_by_tier")
+        tiers = tuple(t for t in by_tier if isinstance(t, str)) if isinstance(by_tier, dict) else ("device",)
         return Judgement(
             Verdict.SUCCEEDED,
             "",
             epoch=_int_or_none(body.get("epoch")),
             evicted_blocks=_int_or_none(body.get("evicted_blocks")),
             ranks=_ranks(body),
+            tiers=tiers[:8],
         )
 
 
 class VllmEngine(Engine):
     name = "vllm"
 
-    def path(self, reset_running_requests: bool) -> str:
-        return "/reset_prefix_cache" + ("?reset_running_requests=true" if reset_running_requests else "")
+    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+        # reset_external=true also clears vLLM's CPU offload tier and its KV connectors (LMCache and
+        # others); without it vLLM answers success while those keep serving the old blocks (vLLM 57727).
+        path = _query(
+            "/reset_prefix_cache",
+            reset_running_requests=settings.reset_running_requests,
+            reset_external=settings.reset_external,
+        )
+        return [ResetCall(path, ("device", "external") if settings.reset_external else ("device",))]
 
-    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
+    def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
         if status == 404:
             return Judgement(
                 Verdict.NOT_SUPPORTED,
@@ -133,26 +179,42 @@ class VllmEngine(Engine):
         if (j := self.common(status, text, token)) is not None:
             return j
         body = _body_json(text)
-        # Older vLLM replies 200 with an empty body; newer ones may carry {"success": bool}. Either way a
-        # body that says it failed is a failure, whatever the status code.
+        # vLLM answers 200 {"success": false} while running requests still hold blocks ("callers may
+        # retry", says its docstring): busy, retried until the deadline, never a success.
         if isinstance(body, dict) and body.get("success") is False:
-            return Judgement(Verdict.FAILED, f"HTTP {status} with success: false (blocks still held)")
-        return Judgement(Verdict.SUCCEEDED, "vLLM reported success (it answers for rank 0 only)")
+            return Judgement(
+                Verdict.BUSY, f"HTTP {status} with success: false (running requests hold blocks)"
+            )
+        return Judgement(
+            Verdict.SUCCEEDED, "vLLM reported success (it answers for rank 0 only)", tiers=call.tiers
+        )
 
 
 class SglangEngine(Engine):
     name = "sglang"
+    info_paths = ("/server_info", "/get_server_info")  # the second before SGLang 0.5
+    info_decides_calls = True
 
-    def path(self, reset_running_requests: bool) -> str:
-        # SGLang has no equivalent of reset_running_requests: it refuses to flush while requests run.
-        return "/flush_cache"
+    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+        # /flush_cache resets the radix tree, and with HiCache its host pool; the storage tier (L3) needs
+        # its own call (SGLang 9750). SGLang has no equivalent of reset_running_requests: it refuses to
+        # flush while requests run.
+        info = info or {}
+        tiers = ("device", "host") if info.get("enable_hierarchical_cache") else ("device",)
+        calls = [ResetCall("/flush_cache", tiers)]
+        if info.get("hicache_storage_backend"):
+            calls.append(ResetCall("/clear_hicache_storage_backend", ("storage",)))
+        return calls
 
-    def judge(self, status: int, text: str, token: str | None = None) -> Judgement:
+    def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
         if status == 400:
-            return Judgement(Verdict.BUSY, "HTTP 400: not flushed while requests run or wait")
+            # /flush_cache: requests run or wait; the storage clear: HiCache is moving data (SGLang 21413).
+            return Judgement(
+                Verdict.BUSY, f"HTTP 400 from {call.path}: not flushed while requests run or data moves"
+            )
         if (j := self.common(status, text, token)) is not None:
             return j
-        return Judgement(Verdict.SUCCEEDED, "SGLang reported the cache flushed")
+        return Judgement(Verdict.SUCCEEDED, "SGLang reported the cache flushed", tiers=call.tiers)
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (KvpilotEngine(), VllmEngine(), SglangEngine())}

@@ -1,4 +1,5 @@
-"""The fan-out's HTTP/1.1 client: one bodiless request per call, keep-alive per pod, replies read up to a bound.
+"""The fan-out's HTTP/1.1 client: one small request per call (a reset, or a canary's JSON body), keep-alive
+per pod, replies read up to a bound.
 
 Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and aiohttp's per-request
 machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost several
@@ -51,19 +52,30 @@ def header_value_ok(value: str) -> bool:
 
 
 def endpoint(
-    identity: str, host: str, port: int, tls: bool, path: str, method: str, token: str | None
+    identity: str,
+    host: str,
+    port: int,
+    tls: bool,
+    path: str,
+    method: str,
+    token: str | None,
+    json_body: bytes = b"",
+    headers: tuple[str, ...] = (),
 ) -> Endpoint:
-    """The endpoint of one target (`identity`: its pod uid or name); the token must be `header_value_ok`."""
+    """The endpoint of one target (`identity`: its pod uid or name); the token must be `header_value_ok`.
+    `json_body`: a JSON request body (a verification canary); `headers`: more "Name: value" lines."""
     netloc = f"[{host}]" if ":" in host else host  # IPv6
     head = [
         f"{method} {path} HTTP/1.1",
         f"Host: {netloc}:{port}",
         "User-Agent: kvpilot-fanout",
-        "Content-Length: 0",
+        f"Content-Length: {len(json_body)}",
+        *(["Content-Type: application/json"] if json_body else []),
+        *headers,
     ]
     if token:
         head.append(f"Authorization: Bearer {token}")
-    request = ("\r\n".join(head) + "\r\n\r\n").encode("ascii")
+    request = ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + json_body
     return Endpoint((identity, host, port, tls), host, port, tls, request)
 
 

@@ -20,6 +20,11 @@ class RankResult:
     evicted_blocks: int | None = None
 
 
+STILL_WARM = (
+    "StillWarm"  # PodResult.reason: the pod said it reset, and its canary was still served from cache
+)
+
+
 @dataclass(slots=True)
 class PodResult:
     """The result of one target; `result` is Pending until it is final (Succeeded, Failed, Skipped or
@@ -36,6 +41,10 @@ class PodResult:
     message: str = ""
     duration_s: float | None = None
     ranks: list[RankResult] | None = None  # as the pod reported them; None: it reported none
+    cleared: list[str] = field(default_factory=list)  # the cache tiers its engine says the reset cleared
+    verified: str | None = None  # cold, warm or unknown (verify.py); None: not asked
+    verify_message: str = ""  # how it was verified, or why it could not be
+    reason: str = ""  # a machine-readable cause of a failure (STILL_WARM); empty otherwise
     target: Target | None = field(default=None, repr=False, compare=False)
 
 

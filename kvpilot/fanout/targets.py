@@ -24,6 +24,8 @@ class FanoutSettings:
     port: int = 8000
     token: str | None = None
     reset_running_requests: bool = False
+    reset_external: bool = True  # vLLM: clear its offload tier and KV connectors too (engines.py)
+    verify: bool = False  # prove each pod cold with a canary prompt (verify.py)
     timeout_s: float = 60.0
     request_timeout_s: float = 10.0
     max_concurrency: int = 64
