@@ -37,7 +37,10 @@ class Judgement:
     epoch: int | None = None
     evicted_blocks: int | None = None
     ranks: tuple[RankResult, ...] | None = None  # kvpilot: one entry per data-parallel rank
-    tiers: tuple[str, ...] = ()  # the cache tiers the call cleared
+    tiers: tuple[
+        str, ...
+    ] = ()  # the cache tiers the call cleared, named as kvpilot names its own: pool, host,
+    # disk; external (vLLM's offload tier and KV connectors), storage (SGLang's HiCache L3)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -146,7 +149,7 @@ class KvpilotEngine(Engine):
             what = "not JSON" if body is None else "without success: true"
             return Judgement(Verdict.FAILED, f"HTTP {status}: a reply {what} (not a kvpilot reset reply)")
         by_tier = body.get("evicted_by_tier")
-        tiers = tuple(t for t in by_tier if isinstance(t, str)) if isinstance(by_tier, dict) else ("device",)
+        tiers = tuple(t for t in by_tier if isinstance(t, str)) if isinstance(by_tier, dict) else ("pool",)
         return Judgement(
             Verdict.SUCCEEDED,
             "",
@@ -168,7 +171,7 @@ class VllmEngine(Engine):
             reset_running_requests=settings.reset_running_requests,
             reset_external=settings.reset_external,
         )
-        return [ResetCall(path, ("device", "external") if settings.reset_external else ("device",))]
+        return [ResetCall(path, ("pool", "external") if settings.reset_external else ("pool",))]
 
     def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
         if status == 404:
@@ -200,7 +203,7 @@ class SglangEngine(Engine):
         # its own call (SGLang 9750). SGLang has no equivalent of reset_running_requests: it refuses to
         # flush while requests run.
         info = info or {}
-        tiers = ("device", "host") if info.get("enable_hierarchical_cache") else ("device",)
+        tiers = ("pool", "host") if info.get("enable_hierarchical_cache") else ("pool",)
         calls = [ResetCall("/flush_cache", tiers)]
         if info.get("hicache_storage_backend"):
             calls.append(ResetCall("/clear_hicache_storage_backend", ("storage",)))

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 COLD, WARM, UNKNOWN = "cold", "warm", "unknown"
-CANARY_WORDS = 96  # 8 hex digits each: 400 to 600 tokens with the tokenizers tried, >= 3 vLLM CPU blocks
+# Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
+# model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
+# CPU blocks (128 tokens) and stay under a 512-token context.
+CANARY_WORDS = 300
+_VOCABULARY = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city name team"
+).split()
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's, which kvpilot's daemon reads too
 SALTED_ENGINES = ("kvpilot", "vllm")  # SGLang's completions take no cache_salt
 
@@ -56,8 +65,11 @@ class Verification:
 
 
 def canary_prompt(run_id: str, pod: str) -> str:
-    """A prompt no one else sends: words derived from this reset's id and the pod's name."""
-    words = (hashlib.sha256(f"{run_id}/{pod}/{i}".encode()).hexdigest()[:8] for i in range(CANARY_WORDS))
+    """A prompt no one else sends: words drawn by a hash of this reset's id and the pod's name."""
+    stream = b"".join(
+        hashlib.sha256(f"{run_id}/{pod}/{i}".encode()).digest() for i in range(CANARY_WORDS // 32 + 1)
+    )
+    words = (_VOCABULARY[b % len(_VOCABULARY)] for b in stream[:CANARY_WORDS])
     return "kvpilot verification canary: " + " ".join(words)
 
 
