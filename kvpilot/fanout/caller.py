@@ -162,8 +162,8 @@ async def _reset_call(
             _decide(res, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
             on_call(Verdict.FAILED.value, "deadline")
             return None
+        status, text = await pod.send(ep)  # raises _Gone before calling a pod that no longer counts
         res.attempts += 1
-        status, text = await pod.send(ep)
         j = engine.judge(call, status, text, settings.token) if status else Judgement(Verdict.TRANSIENT, text)
         res.http_status = status
         on_call(j.verdict.value, str(status))

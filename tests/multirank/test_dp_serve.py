@@ -118,6 +118,21 @@ def test_fleet_fanout_records_every_rank(dp_server: Server) -> None:
     ]
 
 
+def test_verification_sends_a_canary_to_every_rank(dp_server: Server) -> None:
+    """A verified reset of a DP pod proves each rank cold: the canary reaches every rank (by vLLM's
+    X-data-parallel-rank header), is served from each rank's cache before the reset, and from none after."""
+    before = dp_server.cache()["ranks"]
+    settings = FanoutSettings(token=ADMIN_TOKEN, timeout_s=120, verify=True)
+    [rec] = asyncio.run(run_fanout([Target("dp-pod", url=dp_server.url)], settings))
+    after = dp_server.cache()["ranks"]
+    assert rec.result == "Succeeded" and rec.verified == "cold", rec
+    assert "on 2 rank(s)" in rec.verify_message and rec.cleared == ["pool"], rec
+    for b, a in zip(before, after, strict=True):
+        # three canaries per rank: fill, hit (before the reset), check (after it, cold)
+        assert a["query_tokens"] - b["query_tokens"] >= 3 * 250, (b, a)
+        assert a["hit_tokens"] - b["hit_tokens"] >= 250, (b, a)
+
+
 def test_gaie_gauges_have_one_series_per_rank(dp_server: Server) -> None:
     """vllm:* gauges (GAIE's model-server protocol) carry vLLM's `engine` label per rank, each equal to the
     kvpilot_* gauge's `rank` series of the same scrape, while a request decodes on one rank."""

@@ -24,15 +24,17 @@ class Standin:
     engine: str = "kvpilot"
     reset_status: int = 200
     delay: float = 0.0  # seconds between applying a reset and replying
-    busy_times: int = 0  # sglang: replies "not flushed, pending requests" this many times first
+    # sglang: replies "not flushed, pending requests" this many times first; vllm: {"success": false}, as
+    # vLLM 0.32 answers while running requests hold blocks
+    busy_times: int = 0
     token: str | None = None
-    body_success: bool = True  # vllm: False replies {"success": false}
     # A broken pod's replies to a reset: "echo-headers" answers 400 with the request's headers (as a debug
     # server might), "big" answers 500 with a 2 MiB body, "endless" 500 with a body that never ends; ""
     # answers as the engine does.
     reply: str = ""
     epoch: int = field(default=0, init=False)
     calls: int = field(default=0, init=False)  # reset calls received
+    asked: list[str] = field(default_factory=list, init=False)  # each reset call's path and query
     resets: int = field(default=0, init=False)  # resets applied
     inflight: int = field(default=0, init=False)
     max_inflight: int = field(default=0, init=False)
@@ -42,6 +44,7 @@ class Standin:
 
     async def reset(self, request: web.Request) -> web.Response:
         self.calls += 1
+        self.asked.append(request.path_qs)
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
@@ -75,6 +78,9 @@ class Standin:
             return web.Response(
                 text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
             )
+        if self.engine == "vllm" and self.busy_times > 0:
+            self.busy_times -= 1
+            return web.json_response({"success": False})
         if self.reset_status != 200:
             msg = {501: "this engine has no prefix cache to reset", 503: "the engine is not running"}
             return web.json_response(
@@ -94,11 +100,7 @@ class Standin:
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.engine == "vllm":
-            return (
-                web.json_response({"success": self.body_success})
-                if not self.body_success
-                else web.Response(status=200)
-            )
+            return web.json_response({"success": True})
         return web.json_response(
             {
                 "success": True,

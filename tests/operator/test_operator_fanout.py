@@ -109,13 +109,21 @@ def test_admin_token_is_sent() -> None:
     assert records[0].result == "Succeeded" and s[0].resets == 1
 
 
-def test_vllm_success_is_read_from_the_body() -> None:
-    s = [Standin(engine="vllm"), Standin(engine="vllm", body_success=False)]
-    records, _ = run(s, engine="vllm")
+def test_vllm_success_false_is_busy_until_it_resets_or_the_deadline() -> None:
+    """vLLM's 200 {"success": false} (running requests hold blocks; "callers may retry") is retried
+    until the deadline without counting against retriesPerPod, never taken as a success."""
+    s = [Standin(engine="vllm", busy_times=3), Standin(engine="vllm", busy_times=10**6)]
+    records, _ = run(
+        s, engine="vllm", retries_per_pod=0, backoff_base_s=0.02, backoff_max_s=0.2, timeout_s=2.0
+    )
     r = by_name(records)
-    assert r["pod-0"]["result"] == "Succeeded"
+    assert r["pod-0"]["result"] == "Succeeded" and r["pod-0"]["attempts"] == 4
     assert r["pod-1"]["result"] == "Failed" and r["pod-1"]["httpStatus"] == 200
-    assert "success: false" in r["pod-1"]["message"]
+    assert "timeoutSeconds" in r["pod-1"]["message"] and "success: false" in r["pod-1"]["message"]
+    assert s[0].resets == 1 and s[1].resets == 0
+    # reset_external=true by default: vLLM's offload tier and connectors are cleared too (vLLM 57727)
+    assert set(s[0].asked) == {"/reset_prefix_cache?reset_external=true"}
+    assert records[0].name == "pod-0" and records[0].cleared == ["pool", "external"]
 
 
 def test_sglang_busy_backs_off_until_it_flushes_or_the_deadline() -> None:
