@@ -753,13 +753,11 @@ def test_two_replicas_never_both_act(cluster: Cluster, ns: str, operator: Operat
             operator.start()
 
 
-def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
-    """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster."""
-    apply_ns(
-        cluster,
-        ns,
-        standin_deployment("vllm", 1, {"engine": "vllm"}, [{"name": "STANDIN_ENGINE", "value": "vllm"}]),
-    )
+def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster;
+    a vLLM with a CPU offload tier verified cold with resetExternal, and StillWarm without it (vLLM 57727)."""
+    vllm_env = [{"name": "STANDIN_ENGINE", "value": "vllm"}, {"name": "STANDIN_OFFLOAD", "value": "1"}]
+    apply_ns(cluster, ns, standin_deployment("vllm", 1, {"engine": "vllm"}, vllm_env))
     apply_ns(
         cluster,
         ns,
@@ -788,6 +786,32 @@ def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
     )
     v = wait_phase(cluster, ns, "v", 30)["status"]
     assert v["phase"] == "Succeeded" and v["pods"][0]["httpStatus"] == 200 and v["pods"][0]["attempts"] == 1
+    assert (v["pods"][0]["verified"], v["pods"][0]["cleared"], v["verified"]) == (
+        "cold",
+        ["pool", "external"],
+        "1/1",
+    )
+    # without reset_external the offload tier keeps serving the canary: the pod said success and Fails warm
+    warm_before = operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="warm")
+    kept = {"selector": {"matchLabels": {"engine": "vllm"}}, "engine": "vllm", "resetExternal": False}
+    apply_ns(cluster, ns, pcr("v-kept", kept))
+    k = wait_phase(cluster, ns, "v-kept", 30)["status"]
+    pod = k["pods"][0]
+    assert (k["phase"], pod["result"], pod["reason"], pod["verified"]) == (
+        "Failed",
+        "Failed",
+        "StillWarm",
+        "warm",
+    )
+    assert pod["cleared"] == ["pool"] and "served" in pod["message"] and k["verified"] == "0/1", k
+    verified = next(c for c in k["conditions"] if c["type"] == "Verified")
+    assert (verified["status"], verified["reason"]) == ("False", "StillWarm") and pod["name"] in verified[
+        "message"
+    ]
+    assert (
+        operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="warm")
+        == warm_before + 1
+    )
     s = wait_phase(cluster, ns, "s", 40)["status"]
     # two busy 400s are retried although retriesPerPod is 0; the third call flushes
     assert (
