@@ -68,7 +68,7 @@ def _said_success(r: PodResult) -> bool:
 
 
 def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str, Any]:
-    """status.verified ("cold/said success", or "off") and the verdict counts, for kubectl get and alerts."""
+    """status.verified ("cold/said success", or "off") and the verdict counts, for kubectl get."""
     if not verify:
         return {"verified": "off"}
     verdicts = [r.verified for r in results]
