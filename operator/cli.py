@@ -65,6 +65,18 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also preempt running requests (no pre-reset KV used afterwards)",
     )
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the canary that proves each pod cold (spec.verify: false)",
+    )
+    p.add_argument(
+        "--no-reset-external",
+        dest="reset_external",
+        action="store_false",
+        help="vLLM: leave its CPU offload tier and KV connectors as they are (spec.resetExternal: false)",
+    )
     add_timeout_seconds(p, "the whole reset", RESET_TIMEOUT_S)
     p.add_argument(
         "--max-concurrency",
@@ -86,6 +98,10 @@ def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {"targetRef": {"name": name}}
     if args.reset_running_requests:
         spec["resetRunningRequests"] = True
+    if not args.verify:
+        spec["verify"] = False
+    if not args.reset_external:
+        spec["resetExternal"] = False
     if args.timeout_seconds is not None:
         spec["timeoutSeconds"] = args.timeout_seconds
     if args.max_concurrency is not None:
@@ -111,13 +127,20 @@ def describe_pod(p: dict[str, Any]) -> str:
         parts.append(p["message"])
     if p.get("durationSeconds") is not None:
         parts.append(f"({p['durationSeconds']:.3f}s, {p.get('attempts', 0)} attempts)")
+    verified = p.get("verified")
+    if verified == "unknown":  # why it could not be verified; a warm pod's message already says what served
+        parts.append(f"verified unknown: {p.get('verification', '')}")
+    elif verified:
+        parts.append(f"verified {verified}")
     return " ".join(parts)
 
 
 def _reset_progress(st: dict[str, Any]) -> str:
     if st.get("targets") is None:
         return ""
-    return f"{st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
+    line = f"{st.get('progress', '0/0')} pods reset, {st.get('failed', 0)} failed, {st.get('skipped', 0)} skipped"
+    verified = st.get("verified")
+    return line + (f", {verified} verified cold" if verified and verified != "off" else "")
 
 
 def _reset_pod_key(p: dict[str, Any], done: bool) -> str | None:
@@ -136,6 +159,7 @@ RESET = Followed(
     _reset_pod_key,
     describe_pod,
     ResetSpec,
+    reported=("Verified",),
 )
 
 

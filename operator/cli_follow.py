@@ -25,6 +25,8 @@ class Followed:
     pod_key: Callable[[dict[str, Any], bool], str | None]
     describe_pod: Callable[[dict[str, Any]], str]
     spec: type[ResetSpec | WeightUpdateSpec]  # its spec, typed: --wait's default limit is its timeoutSeconds
+    # conditions shown whatever their status, before the final line (a reset's Verified)
+    reported: tuple[str, ...] = ()
 
 
 def api_error(exc: Exception) -> str:
@@ -74,7 +76,15 @@ def follow(
         if done:
             if st.get("podsOmitted"):
                 print(f"  ... {st['podsOmitted']} more pods (status keeps 100 entries)", file=out, flush=True)
-            cond = next((c for c in st.get("conditions") or [] if c.get("status") == "True"), {})
+            conds = st.get("conditions") or []
+            for c in conds:
+                if c.get("type") in what.reported:
+                    print(
+                        f"{c['type']} {c.get('status')}: {c.get('reason', '')}: {c.get('message', '')}",
+                        file=out,
+                    )
+            ended = [c for c in conds if c.get("status") == "True" and c.get("type") not in what.reported]
+            cond = ended[0] if ended else {}
             print(f"{phase}: {cond.get('reason', '')}: {cond.get('message', '')}", file=out, flush=True)
             return 0 if phase == what.done[0] else 1
         time.sleep(0.5)

@@ -3,11 +3,13 @@ docs/metrics.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvpilot.build_info import register_build_info
+from kvpilot.fanout import PodResult
 
 REGISTRY = CollectorRegistry()
 _P = "kvpilot_operator_"
@@ -33,6 +35,13 @@ POD_REQUESTS = _metric(
     "HTTP reset calls to pods, by verdict and HTTP code (0: no reply)",
     "result",
     "code",
+)
+VERIFICATIONS = _metric(
+    Counter,
+    "reset_verifications_total",
+    "Pods of finished PrefixCacheResets verified by a canary, by verdict (cold, warm, unknown)",
+    "namespace",
+    "verdict",
 )
 RESET_PODS = _metric(
     Gauge, "reset_pods", "Pods per result of recent PrefixCacheResets", "namespace", "reset", "result"
@@ -114,6 +123,13 @@ def record_reset_pods(namespace: str, reset: str, counts: dict[str, int]) -> Non
                 RESET_PODS.remove(ns, name, result)
             except KeyError:
                 pass
+
+
+def count_verifications(namespace: str, records: Sequence[PodResult]) -> None:
+    """One per pod with a verdict, when its reset ends (so a restarted fan-out counts once)."""
+    for r in records:
+        if r.verified is not None:
+            VERIFICATIONS.labels(namespace, r.verified).inc()
 
 
 def count_pod_call(verdict: str, code: str) -> None:

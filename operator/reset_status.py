@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpilot.fanout import PodResult, RankResult
+from kvpilot.fanout.results import STILL_WARM
+from kvpilot.fanout.verify import COLD, UNKNOWN, WARM
 
 MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
 MAX_RANKS = (
@@ -51,22 +53,75 @@ def pod_entry(result: PodResult) -> dict[str, Any]:
         "message": result.message,
         "durationSeconds": result.duration_s,
         "ranks": ranks,
+        "reason": result.reason,
+        "cleared": result.cleared or None,
+        "verified": result.verified,
+        "verification": result.verify_message,
     }
     out.update((key, value) for key, value in optional.items() if value not in (None, ""))
     return out
 
 
-def pod_status(results: Sequence[PodResult]) -> dict[str, Any]:
-    """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries."""
+def _said_success(r: PodResult) -> bool:
+    """The pod's reset said success: Succeeded, or Failed only because its canary was still warm."""
+    return r.result == "Succeeded" or r.reason == STILL_WARM
+
+
+def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str, Any]:
+    """status.verified ("cold/said success", or "off") and the verdict counts, for kubectl get."""
+    if not verify:
+        return {"verified": "off"}
+    verdicts = [r.verified for r in results]
+    said = sum(1 for r in results if _said_success(r))
+    return {
+        "verified": f"{verdicts.count(COLD)}/{said}",
+        "verifiedCold": verdicts.count(COLD),
+        "verifiedWarm": verdicts.count(WARM),
+        "verifiedUnknown": verdicts.count(UNKNOWN),
+    }
+
+
+def pod_status(results: Sequence[PodResult], verify: bool = False) -> dict[str, Any]:
+    """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries;
+    `verify`: the reset's spec.verify, for the verification counts."""
     counts = summarize(results)
     order = {"Failed": 0, "NotSupported": 1, "Skipped": 2, "Pending": 3, "Succeeded": 4}
     shown = sorted(results, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
     return {
         **counts,
         "progress": f"{counts['succeeded']}/{counts['targets']}",
+        **verification_counts(results, verify),
         "pods": [pod_entry(r) for r in shown],
         "podsOmitted": len(results) - len(shown),
     }
+
+
+def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[str, str, str]:
+    """(status, reason, message) of the Verified condition of a finished reset. Only pods whose reset said
+    success count: a pod that failed or was skipped is the Complete/Failed condition's business."""
+    if not verify:
+        return "Unknown", "VerificationOff", "spec.verify is false: no pod was verified"
+    said = [r for r in results if _said_success(r)]
+    if not said:
+        return "Unknown", "NothingVerified", "no pod's reset succeeded, so none was verified"
+    warm = [r for r in said if r.verified == WARM]
+    if warm:
+        return (
+            "False",
+            STILL_WARM,
+            f"{len(warm)}/{len(said)} pods still served their canary from cache after their reset said "
+            f"success: {_names([r.name for r in warm])}; {warm[0].name}: {warm[0].verify_message}",
+        )
+    unsure = [r for r in said if r.verified != COLD]
+    if unsure:
+        why = unsure[0].verify_message or "not verified"
+        return (
+            "Unknown",
+            "NotVerified",
+            f"{len(said) - len(unsure)}/{len(said)} pods verified cold; not verified: "
+            f"{_names([r.name for r in unsure])}; {unsure[0].name}: {why}",
+        )
+    return "True", "AllCold", f"{len(said)}/{len(said)} pods verified cold: each canary found nothing cached"
 
 
 MAX_NAMED = 5  # pods named in a condition message, per list: the rest are counted (status.pods has them)

@@ -33,7 +33,7 @@ from kvpilot.operator.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.fleet_targets import Plan, fleet_plan, pod_target, read_fleet, secret_token
 from kvpilot.operator.kube import ApiException, Kube
 from kvpilot.operator.podwatch import PodWatch, identity
-from kvpilot.operator.reset_status import pod_status, skipped_note, summarize
+from kvpilot.operator.reset_status import pod_status, skipped_note, summarize, verified_condition
 from kvpilot.operator.retries import RunFailure, with_retries
 from kvpilot.operator.specs import FleetSpec, ResetSpec
 
@@ -114,6 +114,8 @@ def settings_for(spec: ResetSpec, plan: Plan) -> FanoutSettings:
         port=plan.port,
         token=plan.token,
         reset_running_requests=spec.reset_running_requests,
+        reset_external=spec.reset_external,
+        verify=spec.verify,
         timeout_s=float(spec.timeout_seconds),
         request_timeout_s=float(spec.request_timeout_seconds or min(10, spec.timeout_seconds)),
         max_concurrency=spec.max_concurrency,
@@ -240,10 +242,12 @@ async def _run(
         if spec.reset_running_requests:  # at-most-once: recorded before any call, or no call at all
             await progress.settle()
             await with_retries(
-                "status", lambda: _patch(kube, ns, name, {**running, **pod_status(before)}), deadline
+                "status",
+                lambda: _patch(kube, ns, name, {**running, **pod_status(before, spec.verify)}),
+                deadline,
             )
         else:  # progress for people only: the calls do not wait for it
-            progress.write({**running, **pod_status(before)}, "Running")
+            progress.write({**running, **pod_status(before, spec.verify)}, "Running")
         kopf.event(
             obj,
             type="Normal",
@@ -258,7 +262,7 @@ async def _run(
                 deadline=deadline,
                 # shielded: when the fan-out ends it cancels its progress task, not a write on its way
                 checkpoint=lambda now: asyncio.shield(
-                    progress.write({**running, **pod_status(now)}, "progress")
+                    progress.write({**running, **pod_status(now, spec.verify)}, "progress")
                 ),
                 pod_gone=watch.gone,  # asked before every call
                 limiter=limiter,
@@ -319,12 +323,15 @@ async def _finish(
     gen = obj["metadata"].get("generation") or 1
     conds = (obj.get("status") or {}).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
+    # after Complete/Failed: readers that take the first True condition (kubectl describe, scripts) see the end
+    conds = set_condition(conds, "Verified", *verified_condition(records or [], spec.verify), gen)
     end = now_iso()
     kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
     metrics.RESETS.labels(ns, phase).inc()
     if (t0 := parse_time(start)) is not None:
         metrics.RESET_DURATION.observe(max(0.0, time.time() - t0))
     metrics.record_reset_pods(ns, name, summarize(records or []))
+    metrics.count_verifications(ns, records or [])
     if spec.target_ref:
         target = spec.target_ref.name
         try:
@@ -342,7 +349,7 @@ async def _finish(
         "startTime": start,
         "conditions": conds,
         "observedGeneration": gen,
-        **(pod_status(records) if records is not None else {}),
+        **(pod_status(records, spec.verify) if records is not None else {}),
     }
     # 401/403 are retried too: a kube-apiserver that has just restarted answers them until its authenticator
     # and RBAC caches are filled, and giving up here would make kopf run the whole reset again a minute later.

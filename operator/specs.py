@@ -118,6 +118,8 @@ class ResetSpec(_Spec):
     engine: Literal["kvpilot", "vllm", "sglang"] = "kvpilot"
     port: int | None = None
     reset_running_requests: bool = False
+    reset_external: bool = True
+    verify: bool = True
     timeout_seconds: int = 60
     request_timeout_seconds: int | None = None
     max_concurrency: int = 64

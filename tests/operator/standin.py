@@ -1,5 +1,9 @@
 """Small stand-in servers that speak the documented reset replies of kvpilot, vLLM and SGLang.
 
+With `offload` (STANDIN_OFFLOAD=1) a stand-in also serves completions whose usage counts the prompt as cached
+when it was seen since the cache was last cleared, from a pool and a CPU offload tier, as vLLM 0.32 does: its
+POST /reset_prefix_cache clears the pool, and the offload tier only with reset_external=true (vLLM 57727).
+
 Used in-process by the unit tests and as a pod's command by the cluster tests (a daemon where the model
 is not the point): `python standin.py --engine kvpilot --host $(POD_IP) --port 8000 [--reset-status 500]`.
 Every reset call is counted (GET /calls) so tests can prove that no pod was reset twice.
@@ -32,6 +36,9 @@ class Standin:
     # server might), "big" answers 500 with a 2 MiB body, "endless" 500 with a body that never ends; ""
     # answers as the engine does.
     reply: str = ""
+    offload: bool = False  # serve completions from a pool and an offload tier (the module's docstring)
+    pool: set[str] = field(default_factory=set, init=False)  # (cache_salt, prompt) keys the pool holds
+    offloaded: set[str] = field(default_factory=set, init=False)  # and the offload tier
     epoch: int = field(default=0, init=False)
     calls: int = field(default=0, init=False)  # reset calls received
     asked: list[str] = field(default_factory=list, init=False)  # each reset call's path and query
@@ -96,6 +103,9 @@ class Standin:
             )
         # Applied on receipt, replied after `delay`: a caller killed meanwhile leaves a reset that happened.
         self.resets += 1
+        self.pool.clear()
+        if request.query.get("reset_external") == "true" or self.engine != "vllm":
+            self.offloaded.clear()
         self.epoch += 1
         if self.delay:
             await asyncio.sleep(self.delay)
@@ -112,6 +122,20 @@ class Standin:
                 "ranks": [{"rank": 0, "success": True}],
             }
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "standin", "object": "model"}]})
+
+    async def completion(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        key = json.dumps([body.get("cache_salt"), body["prompt"]])
+        tokens = len(body["prompt"].split())
+        cached = tokens if key in self.pool or key in self.offloaded else 0
+        self.pool.add(key)
+        self.offloaded.add(key)
+        usage = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return web.json_response({"object": "text_completion", "choices": [{"text": " x"}], "usage": usage})
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"epoch": self.epoch, "blocks_total": 64})
@@ -136,6 +160,9 @@ class Standin:
         app.router.add_get("/prefix_cache", self.stats)
         app.router.add_get("/calls", self.calls_)
         app.router.add_get("/health", self.health)
+        if self.offload:
+            app.router.add_get("/v1/models", self.models)
+            app.router.add_post("/v1/completions", self.completion)
         return app
 
 
@@ -158,6 +185,7 @@ def main() -> None:
         int(os.environ.get("STANDIN_BUSY_TIMES", a.busy_times)),
         token,
         reply=os.environ.get("STANDIN_REPLY", ""),
+        offload=os.environ.get("STANDIN_OFFLOAD") == "1",
     )
     print(json.dumps(vars(a)), flush=True)
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)

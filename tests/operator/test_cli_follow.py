@@ -74,3 +74,42 @@ def test_reset_prints_successes_only_at_the_end() -> None:
     assert rc == 1
     first_a = next(i for i, line in enumerate(text.splitlines()) if line.lstrip().startswith("a "))
     assert first_a > text.splitlines().index("phase Failed: 2/2 pods reset, 1 failed, 0 skipped")
+
+
+def test_reset_shows_verdicts_and_the_verified_condition_before_its_end() -> None:
+    pods = [
+        {"name": "a", "result": "Succeeded", "epoch": 2, "verified": "cold"},
+        {
+            "name": "b",
+            "result": "Failed",
+            "reason": "StillWarm",
+            "verified": "warm",
+            "message": "b served 300",
+        },
+    ]
+    done = {
+        "phase": "Failed",
+        "targets": 2,
+        "progress": "1/2",
+        "failed": 1,
+        "verified": "1/2",
+        "pods": pods,
+        "conditions": [  # Verified first: the final line is still the reset's end
+            {
+                "type": "Verified",
+                "status": "False",
+                "reason": "StillWarm",
+                "message": "1/2 pods still served",
+            },
+            {"type": "Failed", "status": "True", "reason": "PodsFailed", "message": "1/2 pods reset"},
+        ],
+    }
+    rc, text = run(RESET, done)
+    lines = text.splitlines()
+    assert rc == 1 and lines[0] == "phase Failed: 1/2 pods reset, 1 failed, 0 skipped, 1/2 verified cold"
+    assert any(line.lstrip().startswith("a ") and line.endswith("verified cold") for line in lines)
+    assert any(line.lstrip().startswith("b ") and "b served 300 verified warm" in line for line in lines)
+    assert lines[-2:] == [
+        "Verified False: StillWarm: 1/2 pods still served",
+        "Failed: PodsFailed: 1/2 pods reset",
+    ]

@@ -103,6 +103,7 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
         epochs[name] = http("GET", f"http://{ip}:8000/prefix_cache")["epoch"]
     resets_before = operator.metric("kvpilot_operator_resets_total", namespace=ns, result="Succeeded")
     calls_before = operator.metric("kvpilot_operator_reset_pod_requests_total", result="Succeeded")
+    cold_before = operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="cold")
 
     apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "llm"}}))
     cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", ns, "--timeout=120s")
@@ -115,9 +116,15 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
         0,
         "3/3",
     )
+    # spec.verify by default: each pod's canary was served from cache before the reset, and not after it
+    assert (st["verified"], st["verifiedCold"], st["verifiedWarm"], st["verifiedUnknown"]) == ("3/3", 3, 0, 0)
+    verified = next(c for c in st["conditions"] if c["type"] == "Verified")
+    assert (verified["status"], verified["reason"]) == ("True", "AllCold"), verified
     for name, ip in pods.items():
         rec = pods_by_name(r)[name]
         assert rec["result"] == "Succeeded" and rec["httpStatus"] == 200 and rec["attempts"] == 1
+        assert rec["verified"] == "cold" and "found nothing cached" in rec["verification"], rec
+        assert "pool" in rec["cleared"] and "reason" not in rec, rec
         now = http("GET", f"http://{ip}:8000/prefix_cache")["epoch"]
         assert rec["epoch"] == now == epochs[name] + 1
         assert cached_tokens(ip) == 0, f"{name}: nothing cached before the reset may be reused"
@@ -127,6 +134,10 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
     )
     assert (
         operator.metric("kvpilot_operator_reset_pod_requests_total", result="Succeeded") >= calls_before + 3
+    )
+    assert (
+        operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="cold")
+        == cold_before + 3
     )
     assert infd(cluster, ns, "llm")["status"]["lastReset"]["name"] == "flush"
     assert operator.metric("kvpilot_operator_ready_replicas", namespace=ns, deployment="llm") == 3
@@ -138,10 +149,17 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
     )
     assert operator.metric("kvpilot_operator_inference_deployments") >= 1
     out = cluster.kubectl("get", "pcr", "flush", "-n", ns).stdout
-    # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED: counts by default, no longer "3/3"
-    assert out.splitlines()[1].split()[1:7] == ["InferenceDeployment/llm", "Succeeded", "3", "3", "0", "0"], (
-        out
-    )
+    # TARGET PHASE TARGETS SUCCEEDED FAILED SKIPPED: counts by default; VERIFIED: cold of those reset
+    assert out.splitlines()[0].split()[7] == "VERIFIED", out
+    assert out.splitlines()[1].split()[1:8] == [
+        "InferenceDeployment/llm",
+        "Succeeded",
+        "3",
+        "3",
+        "0",
+        "0",
+        "3/3",
+    ], out
     events = cluster.kubectl(
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=flush"
     ).stdout
@@ -355,6 +373,12 @@ BAD_SPECS = [
         "adminTokenSecretRef is for selector resets only",
     ),
     ("pcr", {"targetRef": {"name": "a"}, "minSuccessRatio": 1.5}, "spec.minSuccessRatio"),
+    ("pcr", {"targetRef": {"name": "a"}, "verify": "yes"}, "spec.verify in body must be of type boolean"),
+    (
+        "pcr",
+        {"targetRef": {"name": "a"}, "resetExternal": 1},
+        "spec.resetExternal in body must be of type boolean",
+    ),
     ("infd", {"resources": {"limits": {"cpu": "lots"}}}, "spec.resources.limits.cpu"),
     ("infd", {"resources": {"limit": {"cpu": "1"}}}, 'unknown field "spec.resources.limit"'),
     ("infd", {"adminTokenSecretRef": {"name": "x"}, "disableAdminToken": True}, "not both"),
@@ -404,6 +428,7 @@ def test_bad_specs_are_refused_by_the_api_server(
     # kubectl explain reads the schema's descriptions
     out = cluster.kubectl("explain", "pcr.spec.maxConcurrency").stdout
     assert "Most pods called at the same time" in out
+    assert "canary prompt" in cluster.kubectl("explain", "pcr.spec.verify").stdout
 
 
 def test_fleet_scale_drift_and_service(cluster: Cluster, ns: str) -> None:
@@ -669,6 +694,18 @@ def test_reset_cli_waits_and_shows_every_pod(cluster: Cluster, ns: str) -> None:
         assert any(pod["metadata"]["name"] in x and "Succeeded" in x and "epoch 1" in x for x in lines), (
             r.stdout
         )
+    # each pod's verdict (a stand-in serves no completions to verify with) and the Verified condition
+    pod_lines = [x for x in lines if x.startswith("  ")]
+    assert len(pod_lines) == 2 and all("verified unknown: GET /v1/models" in x for x in pod_lines), r.stdout
+    assert lines[-2].startswith("Verified Unknown: NotVerified: 0/2 pods verified cold"), r.stdout
+    off = kvpilot("reset", "cli", "-n", ns, "--wait", "--no-verify", "--no-reset-external", timeout=120)
+    off_pods = [x for x in off.stdout.splitlines() if x.startswith("  ")]
+    assert off.returncode == 0 and len(off_pods) == 2, off.stdout + off.stderr
+    assert not any("verified" in x for x in off_pods), off.stdout
+    assert off.stdout.splitlines()[-2].startswith("Verified Unknown: VerificationOff"), off.stdout
+    name = off.stdout.splitlines()[0].split("/")[1].split()[0]
+    spec = cluster.kubectl_json("get", "pcr", name, "-n", ns)["spec"]
+    assert (spec["verify"], spec["resetExternal"]) == (False, False)
     bad = kvpilot("reset", "nope", "-n", ns)
     assert bad.returncode == 2 and f"InferenceDeployment {ns}/nope not found" in bad.stderr
     assert "Traceback" not in bad.stderr
@@ -716,13 +753,11 @@ def test_two_replicas_never_both_act(cluster: Cluster, ns: str, operator: Operat
             operator.start()
 
 
-def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
-    """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster."""
-    apply_ns(
-        cluster,
-        ns,
-        standin_deployment("vllm", 1, {"engine": "vllm"}, [{"name": "STANDIN_ENGINE", "value": "vllm"}]),
-    )
+def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    """Fleets this operator does not run: vLLM's body-judged reply and SGLang's busy 400s, through the cluster;
+    a vLLM with a CPU offload tier verified cold with resetExternal, and StillWarm without it (vLLM 57727)."""
+    vllm_env = [{"name": "STANDIN_ENGINE", "value": "vllm"}, {"name": "STANDIN_OFFLOAD", "value": "1"}]
+    apply_ns(cluster, ns, standin_deployment("vllm", 1, {"engine": "vllm"}, vllm_env))
     apply_ns(
         cluster,
         ns,
@@ -751,6 +786,32 @@ def test_vllm_and_sglang_fleets_by_selector(cluster: Cluster, ns: str) -> None:
     )
     v = wait_phase(cluster, ns, "v", 30)["status"]
     assert v["phase"] == "Succeeded" and v["pods"][0]["httpStatus"] == 200 and v["pods"][0]["attempts"] == 1
+    assert (v["pods"][0]["verified"], v["pods"][0]["cleared"], v["verified"]) == (
+        "cold",
+        ["pool", "external"],
+        "1/1",
+    )
+    # without reset_external the offload tier keeps serving the canary: the pod said success and Fails warm
+    warm_before = operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="warm")
+    kept = {"selector": {"matchLabels": {"engine": "vllm"}}, "engine": "vllm", "resetExternal": False}
+    apply_ns(cluster, ns, pcr("v-kept", kept))
+    k = wait_phase(cluster, ns, "v-kept", 30)["status"]
+    pod = k["pods"][0]
+    assert (k["phase"], pod["result"], pod["reason"], pod["verified"]) == (
+        "Failed",
+        "Failed",
+        "StillWarm",
+        "warm",
+    )
+    assert pod["cleared"] == ["pool"] and "served" in pod["message"] and k["verified"] == "0/1", k
+    verified = next(c for c in k["conditions"] if c["type"] == "Verified")
+    assert (verified["status"], verified["reason"]) == ("False", "StillWarm") and pod["name"] in verified[
+        "message"
+    ]
+    assert (
+        operator.metric("kvpilot_operator_reset_verifications_total", namespace=ns, verdict="warm")
+        == warm_before + 1
+    )
     s = wait_phase(cluster, ns, "s", 40)["status"]
     # two busy 400s are retried although retriesPerPod is 0; the third call flushes
     assert (

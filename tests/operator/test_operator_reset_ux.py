@@ -28,7 +28,7 @@ from support.operator import (
 from support.procs import wait_for
 
 FINALIZER = "kvpilot.io/operator"
-COLUMNS = ["NAME", "TARGET", "PHASE", "TARGETS", "SUCCEEDED", "FAILED", "SKIPPED", "AGE"]
+COLUMNS = ["NAME", "TARGET", "PHASE", "TARGETS", "SUCCEEDED", "FAILED", "SKIPPED", "VERIFIED", "AGE"]
 
 
 def get_row(cluster: Cluster, ns: str, name: str) -> dict[str, str]:
@@ -114,6 +114,12 @@ def test_get_shows_target_and_counts_and_missing_targets_fail_at_once(cluster: C
     row = get_row(cluster, ns, "early")
     counts = (row["PHASE"], row["TARGETS"], row["SUCCEEDED"], row["FAILED"], row["SKIPPED"])
     assert counts == ("Succeeded", "1", "1", "0", "0"), row
+    # a stand-in serves no completions: reset, and not verified cold, which the condition says
+    assert row["VERIFIED"] == "0/1", row
+    early = cluster.kubectl_json("get", "pcr", "early", "-n", ns)["status"]
+    verified = next(c for c in early["conditions"] if c["type"] == "Verified")
+    assert (verified["status"], verified["reason"]) == ("Unknown", "NotVerified"), verified
+    assert early["pods"][0]["verified"] == "unknown" and "/v1/models" in early["pods"][0]["verification"]
 
     # the field is documented and refused where it means nothing
     explain = cluster.kubectl("explain", "pcr.spec.waitForTarget").stdout

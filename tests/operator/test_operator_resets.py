@@ -7,10 +7,11 @@ import argparse
 import pytest
 
 from kvpilot.fanout import PodResult
+from kvpilot.fanout.results import STILL_WARM
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
 from kvpilot.operator.fleet_targets import Plan, pod_target
-from kvpilot.operator.reset_status import pod_status
+from kvpilot.operator.reset_status import pod_status, verified_condition
 from kvpilot.operator.resets import outcome
 
 
@@ -90,6 +91,8 @@ def test_cli_parsers_and_output() -> None:
     body = reset_body("llm", a)
     assert body["metadata"] == {"generateName": "llm-"}
     assert body["spec"] == {"targetRef": {"name": "llm"}, "resetRunningRequests": True, "maxConcurrency": 8}
+    quick = reset_body("llm", p.parse_args(["reset", "llm", "--no-verify", "--no-reset-external"]))
+    assert quick["spec"] == {"targetRef": {"name": "llm"}, "verify": False, "resetExternal": False}
     o = p.parse_args(["operator", "--standalone", "--metrics-port", "9999", "-n", "a", "-n", "b"])
     assert o.standalone and o.metrics_port == 9999 and o.namespace == ["a", "b"]
     line = describe_pod(
@@ -103,6 +106,51 @@ def test_cli_parsers_and_output() -> None:
         }
     )
     assert "llm-0" in line and "epoch 4, 12 blocks evicted" in line and "(0.012s, 1 attempts)" in line
+    assert "verified" not in line  # verify off: no verdict to show
+    line = describe_pod({"name": "llm-0", "result": "Succeeded", "epoch": 4, "verified": "cold"})
+    assert line.endswith("verified cold")
+    line = describe_pod(
+        {"name": "v", "result": "Succeeded", "verified": "unknown", "verification": "no usage"}
+    )
+    assert line.endswith("verified unknown: no usage")
+
+
+def verdict(name: str, verified: str | None, result: str = "Succeeded", message: str = "") -> PodResult:
+    r = PodResult(name, result=result, verified=verified, verify_message=message, cleared=["pool"])
+    r.reason = STILL_WARM if verified == "warm" and result == "Failed" else ""
+    return r
+
+
+def test_verification_in_status_and_the_verified_condition() -> None:
+    cold = [
+        verdict(f"c{i}", "cold", message="the canary (300 tokens) found nothing cached") for i in range(3)
+    ]
+    st = pod_status(cold, verify=True)
+    assert (st["verified"], st["verifiedCold"], st["verifiedWarm"], st["verifiedUnknown"]) == ("3/3", 3, 0, 0)
+    assert st["pods"][0]["verified"] == "cold" and st["pods"][0]["cleared"] == ["pool"]
+    assert "canary" in st["pods"][0]["verification"] and "reason" not in st["pods"][0]
+    assert verified_condition(cold, True)[:2] == ("True", "AllCold")
+    # verify off: no counts, the column says so, the condition says why it makes no claim
+    assert pod_status(cold)["verified"] == "off" and "verifiedCold" not in pod_status(cold)
+    assert verified_condition(cold, False)[:2] == ("Unknown", "VerificationOff")
+
+    warm = verdict("w", "warm", "Failed", "the pod served 300 of 300 canary tokens from cache")
+    unsure = verdict("u", "unknown", message="the pod reports no usage.prompt_tokens_details.cached_tokens")
+    failed = verdict("f", None, "Failed", "HTTP 500")  # never said success: not the Verified condition's
+    records = [*cold, warm, unsure, failed, verdict("s", None, "Skipped")]
+    st = pod_status(records, verify=True)
+    assert st["verified"] == "3/5" and (st["verifiedWarm"], st["verifiedUnknown"]) == (1, 1)
+    assert next(p for p in st["pods"] if p["name"] == "w")["reason"] == STILL_WARM
+    status, reason, message = verified_condition(records, True)
+    assert (
+        (status, reason) == ("False", "StillWarm")
+        and "1/5 pods" in message
+        and "w: the pod served" in message
+    )
+    status, reason, message = verified_condition([*cold, unsure, failed], True)
+    assert (status, reason) == ("Unknown", "NotVerified") and "3/4 pods verified cold" in message
+    assert "u: the pod reports no usage" in message
+    assert verified_condition([failed], True)[:2] == ("Unknown", "NothingVerified")
 
 
 @pytest.mark.parametrize("clusterwide", [True, False])

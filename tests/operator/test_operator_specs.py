@@ -82,6 +82,8 @@ def test_a_spec_as_the_api_server_serves_it_and_one_built_by_hand_read_alike() -
             "targetRef": {"name": "f"},
             "engine": "kvpilot",
             "resetRunningRequests": False,
+            "resetExternal": True,
+            "verify": True,
             "timeoutSeconds": 60,
             "maxConcurrency": 64,
             "retriesPerPod": 3,
