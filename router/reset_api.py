@@ -37,11 +37,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
             body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the body must be JSON", code="invalid_json") from None
-    flag = parse_reset_flag(
-        "reset_running_requests",
-        request.query.get("reset_running_requests"),
-        body if isinstance(body, dict) else None,
-    )
+    fields = body if isinstance(body, dict) else None
+    # reset_external and verify default to true: a reset that leaves a tier warm, or that nobody checked,
+    # is what a benchmark must not start on (docs/router.md).
+    flags = {
+        name: parse_reset_flag(name, request.query.get(name), fields, default)
+        for name, default in (("reset_running_requests", False), ("reset_external", True), ("verify", True))
+    }
     pods = list(r.fleet.pods)
     if not pods:
         # Nothing was flushed: a 200 here would let a benchmark (AIPerf --reset-kv-cache) go on as if it
@@ -52,7 +54,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
     results = await reset_pods(
-        pods, r.settings.engine, r.settings.admin_token, flag, r.settings.reset_timeout_s
+        pods, r.settings.engine, r.settings.admin_token, r.settings.reset_timeout_s, **flags
     )
     # The index must not route on pre-reset blocks once we answer: catch up with each reset pod's events
     # up to its AllBlocksCleared (its earlier events come before it, in order), or drop its entries
