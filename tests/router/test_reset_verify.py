@@ -175,3 +175,22 @@ def test_the_router_over_kvpilot_daemons_answers_verified_cold(quiet_fleet: Flee
         assert reply["success"] and reply["verified"] == "cold" and reply["reason"] is None, reply
         assert "pool" in reply["cleared"], reply
         assert "found nothing cached" in reply["verify_message"], reply
+
+
+def test_sglang_storage_that_cannot_clear_fails_the_reset_naming_the_call(tmp_path: Path, standin) -> None:  # noqa: ANN001
+    """SGLang answers 400 when its storage backend does not clear: retried as busy (SGLang 21413) until the
+    reset's deadline, then the pod fails with that call named, and its canary is never checked."""
+    pod = standin(
+        "sglang", enable_hierarchical_cache=True, hicache_storage_backend="file", storage_clear_fails=True
+    )
+    router = router_for(tmp_path, pod, "--reset-timeout", "3")
+    try:
+        status, doc = reset(router)
+        assert status == 502, doc
+        (reply,) = doc["pods"]
+        assert reply["status"] == 400 and "/clear_hicache_storage_backend" in reply["error"], reply
+        assert reply["verified"] is None and reply["reason"] is None, reply
+        paths = pod.state()["paths"]
+        assert paths["POST /flush_cache"] == 1 and paths["POST /clear_hicache_storage_backend"] >= 2, paths
+    finally:
+        stop_router(router)
