@@ -27,7 +27,7 @@ class PodReset:
     ranks: list[dict[str, Any]] | None = None  # as the daemon names the fields (None: not reported)
     cleared: list[str] | None = None  # the cache tiers the pod's engine says its reset cleared
     verified: str | None = None  # cold, warm or unknown (kvpilot/fanout/verify.py); None: not verified
-    verify_message: str = ""  # how the canary proved it, or why it could not
+    verify_message: str | None = None  # how the canary proved it, or why it could not; None: not verified
     reason: str | None = None  # why a pod failed, machine-readable: "StillWarm"; None otherwise
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def _pod_reset(result: PodResult) -> PodReset:
         # a pod that failed before its reset was done cleared nothing for sure: null, not []
         cleared=list(result.cleared) if result.cleared or ok else None,
         verified=result.verified,
-        verify_message=result.verify_message,
+        verify_message=result.verify_message or None,
         reason=result.reason or None,
     )
 

@@ -1,6 +1,7 @@
 """`POST /reset_prefix_cache` on the router: every pod of the fleet reset through the shared fan-out
-(fleet_reset.py), then the prefix index caught up with each reset pod's AllBlocksCleared before the answer,
-so no request is routed on a block cached before the reset once the caller hears it succeeded."""
+(fleet_reset.py) and, unless asked `verify=false`, proven cold by its canary; then the prefix index caught
+up with each reset pod's AllBlocksCleared before the answer, so no request is routed on a block cached
+before the reset once the caller hears it succeeded."""
 
 from __future__ import annotations
 
