@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvpilot.config_flags import add_command, add_flags, flag, flag_message, from_flags
+from kvpilot.router.settings import ENGINES  # the fan-out's engines, named without importing it (--help)
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,15 @@ class BenchSettings:
     min_requests: int = field(default=4, metadata=flag("at least this many requests per run"))
     max_tokens: int = field(default=16, metadata=flag("tokens generated per request"))
     reset: bool = field(
-        default=True, metadata=flag("POST /reset_prefix_cache before each run, so that it starts cold")
+        default=True, metadata=flag("reset the server's prefix cache before each run, so that it starts cold")
+    )
+    verify: bool = field(
+        default=True,
+        metadata=flag("prove each reset left the server cold: a canary prompt before and after it"),
+    )
+    engine: str = field(
+        default="kvpilot",
+        metadata=flag("what the server runs, so that its reset is called its own way", choices=ENGINES),
     )
     output: str | None = field(default=None, metadata=flag("write the runs as JSON to this file"))
 
@@ -40,8 +49,9 @@ def run_bench(args: argparse.Namespace) -> int:
     """Concurrency sweep against a running server, resetting its prefix cache before each run.
 
     Sweep a shared-prefix chat load over concurrency levels against any OpenAI-compatible server (kvpilot,
-    vLLM, ...). Each run starts with POST /reset_prefix_cache so that every run starts cold; --no-reset
-    shows how much a warm cache skews the numbers.
+    vLLM, SGLang, a kvpilot router). Each run starts with a prefix-cache reset, called as --engine's (POST
+    /reset_prefix_cache; SGLang's /flush_cache), and proven cold by a canary prompt before and after it
+    (--no-verify: not proven); --no-reset shows how much a warm cache skews the numbers.
     """
     import json
     import os
@@ -69,7 +79,14 @@ def run_bench(args: argparse.Namespace) -> int:
             return 2
     print(
         describe_load(
-            url, model, bench.concurrency, bench.rounds, bench.min_requests, bench.max_tokens, bench.reset
+            url,
+            model,
+            bench.concurrency,
+            bench.rounds,
+            bench.min_requests,
+            bench.max_tokens,
+            bench.reset,
+            bench.verify,
         ),
         LEGEND,
         "",
@@ -86,10 +103,12 @@ def run_bench(args: argparse.Namespace) -> int:
         max_tokens=bench.max_tokens,
         headers=headers,
         reset=bench.reset,
+        engine=bench.engine,
+        verify=bench.verify,
     )
     print("\nall runs:", format_table(runs), sep="\n", flush=True)
-    if any(isinstance(r.reset, str) for r in runs):
-        log.warning("the server refused the reset (see `reset` in the runs): runs may have started warm")
+    if any(r.reset is not None and r.reset["result"] != "Succeeded" for r in runs):
+        log.warning("the reset failed (see `reset` in the runs): runs may have started warm")
     if bench.output:
         with open(bench.output, "w") as f:
             json.dump({"url": url, "model": model, "runs": [asdict(r) for r in runs]}, f, indent=2)

@@ -1,7 +1,9 @@
 """Client-side load generator: a shared-prefix chat load over HTTP, swept over concurrency levels.
 
-Each run can start with `POST /reset_prefix_cache` (the use case of kvpilot: every run starts cold,
-then its requests share a long system prompt). Per run: TTFT p50/p99, inter-token latency p50/p99,
+Each run can start with a prefix-cache reset (the use case of kvpilot: every run starts cold, then its
+requests share a long system prompt), made through `kvpilot.fanout` as a PrefixCacheReset makes it, so
+vLLM's and SGLang's resets are called their own way, and, with `verify`, proven cold by a canary
+(kvpilot/fanout/verify.py). Per run: TTFT p50/p99, inter-token latency p50/p99,
 output tokens/s, requests/s and the prefix-cache hit rate (from `usage.cached_tokens` and, on a
 kvpilot daemon, from `/prefix_cache`). Used by `kvpilot bench` (bench_cli.py, which holds the defaults) and by bench/serve.py; it talks to any
 OpenAI-compatible server, so the same sweep runs against vLLM, SGLang or transformers.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvpilot.fanout import FanoutSettings, Target, run_fanout
 from kvpilot.http_limits import UPSTREAM_IDLE_S
 
 SYSTEM = (
@@ -63,7 +66,10 @@ class RunResult:
     e2e_p50_s: float
     cache_hit_rate_usage: float | None
     cache_hit_rate_engine: float | None
-    reset: dict | str | None = None
+    # The server's reset before the run, as the fan-out reported it: result (Succeeded, Failed,
+    # NotSupported), http_status, epoch, cleared, verified (cold, warm, unknown; None: not verified),
+    # verify_message, reason (StillWarm), message. None: no reset (--no-reset).
+    reset: dict | None = None
     sample_errors: list[str] = field(default_factory=list)
 
 
@@ -129,6 +135,27 @@ async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tup
             return resp.status, text[:200]
 
 
+async def reset_server(url: str, headers: dict, engine: str, verify: bool) -> dict:
+    """Reset the server's prefix cache as one fan-out target, with the load's own bearer token; its result
+    as RunResult.reset holds it."""
+    bearer = headers.get("Authorization", "")
+    token = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else None
+    settings = FanoutSettings(engine=engine, token=token, verify=verify)
+    (res,) = await run_fanout([Target(name=url, url=url)], settings)
+    return {
+        "result": res.result,
+        "http_status": res.http_status,
+        "epoch": res.epoch,
+        "evicted_blocks": res.evicted_blocks,
+        "cleared": res.cleared,
+        "verified": res.verified,
+        "verify_message": res.verify_message,
+        "reason": res.reason or None,
+        "message": res.message,
+        "duration_s": res.duration_s,
+    }
+
+
 async def run_once(
     url: str,
     model: str,
@@ -138,16 +165,15 @@ async def run_once(
     max_tokens: int,
     headers: dict,
     reset: bool = True,
+    engine: str = "kvpilot",
+    verify: bool = False,
 ) -> RunResult:
     timeout = aiohttp.ClientTimeout(total=1800)
     # Idle connections are dropped before the server's own idle close, so no request goes out on a
     # connection the server is closing.
     connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_IDLE_S)
+    reset_reply = await reset_server(url, headers, engine, verify) if reset else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
-        reset_reply: dict | str | None = None
-        if reset:
-            status, reply = await get_json(session, "POST", url + "/reset_prefix_cache")
-            reset_reply = reply if status == 200 else f"HTTP {status}: {reply}"
         before = await get_json(session, "GET", url + "/prefix_cache")
         queue: asyncio.Queue = asyncio.Queue()
         for i in range(n):
@@ -208,31 +234,44 @@ def sweep(
     max_tokens: int,
     headers: dict | None = None,
     reset: bool = True,
+    engine: str = "kvpilot",
+    verify: bool = False,
 ) -> list[RunResult]:
     """Warm-up (first-call costs: allocator, lazy init), then one run per concurrency level, each
-    after a prefix-cache reset unless `reset` is False."""
+    after a prefix-cache reset of the server (which runs `engine`) unless `reset` is False; with `verify`,
+    each reset is proven cold by a canary."""
     headers = headers or {}
-    asyncio.run(run_once(url, model, server, 1, 1, 2, headers, reset))
+    asyncio.run(run_once(url, model, server, 1, 1, 2, headers, reset, engine, verify))
     runs = []
     for c in concurrency:
         n = max(min_requests, c * rounds)
-        r = asyncio.run(run_once(url, model, server, c, n, max_tokens, headers, reset))
+        r = asyncio.run(run_once(url, model, server, c, n, max_tokens, headers, reset, engine, verify))
         print(format_row(r), flush=True)
         runs.append(r)
     return runs
 
 
 def describe_load(
-    url: str, model: str, concurrency: list[int], rounds: int, min_requests: int, max_tokens: int, reset: bool
+    url: str,
+    model: str,
+    concurrency: list[int],
+    rounds: int,
+    min_requests: int,
+    max_tokens: int,
+    reset: bool,
+    verify: bool = False,
 ) -> str:
     """What a sweep is about to do, for the lines above its rows."""
     levels = " ".join(map(str, concurrency))
     requests = " ".join(str(max(min_requests, c * rounds)) for c in concurrency)
-    cache = (
-        "prefix cache reset before each run (POST /reset_prefix_cache): every run starts cold"
-        if reset
-        else "prefix cache not reset (--no-reset): a run can hit what the runs before it cached"
-    )
+    if not reset:
+        cache = "prefix cache not reset (--no-reset): a run can hit what the runs before it cached"
+    elif verify:
+        cache = (
+            "prefix cache reset before each run and verified cold by a canary prompt: every run starts cold"
+        )
+    else:
+        cache = "prefix cache reset before each run (not verified, --no-verify): every run starts cold"
     return "\n".join(
         [
             f"server {url}, model {model}",
@@ -253,14 +292,17 @@ LEGEND = """columns (each run's line as it ends starts with the model's name):
   tok/s, req/s   output tokens and finished requests per second over the run
   hit            share of the prompt tokens served from the prefix cache (usage.cached_tokens / prompt_tokens;
                  - when the server does not report them); the shared system prompt makes it high once cached
-  reset          the reset's answer before the run: epoch N (kvpilot), ok, refused (HTTP status), - when off"""
+  verified       the reset's canary: cold (nothing served from cache after the reset), warm (still served:
+                 the reset failed, StillWarm), unknown (the server reports no cached tokens), - when not asked
+  reset          the reset before the run: epoch N (kvpilot), ok, refused (HTTP status), failed (why), - when
+                 off"""
 
 
 def format_table(runs: list[RunResult]) -> str:
     """All runs of a sweep, one line each under a header (the final summary of `kvpilot bench`)."""
     lines = [
         f"{'c':>4} {'n':>4} {'err':>4} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>6} "
-        f"{'tok/s':>8} {'req/s':>6} {'hit':>5}  reset",
+        f"{'tok/s':>8} {'req/s':>6} {'hit':>5} {'verified':>8}  reset",
         f"{'':>4} {'':>4} {'':>4} {'ms':>9} {'ms':>7} {'ms':>8} {'ms':>6}",
     ]
     for r in runs:
@@ -268,17 +310,21 @@ def format_table(runs: list[RunResult]) -> str:
         lines.append(
             f"{r.concurrency:>4d} {r.requests:>4d} {r.errors:>4d} {r.ttft_p50_ms:>9.0f} {r.ttft_p99_ms:>7.0f} "
             f"{r.itl_p50_ms:>8.0f} {r.itl_p99_ms:>6.0f} {r.output_tokens_per_s:>8.1f} {r.requests_per_s:>6.2f} "
-            f"{hit:>5}  {_reset_word(r.reset)}"
+            f"{hit:>5} {(r.reset or {}).get('verified') or '-':>8}  {_reset_word(r.reset)}"
         )
     return "\n".join(lines)
 
 
-def _reset_word(reply: dict | str | None) -> str:
-    if reply is None:
+def _reset_word(reset: dict | None) -> str:
+    if reset is None:
         return "-"
-    if isinstance(reply, str):  # run_once's "HTTP 401: ..." for a refusal, else a 200 that was not JSON
-        return f"refused ({reply.split(':')[0]})" if reply.startswith("HTTP ") else "ok"
-    return f"epoch {reply['epoch']}" if "epoch" in reply else "ok"
+    if reset["result"] == "Succeeded":
+        return "ok" if reset["epoch"] is None else f"epoch {reset['epoch']}"
+    if reset["reason"]:
+        return f"failed ({reset['reason']})"
+    if reset["http_status"] and reset["http_status"] != 200:
+        return f"refused (HTTP {reset['http_status']})"
+    return f"failed ({reset['result']})"
 
 
 def format_row(r: RunResult) -> str:

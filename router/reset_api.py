@@ -1,6 +1,7 @@
 """`POST /reset_prefix_cache` on the router: every pod of the fleet reset through the shared fan-out
-(fleet_reset.py), then the prefix index caught up with each reset pod's AllBlocksCleared before the answer,
-so no request is routed on a block cached before the reset once the caller hears it succeeded."""
+(fleet_reset.py) and, unless asked `verify=false`, proven cold by its canary; then the prefix index caught
+up with each reset pod's AllBlocksCleared before the answer, so no request is routed on a block cached
+before the reset once the caller hears it succeeded."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
             body = json.loads(raw)
         except ValueError:
             raise ApiError(400, "the body must be JSON", code="invalid_json") from None
-    flag = parse_reset_flag(
-        "reset_running_requests",
-        request.query.get("reset_running_requests"),
-        body if isinstance(body, dict) else None,
-    )
+    fields = body if isinstance(body, dict) else None
+    # reset_external and verify default to true: a reset that leaves a tier warm, or that nobody checked,
+    # is what a benchmark must not start on (docs/router.md).
+    flags = {
+        name: parse_reset_flag(name, request.query.get(name), fields, default)
+        for name, default in (("reset_running_requests", False), ("reset_external", True), ("verify", True))
+    }
     pods = list(r.fleet.pods)
     if not pods:
         # Nothing was flushed: a 200 here would let a benchmark (AIPerf --reset-kv-cache) go on as if it
@@ -52,7 +55,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
     results = await reset_pods(
-        pods, r.settings.engine, r.settings.admin_token, flag, r.settings.reset_timeout_s
+        pods, r.settings.engine, r.settings.admin_token, r.settings.reset_timeout_s, **flags
     )
     # The index must not route on pre-reset blocks once we answer: catch up with each reset pod's events
     # up to its AllBlocksCleared (its earlier events come before it, in order), or drop its entries

@@ -76,7 +76,7 @@ def test_the_router_quickstart_as_written(tmp_path: Path) -> None:
     chat, reset, health = (json.loads(part) for part in parts[:3])
     assert chat["choices"][0]["message"]["content"], (chat, log)
     assert reset["success"] is True and len(reset["pods"]) == 2, reset
-    assert all(p["success"] and p["epoch"] >= 1 for p in reset["pods"]), reset
+    assert all(p["success"] and p["epoch"] >= 1 and p["verified"] == "cold" for p in reset["pods"]), reset
     assert len(health["pods"]) == 2 and all(p["ready"] and p["kv_events"] == "on" for p in health["pods"]), (
         health
     )

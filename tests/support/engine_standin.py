@@ -6,7 +6,14 @@ vLLM 0.33.0 (files under vllm/entrypoints/ in its wheel):
 - `POST /reset_prefix_cache[?reset_running_requests=true]` (serve/dev/cache/api_router.py, registered only
   with VLLM_SERVER_DEV_MODE=1, launchers/api_server/routers.py): a JSONResponse, 200 `{"success":true}`, or
   200 `{"success":false}` while blocks are still held (running requests, unless reset_running_requests).
-  Without dev mode the route does not exist: FastAPI's 404 `{"detail":"Not Found"}`.
+  Without dev mode the route does not exist: FastAPI's 404 `{"detail":"Not Found"}`. A success clears the
+  GPU pool; the CPU offload tier (on with state `offload`, vLLM's --kv-offloading-size) only with
+  `reset_external=true`: without it vLLM answers success while that tier keeps serving the same blocks
+  (vLLM issue 57727, seen with 0.32).
+- `POST /v1/completions`: `usage.prompt_tokens_details.cached_tokens` only with --enable-prompt-tokens-details (state `cached_tokens_reported`; off: the field is null). The
+  prefix cache is modelled as the (cache_salt, prompt) pairs each tier holds, a word a token: a prompt seen
+  before is served from the best tier holding it, in whole blocks of that tier (GPU 16 tokens, CPU offload
+  128), the last token always computed.
 - `GET /health` (serve/instrumentator/health.py): 200, empty body; 503, empty, once the engine died.
 - `GET /metrics` (serve/instrumentator/metrics.py): prometheus_client's make_asgi_app over the default
   registry; the gauges as vllm/v1/metrics/loggers.py declares them: `vllm:num_requests_running`,
@@ -18,7 +25,19 @@ SGLang 0.5.23 (files under sglang/srt/ in its wheel):
   Content-Type), 200 `Cache flushed.\\nPlease check backend logs for more details. (When there are running
   or waiting requests, the operation will not be performed.)\\n`, or 400 `Flush cache failed.\\n` while
   requests run or wait (managers/scheduler.py flush_cache: not fully idle, FlushCacheReqOutput's message
-  empty).
+  empty). It clears the radix tree and, with HiCache (state `enable_hierarchical_cache`), its host pool;
+  never the storage tier (SGLang issue 9750).
+- `GET /server_info` (and the older `GET /get_server_info`; entrypoints/http_server.py): the server args,
+  `enable_hierarchical_cache` and `hicache_storage_backend` (state; null without --hicache-storage-backend)
+  among them.
+- `GET|POST /clear_hicache_storage_backend` (entrypoints/http_server.py, the deprecated route beside
+  `POST /hicache/storage-backend/clear`): a bare Response, `Deprecated endpoint. Use POST
+  /hicache/storage-backend/clear.\\nHierarchical cache storage backend cleared.\\n`, 200 when cleared, the
+  same text with 400 when not (no storage backend, or state `storage_clear_fails`). The storage tier keeps
+  serving a prompt that /flush_cache removed from the device and host until it is cleared.
+- `POST /v1/completions`: `usage.prompt_tokens_details.cached_tokens` only with --enable-cache-report
+  (state `cached_tokens_reported`; off: no such field); SGLang takes no cache_salt. Page size 1 on every
+  tier (its default).
 - `GET /health`, `GET /health_generate` (entrypoints/http_server.py): 200, empty; 503, empty, while the
   server is starting. (/health answers without generating unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION.)
 - `GET /metrics` only with `--enable-metrics` (utils/common.py add_prometheus_middleware: make_asgi_app
@@ -29,8 +48,9 @@ SGLang 0.5.23 (files under sglang/srt/ in its wheel):
 Both are FastAPI apps: an unknown path is 404 `{"detail":"Not Found"}`. Metrics go through
 prometheus_client's own exposition, as make_asgi_app sends them (format by Accept, gzip by
 Accept-Encoding). Date and Server headers are aiohttp's, not uvicorn's. The OpenAI routes answer a minimal
-completion, so requests can be routed; `/standin` is the test's control (GET: state and counters of every
-path asked; POST a JSON object: running, waiting, dead, starting, idle_after_s), no engine's.
+completion (`GET /v1/models` names one model), so requests can be routed and a canary verified;
+`/standin` is the test's control (GET: state, counters of every path asked, prompts held per tier; POST a
+JSON object of state keys, and idle_after_s), no engine's.
 
 Run: `python engine_standin.py --engine vllm|sglang --port P [--dp N] [--no-dev-mode] [--no-metrics]`;
 `start_standin` does it from a test.
@@ -59,6 +79,14 @@ SGLANG_FLUSHED = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 SGLANG_NOT_FLUSHED = "Flush cache failed.\n"
+# The deprecated route's text, 200 and 400 alike (entrypoints/http_server.py, SGLang 0.5.x)
+SGLANG_STORAGE_CLEARED = "Deprecated endpoint. Use POST /hicache/storage-backend/clear.\nHierarchical cache storage backend cleared.\n"
+# Each tier's block in tokens: what a hit is rounded down to. vLLM: the GPU pool's default block_size 16,
+# its CPU offload tier's 128-token blocks; SGLang: page_size 1 on every tier (its default).
+TIER_BLOCK = {
+    "vllm": {"device": 16, "external": 128},
+    "sglang": {"device": 1, "host": 1, "storage": 1},
+}
 NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's default 404 (json.dumps with separators=(",", ":"))
 
 
@@ -67,9 +95,22 @@ class Pod:
 
     def __init__(self, engine: str, dp: int, dev_mode: bool, metrics: bool) -> None:
         self.engine, self.dp, self.dev_mode, self.metrics_on = engine, dp, dev_mode, metrics
-        self.state: dict[str, Any] = {"running": 0, "waiting": 0, "dead": False, "starting": False}
+        self.state: dict[str, Any] = {
+            "running": 0,
+            "waiting": 0,
+            "dead": False,
+            "starting": False,
+            # vLLM --enable-prompt-tokens-details, SGLang --enable-cache-report: usage names cached_tokens
+            "cached_tokens_reported": True,
+            "offload": False,  # vLLM: a CPU offload tier (--kv-offloading-size), cleared by reset_external
+            "enable_hierarchical_cache": False,  # SGLang --enable-hierarchical-cache: a host tier (L2)
+            "hicache_storage_backend": None,  # SGLang --hicache-storage-backend ("file", ...): a storage tier
+            "storage_clear_fails": False,  # SGLang: the backend cannot clear (400)
+        }
         self.paths: collections.Counter[str] = collections.Counter()
         self.resets = 0  # resets applied (a success was answered)
+        # The prefix cache per tier: the (cache_salt, prompt) pairs each holds, as whole prompts.
+        self.tiers: dict[str, set[tuple[str, str]]] = {t: set() for t in TIER_BLOCK[engine]}
         self._idle_timer: asyncio.TimerHandle | None = None
         self._gauges, self._registry = self._metrics() if metrics else ({}, None)
 
@@ -80,8 +121,12 @@ class Pod:
     async def vllm_reset(self, request: web.Request) -> web.Response:
         if not self.dev_mode:
             raise web.HTTPNotFound()
-        held = self.state["running"] and request.query.get("reset_running_requests") != "true"
-        self.resets += 0 if held else 1
+        held = self.state["running"] and not _query_bool(request, "reset_running_requests")
+        if not held:
+            self.resets += 1
+            self.tiers["device"].clear()
+            if _query_bool(request, "reset_external"):  # else the offload tier keeps serving (vLLM 57727)
+                self.tiers["external"].clear()
         return web.Response(
             body=b'{"success":false}' if held else b'{"success":true}', content_type="application/json"
         )
@@ -90,7 +135,21 @@ class Pod:
         if self.busy():
             return web.Response(status=400, body=SGLANG_NOT_FLUSHED.encode())
         self.resets += 1
+        self.tiers["device"].clear()
+        self.tiers["host"].clear()  # HiCache's host pool goes with the radix tree; its storage does not
         return web.Response(body=SGLANG_FLUSHED.encode())
+
+    async def sglang_server_info(self, request: web.Request) -> web.Response:
+        # The server args among the reply's keys (its internal states left out): those a reset reads.
+        info = {k: self.state[k] for k in ("enable_hierarchical_cache", "hicache_storage_backend")}
+        return web.json_response({"model_path": MODEL, "page_size": TIER_BLOCK["sglang"]["device"], **info})
+
+    async def sglang_clear_storage(self, request: web.Request) -> web.Response:
+        ok = bool(self.state["hicache_storage_backend"]) and not self.state["storage_clear_fails"]
+        if ok:
+            self.tiers["storage"].clear()
+        # The same text either way: only the status says whether it cleared.
+        return web.Response(status=200 if ok else 400, body=SGLANG_STORAGE_CLEARED.encode())
 
     async def health(self, request: web.Request) -> web.Response:
         down = self.state["dead"] if self.engine == "vllm" else self.state["starting"]
@@ -118,9 +177,44 @@ class Pod:
         )
         return web.Response(status=int(status.split(" ")[0]), body=body, headers=dict(headers))
 
+    def cached_tokens(self, key: tuple[str, str], tokens: int) -> int:
+        """What the prefix cache serves of a prompt: the best tier holding it, in whole blocks of that tier,
+        the last token always computed; then the prompt is stored in every tier the server runs."""
+        cached = max(
+            (
+                (tokens - 1) // block * block
+                for t, block in TIER_BLOCK[self.engine].items()
+                if key in self.tiers[t]
+            ),
+            default=0,
+        )
+        for tier in self._running_tiers():
+            self.tiers[tier].add(key)
+        return cached
+
+    def _running_tiers(self) -> list[str]:
+        if self.engine == "vllm":
+            return ["device", *(["external"] if self.state["offload"] else [])]
+        hicache = self.state["enable_hierarchical_cache"]
+        storage = hicache and self.state["hicache_storage_backend"]
+        return ["device", *(["host"] if hicache else []), *(["storage"] if storage else [])]
+
     async def generate(self, request: web.Request) -> web.Response:
-        await request.read()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = {}
+        body = body if isinstance(body, dict) else {}
         chat = request.path.endswith("/chat/completions")
+        prompt = str(body.get("prompt" if not chat else "messages", ""))
+        tokens = max(1, len(prompt.split()))  # a word a token
+        salt = str(body.get("cache_salt", "")) if self.engine == "vllm" else ""  # SGLang has no cache_salt
+        usage: dict[str, Any] = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
+        cached = self.cached_tokens((salt, prompt), tokens)
+        if self.state["cached_tokens_reported"]:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        elif self.engine == "vllm":
+            usage["prompt_tokens_details"] = None  # vLLM's UsageInfo sends the field, null
         choice = {"index": 0, "finish_reason": "stop"}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
         return web.json_response(
@@ -130,13 +224,21 @@ class Pod:
                 "created": 0,
                 "model": MODEL,
                 "choices": [choice],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                "usage": usage,
             }
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": self.engine}]}
         )
 
     # ---- the test's control --------------------------------------------------------------------------
     async def get_state(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.state, "resets": self.resets, "paths": dict(self.paths)})
+        tiers = {tier: len(held) for tier, held in self.tiers.items()}
+        return web.json_response(
+            {**self.state, "resets": self.resets, "paths": dict(self.paths), "tiers": tiers}
+        )
 
     async def set_state(self, request: web.Request) -> web.Response:
         update = await request.json()
@@ -228,10 +330,15 @@ class Pod:
             app.router.add_route("POST", "/flush_cache", self.sglang_flush)
             app.router.add_get("/health", self.health)
             app.router.add_get("/health_generate", self.health)
+            app.router.add_get("/server_info", self.sglang_server_info)
+            app.router.add_get("/get_server_info", self.sglang_server_info)
+            app.router.add_route("GET", "/clear_hicache_storage_backend", self.sglang_clear_storage)
+            app.router.add_route("POST", "/clear_hicache_storage_backend", self.sglang_clear_storage)
         if self.metrics_on:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_post("/v1/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/standin", self.get_state)
         app.router.add_post("/standin", self.set_state)
         return app
@@ -244,6 +351,11 @@ class Pod:
             return await handler(request)
         except web.HTTPNotFound:
             return web.Response(status=404, body=NOT_FOUND, content_type="application/json")
+
+
+def _query_bool(request: web.Request, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (absent: false)."""
+    return request.query.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
 def _share(total: int, rank: int, ranks: int) -> int:
