@@ -225,16 +225,14 @@ async def _reset_checked(
         else:
             res.verified, res.verify_message = prepared.verdict, prepared.message
     judgement: Judgement | None = None
-    cleared: list[str] = []
     for call in engine.calls(settings, info):
         judgement = await _reset_call(pod, res, engine, call, started, on_call)
         if judgement is None:
-            return
-        cleared += [t for t in judgement.tiers if t not in cleared]
-    res.cleared = cleared
+            return  # what earlier calls cleared stays in res.cleared: SGLang's flush, its storage clear failed
+        res.cleared += [t for t in judgement.tiers if t not in res.cleared]
     assert judgement is not None
     if canary is not None:
-        checked = await verify.check(pod.ask, canary, tuple(cleared))
+        checked = await verify.check(pod.ask, canary, tuple(res.cleared))
         res.verified, res.verify_message = checked.verdict, checked.message
         if checked.verdict == verify.WARM:
             _decide(res, "Failed", checked.message, started, judgement)

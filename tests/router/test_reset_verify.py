@@ -190,6 +190,7 @@ def test_sglang_storage_that_cannot_clear_fails_the_reset_naming_the_call(tmp_pa
         (reply,) = doc["pods"]
         assert reply["status"] == 400 and "/clear_hicache_storage_backend" in reply["error"], reply
         assert reply["verified"] is None and reply["reason"] is None, reply
+        assert reply["cleared"] == ["pool", "host"], reply  # the flush went through; the storage did not
         paths = pod.state()["paths"]
         assert paths["POST /flush_cache"] == 1 and paths["POST /clear_hicache_storage_backend"] >= 2, paths
     finally:

