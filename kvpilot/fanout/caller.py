@@ -129,17 +129,22 @@ class _Pod:
     ) -> tuple[int, str]:
         return await self.send(self.endpoint(method, path, body, headers))
 
-    async def info(self, engine: Engine) -> dict[str, Any] | None:
-        """The engine's info reply (its tiers, its ranks), or None when no path answers a JSON object."""
+    async def info(self, engine: Engine) -> tuple[dict[str, Any] | None, str]:
+        """The engine's info reply (its tiers, its ranks): (the JSON object, ""); (None, "") when every
+        path is 404 (an engine too old to have one); (None, why) when a path answered otherwise."""
+        why = ""
         for path in engine.info_paths:
             status, text = await self.ask("GET", path, None, ())
-            if status == 200:
-                try:
-                    info = json.loads(text)
-                except ValueError:
-                    return None
-                return info if isinstance(info, dict) else None
-        return None
+            if status == 404:
+                continue
+            try:
+                info = json.loads(text) if status == 200 else None
+            except ValueError:
+                info = None
+            if isinstance(info, dict):
+                return info, ""
+            why = why or (f"GET {path}: HTTP {status}" if status else f"GET {path}: {text}")
+        return None, why
 
 
 async def _reset_call(
@@ -215,23 +220,40 @@ async def _reset_checked(
 ) -> None:
     settings = pod.settings
     # kvpilot's ranks matter only to the canary; SGLang's tiers decide the calls
-    wants_info = engine.info_paths and (settings.verify or engine.info_decides_calls)
-    info = await pod.info(engine) if wants_info else None
+    info, why = None, ""
+    if engine.info_paths and (settings.verify or engine.info_decides_calls):
+        info, why = await pod.info(engine)
+    if why and engine.info_decides_calls:
+        # without it, a tier (SGLang's HiCache storage) could be left warm while the pod reads Succeeded
+        _decide(res, "Failed", f"cannot tell which cache tiers the pod runs ({why})", started)
+        return
     canary: verify.Canary | None = None
     if settings.verify:
-        prepared = await verify.prepare(pod.ask, engine.name, engine.ranks(info), run_id, res.name)
+        # the canary may take at most a quarter of what is left: the reset itself must have the rest
+        budget = max(0.5, (pod.deadline - time.monotonic()) / 4)
+        try:
+            async with asyncio.timeout(budget):
+                prepared = await verify.prepare(pod.ask, engine.name, engine.ranks(info), run_id, res.name)
+        except TimeoutError:
+            prepared = verify.Verification(
+                verify.UNKNOWN, f"the canary took over {budget:.1f}s before the reset"
+            )
         if isinstance(prepared, verify.Canary):
             canary = prepared
         else:
-            res.verified, res.verify_message = prepared.verdict, prepared.message
+            res.verify_message = prepared.message  # unknown, reported once the reset said success
     judgement: Judgement | None = None
     for call in engine.calls(settings, info):
         judgement = await _reset_call(pod, res, engine, call, started, on_call)
         if judgement is None:
-            return  # what earlier calls cleared stays in res.cleared: SGLang's flush, its storage clear failed
+            # not reset: no verdict (what earlier calls cleared stays: SGLang's flush, its storage failed)
+            res.verify_message = ""
+            return
         res.cleared += [t for t in judgement.tiers if t not in res.cleared]
     assert judgement is not None
-    if canary is not None:
+    if settings.verify and canary is None:
+        res.verified = verify.UNKNOWN
+    elif canary is not None:
         checked = await verify.check(pod.ask, canary, tuple(res.cleared))
         res.verified, res.verify_message = checked.verdict, checked.message
         if checked.verdict == verify.WARM:

@@ -127,6 +127,13 @@ def _query(path: str, **flags: bool) -> str:
     return path + ("?" + "&".join(f"{name}=true" for name in on) if on else "")
 
 
+KVPILOT_TIERS = (
+    "pool",
+    "host",
+    "disk",
+)  # a kvpilot reply's evicted_by_tier keys (daemon/engine/kv_offload.py)
+
+
 class KvpilotEngine(Engine):
     name = "kvpilot"
     info_paths = ("/prefix_cache",)
@@ -149,14 +156,15 @@ class KvpilotEngine(Engine):
             what = "not JSON" if body is None else "without success: true"
             return Judgement(Verdict.FAILED, f"HTTP {status}: a reply {what} (not a kvpilot reset reply)")
         by_tier = body.get("evicted_by_tier")
-        tiers = tuple(t for t in by_tier if isinstance(t, str)) if isinstance(by_tier, dict) else ("pool",)
+        # only the tier names a kvpilot daemon has: a pod's reply never puts its own strings in a status
+        tiers = tuple(t for t in KVPILOT_TIERS if t in by_tier) if isinstance(by_tier, dict) else ("pool",)
         return Judgement(
             Verdict.SUCCEEDED,
             "",
             epoch=_int_or_none(body.get("epoch")),
             evicted_blocks=_int_or_none(body.get("evicted_blocks")),
             ranks=_ranks(body),
-            tiers=tiers[:8],
+            tiers=tiers,
         )
 
 
@@ -186,7 +194,8 @@ class VllmEngine(Engine):
         # retry", says its docstring): busy, retried until the deadline, never a success.
         if isinstance(body, dict) and body.get("success") is False:
             return Judgement(
-                Verdict.BUSY, f"HTTP {status} with success: false (running requests hold blocks)"
+                Verdict.BUSY,
+                f"HTTP {status} with success: false (running requests hold blocks, or a KV connector did not reset)",
             )
         return Judgement(
             Verdict.SUCCEEDED, "vLLM reported success (it answers for rank 0 only)", tiers=call.tiers

@@ -33,6 +33,8 @@ _VOCABULARY = (
     "side kind head house service friend father power hour game line end member law car city name team"
 ).split()
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's, which kvpilot's daemon reads too
+MAX_TOKENS = 1 << 20  # a usage count past this is no answer
+MIN_HIT = 16  # tokens served from cache before the reset for the canary to show anything: one small block
 SALTED_ENGINES = ("kvpilot", "vllm")  # SGLang's completions take no cache_salt
 
 # ask(method, path, json body or None, extra header lines) -> (HTTP status or 0, reply text); the caller
@@ -46,6 +48,7 @@ class Canary:
     prompt: str
     salt: str | None
     ranks: int
+    hit: int  # the fewest tokens any rank served from cache before the reset
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "prompt": self.prompt, "max_tokens": 1, "temperature": 0}
@@ -61,32 +64,45 @@ class Canary:
 class Verification:
     verdict: str  # cold, warm or unknown
     message: str = ""
-    canary_tokens: int = 0  # prompt tokens of one canary, as the pod counted them
 
 
 def canary_prompt(run_id: str, pod: str) -> str:
-    """A prompt no one else sends: words drawn by a hash of this reset's id and the pod's name."""
+    """A prompt no one else sends: words drawn by a hash of this reset's id and the pod's name, first, so
+    that it shares no more than a token or two (a BOS, a common word) with any other prompt."""
     stream = b"".join(
         hashlib.sha256(f"{run_id}/{pod}/{i}".encode()).digest() for i in range(CANARY_WORDS // 32 + 1)
     )
     words = (_VOCABULARY[b % len(_VOCABULARY)] for b in stream[:CANARY_WORDS])
-    return "kvpilot verification canary: " + " ".join(words)
+    return " ".join(words) + " (kvpilot verification canary)"
+
+
+def _count(value: object) -> int | None:
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS else None
+    )
 
 
 def _usage(status: int, text: str) -> tuple[int | None, int | None, str]:
-    """(cached_tokens, prompt_tokens, why not) of a completion reply."""
+    """(cached_tokens, prompt_tokens, why not) of a completion reply; a reply is the pod's word, so counts
+    out of range (negative, more cached than sent, past MAX_TOKENS) are no answer."""
     if status != 200:
         return None, None, f"the canary got HTTP {status}" if status else f"the canary got no reply: {text}"
     try:
-        usage = json.loads(text).get("usage") or {}
-    except (ValueError, AttributeError):
+        reply = json.loads(text)
+    except ValueError:
+        reply = None
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict):
         return None, None, "the canary's reply is not a completion"
-    prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+    prompt = _count(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if not isinstance(cached, int) or isinstance(cached, bool):
+    raw = details.get("cached_tokens") if isinstance(details, dict) else None
+    if raw is None:
         why = "the pod reports no usage.prompt_tokens_details.cached_tokens"
         return None, prompt, why + " (vLLM: start it with --enable-prompt-tokens-details)"
+    cached = _count(raw)
+    if cached is None or prompt is None or cached > prompt:
+        return None, prompt, "the canary's usage counts are out of range"
     return cached, prompt, ""
 
 
@@ -107,41 +123,50 @@ async def prepare(ask: Ask, engine: str, ranks: int, run_id: str, pod: str) -> C
     if model is None:
         return Verification(UNKNOWN, "GET /v1/models named no model for the canary")
     salt = f"kvpilot-canary-{run_id}" if engine in SALTED_ENGINES else None
-    canary = Canary(model, canary_prompt(run_id, pod), salt, ranks)
+    prompt = canary_prompt(run_id, pod)
+    hit = MAX_TOKENS
     for rank in range(ranks):
+        headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
+        body = Canary(model, prompt, salt, ranks, 0).body()
         for send in ("fill", "hit"):
-            status, text = await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
-            cached, prompt, why = _usage(status, text)
+            cached, tokens, why = _usage(*await ask("POST", "/v1/completions", body, headers))
             if cached is None:
                 return Verification(UNKNOWN, why)
-            if send == "hit" and cached == 0:
-                where = f" on rank {rank}" if ranks > 1 else ""
-                return Verification(
-                    UNKNOWN,
-                    f"the canary was not served from cache even before the reset{where} "
-                    f"(prefix caching off, or {prompt} tokens do not fill a block)",
-                )
-    return canary
+            if send == "hit":
+                if cached < MIN_HIT:
+                    where = f" on rank {rank}" if ranks > 1 else ""
+                    return Verification(
+                        UNKNOWN,
+                        f"the canary was not served from cache even before the reset{where} "
+                        f"({cached} of {tokens} tokens: prefix caching off, or a block longer than it)",
+                    )
+                hit = min(hit, cached)
+    return Canary(model, prompt, salt, ranks, hit)
 
 
 async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verification:
-    """After a successful reset: the canary once more on every rank; cold when nothing was cached."""
+    """After a successful reset: the canary once more on every rank. Warm when a rank still serves more
+    than half of what it served before the reset (a token or two in common with another prompt, on an
+    engine that caches single tokens as SGLang does, is not the canary's blocks); cold when none does."""
+    unknown = ""
     tokens = 0
     for rank in range(canary.ranks):
-        status, text = await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
-        cached, prompt, why = _usage(status, text)
+        cached, prompt, why = _usage(
+            *await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
+        )
         if cached is None:
-            return Verification(UNKNOWN, why)
+            unknown = unknown or why  # the other ranks are still checked: one of them may be warm
+            continue
         tokens = prompt or tokens
-        if cached > 0:
+        if cached > canary.hit // 2:
             where = f"rank {rank}" if canary.ranks > 1 else "the pod"
             tiers = ", ".join(cleared) or "none named"
             return Verification(
                 WARM,
                 f"{where} served {cached} of {prompt} canary tokens from cache after its reset said success "
-                f"(tiers cleared: {tiers}; a tier it kept still serves old blocks)",
-                tokens,
+                f"({canary.hit} before it; tiers cleared: {tiers}; a tier it kept still serves old blocks)",
             )
-    return Verification(
-        COLD, f"the canary ({tokens} tokens) found nothing cached on {canary.ranks} rank(s)", tokens
-    )
+    if unknown:
+        return Verification(UNKNOWN, unknown)
+    where = f"on all {canary.ranks} ranks" if canary.ranks > 1 else "on the rank the pod chose"
+    return Verification(COLD, f"the canary ({tokens} tokens) found nothing cached {where}")

@@ -126,7 +126,7 @@ def test_verification_sends_a_canary_to_every_rank(dp_server: Server) -> None:
     [rec] = asyncio.run(run_fanout([Target("dp-pod", url=dp_server.url)], settings))
     after = dp_server.cache()["ranks"]
     assert rec.result == "Succeeded" and rec.verified == "cold", rec
-    assert "on 2 rank(s)" in rec.verify_message and rec.cleared == ["pool"], rec
+    assert "on all 2 ranks" in rec.verify_message and rec.cleared == ["pool"], rec
     for b, a in zip(before, after, strict=True):
         # three canaries per rank: fill, hit (before the reset), check (after it, cold)
         assert a["query_tokens"] - b["query_tokens"] >= 3 * 250, (b, a)

@@ -301,3 +301,85 @@ def test_no_reply_body_is_reported_beyond_a_short_redacted_message() -> None:
     assert endless["message"].startswith("HTTP 500"), endless  # not "no reply within 20s"
     for rec in (echo, big, endless):
         assert len(rec["message"]) < 400, rec["message"][:500]
+
+
+class CanaryPod:
+    """A kvpilot pod that resets, names a model and answers each canary with `usages` in turn (the last
+    one repeated): what a broken or lying pod may say about its cache."""
+
+    def __init__(self, *usages: object) -> None:
+        self.usages = list(usages)
+
+    async def completion(self, request: web.Request) -> web.Response:
+        usage = self.usages.pop(0) if len(self.usages) > 1 else self.usages[0]
+        return web.json_response({"object": "text_completion", "usage": usage})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "epoch": 1, "evicted_by_tier": {"pool": 3, "x" * 9999: 1}})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/reset_prefix_cache", self.reset)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completion)
+        return app
+
+
+def test_a_canary_reply_is_the_pods_word_bounded_and_never_a_false_cold() -> None:
+    """Junk usage, absurd counts and a partial hit of a token or two (SGLang caches single tokens) are
+    unknown or cold, never a crash of the fan-out; a hit of more than half the canary after the reset is
+    warm. A pod's own tier names never reach the result."""
+
+    def usage(cached: object, prompt: object = 300) -> dict:
+        return {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    pods = [
+        CanaryPod("junk"),  # usage is not an object
+        CanaryPod(usage(0), usage(-1)),  # a negative count before the reset
+        CanaryPod(usage(0), usage(256), usage(400)),  # more cached than sent after it
+        CanaryPod(usage(0), usage(256), usage(2)),  # a BOS and a word in common: cold
+        CanaryPod(usage(0), usage(256), usage(200)),  # still serving the canary: warm
+        CanaryPod(usage(0), usage(3)),  # no block's worth before the reset: cannot tell
+    ]
+    records, _ = run(pods, verify=True)
+    got = {r.name: (r.result, r.verified, r.reason) for r in records}
+    assert got == {
+        "pod-0": ("Succeeded", "unknown", ""),
+        "pod-1": ("Succeeded", "unknown", ""),
+        "pod-2": ("Succeeded", "unknown", ""),
+        "pod-3": ("Succeeded", "cold", ""),
+        "pod-4": ("Failed", "warm", "StillWarm"),
+        "pod-5": ("Succeeded", "unknown", ""),
+    }, got
+    assert "not a completion" in records[0].verify_message and "out of range" in records[1].verify_message
+    assert "200 of 300" in records[4].message and "256 before it" in records[4].message
+    assert all(r.cleared == ["pool"] for r in records), [r.cleared for r in records]
+
+
+def test_an_sglang_pod_whose_tiers_cannot_be_read_is_not_called_reset() -> None:
+    """SGLang's HiCache storage needs its own clear: a pod whose /server_info answers 500 might run one,
+    so it fails saying so rather than reading Succeeded after a flush alone; a pod with neither info path
+    (404: an SGLang too old for HiCache) is flushed."""
+
+    class InfoPod(Standin):
+        info_status: int = 500
+
+        async def info(self, request: web.Request) -> web.Response:
+            return web.Response(status=self.info_status)
+
+        def app(self) -> web.Application:
+            app = super().app()
+            if self.info_status != 404:
+                app.router.add_get("/server_info", self.info)
+            return app
+
+    broken, old = InfoPod(engine="sglang"), InfoPod(engine="sglang")
+    old.info_status = 404
+    records, _ = run([broken, old], engine="sglang")
+    r = by_name(records)
+    assert r["pod-0"]["result"] == "Failed" and "GET /server_info: HTTP 500" in r["pod-0"]["message"], r
+    assert broken.calls == 0  # never flushed: the reset is not half done behind a Succeeded
+    assert r["pod-1"]["result"] == "Succeeded" and old.calls == 1, r

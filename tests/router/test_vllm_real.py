@@ -163,7 +163,8 @@ def test_the_routers_reset_of_a_busy_vllm_is_done_once_vllm_really_reset_and_pro
     assert r.status == 200, r.body
     [pod] = r.json()["pods"]
     assert pod["success"] and pod["verified"] == "cold", pod
-    assert pod["cleared"] == ["pool", "external"] and "on 1 rank(s)" in pod["verify_message"], pod
+    assert pod["cleared"] == ["pool", "external"], pod
+    assert "on the rank the pod chose" in pod["verify_message"], pod
     # It was done only once the streams were: each has its whole answer waiting by now.
     for sock in socks:
         assert b'"finish_reason":"length"' in read_to_end(sock)
