@@ -37,10 +37,9 @@ class Judgement:
     epoch: int | None = None
     evicted_blocks: int | None = None
     ranks: tuple[RankResult, ...] | None = None  # kvpilot: one entry per data-parallel rank
-    tiers: tuple[
-        str, ...
-    ] = ()  # the cache tiers the call cleared, named as kvpilot names its own: pool, host,
-    # disk; external (vLLM's offload tier and KV connectors), storage (SGLang's HiCache L3)
+    # The cache tiers the call cleared, named as kvpilot names its own: pool, host, disk; external (vLLM's
+    # offload tier and KV connectors), storage (SGLang's HiCache L3).
+    tiers: tuple[str, ...] = ()
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -20,9 +20,8 @@ class RankResult:
     evicted_blocks: int | None = None
 
 
-STILL_WARM = (
-    "StillWarm"  # PodResult.reason: the pod said it reset, and its canary was still served from cache
-)
+# PodResult.reason: the pod said it reset, and its canary was still served from cache
+STILL_WARM = "StillWarm"
 
 
 @dataclass(slots=True)
