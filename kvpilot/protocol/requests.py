@@ -239,8 +239,8 @@ def parse_chat(body: dict, served: list[str]) -> ChatRequest:
 
 
 def parse_reset_flag(name: str, query_value: str | None, body: dict | None, default: bool = False) -> bool:
-    """A boolean of POST /reset_prefix_cache (`reset_running_requests`, `reset_external`; the router's `verify` too)
-    string (vLLM's way) or a JSON body."""
+    """A boolean of POST /reset_prefix_cache (`reset_running_requests`, `reset_external`; the router's
+    `verify` too) from the query string (vLLM's way) or a JSON body."""
     if query_value is not None:
         lowered = query_value.strip().lower()
         if lowered in ("true", "1", "yes"):
