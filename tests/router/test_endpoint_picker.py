@@ -333,7 +333,8 @@ def hit_share(port: int, fleet: Fleet, through_envoy: bool) -> float:
 def fresh(fleet: Fleet, *routers: RouterProc) -> None:
     """Every pod's cache and every router's index empty."""
     wait_idle(*fleet.daemons)
-    fleet.router.reset()
+    # unverified: a verified reset leaves each pod its (salted) canary's blocks, which the index holds
+    fleet.router.reset(verify="false")
     for r in routers:
         wait_for(
             lambda r=r: all(p["indexed_blocks"] == 0 for p in r.health()["pods"]), 10, "an emptied index"
