@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.block_keys import hash_block
+from kvpilot.block_keys import DEFAULT_KEYS
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
@@ -274,7 +274,7 @@ def reset_latency(num_blocks: int, repeats: int = 20) -> dict:
     for _ in range(repeats):
         blocks = pool.allocate(num_blocks)
         for i, b in enumerate(blocks):
-            pool.cache_block(b, hash_block(None, [i]))
+            pool.cache_block(b, DEFAULT_KEYS.hash_block(None, [i], None))
         pool.free(blocks)
         start = time.perf_counter()
         evicted = pool.reset()

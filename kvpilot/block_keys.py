@@ -1,41 +1,153 @@
-"""Prefix-cache keys for full KV blocks.
+"""Prefix-cache keys for full KV blocks, in the schemes a daemon can hash with (`--prefix-caching-hash-algo`).
 
-A block's key is sha256(parent key | token ids | extra keys). Chaining the parent makes the key name
-the whole prefix, not just the block's own tokens; sha256 makes it collision-resistant and the same in
-every process (Python's hash() is salted per process), so keys are published as KV events and the
-fleet router (`kvpilot.router`) computes the very same keys from a request's tokens with this module.
-Extra keys (e.g. a tenant's `cache_salt`, the weight version) enter the first block only, which is
-enough: every later key chains from it, so two salts, or two weight versions, never share any block.
-The weights a daemon loaded without a name (no `--weight-version`, no update yet) add nothing, so a
-router that knows no versions still computes their keys.
+A block's key hashes (parent key, the block's token ids, extra keys). Chaining the parent makes the key
+name the whole prefix, not just the block's own tokens; a cryptographic hash makes it collision-resistant
+and the same in every process (Python's hash() is salted per process), so keys are published as KV events
+and a router (`kvpilot.router`, vllm-router, llm-d's indexer) computes the very same keys from a request's
+tokens. Extra keys (a tenant's `cache_salt`, the weight version) enter the first block only, which is
+enough: every later key chains from it, so two salts, or two weight versions, never share any block. The
+weights a daemon loaded without a name (no `--weight-version`, no update yet) add nothing, so a router
+that knows no versions still computes their keys.
+
+The schemes, by their `--prefix-caching-hash-algo` names:
+- `sha256_cbor` (the default): vLLM's own keys (`vllm.v1.core.kv_cache_utils.hash_block_tokens` with
+  `vllm.utils.hashing.sha256_cbor`, vLLM 0.32): sha256 of the canonical CBOR of the tuple (parent, token
+  ids, extra keys or None), the first block's parent being the hash of the seed string. It is the one
+  scheme consumers outside Python can recompute (llm-d's precise prefix-cache scorer runs vLLM with it),
+  so a kvpilot daemon's events mean to them what a vLLM pod's do.
+- `sha256`: vLLM's default (the same tuple, pickled with the highest protocol): what a vLLM pod started
+  without the flag hashes with, so the router can compute a plain vLLM fleet's keys.
+- `kvpilot`: kvpilot's earlier scheme (sha256 over the parent, the token ids as packed int32 and the extra
+  bytes), for fleets whose routers predate the flag.
+
+The seed is vLLM's: `PYTHONHASHSEED` when set, else "vllm-none-hash", so a daemon and a vLLM pod started
+the same way agree. Extra keys are tagged as vLLM tags them (`("cache_salt", salt)`), so no salt can
+equal another kind of key; the weight version, which vLLM has no notion of, is tagged kvpilot's way
+(`("weight_version", v)`) and only present once weights are named.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 import struct
+from dataclasses import dataclass
 from typing import NewType
+
+import cbor2
 
 BlockHash = NewType("BlockHash", bytes)
 
-_ROOT = b"kvpilot-prefix-v1"
+HASH_ALGOS = ("sha256_cbor", "sha256", "kvpilot")
+DEFAULT_HASH_ALGO = "sha256_cbor"
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for its sha256 schemes when PYTHONHASHSEED is unset
+MAX_SEED_CHARS = 256  # a seed read from a pod's /kv_events is bounded like any other string from it
+
+_KVPILOT_ROOT = b"kvpilot-prefix-v1"
+KVPILOT_WIRE_NAME = "sha256-chained/kvpilot-prefix-v1"  # the `kvpilot` scheme as daemons always named it
 
 
-def hash_block(
-    parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: bytes = b""
-) -> BlockHash:
-    h = hashlib.sha256()
-    h.update(parent if parent is not None else _ROOT)
-    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
-    if extra:
-        h.update(b"\x00extra\x00")
-        h.update(extra)
-    return BlockHash(h.digest())
+@dataclass(frozen=True, slots=True)
+class KeyScheme:
+    """How one daemon keys its blocks: hashable, so a router groups pods by it."""
+
+    algo: str  # one of HASH_ALGOS
+    seed: str = DEFAULT_SEED  # only the vLLM schemes use it
+
+    def __post_init__(self) -> None:
+        if self.algo not in HASH_ALGOS:
+            raise ValueError(f"prefix-caching hash algo {self.algo!r}: one of {', '.join(HASH_ALGOS)}")
+        if len(self.seed) > MAX_SEED_CHARS:
+            raise ValueError(f"a hash seed has at most {MAX_SEED_CHARS} characters")
+
+    @property
+    def _root(self) -> BlockHash:
+        if self.algo == "kvpilot":
+            return BlockHash(_KVPILOT_ROOT)
+        return _roots(self.algo, self.seed)
+
+    def first_extra(self, cache_salt: str | None, weight_version: str | None) -> object:
+        """What the first block hashes besides its tokens (None: nothing) for a request's `cache_salt` on
+        weights named `weight_version` (None: unnamed)."""
+        if self.algo == "kvpilot":
+            return _kvpilot_extra(cache_salt, weight_version) or None
+        extra = []
+        if cache_salt:
+            extra.append(("cache_salt", _text(cache_salt)))
+        if weight_version is not None:
+            extra.append(("weight_version", _text(weight_version)))
+        return tuple(extra) or None
+
+    def hash_block(
+        self, parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: object
+    ) -> BlockHash:
+        parent = parent if parent is not None else self._root
+        if self.algo == "kvpilot":
+            h = hashlib.sha256(parent)
+            h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+            if extra:
+                h.update(b"\x00extra\x00")
+                h.update(extra)
+            return BlockHash(h.digest())
+        return BlockHash(hashlib.sha256(_serialize(self.algo, (parent, tuple(token_ids), extra))).digest())
+
+    def extend(
+        self, hashes: list[BlockHash], token_ids: list[int], block_size: int, first_extra: object
+    ) -> None:
+        """Append the keys of every newly full block of `token_ids` to `hashes` (each computed once)."""
+        for i in range(len(hashes), len(token_ids) // block_size):
+            parent = hashes[i - 1] if i > 0 else None
+            chunk = token_ids[i * block_size : (i + 1) * block_size]
+            hashes.append(self.hash_block(parent, chunk, first_extra if i == 0 else None))
+
+    def describe(self) -> dict[str, str]:
+        """How GET /kv_events names this scheme to consumers (`scheme_from_wire` reads it back)."""
+        if self.algo == "kvpilot":
+            return {"block_hash": KVPILOT_WIRE_NAME}
+        return {"block_hash": self.algo, "hash_seed": self.seed}
+
+    def prompt_hashes(
+        self,
+        token_ids: list[int],
+        block_size: int,
+        cache_salt: str | None = None,
+        weight_version: str | None = None,
+    ) -> list[BlockHash]:
+        """The keys of every full block of `token_ids`, as the engine computes them for a request."""
+        hashes: list[BlockHash] = []
+        self.extend(hashes, token_ids, block_size, self.first_extra(cache_salt, weight_version))
+        return hashes
 
 
-def salt_key(cache_salt: str | None, weight_version: str | None = None) -> bytes:
-    """The extra key a request's `cache_salt` and the weight version add to its first block (empty
-    without either)."""
+def _serialize(algo: str, value: tuple) -> bytes:
+    if algo == "sha256_cbor":
+        return cbor2.dumps(value, canonical=True)
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_ROOT_CACHE: dict[tuple[str, str], BlockHash] = {}
+
+
+def _roots(algo: str, seed: str) -> BlockHash:
+    root = _ROOT_CACHE.get((algo, seed))
+    if root is None:
+        # vLLM's NONE_HASH: the seed string hashed by the scheme's own function
+        root = _ROOT_CACHE[(algo, seed)] = BlockHash(hashlib.sha256(_serialize(algo, seed)).digest())
+    return root
+
+
+def _text(value: str) -> str | bytes:
+    """`value` as CBOR can encode it: a str with a lone surrogate (JSON allows "\\ud800") goes in as its
+    surrogatepass bytes, which no text can equal, so hashing never raises mid-step."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogatepass")
+    return value
+
+
+def _kvpilot_extra(cache_salt: str | None, weight_version: str | None) -> bytes:
     # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
     key = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
     if weight_version is not None:
@@ -43,21 +155,32 @@ def salt_key(cache_salt: str | None, weight_version: str | None = None) -> bytes
     return key
 
 
-def prompt_block_hashes(
-    token_ids: list[int], block_size: int, cache_salt: str | None = None, weight_version: str | None = None
-) -> list[BlockHash]:
-    """The keys of every full block of `token_ids`, as the engine computes them for a request."""
-    hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, salt_key(cache_salt, weight_version))
-    return hashes
+def key_scheme(algo: str = DEFAULT_HASH_ALGO, seed: str | None = None) -> KeyScheme:
+    """The scheme a daemon hashes with: `algo`, seeded as vLLM seeds it (`PYTHONHASHSEED`, else vLLM's
+    fixed default) unless `seed` is given."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+    return KeyScheme(algo, seed if algo != "kvpilot" else DEFAULT_SEED)
 
 
-def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: list[int], block_size: int, extra: bytes = b""
-) -> None:
-    """Append the keys of every newly full block of `token_ids` to `hashes` (computed once per block)."""
-    num_full = len(token_ids) // block_size
-    for i in range(len(hashes), num_full):
-        parent = hashes[i - 1] if i > 0 else None
-        chunk = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(parent, chunk, extra if i == 0 else b""))
+DEFAULT_KEYS = KeyScheme(DEFAULT_HASH_ALGO)  # the default algo, vLLM's default seed
+
+
+def scheme_from_wire(block_hash: object, hash_seed: object) -> KeyScheme:
+    """The scheme a pod's GET /kv_events names (ValueError if it names none kvpilot computes); a pod that
+    names none is an older kvpilot daemon, which only had kvpilot's own keys."""
+    if block_hash is None or block_hash == KVPILOT_WIRE_NAME:
+        return KeyScheme("kvpilot")
+    if block_hash not in HASH_ALGOS or block_hash == "kvpilot":
+        raise ValueError(f"block_hash names no key scheme this router computes ({', '.join(HASH_ALGOS[:2])})")
+    if hash_seed is None:
+        return KeyScheme(block_hash)
+    if not isinstance(hash_seed, str):
+        raise ValueError("hash_seed must be a string")
+    return KeyScheme(block_hash, hash_seed)
+
+
+def truncated(key: BlockHash) -> int:
+    """A key as vLLM's events carry it by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`): its last 8
+    bytes as an unsigned big-endian integer."""
+    return int.from_bytes(key[-8:], "big")

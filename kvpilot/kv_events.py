@@ -53,7 +53,6 @@ from kvpilot import kv_sockets
 from kvpilot.block_keys import BlockHash
 
 END_OF_REPLAY = -1  # the sequence number of the frame that ends a replay answer
-HASH_SCHEME = "sha256-chained/kvpilot-prefix-v1"  # names block_keys.py's keys for consumers
 DEFAULT_BUFFER_BATCHES = 10_000  # batches a replay socket can serve again
 DEFAULT_BUFFER_BYTES = 64 << 20  # and their payloads' bytes at most (oldest dropped first)
 # Blocks one BlockStored or BlockRemoved carries at most: 1024 blocks of 128 tokens with their ids (5 bytes

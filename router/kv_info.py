@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.block_keys import KeyScheme, scheme_from_wire
 from kvpilot.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvpilot.router.kv_stream import ReplayLimits
 
@@ -39,6 +40,7 @@ class PodEvents:
     block_size: int
     ranks: list[RankEvents]
     limits: ReplayLimits
+    keys: KeyScheme  # how the pod keys its blocks (`block_hash`, `hash_seed`)
 
 
 def parse_kv_events(info: Any) -> PodEvents:
@@ -55,7 +57,9 @@ def parse_kv_events(info: Any) -> PodEvents:
     batches = _int(info, "buffer_batches", 0, None, DEFAULT_BUFFER_BATCHES)
     size = _int(info, "buffer_bytes", 0, None, DEFAULT_BUFFER_BYTES)
     limits = ReplayLimits(batches=min(batches, REPLAY_MAX_BATCHES), bytes=min(size, REPLAY_MAX_BYTES))
-    return PodEvents(block_size, ranks, limits)
+    return PodEvents(
+        block_size, ranks, limits, scheme_from_wire(info.get("block_hash"), info.get("hash_seed"))
+    )
 
 
 def _rank(r: Any) -> RankEvents:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
+from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme
 from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
 from kvpilot.router.index import PrefixIndex
@@ -44,6 +45,7 @@ class Pod:
     in_flight: int = 0
     kv_events: str = "pending"  # pending (not asked yet) | off (the pod publishes none) | on
     block_size: int | None = None  # of the pod's KV events; None while they are not followed
+    keys: KeyScheme = DEFAULT_KEYS  # how its blocks are keyed, as its GET /kv_events says
     ranks: list[int] = field(default_factory=list)  # the data-parallel ranks whose KV events are followed
     streams: list[PodEventStream] = field(default_factory=list)  # one per rank
     rank_in_flight: dict[int, int] = field(default_factory=dict)  # requests sent to a chosen rank
@@ -277,6 +279,7 @@ class Fleet:
             return []
         pod.events_error = ""
         pod.block_size = events.block_size
+        pod.keys = events.keys
         pod.streams = [
             PodEventStream(
                 pod.name,

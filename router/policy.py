@@ -42,13 +42,14 @@ def _keyed(pod: Pod) -> bool:
 
 
 def _schemes(pod: Pod) -> list[tuple[tuple[str, int], Scheme]]:
-    """Each (holder, hash scheme) of a keyed pod: its block size and that rank's weight version."""
+    """Each (holder, hash scheme) of a keyed pod: its block size, that rank's weight version and the pod's
+    key scheme."""
     bs, versions = pod.block_size or 0, pod.rank_versions() or []
-    return [(h, (bs, v)) for h, v in zip(pod.holders(), versions, strict=True)]
+    return [(h, (bs, v, pod.keys)) for h, v in zip(pod.holders(), versions, strict=True)]
 
 
 def hash_schemes(pods: list[Pod]) -> set[Scheme]:
-    """The (block size, weight version) pairs prefix-aware keys a request's prompts by, for these pods."""
+    """The (block size, weight version, key scheme) triples prefix-aware keys a request's prompts by, for these pods."""
     return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from kvpilot.block_keys import BlockHash, prompt_block_hashes
+from kvpilot.block_keys import BlockHash, KeyScheme
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import parse_chat, parse_completion
@@ -29,7 +29,8 @@ from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
-Scheme = tuple[int, str | None]  # how a pod rank hashes its blocks: (block size, weight version)
+# How a pod rank hashes its blocks: (block size, weight version, key scheme).
+Scheme = tuple[int, str | None, KeyScheme]
 
 # The context assumed for a tokenizer directory whose config.json names none.
 FALLBACK_CONTEXT = 131072
@@ -51,10 +52,12 @@ class Prompts:
             keys = self._keys[scheme] = [self._keys_of(ids, *scheme) for ids in self.token_ids]
         return keys
 
-    def _keys_of(self, ids: list[int], block_size: int, weight_version: str | None) -> list[BlockHash]:
+    def _keys_of(
+        self, ids: list[int], block_size: int, weight_version: str | None, keys: KeyScheme
+    ) -> list[BlockHash]:
         usable = len(ids) - 1 if self.max_tokens is None else min(len(ids) - 1, self.max_tokens)
         n = max(usable, 0) // block_size * block_size
-        return prompt_block_hashes(ids[:n], block_size, self.cache_salt, weight_version)
+        return keys.prompt_hashes(ids[:n], block_size, self.cache_salt, weight_version)
 
 
 def tokenizer_dir(model: str | None) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpilot.block_keys import DEFAULT_HASH_ALGO, HASH_ALGOS
 from kvpilot.config_flags import flag
 
 if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its flags from this class
@@ -41,6 +42,14 @@ class EngineConfig:
     )
     max_model_len: int | None = field(default=None, metadata=flag("context length", unset="the model's"))
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV of shared prompt prefixes"))
+    prefix_caching_hash_algo: str = field(
+        default=DEFAULT_HASH_ALGO,
+        metadata=flag(
+            "how block keys are hashed: sha256_cbor and sha256 as vLLM 0.32 hashes them (seeded by "
+            "PYTHONHASHSEED, as vLLM is), kvpilot for kvpilot's earlier keys (docs/router.md)",
+            choices=HASH_ALGOS,
+        ),
+    )
     max_queued_requests: int | None = field(
         default=1024,
         metadata=flag("requests waiting for the engine beyond which new ones get 503 with Retry-After"),

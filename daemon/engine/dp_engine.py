@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
@@ -197,6 +197,7 @@ class DataParallelLoop(WeightOperations):
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop, once started
         self._ranks = engine.ranks
         self._policy = PrefixAwarePolicy(len(self._ranks))
+        self._keys = key_scheme(engine.config.prefix_caching_hash_algo)  # the ranks' own, as they derive it
         self._requests: dict[str, list] = {}  # request id -> [rank, queue, sequences not finished]
         self._pending: dict[Any, tuple[int, asyncio.Future]] = {}  # add / call id -> (rank, its verdict)
         self._call_ids = itertools.count()
@@ -241,7 +242,7 @@ class DataParallelLoop(WeightOperations):
         request_id = request.request_id
         if request_id in self._requests or request_id in self._pending:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        keys = prompt_block_hashes(request.prompt_token_ids, self.info.block_size, request.cache_salt)
+        keys = self._keys.prompt_hashes(request.prompt_token_ids, self.info.block_size, request.cache_salt)
         if request.data_parallel_rank is not None:  # the caller (a router reading our KV events) chose
             rank = self._ranks[request.data_parallel_rank]
             if rank.dead:
@@ -321,7 +322,7 @@ class DataParallelLoop(WeightOperations):
             return None
         cfg = self.engine.config
         return describe_ranks(
-            ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+            ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES, self._keys
         )
 
     async def _call(self, rank: _Rank, kind: str, *args: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import engine_threads
@@ -94,6 +95,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._groups: dict[str, list[Request]] = {}
         self._added: dict[str, EngineRequest] = {}  # each group as added: what a weight swap restarts
+        self.keys = key_scheme(config.prefix_caching_hash_algo)
         self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
         if offload is not None and self.kv_events is not None:
             offload.on_stored = self.kv_events.recorder.block_offloaded
@@ -158,6 +160,7 @@ class LLMEngine:
                 group_id=request_id,
                 index=i,
                 weight_key=self._weight_key,
+                keys=self.keys,
             )
             for i in range(params.n)
         ]
@@ -479,6 +482,7 @@ class LLMEngine:
             self.config.block_size,
             rank=self.config.data_parallel_rank,
             token_ids=self.config.kv_events_token_ids,
+            keys=self.keys,
             curve_dir=self.config.kv_events_curve_dir,
             # every block the rank can hold, offload tiers included: a consumer caps its index of this
             # rank at it (router/index.py), and a tier holds blocks the pool no longer does

@@ -19,12 +19,12 @@ from typing import Any
 import zmq
 
 from kvpilot import kv_sockets
+from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme
 from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
 from kvpilot.kv_events import (
     DEFAULT_BUFFER_BATCHES,
     DEFAULT_BUFFER_BYTES,
     END_OF_REPLAY,
-    HASH_SCHEME,
     EventBatch,
     encode_batches,
 )
@@ -53,10 +53,12 @@ class KVEventPublisher:
         curve_dir: str | None = None,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         blocks_total: int | None = None,
+        keys: KeyScheme = DEFAULT_KEYS,
     ) -> None:
         self.recorder = KVEventRecorder(block_size, token_ids)
         self.rank = rank
         self.topic = topic
+        self.keys = keys
         self.blocks_total = blocks_total  # the pool's and offload tiers' blocks: no index of it can hold more
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[EventBatch | None] = queue.SimpleQueue()
@@ -108,6 +110,7 @@ class KVEventPublisher:
             self.recorder.block_size,
             self._buffer_batches,
             self._buffer_bytes,
+            self.keys,
         )
 
     # ---- publisher thread ------------------------------------------------------------------------
@@ -200,6 +203,7 @@ def describe_ranks(
     block_size: int,
     buffer_batches: int,
     buffer_bytes: int,
+    keys: KeyScheme,
 ) -> dict[str, Any]:
     """What GET /kv_events answers. `endpoint`, `replay_endpoint` and `blocks_total` are rank 0's (the
     reply of a single-rank daemon, which readers from before data parallelism use); `ranks` lists every
@@ -222,7 +226,7 @@ def describe_ranks(
         "topic": topic,
         "format": "vllm",
         "block_size": block_size,
-        "block_hash": HASH_SCHEME,
+        **keys.describe(),
         "blocks_total": listed[0]["blocks_total"],
         "buffer_batches": buffer_batches,
         "buffer_bytes": buffer_bytes,

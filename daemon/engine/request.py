@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.block_keys import BlockHash, extend_block_hashes, salt_key
+from kvpilot.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
@@ -90,6 +90,7 @@ class Request:
     # The weights' version key (None: the unnamed initial weights): part of the first block's key, so
     # KV computed by other weights never matches.
     weight_key: str | None = None
+    keys: KeyScheme = DEFAULT_KEYS  # how the engine keys blocks (--prefix-caching-hash-algo)
     group_id: str = ""  # the caller's request id, shared by the sequences of one group
     index: int = 0  # this sequence's place in its group
     status: RequestStatus = RequestStatus.WAITING
@@ -127,16 +128,14 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def salt_bytes(self) -> bytes:
-        return salt_key(self.cache_salt, self.weight_key)
-
-    @property
     def stop_ids_blocked(self) -> bool:
         """EOS and stop ids may not end the output yet (min_tokens)."""
         return len(self.output_token_ids) < self.params.min_tokens
 
     def update_block_hashes(self, block_size: int) -> None:
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.salt_bytes)
+        if len(self.all_token_ids) // block_size > len(self.block_hashes):
+            first_extra = self.keys.first_extra(self.cache_salt, self.weight_key)
+            self.keys.extend(self.block_hashes, self.all_token_ids, block_size, first_extra)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -2,40 +2,61 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from kvpilot.block_keys import extend_block_hashes, hash_block
+from kvpilot.block_keys import DEFAULT_KEYS, HASH_ALGOS, KeyScheme
 from kvpilot.daemon.engine.block_pool import BlockPool
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
 from kvpilot.daemon.engine.request import Request, SamplingParams
 
+hash_block = DEFAULT_KEYS.hash_block
 
-def test_keys_chain_the_prefix_and_the_salt() -> None:
-    a, b = [], []
-    extend_block_hashes(a, list(range(32)), 16)
-    extend_block_hashes(b, [99] + list(range(1, 32)), 16)
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_keys_chain_the_prefix_and_the_salt(algo: str) -> None:
+    keys = KeyScheme(algo)
+    a = keys.prompt_hashes(list(range(32)), 16)
+    b = keys.prompt_hashes([99] + list(range(1, 32)), 16)
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same 2nd block tokens, other parent
-    salted = []
-    extend_block_hashes(salted, list(range(32)), 16, b"tenant")
-    assert set(salted).isdisjoint(a)
+    salted = keys.prompt_hashes(list(range(32)), 16, "tenant")
+    versioned = keys.prompt_hashes(list(range(32)), 16, None, "tenant")
+    assert len({*a, *salted, *versioned}) == 6  # a salt and a version of the same text never share a key
+    # a lone surrogate (JSON allows "\ud800") hashes, and apart from the text it resembles
+    assert (
+        keys.prompt_hashes(list(range(16)), 16, "\ud800")[0]
+        != keys.prompt_hashes(list(range(16)), 16, "?")[0]
+    )
 
 
-def test_keys_are_the_same_in_another_process() -> None:
-    code = "from kvpilot.block_keys import hash_block; print(hash_block(None, [1, 2, 3], b's').hex())"
-    other = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert other == hash_block(None, [1, 2, 3], b"s").hex()
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_keys_are_the_same_in_another_process_and_seeded_as_vllm_seeds(algo: str) -> None:
+    code = (
+        "from kvpilot.block_keys import key_scheme; "
+        f"print(key_scheme({algo!r}).prompt_hashes([1, 2, 3, 4], 4, 's')[0].hex())"
+    )
+
+    def run(**env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=clean | env
+        ).stdout.strip()
+
+    here = KeyScheme(algo).prompt_hashes([1, 2, 3, 4], 4, "s")[0].hex()
+    assert run() == here
+    seeded = run(PYTHONHASHSEED="7")
+    assert (seeded == here) == (algo == "kvpilot")  # vLLM's schemes take PYTHONHASHSEED as their seed
+    assert seeded == KeyScheme(algo, "7").prompt_hashes([1, 2, 3, 4], 4, "s")[0].hex()
 
 
 def test_lru_eviction_and_unhashed_blocks_first() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(4)
     for i, blk in enumerate(blocks[:2]):
-        pool.cache_block(blk, hash_block(None, [i]))
+        pool.cache_block(blk, hash_block(None, [i], None))
     pool.free(blocks)  # two cached, two plain
     assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
     # Plain blocks are reused first; then the least recently freed cached one (freed in reverse, so
@@ -43,20 +64,20 @@ def test_lru_eviction_and_unhashed_blocks_first() -> None:
     got = pool.allocate(3)
     assert {b.block_id for b in got[:2]} == {blocks[2].block_id, blocks[3].block_id}
     assert got[2] is blocks[1]
-    assert pool.lookup(hash_block(None, [1])) is None
-    assert pool.lookup(hash_block(None, [0])) is blocks[0]
+    assert pool.lookup(hash_block(None, [1], None)) is None
+    assert pool.lookup(hash_block(None, [0], None)) is blocks[0]
 
 
 def test_reset_makes_everything_unreachable_and_never_reindexes_held_blocks() -> None:
     pool = BlockPool(8)
     held = pool.allocate(3)
     for i, blk in enumerate(held):
-        pool.cache_block(blk, hash_block(None, [i]))
+        pool.cache_block(blk, hash_block(None, [i], None))
     pool.free(held[:1])
     assert pool.num_cached_blocks == 1
     assert pool.reset() == 3
     assert pool.epoch == 1 and pool.num_cached_blocks == 0
-    assert all(pool.lookup(hash_block(None, [i])) is None for i in range(3))
+    assert all(pool.lookup(hash_block(None, [i], None)) is None for i in range(3))
     pool.free(held[1:])
     assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 8
 
@@ -89,7 +110,7 @@ def test_reset_cost_does_not_walk_the_pool(num_blocks: int) -> None:
     pool = BlockPool(num_blocks)
     blocks = pool.allocate(num_blocks)
     for i, blk in enumerate(blocks):
-        pool.cache_block(blk, hash_block(None, [i]))
+        pool.cache_block(blk, hash_block(None, [i], None))
     pool.free(blocks)
     assert pool.reset() == num_blocks
     assert sum(1 for b in pool.blocks if b.block_hash is not None) == num_blocks  # nothing walked

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.dp_engine import cpu_shares
 from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
 
@@ -12,7 +12,7 @@ SYSTEM = list(range(100, 164))  # four full blocks of 16
 
 
 def keys(tail: list[int], salt: str | None = None) -> list:
-    return prompt_block_hashes(SYSTEM + tail, 16, salt)
+    return key_scheme().prompt_hashes(SYSTEM + tail, 16, salt)
 
 
 def test_shared_prefix_sticks_to_one_rank_within_the_load_slack() -> None:
@@ -29,9 +29,9 @@ def test_shared_prefix_sticks_to_one_rank_within_the_load_slack() -> None:
 
 def test_unrelated_prompts_balance_by_load_then_round_robin() -> None:
     policy = PrefixAwarePolicy(3)
-    assert policy.choose(prompt_block_hashes(list(range(40)), 16, None), [2, 0, 1], [0, 1, 2]) == 1
-    assert policy.choose(prompt_block_hashes(list(range(500, 540)), 16, None), [0, 0, 0], [0, 2]) == 2
-    assert policy.choose(prompt_block_hashes(list(range(600, 640)), 16, None), [0, 0, 0], [0, 2]) == 0
+    assert policy.choose(key_scheme().prompt_hashes(list(range(40)), 16, None), [2, 0, 1], [0, 1, 2]) == 1
+    assert policy.choose(key_scheme().prompt_hashes(list(range(500, 540)), 16, None), [0, 0, 0], [0, 2]) == 2
+    assert policy.choose(key_scheme().prompt_hashes(list(range(600, 640)), 16, None), [0, 0, 0], [0, 2]) == 0
 
 
 def test_salt_separates_prefixes_and_forget_clears_a_rank() -> None:

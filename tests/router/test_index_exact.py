@@ -8,7 +8,7 @@ import pytest
 from engine.test_accounting import SHARED_PREFIXES, ops  # the same random operations as the pool's test
 from hypothesis import HealthCheck, given, settings
 
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
@@ -67,7 +67,7 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
             prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
             # What the router predicts must be what the engine finds when it looks the prompt up.
             usable = (len(prompt) - 1) // BS
-            keys = prompt_block_hashes(prompt[: usable * BS], BS, salt)
+            keys = key_scheme().prompt_hashes(prompt[: usable * BS], BS, salt)
             predicted = index.matched_blocks(keys, ["pod"])["pod"] * BS
             rid = f"q{len(added)}-{id(ops)}"
             req = engine.add_request(
@@ -158,7 +158,7 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     prompt = list(range(40))  # 9 usable blocks of 4
-    index.store(("b:1", 0), prompt_block_hashes(prompt[:36], BS))
+    index.store(("b:1", 0), key_scheme().prompt_hashes(prompt[:36], BS))
     a, b = pod("a:1"), pod("b:1")
     pa = PrefixAware(index)
     d = pa.choose([a, b], Prompts([prompt], None))
@@ -178,7 +178,7 @@ def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     prompt = list(range(40))
-    index.store(("dp:1", 1), prompt_block_hashes(prompt[:36], BS))  # only rank 1 holds the prefix
+    index.store(("dp:1", 1), key_scheme().prompt_hashes(prompt[:36], BS))  # only rank 1 holds the prefix
     a, dp = pod("a:1"), pod("dp:1", ranks=2)
     pa = PrefixAware(index)
     d = pa.choose([a, dp], Prompts([prompt], None))

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
@@ -74,7 +74,7 @@ def test_stored_removed_cleared_on_the_wire_and_replayed(engine: LLMEngine) -> N
     batch = decode_batch(first[0][1])
     stored = [e for e in batch.events if isinstance(e, BlockStored)]
     assert len(stored) == 1, batch  # consecutive blocks of one chain travel together
-    expected = prompt_block_hashes(prompt, BS, salt)  # the router's computation: the same keys
+    expected = key_scheme().prompt_hashes(prompt, BS, salt)  # the router's computation: the same keys
     assert stored[0].block_hashes == expected
     assert stored[0].parent_block_hash is None
     assert stored[0].token_ids == []
@@ -146,7 +146,9 @@ def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngin
     assert counts.get("replayed") == 2 and not counts.get("missed"), counts
     assert index.num_blocks(POD) == complete.num_blocks(POD) == len(engine.kv.pool._index)
     keys = [
-        k for p in range(5) for k in prompt_block_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
+        k
+        for p in range(5)
+        for k in key_scheme().prompt_hashes(list(range(200 + 60 * p, 200 + 60 * p + 40)), BS)
     ]
     assert index.matched_blocks(keys[-2:], [POD]) == complete.matched_blocks(keys[-2:], [POD])
 
@@ -213,7 +215,7 @@ def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine)
         engine.kv_events, engine.kv.pool.events = second, second.recorder
         await loop.run_in_executor(None, engine.generate, [list(range(400, 456))], GREEDY)
         await until(lambda: index.num_blocks(POD) == 3, "the second publisher's blocks")
-        keys = prompt_block_hashes(list(range(400, 448)), BS)
+        keys = key_scheme().prompt_hashes(list(range(400, 448)), BS)
         matched = index.matched_blocks(keys, [POD])[POD]
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvpilot import kv_sockets
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
@@ -84,7 +84,7 @@ def test_token_ids_only_with_the_flag(tiny_model_dir: Path) -> None:
         finally:
             ctx.term()
             engine.close()
-        assert stored.block_hashes == prompt_block_hashes(PROMPT, BS)
+        assert stored.block_hashes == key_scheme().prompt_hashes(PROMPT, BS)
         assert stored.token_ids == (PROMPT[: 2 * BS] if with_ids else [])
 
 
@@ -141,7 +141,7 @@ def test_curve_lets_only_the_fleets_router_in(tiny_model_dir: Path, keys: Path, 
     assert not plain_heard and not wrong_heard
     assert plain_replay is None and wrong_replay is None
     assert ours
-    assert index.matched_blocks(prompt_block_hashes(PROMPT, BS), [POD])[POD] == 2
+    assert index.matched_blocks(key_scheme().prompt_hashes(PROMPT, BS), [POD])[POD] == 2
 
 
 def test_a_router_without_keys_gets_nothing_from_a_curve_daemon(tiny_model_dir: Path, keys: Path) -> None:

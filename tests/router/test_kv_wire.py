@@ -17,7 +17,7 @@ import pytest
 import zmq.asyncio
 
 from kvpilot import kv_events
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import key_scheme
 from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_stream import PodEventStream
@@ -26,7 +26,7 @@ from support.vllm_kv_events import KV_CACHE_UTILS_LINE
 
 pytestmark = pytest.mark.timeout(300)
 
-K = prompt_block_hashes(list(range(64)), 16)  # four chained kvpilot keys
+K = key_scheme().prompt_hashes(list(range(64)), 16)  # four chained kvpilot keys
 BATCHES = [
     EventBatch(1.5, [BlockStored(K[:2], None, [], 16), BlockStored(K[2:], K[1], list(range(32, 64)), 16)], 0),
     EventBatch(2.5, [BlockRemoved(K[3:]), AllBlocksCleared()], 1),

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 
-from kvpilot.block_keys import prompt_block_hashes
+from kvpilot.block_keys import DEFAULT_KEYS, key_scheme
 from kvpilot.default_model import ensure_default_model
 from kvpilot.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
 from kvpilot.protocol.errors import ApiError
@@ -165,7 +165,7 @@ def test_the_stream_takes_each_version_where_it_stands_and_bounds_it() -> None:
         stream = PodEventStream(
             "p", "tcp://127.0.0.1:1", None, index, lambda *a: None, ctx, weight_version="v1"
         )
-        k1 = prompt_block_hashes(list(range(16)), 16, None, "v1")
+        k1 = key_scheme().prompt_hashes(list(range(16)), 16, None, "v1")
         seen = []
         batches = [
             [AllBlocksCleared()],  # a reset: the version stays
@@ -197,17 +197,17 @@ def test_a_rank_is_matched_only_with_its_own_versions_keys(monkeypatch: pytest.M
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     prompt = list(range(40))
     index = PrefixIndex()
-    index.store(("a:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v1"))
-    index.store(("b:1", 0), prompt_block_hashes(prompt[:32], 16, None, "v2"))
+    index.store(("a:1", 0), key_scheme().prompt_hashes(prompt[:32], 16, None, "v1"))
+    index.store(("b:1", 0), key_scheme().prompt_hashes(prompt[:32], 16, None, "v2"))
     a, b = (Pod(n, f"http://{n}", True, kv_events="on", block_size=16, ranks=[0]) for n in ("a:1", "b:1"))
     a.weight_version, b.weight_version = "v1", "v1"  # b's blocks are of v2: never predicted as v1
     pa = PrefixAware(index)
-    assert hash_schemes([a, b]) == {(16, "v1")}
+    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS)}
     assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 0}
     b.weight_version = "v2"
     assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 32}
     b.weight_version = UNKNOWN  # b is routed by load: no prediction
-    assert hash_schemes([a, b]) == {(16, "v1")}
+    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS)}
     a.in_flight = 5
     d = pa.choose([a, b], Prompts([prompt], None))
     assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "load", None)
