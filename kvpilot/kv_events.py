@@ -17,18 +17,19 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
   tier (daemon/engine/kv_offload.py). A block moving between tiers is a BlockRemoved from one medium and a
   BlockStored (no parent, no token ids) into the other; one AllBlocksCleared clears every medium.
   Fields whose value is vLLM's default are left out, as vLLM's encoder (`omit_defaults`) does: `extra_keys`
-  (vLLM's per-block list of what a key hashes besides tokens: kvpilot's keys are its own scheme, so
-  entries in vLLM's form would describe nothing a consumer could recompute, and a `cache_salt` there
-  would be as private as the token ids), `group_idx` (one KV cache group) and the rest.
+  (vLLM's per-block list of what a key hashes besides tokens: a `cache_salt` there would be as private as
+  the token ids), `group_idx` (one KV cache group) and the rest.
 - kvpilot's one addition: after a weight update `{"type": "AllBlocksCleared", "weight_version": V}`, the
-  version the keys that follow are computed with. vLLM's decoder ignores a field its struct lacks (msgspec
-  does unless told to forbid), so vLLM's own consumers read the event as a plain clear.
+  version the keys that follow are computed with. vLLM's structs ignore a field they lack (msgspec does
+  unless told to forbid), so vLLM's Python consumers read the event as a plain clear; vllm-router 0.1.17
+  is strict and drops the batch (docs/router.md: which consumers read what).
 - Older kvpilot daemons sent the array layout of earlier vLLM, which the decoder still reads (a router
   upgrade never loses an older daemon's stream): `["BlockStored", block_hashes, parent_block_hash,
   token_ids, block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`,
   `["AllBlocksCleared"]` or `["AllBlocksCleared", weight_version]`.
-- Block hashes are the engine's own prefix keys (32-byte sha256 digests, `block_keys.py`), so a router
-  that hashes a request's tokens with that module finds them. Only full blocks are published.
+- Block hashes are the engine's own prefix keys (32-byte digests in the scheme `--prefix-caching-hash-algo`
+  names, vLLM's `sha256_cbor` by default: `block_keys.py`), so a router that hashes a request's tokens in
+  that scheme finds them. Only full blocks are published.
 - Private by default: `token_ids` is an empty list (vLLM's shape, no prompt in it) unless the daemon runs
   with `--kv-events-token-ids`; with `--kv-events-curve-dir` both sockets are CURVE servers that only the
   fleet's router may connect to (kvpilot/kv_sockets.py, docs/security.md).
