@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpilot.block_keys import key_scheme
 from kvpilot.http_limits import UPSTREAM_IDLE_S, start_server
 from kvpilot.protocol.errors import error_middleware
 from kvpilot.protocol.replies import json_response
@@ -95,6 +96,10 @@ async def serve(
             session,
             probe=PROBES[settings.engine],
             kv_events_curve_dir=settings.kv_events_curve_dir,
+            vllm_events=(
+                settings.kv_events_block_size,
+                key_scheme(settings.kv_events_hash_algo, settings.kv_events_hash_seed),
+            ),
         )
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)

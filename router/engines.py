@@ -4,9 +4,11 @@ follow, and which of their metrics say how busy they are (docs/router.md, "Engin
 - kvpilot: `GET /health` 200, naming its weight version; `GET /kv_events` names its event sockets; load:
   the requests this router has open on the pod (the daemon's events and replies are what the router
   trusts).
-- vLLM: `GET /health` 200 (503 once its engine died); its KV events, when on, carry vLLM's own block hashes,
-  which the router cannot compute, so none are followed; load: `vllm:num_requests_running` plus
-  `vllm:num_requests_waiting` from `GET /metrics`, summed over their series (one per engine, i.e. DP rank).
+- vLLM: `GET /health` 200 (503 once its engine died); `GET /kv_event_sources` names each rank's event
+  sockets when the pod runs with `--kv-events-config` (vLLM 0.32 and later; `{}` without), and the router
+  keys requests as vLLM keys blocks (`--kv-events-hash-algo`, its block size `--kv-events-block-size`,
+  neither of which vLLM names); load: `vllm:num_requests_running` plus `vllm:num_requests_waiting` from
+  `GET /metrics`, summed over their series (one per engine, i.e. DP rank).
 - SGLang: `GET /health` 200 (503 while starting or shutting down; releases before 0.5 generate one token
   first, within a second or so); load: `sglang:num_running_reqs` plus `sglang:num_queue_reqs`, which
   SGLang serves only with `--enable-metrics` (without, the router counts its own open requests).
@@ -31,7 +33,9 @@ METRICS_TIMEOUT_S = 2.0  # the whole read; the probe loop comes back every 2 s a
 class EngineProbe:
     name: str
     health_path: str = "/health"
-    kv_events: bool = False  # follow the pod's KV events (GET /kv_events)
+    # Where the pod names its KV event sockets: kvpilot's GET /kv_events, vLLM's GET /kv_event_sources;
+    # None: the engine publishes none the router follows.
+    kv_events_path: str | None = None
     weight_version: bool = False  # its health reply names the weight version its block keys carry
     load_metrics: tuple[str, ...] = ()  # summed into the pod's load; empty: not read
 
@@ -39,8 +43,12 @@ class EngineProbe:
 PROBES = {
     p.name: p
     for p in (
-        EngineProbe("kvpilot", kv_events=True, weight_version=True),
-        EngineProbe("vllm", load_metrics=("vllm:num_requests_running", "vllm:num_requests_waiting")),
+        EngineProbe("kvpilot", kv_events_path="/kv_events", weight_version=True),
+        EngineProbe(
+            "vllm",
+            kv_events_path="/kv_event_sources",
+            load_metrics=("vllm:num_requests_running", "vllm:num_requests_waiting"),
+        ),
         EngineProbe("sglang", load_metrics=("sglang:num_running_reqs", "sglang:num_queue_reqs")),
     )
 }

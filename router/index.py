@@ -8,8 +8,9 @@ entry is emptied and rebuilt from the events that follow: from then on it holds 
 the router may under-predict a hit but never predicts one that is not there.
 
 What a pod sends is bounded here, whatever it sends:
-- a block hash is kept only if it is one of kvpilot's keys (32 bytes, `block_keys.py`); anything else is
-  skipped (it can name no block the router would look up, so skipping it loses nothing);
+- a block hash is kept only if it is a 32-byte key (kvpilot's, `block_keys.py`) or vLLM's 64-bit integer
+  form of one; anything else is skipped (it can name no block the router would look up, so skipping it
+  loses nothing);
 - a holder's entry never holds more keys than the rank's pool has blocks (`set_capacity`, from the pod's
   advertised `blocks_total`, at most `MAX_BLOCKS_PER_HOLDER`): a stream that would go past it no longer
   matches any pool, so the entry is emptied and rebuilt from the events that follow.
@@ -23,10 +24,12 @@ them. Expected keys only steer the choice: the prediction reported against the p
 the keys the pod's events confirmed. A data-parallel daemon's own rank choice remembers what it sent in the
 same way, so this is what lets the router's exact choice of rank do at least as well.
 
-Memory: each key is kept as the integer of its first 16 bytes in a per-holder set (about 80-110 B per key
-with CPython's set and int layouts; `bench/index_memory.py` measures it). 128 bits of a sha256 digest
-keep accidental collisions out of reach (the birthday bound is 2**64 keys), and a collision could only
-mis-predict a cache hit, never change what a pod computes.
+Keys: each is kept as the integer of its last 8 bytes in a per-holder set, which is what vLLM's events
+carry by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: the digest's last 8 bytes, big-endian), so a
+kvpilot pod's 32-byte keys and a vLLM pod's integers meet a request's keys in one form (about 70-100 B
+per key with CPython's set and int layouts; `bench/index_memory.py` measures it). Within one holder's
+at most 2M keys, a 64-bit accidental collision has odds of about 1 in 10**13 per lookup, and a collision
+could only mis-predict a cache hit, never change what a pod computes.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ import logging
 import time
 from collections.abc import Hashable, Iterable
 
+from kvpilot.block_keys import truncated
 from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 log = logging.getLogger(__name__)
 
 Holder = Hashable  # (pod name, rank) in the router
-HASH_BYTES = 32  # a kvpilot block key: a sha256 digest
-KEY_BYTES = 16  # what the index keeps of it
+HASH_BYTES = 32  # a block key: a sha256 digest
+KEY_LIMIT = 1 << 64  # vLLM's integer form of a key: its last 8 bytes, unsigned
 # Blocks one holder may hold whatever its pod advertises: a rank with 2M blocks of 16 tokens caches 32M
 # tokens, far beyond any one accelerator's KV memory today; it bounds a lying pod at ~230 MB.
 MAX_BLOCKS_PER_HOLDER = 1 << 21
@@ -56,10 +60,13 @@ MAX_EXPECTED_PER_HOLDER = 1 << 14
 
 
 def index_key(block_hash: object) -> int | None:
-    """The index's key for a block hash; None for anything that is not a 32-byte kvpilot key."""
-    if type(block_hash) is not bytes or len(block_hash) != HASH_BYTES:
-        return None
-    return int.from_bytes(block_hash[:KEY_BYTES], "big")
+    """The index's key for a block hash: a 32-byte key's last 8 bytes as an integer, or vLLM's integer of
+    them as it is; None for anything else."""
+    if type(block_hash) is bytes and len(block_hash) == HASH_BYTES:
+        return truncated(block_hash)
+    if type(block_hash) is int and 0 <= block_hash < KEY_LIMIT:
+        return block_hash
+    return None
 
 
 class PrefixIndex:
@@ -161,7 +168,7 @@ class PrefixIndex:
         if holder not in self._refused:  # once per holder: a broken pod would send many
             self._refused.add(holder)
             log.warning(
-                "%s: skipped a block hash that is no %d-byte key (%s); others may follow",
+                "%s: skipped a block hash that is neither a %d-byte key nor a 64-bit integer (%s); others may follow",
                 holder,
                 HASH_BYTES,
                 type(h).__name__,

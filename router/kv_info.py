@@ -1,4 +1,6 @@
-"""What a pod's `GET /kv_events` says, checked before the router acts on it.
+"""What a pod says of its KV events, checked before the router acts on it: a kvpilot daemon's
+`GET /kv_events`, or a vLLM pod's `GET /kv_event_sources` (vLLM 0.32: each rank's publisher config, keyed
+by rank; a wildcard bind, `tcp://*:5557`, is named by the pod's own address).
 
 The reply comes from the pod, so each field is checked for its type and range and anything off is a
 ValueError naming the field: the pod is then routed by load until a later probe reads a good reply. What
@@ -60,6 +62,47 @@ def parse_kv_events(info: Any) -> PodEvents:
     return PodEvents(
         block_size, ranks, limits, scheme_from_wire(info.get("block_hash"), info.get("hash_seed"))
     )
+
+
+def parse_kv_event_sources(info: Any, pod_host: str, block_size: int, keys: KeyScheme) -> PodEvents | None:
+    """The checked content of a vLLM pod's `GET /kv_event_sources` reply (None: `{}`, events off); vLLM
+    names neither its block size nor its key scheme, so the router's settings give both."""
+    if not isinstance(info, dict):
+        raise ValueError(f"the reply is a JSON {type(info).__name__}, not an object")
+    if len(info) > MAX_RANKS:
+        raise ValueError(f"names more than {MAX_RANKS} ranks")
+    ranks = []
+    for name, config in info.items():
+        if not (isinstance(name, str) and name.isdigit() and int(name) < MAX_RANKS) or not isinstance(
+            config, dict
+        ):
+            raise ValueError("each entry must be a rank number naming a JSON object")
+        replay = config.get("replay_endpoint")
+        ranks.append(
+            RankEvents(
+                rank=int(name),
+                endpoint=_endpoint(_at_pod(config.get("endpoint"), pod_host), "endpoint"),
+                replay_endpoint=None
+                if replay is None
+                else _endpoint(_at_pod(replay, pod_host), "replay_endpoint"),
+                blocks_total=None,
+            )
+        )
+    if not ranks:
+        return None
+    limits = ReplayLimits(batches=DEFAULT_BUFFER_BATCHES, bytes=DEFAULT_BUFFER_BYTES)
+    return PodEvents(block_size, sorted(ranks, key=lambda r: r.rank), limits, keys)
+
+
+def _at_pod(value: Any, pod_host: str) -> Any:
+    """A bind address as a connectable one: a wildcard host (`*`, 0.0.0.0, ::) becomes the pod's."""
+    if not isinstance(value, str):
+        return value
+    head, sep, port = value.rpartition(":")
+    if head in ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::"):
+        host = f"[{pod_host}]" if ":" in pod_host else pod_host
+        return f"tcp://{host}{sep}{port}"
+    return value
 
 
 def _rank(r: Any) -> RankEvents:

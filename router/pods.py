@@ -1,9 +1,10 @@
 """The fleet's pods as the router sees them: address, readiness, load, and their KV event streams.
 
 Each pod is probed on its own, as its engine wants (`router/engines.py`): its health endpoint every few
-seconds, then for kvpilot pods GET /kv_events, which tells where it publishes (one `PodEventStream` per
-rank keeps the prefix index current), and for vLLM and SGLang pods their load from GET /metrics. A pod
-that serves no KV events (404, or another engine) is still routed to, by load alone.
+seconds, then for kvpilot pods GET /kv_events and for vLLM pods GET /kv_event_sources, which tell where
+it publishes (one `PodEventStream` per rank keeps the prefix index current), and for vLLM and SGLang pods
+their load from GET /metrics. A pod that serves no KV events (404, `{}`, or SGLang) is still routed to,
+by load alone.
 
 Whatever a pod answers, its watch goes on: a reply of the wrong shape is logged (once per reason) and
 asked again at the next probe, and a probe that fails in any way leaves the pod not ready until one
@@ -28,7 +29,7 @@ from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme
 from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_events
+from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_event_sources, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.version_choice import VersionChoice
@@ -134,9 +135,12 @@ class Fleet:
         probe_interval_s: float = 2.0,
         probe: EngineProbe = PROBES["kvpilot"],
         kv_events_curve_dir: str | None = None,
+        vllm_events: tuple[int, KeyScheme] = (16, KeyScheme("sha256")),
     ) -> None:
         self.pods: list[Pod] = []
         self.probe = probe
+        # vLLM pods name neither: (block size, key scheme) from --kv-events-block-size and -hash-algo
+        self._vllm_events = vllm_events
         self.index = index
         self.metrics = metrics
         self._session = session
@@ -161,7 +165,7 @@ class Fleet:
                 continue
             if current is not None:
                 self._tasks.pop(current.name).cancel()
-            if not self.probe.kv_events:
+            if self.probe.kv_events_path is None:
                 p.kv_events = "off"  # never asked: the engine publishes none the router can verify
             keep.append(p)
             self.metrics.add_pod(p.name)
@@ -256,8 +260,9 @@ class Fleet:
         pod.load_error = why
 
     async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
+        path = self.probe.kv_events_path or ""
         try:
-            async with self._session.get(pod.url + "/kv_events", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self._session.get(pod.url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 404:
                     pod.kv_events = "off"
                     log.info("%s publishes no KV events: routed by load only", pod.name)
@@ -270,14 +275,22 @@ class Fleet:
         try:
             if raw is None:
                 raise ValueError(f"more than {MAX_REPLY_BYTES} bytes")
-            events = parse_kv_events(json.loads(raw))
+            info = json.loads(raw)
+            if path == "/kv_event_sources":
+                events = parse_kv_event_sources(info, urlsplit(pod.url).hostname or "", *self._vllm_events)
+            else:
+                events = parse_kv_events(info)
         except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-            why = f"GET /kv_events is unusable: {exc}"
+            why = f"GET {path} is unusable: {exc}"
             if why != pod.events_error:
                 log.warning("%s: %s; routed by load, asked again at the next probe", pod.name, why)
             pod.events_error = why
             return []
         pod.events_error = ""
+        if events is None:
+            pod.kv_events = "off"
+            log.info("%s publishes no KV events (%s names none): routed by load only", pod.name, path)
+            return []
         pod.block_size = events.block_size
         pod.keys = events.keys
         pod.streams = [

@@ -13,8 +13,9 @@ POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where mak
 # Spelled out here rather than imported: importing kvpilot.fanout pulls in aiohttp, and this module is
 # imported by `kvpilot --help`. tests/router/test_engines.py checks both lists name the same engines.
 ENGINES = ("kvpilot", "vllm", "sglang")
-# Only kvpilot pods publish KV events whose block keys the router can compute (docs/router.md, "Engines").
-EVENT_ENGINES = ("kvpilot",)
+# The engines whose pods publish KV events with block keys the router computes (docs/router.md, "Engines").
+EVENT_ENGINES = ("kvpilot", "vllm")
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's cryptographic --prefix-caching-hash-algo names
 
 
 @dataclass(slots=True)
@@ -30,7 +31,24 @@ class RouterSettings:
         metadata=flag(
             "how a pod is chosen",
             choices=POLICIES,
-            unset="prefix-aware with --engine kvpilot, else least-load",
+            unset="prefix-aware with --engine kvpilot or vllm, else least-load",
+        ),
+    )
+    kv_events_block_size: int = field(
+        default=16,
+        metadata=flag(
+            "the vLLM pods' --block-size (vLLM names it nowhere the router can read; 128 on the CPU)"
+        ),
+    )
+    kv_events_hash_algo: str = field(
+        default="sha256",
+        metadata=flag("the vLLM pods' --prefix-caching-hash-algo", choices=VLLM_HASH_ALGOS),
+    )
+    kv_events_hash_seed: str | None = field(
+        default=None,
+        metadata=flag(
+            "the vLLM pods' PYTHONHASHSEED, the seed of their block keys",
+            unset="this router's PYTHONHASHSEED, else vLLM's default",
         ),
     )
     admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
@@ -113,9 +131,13 @@ class RouterSettings:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if self.policy == "prefix-aware" and self.engine not in EVENT_ENGINES:
             raise ValueError(
-                f"--policy prefix-aware needs pods whose KV events the router can verify (--engine kvpilot); "
-                f"{self.engine} pods publish none it can check: use --policy least-load or round-robin"
+                f"--policy prefix-aware needs pods whose KV events the router can follow (--engine kvpilot "
+                f"or vllm); {self.engine} pods publish none it can: use --policy least-load or round-robin"
             )
+        if not 1 <= self.kv_events_block_size <= 1 << 16:
+            raise ValueError("kv_events_block_size must be between 1 and 65536")
+        if self.kv_events_hash_algo not in VLLM_HASH_ALGOS:
+            raise ValueError(f"kv_events_hash_algo must be one of {', '.join(VLLM_HASH_ALGOS)}")
         if self.kv_events_curve_dir:
             from kvpilot.kv_sockets import load_client_keys
 

@@ -159,7 +159,10 @@ def test_prompt_keys_stop_at_the_models_context() -> None:
     bounded = Prompts([ids], None, max_tokens=100)
     assert len(bounded.block_keys((16, None, DEFAULT_KEYS))[0]) == 100 // 16
     # the same keys as the full prompt's, as far as they go
-    assert bounded.block_keys((16, None, DEFAULT_KEYS))[0] == Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS))[0][: 100 // 16]
+    assert (
+        bounded.block_keys((16, None, DEFAULT_KEYS))[0]
+        == Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS))[0][: 100 // 16]
+    )
 
 
 @pytest.fixture(scope="module")

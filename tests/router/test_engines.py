@@ -116,21 +116,31 @@ def test_a_pods_metrics_are_read_within_bounds() -> None:
     assert fine_[:2] == (7, "")
 
 
-def test_prefix_aware_is_refused_where_pods_publish_no_verifiable_events(
+def test_prefix_aware_is_refused_where_pods_publish_no_events_it_follows(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert RouterSettings().policy == "prefix-aware"
-    assert RouterSettings(engine="vllm").policy == RouterSettings(engine="sglang").policy == "least-load"
+    assert RouterSettings().policy == RouterSettings(engine="vllm").policy == "prefix-aware"
+    assert RouterSettings(engine="sglang").policy == "least-load"
     monkeypatch.delenv("KVPILOT_ADMIN_TOKEN", raising=False)
-    for engine in ("vllm", "sglang"):
+    bad = [
+        (
+            ["--engine", "sglang", "--policy", "prefix-aware"],
+            "--policy prefix-aware needs pods whose KV events",
+        ),
+        (
+            ["--engine", "vllm", "--kv-events-block-size", "0"],
+            "--kv-events-block-size must be between 1 and 65536",
+        ),
+    ]
+    for flags, message in bad:
         caplog.clear()
         with caplog.at_level(logging.ERROR):
-            argv = ["router", "--engine", engine, "--policy", "prefix-aware", "--endpoints", "http://a:1"]
-            assert main(argv) == 2
+            assert main(["router", *flags, "--endpoints", "http://a:1"]) == 2
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1, errors
-        assert "--policy prefix-aware needs pods whose KV events the router can verify" in errors[0]
-        assert f"{engine} pods" in errors[0] and "--policy least-load" in errors[0]
+        assert len(errors) == 1 and message in errors[0], errors
+    with pytest.raises(SystemExit) as refused:  # not one of vLLM's cryptographic schemes: argparse's own 2
+        main(["router", "--engine", "vllm", "--kv-events-hash-algo", "xxhash", "--endpoints", "http://a:1"])
+    assert refused.value.code == 2
 
 
 # ---- a router in front of stand-ins ------------------------------------------------------------------
@@ -169,8 +179,8 @@ def test_vllm_fleet_reset_names_the_pod_that_refused(tmp_path: Path, standins) -
     router = router_for(tmp_path, [a, b])
     try:
         h = router.health()
-        assert h["engine"] == "vllm" and h["policy"] == "least-load"
-        assert [p["kv_events"] for p in h["pods"]] == ["off", "off"]
+        assert h["engine"] == "vllm" and h["policy"] == "prefix-aware"
+        assert [p["kv_events"] for p in h["pods"]] == ["off", "off"]  # GET /kv_event_sources: {}
         b.set(running=2)  # vLLM 0.33 answers 200 {"success":false} while running requests hold blocks
         r = reset(router)
         assert r.status == 502, r.body

@@ -151,6 +151,9 @@ class Pod:
         # The same text either way: only the status says whether it cleared.
         return web.Response(status=200 if ok else 400, body=SGLANG_STORAGE_CLEARED.encode())
 
+    async def no_kv_event_sources(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
     async def health(self, request: web.Request) -> web.Response:
         down = self.state["dead"] if self.engine == "vllm" else self.state["starting"]
         return web.Response(status=503 if down else 200)
@@ -325,6 +328,8 @@ class Pod:
         if self.engine == "vllm":
             app.router.add_post("/reset_prefix_cache", self.vllm_reset)
             app.router.add_get("/health", self.health)
+            # vLLM 0.32 without --kv-events-config: no rank publishes (vllm/entrypoints/serve/instrumentator)
+            app.router.add_get("/kv_event_sources", self.no_kv_event_sources)
         else:
             app.router.add_route("GET", "/flush_cache", self.sglang_flush)
             app.router.add_route("POST", "/flush_cache", self.sglang_flush)
