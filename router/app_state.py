@@ -12,7 +12,7 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet
 from kvpilot.router.policy import Policy
-from kvpilot.router.prompts import PromptReader
+from kvpilot.router.prompts import MIN_PARSE_LIMIT, PromptReader
 from kvpilot.router.settings import RouterSettings
 
 
@@ -31,6 +31,11 @@ class Router:
         self.proxy_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=5, sock_read=self.settings.proxy_timeout_s
         )
+
+    @property
+    def parse_limit(self) -> int:
+        """The biggest request body the router parses (prompts.py says why there is one)."""
+        return self.reader.parse_limit if self.reader is not None else MIN_PARSE_LIMIT
 
 
 ROUTER = web.AppKey("kvpilot_router", Router)

@@ -40,8 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.router.app_state import Router
 from kvpilot.router.pods import Pod
-from kvpilot.router.proxy import decide, request_prompts
-from kvpilot.router.version_choice import pinned_version
+from kvpilot.router.proxy import decide, routing_inputs
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +159,15 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if not pods:
             where = "of the subset the gateway named " if req.subset is not None else ""
             raise ApiError(503, f"no pod {where}is ready", code="no_ready_pod")
-        prompts = await request_prompts(r, req.path, raw)
-        if prompts is None and raw and not await asyncio.to_thread(_is_json_object, raw):
+        prompts, pinned = await routing_inputs(r, req.path, raw)
+        if (
+            prompts is None
+            and raw
+            and len(raw) <= r.parse_limit
+            and not await asyncio.to_thread(_is_json_object, raw)
+        ):
             raise bad("the request body is not a JSON object", code="invalid_json")
-        decision = decide(r, pods, prompts, pinned_version(raw))
+        decision = decide(r, pods, prompts, pinned)
         pod = decision.pod
         rest = sorted((p for p in pods if p is not pod), key=Pod.load)
         value = ",".join(endpoint(p) for p in [pod, *rest[: r.settings.endpoint_picker_fallbacks]])

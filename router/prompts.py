@@ -9,6 +9,12 @@ policy compares with the index (once per hash scheme, block size and weight vers
 Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
 pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
 the request is routed without a prediction, by load.
+
+A body bigger than `parse_limit` is not read at all (routed by load, pinning no weight version): the
+threads share the interpreter's lock, and parsing a few MiB of JSON holds it for tens of milliseconds at
+a time, which is what stalled every other request (/health too) while clients sent huge bodies. No pod
+accepts what such a body holds: 16 bytes per token of the model's context are more than a prompt that
+fits can take (a token id is at most 8 bytes of JSON, a token of text a few characters of up to 6).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ Scheme = tuple[int, str | None, KeyScheme]
 
 # The context assumed for a tokenizer directory whose config.json names none.
 FALLBACK_CONTEXT = 131072
+PARSE_BYTES_PER_TOKEN = 16
+MIN_PARSE_LIMIT = 1 << 20  # bytes: the bound for a router that reads no prompts (its weight-version pin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +93,7 @@ class PromptReader:
         path = tokenizer_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_model_len = model_context(path)
+        self.parse_limit = max(MIN_PARSE_LIMIT, PARSE_BYTES_PER_TOKEN * self.max_model_len)
         self._pool = TextPool(workers, max_pending)
 
     async def prompts(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:

@@ -48,8 +48,7 @@ def _no_pod() -> ApiError:
 async def generate(request: web.Request) -> web.StreamResponse:
     r = request.app[ROUTER]
     raw = await request.read()
-    prompts = await request_prompts(r, request.path, raw)
-    pinned = pinned_version(raw)
+    prompts, pinned = await routing_inputs(r, request.path, raw)
     tried: set[str] = set()
     while True:
         pods = [p for p in r.fleet.pods if p.ready and p.name not in tried]
@@ -65,12 +64,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
             tried.add(decision.pod.name)
 
 
-async def request_prompts(r: Router, path: str, raw: bytes) -> Prompts | None:
-    """The prompts of a request to `path` with body `raw`, tokenized and keyed as the policy wants them
-    (None: the policy routes without, or the body does not parse)."""
+async def routing_inputs(r: Router, path: str, raw: bytes) -> tuple[Prompts | None, str | None]:
+    """What the policy routes a request to `path` with body `raw` by: its prompts, tokenized and keyed as
+    the policy wants them (None: the policy routes without, or the body does not parse), and the weight
+    version it pins; neither for a body over the parse limit (router/prompts.py)."""
+    if len(raw) > r.parse_limit:
+        return None, None
+    prompts = None
     if r.reader is not None and r.policy.needs_prompts and raw:
-        return await r.reader.prompts(path, raw, hash_schemes(r.fleet.ready_pods()))
-    return None
+        prompts = await r.reader.prompts(path, raw, hash_schemes(r.fleet.ready_pods()))
+    return prompts, pinned_version(raw)
 
 
 def decide(r: Router, pods: list[Pod], prompts: Prompts | None, pinned: str | None) -> Decision:

@@ -189,11 +189,32 @@ def one_token_blocks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Route
         stop_fleet(router, [daemon])
 
 
-def test_health_answers_while_a_million_token_prompt_is_read(one_token_blocks: RouterProc) -> None:
-    """The prompt's JSON is parsed, checked and keyed in the router's prompt threads, and keyed up to the
-    model's context only (8192 tokens, not a million); /health answers meanwhile, no probe waiting more
-    than a small part of the request's time."""
+def decisions(router: RouterProc, reason: str) -> float:
+    return sum(
+        v
+        for k, v in router.metrics().items()
+        if k.startswith("kvpilot_router_routing_decisions_total{") and f'reason="{reason}"' in k
+    )
+
+
+def test_a_prompt_longer_than_the_context_is_keyed_up_to_it(one_token_blocks: RouterProc) -> None:
+    """Under the parse limit (1 MiB for this model's 8192-token context), a prompt is parsed and keyed in
+    the router's prompt threads, up to the model's context only (20,000 one-token blocks are never all
+    hashed), and the pod refuses it. Keyed: sent again, it is routed where its keys were just sent."""
     router = one_token_blocks
+    body = json.dumps({"model": MODEL, "prompt": [i % 9 + 1 for i in range(20_000)], "max_tokens": 1})
+    before = decisions(router, "prefix")
+    for _ in range(2):
+        r = router.request("POST", "/v1/completions", body.encode(), timeout=60)
+        assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body[:300]
+    assert decisions(router, "prefix") == before + 1
+
+
+def test_health_answers_while_a_million_token_prompt_is_read(one_token_blocks: RouterProc) -> None:
+    """A body over the parse limit is not parsed at all: routed by load, the pod refuses it; /health
+    answers meanwhile, no probe waiting more than a small part of the request's time."""
+    router = one_token_blocks
+    before = decisions(router, "prefix")
     body = json.dumps({"model": MODEL, "prompt": [i % 9 + 1 for i in range(1_000_000)], "max_tokens": 1})
     assert len(body) < 4 << 20  # under the router's and the daemons' body limit
     latencies: list[float] = []
@@ -210,6 +231,8 @@ def test_health_answers_while_a_million_token_prompt_is_read(one_token_blocks: R
         done.set()
         prober.join()
     assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body[:300]
+    r = router.request("POST", "/v1/completions", body.encode(), timeout=120)  # not keyed: never "prefix"
+    assert r.status == 400 and decisions(router, "prefix") == before
     print(
         f"1M-token prompt answered in {took:.2f} s; /health max {max(latencies) * 1e3:.0f} ms over "
         f"{len(latencies)} probes"
