@@ -54,7 +54,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' KV events), and
     reset every pod's prefix cache with one POST /reset_prefix_cache. With --engine vllm or sglang it fronts
-    vLLM or SGLang pods: their own health endpoints and resets, routed by the load their metrics report.
+    vLLM or SGLang pods: their own health endpoints and resets; vLLM pods routed by their own KV events
+    (GET /kv_event_sources), and both by the load their metrics report.
     """
     from kvpilot.admin_token import AdminTokenError, load_admin_token
     from kvpilot.router.app import serve
