@@ -87,11 +87,9 @@ def start_vllm(tmp_path: Path, *extra_args: str) -> VllmServer:
     venv = vllm_server_venv()
     port = free_port()
     argv = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{free_port()}",
-    }
+    # A wildcard host: vLLM binds only then (with a host it connects to it, vllm/distributed/kv_events.py);
+    # the router reaches it on loopback, the pod's own address.
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
     argv += ["--host", "127.0.0.1", "--port", str(port), *ARGS, "--kv-events-config", json.dumps(events)]
     argv += extra_args
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"} | {
