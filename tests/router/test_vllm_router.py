@@ -1,0 +1,169 @@
+"""The real `vllm-router` (vLLM's router, from PyPI: `make vllm-router`) with its `kv_aware` policy in front
+of two kvpilot daemons that publish KV events with token ids (`--kv-events-token-ids`): it reads their
+events over ZeroMQ, asks a daemon's `POST /tokenize` for a request's ids, and sends a prompt (and prompts
+extending it) to the pod that holds its blocks; after that pod's `POST /reset_prefix_cache` its index
+forgets them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from support import ROOT
+from support.procs import free_port, spawn, stop, wait_ready
+from support.servers import MODEL, Server, start_daemon, stop_server
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 16
+# About 200 tokens: 12 full blocks, well inside the daemons' 512-token context.
+TEXT = "The lighthouse keeper logs the ships that pass the northern cape each night. " * 12
+
+
+def tool_bin(name: str) -> str:
+    """`make NAME` (a no-op once `make tools` ran), its script in the tools folder; skipped, saying why,
+    only when pip cannot install it."""
+    r = subprocess.run(["make", "-s", "-C", ROOT, name], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and "pip install" in r.stderr:
+        pytest.skip(f"{name} could not be installed (make {name}): {r.stderr[-2000:]}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run(["make", "-s", "-C", ROOT, "tools-bindir"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return str(Path(r.stdout.strip()) / name)
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+@dataclass
+class VllmFleet:
+    daemons: list[Server]
+    port: int
+    metrics_port: int
+    log_path: Path
+
+    def complete(self, prompt: str) -> dict:
+        """A completion through the router, with the pod that ran it (the daemon whose prefix cache was
+        queried) and the daemon's cached tokens."""
+        before = [d.cache()["query_tokens"] for d in self.daemons]
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        assert resp.status == 200, raw
+        after = [d.cache()["query_tokens"] for d in self.daemons]
+        ran = [i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a > b]
+        assert len(ran) == 1, (before, after)
+        usage = json.loads(raw)["usage"]
+        return {"pod": ran[0], "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+
+    def lookups(self) -> dict[str, float]:
+        """vllm-router's `vllm_router_kv_placement_lookups_total` by result."""
+        status, text = http_get(self.metrics_port, "/metrics")
+        assert status == 200, text
+        out: dict[str, float] = {}
+        for m in re.finditer(
+            r'^vllm_router_kv_placement_lookups_total\{[^}]*result="(\w+)"[^}]*\} (\S+)', text, re.M
+        ):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def log(self) -> str:
+        """Its log, colour codes removed (it writes them to a file too, NO_COLOR or not)."""
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    binary = tool_bin("vllm-router")
+    tmp = tmp_path_factory.mktemp("vllm-router")
+    daemons = [start_daemon(tmp, "--kv-events-token-ids"), start_daemon(tmp, "--kv-events-token-ids")]
+    port, metrics_port = free_port(), free_port()
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
+    argv += ["--prometheus-port", str(metrics_port), "--policy", "kv_aware", "--worker-urls"]
+    argv += [d.url for d in daemons]
+    for d in daemons:
+        where = d.request("GET", "/kv_events").json()
+        argv += ["--kv-event-source", f"{d.url}={where['endpoint']}"]
+    argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL, "--log-level", "debug"]
+    log_path = tmp / "vllm-router.log"
+    proc = spawn(
+        argv, log_path=log_path, cwd=tmp, env={**os.environ, "NO_COLOR": "1"}
+    )  # outside the checkout
+    try:
+        wait_ready(proc, lambda: http_get(port, "/health")[0] == 200, 120, "vllm-router", log_path)
+        yield VllmFleet(daemons, port, metrics_port, log_path)
+    finally:
+        stop(proc, grace=10)
+        for d in daemons:
+            stop_server(d)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
+
+
+def warm(fleet: VllmFleet, deadline_s: float = 60) -> tuple[str, int]:
+    """A fresh prompt run once, then repeated until vllm-router's index credits it (its subscription to
+    the pods' events may start after the first one: ZeroMQ drops what a subscriber was not there for, so
+    each try is a new prompt). Returns the prompt and the pod holding it."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        prompt = f"[{uuid.uuid4().hex}] {TEXT}"
+        first = fleet.complete(prompt)
+        time.sleep(1)  # the events' way from the daemon's publisher to the router's index
+        hits = fleet.lookups().get("hit", 0.0)
+        again = fleet.complete(prompt)
+        if fleet.lookups().get("hit", 0.0) > hits:
+            assert again["pod"] == first["pod"], (first, again)
+            return prompt, first["pod"]
+    raise AssertionError(
+        f"vllm-router never credited a warmed prompt: {fleet.lookups()}\n{fleet.log()[-4000:]}"
+    )
+
+
+def test_kv_aware_sends_repeats_and_extensions_to_the_pod_holding_them(vllm_fleet: VllmFleet) -> None:
+    prompt, pod = warm(vllm_fleet)
+    before = vllm_fleet.lookups()
+    runs = [vllm_fleet.complete(prompt) for _ in range(3)]
+    runs += [vllm_fleet.complete(prompt + f" Entry {i}: the ship was late.") for i in range(3)]
+    after = vllm_fleet.lookups()
+    assert [r["pod"] for r in runs] == [pod] * 6, runs
+    # Each was a KV hit in vllm-router's index, and the daemon served the warmed blocks from its cache.
+    assert after.get("hit", 0) - before.get("hit", 0) == 6, (before, after)
+    assert all(r["cached"] >= 10 * BLOCK for r in runs), runs
+    assert "KV prefix decision" in vllm_fleet.log(), vllm_fleet.log()[-4000:]
+    credited = [int(n) for n in re.findall(r"credited_prefix_tokens=(\d+)", vllm_fleet.log())]
+    assert credited and max(credited) >= 10 * BLOCK, credited[-10:]
+
+
+def test_reset_prefix_cache_drops_the_pod_from_the_index(vllm_fleet: VllmFleet) -> None:
+    prompt, pod = warm(vllm_fleet)
+    vllm_fleet.daemons[pod].reset()  # AllBlocksCleared on its KV events
+    time.sleep(1)
+    before = vllm_fleet.lookups()
+    run = vllm_fleet.complete(prompt)
+    after = vllm_fleet.lookups()
+    # The router's index no longer credits either pod with the prompt, and no pod had it cached.
+    assert after.get("hit", 0) == before.get("hit", 0), (before, after)
+    assert after.get("miss", 0) == before.get("miss", 0) + 1, (before, after)
+    assert run["cached"] == 0, run
