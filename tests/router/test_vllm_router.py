@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import re
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,27 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from support import ROOT
 from support.procs import free_port, spawn, stop, wait_ready
 from support.servers import MODEL, Server, start_daemon, stop_server
+from support.vllm_client import tools_bin
 
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 16
 # About 200 tokens: 12 full blocks, well inside the daemons' 512-token context.
 TEXT = "The lighthouse keeper logs the ships that pass the northern cape each night. " * 12
-
-
-def tool_bin(name: str) -> str:
-    """`make NAME` (a no-op once `make tools` ran), its script in the tools folder; skipped, saying why,
-    only when pip cannot install it."""
-    r = subprocess.run(["make", "-s", "-C", ROOT, name], capture_output=True, text=True, timeout=900)
-    if r.returncode != 0 and "pip install" in r.stderr:
-        pytest.skip(f"{name} could not be installed (make {name}): {r.stderr[-2000:]}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = subprocess.run(["make", "-s", "-C", ROOT, "tools-bindir"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return str(Path(r.stdout.strip()) / name)
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
@@ -62,11 +49,17 @@ class VllmFleet:
     def complete(self, prompt: str) -> dict:
         """A completion through the router, with the pod that ran it (the daemon whose prefix cache was
         queried) and the daemon's cached tokens."""
+        return self.post("/v1/completions", {"prompt": prompt})
+
+    def chat(self, messages: list[dict]) -> dict:
+        return self.post("/v1/chat/completions", {"messages": messages})
+
+    def post(self, path: str, fields: dict) -> dict:
         before = [d.cache()["query_tokens"] for d in self.daemons]
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+            body = json.dumps({"model": MODEL, **fields, "max_tokens": 1, "temperature": 0})
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             raw = resp.read()
         finally:
@@ -96,7 +89,7 @@ class VllmFleet:
 
 @pytest.fixture(scope="module")
 def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    binary = tool_bin("vllm-router")
+    binary = tools_bin("vllm-router")
     tmp = tmp_path_factory.mktemp("vllm-router")
     daemons = [start_daemon(tmp, "--kv-events-token-ids"), start_daemon(tmp, "--kv-events-token-ids")]
     port, metrics_port = free_port(), free_port()
@@ -167,3 +160,21 @@ def test_reset_prefix_cache_drops_the_pod_from_the_index(vllm_fleet: VllmFleet) 
     assert after.get("hit", 0) == before.get("hit", 0), (before, after)
     assert after.get("miss", 0) == before.get("miss", 0) + 1, (before, after)
     assert run["cached"] == 0, run
+
+
+def test_kv_aware_keys_chats_by_the_daemons_template(vllm_fleet: VllmFleet) -> None:
+    """vllm-router tokenizes a chat with the daemon's /tokenize chat form: the ids, and so the block keys,
+    match the blocks the daemon stored for the same conversation."""
+    warm(vllm_fleet)
+    messages = [
+        {"role": "system", "content": f"[{uuid.uuid4().hex}] {TEXT}"},
+        {"role": "user", "content": "Which ships passed?"},
+    ]
+    first = vllm_fleet.chat(messages)
+    time.sleep(1)
+    before = vllm_fleet.lookups()
+    runs = [vllm_fleet.chat(messages) for _ in range(2)]
+    after = vllm_fleet.lookups()
+    assert [r["pod"] for r in runs] == [first["pod"]] * 2, (first, runs)
+    assert after.get("hit", 0) - before.get("hit", 0) == 2, (before, after)
+    assert all(r["cached"] >= 10 * BLOCK for r in runs), runs
