@@ -12,13 +12,13 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from support.procs import free_port, spawn, stop, wait_ready
+from support.procs import free_port, spawn, stop, wait_for, wait_ready
 from support.servers import MODEL, Server, start_daemon, stop_server
 from support.vllm_client import tools_bin
 
@@ -82,6 +82,10 @@ class VllmFleet:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
 
+    def applied(self, pod: int) -> int:
+        """The KV event batches of `pod` vllm-router has applied to its index (one debug line each)."""
+        return self.log().count(f"live sequence advanced source={self.daemons[pod].url} ")
+
     def log(self) -> str:
         """Its log, colour codes removed (it writes them to a file too, NO_COLOR or not)."""
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
@@ -115,27 +119,47 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
         assert "Traceback" not in d.log(), d.log()[-4000:]
 
 
-def warm(fleet: VllmFleet, deadline_s: float = 60) -> tuple[str, int]:
-    """A fresh prompt run once, then repeated until vllm-router's index credits it (its subscription to
-    the pods' events may start after the first one: ZeroMQ drops what a subscriber was not there for, so
-    each try is a new prompt). Returns the prompt and the pod holding it."""
+def warm(fleet: VllmFleet, pod: int, path: str, fields: Callable[[str], dict], deadline_s: float = 60) -> str:
+    """A fresh prompt run on `pod` directly (not through the router), once vllm-router has applied the
+    pod's KV event batch of it: ZeroMQ drops what a subscriber was not there for (the router's
+    subscription may start after the first try), so each try is a new prompt. Returns its tag."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        prompt = f"[{uuid.uuid4().hex}] {TEXT}"
-        first = fleet.complete(prompt)
-        time.sleep(1)  # the events' way from the daemon's publisher to the router's index
-        hits = fleet.lookups().get("hit", 0.0)
-        again = fleet.complete(prompt)
-        if fleet.lookups().get("hit", 0.0) > hits:
-            assert again["pod"] == first["pod"], (first, again)
-            return prompt, first["pod"]
-    raise AssertionError(
-        f"vllm-router never credited a warmed prompt: {fleet.lookups()}\n{fleet.log()[-4000:]}"
-    )
+        tag = uuid.uuid4().hex
+        seen = fleet.applied(pod)
+        r = fleet.daemons[pod].request("POST", path, {"model": MODEL, **fields(tag), "max_tokens": 1})
+        assert r.status == 200, r.body
+        applied_by = time.monotonic() + 5
+        while fleet.applied(pod) == seen and time.monotonic() < applied_by:
+            time.sleep(0.1)
+        if fleet.applied(pod) == seen:
+            continue
+        time.sleep(0.2)  # a batch published after the one seen (the stores come in the same step's)
+        return tag
+    raise AssertionError(f"vllm-router never applied a KV event batch of pod {pod}\n{fleet.log()[-4000:]}")
+
+
+def completion(tag: str) -> dict:
+    return {"prompt": f"[{tag}] {TEXT}"}
+
+
+def chat(tag: str) -> dict:
+    messages = [
+        {"role": "system", "content": f"[{tag}] {TEXT}"},
+        {"role": "user", "content": "Which ships passed?"},
+    ]
+    return {"messages": messages}
+
+
+def other_pod(fleet: VllmFleet) -> int:
+    """The pod vllm-router does not pick for a prompt no pod holds: warming there, a request that lands
+    there was routed by the KV index, not by its fallback."""
+    return 1 - fleet.complete(completion(uuid.uuid4().hex)["prompt"])["pod"]
 
 
 def test_kv_aware_sends_repeats_and_extensions_to_the_pod_holding_them(vllm_fleet: VllmFleet) -> None:
-    prompt, pod = warm(vllm_fleet)
+    pod = other_pod(vllm_fleet)
+    prompt = completion(warm(vllm_fleet, pod, "/v1/completions", completion))["prompt"]
     before = vllm_fleet.lookups()
     runs = [vllm_fleet.complete(prompt) for _ in range(3)]
     runs += [vllm_fleet.complete(prompt + f" Entry {i}: the ship was late.") for i in range(3)]
@@ -144,37 +168,33 @@ def test_kv_aware_sends_repeats_and_extensions_to_the_pod_holding_them(vllm_flee
     # Each was a KV hit in vllm-router's index, and the daemon served the warmed blocks from its cache.
     assert after.get("hit", 0) - before.get("hit", 0) == 6, (before, after)
     assert all(r["cached"] >= 10 * BLOCK for r in runs), runs
-    assert "KV prefix decision" in vllm_fleet.log(), vllm_fleet.log()[-4000:]
     credited = [int(n) for n in re.findall(r"credited_prefix_tokens=(\d+)", vllm_fleet.log())]
-    assert credited and max(credited) >= 10 * BLOCK, credited[-10:]
-
-
-def test_reset_prefix_cache_drops_the_pod_from_the_index(vllm_fleet: VllmFleet) -> None:
-    prompt, pod = warm(vllm_fleet)
-    vllm_fleet.daemons[pod].reset()  # AllBlocksCleared on its KV events
-    time.sleep(1)
-    before = vllm_fleet.lookups()
-    run = vllm_fleet.complete(prompt)
-    after = vllm_fleet.lookups()
-    # The router's index no longer credits either pod with the prompt, and no pod had it cached.
-    assert after.get("hit", 0) == before.get("hit", 0), (before, after)
-    assert after.get("miss", 0) == before.get("miss", 0) + 1, (before, after)
-    assert run["cached"] == 0, run
+    assert len(credited) >= 6 and min(credited[-6:]) >= 10 * BLOCK, credited[-6:]
 
 
 def test_kv_aware_keys_chats_by_the_daemons_template(vllm_fleet: VllmFleet) -> None:
     """vllm-router tokenizes a chat with the daemon's /tokenize chat form: the ids, and so the block keys,
     match the blocks the daemon stored for the same conversation."""
-    warm(vllm_fleet)
-    messages = [
-        {"role": "system", "content": f"[{uuid.uuid4().hex}] {TEXT}"},
-        {"role": "user", "content": "Which ships passed?"},
-    ]
-    first = vllm_fleet.chat(messages)
-    time.sleep(1)
+    pod = other_pod(vllm_fleet)
+    messages = chat(warm(vllm_fleet, pod, "/v1/chat/completions", chat))["messages"]
     before = vllm_fleet.lookups()
     runs = [vllm_fleet.chat(messages) for _ in range(2)]
     after = vllm_fleet.lookups()
-    assert [r["pod"] for r in runs] == [first["pod"]] * 2, (first, runs)
+    assert [r["pod"] for r in runs] == [pod] * 2, runs
     assert after.get("hit", 0) - before.get("hit", 0) == 2, (before, after)
     assert all(r["cached"] >= 10 * BLOCK for r in runs), runs
+
+
+def test_reset_prefix_cache_drops_the_pod_from_the_index(vllm_fleet: VllmFleet) -> None:
+    pod = other_pod(vllm_fleet)
+    prompt = completion(warm(vllm_fleet, pod, "/v1/completions", completion))["prompt"]
+    seen = vllm_fleet.applied(pod)
+    vllm_fleet.daemons[pod].reset()  # AllBlocksCleared on its KV events
+    wait_for(lambda: vllm_fleet.applied(pod) > seen, 10, "vllm-router to apply the pod's reset")
+    before = vllm_fleet.lookups()
+    run = vllm_fleet.complete(prompt)
+    after = vllm_fleet.lookups()
+    # The router's index no longer credits the pod with the prompt, and no pod had it cached.
+    assert after.get("hit", 0) == before.get("hit", 0), (before, after)
+    assert after.get("miss", 0) == before.get("miss", 0) + 1, (before, after)
+    assert run["cached"] == 0, run
