@@ -183,6 +183,9 @@ def test_kv_aware_keys_chats_by_the_daemons_template(vllm_fleet: VllmFleet) -> N
     assert [r["pod"] for r in runs] == [pod] * 2, runs
     assert after.get("hit", 0) - before.get("hit", 0) == 2, (before, after)
     assert all(r["cached"] >= 10 * BLOCK for r in runs), runs
+    # Every field vllm-router sends (`include_reasoning` on chats; /tokenize's) is one kvpilot knows.
+    for d in vllm_fleet.daemons:
+        assert "ignoring request field" not in d.log(), d.log()[-4000:]
 
 
 def test_reset_prefix_cache_drops_the_pod_from_the_index(vllm_fleet: VllmFleet) -> None:
