@@ -84,8 +84,8 @@ cluster-down:
 
 # ---- third-party tools (docs/tools.md): helm, controller-gen, prometheus, promtool (Prometheus 3, built from its
 # Go module), prometheus-config (the prometheus-operator's configuration generator), monitoring CRDs, aiperf,
-# sglang-router
-.PHONY: tools tools-bindir aiperf sglang-router
+# sglang-router, vllm-router, smg
+.PHONY: tools tools-bindir aiperf sglang-router vllm-router smg
 
 tools:
 	bash hack/tools/build.sh
@@ -97,6 +97,13 @@ aiperf:
 # SGLang's router alone (tests/router/test_sglang_router.py), in its own venv: "$$(make -s tools-bindir)/sglang-router".
 sglang-router:
 	bash hack/tools/build.sh sglang-router
+
+# vLLM's router and smg alone (tests/router/test_vllm_router.py, tests/router/test_smg.py), each in its own venv.
+vllm-router:
+	bash hack/tools/build.sh vllm-router
+
+smg:
+	bash hack/tools/build.sh smg
 
 # vLLM's trainer-side client alone (tests/weights/test_weight_client.py): vLLM's package without its
 # dependencies, for the project's python (docs/tools.md); then PYTHONPATH="$$(bash hack/tools/vllm-client/build.sh --print-dir)".

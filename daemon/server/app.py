@@ -23,7 +23,7 @@ from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
-from kvpilot.daemon.server.openai_api import chat_completions, completions
+from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
 from kvpilot.http_limits import start_server
@@ -65,6 +65,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     # SGLang's name for the same reset (its server takes GET and POST): sglang-router's /flush_cache
     # sends it to every worker.

@@ -35,7 +35,13 @@ from kvpilot.daemon.server.choices import (
     feed,
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
-from kvpilot.daemon.server.prepare import Prepared, prepare_chat, prepare_completion
+from kvpilot.daemon.server.prepare import (
+    Prepared,
+    Tokenized,
+    prepare_chat,
+    prepare_completion,
+    prepare_tokenize,
+)
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.protocol.replies import json_response
@@ -169,6 +175,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, prepare_chat, "chatcmpl")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's `POST /tokenize`: the prompt's token ids as generation would run them (vllm-router's
+    kv_aware policy asks for them to key a request's blocks)."""
+    state = request.app[STATE]
+    raw = await request.read()
+    out: Tokenized = await state.text.prepare(prepare_tokenize, state.rules, raw)
+    _IGNORED_LOG.note(out.ignored_fields, request.path)
+    headers = {IGNORED_FIELDS_HEADER: header_value(out.ignored_fields)} if out.ignored_fields else {}
+    return json_response(out.body, headers=headers)
 
 
 async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamResponse:

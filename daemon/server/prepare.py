@@ -69,6 +69,51 @@ def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
     return Prepared(chat.generate, [ids], [params], [""], chat=True)
 
 
+@dataclass(slots=True)
+class Tokenized:
+    """vLLM's `/tokenize` reply, and the request's ignored fields for its header."""
+
+    body: dict[str, Any]
+    ignored_fields: list[str]
+
+
+# vLLM's /tokenize fields beside those of a generation request; defaults as vLLM's: the chat template
+# brings its own special tokens, a bare prompt gets the tokenizer's (what generation does with each).
+_TOKENIZE_FIELDS = ("add_special_tokens", "return_token_strs")
+
+
+def prepare_tokenize(rules: PromptRules, raw: bytes) -> Tokenized:
+    """vLLM's `POST /tokenize`: `{"prompt"}` or `{"messages"}` parsed, templated and tokenized exactly as
+    the completion or chat request with the same fields would be, so a router keys the blocks it will hit."""
+    body = parse_json_object(raw)
+    chat_form = "messages" in body
+    own = {name: body.pop(name, None) for name in _TOKENIZE_FIELDS}
+    for name, value in own.items():
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"'{name}' must be a boolean", name)
+    tok = rules.info.tokenizer
+    if chat_form:
+        chat = parse_chat(body, rules.served)
+        req = chat.generate
+        try:
+            text = chat.render(tok)
+        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
+            raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
+        _check_chars(rules, text, "messages")
+        special = own["add_special_tokens"] is True
+    else:
+        if not isinstance(body.get("prompt"), str):
+            raise bad("'prompt' must be a string (or send 'messages' to tokenize a chat)", "prompt")
+        req = parse_completion(body, rules.served)
+        text = body["prompt"]
+        _check_chars(rules, text, "prompt")
+        special = own["add_special_tokens"] is not False
+    ids = list(tok([text], add_special_tokens=special)["input_ids"][0])
+    strs = tok.convert_ids_to_tokens(ids) if own["return_token_strs"] else None
+    reply = {"count": len(ids), "max_model_len": rules.info.max_model_len, "tokens": ids, "token_strs": strs}
+    return Tokenized(reply, req.ignored_fields)
+
+
 def _check_chars(rules: PromptRules, text: str, param: str) -> None:
     """Refuse a text that is too long for the context without tokenizing it: no token covers more
     characters than the margin times the longest vocabulary entry, so more characters than that times

@@ -2,7 +2,8 @@
 # Builds or unpacks the third-party tools the chart and monitoring tests use
 # (docs/tools.md), into one cache folder, without installing anything system-wide:
 #   ${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/tools/bin/   helm, controller-gen, prometheus, promtool,
-#                                                      prometheus-config, aiperf, sglang-router
+#                                                      prometheus-config, aiperf, sglang-router,
+#                                                      vllm-router, smg
 #   ${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/tools/crds/  the prometheus-operator CRDs
 #                                                      (ServiceMonitor, PodMonitor, PrometheusRule)
 # helm and controller-gen are compiled from the Go modules pinned in hack/tools/<tool>/go.mod; the
@@ -12,18 +13,19 @@
 # configuration generator run on the chart's monitors) from its pinned prometheus-operator module;
 # aiperf (NVIDIA AIPerf) is pip-installed from the pins in hack/tools/aiperf/requirements.txt into a
 # venv of its own (tools/aiperf-venv): its pins clash with the project's venv; sglang-router (SGLang's
-# router, a Rust binary inside its wheel) likewise from hack/tools/sglang-router/requirements.txt.
+# router, a Rust binary inside its wheel) likewise from hack/tools/sglang-router/requirements.txt, and
+# vllm-router (vLLM's router) and smg (a Rust gateway) from hack/tools/{vllm-router,smg}/requirements.txt.
 # Each tool has a stamp file holding the hash of its inputs, so a second run with nothing changed
 # returns in well under a second; after a change, Go's module and build caches keep rebuilds cheap.
 #
 # Usage: hack/tools/build.sh [--force] [--print-bindir] [TOOL...]
-#        (TOOL: helm controller-gen crds prometheus prometheus-config aiperf sglang-router)
+#        (TOOL: helm controller-gen crds prometheus prometheus-config aiperf sglang-router vllm-router smg)
 # Env:   KVPILOT_CACHE, GOPROXY, GOTOOLCHAIN, PIP_INDEX_URL (honoured as usual), BUILD_NICE (default 10),
 #        AIPERF_PYTHON (the Python 3.11-3.13 aiperf's venv is made with; default python3)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-all_tools=(helm controller-gen crds prometheus prometheus-config aiperf sglang-router)
+all_tools=(helm controller-gen crds prometheus prometheus-config aiperf sglang-router vllm-router smg)
 force=0
 print_only=0
 wanted=()
@@ -32,7 +34,7 @@ for arg in "$@"; do
         --force) force=1 ;;
         --print-bindir) print_only=1 ;;
         -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-        helm|controller-gen|crds|prometheus|prometheus-config|aiperf|sglang-router) wanted+=("$arg") ;;
+        helm|controller-gen|crds|prometheus|prometheus-config|aiperf|sglang-router|vllm-router|smg) wanted+=("$arg") ;;
         *) echo "tools: unknown argument: $arg (tools: ${all_tools[*]})" >&2; exit 2 ;;
     esac
 done
@@ -79,7 +81,7 @@ inputs_hash() {
         prometheus) files+=("$here/prometheus/"{go.mod,go.sum,tools.go}) ;;
         prometheus-config) files+=("$here/prometheus-config/"{go.mod,go.sum,main.go}) ;;
         aiperf) files+=("$here/aiperf/requirements.txt") ;;
-        sglang-router) files+=("$here/sglang-router/requirements.txt") ;;
+        sglang-router|vllm-router|smg) files+=("$here/$1/requirements.txt") ;;
     esac
     cat "${files[@]}" | sha256sum | cut -d' ' -f1
 }
@@ -91,7 +93,7 @@ outputs() {
         prometheus) printf '%s\n' "$bindir/prometheus" "$bindir/promtool" ;;
         prometheus-config) echo "$bindir/prometheus-config" ;;
         aiperf) echo "$bindir/aiperf" ;;
-        sglang-router) echo "$bindir/sglang-router" ;;
+        sglang-router|vllm-router|smg) echo "$bindir/$1" ;;
     esac
 }
 up_to_date() {
@@ -206,6 +208,8 @@ pip_tool() {  # TOOL PYTHON: $here/TOOL/requirements.txt into tools/TOOL-venv, i
 }
 aiperf_version="$(pinned aiperf)"
 sglang_router_version="$(pinned sglang-router)"
+vllm_router_version="$(pinned vllm-router)"
+smg_version="$(pinned smg)"
 build_aiperf() {
     local python="${AIPERF_PYTHON:-python3}" reported
     "$python" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 14))' \
@@ -220,6 +224,22 @@ build_sglang_router() {
     reported="$("$bindir/sglang-router" --version 2>&1 | tail -n 1)"
     [[ "$reported" == *" $sglang_router_version" ]] \
         || die "sglang-router --version says '$reported', expected $sglang_router_version"
+}
+# vllm-router has no --version: the version pip installed, from the venv's own metadata.
+build_vllm_router() {
+    local reported
+    pip_tool vllm-router python3
+    reported="$("$tools_dir/vllm-router-venv/bin/python" -c \
+        'import importlib.metadata as m; print(m.version("vllm-router"))')"
+    [[ "$reported" == "$vllm_router_version" ]] \
+        || die "vllm-router's installed version is '$reported', expected $vllm_router_version"
+    "$bindir/vllm-router" --help >/dev/null || die "vllm-router --help failed"
+}
+build_smg() {
+    local reported
+    pip_tool smg python3
+    reported="$("$bindir/smg" --version 2>&1 | tail -n 1)"
+    [[ "$reported" == "smg $smg_version" ]] || die "smg --version says '$reported', expected smg $smg_version"
 }
 
 mkdir -p "$bindir"
@@ -242,4 +262,4 @@ for tool in "${all_tools[@]}"; do
     mark_done "$tool"
     step "$tool: done in $((SECONDS - t0))s"
 done
-step "all done in $((SECONDS - t_start))s: $bindir (helm $helm_version, controller-gen $cgen_version, prometheus $prometheus_version, prometheus-config (prometheus-operator $promop_config_version), aiperf $aiperf_version, sglang-router $sglang_router_version), $crddir (prometheus-operator $promop_version)"
+step "all done in $((SECONDS - t_start))s: $bindir (helm $helm_version, controller-gen $cgen_version, prometheus $prometheus_version, prometheus-config (prometheus-operator $promop_config_version), aiperf $aiperf_version, sglang-router $sglang_router_version, vllm-router $vllm_router_version, smg $smg_version), $crddir (prometheus-operator $promop_version)"

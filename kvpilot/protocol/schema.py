@@ -183,6 +183,10 @@ class ChatCompletionRequest(_Request):
     tool_choice: Any = Field(None, description='"none" or "auto"; a forced call is not supported')
     separate_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)
     stream_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)
+    include_reasoning: Bool | None = Field(
+        None,
+        description="vLLM (vllm-router sends it): accepted; no effect, this server has no reasoning parser",
+    )
     response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
 
     @model_validator(mode="after")

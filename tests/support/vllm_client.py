@@ -1,6 +1,7 @@
 """vLLM's package (vllm 0.33.0 from PyPI, --no-deps) in its folder of the tools cache, for the tests that
 run vLLM's own code against kvpilot: its weight-sync client (tests/weights/test_weight_client.py) and its
-KV event structs (tests/router/test_kv_wire.py)."""
+KV event structs (tests/router/test_kv_wire.py); and the pip-installed routers of the tools folder
+(vllm-router, smg)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def built_tool_dir(tool: str, *make_vars: str, timeout: float = 900) -> Path:
     )
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.strip())
+
+
+def tools_bin(name: str) -> str:
+    """`make NAME` for a tool of hack/tools/build.sh (a no-op once `make tools` ran), its script in the
+    tools folder; skipped, saying why, only when pip cannot install it (no package index)."""
+    r = subprocess.run(["make", "-s", "-C", str(ROOT), name], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0 and "pip install" in r.stderr:
+        pytest.skip(f"{name} could not be installed (make {name}): {r.stderr[-2000:]}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "tools-bindir"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return str(Path(r.stdout.strip()) / name)
 
 
 def vllm_client_dir() -> Path:
