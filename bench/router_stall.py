@@ -18,7 +18,7 @@ routed by prefix; B's, unread, never); CPU seconds of the router and the daemon.
 C to A. The bench exits 1 (after writing its JSON) when a phase's premise fails: a reply other than 400,
 a failed probe, B keyed or C not.
 
-    .venv/bin/python bench/router_stall.py                 # 3 phases of 10 s, 24 clients: ~1.5 minutes
+    .venv/bin/python bench/router_stall.py                 # 3 phases of 10 s, 24 clients: ~2 minutes
     .venv/bin/python bench/router_stall.py --seconds 5     # a quick look
 
 Results go to bench/results/router-stall-<UTC time>.json (--out to choose).
