@@ -146,7 +146,9 @@ def run_probe(url: str, args: argparse.Namespace) -> dict:
     return json.loads(out.stdout)
 
 
-def phase(name: str, body: tuple[int, int] | None, url: str, pids: dict[str, int], args) -> dict:
+def phase(
+    name: str, body: tuple[int, int] | None, url: str, pids: dict[str, int], args: argparse.Namespace
+) -> dict:
     """One phase: the probe's window, under the load of `body` (token ids, digits) or none."""
     loader = None
     if body is not None:
@@ -224,6 +226,7 @@ def main() -> int:
     token_file.write_text(bench_router.TOKEN)
     procs = []
     try:
+        # 256 KV blocks: every request is refused before it needs any.
         daemon_proc, daemon = bench_router.start_daemon(
             256, token_file, tmp / "daemon.log", free_port(), free_port()
         )
