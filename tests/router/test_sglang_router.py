@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import subprocess
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +14,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from support import ROOT
-from support.procs import free_port, spawn, stop, wait_ready
-from support.servers import MODEL, Server, start_server, stop_server
+from support.procs import free_port
+from support.servers import (
+    MODEL,
+    Server,
+    check_repeats_stick_to_one_pod,
+    router_in_front,
+    start_server,
+)
+from support.vllm_client import tools_bin
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,15 +31,7 @@ HEADER = "x-kvpilot-ignored-fields"
 
 @pytest.fixture(scope="module")
 def sglang_router_bin() -> str:
-    """`make sglang-router` (a no-op once `make tools` ran, as in CI), from its own venv."""
-    r = subprocess.run(
-        ["make", "-s", "-C", ROOT, "sglang-router"], capture_output=True, text=True, timeout=900
-    )
-    if r.returncode != 0:
-        pytest.skip(f"sglang-router could not be installed (make sglang-router): {r.stderr[-2000:]}")
-    r = subprocess.run(["make", "-s", "-C", ROOT, "tools-bindir"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return str(Path(r.stdout.strip()) / "sglang-router")
+    return tools_bin("sglang-router")
 
 
 @dataclass
@@ -81,17 +77,8 @@ def sglang_fleet(sglang_router_bin: str, tmp_path_factory: pytest.TempPathFactor
         "--prometheus-port",
         str(free_port()),
     ]
-    log_path = tmp / "sglang-router.log"
-    proc = spawn(argv, log_path=log_path, cwd=tmp)  # outside the checkout, as a user runs it
-    try:
-        wait_ready(proc, lambda: _workers_healthy(port), 120, "sglang-router", log_path)
+    with router_in_front(argv, tmp, daemons, lambda: _workers_healthy(port), "sglang-router") as log_path:
         yield SglangFleet(daemons, f"http://127.0.0.1:{port}", log_path)
-    finally:
-        stop(proc, grace=10)
-        for d in daemons:
-            stop_server(d)
-    for d in daemons:
-        assert "Traceback" not in d.log(), d.log()[-4000:]
 
 
 def test_chat_through_sglang_router(sglang_fleet: SglangFleet) -> None:
@@ -133,25 +120,8 @@ def test_streams_through_sglang_router(sglang_fleet: SglangFleet) -> None:
 
 
 def test_cache_aware_policy_sends_repeats_to_one_pod(sglang_fleet: SglangFleet) -> None:
-    client = sglang_fleet.client()
-    before = [d.cache() for d in sglang_fleet.daemons]
-    system = f"Conversation {uuid.uuid4().hex}: you are a terse assistant of a bicycle shop. " * 4
-    cached = []
-    for question in ("When do you open?", "How much is a tyre?", "Do you fix brakes?", "Any bells?"):
-        c = client.chat.completions.create(
-            model=MODEL,
-            max_tokens=2,
-            temperature=0,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        )
-        cached.append(c.usage.prompt_tokens_details.cached_tokens)
-    after = [d.cache() for d in sglang_fleet.daemons]
-    # Each daemon's own /prefix_cache: one pod looked up every prompt and hit, the other saw none.
-    queried = [a["query_tokens"] - b["query_tokens"] for a, b in zip(after, before, strict=True)]
-    hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before, strict=True)]
-    assert sorted(q > 0 for q in queried) == [False, True], (queried, hits, cached)
-    assert max(hits) == sum(cached) and min(hits) == 0, (hits, cached)
-    assert cached[0] == 0 and all(n >= 48 for n in cached[1:]), cached  # the shared prefix, cached
+    questions = ("When do you open?", "How much is a tyre?", "Do you fix brakes?", "Any bells?")
+    check_repeats_stick_to_one_pod(sglang_fleet.client(), sglang_fleet.daemons, "a bicycle shop", questions)
 
 
 def test_flush_cache_through_sglang_router_resets_every_daemon(sglang_fleet: SglangFleet) -> None:

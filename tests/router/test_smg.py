@@ -5,7 +5,6 @@ streams come through, and a repeated conversation prefix sticks to the pod that 
 from __future__ import annotations
 
 import http.client
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +12,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from support.procs import free_port, spawn, stop, wait_ready
-from support.servers import MODEL, Server, start_server, stop_server
+from support.procs import free_port
+from support.servers import (
+    MODEL,
+    Server,
+    check_repeats_stick_to_one_pod,
+    router_in_front,
+    start_server,
+)
 from support.vllm_client import tools_bin
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,17 +57,8 @@ def smg_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmgFleet]:
     argv = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware"]
     argv += ["--worker-urls", *(d.url for d in daemons)]
     argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    log_path = tmp / "smg.log"
-    proc = spawn(argv, log_path=log_path, cwd=tmp)  # outside the checkout, as a user runs it
-    try:
-        wait_ready(proc, lambda: _ready(port), 120, "smg", log_path)
+    with router_in_front(argv, tmp, daemons, lambda: _ready(port), "smg") as log_path:
         yield SmgFleet(daemons, f"http://127.0.0.1:{port}", log_path)
-    finally:
-        stop(proc, grace=10)
-        for d in daemons:
-            stop_server(d)
-    for d in daemons:
-        assert "Traceback" not in d.log(), d.log()[-4000:]
 
 
 def test_chat_through_smg(smg_fleet: SmgFleet) -> None:
@@ -90,22 +86,5 @@ def test_streams_through_smg(smg_fleet: SmgFleet) -> None:
 
 
 def test_cache_aware_policy_sends_repeats_to_one_pod(smg_fleet: SmgFleet) -> None:
-    client = smg_fleet.client()
-    before = [d.cache() for d in smg_fleet.daemons]
-    system = f"Conversation {uuid.uuid4().hex}: you are a terse assistant of a ferry company. " * 4
-    cached = []
-    for question in ("When is the first ferry?", "Can I bring a bike?", "Is there a café?", "Any dogs?"):
-        c = client.chat.completions.create(
-            model=MODEL,
-            max_tokens=2,
-            temperature=0,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        )
-        cached.append(c.usage.prompt_tokens_details.cached_tokens)
-    after = [d.cache() for d in smg_fleet.daemons]
-    # Each daemon's own /prefix_cache: one pod looked up every prompt and hit, the other saw none.
-    queried = [a["query_tokens"] - b["query_tokens"] for a, b in zip(after, before, strict=True)]
-    hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before, strict=True)]
-    assert sorted(q > 0 for q in queried) == [False, True], (queried, hits, cached)
-    assert max(hits) == sum(cached) and min(hits) == 0, (hits, cached)
-    assert cached[0] == 0 and all(n >= 48 for n in cached[1:]), cached  # the shared prefix, cached
+    questions = ("When is the first ferry?", "Can I bring a bike?", "Is there a café?", "Any dogs?")
+    check_repeats_stick_to_one_pod(smg_fleet.client(), smg_fleet.daemons, "a ferry company", questions)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import free_port, spawn, stop, wait_for, wait_ready
-from support.servers import MODEL, Server, start_daemon, stop_server
+from support.procs import free_port, wait_for
+from support.servers import MODEL, Server, router_in_front, start_daemon
 from support.vllm_client import tools_bin
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,19 +104,10 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
         where = d.request("GET", "/kv_events").json()
         argv += ["--kv-event-source", f"{d.url}={where['endpoint']}"]
     argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL, "--log-level", "debug"]
-    log_path = tmp / "vllm-router.log"
-    proc = spawn(
-        argv, log_path=log_path, cwd=tmp, env={**os.environ, "NO_COLOR": "1"}
-    )  # outside the checkout
-    try:
-        wait_ready(proc, lambda: http_get(port, "/health")[0] == 200, 120, "vllm-router", log_path)
+    ready = lambda: http_get(port, "/health")[0] == 200  # noqa: E731
+    env = {**os.environ, "NO_COLOR": "1"}
+    with router_in_front(argv, tmp, daemons, ready, "vllm-router", env=env) as log_path:
         yield VllmFleet(daemons, port, metrics_port, log_path)
-    finally:
-        stop(proc, grace=10)
-        for d in daemons:
-            stop_server(d)
-    for d in daemons:
-        assert "Traceback" not in d.log(), d.log()[-4000:]
 
 
 def warm(fleet: VllmFleet, pod: int, path: str, fields: Callable[[str], dict], deadline_s: float = 60) -> str:

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -301,3 +303,48 @@ def quiet_fleet(fleet: Fleet) -> Fleet:
     """The shared fleet with no request left running on any pod by an earlier test."""
     wait_idle(*fleet.daemons)
     return fleet
+
+
+def check_repeats_stick_to_one_pod(
+    client: Any, daemons: list[Server], subject: str, questions: tuple[str, ...]
+) -> None:
+    """Chats sharing a long system prompt about `subject`, sent through a text-tree router (sglang-router's
+    and smg's `cache_aware`), all go to one pod, which serves the shared prefix from its cache: each
+    daemon's own /prefix_cache says one looked up every prompt and hit, the other saw none."""
+    before = [d.cache() for d in daemons]
+    system = f"Conversation {uuid.uuid4().hex}: you are a terse assistant of {subject}. " * 4
+    cached = []
+    for question in questions:
+        c = client.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
+        cached.append(c.usage.prompt_tokens_details.cached_tokens)
+    after = [d.cache() for d in daemons]
+    queried = [a["query_tokens"] - b["query_tokens"] for a, b in zip(after, before, strict=True)]
+    hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before, strict=True)]
+    assert sorted(q > 0 for q in queried) == [False, True], (queried, hits, cached)
+    assert max(hits) == sum(cached) and min(hits) == 0, (hits, cached)
+    assert cached[0] == 0 and all(n >= 48 for n in cached[1:]), cached  # the shared prefix, cached
+
+
+@contextmanager
+def router_in_front(
+    argv: list[str], tmp: Path, daemons: list[Server], ready: Callable[[], bool], name: str, **spawn_args: Any
+) -> Iterator[Path]:
+    """A third-party router (`argv`) in front of `daemons`, run from `tmp`, outside the checkout, as a user
+    runs it; yields its log's path once `ready()`. Afterwards the router and the daemons are stopped, and
+    no daemon may have logged a traceback."""
+    log_path = tmp / f"{name}.log"
+    proc = spawn(argv, log_path=log_path, cwd=tmp, **spawn_args)
+    try:
+        wait_ready(proc, ready, 120, name, log_path)
+        yield log_path
+    finally:
+        stop(proc, grace=10)
+        for d in daemons:
+            stop_server(d)
+    for d in daemons:
+        assert "Traceback" not in d.log(), d.log()[-4000:]
