@@ -28,6 +28,7 @@ equal another kind of key; the weight version, which vLLM has no notion of, is t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -60,6 +61,10 @@ class KeyScheme:
             raise ValueError(f"prefix-caching hash algo {self.algo!r}: one of {', '.join(HASH_ALGOS)}")
         if len(self.seed) > MAX_SEED_CHARS:
             raise ValueError(f"a hash seed has at most {MAX_SEED_CHARS} characters")
+        try:  # it is hashed as text: a lone surrogate (a pod's JSON may carry one) has no encoding
+            self.seed.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a hash seed must be valid Unicode text") from None
 
     @property
     def _root(self) -> BlockHash:
@@ -126,15 +131,10 @@ def _serialize(algo: str, value: tuple) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-_ROOT_CACHE: dict[tuple[str, str], BlockHash] = {}
-
-
+@functools.lru_cache(maxsize=64)  # seeds come from pods: bounded, however many they name
 def _roots(algo: str, seed: str) -> BlockHash:
-    root = _ROOT_CACHE.get((algo, seed))
-    if root is None:
-        # vLLM's NONE_HASH: the seed string hashed by the scheme's own function
-        root = _ROOT_CACHE[(algo, seed)] = BlockHash(hashlib.sha256(_serialize(algo, seed)).digest())
-    return root
+    """vLLM's NONE_HASH: the seed string hashed by the scheme's own function."""
+    return BlockHash(hashlib.sha256(_serialize(algo, seed)).digest())
 
 
 def _text(value: str) -> str | bytes:
@@ -159,7 +159,8 @@ def key_scheme(algo: str = DEFAULT_HASH_ALGO, seed: str | None = None) -> KeySch
     """The scheme a daemon hashes with: `algo`, seeded as vLLM seeds it (`PYTHONHASHSEED`, else vLLM's
     fixed default) unless `seed` is given."""
     if seed is None:
-        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_SEED
+        seed = os.environ.get("PYTHONHASHSEED")  # set but empty is a seed too, as vLLM reads it
+        seed = DEFAULT_SEED if seed is None else seed
     return KeyScheme(algo, seed if algo != "kvpilot" else DEFAULT_SEED)
 
 

@@ -149,7 +149,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         rank = raw[2] if len(raw) > 2 and raw[2] is not None else 0
         events = [_from_map(ev) if isinstance(ev, dict) else _from_array(ev) for ev in wire_events]
         return EventBatch(float(ts), events, int(rank))
-    except (msgpack.UnpackException, ValueError, TypeError, IndexError, KeyError) as exc:
+    except (msgpack.UnpackException, ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
         raise ValueError(f"not a KV event batch: {exc}") from None
 
 

@@ -26,6 +26,7 @@ MAX_BLOCK_SIZE = 1 << 16
 REPLAY_MAX_BATCHES = 10 * DEFAULT_BUFFER_BATCHES
 REPLAY_MAX_BYTES = 4 * DEFAULT_BUFFER_BYTES
 # Only TCP: an ipc:// or inproc:// address would point the router at sockets of its own host.
+_RANK = re.compile(r"0|[1-9][0-9]{0,2}")
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 
 
@@ -73,9 +74,8 @@ def parse_kv_event_sources(info: Any, pod_host: str, block_size: int, keys: KeyS
         raise ValueError(f"names more than {MAX_RANKS} ranks")
     ranks = []
     for name, config in info.items():
-        if not (isinstance(name, str) and name.isdigit() and int(name) < MAX_RANKS) or not isinstance(
-            config, dict
-        ):
+        # a rank as vLLM writes it: ASCII digits, no leading zero (so "1" and "01" are never one rank twice)
+        if not (_RANK.fullmatch(name) and int(name) < MAX_RANKS) or not isinstance(config, dict):
             raise ValueError("each entry must be a rank number naming a JSON object")
         replay = config.get("replay_endpoint")
         ranks.append(

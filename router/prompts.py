@@ -10,11 +10,13 @@ Keys are computed for at most the model's context of each prompt: a longer promp
 pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
 the request is routed without a prediction, by load.
 
-A body bigger than `parse_limit` is not read at all (routed by load, pinning no weight version): the
-threads share the interpreter's lock, and parsing a few MiB of JSON holds it for tens of milliseconds at
-a time, which is what stalled every other request (/health too) while clients sent huge bodies. No pod
-accepts what such a body holds: 16 bytes per token of the model's context are more than a prompt that
-fits can take (a token id is at most 8 bytes of JSON, a token of text a few characters of up to 6).
+A body bigger than `parse_limit` is not read at all (routed by load, its weight-version pin not read
+either): the threads share the interpreter's lock, and parsing a few MiB of JSON holds it for tens of
+milliseconds at a time, which is what stalled every other request (/health too) while clients sent huge
+bodies. 16 bytes per token of the model's context are more than one prompt that fits takes (a token id is
+at most 8 bytes of JSON, a token of text a few characters of up to 6), so such a body is a prompt no pod
+accepts, or a batch of many prompts: routing it by load costs it only its cache affinity, and, where it
+pins a weight version in a fleet of two, perhaps a 409 from a pod of the other.
 """
 
 from __future__ import annotations

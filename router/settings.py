@@ -15,6 +15,9 @@ POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where mak
 ENGINES = ("kvpilot", "vllm", "sglang")
 # The engines whose pods publish KV events with block keys the router computes (docs/router.md, "Engines").
 EVENT_ENGINES = ("kvpilot", "vllm")
+# Those routed prefix-aware by default. vLLM pods only on request: their keys match only with --model and
+# the --kv-events-* flags right, and a vLLM pod publishes no events unless started with them.
+PREFIX_DEFAULT_ENGINES = ("kvpilot",)
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's cryptographic --prefix-caching-hash-algo names
 
 
@@ -31,7 +34,7 @@ class RouterSettings:
         metadata=flag(
             "how a pod is chosen",
             choices=POLICIES,
-            unset="prefix-aware with --engine kvpilot or vllm, else least-load",
+            unset="prefix-aware with --engine kvpilot, else least-load",
         ),
     )
     kv_events_block_size: int = field(
@@ -120,7 +123,7 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         if self.policy is None:
-            self.policy = "prefix-aware" if self.engine in EVENT_ENGINES else "least-load"
+            self.policy = "prefix-aware" if self.engine in PREFIX_DEFAULT_ENGINES else "least-load"
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -138,6 +141,10 @@ class RouterSettings:
             raise ValueError("kv_events_block_size must be between 1 and 65536")
         if self.kv_events_hash_algo not in VLLM_HASH_ALGOS:
             raise ValueError(f"kv_events_hash_algo must be one of {', '.join(VLLM_HASH_ALGOS)}")
+        if self.kv_events_hash_seed is not None:
+            from kvpilot.block_keys import KeyScheme
+
+            KeyScheme(self.kv_events_hash_algo, self.kv_events_hash_seed)  # its length and text checked
         if self.kv_events_curve_dir:
             from kvpilot.kv_sockets import load_client_keys
 

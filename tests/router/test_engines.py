@@ -119,8 +119,12 @@ def test_a_pods_metrics_are_read_within_bounds() -> None:
 def test_prefix_aware_is_refused_where_pods_publish_no_events_it_follows(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert RouterSettings().policy == RouterSettings(engine="vllm").policy == "prefix-aware"
-    assert RouterSettings(engine="sglang").policy == "least-load"
+    assert (
+        RouterSettings().policy
+        == RouterSettings(engine="vllm", policy="prefix-aware").policy
+        == "prefix-aware"
+    )
+    assert RouterSettings(engine="vllm").policy == RouterSettings(engine="sglang").policy == "least-load"
     monkeypatch.delenv("KVPILOT_ADMIN_TOKEN", raising=False)
     bad = [
         (
@@ -131,6 +135,7 @@ def test_prefix_aware_is_refused_where_pods_publish_no_events_it_follows(
             ["--engine", "vllm", "--kv-events-block-size", "0"],
             "--kv-events-block-size must be between 1 and 65536",
         ),
+        (["--engine", "vllm", "--kv-events-hash-seed", "s" * 257], "a hash seed has at most 256 characters"),
     ]
     for flags, message in bad:
         caplog.clear()
@@ -179,7 +184,7 @@ def test_vllm_fleet_reset_names_the_pod_that_refused(tmp_path: Path, standins) -
     router = router_for(tmp_path, [a, b])
     try:
         h = router.health()
-        assert h["engine"] == "vllm" and h["policy"] == "prefix-aware"
+        assert h["engine"] == "vllm" and h["policy"] == "least-load"
         assert [p["kv_events"] for p in h["pods"]] == ["off", "off"]  # GET /kv_event_sources: {}
         b.set(running=2)  # vLLM 0.33 answers 200 {"success":false} while running requests hold blocks
         r = reset(router)

@@ -17,9 +17,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvpilot.block_keys import KeyScheme
 from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
-from kvpilot.router.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex
-from kvpilot.router.kv_info import REPLAY_MAX_BATCHES, parse_kv_events
+from kvpilot.router.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex, index_key
+from kvpilot.router.kv_info import REPLAY_MAX_BATCHES, parse_kv_event_sources, parse_kv_events
 from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
 from support.hostile_pod import HostilePod, random_keys, seq_frame, stored, stored_keys
 from support.procs import wait_for
@@ -207,7 +208,7 @@ def test_the_index_holds_at_most_the_pods_blocks_and_only_block_keys(pod: Hostil
             tracemalloc.start()
             for _ in range(40):
                 pod.record(stored_keys(random_keys(1000)))
-            bad = [7, "x" * 32, b"short", b"y" * 33, None, [b"z" * 32], bytearray(32)]
+            bad = [-1, -(1 << 63), True, 2.5, "x" * 32, b"short", b"y" * 33, None, [b"z" * 32], bytearray(32)]
             pod.record(stored(bad))
             last = len(pod.buffer) - 1
             await _until(lambda: stream.last_seq == last, "the flood applied")
@@ -225,6 +226,10 @@ def test_the_index_holds_at_most_the_pods_blocks_and_only_block_keys(pod: Hostil
             ctx.term()
 
     asyncio.run(go())
+    # what a key may be: 32 bytes, or vLLM's unsigned 64-bit integer form of them, the same index key
+    key = random_keys(1)[0]
+    assert index_key(key) == index_key(int.from_bytes(key[-8:], "big")) is not None
+    assert [index_key(h) for h in (-1, 1 << 64, True, 2.5, b"y" * 33)] == [None] * 5
     index = PrefixIndex()
     index.set_capacity("h", 10**12)  # a pod may advertise anything: the router's ceiling holds
     index.set_capacity("h", None)
@@ -281,6 +286,64 @@ def test_the_publisher_bounds_its_buffer_in_bytes_and_says_so() -> None:
 def test_a_kv_events_reply_of_the_wrong_shape_is_refused(reply: object) -> None:
     with pytest.raises(ValueError):
         parse_kv_events(reply)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {
+            "block_size": 16,
+            "endpoint": "tcp://127.0.0.1:1",
+            "block_hash": "sha256_cbor",
+            "hash_seed": "\ud800",
+        },
+        {
+            "block_size": 16,
+            "endpoint": "tcp://127.0.0.1:1",
+            "block_hash": "sha256_cbor",
+            "hash_seed": "s" * 257,
+        },
+        {"block_size": 16, "endpoint": "tcp://127.0.0.1:1", "block_hash": "xxhash"},
+        {"block_size": 16, "endpoint": "tcp://127.0.0.1:1", "block_hash": "sha256", "hash_seed": 7},
+    ],
+)
+def test_a_key_scheme_the_router_cannot_compute_is_refused(reply: dict) -> None:
+    """A seed CBOR cannot encode (a lone surrogate) is refused here, not at every request's keying."""
+    with pytest.raises(ValueError):
+        parse_kv_events(reply)
+
+
+def test_vllms_kv_event_sources_are_read_and_checked() -> None:
+    """vLLM 0.32's GET /kv_event_sources: each rank's publisher config keyed by rank; a wildcard bind is
+    the pod's own address; `{}` means events are off."""
+    keys = KeyScheme("sha256")
+    rank = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "replay_endpoint": None,
+    }
+    got = parse_kv_event_sources({"1": rank | {"endpoint": "tcp://*:5558"}, "0": rank}, "10.0.0.7", 16, keys)
+    assert got is not None and got.keys == keys and got.block_size == 16
+    assert [(r.rank, r.endpoint, r.replay_endpoint) for r in got.ranks] == [
+        (0, "tcp://10.0.0.7:5557", None),
+        (1, "tcp://10.0.0.7:5558", None),
+    ]
+    assert (
+        parse_kv_event_sources({"0": rank}, "fd00::7", 16, keys).ranks[0].endpoint == "tcp://[fd00::7]:5557"
+    )
+    assert parse_kv_event_sources({}, "10.0.0.7", 16, keys) is None
+    for bad in (
+        {"01": rank},  # not as vLLM writes a rank (and "1" would be the same rank)
+        {"\u0661": rank},  # a digit, but not an ASCII one
+        {"256": rank},
+        {"0": "tcp://*:5557"},
+        {"0": rank | {"endpoint": "ipc:///tmp/router-own-socket"}},
+        [rank],
+        {str(i): rank for i in range(257)},
+    ):
+        with pytest.raises(ValueError):
+            parse_kv_event_sources(bad, "10.0.0.7", 16, keys)
 
 
 def test_a_pod_with_a_wrong_shaped_kv_events_reply_still_leaves_when_its_health_turns_503(

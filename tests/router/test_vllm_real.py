@@ -139,16 +139,10 @@ def test_cache_salt_keeps_a_salts_blocks_to_itself(vllm_server: VllmServer, send
 
 @pytest.fixture(scope="module")
 def vllm_router(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
-    """`kvpilot router --engine vllm` in front of the real server, as a user runs it."""
+    """`kvpilot router --engine vllm --policy prefix-aware` in front of the real server, as a user runs it."""
     # 128: vLLM's KV block on the CPU, which vLLM names nowhere the router reads
-    router = start_router(
-        tmp_path_factory.mktemp("router"),
-        [vllm_server.url],
-        "--engine",
-        "vllm",
-        "--kv-events-block-size",
-        "128",
-    )
+    flags = ["--engine", "vllm", "--policy", "prefix-aware", "--kv-events-block-size", "128"]
+    router = start_router(tmp_path_factory.mktemp("router"), [vllm_server.url], *flags)
     try:
         yield router
     finally:
