@@ -10,7 +10,13 @@ from typing import Any
 from kvpilot.daemon.engine.client import EngineInfo
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.protocol.errors import bad
-from kvpilot.protocol.requests import GenerateRequest, parse_chat, parse_completion, parse_json_object
+from kvpilot.protocol.requests import (
+    ChatRequest,
+    GenerateRequest,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
 
 # No token of a vocabulary decodes to more characters than its longest entry; 4x covers normalizers
 # that shrink text before splitting it (NFKC and friends).
@@ -59,14 +65,19 @@ def prepare_completion(rules: PromptRules, raw: bytes) -> Prepared:
 def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
     chat = parse_chat(parse_json_object(raw), rules.served)
     tok = rules.info.tokenizer
+    ids = list(tok([_chat_text(rules, chat)], add_special_tokens=False)["input_ids"][0])
+    params = _params_for(chat.generate, True, ids, rules.info.max_model_len)
+    return Prepared(chat.generate, [ids], [params], [""], chat=True)
+
+
+def _chat_text(rules: PromptRules, chat: ChatRequest) -> str:
+    """The chat rendered with the model's template, its length checked."""
     try:
-        text = chat.render(tok)
+        text = chat.render(rules.info.tokenizer)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
         raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
     _check_chars(rules, text, "messages")
-    ids = list(tok([text], add_special_tokens=False)["input_ids"][0])
-    params = _params_for(chat.generate, True, ids, rules.info.max_model_len)
-    return Prepared(chat.generate, [ids], [params], [""], chat=True)
+    return text
 
 
 @dataclass(slots=True)
@@ -95,11 +106,7 @@ def prepare_tokenize(rules: PromptRules, raw: bytes) -> Tokenized:
     if chat_form:
         chat = parse_chat(body, rules.served)
         req = chat.generate
-        try:
-            text = chat.render(tok)
-        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
-            raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
-        _check_chars(rules, text, "messages")
+        text = _chat_text(rules, chat)
         special = own["add_special_tokens"] is True
     else:
         if not isinstance(body.get("prompt"), str):
