@@ -330,7 +330,7 @@ def fanout_curve(p: dict, workdir: Path) -> dict:
 # ---- router --------------------------------------------------------------------------------------
 def router_curve(p: dict, workdir: Path) -> dict:
     rc = benchkit.bench_module(BENCH / "router_cost.py")
-    binary = rc.sglang_router_bin()
+    binary = benchkit.tools_bin("sglang-router")
     load_before = os.getloadavg()
     s = {
         "kvpilot router, per chat": series(),

