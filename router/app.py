@@ -19,6 +19,7 @@ from kvpilot.protocol.replies import json_response
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.engines import PROBES
 from kvpilot.router.index import PrefixIndex
+from kvpilot.router.kv_info import parse_static_sources
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.pods import Fleet, Pod
 from kvpilot.router.policy import make_policy
@@ -100,6 +101,7 @@ async def serve(
                 settings.kv_events_block_size,
                 key_scheme(settings.kv_events_hash_algo, settings.kv_events_hash_seed),
             ),
+            static_sources=parse_static_sources(settings.kv_event_source or []),
         )
         router = Router(settings, fleet, index, policy, reader, metrics_, session)
         app = create_app(router)

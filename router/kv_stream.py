@@ -5,8 +5,8 @@ expected one means batches were lost (ZeroMQ PUB drops under load): the missing 
 pod's replay socket first. If the pod no longer buffers it (or has no replay socket), the pod's entries
 are emptied and rebuilt from the next batch on, so the index never keeps a block the pod evicted.
 
-The stream also catches up when idle (a lost last batch shows no gap until the next one arrives) and
-starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
+The stream also catches up once each time it goes quiet (a lost last batch shows no gap until the next
+one arrives) and starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
 sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
 
 Each stream also knows the rank's weight version (`weight_versions.py`): the pod's /health names it when
@@ -154,6 +154,11 @@ class PodEventStream:
         # the idle check would otherwise do within a second) until it is back (`hold`, `release`).
         self.held = False
         self.synced = asyncio.Event()  # set once the initial replay is applied
+        # Whether the stream was found complete since its last batch. A quiet stream is checked against
+        # replay once, not every idle second: each check is a new ZeroMQ connection to the pod, which
+        # cost an idle router 2-3 ms of CPU a second for two pods (bench/router_compare.py). A failed
+        # check is retried at the next idle tick; a batch, a restart or a release arms the check again.
+        self._quiet_checked = False
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
 
@@ -174,28 +179,44 @@ class PodEventStream:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        # Both sockets are read without pyzmq's asyncio poller, which spent ~0.3 ms of CPU a batch (its
+        # futures, a zmq_poll and a reader registered anew on each call: most of what the router spent per
+        # request on events, bench/router_compare.py). Their file descriptors wake the loop instead; like
+        # every ZeroMQ descriptor they are edge-triggered, so EVENTS is read after each wake-up and each
+        # message, and the stream sleeps only once neither socket holds one.
+        live, events_of_monitor = zmq.Socket.shadow(sub.underlying), zmq.Socket.shadow(monitor.underlying)
+        woken = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        fds = [live.FD, events_of_monitor.FD]
+        for fd in fds:
+            loop.add_reader(fd, woken.set)
         try:
-            await self.catch_up()
+            self._quiet_checked = await self.catch_up()
             self.synced.set()
             while True:
-                ready = dict(await poller.poll(int(self._idle_check_s * 1000)))
-                if monitor in ready:
-                    parse_monitor_message(await monitor.recv_multipart())
+                woken.clear()
+                if events_of_monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                    parse_monitor_message(events_of_monitor.recv_multipart(zmq.NOBLOCK))
                     self.restart("connection to the pod dropped")
                     reconnect(sub, self.endpoint)  # also after an oversized frame (MAXMSGSIZE)
-                if sub in ready:
-                    frames = await sub.recv_multipart()
+                    continue
+                if live.get(zmq.EVENTS) & zmq.POLLIN:
+                    frames = live.recv_multipart(zmq.NOBLOCK)
                     seq = read_seq(frames[1]) if len(frames) == 3 else None
                     if seq is None:
                         await self.on_gap("a malformed message")
                     else:
                         await self.on_message(seq, frames[2])
-                if not ready:
-                    await self.catch_up()  # quiet: make sure no last batch was lost
+                    continue
+                try:
+                    async with asyncio.timeout(self._idle_check_s):
+                        await woken.wait()
+                except TimeoutError:
+                    if not self._quiet_checked:  # quiet: make sure no last batch was lost
+                        self._quiet_checked = await self.catch_up()
         finally:
+            for fd in fds:
+                loop.remove_reader(fd)
             sub.disable_monitor()
             monitor.close()
             sub.close()
@@ -219,6 +240,7 @@ class PodEventStream:
         log.info("KV events of %s rank %d: starting over (%s)", self.pod, self.rank, why)
         self.index.clear(self.key)
         self.last_seq = -1
+        self._quiet_checked = False
         self.weight_version = self.health_version  # the pod may have restarted on other weights
 
     def hold(self, why: str) -> None:
@@ -229,11 +251,14 @@ class PodEventStream:
 
     def release(self) -> None:
         """The pod is ready again: its entries are rebuilt from replay (the next message or idle check)."""
-        self.held = False
+        if self.held:  # (the fleet releases a ready pod's streams at every probe)
+            self.held = False
+            self._quiet_checked = False
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """A live batch. Batches the pod sent before it are applied first (from replay)."""
         self._count(self.pod, "received", 1)
+        self._quiet_checked = False
         if self.held:
             return
         if seq <= self.last_seq:

@@ -29,7 +29,13 @@ from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme
 from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_info import MAX_REPLY_BYTES, parse_kv_event_sources, parse_kv_events
+from kvpilot.router.kv_info import (
+    MAX_REPLY_BYTES,
+    PodEvents,
+    parse_kv_event_sources,
+    parse_kv_events,
+    static_event_source,
+)
 from kvpilot.router.kv_stream import PodEventStream
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.version_choice import VersionChoice
@@ -136,11 +142,13 @@ class Fleet:
         probe: EngineProbe = PROBES["kvpilot"],
         kv_events_curve_dir: str | None = None,
         vllm_events: tuple[int, KeyScheme] = (16, KeyScheme("sha256")),
+        static_sources: dict[str, str] | None = None,
     ) -> None:
         self.pods: list[Pod] = []
         self.probe = probe
         # vLLM pods name neither: (block size, key scheme) from --kv-events-block-size and -hash-algo
         self._vllm_events = vllm_events
+        self._static_sources = static_sources or {}  # --kv-event-source: pod URL -> its publisher
         self.index = index
         self.metrics = metrics
         self._session = session
@@ -261,6 +269,9 @@ class Fleet:
 
     async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
         path = self.probe.kv_events_path or ""
+        static = self._static_sources.get(pod.url.rstrip("/"))
+        if static is not None:
+            return self._subscribe(pod, static_event_source(static, *self._vllm_events))
         try:
             async with self._session.get(pod.url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 404:
@@ -291,6 +302,9 @@ class Fleet:
             pod.kv_events = "off"
             log.info("%s publishes no KV events (%s names none): routed by load only", pod.name, path)
             return []
+        return self._subscribe(pod, events)
+
+    def _subscribe(self, pod: Pod, events: PodEvents) -> list[asyncio.Task]:
         pod.block_size = events.block_size
         pod.keys = events.keys
         pod.streams = [

@@ -54,6 +54,16 @@ class RouterSettings:
             unset="this router's PYTHONHASHSEED, else vLLM's default",
         ),
     )
+    kv_event_source: list[str] | None = field(
+        default=None,
+        metadata=flag(
+            "vLLM pods' KV event publishers, as URL=ENDPOINT (the pod's URL as --endpoints names it, its "
+            "tcp://HOST:PORT), for pods whose GET /kv_event_sources the router cannot use (a publisher "
+            "behind another address); such a pod is not asked",
+            metavar="URL=ENDPOINT",
+            unset="each vLLM pod's GET /kv_event_sources",
+        ),
+    )
     admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
     reset_timeout_s: float = field(
         default=60.0,
@@ -145,6 +155,15 @@ class RouterSettings:
             from kvpilot.block_keys import KeyScheme
 
             KeyScheme(self.kv_events_hash_algo, self.kv_events_hash_seed)  # its length and text checked
+        if self.kv_event_source:
+            if self.engine != "vllm":
+                raise ValueError(
+                    "--kv-event-source is for --engine vllm: a kvpilot daemon names its publishers (and "
+                    "its block size and keys) at GET /kv_events"
+                )
+            from kvpilot.router.kv_info import parse_static_sources
+
+            parse_static_sources(self.kv_event_source)
         if self.kv_events_curve_dir:
             from kvpilot.kv_sockets import load_client_keys
 

@@ -136,6 +136,13 @@ def test_prefix_aware_is_refused_where_pods_publish_no_events_it_follows(
             "--kv-events-block-size must be between 1 and 65536",
         ),
         (["--engine", "vllm", "--kv-events-hash-seed", "s" * 257], "a hash seed has at most 256 characters"),
+        (["--kv-event-source", "http://a:1=tcp://a:5557"], "--kv-event-source is for --engine vllm"),
+        (["--engine", "vllm", "--kv-event-source", "http://a:1"], "expected URL=ENDPOINT"),
+        (["--engine", "vllm", "--kv-event-source", "http://a:1=udp://a:1"], "is not a tcp://HOST:PORT"),
+        (
+            ["--engine", "vllm", "--kv-event-source", "http://a:1=tcp://a:1", "http://a:1/=tcp://b:1"],
+            "names http://a:1 twice",
+        ),
     ]
     for flags, message in bad:
         caplog.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,29 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     assert r.status == 200 and r.json()["success"] is True, r.body
     complete(vllm_server, "Hi")
     wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] == 0, 30, "the index emptied by the reset")
+
+
+def test_a_static_kv_event_source_is_followed_without_asking_the_pod(
+    vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    """`--kv-event-source URL=ENDPOINT`, as vllm-router takes it: the router subscribes where it is told
+    (here by the name localhost, which the pod's own GET /kv_event_sources never gives) and indexes the
+    blocks vLLM stores."""
+    port = vllm_server.request("GET", "/kv_event_sources").json()["0"]["endpoint"].rpartition(":")[2]
+    source = f"tcp://localhost:{port}"
+    flags = ["--engine", "vllm", "--policy", "prefix-aware", "--kv-events-block-size", "128"]
+    router = start_router(
+        tmp_path, [vllm_server.url], *flags, "--kv-event-source", f"{vllm_server.url}={source}"
+    )
+    try:
+        [pod] = router.health()["pods"]
+        assert pod["kv_events"] == "on" and pod["synced"], pod
+        assert f"following KV events at {source}" in router.log(), router.log()[-2000:]
+        before = router.pod(pod["pod"])["indexed_blocks"]
+        first = complete(router, long_prompt("a static source"))
+        blocks = first["usage"]["prompt_tokens"] // 128
+        wait_for(
+            lambda: router.pod(pod["pod"])["indexed_blocks"] >= before + blocks, 30, "the blocks indexed"
+        )
+    finally:
+        stop_router(router)
