@@ -178,6 +178,12 @@ class PrefixIndex:
     def num_blocks(self, holder: Holder) -> int:
         return len(self._blocks.get(holder, ()))
 
+    def room(self, holder: Holder) -> int:
+        """Blocks the holder can still take without evicting any: its pool less what it holds and what it
+        was just sent (an unknown pool: the router's ceiling, so never short of room)."""
+        cap = self._capacity.get(holder, MAX_BLOCKS_PER_HOLDER)
+        return cap - self.num_blocks(holder) - len(self._expected.get(holder, ()))
+
     def blocks_of(self, holders: Iterable[Holder]) -> int:
         """Blocks indexed for a pod: its ranks' entries together."""
         return sum(self.num_blocks(h) for h in holders)

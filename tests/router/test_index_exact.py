@@ -174,6 +174,26 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [rr.choose([a, b], None).pod for _ in range(3)] == [a, b, a]
 
 
+def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools of 20 blocks: a full one (b) and one just reset (a). A prompt no pod holds goes to a, although
+    a has one more request open: storing its 10 blocks in b would push 10 cached blocks out. A prompt b
+    holds stays there. With both pools full alike, load decides again."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    warm = list(range(1000, 1041))
+    index.store(("b:1", 0), key_scheme().prompt_hashes(warm[:40], BS))
+    index.store(("b:1", 0), key_scheme().prompt_hashes(list(range(2000, 2040)), BS))  # b is full
+    a, b = pod("a:1", in_flight=1), pod("b:1")
+    pa = PrefixAware(index)
+    cold = list(range(41))
+    assert pa.choose([a, b], Prompts([cold], None)).pod is a
+    assert pa.choose([a, b], Prompts([warm], None)).pod is b
+    index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(3000, 3080)), BS))  # a full as well
+    assert pa.choose([a, b], Prompts([list(range(5000, 5041))], None)).pod is b
+
+
 def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
