@@ -120,7 +120,7 @@ class PrefixAware(Policy):
                 out.update(dict.fromkeys(p.holders(), 0))
         # A rank is looked up only with keys of its own version: blocks of other weights never match.
         for scheme, holders in by_scheme.items():
-            for keys in prompts.block_keys(scheme):  # computed off the event loop (PromptReader)
+            for keys in prompts.block_keys(scheme):  # computed before the policy runs (PromptReader)
                 for holder, blocks in self.index.matched_blocks(keys, holders, expected).items():
                     out[holder] += blocks * scheme[0]
         return out
