@@ -79,6 +79,8 @@ def add_flags(parser: argparse.ArgumentParser, config: type, title: str | None =
                 metavar=spec.metavar or _metavar(name, spec.choices),
                 nargs="+" if is_list else None,
             )
+            if is_list and default is None:
+                kwargs["action"] = "extend"  # `--flag a --flag b` keeps both, as `--flag a b` does
         group.add_argument(name, *spec.aliases, **kwargs)
     return group
 

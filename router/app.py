@@ -19,9 +19,8 @@ from kvpilot.protocol.replies import json_response
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.engines import PROBES
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_info import parse_static_sources
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.pods import Fleet, Pod
+from kvpilot.router.pods import Fleet, Pod, parse_static_sources
 from kvpilot.router.policy import make_policy
 from kvpilot.router.prompts import PromptReader
 from kvpilot.router.proxy import generate, models

@@ -73,6 +73,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[Holder, set[int]] = {}  # holder -> keys it holds
         self._capacity: dict[Holder, int] = {}  # holder -> most keys it can hold (its pool's blocks)
+        self._sized: set[Holder] = set()  # holders whose pool size the pod published (room() knows it)
         self._clears: dict[Holder, int] = {}  # holder -> AllBlocksCleared events applied so far
         self._distrusted: set[Holder] = set()  # holders whose entries stay empty until their next clear
         self._refused: set[Holder] = set()  # holders already warned about for hashes of the wrong form
@@ -84,6 +85,10 @@ class PrefixIndex:
         """The most blocks `holder` can hold: its pool's size (None: not known, the router's ceiling)."""
         cap = MAX_BLOCKS_PER_HOLDER if blocks is None else max(1, min(blocks, MAX_BLOCKS_PER_HOLDER))
         self._capacity[holder] = cap
+        if blocks is None:
+            self._sized.discard(holder)
+        else:
+            self._sized.add(holder)
         if self.num_blocks(holder) > cap:
             self.clear(holder)
 
@@ -154,6 +159,7 @@ class PrefixIndex:
         """Drop everything about a holder that left the fleet."""
         self.clear(holder)
         self._capacity.pop(holder, None)
+        self._sized.discard(holder)
         self._distrusted.discard(holder)
         self._refused.discard(holder)
 
@@ -178,11 +184,15 @@ class PrefixIndex:
     def num_blocks(self, holder: Holder) -> int:
         return len(self._blocks.get(holder, ()))
 
-    def room(self, holder: Holder) -> int:
+    def room(self, holder: Holder) -> int | None:
         """Blocks the holder can still take without evicting any: its pool less what it holds and what it
-        was just sent (an unknown pool: the router's ceiling, so never short of room)."""
-        cap = self._capacity.get(holder, MAX_BLOCKS_PER_HOLDER)
-        return cap - self.num_blocks(holder) - len(self._expected.get(holder, ()))
+        was just sent (at least 0); None when its pool's size is not known."""
+        cap = self._capacity.get(holder)
+        if cap is None or holder not in self._sized:
+            return None
+        now = time.monotonic()
+        expected = sum(1 for until in self._expected.get(holder, {}).values() if until > now)
+        return max(cap - self.num_blocks(holder) - expected, 0)
 
     def blocks_of(self, holders: Iterable[Holder]) -> int:
         """Blocks indexed for a pod: its ranks' entries together."""

@@ -27,7 +27,6 @@ REPLAY_MAX_BATCHES = 10 * DEFAULT_BUFFER_BATCHES
 REPLAY_MAX_BYTES = 4 * DEFAULT_BUFFER_BYTES
 # Only TCP: an ipc:// or inproc:// address would point the router at sockets of its own host.
 _RANK = re.compile(r"0|[1-9][0-9]{0,2}")
-_POD_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?")
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
 
 
@@ -82,10 +81,10 @@ def parse_kv_event_sources(info: Any, pod_host: str, block_size: int, keys: KeyS
         ranks.append(
             RankEvents(
                 rank=int(name),
-                endpoint=_endpoint(_at_pod(config.get("endpoint"), pod_host), "endpoint"),
+                endpoint=checked_endpoint(_at_pod(config.get("endpoint"), pod_host), "endpoint"),
                 replay_endpoint=None
                 if replay is None
-                else _endpoint(_at_pod(replay, pod_host), "replay_endpoint"),
+                else checked_endpoint(_at_pod(replay, pod_host), "replay_endpoint"),
                 blocks_total=None,
             )
         )
@@ -100,25 +99,9 @@ def static_event_source(endpoint: str, block_size: int, keys: KeyScheme) -> PodE
     replay socket (a gap in its sequence then empties the pod's entries instead of replaying them)."""
     limits = ReplayLimits(batches=DEFAULT_BUFFER_BATCHES, bytes=DEFAULT_BUFFER_BYTES)
     rank = RankEvents(
-        rank=0, endpoint=_endpoint(endpoint, "endpoint"), replay_endpoint=None, blocks_total=None
+        rank=0, endpoint=checked_endpoint(endpoint, "endpoint"), replay_endpoint=None, blocks_total=None
     )
     return PodEvents(block_size, [rank], limits, keys)
-
-
-def parse_static_sources(values: list[str]) -> dict[str, str]:
-    """`URL=ENDPOINT` values (--kv-event-source) as {pod URL: tcp endpoint}; ValueError names a bad one."""
-    out: dict[str, str] = {}
-    for value in values:
-        url, sep, endpoint = value.partition("=")
-        url = url.rstrip("/")
-        if not sep or not _POD_URL.fullmatch(url):
-            raise ValueError(
-                f"--kv-event-source {value!r}: expected URL=ENDPOINT, e.g. http://10.0.0.7:8000=tcp://10.0.0.7:5557"
-            )
-        if url in out:
-            raise ValueError(f"--kv-event-source names {url} twice")
-        out[url] = _endpoint(endpoint, f"--kv-event-source {value!r}: its endpoint")
-    return out
 
 
 def _at_pod(value: Any, pod_host: str) -> Any:
@@ -138,13 +121,13 @@ def _rank(r: Any) -> RankEvents:
     replay = r.get("replay_endpoint")
     return RankEvents(
         rank=_int(r, "rank", 0, MAX_RANKS - 1, 0),
-        endpoint=_endpoint(r.get("endpoint"), "endpoint"),
-        replay_endpoint=None if replay is None else _endpoint(replay, "replay_endpoint"),
+        endpoint=checked_endpoint(r.get("endpoint"), "endpoint"),
+        replay_endpoint=None if replay is None else checked_endpoint(replay, "replay_endpoint"),
         blocks_total=_int(r, "blocks_total", 1, None, None),
     )
 
 
-def _endpoint(value: Any, name: str) -> str:
+def checked_endpoint(value: Any, name: str) -> str:
     if not isinstance(value, str) or len(value) > 300 or not _ENDPOINT.fullmatch(value):
         raise ValueError(f"{name} is not a tcp://HOST:PORT address")
     return value

@@ -5,8 +5,8 @@ expected one means batches were lost (ZeroMQ PUB drops under load): the missing 
 pod's replay socket first. If the pod no longer buffers it (or has no replay socket), the pod's entries
 are emptied and rebuilt from the next batch on, so the index never keeps a block the pod evicted.
 
-The stream also catches up once each time it goes quiet (a lost last batch shows no gap until the next
-one arrives) and starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
+The stream also catches up when it goes quiet, then every 30 s of quiet (a lost last batch shows no gap
+until the next one arrives), and starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
 sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
 
 Each stream also knows the rank's weight version (`weight_versions.py`): the pod's /health names it when
@@ -115,6 +115,11 @@ async def fetch_replay(
 _END_FRAME = END_OF_REPLAY.to_bytes(8, "big", signed=True)
 
 
+# Batches a stream applies in a row before it lets the loop run other work (its own await may not yield).
+YIELD_EVERY = 32
+QUIET_RECHECK_S = 30.0  # a stream quiet since its last complete replay check is checked again this often
+
+
 class PodEventStream:
     """One publisher (one pod rank), indexed as the holder (pod, rank). `run()` until cancelled."""
 
@@ -154,11 +159,13 @@ class PodEventStream:
         # the idle check would otherwise do within a second) until it is back (`hold`, `release`).
         self.held = False
         self.synced = asyncio.Event()  # set once the initial replay is applied
-        # Whether the stream was found complete since its last batch. A quiet stream is checked against
-        # replay once, not every idle second: each check is a new ZeroMQ connection to the pod, which
-        # cost an idle router 2-3 ms of CPU a second for two pods (bench/router_compare.py). A failed
-        # check is retried at the next idle tick; a batch, a restart or a release arms the check again.
-        self._quiet_checked = False
+        # A quiet stream is checked against replay once, then every QUIET_RECHECK_S, not every idle second:
+        # each check is a new ZeroMQ connection to the pod, which cost an idle router 2-3 ms of CPU a
+        # second for two pods (bench/router_compare.py). A batch, a restart or a release arms the check
+        # again (`_armed` counts them); a check counts only if nothing armed it meanwhile, and a failed
+        # one is retried at the next idle tick.
+        self._armed = 0
+        self._checked: tuple[int, float] | None = None  # (_armed, loop time) of the last complete check
         self._replay_error = ""  # the last replay failure, logged once until it changes
         index.set_capacity(self.key, blocks_total)
 
@@ -187,12 +194,20 @@ class PodEventStream:
         live, events_of_monitor = zmq.Socket.shadow(sub.underlying), zmq.Socket.shadow(monitor.underlying)
         woken = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def wake(sock: zmq.Socket) -> None:
+            # Reading EVENTS takes in what libzmq signalled, which quiets the descriptor: without it the
+            # loop, level-triggered, would call this again and again while the stream awaits a replay.
+            sock.get(zmq.EVENTS)
+            woken.set()
+
         fds = [live.FD, events_of_monitor.FD]
-        for fd in fds:
-            loop.add_reader(fd, woken.set)
+        for fd, sock in zip(fds, (live, events_of_monitor), strict=True):
+            loop.add_reader(fd, wake, sock)
         try:
-            self._quiet_checked = await self.catch_up()
+            await self._quiet_check()
             self.synced.set()
+            in_a_row = 0
             while True:
                 woken.clear()
                 if events_of_monitor.get(zmq.EVENTS) & zmq.POLLIN:
@@ -207,19 +222,33 @@ class PodEventStream:
                         await self.on_gap("a malformed message")
                     else:
                         await self.on_message(seq, frames[2])
+                    in_a_row += 1
+                    if in_a_row % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # a backlog or a flooding pod never holds the loop
                     continue
+                in_a_row = 0
                 try:
                     async with asyncio.timeout(self._idle_check_s):
                         await woken.wait()
                 except TimeoutError:
-                    if not self._quiet_checked:  # quiet: make sure no last batch was lost
-                        self._quiet_checked = await self.catch_up()
+                    checked = self._checked
+                    if (
+                        checked is None
+                        or checked[0] != self._armed
+                        or loop.time() - checked[1] > QUIET_RECHECK_S
+                    ):
+                        await self._quiet_check()  # quiet: make sure no last batch was lost
         finally:
             for fd in fds:
                 loop.remove_reader(fd)
             sub.disable_monitor()
             monitor.close()
             sub.close()
+
+    async def _quiet_check(self) -> None:
+        armed = self._armed
+        if await self.catch_up() and armed == self._armed:
+            self._checked = (armed, asyncio.get_running_loop().time())
 
     def health_says(self, version: Version) -> None:
         """The pod's /health named `version`. The events decide, but two probes in a row that say
@@ -240,7 +269,7 @@ class PodEventStream:
         log.info("KV events of %s rank %d: starting over (%s)", self.pod, self.rank, why)
         self.index.clear(self.key)
         self.last_seq = -1
-        self._quiet_checked = False
+        self._armed += 1
         self.weight_version = self.health_version  # the pod may have restarted on other weights
 
     def hold(self, why: str) -> None:
@@ -253,12 +282,12 @@ class PodEventStream:
         """The pod is ready again: its entries are rebuilt from replay (the next message or idle check)."""
         if self.held:  # (the fleet releases a ready pod's streams at every probe)
             self.held = False
-            self._quiet_checked = False
+            self._armed += 1
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """A live batch. Batches the pod sent before it are applied first (from replay)."""
         self._count(self.pod, "received", 1)
-        self._quiet_checked = False
+        self._armed += 1
         if self.held:
             return
         if seq <= self.last_seq:

@@ -32,6 +32,7 @@ from kvpilot.router.index import PrefixIndex
 from kvpilot.router.kv_info import (
     MAX_REPLY_BYTES,
     PodEvents,
+    checked_endpoint,
     parse_kv_event_sources,
     parse_kv_events,
     static_event_source,
@@ -110,24 +111,51 @@ class Pod:
         return max(self.in_flight, self.engine_load or 0)
 
 
+def _address(item: str, flag: str) -> tuple[str, str]:
+    """A pod's address as --endpoints takes it (`http://a:8000`, or `a:8000`): (its name, host:port, and
+    its URL)."""
+    url = item if "://" in item else f"http://{item}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag}: {item!r} is not an http://HOST:PORT address")
+    return f"{parts.hostname}:{port or 80}", f"{parts.scheme}://{parts.netloc}"
+
+
 def parse_endpoints(text: str) -> list[Pod]:
     """`--endpoints http://a:8000,http://b:8000` -> pods named host:port."""
     pods, seen = [], set()
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        url = item if "://" in item else f"http://{item}"
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"--endpoints: {item!r} is not an http://HOST:PORT address")
-        name = f"{parts.hostname}:{parts.port or 80}"
+        name, url = _address(item, "--endpoints")
         if name in seen:
             raise ValueError(f"--endpoints: {name} is listed twice")
         seen.add(name)
-        pods.append(Pod(name, f"{parts.scheme}://{parts.netloc}"))
+        pods.append(Pod(name, url))
     if not pods:
         raise ValueError("--endpoints: no address given")
     return pods
+
+
+def parse_static_sources(values: list[str]) -> dict[str, str]:
+    """`URL=ENDPOINT` values (--kv-event-source) as {pod name: tcp endpoint}, the pod named as --endpoints
+    names it (host:port); ValueError names a bad one."""
+    out: dict[str, str] = {}
+    for value in values:
+        url, sep, endpoint = value.partition("=")
+        if not sep:
+            raise ValueError(
+                f"--kv-event-source {value!r}: expected URL=ENDPOINT, e.g. http://10.0.0.7:8000=tcp://10.0.0.7:5557"
+            )
+        name, _ = _address(url, "--kv-event-source")
+        if name in out:
+            raise ValueError(f"--kv-event-source names {name} twice")
+        out[name] = checked_endpoint(endpoint, f"--kv-event-source {value!r}: its endpoint")
+    return out
 
 
 class Fleet:
@@ -148,7 +176,8 @@ class Fleet:
         self.probe = probe
         # vLLM pods name neither: (block size, key scheme) from --kv-events-block-size and -hash-algo
         self._vllm_events = vllm_events
-        self._static_sources = static_sources or {}  # --kv-event-source: pod URL -> its publisher
+        self._static_sources = static_sources or {}  # --kv-event-source: pod name -> its publisher
+        self._unmatched = set(self._static_sources)  # sources no pod has had yet (warned about once)
         self.index = index
         self.metrics = metrics
         self._session = session
@@ -164,6 +193,10 @@ class Fleet:
     def update(self, pods: list[Pod]) -> None:
         """Follow `pods` from now on: new ones are probed, gone ones (or moved: new URL) are dropped
         together with their index entries."""
+        self._unmatched -= {p.name for p in pods}
+        for name in sorted(self._unmatched):
+            log.warning("--kv-event-source names %s, which is not a pod of the fleet: ignored", name)
+        self._unmatched.clear()
         old = {p.name: p for p in self.pods}
         keep = []
         for p in pods:
@@ -269,7 +302,7 @@ class Fleet:
 
     async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
         path = self.probe.kv_events_path or ""
-        static = self._static_sources.get(pod.url.rstrip("/"))
+        static = self._static_sources.get(pod.name)
         if static is not None:
             return self._subscribe(pod, static_event_source(static, *self._vllm_events))
         try:

@@ -141,14 +141,15 @@ class PrefixAware(Policy):
             else:
                 candidates.append((pod, None, None))
 
+        evicted = self._evictions(candidates, n)
+
         def score(i: int) -> tuple[int, int, int]:
             pod, rank, cached = candidates[i]
             # A rank's own open requests when the pod has several (they do not share a cache or a batch).
             load = (
                 pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
             )
-            computed = n - (cached or 0)
-            return (computed + self._evicted(pod, rank, computed) + self.load_tokens * load, load, i)
+            return (n - (cached or 0) + evicted[i] + self.load_tokens * load, load, i)
 
         pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
         predicted = None
@@ -164,17 +165,22 @@ class PrefixAware(Policy):
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
 
-    def _evicted(self, pod: Pod, rank: int | None, computed: int) -> int:
-        """Tokens of cached blocks the rank would evict to store this prompt's new blocks: each may be a
-        prefix some later request finds gone and computes again. Equal on ranks whose pools are full alike;
-        it tells a cold prompt to go where there is room (a pod just reset, or a new one) rather than push
-        another prompt's blocks out of a full pool, as sglang-router sends it to its smallest tree
-        (bench/router_compare.py, where one pod is reset behind the router's back: hit share 0.625 by load
-        alone, 0.652 with this, sglang-router 0.661)."""
-        if rank is None or not pod.block_size:
-            return 0
-        short = computed // pod.block_size - self.index.room((pod.name, rank))
-        return max(short, 0) * pod.block_size
+    def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
+        """For a prompt no candidate holds any of: the tokens of cached blocks each would evict to store it,
+        each a prefix a later request may find gone. Equal on pools full alike (load decides, as before),
+        it sends a cold prompt to a pod with room (one just reset, or new) rather than into a full pool,
+        as sglang-router sends it to its smallest tree (bench/router_compare.py, one pod reset behind the
+        router's back: hit share 0.625 by load alone, 0.652 with this, sglang-router 0.661). Zero for all
+        unless every candidate is a rank whose pool size is known, and for a prompt cached (or just sent)
+        anywhere: there the cached tokens and the load decide, as tuned."""
+        out = []
+        for pod, rank, cached in candidates:
+            room = None if rank is None or cached or not pod.block_size else self.index.room((pod.name, rank))
+            if room is None:
+                return [0] * len(candidates)
+            need = n // pod.block_size
+            out.append(max(need - room, 0) * pod.block_size)
+        return out
 
 
 def make_policy(name: str, index: PrefixIndex) -> Policy:

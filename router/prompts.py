@@ -5,8 +5,8 @@ body does not parse, routes without a prediction and lets the pod answer the 4xx
 
 What a client's body costs happens once, before the policy runs: JSON parsing, templating, tokenizing
 and the block keys the policy compares with the index (once per hash scheme, block size and weight
-version, among the pods). A body over INLINE_BYTES is read off the event loop, in a small pool of threads
-with a bounded queue (the daemon's TextPool); a smaller one on the loop.
+version, among the pods). A chat of at most INLINE_BYTES is read on the event loop; anything else off it,
+in a small pool of threads with a bounded queue (the daemon's TextPool).
 Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
 pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
 the request is routed without a prediction, by load.
@@ -45,9 +45,10 @@ Scheme = tuple[int, str | None, KeyScheme]
 # The context assumed for a tokenizer directory whose config.json names none.
 FALLBACK_CONTEXT = 131072
 PARSE_BYTES_PER_TOKEN = 16
-# A body this small is read on the event loop, not in a prompt thread: handing it to a thread and back
+# A chat this small is read on the event loop, not in a prompt thread: handing it to a thread and back
 # wakes two threads and the loop, which on a busy machine cost more CPU than the work (bench/router_compare.py).
-# Its worst case, 4 KiB of text never seen before, is about 2 ms of tokenizing: under /health's 100 ms.
+# Its worst case, 4 KiB of text never seen before, is about 2 ms of tokenizing: under /health's 100 ms. Not
+# a completion: its 4 KiB may be a thousand one-character prompts, each tokenized and keyed on its own.
 INLINE_BYTES = 4096
 MIN_PARSE_LIMIT = 1 << 20  # bytes: the bound for a router that reads no prompts (its weight-version pin)
 
@@ -109,7 +110,7 @@ class PromptReader:
         """The request's prompts, tokenised once, with their keys for each of `schemes` computed, from a
         worker thread (a small body on the event loop); None when the body does not parse, or the pool is
         too busy to predict."""
-        if len(raw) <= INLINE_BYTES:
+        if len(raw) <= INLINE_BYTES and path.endswith("/chat/completions"):
             return self._prepare(path, raw, schemes)
         try:
             return await self._pool.prepare(self._prepare, path, raw, schemes)

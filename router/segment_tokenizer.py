@@ -18,26 +18,30 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 MIN_CACHED_CHARS = 256  # shorter pieces (a user's question, "assistant\n") cost less to tokenize than to keep
-MAX_CACHED_CHARS = 16 << 20  # characters of text kept in all (about 4x that in memory with the ids)
+# What the cache keeps at most, counted as each piece's characters plus 4 per id (ids are kept as 4-byte
+# array items): about 30 MB for English text, up to twice that for text of 2-byte characters.
+MAX_CACHED_UNITS = 16 << 20
 
 _PROBE_WORDS = " The café's 12 ships   sailed\n\n  past, the  cape;\t\t日本語 émigrés  "
 
 
 class SegmentTokenizer:
-    def __init__(self, tokenizer: Any, max_chars: int = MAX_CACHED_CHARS) -> None:
+    def __init__(self, tokenizer: Any, max_units: int = MAX_CACHED_UNITS) -> None:
         self.tokenizer = tokenizer
-        self._max_chars = max_chars
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._chars = 0
+        self._max_units = max_units
+        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._units = 0
         self._lock = threading.Lock()  # the router's prompt pool encodes from several threads
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._added: dict[str, int] = {}
+        self._probe_names: list[str] = []  # added tokens the self-check puts in its probes (special or not)
         self._split: re.Pattern[str] | None = None
         self._special_ends: tuple[list[int], list[int]] | None = None
         if self._backend is not None and self._plain_added_tokens() and not self._agrees():
@@ -65,6 +69,11 @@ class SegmentTokenizer:
         tokens = self._backend.get_added_tokens_decoder().values()
         if any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in tokens):
             return False
+        if getattr(self._backend, "encode_special_tokens", False):  # special tokens split like text
+            return False
+        self._probe_names = [t.content for t in tokens if t.special][:2] + [
+            t.content for t in tokens if not t.special
+        ][:2]
         self._added = {t.content: self._backend.token_to_id(t.content) for t in tokens if t.content}
         if not self._added:
             return False
@@ -85,26 +94,27 @@ class SegmentTokenizer:
                 ids += self._backend.encode(piece, add_special_tokens=False).ids
         return ids
 
-    def _cached(self, piece: str) -> tuple[int, ...]:
+    def _cached(self, piece: str) -> array:
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:
                 self._cache.move_to_end(piece)
                 return hit
-        ids = tuple(self._backend.encode(piece, add_special_tokens=False).ids)  # outside the lock: slow
-        if len(piece) > self._max_chars:
+        ids = array("I", self._backend.encode(piece, add_special_tokens=False).ids)  # outside the lock: slow
+        units = len(piece) + 4 * len(ids)
+        if units > self._max_units:
             return ids
         with self._lock:
             if piece not in self._cache:
                 self._cache[piece] = ids
-                self._chars += len(piece)
-                while self._chars > self._max_chars:
-                    old, _ = self._cache.popitem(last=False)
-                    self._chars -= len(old)
+                self._units += units
+                while self._units > self._max_units:
+                    old, old_ids = self._cache.popitem(last=False)
+                    self._units -= len(old) + 4 * len(old_ids)
         return ids
 
     def _probes(self) -> list[str]:
-        names = sorted(self._added)[:3]
+        names = [n for n in self._probe_names if n]
         words = _PROBE_WORDS * (MIN_CACHED_CHARS // len(_PROBE_WORDS) + 1)  # long enough to be cached
         bare = words.strip()  # a word right after an added token, where a first-piece-only prefix shows
         out = [words, bare]
@@ -122,7 +132,7 @@ class SegmentTokenizer:
             )
         finally:
             self._cache.clear()
-            self._chars = 0
+            self._units = 0
         return ok
 
     def _specials_around(self) -> tuple[list[int], list[int]] | None:

@@ -161,7 +161,7 @@ class RouterSettings:
                     "--kv-event-source is for --engine vllm: a kvpilot daemon names its publishers (and "
                     "its block size and keys) at GET /kv_events"
                 )
-            from kvpilot.router.kv_info import parse_static_sources
+            from kvpilot.router.pods import parse_static_sources
 
             parse_static_sources(self.kv_event_source)
         if self.kv_events_curve_dir:

@@ -139,9 +139,18 @@ def test_prefix_aware_is_refused_where_pods_publish_no_events_it_follows(
         (["--kv-event-source", "http://a:1=tcp://a:5557"], "--kv-event-source is for --engine vllm"),
         (["--engine", "vllm", "--kv-event-source", "http://a:1"], "expected URL=ENDPOINT"),
         (["--engine", "vllm", "--kv-event-source", "http://a:1=udp://a:1"], "is not a tcp://HOST:PORT"),
+        (["--engine", "vllm", "--kv-event-source", "http://a:x=tcp://a:1"], "is not an http://HOST:PORT"),
+        # repeated as vllm-router takes it, and named as --endpoints names pods (host:port, any case)
         (
-            ["--engine", "vllm", "--kv-event-source", "http://a:1=tcp://a:1", "http://a:1/=tcp://b:1"],
-            "names http://a:1 twice",
+            [
+                "--engine",
+                "vllm",
+                "--kv-event-source",
+                "http://a:1=tcp://a:1",
+                "--kv-event-source",
+                "A:1=tcp://b:1",
+            ],
+            "names a:1 twice",
         ),
     ]
     for flags, message in bad:

@@ -177,7 +177,7 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pools of 20 blocks: a full one (b) and one just reset (a). A prompt no pod holds goes to a, although
     a has one more request open: storing its 10 blocks in b would push 10 cached blocks out. A prompt b
-    holds stays there. With both pools full alike, load decides again."""
+    holds stays there. With both pools full alike, or a pool of unknown size among them, load decides."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     for holder in (("a:1", 0), ("b:1", 0)):
@@ -188,6 +188,9 @@ def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPa
     a, b = pod("a:1", in_flight=1), pod("b:1")
     pa = PrefixAware(index)
     cold = list(range(41))
+    # A pod whose pool size is unknown (a vLLM pod, an older daemon) beside them: room is not compared.
+    c = pod("c:1", in_flight=1)
+    assert pa.choose([a, b, c], Prompts([list(range(7000, 7041))], None)).pod is b
     assert pa.choose([a, b], Prompts([cold], None)).pod is a
     assert pa.choose([a, b], Prompts([warm], None)).pod is b
     index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(3000, 3080)), BS))  # a full as well
