@@ -12,8 +12,8 @@ pick would). The same load goes three ways, each from a fleet reset (cold caches
 - direct: client -> Envoy -> pod, no picker
 
 Per way: the prefix hit share (cached / prompt tokens, from each stream's `usage`), TTFT and end-to-end
-p50/p99, and the CPU seconds the router and the Envoy used per request (utime + stime of their processes,
-/proc/PID/stat). The picker's added latency is picker vs direct (same Envoy, same pods, same hits), and,
+p50/p99, and the CPU seconds the router and the Envoy used per request (their processes' CPU-time clocks,
+benchkit.cpu_s). The picker's added latency is picker vs direct (same Envoy, same pods, same hits), and,
 less exposed to the machine's other work, the picker's own answer time: each request of the load sent to it
 alone, one at a time, through the generated gRPC stub.
 

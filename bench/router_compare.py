@@ -10,8 +10,8 @@ hears of it; one that guesses from what it sent (sglang-router) keeps sending th
 
 Each run starts a fresh router, warms it with two unrelated chats, resets both daemons (cold caches),
 then sends the load. Per run: the fleet's hit share (cached / prompt tokens, from each reply's `usage`),
-TTFT p50 and p99 as the client sees them, and the router's CPU per request (utime + stime of its
-process tree over the load, from /proc, its idle timers and health checks included: its CPU a second
+TTFT p50 and p99 as the client sees them, and the router's CPU per request (its process tree's
+CPU-time clocks over the load, benchkit.cpu_s, its idle timers and health checks included: its CPU a second
 idle, measured for 3 s before the load, is written beside it; vllm-router also asks a daemon's `POST /tokenize` for each
 request's ids, CPU the daemon spends, not the router). The routers run in turn, `--repeats` times in a
 rotating order, on the same daemons; a router's figure is the median of its runs.

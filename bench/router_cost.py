@@ -6,8 +6,8 @@ chat completions at once: a JSON reply with usage, or, for `"stream": true`, `--
 events sent one per write a little apart (as an engine emits tokens), then the usage event and [DONE].
 Each router in turn fronts all of them, round-robin (`kvpilot router --policy round-robin`, `sglang-router
 launch --policy round_robin`), and gets the same load from this process: N chats at concurrency C, then
-S streams of K chunks. What a router costs is the CPU seconds of its process over each phase (utime +
-stime of /proc/PID/stat, all its threads, children excluded): CPU per chat, and per streamed chunk (a
+S streams of K chunks. What a router costs is the CPU seconds of its process over each phase (its
+CPU-time clock, benchkit.cpu_s: all its threads): CPU per chat, and per streamed chunk (a
 stream's CPU over its chunks). The routers run one after the other, `--repeats` times alternating, on
 the same machine state; the load average is written beside the figures.
 

@@ -76,26 +76,77 @@ def read_seq(frame: bytes) -> int | None:
 async def fetch_replay(
     ctx: zmq.asyncio.Context, replay_endpoint: str, start_seq: int, limits: ReplayLimits = ReplayLimits()
 ) -> list[tuple[int, bytes]]:
-    """Every batch the publisher still buffers from `start_seq` on, as (seq, payload). Raises ReplayError
-    when the answer breaks `limits` or is malformed (what came so far is dropped)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.total_s
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(replay_endpoint)
-    out: list[tuple[int, bytes]] = []
-    size = 0
+    """Every batch the publisher still buffers from `start_seq` on, as (seq, payload), over a connection of
+    its own. Raises ReplayError when the answer breaks `limits` or is malformed (what came so far is
+    dropped)."""
+    channel = ReplayChannel(ctx, replay_endpoint, limits)
     try:
-        await sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
+        return await channel.fetch(start_seq)
+    finally:
+        channel.close()
+
+
+class ReplayChannel:
+    """A rank's replay socket, kept connected from one request to the next, for one task (a stream's run)
+    to ask in turn. A stream asks whenever it goes quiet after a burst: a new connection each time (the
+    TCP and ZeroMQ handshakes, CURVE's key exchange, on both sides) cost more router CPU than the requests
+    that made the burst (bench/router_compare.py), while one round trip on an open one costs little. After
+    a failed or abandoned answer the socket is dropped, so nothing it still sends is read as the answer to
+    the next request (the next one connects anew, under a new identity)."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, limits: ReplayLimits = ReplayLimits()
+    ) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self.limits = limits
+        self._owned: zmq.asyncio.Socket | None = None  # the socket itself (which closes when collected)
+        self._sock: zmq.Socket | None = None  # the same, read from the loop (LoopWaker)
+        self._waker: LoopWaker | None = None
+
+    async def fetch(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """Every batch the publisher still buffers from `start_seq` on (see fetch_replay)."""
+        if self._sock is None or self._waker is None:
+            self._owned = self._ctx.socket(zmq.DEALER)
+            self._owned.setsockopt(zmq.LINGER, 0)
+            self._owned.connect(self.endpoint)
+            self._waker = LoopWaker()
+            self._sock = self._waker.watch(self._owned)
+        try:
+            return await self._read_answer(self._sock, self._waker, start_seq)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
+        if self._owned is not None:
+            self._owned.close()
+        self._owned = self._sock = self._waker = None
+
+    async def _read_answer(
+        self, sock: zmq.Socket, waker: LoopWaker, start_seq: int
+    ) -> list[tuple[int, bytes]]:
+        limits = self.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.total_s
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        # Never blocks: the socket is connected (or connecting), so DEALER queues the request.
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
         while True:
-            wait = min(limits.silence_s, deadline - loop.time())
-            if wait <= 0:
-                raise ReplayError(f"no complete answer within {limits.total_s:g} s")
-            if not await sock.poll(max(1, int(wait * 1000))):
-                if wait < limits.silence_s:
-                    continue  # the deadline: said on the next turn
-                raise ReplayError(f"no answer for {limits.silence_s:g} s")
-            frames = await sock.recv_multipart()
+            waker.clear()
+            if not has_message(sock):
+                wait = min(limits.silence_s, deadline - loop.time())
+                if wait <= 0:
+                    raise ReplayError(f"no complete answer within {limits.total_s:g} s")
+                if not await waker.wait(wait):
+                    if wait < limits.silence_s:
+                        continue  # the deadline: said on the next turn
+                    raise ReplayError(f"no answer for {limits.silence_s:g} s")
+                continue
+            frames = sock.recv_multipart(zmq.NOBLOCK)
             # [empty delimiter, topic, seq, payload] (vLLM); SGLang-style replies omit the topic.
             if len(frames) < 2:
                 raise ReplayError(f"a message of {len(frames)} frames")
@@ -108,8 +159,53 @@ async def fetch_replay(
             if len(out) >= limits.batches or size > limits.bytes:
                 raise ReplayError(f"more than its buffer ({limits.batches} batches, {limits.bytes} bytes)")
             out.append((seq, frames[-1]))
-    finally:
-        sock.close()
+
+
+class LoopWaker:
+    """Wakes a task when one of its ZeroMQ sockets may hold a message: the sockets' descriptors are watched
+    by the event loop itself, not by pyzmq's asyncio poller, which cost ~0.3 ms of CPU a wait (its futures,
+    a zmq_poll and a reader registered anew on each call: most of what the router spent per request on
+    events, bench/router_compare.py). Like every ZeroMQ descriptor they are edge-triggered: the task calls
+    `clear()`, then reads each socket while `has_message`, and waits only once none holds one."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._woken = asyncio.Event()
+        self._fds: list[int] = []
+
+    def watch(self, sock: zmq.Socket) -> zmq.Socket:
+        """Wake on `sock` from now on; returns it as a plain (blocking-API) socket, read with NOBLOCK."""
+        plain = zmq.Socket.shadow(sock.underlying)
+        self._fds.append(plain.FD)
+        self._loop.add_reader(plain.FD, self._wake, plain)
+        return plain
+
+    def _wake(self, sock: zmq.Socket) -> None:
+        # Reading EVENTS takes in what libzmq signalled, which quiets the descriptor: without it the
+        # loop, level-triggered, would call this again and again while the task awaits something else.
+        sock.get(zmq.EVENTS)
+        self._woken.set()
+
+    def clear(self) -> None:
+        self._woken.clear()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True once woken since `clear()`; False after `timeout_s` without."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._woken.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
+        self._fds.clear()
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
 
 
 _END_FRAME = END_OF_REPLAY.to_bytes(8, "big", signed=True)
@@ -167,6 +263,10 @@ class PodEventStream:
         self._armed = 0
         self._checked: tuple[int, float] | None = None  # (_armed, loop time) of the last complete check
         self._replay_error = ""  # the last replay failure, logged once until it changes
+        # The run task's own replay connection (`ReplayChannel`); anyone else catching up (a fleet reset)
+        # asks over a connection of its own, so two answers never share a socket.
+        self._runner: asyncio.Task | None = None
+        self._channel: ReplayChannel | None = None
         index.set_capacity(self.key, blocks_total)
 
     @property
@@ -186,36 +286,23 @@ class PodEventStream:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        # Both sockets are read without pyzmq's asyncio poller, which spent ~0.3 ms of CPU a batch (its
-        # futures, a zmq_poll and a reader registered anew on each call: most of what the router spent per
-        # request on events, bench/router_compare.py). Their file descriptors wake the loop instead; like
-        # every ZeroMQ descriptor they are edge-triggered, so EVENTS is read after each wake-up and each
-        # message, and the stream sleeps only once neither socket holds one.
-        live, events_of_monitor = zmq.Socket.shadow(sub.underlying), zmq.Socket.shadow(monitor.underlying)
-        woken = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def wake(sock: zmq.Socket) -> None:
-            # Reading EVENTS takes in what libzmq signalled, which quiets the descriptor: without it the
-            # loop, level-triggered, would call this again and again while the stream awaits a replay.
-            sock.get(zmq.EVENTS)
-            woken.set()
-
-        fds = [live.FD, events_of_monitor.FD]
-        for fd, sock in zip(fds, (live, events_of_monitor), strict=True):
-            loop.add_reader(fd, wake, sock)
+        waker = LoopWaker()
+        live, events_of_monitor = waker.watch(sub), waker.watch(monitor)
+        if self.replay_endpoint is not None:
+            self._runner = asyncio.current_task()
+            self._channel = ReplayChannel(self._ctx, self.replay_endpoint, self.limits)
         try:
             await self._quiet_check()
             self.synced.set()
             in_a_row = 0
             while True:
-                woken.clear()
-                if events_of_monitor.get(zmq.EVENTS) & zmq.POLLIN:
+                waker.clear()
+                if has_message(events_of_monitor):
                     parse_monitor_message(events_of_monitor.recv_multipart(zmq.NOBLOCK))
                     self.restart("connection to the pod dropped")
                     reconnect(sub, self.endpoint)  # also after an oversized frame (MAXMSGSIZE)
                     continue
-                if live.get(zmq.EVENTS) & zmq.POLLIN:
+                if has_message(live):
                     frames = live.recv_multipart(zmq.NOBLOCK)
                     seq = read_seq(frames[1]) if len(frames) == 3 else None
                     if seq is None:
@@ -227,20 +314,19 @@ class PodEventStream:
                         await asyncio.sleep(0)  # a backlog or a flooding pod never holds the loop
                     continue
                 in_a_row = 0
-                try:
-                    async with asyncio.timeout(self._idle_check_s):
-                        await woken.wait()
-                except TimeoutError:
+                if not await waker.wait(self._idle_check_s):
                     checked = self._checked
                     if (
                         checked is None
                         or checked[0] != self._armed
-                        or loop.time() - checked[1] > QUIET_RECHECK_S
+                        or asyncio.get_running_loop().time() - checked[1] > QUIET_RECHECK_S
                     ):
                         await self._quiet_check()  # quiet: make sure no last batch was lost
         finally:
-            for fd in fds:
-                loop.remove_reader(fd)
+            if self._channel is not None:
+                self._channel.close()
+            self._runner = self._channel = None
+            waker.close()
             sub.disable_monitor()
             monitor.close()
             sub.close()
@@ -317,7 +403,10 @@ class PodEventStream:
         if self.replay_endpoint is None:
             return False
         try:
-            got = await fetch_replay(self._ctx, self.replay_endpoint, self.last_seq + 1, self.limits)
+            if self._channel is not None and asyncio.current_task() is self._runner:
+                got = await self._channel.fetch(self.last_seq + 1)
+            else:
+                got = await fetch_replay(self._ctx, self.replay_endpoint, self.last_seq + 1, self.limits)
         except ReplayError as exc:
             if str(exc) != self._replay_error:  # once per reason: a dead pod fails every idle check
                 log.warning("KV events of %s rank %d: replay failed (%s)", self.pod, self.rank, exc)

@@ -16,7 +16,7 @@ from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream, fetch_replay
+from kvpilot.router.kv_stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits, fetch_replay
 from support.kv_events import BS, kv_events_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,6 +103,36 @@ def test_stored_removed_cleared_on_the_wire_and_replayed(engine: LLMEngine) -> N
     assert index.num_blocks("pod") == result.evicted_blocks
     # replay from the middle returns only the tail
     assert [s for s, _ in replay_all(pub.replay_endpoint, start=2)] == seqs[2:]
+
+
+def test_a_replay_channel_keeps_its_connection_and_starts_a_new_one_after_a_refused_answer(
+    engine: LLMEngine,
+) -> None:
+    pub = engine.kv_events
+    for i in range(3):
+        engine.generate([list(range(200 + 40 * i, 240 + 40 * i))], GREEDY)
+    seqs = [s for s, _ in wait_replayed(pub.replay_endpoint, 3)]
+    last = seqs[-1]
+
+    async def go() -> None:
+        ctx = zmq.asyncio.Context()
+        channel = ReplayChannel(ctx, pub.replay_endpoint, ReplayLimits(batches=1))
+        try:
+            assert [s for s, _ in await channel.fetch(last)] == [last]
+            connection = channel._owned
+            assert [s for s, _ in await channel.fetch(last)] == [last]
+            assert channel._owned is connection  # asked again on the open connection
+            with pytest.raises(ReplayError, match="more than its buffer"):
+                await channel.fetch(0)  # 3 batches against a limit of 1: refused midway
+            assert channel._owned is None  # the rest of that answer is never read
+            # A new connection: its answer is this request's, not the refused one's tail.
+            assert [s for s, _ in await channel.fetch(last)] == [last]
+            assert await channel.fetch(last + 1) == []
+        finally:
+            channel.close()
+            ctx.term()
+
+    asyncio.run(go())
 
 
 def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngine) -> None:
