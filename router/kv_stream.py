@@ -133,8 +133,10 @@ class ReplayChannel:
         deadline = loop.time() + limits.total_s
         out: list[tuple[int, bytes]] = []
         size = 0
-        # Never blocks: the socket is connected (or connecting), so DEALER queues the request.
-        sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
+        try:  # never waits: the socket is connected (or connecting), so DEALER queues the request
+            sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise ReplayError(f"the request could not be sent ({exc})") from None
         while True:
             waker.clear()
             if not has_message(sock):
