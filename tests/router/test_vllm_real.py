@@ -182,6 +182,9 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     name = pod["pod"]
     prompt = long_prompt("router follows vLLM")
     before = vllm_router.metrics()
+    # the blocks earlier tests left (the reset test's last chat stores four): the waits below count from
+    # here, so that none of them passes on old blocks before this prompt's events arrived
+    indexed = vllm_router.pod(name)["indexed_blocks"]
 
     def count(metric: str) -> float:
         return vllm_router.metrics().get(f'kvpilot_router_{metric}{{pod="{name}"}}', 0.0) - before.get(
@@ -193,7 +196,9 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     blocks = first["usage"]["prompt_tokens"] // 128  # full KV blocks of 128 tokens: four or more
     assert blocks >= 4, first["usage"]
     # vLLM's BlockStored events (64-bit integer hashes) reach the index
-    wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] >= blocks, 30, "vLLM's stored blocks indexed")
+    wait_for(
+        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + blocks, 30, "vLLM's stored blocks indexed"
+    )
     again = complete(vllm_router, prompt)
     assert cached_tokens(again) == blocks * 128, again["usage"]
     # the router keyed the prompt as vLLM did (sha256 over pickled parent, tokens, extra keys): it
@@ -202,7 +207,9 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     assert count("stale_predictions_total") == 0
     # a cache_salt is keyed as vLLM keys it: the salted prompt is predicted cold, then warm
     complete(vllm_router, prompt, cache_salt="t1")
-    wait_for(lambda: vllm_router.pod(name)["indexed_blocks"] >= 2 * blocks, 30, "the salted blocks indexed")
+    wait_for(
+        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + 2 * blocks, 30, "the salted blocks indexed"
+    )
     assert cached_tokens(complete(vllm_router, prompt, cache_salt="t1")) == blocks * 128
     assert count("predicted_cached_tokens_total") == count("reported_cached_tokens_total") == 2 * blocks * 128
     assert count("stale_predictions_total") == 0
