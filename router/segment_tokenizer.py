@@ -1,4 +1,4 @@
-"""A tokenizer's `encode`, exactly, with each long piece of text between two added tokens remembered.
+"""A tokenizer's `encode`, exactly, with each piece of text between two added tokens remembered.
 
 Most of what the router pays for a chat is tokenizing it: 0.3-0.4 ms of a 200-token chat on these cores,
 nearly all of it the byte-level pre-tokenizer's regex, for a system prompt it has tokenized many times
@@ -24,7 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MIN_CACHED_CHARS = 256  # shorter pieces (a user's question, "assistant\n") cost less to tokenize than to keep
+PROBE_CHARS = 256  # the self-check's probe texts are this long at least, as a system prompt's piece is
 # What the cache keeps at most, counted as each piece's characters plus 4 per id (ids are kept as 4-byte
 # array items): about 30 MB for English text, up to twice that for text of 2-byte characters.
 MAX_CACHED_UNITS = 16 << 20
@@ -88,10 +88,11 @@ class SegmentTokenizer:
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token (the split keeps them at odd places)
                 ids.append(self._added[piece])
-            elif len(piece) >= MIN_CACHED_CHARS:
-                ids += self._cached(piece)
             elif piece:
-                ids += self._backend.encode(piece, add_special_tokens=False).ids
+                # Short ones too: under load a call into the tokenizer cost 20-150 us even for "assistant\n"
+                # (the template's own text between its tokens, in every chat), a lookup ~1 us, and a
+                # question asked again (an RL group's prompt, a benchmark's) is not tokenized again.
+                ids += self._cached(piece)
         return ids
 
     def _cached(self, piece: str) -> array:
@@ -115,7 +116,7 @@ class SegmentTokenizer:
 
     def _probes(self) -> list[str]:
         names = [n for n in self._probe_names if n]
-        words = _PROBE_WORDS * (MIN_CACHED_CHARS // len(_PROBE_WORDS) + 1)  # long enough to be cached
+        words = _PROBE_WORDS * (PROBE_CHARS // len(_PROBE_WORDS) + 1)
         bare = words.strip()  # a word right after an added token, where a first-piece-only prefix shows
         out = [words, bare]
         for name in names:

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvpilot.default_model import ensure_default_model
-from kvpilot.router.segment_tokenizer import MIN_CACHED_CHARS, SegmentTokenizer
+from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 WORDS = [
     "the",
@@ -65,11 +65,12 @@ def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # no
 
 
 def test_the_cache_keeps_to_its_bound(smollm) -> None:  # noqa: ANN001
-    enc = SegmentTokenizer(smollm, max_units=4 * 2 * MIN_CACHED_CHARS)  # about 4 pieces of text and ids
-    pieces = [f"{i} " + "word " * (MIN_CACHED_CHARS // 5) for i in range(10)]
+    chars = 256
+    enc = SegmentTokenizer(smollm, max_units=4 * 2 * chars)  # about 4 pieces of text and ids
+    pieces = [f"{i} " + "word " * (chars // 5) for i in range(10)]
     for p in pieces:
         assert enc.encode(p) == smollm.encode(p, add_special_tokens=False)
-    assert 2 <= len(enc._cache) <= 4 and enc._units <= 8 * MIN_CACHED_CHARS
+    assert 2 <= len(enc._cache) <= 4 and enc._units <= 8 * chars
     assert pieces[-1] in enc._cache and pieces[0] not in enc._cache  # least recently used went first
 
 

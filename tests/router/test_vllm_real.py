@@ -197,7 +197,9 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     assert blocks >= 4, first["usage"]
     # vLLM's BlockStored events (64-bit integer hashes) reach the index
     wait_for(
-        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + blocks, 30, "vLLM's stored blocks indexed"
+        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + blocks,
+        30,
+        "vLLM's stored blocks indexed",
     )
     again = complete(vllm_router, prompt)
     assert cached_tokens(again) == blocks * 128, again["usage"]
@@ -208,7 +210,9 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     # a cache_salt is keyed as vLLM keys it: the salted prompt is predicted cold, then warm
     complete(vllm_router, prompt, cache_salt="t1")
     wait_for(
-        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + 2 * blocks, 30, "the salted blocks indexed"
+        lambda: vllm_router.pod(name)["indexed_blocks"] >= indexed + 2 * blocks,
+        30,
+        "the salted blocks indexed",
     )
     assert cached_tokens(complete(vllm_router, prompt, cache_salt="t1")) == blocks * 128
     assert count("predicted_cached_tokens_total") == count("reported_cached_tokens_total") == 2 * blocks * 128
