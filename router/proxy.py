@@ -191,11 +191,11 @@ def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
     reported = details.get("cached_tokens") if isinstance(details, dict) else None
     if type(reported) is not int or reported < 0:  # a counter only goes up
         return
-    name = decision.pod.name
-    r.metrics.predicted.labels(name).inc(decision.predicted_cached_tokens)
-    r.metrics.reported.labels(name).inc(reported)
+    name, m = decision.pod.name, r.metrics
+    m.child(m.predicted, name).inc(decision.predicted_cached_tokens)
+    m.child(m.reported, name).inc(reported)
     if reported < decision.predicted_cached_tokens:
-        r.metrics.stale.labels(name).inc()
+        m.child(m.stale, name).inc()
 
 
 def _json_usage(body: bytes) -> dict | None:
@@ -207,14 +207,19 @@ def _json_usage(body: bytes) -> dict | None:
 
 
 def _sse_usage(tail: bytes) -> dict | None:
-    """The usage chunk of a stream (sent last, when the client asked for stream_options.include_usage)."""
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"usage"' in line:
+    """The usage chunk of a stream (sent last, when the client asked for stream_options.include_usage): the
+    last `data: {` line that names "usage", found from the end without splitting the tail into lines."""
+    at = tail.rfind(b'"usage"')
+    while at >= 0:
+        start = tail.rfind(b"\n", 0, at) + 1
+        if tail.startswith(b"data: {", start):
+            end = tail.find(b"\n", at)
             try:
-                usage = json.loads(line[6:]).get("usage")
+                usage = json.loads(tail[start + 6 : end if end >= 0 else len(tail)]).get("usage")
             except (ValueError, RecursionError, AttributeError):
                 return None
             return usage if isinstance(usage, dict) else None
+        at = tail.rfind(b'"usage"', 0, start)
     return None
 
 

@@ -167,6 +167,24 @@ def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_a_streamed_replys_usage_is_compared_with_the_prediction(quiet_fleet: Fleet) -> None:
+    """The usage event a stream sends last (stream_options.include_usage) is found in the relayed tail and
+    counted against the router's prediction, as a whole reply's usage is."""
+    fleet = quiet_fleet
+    system = SYSTEM + " (streamed usage)"
+    first, _ = ask(fleet, system, "When do you open?")
+    wait_indexed(fleet, first)
+    m0 = fleet.router.metrics()
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Do you fix brakes?"}]
+    chunks = stream_with_usage(client(fleet).chat.completions.create, messages=messages)
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 48, chunks[-1].usage
+    m = fleet.router.metrics()
+    key = f'kvpilot_router_predicted_cached_tokens_total{{pod="{first}"}}'
+    reported = key.replace("predicted", "reported")
+    assert m[key] - m0.get(key, 0) == m[reported] - m0.get(reported, 0) == cached
+
+
 def test_sigterm_lets_streams_in_flight_finish(quiet_fleet: Fleet, tmp_path) -> None:  # noqa: ANN001
     """A router rollout (SIGTERM) stops taking requests but lets the open streams run to their end."""
     router = start_router(tmp_path, [d.url for d in quiet_fleet.daemons])
