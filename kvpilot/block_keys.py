@@ -23,7 +23,12 @@ The schemes, by their `--prefix-caching-hash-algo` names:
 The seed is vLLM's: `PYTHONHASHSEED` when set, else "vllm-none-hash", so a daemon and a vLLM pod started
 the same way agree. Extra keys are tagged as vLLM tags them (`("cache_salt", salt)`), so no salt can
 equal another kind of key; the weight version, which vLLM has no notion of, is tagged kvpilot's way
-(`("weight_version", v)`) and only present once weights are named.
+(`("weight_version", v)`) and only present once weights are named. A LoRA adapter's blocks carry
+`("lora", name, digest)`: its own tag, so no `cache_salt` can equal an adapter's name (vLLM 44701), and the
+digest of its files, so an adapter loaded again with new weights never matches its old blocks (vLLM 42125).
+vLLM 0.33 keys `("lora", name, path)` into every block instead: an in-place reload keeps the path, so the
+path cannot tell the weights apart, and adapter keys are kvpilot's own (a consumer computing vLLM's keys
+finds a kvpilot daemon's base-model blocks, not its adapters').
 """
 
 from __future__ import annotations
@@ -34,11 +39,19 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, Protocol
 
 import cbor2
 
 BlockHash = NewType("BlockHash", bytes)
+
+
+class LoRAKey(Protocol):
+    """An adapter's identity as its blocks' keys carry it (daemon/engine/lora.py's LoRAIdentity)."""
+
+    name: str
+    digest: str  # of its files: a new version of an adapter shares no block with the old
+
 
 HASH_ALGOS = ("sha256_cbor", "sha256", "kvpilot")
 DEFAULT_HASH_ALGO = "sha256_cbor"
@@ -72,12 +85,16 @@ class KeyScheme:
             return BlockHash(_KVPILOT_ROOT)
         return _roots(self.algo, self.seed)
 
-    def first_extra(self, cache_salt: str | None, weight_version: str | None) -> object:
+    def first_extra(
+        self, cache_salt: str | None, weight_version: str | None, lora: LoRAKey | None = None
+    ) -> object:
         """What the first block hashes besides its tokens (None: nothing) for a request's `cache_salt` on
-        weights named `weight_version` (None: unnamed)."""
+        weights named `weight_version` (None: unnamed), under the adapter `lora` (None: the base model)."""
         if self.algo == "kvpilot":
-            return _kvpilot_extra(cache_salt, weight_version) or None
+            return _kvpilot_extra(cache_salt, weight_version, lora) or None
         extra = []
+        if lora is not None:
+            extra.append(("lora", _text(lora.name), lora.digest))
         if cache_salt:
             extra.append(("cache_salt", _text(cache_salt)))
         if weight_version is not None:
@@ -126,10 +143,11 @@ class KeyScheme:
         block_size: int,
         cache_salt: str | None = None,
         weight_version: str | None = None,
+        lora: LoRAKey | None = None,
     ) -> list[BlockHash]:
         """The keys of every full block of `token_ids`, as the engine computes them for a request."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids, block_size, self.first_extra(cache_salt, weight_version))
+        self.extend(hashes, token_ids, block_size, self.first_extra(cache_salt, weight_version, lora))
         return hashes
 
 
@@ -187,11 +205,13 @@ def _text(value: str) -> str | bytes:
     return value
 
 
-def _kvpilot_extra(cache_salt: str | None, weight_version: str | None) -> bytes:
+def _kvpilot_extra(cache_salt: str | None, weight_version: str | None, lora: LoRAKey | None) -> bytes:
     # surrogatepass: any str the caller passed hashes, lone surrogates included, never raises mid-step
     key = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
     if weight_version is not None:
         key += b"\x00weights\x00" + weight_version.encode("utf-8", "surrogatepass")
+    if lora is not None:
+        key += b"\x00lora\x00" + lora.name.encode("utf-8", "surrogatepass") + b"\x00" + lora.digest.encode()
     return key
 
 

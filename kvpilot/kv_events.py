@@ -59,6 +59,7 @@ DEFAULT_BUFFER_BYTES = 64 << 20  # and their payloads' bytes at most (oldest dro
 # Blocks one BlockStored or BlockRemoved carries at most: 1024 blocks of 128 tokens with their ids (5 bytes
 # each at most) and hashes (34) are ~690 KB, so any one event fits a MAX_BATCH_BYTES payload.
 MAX_EVENT_BLOCKS = 1024
+MAX_LORA_NAME_CHARS = 256  # as the daemon bounds an adapter's name (daemon/engine/lora.py)
 
 
 # ---- events (vLLM's tagged map layout) ---------------------------------------------------------
@@ -73,9 +74,11 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM
+    lora_name: str | None = None  # the LoRA adapter the blocks were computed under (None: the base model)
 
     def wire(self) -> dict:
-        # lora_id and lora_name: kvpilot's adapters are part of its own keys, not vLLM's LoRA ids.
+        # lora_id stays None: vLLM's integer adapter ids are its own process's; the name is what a
+        # router matches against a request's model.
         return {
             "type": "BlockStored",
             "block_hashes": self.block_hashes,
@@ -84,7 +87,7 @@ class BlockStored:
             "block_size": self.block_size,
             "lora_id": None,
             "medium": self.medium,
-            "lora_name": None,
+            "lora_name": self.lora_name,
         }
 
 
@@ -162,6 +165,7 @@ def _from_map(ev: dict) -> KVEvent:
             _list(ev["token_ids"]),
             int(ev["block_size"]),
             _medium(ev.get("medium")),
+            _lora_name(ev.get("lora_name")),
         )
     if tag == "BlockRemoved":
         return BlockRemoved(_list(ev["block_hashes"]), _medium(ev.get("medium")))
@@ -174,7 +178,12 @@ def _from_array(ev: list) -> KVEvent:
     tag = _list(ev)[0]
     if tag == "BlockStored":
         return BlockStored(
-            _list(ev[1]), ev[2], _list(ev[3]), int(ev[4]), _medium(ev[6] if len(ev) > 6 else None)
+            _list(ev[1]),
+            ev[2],
+            _list(ev[3]),
+            int(ev[4]),
+            _medium(ev[6] if len(ev) > 6 else None),
+            _lora_name(ev[7] if len(ev) > 7 else None),
         )
     if tag == "BlockRemoved":
         return BlockRemoved(_list(ev[1]), _medium(ev[2] if len(ev) > 2 else None))
@@ -189,6 +198,12 @@ def _medium(value: object) -> str:
         return MEDIUM
     if not isinstance(value, str) or len(value) > 32:
         raise TypeError("medium must be a short string")
+    return value
+
+
+def _lora_name(value: object) -> str | None:
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_LORA_NAME_CHARS):
+        raise TypeError(f"lora_name must be a string of at most {MAX_LORA_NAME_CHARS} characters")
     return value
 
 

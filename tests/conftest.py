@@ -14,6 +14,7 @@ pytest_plugins = [
     "support.cluster",
     "support.operator",
     "support.vllm_server",
+    "support.lora",
 ]
 
 # The shape of every tiny random-weight test model: small enough for the triton interpreter and for

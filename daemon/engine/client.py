@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.daemon.engine.config import EngineConfig
@@ -56,6 +56,7 @@ class EngineInfo:
     num_blocks: int  # KV blocks, all ranks together
     num_ranks: int = 1
     weight_version: str = "initial"  # the weights loaded at start (`--weight-version`)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters served: name -> path
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class EngineRequest:
     data_parallel_rank: int | None = None
     restartable: bool = False  # not streamed: a weight swap may start it again (weights.py)
     weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
+    lora_name: str | None = None  # the adapter it runs under (--lora-modules); None: the base model
 
 
 @dataclass(slots=True)

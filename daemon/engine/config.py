@@ -142,6 +142,20 @@ class EngineConfig:
             unset="what the host and its cgroup have free",
         ),
     )
+    enable_lora: bool = field(
+        default=False, metadata=flag("serve LoRA adapters (peft directories) on the base model")
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata=flag(
+            'adapters to serve, as vLLM takes them: name=path, or JSON {"name": ..., "path": ...}; a '
+            "request names one as its model; needs --enable-lora",
+            metavar="NAME=PATH",
+            unset="none",
+        ),
+    )
+    max_loras: int = field(default=4, metadata=flag("most distinct adapters in one step"))
+    max_lora_rank: int = field(default=16, metadata=flag("highest LoRA rank an adapter may have"))
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
@@ -190,6 +204,16 @@ class EngineConfig:
                     f"weight_version {self.weight_version!r} is reserved (the daemon reports 'initial' for "
                     "weights loaded unnamed, 'mixed' for ranks that differ): name the weights otherwise"
                 )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.enable_lora:
+            from kvpilot.daemon.engine.lora import parse_lora_modules
+
+            parse_lora_modules(self.lora_modules)
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError("max_loras and max_lora_rank must be positive")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("LoRA adapters and tensor_parallel_size > 1 cannot be combined yet")
         if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:
             raise ValueError("weight_staging_memory_bytes must be positive")
         if self.weight_transfer_config is not None:

@@ -43,6 +43,7 @@ from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.kv_publisher import describe_ranks, rank_endpoint
 from kvpilot.daemon.engine.loader import resolve_model_dir
+from kvpilot.daemon.engine.lora import LoRAIdentity, parse_lora_modules
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
@@ -157,6 +158,7 @@ class DataParallelEngine:
             num_blocks=sum(i.num_blocks for i in infos),
             num_ranks=size,
             weight_version=config.weight_version or INITIAL_VERSION,
+            lora_modules=parse_lora_modules(config.lora_modules) if config.enable_lora else {},
         )
 
     def _wait_ready(self, rank: _Rank) -> None:
@@ -242,7 +244,12 @@ class DataParallelLoop(WeightOperations):
         request_id = request.request_id
         if request_id in self._requests or request_id in self._pending:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        keys = self._keys.prompt_hashes(request.prompt_token_ids, self.info.block_size, request.cache_salt)
+        # Keys of this process's own memory of where prefixes went (dp_policy.py): an adapter's name
+        # keeps its prefixes apart from the base model's (its files' digest is the ranks' to know).
+        lora = LoRAIdentity(request.lora_name, "") if request.lora_name is not None else None
+        keys = self._keys.prompt_hashes(
+            request.prompt_token_ids, self.info.block_size, request.cache_salt, lora=lora
+        )
         if request.data_parallel_rank is not None:  # the caller (a router reading our KV events) chose
             rank = self._ranks[request.data_parallel_rank]
             if rank.dead:

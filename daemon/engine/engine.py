@@ -23,6 +23,7 @@ from kvpilot.daemon.engine.cpu_budget import engine_threads
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
 from kvpilot.daemon.engine.kv_offload import DiskTier, HostTier, KVOffload, checkpoint_files
 from kvpilot.daemon.engine.loader import load
+from kvpilot.daemon.engine.lora import LoRARegistry, load_adapter, parse_lora_modules
 from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.pause import PauseState, stopped_output
@@ -89,6 +90,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
+        self.loras = self._load_loras(model)
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
         if tp is not None:
             self.runner.on_step = tp.send_step
@@ -129,11 +132,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         restartable: bool = False,
         weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> list[Request]:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
         `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
-        (`weights.py`). While paused it is held, not scheduled, until `resume`."""
+        (`weights.py`); `lora_name` names the adapter it runs under. While paused it is held, not
+        scheduled, until `resume`."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self._groups:
@@ -141,6 +146,11 @@ class LLMEngine:
         self._check_fits(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
+        lora = None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                raise RequestRejected(f"no LoRA adapter {lora_name!r} is loaded", "model", "model_not_found")
         limit = self.config.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFull(f"{limit} requests are already waiting")
@@ -161,6 +171,7 @@ class LLMEngine:
                 index=i,
                 weight_key=self._weight_key,
                 keys=self.keys,
+                lora=lora,
             )
             for i in range(params.n)
         ]
@@ -169,7 +180,14 @@ class LLMEngine:
         seqs[0].forks = seqs[1:]
         self._groups[request_id] = seqs
         self._added[request_id] = EngineRequest(
-            request_id, list(prompt_token_ids), params, cache_salt, None, restartable, weight_version
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt,
+            None,
+            restartable,
+            weight_version,
+            lora_name,
         )
         if not self.paused.hold(request_id):
             self.scheduler.add(seqs[0])
@@ -184,6 +202,7 @@ class LLMEngine:
             req.cache_salt,
             req.restartable,
             req.weight_version,
+            req.lora_name,
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -406,7 +425,14 @@ class LLMEngine:
         apply()
         self.set_weight_version(version)
         for a in again:  # with the new weights and keys
-            self.add_request(a.request_id, a.prompt_token_ids, a.params, a.cache_salt, restartable=True)
+            self.add_request(
+                a.request_id,
+                a.prompt_token_ids,
+                a.params,
+                a.cache_salt,
+                restartable=True,
+                lora_name=a.lora_name,
+            )
         return outputs
 
     def set_weight_version(self, version: str) -> None:
@@ -422,15 +448,21 @@ class LLMEngine:
 
     # ---- offline convenience -----------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | None = None, cache_salt: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        lora_names: list[str | None] | None = None,
     ) -> list[list[int]]:
         """Run prompts to completion together (continuous batching); returns their output token ids
-        (the first sequence's when n > 1). Requests added by others keep running beside them; their
-        outputs are not collected here."""
+        (the first sequence's when n > 1). `lora_names`: each prompt's adapter (None: the base model).
+        Requests added by others keep running beside them; their outputs are not collected here."""
         ids = [f"gen-{id(self)}-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         outputs: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, dataclasses.replace(params or SamplingParams()), cache_salt)
+        loras = lora_names or [None] * len(prompts)
+        for rid, prompt, lora in zip(ids, prompts, loras, strict=True):
+            params_i = dataclasses.replace(params or SamplingParams())
+            self.add_request(rid, prompt, params_i, cache_salt, lora_name=lora)
         pending = set(ids)
         while pending:
             for o in self.step():
@@ -444,6 +476,16 @@ class LLMEngine:
             self.kv_events.close()
         if self.kv.offload is not None:
             self.kv.offload.close()
+
+    def _load_loras(self, model) -> LoRARegistry:  # noqa: ANN001
+        """The adapters --lora-modules names, each checked against the base model (a bad one stops the
+        start with its reason)."""
+        c = self.config
+        loras = LoRARegistry()
+        if c.enable_lora:
+            for name, path in parse_lora_modules(c.lora_modules).items():
+                loras.add(load_adapter(name, path, model, c.max_lora_rank, self.dtype, self.device))
+        return loras
 
     def _start_offload(self, model) -> KVOffload:  # noqa: ANN001
         """The tiers below the pool (kv_offload.py); a data-parallel rank gets its share of each and a

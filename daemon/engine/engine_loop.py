@@ -88,6 +88,7 @@ class EngineLoop(WeightOperations):
             block_size=engine.config.block_size,
             num_blocks=engine.num_blocks,
             weight_version=engine.weight_version,
+            lora_modules={name: str(a.path) for name, a in engine.loras.adapters.items()},
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

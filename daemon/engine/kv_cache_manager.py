@@ -141,7 +141,9 @@ class KVCacheManager:
             self.pool.cache_block(block, t.key)
             self._transfers.loads.append((block.block_id, t.block))
             if events is not None:
-                events.block_stored(req.block_hashes, i, req.all_token_ids)
+                events.block_stored(
+                    req.block_hashes, i, req.all_token_ids, req.lora.name if req.lora else None
+                )
 
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Index the request's blocks that are full once its first `num_tokens` tokens are computed.
@@ -167,7 +169,9 @@ class KVCacheManager:
             if not self.pool.cache_block(held[i], req.block_hashes[i]):
                 continue
             if events is not None:
-                events.block_stored(req.block_hashes, i, req.all_token_ids)
+                events.block_stored(
+                    req.block_hashes, i, req.all_token_ids, req.lora.name if req.lora else None
+                )
             if self.offload is not None:
                 self.offload.discard(req.block_hashes[i])  # computed again: no tier keeps a second copy
         self._num_indexed[req.request_id] = num_full

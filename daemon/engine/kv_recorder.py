@@ -19,9 +19,12 @@ class KVEventRecorder:
     events: list[KVEvent] = field(default_factory=list)
     weight_version: str | None = None  # the named weights' version, told with each AllBlocksCleared
 
-    def block_stored(self, chain: list[BlockHash], i: int, token_ids: list[int]) -> None:
-        """Block `i` of a request whose keys are `chain` was indexed; consecutive blocks of one chain
-        stored in the same step travel as one BlockStored, as in vLLM."""
+    def block_stored(
+        self, chain: list[BlockHash], i: int, token_ids: list[int], lora_name: str | None = None
+    ) -> None:
+        """Block `i` of a request whose keys are `chain` (computed under the adapter `lora_name`) was
+        indexed; consecutive blocks of one chain stored in the same step travel as one BlockStored, as
+        in vLLM (one chain has one adapter: its first key names it)."""
         bs = self.block_size
         tokens = token_ids[i * bs : (i + 1) * bs] if self.token_ids else []
         parent = chain[i - 1] if i > 0 else None
@@ -36,7 +39,7 @@ class KVEventRecorder:
             last.block_hashes.append(chain[i])
             last.token_ids.extend(tokens)
         else:
-            self.events.append(BlockStored([chain[i]], parent, list(tokens), bs))
+            self.events.append(BlockStored([chain[i]], parent, list(tokens), bs, lora_name=lora_name))
 
     def block_removed(self, block_hash: BlockHash, medium: str = MEDIUM) -> None:
         last = self.events[-1] if self.events else None

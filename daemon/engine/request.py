@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpilot.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
+from kvpilot.daemon.engine.lora import LoRAAdapter
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
@@ -91,6 +92,7 @@ class Request:
     # KV computed by other weights never matches.
     weight_key: str | None = None
     keys: KeyScheme = DEFAULT_KEYS  # how the engine keys blocks (--prefix-caching-hash-algo)
+    lora: LoRAAdapter | None = None  # the adapter it runs under; its identity is part of the first key
     group_id: str = ""  # the caller's request id, shared by the sequences of one group
     index: int = 0  # this sequence's place in its group
     status: RequestStatus = RequestStatus.WAITING
@@ -134,7 +136,8 @@ class Request:
 
     def update_block_hashes(self, block_size: int) -> None:
         if len(self.all_token_ids) // block_size > len(self.block_hashes):
-            first_extra = self.keys.first_extra(self.cache_salt, self.weight_key)
+            lora = self.lora.identity if self.lora is not None else None
+            first_extra = self.keys.first_extra(self.cache_salt, self.weight_key, lora)
             self.keys.extend(self.block_hashes, self.all_token_ids, block_size, first_extra)
 
     def append_token(self, token_id: int) -> None:

@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.max_loras: int | None = None  # distinct LoRA adapters in one step (None: LoRA is off)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -95,6 +96,8 @@ class Scheduler:
             out.num_preempted == 0 and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
+            if not self._lora_fits(req):  # waits, in order, until an adapter's requests end
+                break
             hit = self.kv.find_prefix(req)
             if hit.pending:  # its prefix is on its way from disk: admitted on a later step, in order
                 break
@@ -119,6 +122,12 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         out.kv_transfers = self.kv.take_transfers()
         return out
+
+    def _lora_fits(self, req: Request) -> bool:
+        if req.lora is None or self.max_loras is None:
+            return True
+        active = {r.lora.name for r in self.running if r.lora is not None}
+        return req.lora.name in active or len(active) < self.max_loras
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]

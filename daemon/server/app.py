@@ -146,10 +146,25 @@ async def models(request: web.Request) -> web.Response:
             "created": state.created,
             "owned_by": "kvpilot",
             "root": state.served[0],
+            "parent": None,
             "max_model_len": state.engine.info.max_model_len,
             "weight_version": state.weights.version,
         }
         for name in state.served
+    ]
+    # Adapters as vLLM lists them: the adapter's path as its root, the base model as its parent.
+    data += [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "kvpilot",
+            "root": path,
+            "parent": state.served[0],
+            "max_model_len": state.engine.info.max_model_len,
+            "weight_version": state.weights.version,
+        }
+        for name, path in state.engine.info.lora_modules.items()
     ]
     return json_response({"object": "list", "data": data})
 

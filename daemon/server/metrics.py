@@ -34,7 +34,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 # (kvpilot name, vLLM's name, help, value) of the load gauges. vLLM labels its gauges with the served model
 # name and the engine (data-parallel rank, "0" without data parallelism); GAIE pickers read them by name.
 # `vllm:kv_cache_usage_perc` is, despite its name, a fraction (0-1) in vLLM too. `vllm:lora_requests_info`
-# waits for LoRA adapters, which kvpilot does not serve yet.
+# (running and waiting adapters) is not exported yet (docs/metrics.md).
 LOAD_GAUGES: tuple[tuple[str, str, str, Callable[[CacheStats], float]], ...] = (
     (
         "kv_cache_usage_ratio",

@@ -71,7 +71,14 @@ async def _generate(
     try:
         sink = await engine.add(
             EngineRequest(
-                request_id, prompt, params, req.cache_salt, dp_rank, not req.stream, req.weight_version
+                request_id,
+                prompt,
+                params,
+                req.cache_salt,
+                dp_rank,
+                not req.stream,
+                req.weight_version,
+                req.model if req.model in state.rules.adapters else None,
             )
         )
     except QueueFull as exc:

@@ -30,11 +30,13 @@ class PromptRules:
     served: list[str]
     info: EngineInfo
     max_prompt_chars: int  # longer prompt texts cannot fit the context, whatever their tokens
+    adapters: frozenset[str]  # the LoRA adapters a request may name as its model
 
     @classmethod
     def of(cls, info: EngineInfo, served: list[str]) -> PromptRules:
         longest = max((len(t) for t in info.tokenizer.get_vocab()), default=1)
-        return cls(served, info, CHARS_PER_TOKEN_MARGIN * max(longest, 1) * info.max_model_len)
+        chars = CHARS_PER_TOKEN_MARGIN * max(longest, 1) * info.max_model_len
+        return cls(served, info, chars, frozenset(info.lora_modules))
 
 
 @dataclass(slots=True)
@@ -49,7 +51,7 @@ class Prepared:
 
 
 def prepare_completion(rules: PromptRules, raw: bytes) -> Prepared:
-    req = parse_completion(parse_json_object(raw), rules.served)
+    req = parse_completion(parse_json_object(raw), rules.served, rules.adapters)
     tok = rules.info.tokenizer
     texts = [p for p in req.prompts if isinstance(p, str)]
     for text in texts:
@@ -63,7 +65,7 @@ def prepare_completion(rules: PromptRules, raw: bytes) -> Prepared:
 
 
 def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
-    chat = parse_chat(parse_json_object(raw), rules.served)
+    chat = parse_chat(parse_json_object(raw), rules.served, rules.adapters)
     tok = rules.info.tokenizer
     ids = list(tok([_chat_text(rules, chat)], add_special_tokens=False)["input_ids"][0])
     params = _params_for(chat.generate, True, ids, rules.info.max_model_len)
@@ -104,14 +106,14 @@ def prepare_tokenize(rules: PromptRules, raw: bytes) -> Tokenized:
             raise bad(f"'{name}' must be a boolean", name)
     tok = rules.info.tokenizer
     if chat_form:
-        chat = parse_chat(body, rules.served)
+        chat = parse_chat(body, rules.served, rules.adapters)
         req = chat.generate
         text = _chat_text(rules, chat)
         special = own["add_special_tokens"] is True
     else:
         if not isinstance(body.get("prompt"), str):
             raise bad("'prompt' must be a string (or send 'messages' to tokenize a chat)", "prompt")
-        req = parse_completion(body, rules.served)
+        req = parse_completion(body, rules.served, rules.adapters)
         text = body["prompt"]
         _check_chars(rules, text, "prompt")
         special = own["add_special_tokens"] is not False

@@ -8,6 +8,7 @@ parameters (daemon/server/prepare.py); nothing here knows the engine."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,11 @@ def _validate(model: type, body: dict) -> Any:
         raise bad(f"'{param}': {message}" if param else message, param or None) from None
 
 
-def _resolve_model(name: str | None, served: list[str]) -> str:
+def _resolve_model(name: str | None, served: list[str], adapters: Collection[str]) -> str:
+    """The model a request runs on: one of the served names is the base model (reported by its first
+    name, as vLLM does), an adapter's name is that adapter."""
+    if name is not None and name in adapters:
+        return name
     if name is not None and name not in served:
         raise ApiError(
             404,
@@ -189,10 +194,14 @@ def _sampling(
 
 
 def _generate_request(
-    r: CompletionRequest | ChatCompletionRequest, served: list[str], params: Sampling, **fields: Any
+    r: CompletionRequest | ChatCompletionRequest,
+    served: list[str],
+    adapters: Collection[str],
+    params: Sampling,
+    **fields: Any,
 ) -> GenerateRequest:
     return GenerateRequest(
-        model=_resolve_model(r.model, served),
+        model=_resolve_model(r.model, served, adapters),
         params=params,
         stop=r.stop or [],
         stream=bool(r.stream),
@@ -208,23 +217,30 @@ def _generate_request(
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
-def parse_completion(body: dict, served: list[str]) -> GenerateRequest:
+def parse_completion(body: dict, served: list[str], adapters: Collection[str] = ()) -> GenerateRequest:
     r: CompletionRequest = _validate(CompletionRequest, body)
     echo_scores = r.echo and (r.logprobs is not None or r.max_tokens == 0)
     prompt_logprobs = (r.logprobs or 0) if echo_scores else None
     params = _sampling(r, r.max_tokens, r.best_of or r.n or 1, r.logprobs, prompt_logprobs)
     return _generate_request(
-        r, served, params, prompts=r.prompt, max_tokens_given=r.max_tokens is not None, echo=bool(r.echo)
+        r,
+        served,
+        adapters,
+        params,
+        prompts=r.prompt,
+        max_tokens_given=r.max_tokens is not None,
+        echo=bool(r.echo),
     )
 
 
-def parse_chat(body: dict, served: list[str]) -> ChatRequest:
+def parse_chat(body: dict, served: list[str], adapters: Collection[str] = ()) -> ChatRequest:
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     params = _sampling(r, max_tokens, r.n or 1, (r.top_logprobs or 0) if r.logprobs else None)
     req = _generate_request(
         r,
         served,
+        adapters,
         params,
         prompts=[],  # rendered by the server with the model's chat template
         max_tokens_given=max_tokens is not None,

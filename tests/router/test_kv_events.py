@@ -16,35 +16,13 @@ from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits, fetch_replay
-from support.kv_events import BS, kv_events_engine
+from kvpilot.router.kv_stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits
+from support.kv_events import BS, kv_events_engine, replay_all, wait_replayed
 
 pytestmark = pytest.mark.timeout(300)
 
 POD = ("pod", 0)  # the index entry of a stream: (pod, rank)
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-
-
-def replay_all(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
-    async def go() -> list[tuple[int, bytes]] | None:
-        ctx = zmq.asyncio.Context()
-        try:
-            return await fetch_replay(ctx, endpoint, start)
-        finally:
-            ctx.term()
-
-    got = asyncio.run(go())
-    assert got is not None, "the replay socket did not answer"
-    return got
-
-
-def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
-    """The publisher thread sends asynchronously: wait until it has buffered `n` batches."""
-    deadline = time.monotonic() + 10
-    while len(got := replay_all(endpoint)) < n:
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
-    return got
 
 
 @pytest.fixture

@@ -1,14 +1,21 @@
 """An in-process engine that publishes KV events (PUB and replay on free loopback ports): the KV event and
-privacy tests' publisher; and the fleet's CURVE key files, as the operator's Secret holds them."""
+privacy tests' publisher; reading its batches back through its replay socket; and the fleet's CURVE key
+files, as the operator's Secret holds them."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
+
+import zmq
+import zmq.asyncio
 
 from kvpilot import kv_sockets
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.router.kv_stream import fetch_replay
 
 BS = 16  # tokens per block of these engines
 
@@ -34,3 +41,25 @@ def write_fleet_keys(folder: Path) -> None:
     for name in (kv_sockets.SERVER, kv_sockets.CLIENT):
         for file, text in kv_sockets.key_files(name).items():
             (folder / file).write_text(text)
+
+
+def replay_all(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    async def go() -> list[tuple[int, bytes]] | None:
+        ctx = zmq.asyncio.Context()
+        try:
+            return await fetch_replay(ctx, endpoint, start)
+        finally:
+            ctx.term()
+
+    got = asyncio.run(go())
+    assert got is not None, "the replay socket did not answer"
+    return got
+
+
+def wait_replayed(endpoint: str, n: int) -> list[tuple[int, bytes]]:
+    """The publisher thread sends asynchronously: wait until it has buffered `n` batches."""
+    deadline = time.monotonic() + 10
+    while len(got := replay_all(endpoint)) < n:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels import AttentionMetadata, Ops
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.lora import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +83,14 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S'] rows whose next token is sampled
+    lora: LoRABatch | None = None  # the adapters of the step's rows (lora.py); None: all rows are base
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, prefix: str) -> None:
         super().__init__()
+        # Each projection's name as LoRA adapters address it (lora.py)
+        self.qkv_name, self.o_name = f"{prefix}.qkv_proj", f"{prefix}.o_proj"
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
@@ -100,31 +107,44 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if batch.lora is not None:
+            batch.lora.add(self.qkv_name, x, qkv)
         # Strided views of the fused projection: every op takes them (unit stride along the head size).
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         ops.rotary(q, k, batch.positions, rope)
         ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
-        o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale).reshape(t, self.q_size)
+        out = self.o_proj(o)
+        if batch.lora is not None:
+            batch.lora.add(self.o_name, o, out)
+        return out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, prefix: str) -> None:
         super().__init__()
+        self.gate_up_name, self.down_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ops: Ops) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if batch.lora is None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        batch.lora.add(self.gate_up_name, x, gate_up)
+        h = ops.silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        batch.lora.add(self.down_name, h, out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a)
-        self.mlp = LlamaMLP(a)
+        self.self_attn = LlamaAttention(a, f"layers.{index}.self_attn")
+        self.mlp = LlamaMLP(a, f"layers.{index}.mlp")
         self.input_layernorm = nn.Parameter(torch.ones(a.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(a.hidden_size))
         self.eps = a.rms_norm_eps
@@ -141,7 +161,7 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
         x = self.self_attn(x, batch, kv, rope, ops)
         x, residual = ops.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(x, ops), residual
+        return self.mlp(x, batch, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.ops = ops
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = (
             None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)

@@ -1,0 +1,282 @@
+"""LoRA adapters: peft adapter directories loaded onto the engine's fused projections, and the low-rank
+products a step adds for the rows of each adapter in its batch.
+
+An adapter is a peft directory (`adapter_config.json`, `adapter_model.safetensors`) made for the served
+base model. Its per-module pairs (A [r, in], B [out, r]) are fused as the base weights are: q/k/v into
+`qkv_proj`, gate/up into `gate_up_proj` (`LlamaForCausalLM.checkpoint_slot` says where each goes). A
+fused module's pairs become one pair: the A's stacked along the rank, the B's (scaled by alpha/r) placed
+block-diagonally at their output rows, so one product per module serves all of its targets.
+
+A batch mixes base rows and rows of several adapters: each step adds, for every adapter present, the
+product of that adapter's rows alone (a gather, two small matmuls, a scatter-add). Base rows pay nothing.
+
+An adapter's identity is its name and the digest of its files: it enters its blocks' keys (`block_keys`),
+so KV computed under one adapter, or under another version of it, is never served to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
+from kvpilot.kv_events import MAX_LORA_NAME_CHARS
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+# The projections a LoRA pair may target: every linear layer of a decoder layer (not the embeddings or
+# the LM head, which the engine shares between all rows of a batch).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAError(ValueError):
+    """An adapter cannot be served (a bad directory, another base model, a feature not supported): the
+    message names why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAIdentity:
+    """What a block computed under an adapter is keyed by."""
+
+    name: str
+    digest: str  # sha256 of the adapter's config and weights, hex
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    identity: LoRAIdentity
+    path: Path
+    rank: int
+    # Fused module name (e.g. "layers.0.self_attn.qkv_proj") -> (A [R, in], scaled B [out, R]).
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+
+def parse_lora_modules(specs: list[str]) -> dict[str, str]:
+    """`--lora-modules` as vLLM takes it: `name=path` items, or JSON objects with `name` and `path`."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                obj = json.loads(spec)
+                name, path = obj["name"], obj["path"]
+            except (ValueError, KeyError, TypeError):
+                raise LoRAError(f"--lora-modules {spec!r}: a JSON item needs 'name' and 'path'") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep:
+                raise LoRAError(f"--lora-modules {spec!r}: expected name=path")
+        check_name(name)
+        if not isinstance(path, str) or not path:
+            raise LoRAError(f"--lora-modules {spec!r}: the path is empty")
+        if name in out:
+            raise LoRAError(f"--lora-modules: adapter {name!r} is named twice")
+        out[name] = path
+    return out
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_LORA_NAME_CHARS:
+        raise LoRAError(
+            f"an adapter name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters"
+        )
+    return name
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    model: LlamaForCausalLM,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoRAAdapter:
+    """Read and check a peft LoRA directory for `model`; raises LoRAError naming what is wrong."""
+    root = Path(path).expanduser()
+    cfg_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not cfg_path.is_file() or not weights_path.is_file():
+        raise LoRAError(
+            f"adapter {name!r}: {root} is not a peft LoRA directory ({CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    raw = cfg_path.read_bytes()[: MAX_CONFIG_BYTES + 1]
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(raw)
+    except ValueError as exc:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
+    rank, scaling = _check_config(name, cfg, max_rank)
+
+    digest = hashlib.sha256(raw)
+    with weights_path.open("rb") as f:
+        digest.update(hashlib.file_digest(f, "sha256").digest())
+    per_module: dict[str, dict[str, torch.Tensor]] = {}  # peft module path -> {"A": .., "B": ..}
+    try:
+        with safe_open(str(weights_path), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                module, part = _split_key(name, key)
+                per_module.setdefault(module, {})[part] = st.get_tensor(key).to(torch.float32)
+    except LoRAError:
+        raise
+    except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read: {exc}") from None
+    if not per_module:
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+
+    params = dict(model.named_parameters())
+    fused: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
+    for module, ab in sorted(per_module.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"adapter {name!r}: {module} has {sorted(ab)} of its lora_A/lora_B pair")
+        try:
+            slot = model.checkpoint_slot(module + ".weight")
+        except KeyError:
+            slot = None
+        if slot is None or slot[0] not in params:
+            raise LoRAError(f"adapter {name!r}: module {module!r} is not a layer of this base model")
+        pname, offset, size = slot
+        out_rows, in_cols = params[pname].shape[0], params[pname].shape[1]
+        rows = out_rows if size is None else size
+        a, b = ab["A"], ab["B"]
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != in_cols
+            or b.shape[0] != rows
+            or a.shape[0] != b.shape[1]
+        ):
+            raise LoRAError(
+                f"adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                f"but this base model's layer maps {in_cols} to {rows}: an adapter of another model?"
+            )
+        if a.shape[0] != rank:
+            raise LoRAError(f"adapter {name!r}: {module} has rank {a.shape[0]}, its config says r={rank}")
+        fused.setdefault(pname.removesuffix(".weight"), []).append((a, b * scaling, offset, out_rows))
+
+    pairs = {}
+    for target, parts in fused.items():
+        total = sum(a.shape[0] for a, _, _, _ in parts)
+        out_rows = parts[0][3]
+        big_a = torch.cat([a for a, _, _, _ in parts]).to(device=device, dtype=dtype)
+        big_b = torch.zeros(out_rows, total, dtype=dtype, device=device)
+        col = 0
+        for a, b, offset, _ in parts:
+            big_b[offset : offset + b.shape[0], col : col + a.shape[0]] = b.to(device=device, dtype=dtype)
+            col += a.shape[0]
+        pairs[target] = (big_a.contiguous(), big_b)
+    identity = LoRAIdentity(name, digest.hexdigest())
+    log.info(
+        "LoRA adapter %s: %s, rank %d, %d modules, digest %s",
+        name,
+        root,
+        rank,
+        len(per_module),
+        identity.digest[:12],
+    )
+    return LoRAAdapter(identity, root, rank, pairs)
+
+
+def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
+    """The adapter's rank and scaling, or LoRAError for what the engine does not implement."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r}, only LORA is served")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoRAError(f"adapter {name!r}: r must be a positive integer")
+    if rank > max_rank:
+        raise LoRAError(f"adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise LoRAError(f"adapter {name!r}: lora_alpha must be a number")
+    unsupported = {
+        "use_dora": bool(cfg.get("use_dora")),
+        "bias": cfg.get("bias", "none") not in (None, "none"),
+        "modules_to_save": bool(cfg.get("modules_to_save")),
+        "rank_pattern": bool(cfg.get("rank_pattern")),
+        "alpha_pattern": bool(cfg.get("alpha_pattern")),
+        "fan_in_fan_out": bool(cfg.get("fan_in_fan_out")),
+    }
+    if any(unsupported.values()):
+        found = ", ".join(k for k, v in unsupported.items() if v)
+        raise LoRAError(
+            f"adapter {name!r}: {found} not supported (plain LoRA on the decoder's linear layers)"
+        )
+    scaling = alpha / rank**0.5 if cfg.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def _split_key(name: str, key: str) -> tuple[str, str]:
+    """peft's `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> (the base model's
+    module path, "A")."""
+    stem, _, tail = key.rpartition(".lora_")
+    part = tail.removesuffix(".weight").split(".")[0]
+    if not stem or part not in ("A", "B") or not tail.endswith("weight"):
+        raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight (lora_A / lora_B)")
+    module = stem.removeprefix("base_model.model.")
+    if module.rsplit(".", 1)[-1] not in TARGETS:
+        raise LoRAError(
+            f"adapter {name!r}: {module!r} is not a projection the engine adapts ({', '.join(TARGETS)})"
+        )
+    return module, part
+
+
+class LoRABatch:
+    """One step's adapters and their rows; the model calls `add` after each projection."""
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> None:
+        self._groups = groups  # (adapter, its rows; None: every row of the batch)
+
+    def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += the low-rank product of each adapter's rows of x, for the fused module `module`."""
+        for adapter, rows in self._groups:
+            pair = adapter.pairs.get(module)
+            if pair is None:
+                continue
+            a, b = pair
+            if rows is None:
+                y.add_((x @ a.T) @ b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+
+
+def lora_batch(row_adapters: list[LoRAAdapter | None], device: torch.device) -> LoRABatch | None:
+    """The LoRABatch for a step whose row i runs under `row_adapters[i]` (None: the base model)."""
+    by_adapter: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+    for i, adapter in enumerate(row_adapters):
+        if adapter is not None:
+            by_adapter.setdefault(adapter.name, (adapter, []))[1].append(i)
+    if not by_adapter:
+        return None
+    groups = []
+    for adapter, rows in by_adapter.values():
+        every = len(rows) == len(row_adapters)
+        groups.append((adapter, None if every else torch.tensor(rows, dtype=torch.int64, device=device)))
+    return LoRABatch(groups)
+
+
+class LoRARegistry:
+    """The adapters an engine serves, by name."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, LoRAAdapter] = {}
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        self.adapters[adapter.name] = adapter
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        return self.adapters.get(name)

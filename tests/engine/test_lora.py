@@ -1,0 +1,168 @@
+"""LoRA adapters on the real default model: the engine's greedy tokens equal peft's (fp32) for each adapter,
+alone and mixed with the base model and each other in one batch; an adapter's KV is its own; bad adapters
+are refused with their reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvpilot.daemon.engine.lora import LoRAError
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kv_events import BlockStored, decode_batch
+from support.kv_events import BS, kv_events_engine, wait_replayed
+from support.lora import make_adapter, peft_greedy
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lora_engine(make_engine, lora_adapters):  # noqa: ANN001, ANN201
+    return make_engine(enable_lora=True, lora_modules=[f"{n}={p}" for n, p in lora_adapters.items()])
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir, lora_adapters, chat_prompts) -> dict[str | None, list[list[int]]]:  # noqa: ANN001
+    prompts = chat_prompts[:3]
+    refs = {
+        name: peft_greedy(default_model_dir, path, prompts, MAX_TOKENS)
+        for name, path in lora_adapters.items()
+    }
+    refs[None] = peft_greedy(default_model_dir, None, prompts, MAX_TOKENS)
+    return refs
+
+
+def test_each_adapter_alone_matches_peft(lora_engine, references, chat_prompts) -> None:  # noqa: ANN001
+    prompts = chat_prompts[:3]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    for name, expected in references.items():
+        assert lora_engine.generate(prompts, params, lora_names=[name] * len(prompts)) == expected, name
+    # The adapters change the answers: equal outputs would make this test unable to fail.
+    assert len({json.dumps(v) for v in references.values()}) == len(references)
+
+
+def test_a_batch_mixing_base_and_adapters_matches_peft(lora_engine, references, chat_prompts) -> None:  # noqa: ANN001
+    names = [None, "every-layer", "attention-only"]
+    mixed = [(p, names[(i + j) % 3]) for i, p in enumerate(chat_prompts[:3]) for j in range(3)]
+    got = lora_engine.generate(
+        [p for p, _ in mixed], SamplingParams(max_tokens=MAX_TOKENS), lora_names=[n for _, n in mixed]
+    )
+    for k, ((prompt, name), out) in enumerate(zip(mixed, got)):
+        assert out == references[name][chat_prompts.index(prompt)], (k, name)
+
+
+def test_one_adapter_a_step_still_serves_a_mixed_batch(
+    make_engine, lora_adapters, references, chat_prompts
+) -> None:  # noqa: ANN001
+    eng = make_engine(
+        enable_lora=True, max_loras=1, lora_modules=[f"{n}={p}" for n, p in lora_adapters.items()]
+    )
+    names = ["every-layer", "attention-only", None, "every-layer"]
+    prompts = [chat_prompts[i % 3] for i in range(len(names))]
+    got = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), lora_names=names)
+    assert got == [references[n][i % 3] for i, n in enumerate(names)]
+
+
+def test_an_adapters_kv_is_never_served_to_the_base_or_another_adapter(
+    lora_engine, shared_prefix_prompts
+) -> None:  # noqa: ANN001
+    prompt = shared_prefix_prompts[0]
+    params = SamplingParams(max_tokens=1)
+    lora_engine.reset_prefix_cache()
+
+    def cached(name: str | None, rid: str) -> int:
+        [seq] = lora_engine.add_request(rid, prompt, params, lora_name=name)
+        while lora_engine.has_unfinished_requests():
+            lora_engine.step()
+        return seq.num_cached_tokens
+
+    assert cached("every-layer", "a1") == 0
+    assert cached(None, "base1") == 0  # the base model computes its own
+    assert cached("attention-only", "b1") == 0
+    assert cached("every-layer", "a2") >= len(prompt) - 16  # each finds its own again
+    assert cached(None, "base2") >= len(prompt) - 16
+
+
+def test_an_adapter_loaded_again_with_new_weights_shares_no_block(
+    make_engine, lora_adapters, tmp_path, default_model_dir, shared_prefix_prompts
+) -> None:  # noqa: ANN001
+    """The same name over other weights (an RL step's adapter) is another identity: its first block's key,
+    so every key, differs."""
+    newer = make_adapter(default_model_dir, tmp_path / "newer", seed=3)
+    old = make_engine(enable_lora=True, lora_modules=[f"policy={lora_adapters['every-layer']}"])
+    new = make_engine(enable_lora=True, lora_modules=[f"policy={newer}"])
+    old_id, new_id = old.loras.get("policy").identity, new.loras.get("policy").identity
+    assert old_id.name == new_id.name and old_id.digest != new_id.digest
+    prompt = shared_prefix_prompts[0]
+    keys = [e.keys.prompt_hashes(prompt, 16, lora=e.loras.get("policy").identity) for e in (old, new)]
+    assert not set(keys[0]) & set(keys[1])
+    assert old.keys.prompt_hashes(prompt, 16) != keys[0]  # and none with the base model's
+    # An adapter's name is tagged apart from a tenant's salt: a salt equal to it keys other blocks.
+    assert old.keys.prompt_hashes(prompt, 16, cache_salt="policy") != keys[0]
+
+
+def test_bad_adapters_are_refused_with_their_reason(
+    make_engine, lora_adapters, tmp_path, tiny_model_dir
+) -> None:  # noqa: ANN001
+    good = lora_adapters["attention-only"]
+
+    def refused(path: Path, **overrides) -> str:  # noqa: ANN003
+        with pytest.raises(LoRAError) as exc:
+            make_engine(enable_lora=True, lora_modules=[f"bad={path}"], **overrides)
+        return str(exc.value)
+
+    assert "not a peft LoRA directory" in refused(tmp_path / "missing")
+    assert "above --max-lora-rank 2" in refused(good, max_lora_rank=2)
+
+    dora = tmp_path / "dora"
+    shutil.copytree(good, dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    assert "use_dora not supported" in refused(dora)
+
+    other = make_adapter(tiny_model_dir, tmp_path / "other-model", seed=4, r=4, targets=["q_proj"])
+    assert "an adapter of another model?" in refused(other)
+
+    torn = tmp_path / "torn"
+    shutil.copytree(good, torn)
+    (torn / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
+    assert "cannot be read" in refused(torn)
+
+    with pytest.raises(ValueError, match="needs enable_lora"):
+        make_engine(lora_modules=[f"x={good}"])
+    with pytest.raises(LoRAError, match="expected name=path"):
+        make_engine(enable_lora=True, lora_modules=[str(good)])
+
+
+def test_a_request_for_an_unknown_adapter_is_refused(lora_engine, chat_prompts) -> None:  # noqa: ANN001
+    from kvpilot.daemon.engine.engine import RequestRejected
+
+    with pytest.raises(RequestRejected, match="no LoRA adapter 'nope'"):
+        lora_engine.add_request("u1", chat_prompts[0], SamplingParams(max_tokens=1), lora_name="nope")
+
+
+def test_kv_events_name_the_adapter_of_each_stored_chain(default_model_dir, lora_adapters) -> None:  # noqa: ANN001
+    """BlockStored carries `lora_name` (vLLM's field) and the adapter's keys, so a router can tell an
+    adapter's prefixes from the base model's."""
+    eng = kv_events_engine(
+        default_model_dir, enable_lora=True, lora_modules=[f"sql={lora_adapters['attention-only']}"]
+    )
+    try:
+        prompt = list(range(100, 140))  # 2 full blocks
+        eng.generate([prompt, prompt], SamplingParams(max_tokens=1), lora_names=["sql", None])
+        stored = [
+            e
+            for _, payload in wait_replayed(eng.kv_events.replay_endpoint, 1)
+            for e in decode_batch(payload).events
+            if isinstance(e, BlockStored)
+        ]
+        by_name = {e.lora_name: e.block_hashes for e in stored}
+        assert set(by_name) == {"sql", None}, stored
+        identity = eng.loras.get("sql").identity
+        assert by_name["sql"] == eng.keys.prompt_hashes(prompt, BS, lora=identity)
+        assert by_name[None] == eng.keys.prompt_hashes(prompt, BS)
+    finally:
+        eng.close()

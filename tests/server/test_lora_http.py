@@ -1,0 +1,125 @@
+"""LoRA adapters through a real `kvpilot serve` and the official openai client: a request names an adapter as
+its model and gets peft's answer, `/v1/models` lists adapters as vLLM does, an adapter's prompts never
+hit the base model's cache, and a bad adapter stops the start with its reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.lora import peft_greedy
+from support.servers import Server, start_server, stop_server
+
+MAX_TOKENS = 10
+SYSTEM = (
+    "You are the assistant of a team that runs language models on Kubernetes. Every replica keeps a "
+    "prefix cache of attention keys and values, and the team flushes those caches before benchmarks."
+)
+
+
+def _lora_flags(adapters: dict[str, Path]) -> list[str]:
+    return ["--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-ranks"])
+def lora_server(request, tmp_path_factory, lora_adapters) -> Iterator[Server]:  # noqa: ANN001
+    """The daemon in-process (one engine) and with two data-parallel ranks, each loading the adapters."""
+    srv = start_server(
+        tmp_path_factory.mktemp("lora-serve"), *_lora_flags(lora_adapters), "-dp", str(request.param)
+    )
+    yield srv
+    stop_server(srv)
+    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):  # noqa: ANN201
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[int]:  # noqa: ANN001
+    return list(tokenizer("The three laws of caching are", add_special_tokens=True)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir, lora_adapters, prompt_ids, tokenizer) -> dict[str | None, str]:  # noqa: ANN001
+    """peft's greedy text for the prompt under each adapter (None: the base model)."""
+    refs = {
+        n: peft_greedy(default_model_dir, p, [prompt_ids], MAX_TOKENS)[0] for n, p in lora_adapters.items()
+    }
+    refs[None] = peft_greedy(default_model_dir, None, [prompt_ids], MAX_TOKENS)[0]
+    return {n: tokenizer.decode(ids, skip_special_tokens=True) for n, ids in refs.items()}
+
+
+def _client(server: Server):  # noqa: ANN202
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_an_adapter_named_as_the_model_answers_as_peft_does(lora_server, references, prompt_ids) -> None:  # noqa: ANN001
+    client = _client(lora_server)
+    base = client.models.list().data[0].id
+    for name, expected in references.items():
+        out = client.completions.create(
+            model=name or base, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert out.model == (name or base)
+        assert out.choices[0].text == expected, name
+    assert len(set(references.values())) == len(references)  # each adapter answers otherwise
+
+
+def test_models_lists_the_adapters_with_the_base_as_parent(lora_server, lora_adapters) -> None:  # noqa: ANN001
+    data = lora_server.request("GET", "/v1/models").json()["data"]
+    base = data[0]
+    assert base["parent"] is None
+    listed = {m["id"]: m for m in data[1:]}
+    assert set(listed) == set(lora_adapters)
+    for name, path in lora_adapters.items():
+        assert listed[name]["parent"] == base["id"] and listed[name]["root"] == str(path)
+
+
+def test_an_adapters_prompts_never_hit_the_base_models_cache(lora_server) -> None:  # noqa: ANN001
+    client = _client(lora_server)
+    base = client.models.list().data[0].id
+    lora_server.reset()
+
+    def cached(model: str) -> int:
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+            max_tokens=1,
+        )
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached(base) == 0
+    assert cached("every-layer") == 0
+    assert cached("attention-only") == 0
+    assert cached("every-layer") >= 32
+    assert cached(base) >= 32
+
+
+def test_an_unknown_model_is_a_404(lora_server) -> None:  # noqa: ANN001
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as exc:
+        _client(lora_server).completions.create(model="no-such-bot", prompt="hi", max_tokens=1)
+    assert exc.value.body["code"] == "model_not_found"
+
+
+def test_a_bad_adapter_stops_the_start_with_its_reason(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "use_dora": true}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--enable-lora"]
+    done = subprocess.run(
+        [*argv, "--lora-modules", f"dora={tmp_path}"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "adapter 'dora': use_dora not supported" in done.stderr
