@@ -26,10 +26,12 @@ from kvpilot.daemon.engine.weight_ops import (
     Command,
     FinishUpdate,
     InitTransfer,
+    LoadLoRA,
     Pause,
     PauseMode,
     RankReply,
     SetVersion,
+    UnloadLoRA,
     UpdateWeights,
     WeightOp,
 )
@@ -130,6 +132,12 @@ class WeightOperations(Protocol):
 
     async def weight_info(self, timeout: float) -> list[RankReply]:
         return await self.run_weight_op(Command.GET_INFO, timeout)
+
+    async def load_lora_adapter(self, name: str, path: str, inplace: bool, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(LoadLoRA(name, path, inplace), timeout)
+
+    async def unload_lora_adapter(self, name: str, timeout: float) -> list[RankReply]:
+        return await self.run_weight_op(UnloadLoRA(name), timeout)
 
 
 class EngineClient(WeightOperations, Protocol):

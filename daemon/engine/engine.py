@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,14 @@ from kvpilot.daemon.engine.cpu_budget import engine_threads
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
 from kvpilot.daemon.engine.kv_offload import DiskTier, HostTier, KVOffload, checkpoint_files
 from kvpilot.daemon.engine.loader import load
-from kvpilot.daemon.engine.lora import LoRARegistry, load_adapter, parse_lora_modules
+from kvpilot.daemon.engine.lora import (
+    LoRAAdapter,
+    LoRAError,
+    LoRARegistry,
+    check_name,
+    load_adapter,
+    parse_lora_modules,
+)
 from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.pause import PauseState, stopped_output
@@ -379,6 +386,9 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             offload=self.kv.offload.stats() if self.kv.offload is not None else (),
+            max_loras=self.config.max_loras if self.config.enable_lora else 0,
+            lora_running=_adapter_names(self.scheduler.running),
+            lora_waiting=_adapter_names(self.scheduler.waiting),
         )
 
     # ---- pause and weight generations (weights.py drives them, between two steps) -------------
@@ -434,6 +444,25 @@ class LLMEngine:
                 lora_name=a.lora_name,
             )
         return outputs
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str, inplace: bool) -> LoRAAdapter:
+        """Read and serve an adapter (LoRAError if it cannot be). May run beside the steps: the registry
+        takes it in one assignment, and requests already running keep the adapter they started with,
+        whose identity keys their blocks, so nothing the old weights computed is served after a reload."""
+        if not self.config.enable_lora:
+            raise LoRAError("LoRA adapters are off: start the daemon with --enable-lora")
+        check_name(name)
+        if self.loras.get(name) is not None and not inplace:
+            raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
+        c = self.config
+        adapter = load_adapter(name, path, self.runner.model, c.max_lora_rank, self.dtype, self.device)
+        self.loras.add(adapter)
+        return adapter
+
+    def unload_lora(self, name: str) -> bool:
+        """Stop serving an adapter (False: none of that name). Its running requests finish with it."""
+        return self.loras.remove(name)
 
     def set_weight_version(self, version: str) -> None:
         """A new cache generation: nothing indexed before is reachable, every key from now on has it."""
@@ -541,3 +570,7 @@ class LLMEngine:
         else:
             budget = self.config.kv_cache_memory_bytes
         return max(1, budget // per_block)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

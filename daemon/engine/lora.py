@@ -256,10 +256,11 @@ class LoRABatch:
 
 def lora_batch(row_adapters: list[LoRAAdapter | None], device: torch.device) -> LoRABatch | None:
     """The LoRABatch for a step whose row i runs under `row_adapters[i]` (None: the base model)."""
-    by_adapter: dict[str, tuple[LoRAAdapter, list[int]]] = {}
+    # By identity, not name: after an in-place reload one step may run both versions of an adapter.
+    by_adapter: dict[LoRAIdentity, tuple[LoRAAdapter, list[int]]] = {}
     for i, adapter in enumerate(row_adapters):
         if adapter is not None:
-            by_adapter.setdefault(adapter.name, (adapter, []))[1].append(i)
+            by_adapter.setdefault(adapter.identity, (adapter, []))[1].append(i)
     if not by_adapter:
         return None
     groups = []
@@ -280,3 +281,6 @@ class LoRARegistry:
 
     def get(self, name: str) -> LoRAAdapter | None:
         return self.adapters.get(name)
+
+    def remove(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None

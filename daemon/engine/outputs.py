@@ -101,6 +101,9 @@ class CacheStats:
     num_waiting: int
     num_preemptions: int
     offload: tuple[TierStats, ...] = ()  # the tiers below the pool (kv_offload.py), when on
+    max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
+    lora_running: tuple[str, ...] = ()  # the adapters of the running requests, sorted
+    lora_waiting: tuple[str, ...] = ()  # and of the waiting ones
 
     @classmethod
     def total(cls, ranks: list[CacheStats]) -> CacheStats:
@@ -122,6 +125,9 @@ class CacheStats:
             num_waiting=sum(s.num_waiting for s in ranks),
             num_preemptions=sum(s.num_preemptions for s in ranks),
             offload=TierStats.total([s.offload for s in ranks]),
+            max_loras=ranks[0].max_loras,
+            lora_running=tuple(sorted({n for s in ranks for n in s.lora_running})),
+            lora_waiting=tuple(sorted({n for s in ranks for n in s.lora_waiting})),
         )
 
     @property

@@ -126,8 +126,8 @@ class Scheduler:
     def _lora_fits(self, req: Request) -> bool:
         if req.lora is None or self.max_loras is None:
             return True
-        active = {r.lora.name for r in self.running if r.lora is not None}
-        return req.lora.name in active or len(active) < self.max_loras
+        active = {r.lora.identity for r in self.running if r.lora is not None}
+        return req.lora.identity in active or len(active) < self.max_loras
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]

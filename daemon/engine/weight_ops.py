@@ -85,13 +85,35 @@ class SetVersion:
     version: str
 
 
-WeightOp = Command | Pause | AbortRequests | InitTransfer | UpdateWeights | FinishUpdate | SetVersion
+@dataclass(frozen=True, slots=True)
+class LoadLoRA:
+    name: str
+    path: str
+    inplace: bool  # replace an adapter of that name (its new identity keys new blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRA:
+    name: str
+
+
+WeightOp = (
+    Command
+    | Pause
+    | AbortRequests
+    | InitTransfer
+    | UpdateWeights
+    | FinishUpdate
+    | SetVersion
+    | LoadLoRA
+    | UnloadLoRA
+)
 
 
 def beside_steps(op: WeightOp) -> bool:
-    """Reading a checkpoint, joining a trainer's group and hashing the weights take up to seconds: these
-    run on a thread beside the engine's steps, the others between two steps."""
-    return isinstance(op, UpdateWeights | InitTransfer) or op is Command.GET_INFO
+    """Reading a checkpoint or an adapter, joining a trainer's group and hashing the weights take up to
+    seconds: these run on a thread beside the engine's steps, the others between two steps."""
+    return isinstance(op, UpdateWeights | InitTransfer | LoadLoRA) or op is Command.GET_INFO
 
 
 @dataclass(frozen=True, slots=True)

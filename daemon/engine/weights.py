@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpilot.daemon.engine import weight_ops as ops
+from kvpilot.daemon.engine.lora import LoRAError
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, WeightError, WeightErrorKind
 from kvpilot.daemon.engine.weight_stage import WeightStage, checkpoint_tensors, weights_digest
@@ -82,6 +83,10 @@ class WeightControl:
                     return self.finish(version)
                 case ops.Command.SHUTDOWN_TRANSFER:
                     return [], self.shutdown_transfer()
+                case ops.UnloadLoRA(name=name):
+                    if not self.engine.unload_lora(name):
+                        raise WeightError(WeightErrorKind.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
+                    return [], {"lora_name": name}
                 case _:
                     raise TypeError(f"{op} runs beside the steps (run_beside_steps)")
         except WeightError as err:
@@ -97,6 +102,12 @@ class WeightControl:
                     return self.info()
                 case ops.InitTransfer(init_info=info):
                     return self.init_transfer(info)
+                case ops.LoadLoRA(name=name, path=path, inplace=inplace):
+                    try:
+                        adapter = self.engine.load_lora(name, path, inplace)
+                    except LoRAError as exc:
+                        raise WeightError(WeightErrorKind.INCOMPATIBLE, str(exc)) from None
+                    return {"lora_name": name, "digest": adapter.identity.digest, "lora_rank": adapter.rank}
                 case _:
                     raise TypeError(f"{op} runs between two steps (run)")
         except WeightError as err:

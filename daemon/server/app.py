@@ -22,6 +22,7 @@ from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
+from kvpilot.daemon.server.lora_api import ROUTES as LORA_ROUTES
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
@@ -44,6 +45,8 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
     served = list(settings.served_model_names) or [engine.info.model_name]
+    if clash := set(served) & set(engine.info.lora_modules):
+        raise ValueError(f"--lora-modules names {', '.join(sorted(clash))}: the base model's name")
     state = ServerState(
         engine,
         settings,
@@ -52,6 +55,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
         token_texts=TokenTexts(engine.info.tokenizer),
+        adapters=dict(engine.info.lora_modules),
     )
     state.idle.set()
     state.weights.version = engine.info.weight_version
@@ -74,7 +78,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.router.add_get("/prefix_cache", prefix_cache)
     app.router.add_get("/openapi.json", openapi_schema)
     app.router.add_get("/kv_events", kv_events)
-    for method, path, handler in WEIGHT_ROUTES:
+    for method, path, handler in WEIGHT_ROUTES + LORA_ROUTES:
         app.router.add_route(method, path, handler)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
@@ -164,7 +168,7 @@ async def models(request: web.Request) -> web.Response:
             "max_model_len": state.engine.info.max_model_len,
             "weight_version": state.weights.version,
         }
-        for name, path in state.engine.info.lora_modules.items()
+        for name, path in state.adapters.items()
     ]
     return json_response({"object": "list", "data": data})
 

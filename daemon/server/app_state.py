@@ -4,6 +4,7 @@ state."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,16 @@ class ServerState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=lambda: int(time.time()))
     weights: WeightStatus = field(default_factory=WeightStatus)
+    adapters: dict[str, str] = field(default_factory=dict)  # the LoRA adapters served: name -> path
+
+    def set_adapter(self, name: str, path: str | None) -> None:
+        """Serve the adapter `name` from `path` (None: stop serving it): /v1/models and every request
+        parsed from now on see it."""
+        if path is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = path
+        self.rules = dataclasses.replace(self.rules, adapters=frozenset(self.adapters))
 
 
 STATE = web.AppKey("kvpilot_state", ServerState)

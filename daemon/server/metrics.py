@@ -14,6 +14,7 @@ as they do vLLM ones. Both come from the same snapshot in the same scrape, so th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,7 +35,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 # (kvpilot name, vLLM's name, help, value) of the load gauges. vLLM labels its gauges with the served model
 # name and the engine (data-parallel rank, "0" without data parallelism); GAIE pickers read them by name.
 # `vllm:kv_cache_usage_perc` is, despite its name, a fraction (0-1) in vLLM too. `vllm:lora_requests_info`
-# (running and waiting adapters) is not exported yet (docs/metrics.md).
+# is vLLM's too: one series whose labels name the adapters running and waiting, its value the time.
 LOAD_GAUGES: tuple[tuple[str, str, str, Callable[[CacheStats], float]], ...] = (
     (
         "kv_cache_usage_ratio",
@@ -149,7 +150,25 @@ class EngineCollector(Collector):
         yield family(
             C, "num_preemptions", "Requests preempted to be recomputed later.", lambda s: s.num_preemptions
         )
+        yield from self._lora_info([s for _, s in ranks])
         yield from self._offload(ranks, rank_label)
+
+    @staticmethod
+    def _lora_info(ranks: list[CacheStats]) -> Iterator[Metric]:
+        """vLLM's `vllm:lora_requests_info`, which GAIE's pickers read for LoRA affinity: the adapters
+        running and waiting (comma-separated) and the most a step runs, on one series whose value is the
+        time it was read (vLLM's too: a reader takes the newest series). Nothing when LoRA is off."""
+        total = CacheStats.total(ranks)
+        if not total.max_loras:
+            return
+        m = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        labels = [str(total.max_loras), ",".join(total.lora_waiting), ",".join(total.lora_running)]
+        m.add_metric(labels, time.time())
+        yield m
 
     @staticmethod
     def _offload(ranks: list[tuple[str | None, CacheStats]], rank_label: list[str]) -> Iterator[Metric]:

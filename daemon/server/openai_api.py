@@ -86,6 +86,8 @@ async def _generate(
     except RequestRejected as exc:
         if exc.code == "weight_version_mismatch":
             raise ApiError(409, str(exc), "weight_version", code=exc.code) from None
+        if exc.code == "model_not_found":  # an adapter unloaded since the request was parsed
+            raise ApiError(404, str(exc), "model", code=exc.code) from None
         raise bad(str(exc), _param_name(exc.param, req, prep.chat), exc.code) from None
     except ValueError as exc:  # SamplingError: the client's input
         raise bad(str(exc)) from None

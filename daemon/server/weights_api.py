@@ -140,14 +140,14 @@ async def pause(request: web.Request, state: ServerState, body: dict) -> dict:
 
 
 async def resume(request: web.Request, state: ServerState, body: dict) -> dict:
-    await call(state, state.engine.resume_generation(_timeout(state)), "resume")
+    await call(state, state.engine.resume_generation(rank_timeout(state)), "resume")
     state.weights.paused = None
     state.metrics.weights.paused.set(0)
     return {"status": "resumed"}
 
 
 async def is_paused(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, state.engine.is_paused(_timeout(state)))
+    ranks = await call(state, state.engine.is_paused(rank_timeout(state)))
     return {"is_paused": any(r["is_paused"] for r in ranks), "mode": ranks[0]["mode"], "ranks": ranks}
 
 
@@ -155,7 +155,7 @@ async def abort_requests(request: web.Request, state: ServerState, body: dict) -
     ids = body.get("request_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise ApiError(400, "request_ids must be a list of strings", "request_ids")
-    ranks = await call(state, state.engine.abort_requests(tuple(ids), _timeout(state)))
+    ranks = await call(state, state.engine.abort_requests(tuple(ids), rank_timeout(state)))
     return {"status": "aborted", "aborted": sum(r["aborted"] for r in ranks)}
 
 
@@ -163,17 +163,17 @@ async def init_transfer(request: web.Request, state: ServerState, body: dict) ->
     init_info = body.get("init_info", {})
     if not isinstance(init_info, dict):
         raise ApiError(400, "init_info must be an object", "init_info")
-    ranks = await call(state, state.engine.init_weight_transfer(init_info, _timeout(state)), "init")
+    ranks = await call(state, state.engine.init_weight_transfer(init_info, rank_timeout(state)), "init")
     return {"message": "Weight transfer initialized", "backend": ranks[0]["backend"], "ranks": ranks}
 
 
 async def shutdown_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
-    await call(state, state.engine.shutdown_weight_transfer(_timeout(state)))
+    await call(state, state.engine.shutdown_weight_transfer(rank_timeout(state)))
     return {"message": "Weight transfer shut down"}
 
 
 async def start_update(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, state.engine.start_weight_update(_timeout(state)), "start")
+    ranks = await call(state, state.engine.start_weight_update(rank_timeout(state)), "start")
     return {"message": "Weight update started", "ranks": ranks}
 
 
@@ -182,7 +182,7 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
     if not isinstance(info, dict):
         raise ApiError(400, "update_info must be an object", "update_info")
     try:
-        ranks = await call(state, state.engine.update_weights(info, _timeout(state)), "update")
+        ranks = await call(state, state.engine.update_weights(info, rank_timeout(state)), "update")
     except WeightFailure:
         # A refused update leaves no stage on any rank: those that staged must not keep theirs open
         # (the next start would meet it), and a rank that refused has dropped its own already.
@@ -204,19 +204,19 @@ async def finish_update(request: web.Request, state: ServerState, body: dict) ->
 
 
 async def abort_update(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, state.engine.abort_weight_update(_timeout(state)))
+    ranks = await call(state, state.engine.abort_weight_update(rank_timeout(state)))
     return {"message": "Weight update dropped", "dropped": any(r["dropped"] for r in ranks), "ranks": ranks}
 
 
 async def update_version(request: web.Request, state: ServerState, body: dict) -> dict:
     version = _new_version(body.get("new_version"), "new_version")
-    ranks = await call(state, state.engine.update_weight_version(version, _timeout(state)))
+    ranks = await call(state, state.engine.update_weight_version(version, rank_timeout(state)))
     _serving(state, ranks)
     return {"success": True, "new_version": version}
 
 
 async def weight_info(request: web.Request, state: ServerState, body: dict) -> dict:
-    ranks = await call(state, state.engine.weight_info(_timeout(state)))
+    ranks = await call(state, state.engine.weight_info(rank_timeout(state)))
     _serving(state, ranks)
     versions = {r["weight_version"] for r in ranks}
     return {
@@ -245,17 +245,17 @@ async def update_from_disk(request: web.Request, state: ServerState, body: dict)
     paused_here = bool(body.get("abort_all_requests")) and state.weights.paused is None
     if paused_here:
         await pause_mode(state, "abort")
-    await call(state, state.engine.start_weight_update(_timeout(state)), "start")
+    await call(state, state.engine.start_weight_update(rank_timeout(state)), "start")
     try:
         ranks = await call(
-            state, state.engine.update_weights({"model_path": path}, _timeout(state)), "update"
+            state, state.engine.update_weights({"model_path": path}, rank_timeout(state)), "update"
         )
     except WeightFailure:
         await _drop(state)
         raise
     await _commit(state, version if isinstance(version, str) and version else None)
     if paused_here and not body.get("keep_pause"):
-        await call(state, state.engine.resume_generation(_timeout(state)), "resume")
+        await call(state, state.engine.resume_generation(rank_timeout(state)), "resume")
         state.weights.paused = None
         state.metrics.weights.paused.set(0)
     return {
@@ -273,7 +273,7 @@ async def pause_mode(state: ServerState, mode: str) -> None:
     except ValueError:
         modes = ", ".join(m.value for m in PauseMode)
         raise WeightFailure(400, f"mode must be one of {modes}, got {mode!r}") from None
-    await call(state, state.engine.pause_generation(parsed, _timeout(state)), "pause")
+    await call(state, state.engine.pause_generation(parsed, rank_timeout(state)), "pause")
     state.weights.paused = mode
     state.metrics.weights.paused.set(1)
 
@@ -281,7 +281,7 @@ async def pause_mode(state: ServerState, mode: str) -> None:
 # ---- the commit -----------------------------------------------------------------------------------
 async def _commit(state: ServerState, version: str | None) -> list[dict]:
     """Swap on every rank, only once every rank staged the same weights."""
-    staged = await call(state, state.engine.weight_info(_timeout(state)))
+    staged = await call(state, state.engine.weight_info(rank_timeout(state)))
     missing = [r["rank"] for r in staged if not r["staging"]]
     if missing:
         raise WeightFailure(
@@ -291,7 +291,7 @@ async def _commit(state: ServerState, version: str | None) -> list[dict]:
         await _drop(state)
         raise WeightFailure(500, "the ranks staged different weights; the update is dropped", staged)
     try:
-        ranks = await call(state, state.engine.finish_weight_update(version, _timeout(state)), "finish")
+        ranks = await call(state, state.engine.finish_weight_update(version, rank_timeout(state)), "finish")
     except WeightFailure as fail:
         done = [r for r in fail.ranks if "error" not in r]
         if done:  # some ranks swapped, some did not: mixed weights must not be served
@@ -308,12 +308,12 @@ async def _commit(state: ServerState, version: str | None) -> list[dict]:
 
 async def _drop(state: ServerState) -> None:
     try:
-        await state.engine.abort_weight_update(_timeout(state))
+        await state.engine.abort_weight_update(rank_timeout(state))
     except EngineDeadError:
         pass
 
 
-def _timeout(state: ServerState) -> float:
+def rank_timeout(state: ServerState) -> float:
     """How long a weight operation may take on a rank before it counts as failed there."""
     return state.settings.weight_update_timeout
 

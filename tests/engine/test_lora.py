@@ -166,3 +166,24 @@ def test_kv_events_name_the_adapter_of_each_stored_chain(default_model_dir, lora
         assert by_name[None] == eng.keys.prompt_hashes(prompt, BS)
     finally:
         eng.close()
+
+
+def test_a_reload_in_place_leaves_running_requests_on_the_weights_they_started_with(
+    make_engine, lora_adapters, references, chat_prompts
+) -> None:  # noqa: ANN001
+    eng = make_engine(enable_lora=True, lora_modules=[f"policy={lora_adapters['every-layer']}"])
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    [old] = eng.add_request("old", chat_prompts[0], params, lora_name="policy")
+    eng.step()  # its prompt is computed under the first weights
+    with pytest.raises(LoRAError, match="already loaded"):
+        eng.load_lora("policy", str(lora_adapters["attention-only"]), inplace=False)
+    eng.load_lora("policy", str(lora_adapters["attention-only"]), inplace=True)
+    [new] = eng.add_request("new", chat_prompts[0], params, lora_name="policy")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert old.output_token_ids == references["every-layer"][0]
+    assert new.output_token_ids == references["attention-only"][0]
+    assert new.num_cached_tokens == 0  # the old weights' blocks are another adapter's
+    assert eng.unload_lora("policy") and not eng.unload_lora("policy")
+    with pytest.raises(LoRAError, match="start the daemon with --enable-lora"):
+        make_engine().load_lora("x", str(lora_adapters["every-layer"]), inplace=False)

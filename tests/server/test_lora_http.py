@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from support.lora import peft_greedy
-from support.servers import Server, start_server, stop_server
+from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
 
 MAX_TOKENS = 10
 SYSTEM = (
@@ -29,7 +29,11 @@ def _lora_flags(adapters: dict[str, Path]) -> list[str]:
 def lora_server(request, tmp_path_factory, lora_adapters) -> Iterator[Server]:  # noqa: ANN001
     """The daemon in-process (one engine) and with two data-parallel ranks, each loading the adapters."""
     srv = start_server(
-        tmp_path_factory.mktemp("lora-serve"), *_lora_flags(lora_adapters), "-dp", str(request.param)
+        tmp_path_factory.mktemp("lora-serve"),
+        *_lora_flags(lora_adapters),
+        "-dp",
+        str(request.param),
+        token=ADMIN_TOKEN,
     )
     yield srv
     stop_server(srv)
@@ -123,3 +127,111 @@ def test_a_bad_adapter_stops_the_start_with_its_reason(tmp_path) -> None:  # noq
     )
     assert done.returncode != 0
     assert "adapter 'dora': use_dora not supported" in done.stderr
+
+
+def _admin_post(server: Server, path: str, body: dict, token: bool = True):  # noqa: ANN202
+    return server.request("POST", path, body, headers=server.admin() if token else None)
+
+
+def test_an_adapter_loaded_reloaded_in_place_and_unloaded_at_run_time(
+    lora_server, lora_adapters, references, prompt_ids
+) -> None:  # noqa: ANN001
+    """vLLM's runtime routes, as an RL loop drives them: every answer after a reload comes from the new
+    weights, and the cache the old ones filled is never served."""
+    client = _client(lora_server)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
+
+    def answer() -> str:
+        out = client.completions.create(
+            model="policy", prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+        )
+        return out.choices[0].text
+
+    def cached() -> int:
+        out = client.chat.completions.create(model="policy", messages=messages, max_tokens=1)
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    loaded = _admin_post(
+        lora_server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "policy", "lora_path": str(lora_adapters["every-layer"])},
+    )
+    assert loaded.status == 200, loaded.body
+    assert loaded.json()["message"] == "Success: LoRA adapter 'policy' added successfully."
+    assert "policy" in {m.id for m in client.models.list().data}
+    assert answer() == references["every-layer"]
+    cached()
+    assert cached() >= 32  # warm under the first weights
+
+    again = _admin_post(
+        lora_server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "policy", "lora_path": str(lora_adapters["attention-only"])},
+    )
+    assert again.status == 400 and "already been loaded" in again.json()["error"]["message"]
+    reloaded = _admin_post(
+        lora_server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "policy", "lora_path": str(lora_adapters["attention-only"]), "load_inplace": True},
+    )
+    assert reloaded.status == 200, reloaded.body
+    assert reloaded.json()["digest"] != loaded.json()["digest"]
+    assert cached() == 0  # a new identity: nothing the old weights computed is served
+    assert answer() == references["attention-only"]
+
+    gone = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
+    assert gone.status == 200, gone.body
+    assert "policy" not in {m.id for m in client.models.list().data}
+    missing = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
+    assert missing.status == 404 and missing.json()["error"]["code"] == "lora_not_found"
+    done = lora_server.request(
+        "POST", "/v1/completions", {"model": "policy", "prompt": "hi", "max_tokens": 1}
+    )
+    assert done.status == 404 and done.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_bad_runtime_load_is_refused_with_its_reason_and_changes_nothing(lora_server, tmp_path) -> None:  # noqa: ANN001
+    before = lora_server.request("GET", "/v1/models").json()["data"]
+    cases = [
+        ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "is not a peft LoRA directory"),
+        ({"lora_name": "x"}, 400, "lora_path must be a non-empty string"),
+        ({"lora_name": "", "lora_path": str(tmp_path)}, 400, "lora_name must be a non-empty string"),
+        ({"lora_name": "x", "lora_path": str(tmp_path), "load_inplace": "yes"}, 400, "load_inplace must be"),
+        ({"lora_name": before[0]["id"], "lora_path": str(tmp_path)}, 400, "the base model's name"),
+    ]
+    for body, status, message in cases:
+        r = _admin_post(lora_server, "/v1/load_lora_adapter", body)
+        assert r.status == status and message in r.json()["error"]["message"], (body, r.body)
+    no_token = _admin_post(lora_server, "/v1/load_lora_adapter", cases[0][0], token=False)
+    assert no_token.status == 401
+    assert lora_server.request("GET", "/v1/models").json()["data"] == before
+
+
+def _lora_info(server: Server) -> dict[str, str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = server.request("GET", "/metrics").body.decode()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"]
+    [sample] = family.samples
+    return sample.labels
+
+
+def test_lora_requests_info_names_the_running_adapters_as_vllm_does(lora_server) -> None:  # noqa: ANN001
+    """GAIE's pickers read vLLM's gauge for LoRA affinity."""
+    assert _lora_info(lora_server) == {
+        "max_lora": "4",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    stream = _client(lora_server).completions.create(
+        model="attention-only",
+        prompt="Once upon a time",
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(iter(stream))  # decoding now
+        assert _lora_info(lora_server)["running_lora_adapters"] == "attention-only"
+    finally:
+        stream.close()

@@ -1,0 +1,106 @@
+"""vLLM's runtime LoRA routes: `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}` and
+`POST /v1/unload_lora_adapter {lora_name}`, with vLLM's bodies and messages (`vllm/entrypoints/openai/
+models/serving.py`, vLLM 0.33), so RL trainers written for vLLM drive this daemon unchanged. Both need the
+admin token; the replies carry kvpilot's extras beside vLLM's message (`digest`, `ranks`).
+
+Each runs on every rank (`weights_api.call`): never 200 unless every rank did it. A load that some ranks
+did and others refused is undone everywhere, so no two ranks serve one name with different weights. An
+in-place load gives the adapter a new identity (its files' digest): requests already running finish with
+the weights they started with, and no block they computed is served to a later request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from kvpilot.daemon.server.app_state import ServerState
+from kvpilot.daemon.server.weights_api import WeightFailure, call, rank_timeout, route
+from kvpilot.kv_events import MAX_LORA_NAME_CHARS
+from kvpilot.protocol.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+MAX_PATH_CHARS = 4096
+
+
+async def load_lora_adapter(request: web.Request, state: ServerState, body: dict) -> dict:
+    name = _lora_name(body)
+    path = body.get("lora_path")
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS:
+        raise ApiError(
+            400, f"lora_path must be a non-empty string of at most {MAX_PATH_CHARS} characters", "lora_path"
+        )
+    inplace = body.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise ApiError(400, "load_inplace must be true or false", "load_inplace")
+    if name in state.served:
+        raise ApiError(400, f"lora_name {name!r} is the base model's name", "lora_name")
+    if name in state.adapters and not inplace:
+        raise ApiError(
+            400, f"The lora adapter '{name}' has already been loaded.", "lora_name", code="lora_exists"
+        )
+    try:
+        ranks = await call(state, state.engine.load_lora_adapter(name, path, inplace, rank_timeout(state)))
+        if len({r["digest"] for r in ranks}) != 1:
+            raise WeightFailure(500, "the ranks read different adapter files; the adapter is unloaded", ranks)
+    except WeightFailure as fail:
+        if any("error" not in r for r in fail.ranks):  # some ranks took it: none may serve it alone
+            await _unload_everywhere(state, name)
+        raise
+    state.set_adapter(name, path)
+    log.info(
+        "LoRA adapter %s %s from %s (digest %s)",
+        name,
+        "reloaded" if inplace else "loaded",
+        path,
+        ranks[0]["digest"][:12],
+    )
+    return {
+        "message": f"Success: LoRA adapter '{name}' added successfully.",
+        "lora_name": name,
+        "digest": ranks[0]["digest"],
+        "ranks": ranks,
+    }
+
+
+async def unload_lora_adapter(request: web.Request, state: ServerState, body: dict) -> dict:
+    name = _lora_name(body)
+    if name not in state.adapters:
+        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", code="lora_not_found")
+    state.set_adapter(name, None)  # no new request names it from here on
+    ranks = await call(state, state.engine.unload_lora_adapter(name, rank_timeout(state)))
+    log.info("LoRA adapter %s unloaded", name)
+    return {
+        "message": f"Success: LoRA adapter '{name}' removed successfully.",
+        "lora_name": name,
+        "ranks": ranks,
+    }
+
+
+async def _unload_everywhere(state: ServerState, name: str) -> None:
+    state.set_adapter(name, None)
+    try:
+        await state.engine.unload_lora_adapter(name, rank_timeout(state))  # ranks without it answer 404
+    except Exception:  # noqa: BLE001 - the load's own failure is what the caller must hear
+        log.exception("unloading %s after a failed load", name)
+
+
+def _lora_name(body: dict) -> str:
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_LORA_NAME_CHARS:
+        raise ApiError(
+            400,
+            f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters",
+            "lora_name",
+        )
+    return name
+
+
+# The route table (app.py adds it): (method, path, handler).
+ROUTES: list[tuple[str, str, Callable]] = [
+    ("POST", "/v1/load_lora_adapter", route(load_lora_adapter)),
+    ("POST", "/v1/unload_lora_adapter", route(unload_lora_adapter)),
+]
