@@ -49,6 +49,8 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: dict
     except WeightFailure as fail:
         if any("error" not in r for r in fail.ranks):  # some ranks took it: none may serve it alone
             await _unload_everywhere(state, name)
+        if fail.status == 400:
+            fail.code = "invalid_lora_adapter"
         raise
     state.set_adapter(name, path)
     log.info(

@@ -61,9 +61,10 @@ class WeightFailure(Exception):
     def __init__(self, status: int, message: str, ranks: list[dict] | None = None, tensor: str | None = None):
         super().__init__(message)
         self.status, self.message, self.ranks, self.tensor = status, message, ranks or [], tensor
+        self.code: str | None = None  # the reply's error code when not the status's (CODES)
 
     def response(self, sglang: bool) -> web.Response:
-        code = CODES.get(self.status, "weight_update_failed")
+        code = self.code or CODES.get(self.status, "weight_update_failed")
         body: dict[str, Any] = ApiError(
             self.status, self.message, "tensor" if self.tensor else None, code=code
         ).body()

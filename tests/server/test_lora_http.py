@@ -202,6 +202,9 @@ def test_a_bad_runtime_load_is_refused_with_its_reason_and_changes_nothing(lora_
     for body, status, message in cases:
         r = _admin_post(lora_server, "/v1/load_lora_adapter", body)
         assert r.status == status and message in r.json()["error"]["message"], (body, r.body)
+    assert r.json()["error"]["code"] is None  # the caller's body, checked before any rank
+    first = _admin_post(lora_server, "/v1/load_lora_adapter", cases[0][0]).json()["error"]
+    assert first["code"] == "invalid_lora_adapter", first  # a rank read the adapter and refused it
     no_token = _admin_post(lora_server, "/v1/load_lora_adapter", cases[0][0], token=False)
     assert no_token.status == 401
     assert lora_server.request("GET", "/v1/models").json()["data"] == before
