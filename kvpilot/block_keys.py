@@ -39,15 +39,17 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import NewType, Protocol
+from typing import NewType
 
 import cbor2
 
 BlockHash = NewType("BlockHash", bytes)
 
 
-class LoRAKey(Protocol):
-    """An adapter's identity as its blocks' keys carry it (daemon/engine/lora.py's LoRAIdentity)."""
+@dataclass(frozen=True, slots=True)
+class LoRAKey:
+    """A LoRA adapter's identity as its blocks' keys carry it: the daemon's (daemon/engine/lora.py), and
+    the router's for a pod that names it in its /health."""
 
     name: str
     digest: str  # of its files: a new version of an adapter shares no block with the old
@@ -211,7 +213,10 @@ def _kvpilot_extra(cache_salt: str | None, weight_version: str | None, lora: LoR
     if weight_version is not None:
         key += b"\x00weights\x00" + weight_version.encode("utf-8", "surrogatepass")
     if lora is not None:
-        key += b"\x00lora\x00" + lora.name.encode("utf-8", "surrogatepass") + b"\x00" + lora.digest.encode()
+        # 0xFF starts it: no byte of UTF-8 (surrogatepass too) is 0xFF, so no salt or version can spell an
+        # adapter's part, and the name's length keeps name and digest apart.
+        name = lora.name.encode("utf-8", "surrogatepass")
+        key += b"\xfflora" + len(name).to_bytes(4, "big") + name + lora.digest.encode()
     return key
 
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme
+from kvpilot.block_keys import DEFAULT_KEYS, KeyScheme, LoRAKey
 from kvpilot.kv_sockets import subscriber_context
 from kvpilot.router.engines import PROBES, EngineProbe, read_capped, read_load
 from kvpilot.router.index import PrefixIndex
@@ -38,6 +38,7 @@ from kvpilot.router.kv_info import (
     static_event_source,
 )
 from kvpilot.router.kv_stream import PodEventStream
+from kvpilot.router.lora_adapters import adapters_from_health
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.version_choice import VersionChoice
 from kvpilot.router.weight_versions import MAX_HEALTH_BYTES, UNKNOWN, Version, from_health
@@ -61,6 +62,7 @@ class Pod:
     load_error: str = ""  # why engine_load is not known (logged when it changes)
     events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
     weight_version: Version = None  # what its last /health named (each rank's own: its stream's)
+    adapters: dict[str, LoRAKey] = field(default_factory=dict)  # its LoRA adapters, as its /health names them
     _targets: dict[str, URL] = field(default_factory=dict, repr=False)  # path -> its URL on the pod
 
     def target(self, path_qs: str) -> URL:
@@ -273,7 +275,9 @@ class Fleet:
                 if r.status != 200:
                     return False
                 if self.probe.weight_version:
-                    self._set_version(pod, from_health(await read_capped(r, MAX_HEALTH_BYTES)))
+                    raw = await read_capped(r, MAX_HEALTH_BYTES)
+                    self._set_version(pod, from_health(raw))
+                    pod.adapters = adapters_from_health(raw)
                 return True
         except (TimeoutError, aiohttp.ClientError):
             return False

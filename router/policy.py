@@ -41,16 +41,27 @@ def _keyed(pod: Pod) -> bool:
     return pod.block_size is not None and pod.synced() and pod.rank_versions() is not None
 
 
-def _schemes(pod: Pod) -> list[tuple[tuple[str, int], Scheme]]:
-    """Each (holder, hash scheme) of a keyed pod: its block size, that rank's weight version and the pod's
-    key scheme."""
+def _schemes(pod: Pod, model: str | None = None) -> list[tuple[tuple[str, int], Scheme]]:
+    """Each (holder, hash scheme) of a keyed pod for a request naming `model`: its block size, that rank's
+    weight version, the pod's key scheme and the identity the pod gives the adapter `model` names (None:
+    the base model)."""
     bs, versions = pod.block_size or 0, pod.rank_versions() or []
-    return [(h, (bs, v, pod.keys)) for h, v in zip(pod.holders(), versions, strict=True)]
+    lora = pod.adapters.get(model) if model is not None else None
+    return [(h, (bs, v, pod.keys, lora)) for h, v in zip(pod.holders(), versions, strict=True)]
 
 
 def hash_schemes(pods: list[Pod]) -> set[Scheme]:
-    """The (block size, weight version, key scheme) triples prefix-aware keys a request's prompts by, for these pods."""
+    """The hash schemes prefix-aware keys a base-model request's prompts by, for these pods (computed
+    before the body is read; an adapter's are computed when the policy asks for them)."""
     return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
+
+
+def serving(pods: list[Pod], model: str | None) -> list[Pod]:
+    """The pods that serve the LoRA adapter `model` names, when some do (the others would answer 404);
+    else all of them."""
+    if model is None:
+        return pods
+    return [p for p in pods if model in p.adapters] or pods
 
 
 class Policy(ABC):
@@ -115,20 +126,21 @@ class PrefixAware(Policy):
         by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
         for p in pods:
             if _keyed(p):
-                for holder, scheme in _schemes(p):
+                for holder, scheme in _schemes(p, prompts.model):
                     by_scheme.setdefault(scheme, []).append(holder)
                 out.update(dict.fromkeys(p.holders(), 0))
         # A rank is looked up only with keys of its own version: blocks of other weights never match.
         for scheme, holders in by_scheme.items():
-            for keys in prompts.block_keys(scheme):  # computed before the policy runs (PromptReader)
+            # a base-model scheme was keyed before the policy runs (PromptReader), an adapter's is here
+            for keys in prompts.block_keys(scheme):
                 for holder, blocks in self.index.matched_blocks(keys, holders, expected).items():
                     out[holder] += blocks * scheme[0]
         return out
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
-        order = self.order(pods)
         if prompts is None:
-            return Decision(min(order, key=lambda p: p.in_flight), "load")
+            return Decision(min(self.order(pods), key=lambda p: p.in_flight), "load")
+        order = self.order(serving(pods, prompts.model))
         n = sum(len(ids) for ids in prompts.token_ids)
         # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
         likely = self.predict(order, prompts, expected=True)
@@ -157,7 +169,7 @@ class PrefixAware(Policy):
             # Reported as predicted: what the chosen rank's events confirmed (the pod's cached_tokens is
             # compared with it), counted for that rank alone.
             holder = (pod.name, rank)
-            scheme = dict(_schemes(pod))[holder]
+            scheme = dict(_schemes(pod, prompts.model))[holder]
             predicted = 0
             for keys in prompts.block_keys(scheme):
                 predicted += self.index.matched_blocks(keys, [holder])[holder] * scheme[0]

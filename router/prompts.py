@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from kvpilot.block_keys import BlockHash, KeyScheme
+from kvpilot.block_keys import BlockHash, KeyScheme, LoRAKey
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import parse_chat, parse_completion
@@ -39,8 +39,9 @@ from kvpilot.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
-# How a pod rank hashes its blocks: (block size, weight version, key scheme).
-Scheme = tuple[int, str | None, KeyScheme]
+# How a pod rank hashes a request's blocks: (block size, weight version, key scheme, the LoRA adapter the
+# request names as that pod knows it, or None).
+Scheme = tuple[int, str | None, KeyScheme, LoRAKey | None]
 
 # The context assumed for a tokenizer directory whose config.json names none.
 FALLBACK_CONTEXT = 131072
@@ -58,6 +59,7 @@ class Prompts:
     token_ids: list[list[int]]  # one list per prompt of the request
     cache_salt: str | None
     max_tokens: int | None = None  # tokens of a prompt that are hashed at most (None: all)
+    model: str | None = None  # the body's `model`: the base model's name or a LoRA adapter's
     _keys: dict[Scheme, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
 
     def block_keys(self, scheme: Scheme) -> list[list[BlockHash]]:
@@ -70,11 +72,16 @@ class Prompts:
         return keys
 
     def _keys_of(
-        self, ids: list[int], block_size: int, weight_version: str | None, keys: KeyScheme
+        self,
+        ids: list[int],
+        block_size: int,
+        weight_version: str | None,
+        keys: KeyScheme,
+        lora: LoRAKey | None,
     ) -> list[BlockHash]:
         usable = len(ids) - 1 if self.max_tokens is None else min(len(ids) - 1, self.max_tokens)
         n = max(usable, 0) // block_size * block_size
-        return keys.prompt_hashes(ids[:n], block_size, self.cache_salt, weight_version)
+        return keys.prompt_hashes(ids[:n], block_size, self.cache_salt, weight_version, lora)
 
 
 def tokenizer_dir(model: str | None) -> Path:
@@ -134,14 +141,15 @@ class PromptReader:
     def read(self, path: str, body: Any) -> Prompts | None:
         if not isinstance(body, dict):
             return None
-        served = [body["model"]] if isinstance(body.get("model"), str) else []
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        served = [model] if model is not None else []
         tok = self.tokenizer
         try:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
                 text = chat.render(tok)
                 ids = self.encoder.encode(text)
-                return Prompts([ids], chat.generate.cache_salt, self.max_model_len)
+                return Prompts([ids], chat.generate.cache_salt, self.max_model_len, model)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None
@@ -154,4 +162,4 @@ class PromptReader:
         ids = [
             p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in req.prompts
         ]
-        return Prompts(ids, req.cache_salt, self.max_model_len)
+        return Prompts(ids, req.cache_salt, self.max_model_len, model)

@@ -17,7 +17,7 @@ import json
 from typing import Final
 
 MAX_CHARS = 128
-MAX_HEALTH_BYTES = 4096  # the daemon's reply is ~150 bytes
+MAX_HEALTH_BYTES = 128 * 1024  # the daemon's reply is ~150 bytes, up to ~85 KiB naming LoRA adapters
 UNNAMED = "initial"  # what the daemon's /health says for weights loaded without --weight-version
 
 

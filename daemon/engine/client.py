@@ -39,6 +39,8 @@ from kvpilot.daemon.engine.weight_ops import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from kvpilot.daemon.engine.lora import ServedAdapter
+
 log = logging.getLogger(__name__)
 
 
@@ -58,7 +60,8 @@ class EngineInfo:
     num_blocks: int  # KV blocks, all ranks together
     num_ranks: int = 1
     weight_version: str = "initial"  # the weights loaded at start (`--weight-version`)
-    lora_modules: dict[str, str] = field(default_factory=dict)  # the adapters served: name -> path
+    enable_lora: bool = False  # --enable-lora: adapters may be named, loaded and unloaded
+    lora_adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the adapters served at start
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.block_keys import key_scheme
+from kvpilot.block_keys import LoRAKey, key_scheme
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
@@ -43,7 +43,7 @@ from kvpilot.daemon.engine.dp_rank import RankInfo, rank_main
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.kv_publisher import describe_ranks, rank_endpoint
 from kvpilot.daemon.engine.loader import resolve_model_dir
-from kvpilot.daemon.engine.lora import LoRAIdentity, parse_lora_modules
+from kvpilot.daemon.engine.lora import parse_lora_modules, served_adapter
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
@@ -158,7 +158,13 @@ class DataParallelEngine:
             num_blocks=sum(i.num_blocks for i in infos),
             num_ranks=size,
             weight_version=config.weight_version or INITIAL_VERSION,
-            lora_modules=parse_lora_modules(config.lora_modules) if config.enable_lora else {},
+            enable_lora=config.enable_lora,
+            lora_adapters={
+                name: served_adapter(name, path)
+                for name, path in (
+                    parse_lora_modules(config.lora_modules) if config.enable_lora else {}
+                ).items()
+            },
         )
 
     def _wait_ready(self, rank: _Rank) -> None:
@@ -246,7 +252,7 @@ class DataParallelLoop(WeightOperations):
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
         # Keys of this process's own memory of where prefixes went (dp_policy.py): an adapter's name
         # keeps its prefixes apart from the base model's (its files' digest is the ranks' to know).
-        lora = LoRAIdentity(request.lora_name, "") if request.lora_name is not None else None
+        lora = LoRAKey(request.lora_name, "") if request.lora_name is not None else None
         keys = self._keys.prompt_hashes(
             request.prompt_token_ids, self.info.block_size, request.cache_salt, lora=lora
         )

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv_publisher import RankEndpoints
-from kvpilot.daemon.engine.weight_ops import WeightOp, beside_steps
+from kvpilot.daemon.engine.weight_ops import WeightError, WeightErrorKind, WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,11 @@ class RankWorker:
         if beside_steps(op):
 
             def work() -> None:
-                self._queue.put(("weights_done", call_id, weights.run_beside_steps(op)))
+                try:
+                    value: Reply = weights.run_beside_steps(op)
+                except Exception as exc:  # noqa: BLE001 - answered, not left to the caller's timeout
+                    value = WeightError(WeightErrorKind.RANK_FAILED, f"{type(exc).__name__}: {exc}")
+                self._queue.put(("weights_done", call_id, value))
 
             threading.Thread(target=work, name="kvpilot-rank-weights", daemon=True).start()
             return

@@ -140,11 +140,14 @@ class LLMEngine:
         restartable: bool = False,
         weight_version: str | None = None,
         lora_name: str | None = None,
+        *,
+        adapter: LoRAAdapter | None = None,
     ) -> list[Request]:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
         `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
-        (`weights.py`); `lora_name` names the adapter it runs under. While paused it is held, not
+        (`weights.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
+        a restart keeps the one it began with, unloaded since or not). While paused it is held, not
         scheduled, until `resume`."""
         params = params or SamplingParams()
         params.validate()
@@ -153,8 +156,8 @@ class LLMEngine:
         self._check_fits(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
-        lora = None
-        if lora_name is not None:
+        lora = adapter
+        if lora is None and lora_name is not None:
             lora = self.loras.get(lora_name)
             if lora is None:
                 raise RequestRejected(f"no LoRA adapter {lora_name!r} is loaded", "model", "model_not_found")
@@ -422,7 +425,7 @@ class LLMEngine:
         starts (`set_weight_version`), and each request starts again from its prompt; a stream that sent
         tokens, or one pinned to the old version, ends instead. The outputs of those ended or restarted."""
         outputs: list[RequestOutput] = []
-        again: list[EngineRequest] = []
+        again: list[tuple[EngineRequest, LoRAAdapter | None]] = []
         for gid, seqs in list(self._groups.items()):
             added, sent = self._added.get(gid), any(s.output_token_ids for s in seqs)
             ended = self.abort_groups([gid])
@@ -431,17 +434,12 @@ class LLMEngine:
                 continue
             if sent:
                 outputs += [stopped_output(s, self.weight_version, restart=True) for s in seqs]
-            again.append(added)
+            again.append((added, seqs[0].lora))
         apply()
         self.set_weight_version(version)
-        for a in again:  # with the new weights and keys
+        for a, lora in again:  # with the new weights and keys, each under the adapter it began with
             self.add_request(
-                a.request_id,
-                a.prompt_token_ids,
-                a.params,
-                a.cache_salt,
-                restartable=True,
-                lora_name=a.lora_name,
+                a.request_id, a.prompt_token_ids, a.params, a.cache_salt, restartable=True, adapter=lora
             )
         return outputs
 

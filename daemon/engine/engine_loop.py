@@ -38,6 +38,7 @@ from kvpilot.daemon.engine.client import (
     LoopState,
     WeightOperations,
 )
+from kvpilot.daemon.engine.lora import ServedAdapter
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.weight_ops import RankReply, WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
@@ -88,7 +89,10 @@ class EngineLoop(WeightOperations):
             block_size=engine.config.block_size,
             num_blocks=engine.num_blocks,
             weight_version=engine.weight_version,
-            lora_modules={name: str(a.path) for name, a in engine.loras.adapters.items()},
+            enable_lora=engine.config.enable_lora,
+            lora_adapters={
+                n: ServedAdapter(str(a.path), a.identity.digest) for n, a in engine.loras.adapters.items()
+            },
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvpilot.block_keys import LoRAKey
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.kv_events import MAX_LORA_NAME_CHARS
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 # The projections a LoRA pair may target: every linear layer of a decoder layer (not the embeddings or
 # the LM head, which the engine shares between all rows of a batch).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,17 +45,9 @@ class LoRAError(ValueError):
     message names why."""
 
 
-@dataclass(frozen=True, slots=True)
-class LoRAIdentity:
-    """What a block computed under an adapter is keyed by."""
-
-    name: str
-    digest: str  # sha256 of the adapter's config and weights, hex
-
-
 @dataclass(slots=True)
 class LoRAAdapter:
-    identity: LoRAIdentity
+    identity: LoRAKey
     path: Path
     rank: int
     # Fused module name (e.g. "layers.0.self_attn.qkv_proj") -> (A [R, in], scaled B [out, R]).
@@ -103,16 +97,20 @@ def load_adapter(
     dtype: torch.dtype,
     device: torch.device,
 ) -> LoRAAdapter:
-    """Read and check a peft LoRA directory for `model`; raises LoRAError naming what is wrong."""
-    root = Path(path).expanduser()
-    cfg_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
-    if not cfg_path.is_file() or not weights_path.is_file():
-        raise LoRAError(
-            f"adapter {name!r}: {root} is not a peft LoRA directory ({CONFIG_FILE} and {WEIGHTS_FILE})"
-        )
-    raw = cfg_path.read_bytes()[: MAX_CONFIG_BYTES + 1]
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    """Read and check a peft LoRA directory for `model`; raises LoRAError naming what is wrong (an adapter
+    comes from a caller at run time: nothing in it may raise anything else)."""
+    try:
+        return _load(name, Path(path).expanduser(), model, max_rank, dtype, device)
+    except LoRAError:
+        raise
+    except (OSError, RecursionError, RuntimeError, ValueError, SafetensorError, MemoryError) as exc:
+        raise LoRAError(f"adapter {name!r} cannot be loaded: {exc}") from None
+
+
+def _load(
+    name: str, root: Path, model: LlamaForCausalLM, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> LoRAAdapter:
+    raw, weights_path = _read_config(name, root)
     try:
         cfg = json.loads(raw)
     except ValueError as exc:
@@ -120,16 +118,15 @@ def load_adapter(
     if not isinstance(cfg, dict):
         raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
     rank, scaling = _check_config(name, cfg, max_rank)
-
-    digest = hashlib.sha256(raw)
-    with weights_path.open("rb") as f:
-        digest.update(hashlib.file_digest(f, "sha256").digest())
     per_module: dict[str, dict[str, torch.Tensor]] = {}  # peft module path -> {"A": .., "B": ..}
     try:
         with safe_open(str(weights_path), framework="pt") as st:
             for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
                 module, part = _split_key(name, key)
-                per_module.setdefault(module, {})[part] = st.get_tensor(key).to(torch.float32)
+                pair = per_module.setdefault(module, {})
+                if part in pair:
+                    raise LoRAError(f"adapter {name!r}: {module} has two lora_{part} tensors")
+                pair[part] = st.get_tensor(key).to(torch.float32)
     except LoRAError:
         raise
     except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
@@ -178,7 +175,7 @@ def load_adapter(
             big_b[offset : offset + b.shape[0], col : col + a.shape[0]] = b.to(device=device, dtype=dtype)
             col += a.shape[0]
         pairs[target] = (big_a.contiguous(), big_b)
-    identity = LoRAIdentity(name, digest.hexdigest())
+    identity = LoRAKey(name, _digest(raw, weights_path))
     log.info(
         "LoRA adapter %s: %s, rank %d, %d modules, digest %s",
         name,
@@ -190,11 +187,48 @@ def load_adapter(
     return LoRAAdapter(identity, root, rank, pairs)
 
 
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    """An adapter as the server lists it (/v1/models) and names it to routers (/health)."""
+
+    path: str
+    digest: str
+
+
+def served_adapter(name: str, path: str) -> ServedAdapter:
+    """The adapter at `path` as its ranks will key it, without loading it (a data-parallel server's front
+    process, which loads no weights)."""
+    raw, weights_path = _read_config(name, Path(path).expanduser())
+    return ServedAdapter(path, _digest(raw, weights_path))
+
+
+def _read_config(name: str, root: Path) -> tuple[bytes, Path]:
+    """The adapter's config bytes (bounded) and where its weights are."""
+    cfg_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not cfg_path.is_file() or not weights_path.is_file():
+        raise LoRAError(
+            f"adapter {name!r}: {root} is not a peft LoRA directory ({CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
+    with cfg_path.open("rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    return raw, weights_path
+
+
+def _digest(raw_config: bytes, weights_path: Path) -> str:
+    """The adapter's identity beside its name: sha256 over its config and its weights file's sha256."""
+    digest = hashlib.sha256(raw_config)
+    with weights_path.open("rb") as f:
+        digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
 def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
     """The adapter's rank and scaling, or LoRAError for what the engine does not implement."""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r}, only LORA is served")
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAError(f"adapter {name!r}: r must be a positive integer")
     if rank > max_rank:
@@ -225,7 +259,8 @@ def _split_key(name: str, key: str) -> tuple[str, str]:
     part = tail.removesuffix(".weight").split(".")[0]
     if not stem or part not in ("A", "B") or not tail.endswith("weight"):
         raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight (lora_A / lora_B)")
-    module = stem.removeprefix("base_model.model.")
+    # `model.` too: with and without it, two keys would name one layer (checkpoint_slot drops it)
+    module = stem.removeprefix("base_model.model.").removeprefix("model.")
     if module.rsplit(".", 1)[-1] not in TARGETS:
         raise LoRAError(
             f"adapter {name!r}: {module!r} is not a projection the engine adapts ({', '.join(TARGETS)})"
@@ -257,7 +292,7 @@ class LoRABatch:
 def lora_batch(row_adapters: list[LoRAAdapter | None], device: torch.device) -> LoRABatch | None:
     """The LoRABatch for a step whose row i runs under `row_adapters[i]` (None: the base model)."""
     # By identity, not name: after an in-place reload one step may run both versions of an adapter.
-    by_adapter: dict[LoRAIdentity, tuple[LoRAAdapter, list[int]]] = {}
+    by_adapter: dict[LoRAKey, tuple[LoRAAdapter, list[int]]] = {}
     for i, adapter in enumerate(row_adapters):
         if adapter is not None:
             by_adapter.setdefault(adapter.identity, (adapter, []))[1].append(i)

@@ -92,12 +92,16 @@ class Scheduler:
                 i += 1
 
         # Admitting while preempting would only thrash: the freed blocks go to the preempted first.
+        # A request of an adapter beyond --max-loras is passed over (it keeps its place in the queue), as
+        # vLLM does, so the base model's and the running adapters' requests behind it are not held up.
+        passed_over: list[Request] = []
         while (
             out.num_preempted == 0 and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            if not self._lora_fits(req):  # waits, in order, until an adapter's requests end
-                break
+            if not self._lora_fits(req):
+                passed_over.append(self.waiting.popleft())
+                continue
             hit = self.kv.find_prefix(req)
             if hit.pending:  # its prefix is on its way from disk: admitted on a later step, in order
                 break
@@ -115,6 +119,7 @@ class Scheduler:
             plan.append((req, n))
             budget -= n
 
+        self.waiting.extendleft(reversed(passed_over))
         for req, n in plan:
             start = req.num_computed_tokens
             sample = start + n == req.num_tokens

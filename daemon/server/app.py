@@ -45,7 +45,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
     served = list(settings.served_model_names) or [engine.info.model_name]
-    if clash := set(served) & set(engine.info.lora_modules):
+    if clash := set(served) & set(engine.info.lora_adapters):
         raise ValueError(f"--lora-modules names {', '.join(sorted(clash))}: the base model's name")
     state = ServerState(
         engine,
@@ -55,7 +55,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
         token_texts=TokenTexts(engine.info.tokenizer),
-        adapters=dict(engine.info.lora_modules),
+        adapters=dict(engine.info.lora_adapters),
     )
     state.idle.set()
     state.weights.version = engine.info.weight_version
@@ -131,9 +131,11 @@ async def health(request: web.Request) -> web.Response:
         reason = state.engine.error or "starting"
         return json_response({"status": "unhealthy", "reason": reason}, status=503)
     w = state.weights
-    return json_response(
-        {"status": "ok", "weight_version": w.version, "digest": w.digest, "paused": w.paused}
-    )
+    body = {"status": "ok", "weight_version": w.version, "digest": w.digest, "paused": w.paused}
+    if state.engine.info.enable_lora:
+        # Each adapter's identity, as its blocks' keys carry it: a router keys an adapter's prompts so.
+        body["lora_adapters"] = {name: a.digest for name, a in state.adapters.items()}
+    return json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -163,12 +165,12 @@ async def models(request: web.Request) -> web.Response:
             "object": "model",
             "created": state.created,
             "owned_by": "kvpilot",
-            "root": path,
+            "root": adapter.path,
             "parent": state.served[0],
             "max_model_len": state.engine.info.max_model_len,
             "weight_version": state.weights.version,
         }
-        for name, path in state.adapters.items()
+        for name, adapter in state.adapters.items()
     ]
     return json_response({"object": "list", "data": data})
 

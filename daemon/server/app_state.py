@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
+from kvpilot.daemon.engine.lora import ServedAdapter
 from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.prepare import PromptRules
@@ -42,15 +43,16 @@ class ServerState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     created: int = field(default_factory=lambda: int(time.time()))
     weights: WeightStatus = field(default_factory=WeightStatus)
-    adapters: dict[str, str] = field(default_factory=dict)  # the LoRA adapters served: name -> path
+    adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the LoRA adapters served, by name
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # lora_api.py's loads and unloads
 
-    def set_adapter(self, name: str, path: str | None) -> None:
-        """Serve the adapter `name` from `path` (None: stop serving it): /v1/models and every request
+    def set_adapter(self, name: str, adapter: ServedAdapter | None) -> None:
+        """Serve `adapter` as `name` (None: stop serving it): /v1/models, /health and every request
         parsed from now on see it."""
-        if path is None:
+        if adapter is None:
             self.adapters.pop(name, None)
         else:
-            self.adapters[name] = path
+            self.adapters[name] = adapter
         self.rules = dataclasses.replace(self.rules, adapters=frozenset(self.adapters))
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from kvpilot.daemon.engine.lora import ServedAdapter
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.weights_api import WeightFailure, call, rank_timeout, route
 from kvpilot.kv_events import MAX_LORA_NAME_CHARS
@@ -38,21 +39,25 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: dict
         raise ApiError(400, "load_inplace must be true or false", "load_inplace")
     if name in state.served:
         raise ApiError(400, f"lora_name {name!r} is the base model's name", "lora_name")
-    if name in state.adapters and not inplace:
-        raise ApiError(
-            400, f"The lora adapter '{name}' has already been loaded.", "lora_name", code="lora_exists"
-        )
-    try:
-        ranks = await call(state, state.engine.load_lora_adapter(name, path, inplace, rank_timeout(state)))
-        if len({r["digest"] for r in ranks}) != 1:
-            raise WeightFailure(500, "the ranks read different adapter files; the adapter is unloaded", ranks)
-    except WeightFailure as fail:
-        if any("error" not in r for r in fail.ranks):  # some ranks took it: none may serve it alone
-            await _unload_everywhere(state, name)
-        if fail.status == 400:
-            fail.code = "invalid_lora_adapter"
-        raise
-    state.set_adapter(name, path)
+    async with state.lora_lock:  # one load or unload at a time: the ranks see them in one order
+        if name in state.adapters and not inplace:
+            raise ApiError(
+                400, f"The lora adapter '{name}' has already been loaded.", "lora_name", code="lora_exists"
+            )
+        previous = state.adapters.get(name)
+        try:
+            ranks = await call(
+                state, state.engine.load_lora_adapter(name, path, inplace, rank_timeout(state))
+            )
+            if len({r["digest"] for r in ranks}) != 1:
+                raise WeightFailure(500, "the ranks read different adapter files", ranks)
+        except WeightFailure as fail:
+            if any("error" not in r for r in fail.ranks):  # some ranks took it: none may serve it alone
+                await _undo(state, name, previous)
+            if fail.status == 400:
+                fail.code = "invalid_lora_adapter"
+            raise
+        state.set_adapter(name, ServedAdapter(path, ranks[0]["digest"]))
     log.info(
         "LoRA adapter %s %s from %s (digest %s)",
         name,
@@ -70,10 +75,13 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: dict
 
 async def unload_lora_adapter(request: web.Request, state: ServerState, body: dict) -> dict:
     name = _lora_name(body)
-    if name not in state.adapters:
-        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", code="lora_not_found")
-    state.set_adapter(name, None)  # no new request names it from here on
-    ranks = await call(state, state.engine.unload_lora_adapter(name, rank_timeout(state)))
+    async with state.lora_lock:
+        if name not in state.adapters:
+            raise ApiError(
+                404, f"The lora adapter '{name}' cannot be found.", "lora_name", code="lora_not_found"
+            )
+        state.set_adapter(name, None)  # no new request names it from here on
+        ranks = await call(state, state.engine.unload_lora_adapter(name, rank_timeout(state)))
     log.info("LoRA adapter %s unloaded", name)
     return {
         "message": f"Success: LoRA adapter '{name}' removed successfully.",
@@ -82,12 +90,24 @@ async def unload_lora_adapter(request: web.Request, state: ServerState, body: di
     }
 
 
-async def _unload_everywhere(state: ServerState, name: str) -> None:
-    state.set_adapter(name, None)
+async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -> None:
+    """After a load that some ranks took and others did not: the adapter as it was before on every rank
+    (its previous files again, in place), or, where there was none or that fails too, on none."""
+    timeout = rank_timeout(state)
     try:
-        await state.engine.unload_lora_adapter(name, rank_timeout(state))  # ranks without it answer 404
+        if previous is not None:
+            ranks = await state.engine.load_lora_adapter(name, previous.path, True, timeout)
+            if all(r.error is None and r.value["digest"] == previous.digest for r in ranks):
+                log.warning(
+                    "LoRA adapter %s: the failed load is undone, %s serves again", name, previous.path
+                )
+                return
+        state.set_adapter(name, None)
+        await state.engine.unload_lora_adapter(name, timeout)  # ranks without it answer 404
+        log.warning("LoRA adapter %s: unloaded after a load that not every rank took", name)
     except Exception:  # noqa: BLE001 - the load's own failure is what the caller must hear
-        log.exception("unloading %s after a failed load", name)
+        state.set_adapter(name, None)
+        log.exception("LoRA adapter %s: undoing a failed load", name)
 
 
 def _lora_name(body: dict) -> str:

@@ -78,7 +78,7 @@ async def _generate(
                 dp_rank,
                 not req.stream,
                 req.weight_version,
-                req.model if req.model in state.rules.adapters else None,
+                req.lora_name,  # as parsed: unloaded since, it is a 404, never the base model
             )
         )
     except QueueFull as exc:

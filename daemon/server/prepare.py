@@ -36,7 +36,7 @@ class PromptRules:
     def of(cls, info: EngineInfo, served: list[str]) -> PromptRules:
         longest = max((len(t) for t in info.tokenizer.get_vocab()), default=1)
         chars = CHARS_PER_TOKEN_MARGIN * max(longest, 1) * info.max_model_len
-        return cls(served, info, chars, frozenset(info.lora_modules))
+        return cls(served, info, chars, frozenset(info.lora_adapters))
 
 
 @dataclass(slots=True)

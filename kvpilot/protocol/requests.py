@@ -45,6 +45,7 @@ class GenerateRequest:
     model: str
     prompts: list[str | list[int]]
     params: Sampling
+    lora_name: str | None = None  # `model` names this LoRA adapter (None: the base model)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -202,6 +203,7 @@ def _generate_request(
 ) -> GenerateRequest:
     return GenerateRequest(
         model=_resolve_model(r.model, served, adapters),
+        lora_name=r.model if r.model is not None and r.model in adapters else None,
         params=params,
         stop=r.stop or [],
         stream=bool(r.stream),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.block_keys import HASH_ALGOS, KeyScheme
 from kvpilot.daemon.engine.lora import LoRAError
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kv_events import BlockStored, decode_batch
@@ -57,13 +58,26 @@ def test_a_batch_mixing_base_and_adapters_matches_peft(lora_engine, references, 
 def test_one_adapter_a_step_still_serves_a_mixed_batch(
     make_engine, lora_adapters, references, chat_prompts
 ) -> None:  # noqa: ANN001
+    """--max-loras 1: no step runs two adapters; a request of another adapter waits without holding up
+    the base model's requests behind it; every answer is still its adapter's."""
     eng = make_engine(
         enable_lora=True, max_loras=1, lora_modules=[f"{n}={p}" for n, p in lora_adapters.items()]
     )
     names = ["every-layer", "attention-only", None, "every-layer"]
-    prompts = [chat_prompts[i % 3] for i in range(len(names))]
-    got = eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), lora_names=names)
-    assert got == [references[n][i % 3] for i, n in enumerate(names)]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    seqs = [
+        eng.add_request(f"m{i}", chat_prompts[i % 3], params, lora_name=n)[0] for i, n in enumerate(names)
+    ]
+    first = True
+    while eng.has_unfinished_requests():
+        eng.step()
+        running = eng.scheduler.running
+        assert len({r.lora.identity for r in running if r.lora is not None}) <= 1
+        if first:  # the base request was admitted past the waiting adapter
+            assert seqs[2].status.value == "running" or seqs[2].output_token_ids, running
+            assert seqs[1].num_computed_tokens == 0
+            first = False
+    assert [s.output_token_ids for s in seqs] == [references[n][i % 3] for i, n in enumerate(names)]
 
 
 def test_an_adapters_kv_is_never_served_to_the_base_or_another_adapter(
@@ -100,8 +114,14 @@ def test_an_adapter_loaded_again_with_new_weights_shares_no_block(
     keys = [e.keys.prompt_hashes(prompt, 16, lora=e.loras.get("policy").identity) for e in (old, new)]
     assert not set(keys[0]) & set(keys[1])
     assert old.keys.prompt_hashes(prompt, 16) != keys[0]  # and none with the base model's
-    # An adapter's name is tagged apart from a tenant's salt: a salt equal to it keys other blocks.
-    assert old.keys.prompt_hashes(prompt, 16, cache_salt="policy") != keys[0]
+    # An adapter's name is tagged apart from a tenant's salt: a salt equal to it, or spelling its key
+    # (as kvpilot's older byte scheme once could), keys other blocks, in every scheme.
+    identity = old.loras.get("policy").identity
+    for algo in HASH_ALGOS:
+        scheme = KeyScheme(algo)
+        adapter_keys = scheme.prompt_hashes(prompt, 16, lora=identity)
+        for salt in ("policy", f"\x00lora\x00policy\x00{identity.digest}", f"lora{identity.digest}"):
+            assert scheme.prompt_hashes(prompt, 16, cache_salt=salt) != adapter_keys, (algo, salt)
 
 
 def test_bad_adapters_are_refused_with_their_reason(
@@ -187,3 +207,22 @@ def test_a_reload_in_place_leaves_running_requests_on_the_weights_they_started_w
     assert eng.unload_lora("policy") and not eng.unload_lora("policy")
     with pytest.raises(LoRAError, match="start the daemon with --enable-lora"):
         make_engine().load_lora("x", str(lora_adapters["every-layer"]), inplace=False)
+
+
+def test_a_weight_swap_restarts_a_request_under_its_adapter_even_once_unloaded(
+    make_engine, lora_adapters, references, chat_prompts
+) -> None:  # noqa: ANN001
+    """A swap starts unsent requests again from their prompt: one whose adapter was unloaded meanwhile
+    keeps that adapter (it was admitted under it), and the swap does not fail."""
+    eng = make_engine(enable_lora=True, lora_modules=[f"policy={lora_adapters['every-layer']}"])
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    eng.add_request("a", chat_prompts[0], params, restartable=True, lora_name="policy")
+    eng.add_request("b", chat_prompts[1], params, restartable=True)
+    eng.step()
+    assert eng.unload_lora("policy")
+    eng.swap_weights("v2", lambda: None)  # the same weights under a new version: the answers stay
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+    assert outputs == {"a": references["every-layer"][0], "b": references[None][1]}

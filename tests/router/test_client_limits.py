@@ -155,13 +155,13 @@ def test_every_error_is_openai_json(quiet_fleet: Fleet, kind: str, case: tuple) 
 
 def test_prompt_keys_stop_at_the_models_context() -> None:
     ids = list(range(1, 1001))
-    assert len(Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS))[0]) == 999 // 16
+    assert len(Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS, None))[0]) == 999 // 16
     bounded = Prompts([ids], None, max_tokens=100)
-    assert len(bounded.block_keys((16, None, DEFAULT_KEYS))[0]) == 100 // 16
+    assert len(bounded.block_keys((16, None, DEFAULT_KEYS, None))[0]) == 100 // 16
     # the same keys as the full prompt's, as far as they go
     assert (
-        bounded.block_keys((16, None, DEFAULT_KEYS))[0]
-        == Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS))[0][: 100 // 16]
+        bounded.block_keys((16, None, DEFAULT_KEYS, None))[0]
+        == Prompts([ids], None).block_keys((16, None, DEFAULT_KEYS, None))[0][: 100 // 16]
     )
 
 

@@ -202,12 +202,12 @@ def test_a_rank_is_matched_only_with_its_own_versions_keys(monkeypatch: pytest.M
     a, b = (Pod(n, f"http://{n}", True, kv_events="on", block_size=16, ranks=[0]) for n in ("a:1", "b:1"))
     a.weight_version, b.weight_version = "v1", "v1"  # b's blocks are of v2: never predicted as v1
     pa = PrefixAware(index)
-    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS)}
+    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS, None)}
     assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 0}
     b.weight_version = "v2"
     assert pa.predict([a, b], Prompts([prompt], None)) == {("a:1", 0): 32, ("b:1", 0): 32}
     b.weight_version = UNKNOWN  # b is routed by load: no prediction
-    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS)}
+    assert hash_schemes([a, b]) == {(16, "v1", DEFAULT_KEYS, None)}
     a.in_flight = 5
     d = pa.choose([a, b], Prompts([prompt], None))
     assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "load", None)

@@ -159,6 +159,12 @@ def test_an_adapter_loaded_reloaded_in_place_and_unloaded_at_run_time(
     assert loaded.status == 200, loaded.body
     assert loaded.json()["message"] == "Success: LoRA adapter 'policy' added successfully."
     assert "policy" in {m.id for m in client.models.list().data}
+    health = lora_server.request("GET", "/health").json()["lora_adapters"]  # what routers key it by
+    assert health["policy"] == loaded.json()["digest"] and set(health) == {
+        "every-layer",
+        "attention-only",
+        "policy",
+    }
     assert answer() == references["every-layer"]
     cached()
     assert cached() >= 32  # warm under the first weights
@@ -182,6 +188,7 @@ def test_an_adapter_loaded_reloaded_in_place_and_unloaded_at_run_time(
     gone = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
     assert gone.status == 200, gone.body
     assert "policy" not in {m.id for m in client.models.list().data}
+    assert "policy" not in lora_server.request("GET", "/health").json()["lora_adapters"]
     missing = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
     assert missing.status == 404 and missing.json()["error"]["code"] == "lora_not_found"
     done = lora_server.request(
