@@ -289,19 +289,24 @@ class LoRABatch:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
 
 
-def lora_batch(row_adapters: list[LoRAAdapter | None], device: torch.device) -> LoRABatch | None:
-    """The LoRABatch for a step whose row i runs under `row_adapters[i]` (None: the base model)."""
+def lora_batch(
+    spans: list[tuple[LoRAAdapter, int, int]], num_rows: int, device: torch.device
+) -> LoRABatch | None:
+    """The LoRABatch for a step of `num_rows` rows whose `spans` (adapter, first row, rows) run under an
+    adapter; the other rows are the base model's. One span per chunk, not a Python item per token."""
     # By identity, not name: after an in-place reload one step may run both versions of an adapter.
-    by_adapter: dict[LoRAKey, tuple[LoRAAdapter, list[int]]] = {}
-    for i, adapter in enumerate(row_adapters):
-        if adapter is not None:
-            by_adapter.setdefault(adapter.identity, (adapter, []))[1].append(i)
+    by_adapter: dict[LoRAKey, tuple[LoRAAdapter, list[tuple[int, int]]]] = {}
+    for adapter, start, count in spans:
+        by_adapter.setdefault(adapter.identity, (adapter, []))[1].append((start, count))
     if not by_adapter:
         return None
     groups = []
-    for adapter, rows in by_adapter.values():
-        every = len(rows) == len(row_adapters)
-        groups.append((adapter, None if every else torch.tensor(rows, dtype=torch.int64, device=device)))
+    for adapter, ranges in by_adapter.values():
+        if sum(n for _, n in ranges) == num_rows:
+            groups.append((adapter, None))  # every row: no gather
+            continue
+        rows = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in ranges]).to(device)
+        groups.append((adapter, rows))
     return LoRABatch(groups)
 
 

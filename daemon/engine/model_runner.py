@@ -126,10 +126,8 @@ class ModelRunner:
             p.query_lens.append(c.num_tokens)
             p.seq_lens.append(end)
             p.block_tables.append(list(c.block_ids))
-            if c.request.lora is not None or p.lora_rows:
-                # the rows before the first adapter's are the base model's
-                p.lora_rows += [None] * (len(p.input_ids) - c.num_tokens - len(p.lora_rows))
-                p.lora_rows += [c.request.lora] * c.num_tokens
+            if c.request.lora is not None:
+                p.lora_spans.append((c.request.lora, len(p.input_ids) - c.num_tokens, c.num_tokens))
         return p
 
     def _batch(self, p: StepPlan) -> ForwardBatch:
@@ -146,7 +144,7 @@ class ModelRunner:
             slot_mapping=as_tensor(p.slots),
             attn=attn,
             logits_indices=as_tensor(p.logits_rows),
-            lora=lora_batch(p.lora_rows, self.device) if p.lora_rows else None,
+            lora=lora_batch(p.lora_spans, len(p.input_ids), self.device) if p.lora_spans else None,
         )
 
 
@@ -162,6 +160,6 @@ class StepPlan:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    # Each row's adapter, once a row has one (empty: every row is the base model's). Never set with
+    # (adapter, first row, rows) of each chunk run under an adapter (empty: all base). Never set with
     # tensor parallelism, whose shards take this plan as plain lists (config.py refuses the two together).
-    lora_rows: list[LoRAAdapter | None] = field(default_factory=list)
+    lora_spans: list[tuple[LoRAAdapter, int, int]] = field(default_factory=list)
