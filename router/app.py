@@ -30,6 +30,9 @@ from kvpilot.router.weight_versions import describe
 
 log = logging.getLogger(__name__)
 
+# How long a starting router waits for its pods' first probes (each bounded at 5 s) before it listens.
+FIRST_PROBE_WAIT_S = 10.0
+
 
 def create_app(router: Router) -> web.Application:
     limit = router.settings.max_body_bytes
@@ -116,6 +119,7 @@ async def serve(
             watch.start()
         else:
             fleet.update(pods or [])
+        await fleet.first_probes(FIRST_PROBE_WAIT_S)
         served = await start_server(
             app, settings.host, settings.port, settings.limits, shutdown_timeout=settings.shutdown_timeout_s
         )

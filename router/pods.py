@@ -63,6 +63,7 @@ class Pod:
     events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
     weight_version: Version = None  # what its last /health named (each rank's own: its stream's)
     adapters: dict[str, LoRAKey] = field(default_factory=dict)  # its LoRA adapters, as its /health names them
+    probed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set by its first health probe
     _targets: dict[str, URL] = field(default_factory=dict, repr=False)  # path -> its URL on the pod
 
     def target(self, path_qs: str) -> URL:
@@ -188,6 +189,7 @@ class Fleet:
         self._ctx = subscriber_context(kv_events_curve_dir)
         self._tasks: dict[str, asyncio.Task] = {}
         self.versions = VersionChoice()  # the weight versions in the order they appeared
+        self._listed = asyncio.Event()  # set by the first update(): the fleet's first list is known
 
     def ready_pods(self) -> list[Pod]:
         return [p for p in self.pods if p.ready]
@@ -221,6 +223,24 @@ class Fleet:
         if old or len(keep) != len(self.pods):
             log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
         self.pods = keep
+        self._listed.set()
+
+    async def first_probes(self, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, for the fleet's first list and each of its pods' first health probe:
+        a router that listened before would answer a restart's first requests 503 with every pod up."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._listed.wait()
+                await asyncio.gather(*(p.probed.wait() for p in self.pods))
+        except TimeoutError:
+            waiting = [p.name for p in self.pods if not p.probed.is_set()]
+            log.warning(
+                "after %gs, still waiting for %s; serving now",
+                timeout_s,
+                "the fleet's first list"
+                if not self._listed.is_set()
+                else "the first probe of " + ", ".join(waiting),
+            )
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -253,7 +273,10 @@ class Fleet:
 
     async def _probe_once(self, pod: Pod) -> list[asyncio.Task]:
         """One probe of the pod; returns the event streams it started (the first time events are on)."""
-        pod.ready = await self._healthy(pod)
+        try:
+            pod.ready = await self._healthy(pod)
+        finally:
+            pod.probed.set()
         self.metrics.pod_ready.labels(pod.name).set(1 if pod.ready else 0)
         for stream in pod.streams:
             if pod.ready:

@@ -380,6 +380,20 @@ def test_a_pod_that_turns_unready_loses_its_entries_until_it_is_back(tmp_path: P
         stop_router(router)
 
 
+# ---- a router starting: it listens once its pods are probed ------------------------------------------
+def test_a_starting_router_listens_only_once_its_pods_are_probed(tmp_path: Path, pod: HostilePod) -> None:
+    """A router restarted under load used to answer its first requests 503 no_ready_pod with every pod up:
+    it listened before its first probes came back. A slow /health (1.5 s) makes that window certain."""
+    pod.health_delay_s = 1.5
+    router = start_router(tmp_path, [pod.url], "--policy", "round-robin", no_pod=True)
+    try:
+        assert router.pod(pod.name)["ready"], router.health()  # the first /health it answers
+        status, body = post(router, "/v1/completions", COMPLETION)
+        assert status == 200, body
+    finally:
+        stop_router(router)
+
+
 # ---- proxied requests: a read timeout and a byte cap ------------------------------------------------
 def test_a_silent_pod_gets_the_client_a_504(tmp_path: Path, pod: HostilePod) -> None:
     router = router_for(tmp_path, pod, "--proxy-timeout", "2")

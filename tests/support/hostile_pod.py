@@ -2,7 +2,7 @@
 test_hostile_pods.py): a real aiohttp server and real ZeroMQ PUB and ROUTER (replay) sockets on loopback,
 run by a thread of the test process, every behaviour a knob the test sets.
 
-HTTP: `GET /health` (status `health_status`), `GET /kv_events` (the honest reply naming its sockets, or
+HTTP: `GET /health` (status `health_status`, after `health_delay_s`), `GET /kv_events` (the honest reply naming its sockets, or
 `kv_events_reply`, any JSON value), `POST /reset_prefix_cache` (a daemon's success reply; it records an
 AllBlocksCleared batch, published live only with `publish_live`), `POST /v1/completions` (by `completion`:
 "ok", "silent", "huge" (`huge_bytes` of JSON), "huge_gzip" (the same, gzipped), "stream_then_silent",
@@ -60,6 +60,7 @@ class HostilePod:
         self, blocks_total: int = 64, buffer_batches: int = 1000, buffer_bytes: int = 1 << 20
     ) -> None:
         self.health_status = 200
+        self.health_delay_s = 0.0
         self.kv_events_reply: Any = None  # None: the honest reply
         self.completion = "ok"
         self.huge_bytes = 0
@@ -172,6 +173,7 @@ class HostilePod:
         await send([client, b"", b"", seq_frame(END_OF_REPLAY), b""])
 
     async def _health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status, text="ok")
 
     async def _kv_events(self, request: web.Request) -> web.Response:
