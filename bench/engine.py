@@ -27,6 +27,7 @@ import torch
 
 from kvpilot.block_keys import DEFAULT_KEYS
 from kvpilot.daemon.engine.block_pool import BlockPool
+from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
@@ -273,8 +274,9 @@ def reset_latency(num_blocks: int, repeats: int = 20) -> dict:
     times, frees = [], []
     for _ in range(repeats):
         blocks = pool.allocate(num_blocks)
+        index = pool.open_index(CacheScope(None, None, None))
         for i, b in enumerate(blocks):
-            pool.cache_block(b, DEFAULT_KEYS.hash_block(None, [i], None))
+            pool.cache_block(b, index, DEFAULT_KEYS.hash_block(None, [i], None))
         pool.free(blocks)
         start = time.perf_counter()
         evicted = pool.reset()

@@ -1,13 +1,15 @@
 """The fixed pool of KV blocks, its free list and the prefix index.
 
-Every block is in exactly one state: `used` (ref_cnt > 0), `cached` (free, and reachable through the
-prefix index of the current epoch) or `free` (free and unreachable). Free and cached blocks both sit in
-one doubly linked free queue: unreachable blocks at the head so they are reused first, cached blocks
-appended at the tail so the least recently used one is evicted first.
+Every block is in exactly one state: `used` (ref_cnt > 0), `cached` (free, and reachable through a live
+prefix index) or `free` (free and unreachable). Free and cached blocks both sit in one doubly linked free
+queue: unreachable blocks at the head so they are reused first, cached blocks appended at the tail so the
+least recently used one is evicted first.
 
-`reset()` makes every cached block unreachable in O(1): it swaps the index for an empty one and bumps
-the epoch. Blocks still carry their old key; a key only counts while the current index maps it to that
-very block, so stale keys are harmless and are dropped lazily when the block is reused.
+The prefix index is one map per cache scope (the weights, adapter and salt a block was computed under:
+`cache_scope.py`). `reset()` makes every cached block unreachable in O(1): it drops every scope's map and
+bumps the epoch. `reset_scopes()` drops the maps of the scopes it names, in O(1) per scope, and leaves the
+others warm. Blocks still carry their old key and map; a key only counts while its map is live and maps
+it to that very block, so stale keys are harmless and are dropped lazily when the block is reused.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.block_keys import BlockHash
+from kvpilot.daemon.engine.cache_scope import CacheScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
@@ -27,6 +30,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    index: ScopeIndex | None = None  # the map that indexed it, while block_hash is set
     prev: KVBlock | None = field(default=None, repr=False)
     next: KVBlock | None = field(default=None, repr=False)
 
@@ -79,6 +83,19 @@ class FreeBlockQueue:
         return out
 
 
+@dataclass(slots=True, eq=False)
+class ScopeIndex:
+    """One scope's prefix index. Live while it is its pool's map for the scope (a reset of it, or of
+    everything, replaces it); a request's KV is indexed only into the map it began in, while that is
+    live. A map that holds no block and no request is dropped, so the scopes kept are bounded by the
+    blocks and requests, whatever salts clients send."""
+
+    scope: CacheScope
+    blocks: dict[BlockHash, KVBlock] = field(default_factory=dict)
+    cached_free: int = 0  # of its blocks, those in the free queue
+    holders: int = 0  # requests whose KV began in it
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -86,9 +103,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self.blocks)
-        self._index: dict[BlockHash, KVBlock] = {}
+        self._scopes: dict[CacheScope, ScopeIndex] = {}
         self._num_cached_free = 0
-        self._retired: list[dict[BlockHash, KVBlock]] = []
+        self._retired: list[object] = []  # maps dropped by resets, freed after the reset answered
         self.epoch = 0
         self.events: KVEventRecorder | None = None  # set when KV events are published
         # Told of each cached block evicted by an allocation, before anything overwrites it (the
@@ -110,33 +127,76 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def is_cached(self, block: KVBlock) -> bool:
-        return block.block_hash is not None and self._index.get(block.block_hash) is block
+        index = block.index
+        return (
+            block.block_hash is not None
+            and index is not None
+            and self.is_live(index)
+            and index.blocks.get(block.block_hash) is block
+        )
+
+    def is_live(self, index: ScopeIndex) -> bool:
+        return self._scopes.get(index.scope) is index
 
     # ---- prefix index ------------------------------------------------------------------------
-    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        return self._index.get(block_hash)
+    def lookup(self, scope: CacheScope, block_hash: BlockHash) -> KVBlock | None:
+        index = self._scopes.get(scope)
+        return None if index is None else index.blocks.get(block_hash)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Index a full, computed, in-use block; True if the key is new. A key that is already indexed
-        keeps its first block."""
+    def open_index(self, scope: CacheScope) -> ScopeIndex:
+        """The live map of `scope` (made on first use), for a request whose KV begins now."""
+        index = self._scopes.get(scope)
+        if index is None:
+            index = self._scopes[scope] = ScopeIndex(scope)
+        index.holders += 1
+        return index
+
+    def close_index(self, index: ScopeIndex) -> None:
+        """The request that opened it is done with it."""
+        index.holders -= 1
+        self._prune(index)
+
+    def _prune(self, index: ScopeIndex) -> None:
+        if not index.blocks and index.holders == 0 and self.is_live(index):
+            del self._scopes[index.scope]
+
+    def cache_block(self, block: KVBlock, index: ScopeIndex, block_hash: BlockHash) -> bool:
+        """Index a full, computed, in-use block in `index` (live); True if the key is new. A key that is
+        already indexed keeps its first block."""
         assert block.ref_cnt > 0, "only blocks held by a request are indexed"
-        if block_hash in self._index:
+        assert self.is_live(index), "a dropped index takes no blocks"
+        if block_hash in index.blocks:
             return False
-        self._index[block_hash] = block
-        block.block_hash = block_hash
+        index.blocks[block_hash] = block
+        block.block_hash, block.index = block_hash, index
         return True
 
     def reset(self) -> int:
         """Make every indexed block unreachable at once; returns how many were reachable."""
-        evicted = len(self._index)
-        # Freeing a dict of 100k keys takes milliseconds: park it and let release_retired() free it
+        evicted = sum(len(i.blocks) for i in self._scopes.values())
+        # Freeing dicts of 100k keys takes milliseconds: park them and let release_retired() free them
         # after the reset has answered.
-        self._retired.append(self._index)
-        self._index = {}
+        self._retired.append(self._scopes)
+        self._scopes = {}
         self._num_cached_free = 0
         self.epoch += 1
         if self.events is not None:
             self.events.all_cleared()
+        return evicted
+
+    def reset_scopes(self, match: Callable[[CacheScope], bool]) -> int:
+        """Make the blocks of the scopes `match` names unreachable, a map at a time (O(1) each, O(scopes)
+        to find them); returns how many were reachable. Their keys go out as BlockRemoved events: a
+        router drops those and nothing else."""
+        evicted = 0
+        for scope in [s for s in self._scopes if match(s)]:
+            index = self._scopes.pop(scope)
+            evicted += len(index.blocks)
+            self._num_cached_free -= index.cached_free
+            if self.events is not None:
+                for key in index.blocks:
+                    self.events.block_removed(key)
+            self._retired.append(index.blocks)
         return evicted
 
     def release_retired(self) -> None:
@@ -150,6 +210,7 @@ class BlockPool:
                 self._free.remove(b)
                 if self.is_cached(b):
                     self._num_cached_free -= 1
+                    b.index.cached_free -= 1  # type: ignore[union-attr]
             b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -160,13 +221,16 @@ class BlockPool:
             b = self._free.popleft()
             if b.block_hash is not None:
                 if self.is_cached(b):  # evicting the least recently used cached block
-                    del self._index[b.block_hash]
+                    index = b.index
+                    del index.blocks[b.block_hash]  # type: ignore[union-attr]
+                    index.cached_free -= 1  # type: ignore[union-attr]
                     self._num_cached_free -= 1
                     if self.events is not None:
                         self.events.block_removed(b.block_hash)
                     if self.on_evict is not None:
                         self.on_evict(b, b.block_hash)
-                b.block_hash = None
+                    self._prune(index)  # type: ignore[arg-type]
+                b.block_hash = b.index = None
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -182,6 +246,7 @@ class BlockPool:
             if self.is_cached(b):
                 self._free.append(b)
                 self._num_cached_free += 1
+                b.index.cached_free += 1  # type: ignore[union-attr]
             else:
-                b.block_hash = None  # a stale key from an earlier epoch must never come back
+                b.block_hash = b.index = None  # a stale key from a dropped map must never come back
                 self._free.appendleft(b)

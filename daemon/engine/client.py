@@ -35,6 +35,7 @@ from kvpilot.daemon.engine.weight_ops import (
     UpdateWeights,
     WeightOp,
 )
+from kvpilot.protocol.requests import ResetScope
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -178,9 +179,11 @@ class EngineClient(WeightOperations, Protocol):
     async def rank_stats(self) -> list[CacheStats]:
         """Each rank's stats, read between two of its steps."""
 
-    async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
-        """Reset every rank's prefix cache between two of its steps: one result per rank, a failed one
-        for a rank that errs or does not answer within `timeout`."""
+    async def reset_ranks(
+        self, reset_running_requests: bool, timeout: float, scope: ResetScope | None = None
+    ) -> list[ResetResult]:
+        """Reset every rank's prefix cache (or `scope`'s part of it) between two of its steps: one
+        result per rank, a failed one for a rank that errs or does not answer within `timeout`."""
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         """Where KV events are published (`GET /kv_events`), None when they are off."""

@@ -48,6 +48,7 @@ from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
 from kvpilot.kv_events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+from kvpilot.protocol.requests import ResetScope
 
 log = logging.getLogger(__name__)
 
@@ -297,19 +298,27 @@ class DataParallelLoop(WeightOperations):
         replies = await asyncio.gather(*(self._call(r, "stats") for r in self._ranks), return_exceptions=True)
         return [s if isinstance(s, CacheStats) else r.state.stats for s, r in zip(replies, self._ranks)]
 
-    async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
+    async def reset_ranks(
+        self, reset_running_requests: bool, timeout: float, scope: ResetScope | None = None
+    ) -> list[ResetResult]:
         """Reset every rank between its steps; one result per rank, a failed one for a rank that is
         dead, errs or does not answer within `timeout`."""
         if all(r.dead for r in self._ranks):
             raise EngineDeadError(self.error or "the engine loop is not running")
         replies = await asyncio.gather(
-            *(asyncio.wait_for(self._call(r, "reset", reset_running_requests), timeout) for r in self._ranks),
+            *(
+                asyncio.wait_for(self._call(r, "reset", reset_running_requests, scope), timeout)
+                for r in self._ranks
+            ),
             return_exceptions=True,
         )
         results = []
         for rank, reply in zip(self._ranks, replies):
             if isinstance(reply, ResetResult):
-                self._policy.forget(rank.rank)
+                # A scoped reset keeps the memory: the other scopes' prefixes are still warm on their
+                # rank, and the reset scope's next prompts going back to its rank refill it there.
+                if scope is None:
+                    self._policy.forget(rank.rank)
                 results.append(reply)
             elif isinstance(reply, TimeoutError):
                 results.append(ResetResult.failed(rank.rank, f"no answer within {timeout:g} s"))

@@ -153,9 +153,9 @@ class RankWorker:
         elif kind == "abort":
             self.engine.abort_request(msg[1])
         elif kind == "reset":
-            _, call_id, reset_running = msg
+            _, call_id, reset_running, scope = msg
             try:
-                result = self.engine.reset_prefix_cache(reset_running)
+                result = self.engine.reset_prefix_cache(reset_running, scope)
             except Exception as exc:  # noqa: BLE001 - the reply names this rank and the error
                 log.exception("prefix cache reset failed")
                 self.outbox.send(("reply", call_id, None, f"reset failed: {type(exc).__name__}"))

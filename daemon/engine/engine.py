@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.block_keys import key_scheme
+from kvpilot.daemon.engine.cache_scope import scope_filter
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import engine_threads
@@ -39,6 +40,7 @@ from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
 from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
 from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, PauseMode
 from kvpilot.kernels import select_ops
+from kvpilot.protocol.requests import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
@@ -259,7 +261,7 @@ class LLMEngine:
         """Evicted blocks into the offload tiers, then blocks found there back into the pool: before the
         forward pass, which may overwrite the one and reads the other."""
         if t.saves:
-            self.kv.store_offloaded(t.saves, self.runner.read_blocks([b for b, _ in t.saves]))
+            self.kv.store_offloaded(t.saves, self.runner.read_blocks([b for b, _, _ in t.saves]))
         if t.loads:
             self.runner.write_blocks([b for b, _ in t.loads], [data for _, data in t.loads])
 
@@ -351,13 +353,25 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
 
     # ---- operations (call between steps) -----------------------------------------------------
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> ResetResult:
-        """Make every cached block unreachable now. Running requests keep the KV they hold (never
-        re-indexed); with `reset_running_requests` they are preempted and recomputed instead."""
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, scope: ResetScope | None = None
+    ) -> ResetResult:
+        """Make every cached block unreachable now, or with `scope` those of one adapter, salt or weight
+        version. Running requests keep the KV they hold (never re-indexed); with `reset_running_requests`
+        they (those of the scope) are preempted and recomputed instead."""
         start = time.perf_counter()
         in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
-        preempted = self.scheduler.preempt_all_running() if reset_running_requests else 0
-        evicted = self.kv.reset_prefix_cache()  # every tier
+        if scope is None:
+            preempted = self.scheduler.preempt_running() if reset_running_requests else 0
+            evicted = self.kv.reset_prefix_cache()  # every tier
+        else:
+            match = scope_filter(scope, INITIAL_VERSION)
+            preempted = (
+                self.scheduler.preempt_running(lambda r: match(r.cache_scope))
+                if reset_running_requests
+                else 0
+            )
+            evicted = self.kv.reset_prefix_cache(match)
         self._resets += 1
         self._last_reset_time = time.time()
         if self.kv_events is not None:
@@ -370,6 +384,7 @@ class LLMEngine:
             preempted_requests=preempted,
             duration_ms=(time.perf_counter() - start) * 1e3,
             evicted_by_tier=evicted,
+            scope=None if scope is None else scope.to_dict(),
         )
 
     def stats(self) -> CacheStats:

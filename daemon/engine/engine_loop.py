@@ -42,6 +42,7 @@ from kvpilot.daemon.engine.lora import ServedAdapter
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.weight_ops import RankReply, WeightOp, beside_steps
 from kvpilot.daemon.engine.weights import Reply, WeightControl
+from kvpilot.protocol.requests import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.engine import LLMEngine
@@ -166,11 +167,13 @@ class EngineLoop(WeightOperations):
     async def rank_stats(self) -> list[CacheStats]:
         return [await self.call(lambda engine: engine.stats())]
 
-    async def reset_ranks(self, reset_running_requests: bool, timeout: float) -> list[ResetResult]:
+    async def reset_ranks(
+        self, reset_running_requests: bool, timeout: float, scope: ResetScope | None = None
+    ) -> list[ResetResult]:
         """The reset between two steps, as one rank's result (a failed one if it errs or times out).
         Raises EngineDeadError when the loop is not running."""
         try:
-            reset = self.call(lambda engine: engine.reset_prefix_cache(reset_running_requests))
+            reset = self.call(lambda engine: engine.reset_prefix_cache(reset_running_requests, scope))
             return [await asyncio.wait_for(reset, timeout)]
         except EngineDeadError:
             raise

@@ -6,10 +6,12 @@ gets block ids back; it never touches `KVBlock` or the pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpilot.block_keys import BlockHash
-from kvpilot.daemon.engine.block_pool import BlockPool, KVBlock
+from kvpilot.daemon.engine.block_pool import BlockPool, KVBlock, ScopeIndex
+from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.kv_offload import DiskTier, HostBlock, HostTier, KVOffload
 from kvpilot.daemon.engine.request import Request
 
@@ -41,9 +43,9 @@ NO_HIT = PrefixHit((), 0)
 class KVTransfers:
     """Block copies between the offload tiers and the pool that one step must make before its forward
     pass: `saves` (pool block ids evicted this step, to read before anything overwrites them, with their
-    keys) first, then `loads` (pool block ids and the data to write there)."""
+    keys and scopes) first, then `loads` (pool block ids and the data to write there)."""
 
-    saves: list[tuple[int, BlockHash]]
+    saves: list[tuple[int, BlockHash, CacheScope]]
     loads: list[tuple[int, HostBlock]]
 
     def __bool__(self) -> bool:
@@ -63,6 +65,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_indexed: dict[str, int] = {}
+        # The prefix index each request's KV began in: its blocks are indexed there while it is live.
+        self._indexes: dict[str, ScopeIndex] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
         # (source, destination) block copies the model runner must make before the next forward pass.
@@ -70,7 +74,9 @@ class KVCacheManager:
         self.offload = offload if enable_prefix_caching else None
         self._transfers = KVTransfers([], [])
         if self.offload is not None:
-            self.pool.on_evict = lambda block, key: self._transfers.saves.append((block.block_id, key))
+            self.pool.on_evict = lambda block, key: self._transfers.saves.append(
+                (block.block_id, key, block.index.scope)  # type: ignore[union-attr]
+            )
 
     @property
     def epoch(self) -> int:
@@ -87,8 +93,9 @@ class KVCacheManager:
         req.update_block_hashes(self.block_size)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
+        scope = req.cache_scope
         for h in req.block_hashes[:max_blocks]:
-            block = self.pool.lookup(h)
+            block = self.pool.lookup(scope, h)
             if block is None:
                 break
             hits.append(block)
@@ -120,7 +127,7 @@ class KVCacheManager:
             self.pool.free([held[shared]])
             held[shared] = copy
         if not held:
-            req.cache_epoch = self.pool.epoch
+            self._indexes[req.request_id] = self.pool.open_index(req.cache_scope)
             self._num_indexed[req.request_id] = len(hit.blocks) + len(hit.loaded)
         if hit.blocks:
             self.pool.touch(list(hit.blocks))
@@ -136,9 +143,10 @@ class KVCacheManager:
         tier and are indexed in the pool at once (their data is written before this step's forward
         pass, like a block computed in it)."""
         events = self.pool.events
+        index = self._indexes[req.request_id]
         for i, (block, t) in enumerate(zip(blocks, loaded), start=first):
             self.offload.take(t.tier, t.key)  # type: ignore[union-attr]
-            self.pool.cache_block(block, t.key)
+            self.pool.cache_block(block, index, t.key)
             self._transfers.loads.append((block.block_id, t.block))
             if events is not None:
                 events.block_stored(
@@ -151,13 +159,14 @@ class KVCacheManager:
         The scheduler calls this when it schedules the step that computes them, not after: inside one
         forward pass every layer writes all new K/V before any attention reads it, so a request admitted
         later in the same step may already share these blocks instead of computing them again.
-        Nothing is indexed if a reset happened since the request's KV began: KV computed across a reset
-        must never be found after it.
+        Nothing is indexed if a reset of its scope (or of all) happened since the request's KV began: KV
+        computed across a reset must never be found after it.
         """
-        if not self.enable_prefix_caching or req.cache_epoch != self.pool.epoch:
+        if not self.enable_prefix_caching:
             return
         held = self._blocks.get(req.request_id)
-        if not held:
+        index = self._indexes.get(req.request_id)
+        if not held or index is None or not self.pool.is_live(index):
             return
         num_full = num_tokens // self.block_size
         start = self._num_indexed[req.request_id]
@@ -166,7 +175,7 @@ class KVCacheManager:
         req.update_block_hashes(self.block_size)
         events = self.pool.events
         for i in range(start, num_full):
-            if not self.pool.cache_block(held[i], req.block_hashes[i]):
+            if not self.pool.cache_block(held[i], index, req.block_hashes[i]):
                 continue
             if events is not None:
                 events.block_stored(
@@ -183,7 +192,8 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self._blocks[child.request_id] = list(blocks)
         self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
-        child.cache_epoch = parent.cache_epoch
+        index = self._indexes[child.request_id] = self._indexes[parent.request_id]
+        index.holders += 1
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -193,11 +203,14 @@ class KVCacheManager:
         out, self._transfers = self._transfers, KVTransfers([], [])
         return out
 
-    def store_offloaded(self, saves: list[tuple[int, BlockHash]], blocks: list[HostBlock]) -> None:
+    def store_offloaded(
+        self, saves: list[tuple[int, BlockHash, CacheScope]], blocks: list[HostBlock]
+    ) -> None:
         """The evicted blocks' data, read off the pool: into the tiers, unless the pool has indexed the
         same key again meanwhile (a request of the same step computed it)."""
-        for (_, key), block in zip(saves, blocks):
-            if self.pool.lookup(key) is None:
+        for (_, key, scope), block in zip(saves, blocks):
+            if self.pool.lookup(scope, key) is None:
+                block.scope = scope
                 self.offload.store(key, block)  # type: ignore[union-attr]
 
     def free(self, req: Request) -> None:
@@ -207,15 +220,25 @@ class KVCacheManager:
         self._num_indexed.pop(req.request_id, None)
         if blocks:
             self.pool.free(blocks)
+        index = self._indexes.pop(req.request_id, None)
+        if index is not None:
+            self.pool.close_index(index)
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]
 
-    def reset_prefix_cache(self) -> dict[str, int]:
-        """Every tier at once; the blocks each made unreachable, by tier ("pool", "host", "disk")."""
-        evicted = {"pool": self.pool.reset()}
+    def reset_prefix_cache(self, match: Callable[[CacheScope], bool] | None = None) -> dict[str, int]:
+        """Every tier at once; the blocks each made unreachable, by tier ("pool", "host", "disk"). With
+        `match`, only the blocks of the scopes it names, in the pool and the host tier; the disk tier,
+        which keeps no scope, is emptied whole."""
+        if match is None:
+            evicted = {"pool": self.pool.reset()}
+            if self.offload is not None:
+                evicted |= self.offload.reset()
+            return evicted
+        evicted = {"pool": self.pool.reset_scopes(match)}
         if self.offload is not None:
-            evicted |= self.offload.reset()
+            evicted |= self.offload.reset_scopes(match)
         return evicted
 
     def _shared_partial_block(self, req: Request) -> int | None:

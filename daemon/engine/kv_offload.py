@@ -6,7 +6,9 @@ layer, bounded in bytes. The tiers and the pool never hold one key twice: a bloc
 tier, a key the pool indexes again is dropped from the tiers, and a block the host tier evicts moves to the
 disk tier. A reset empties every tier in O(1): the host tier swaps its map for an empty one (as the pool
 does), the disk tier starts a new generation directory, and a disk write still in flight from before the
-reset lands in the old generation, which is never read again (`DiskTier`).
+reset lands in the old generation, which is never read again (`DiskTier`). A scoped reset (one adapter,
+salt or weight version: `cache_scope.py`) drops that scope's blocks from the host tier, O(blocks held
+there), and empties the disk tier whole, which keeps no scope per file.
 
 Copies: the block's data is gathered off the pool before the step's forward pass can overwrite it (on a
 GPU, into pinned host memory on a side stream the step does not wait for; on the CPU the gather is that
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.block_keys import BlockHash
+from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.outputs import TierStats
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class HostBlock:
 
     data: torch.Tensor
     ready: object | None = None
+    scope: CacheScope | None = None  # what it was computed under, for scoped resets
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -89,6 +93,13 @@ class HostTier:
         n = len(self._blocks)
         self._blocks = OrderedDict()  # the old map and its tensors go with the last reference
         return n
+
+    def reset_scopes(self, match: Callable[[CacheScope], bool]) -> list[BlockHash]:
+        """Drop the blocks of the scopes `match` names; returns their keys."""
+        gone = [k for k, b in self._blocks.items() if b.scope is not None and match(b.scope)]
+        for k in gone:
+            del self._blocks[k]
+        return gone
 
     def stats(self) -> TierStats:
         return TierStats(
@@ -232,6 +243,10 @@ class DiskTier:
             self._write_manifest()
         self._queue.put(("rmtree", old, None, None))
         return n
+
+    def keys(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._index)
 
     def drain(self) -> list[tuple[str, BlockHash]]:
         """What the writer stored and evicted since the last call, for the engine's KV events."""
@@ -452,6 +467,21 @@ class KVOffload:
 
     def reset(self) -> dict[str, int]:
         return {t.name: t.reset() for t in self.tiers}
+
+    def reset_scopes(self, match: Callable[[CacheScope], bool]) -> dict[str, int]:
+        """The host tier's blocks of those scopes, and the disk tier whole; each key removed is told to
+        the events (a full reset's AllBlocksCleared covers them; a scoped one must name them)."""
+        out = {}
+        if self.host is not None:
+            gone = self.host.reset_scopes(match)
+            for key in gone:
+                self._removed(key, HOST)
+            out[HOST] = len(gone)
+        if self.disk is not None:
+            for key in self.disk.keys():
+                self._removed(key, DISK)
+            out[DISK] = self.disk.reset()
+        return out
 
     def poll(self) -> None:
         """Tell the events what the disk writer did since the last step."""

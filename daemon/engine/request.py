@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpilot.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
+from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.lora import LoRAAdapter
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
@@ -103,8 +104,6 @@ class Request:
     num_cached_tokens: int = -1
     # Keys of this request's full blocks, extended as tokens are appended; computed once per block.
     block_hashes: list[BlockHash] = field(default_factory=list)
-    # Index epoch in which this request's KV began; blocks of an older epoch are never indexed.
-    cache_epoch: int = -1
     num_preemptions: int = 0
     finish_reason: str | None = None
     # Sequences of the group that branch off this one when it samples its first token.
@@ -133,6 +132,13 @@ class Request:
     def stop_ids_blocked(self) -> bool:
         """EOS and stop ids may not end the output yet (min_tokens)."""
         return len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def cache_scope(self) -> CacheScope:
+        """What its blocks' keys fold in besides the tokens: the prefix index they go to."""
+        return CacheScope(
+            self.weight_key, self.lora.identity if self.lora is not None else None, self.cache_salt
+        )
 
     def update_block_hashes(self, block_size: int) -> None:
         if len(self.all_token_ids) // block_size > len(self.block_hashes):

@@ -9,6 +9,7 @@ freed and it goes back to the head of the queue to be recomputed later, never dr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
@@ -185,12 +186,14 @@ class Scheduler:
                 return req
         return None
 
-    def preempt_all_running(self) -> int:
-        """Send every running request back to be recomputed, in their original order."""
-        n = len(self.running)
-        while self.running:
-            self._preempt(self.running.pop())
-        return n
+    def preempt_running(self, which: Callable[[Request], bool] | None = None) -> int:
+        """Send every running request (or those `which` names) back to be recomputed, in their original
+        order; returns how many."""
+        chosen = [r for r in self.running if which is None or which(r)]
+        for req in reversed(chosen):
+            self.running.remove(req)
+            self._preempt(req)
+        return len(chosen)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -30,7 +30,7 @@ from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
 from kvpilot.http_limits import start_server
 from kvpilot.protocol.errors import ApiError, error_middleware, error_response, unavailable
 from kvpilot.protocol.replies import json_response
-from kvpilot.protocol.requests import parse_json_object, parse_reset_flag
+from kvpilot.protocol.requests import parse_json_object, parse_reset_flag, parse_reset_scope
 from kvpilot.protocol.schema import openapi
 from kvpilot.text_pool import Busy, TextPool
 
@@ -221,8 +221,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
             param="reset_external",
             code="unsupported",
         )
+    scope = parse_reset_scope(request.query, body)
     try:
-        ranks = await state.engine.reset_ranks(flag, state.settings.reset_timeout)
+        ranks = await state.engine.reset_ranks(flag, state.settings.reset_timeout, scope)
     except EngineDeadError:
         m.labels("unavailable").inc()
         raise ApiError(503, "the engine is not running", code="engine_unavailable") from None
@@ -237,6 +238,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     m.labels("success").inc()
     result = {
         "success": True,
+        "scope": None if scope is None else scope.to_dict(),  # None: everything
         "epoch": min(r.epoch for r in ranks),
         "evicted_blocks": sum(r.evicted_blocks for r in ranks),
         "in_flight_requests": sum(r.in_flight_requests for r in ranks),
@@ -248,7 +250,8 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         "ranks": entries,
     }
     log.info(
-        "prefix cache reset on %d rank(s): epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
+        "prefix cache reset%s on %d rank(s): epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
+        "" if scope is None else f" of {scope.to_dict()}",
         len(ranks),
         result["epoch"],
         result["evicted_blocks"],

@@ -8,7 +8,7 @@ parameters (daemon/server/prepare.py); nothing here knows the engine."""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,3 +270,36 @@ def parse_reset_flag(name: str, query_value: str | None, body: dict | None, defa
     if value is not None and not isinstance(value, bool):
         raise bad(f"'{name}' must be a boolean, not {_kind(value)}", name)
     return default if value is None else value
+
+
+RESET_SCOPE_FIELDS = ("lora_name", "cache_salt", "weight_version")
+MAX_SCOPE_CHARS = 4096  # a salt is the longest of the three, and requests bound it only by their body
+
+
+@dataclass(frozen=True, slots=True)
+class ResetScope:
+    """The part of the prefix cache a scoped POST /reset_prefix_cache clears: the blocks of the LoRA
+    adapter `lora_name` (every version of it), of `cache_salt`, of `weight_version`; given together, the
+    blocks that are all of them at once."""
+
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    weight_version: str | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in RESET_SCOPE_FIELDS if getattr(self, k) is not None}
+
+
+def parse_reset_scope(query: Mapping[str, str], body: dict | None) -> ResetScope | None:
+    """The scope of POST /reset_prefix_cache, from the query string or a JSON body; None: everything."""
+    given = {}
+    for name in RESET_SCOPE_FIELDS:
+        value = query.get(name)
+        if value is None:
+            value = (body or {}).get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_SCOPE_CHARS:
+            raise bad(f"'{name}' must be a string of 1 to {MAX_SCOPE_CHARS} characters", name)
+        given[name] = value
+    return ResetScope(**given) if given else None

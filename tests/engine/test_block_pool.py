@@ -10,10 +10,12 @@ import pytest
 
 from kvpilot.block_keys import DEFAULT_KEYS, HASH_ALGOS, KeyScheme
 from kvpilot.daemon.engine.block_pool import BlockPool
+from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
 from kvpilot.daemon.engine.request import Request, SamplingParams
 
 hash_block = DEFAULT_KEYS.hash_block
+BASE = CacheScope(None, None, None)  # the base model's unsalted blocks
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
@@ -56,7 +58,7 @@ def test_lru_eviction_and_unhashed_blocks_first() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(4)
     for i, blk in enumerate(blocks[:2]):
-        pool.cache_block(blk, hash_block(None, [i], None))
+        pool.cache_block(blk, pool.open_index(BASE), hash_block(None, [i], None))
     pool.free(blocks)  # two cached, two plain
     assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
     # Plain blocks are reused first; then the least recently freed cached one (freed in reverse, so
@@ -64,20 +66,20 @@ def test_lru_eviction_and_unhashed_blocks_first() -> None:
     got = pool.allocate(3)
     assert {b.block_id for b in got[:2]} == {blocks[2].block_id, blocks[3].block_id}
     assert got[2] is blocks[1]
-    assert pool.lookup(hash_block(None, [1], None)) is None
-    assert pool.lookup(hash_block(None, [0], None)) is blocks[0]
+    assert pool.lookup(BASE, hash_block(None, [1], None)) is None
+    assert pool.lookup(BASE, hash_block(None, [0], None)) is blocks[0]
 
 
 def test_reset_makes_everything_unreachable_and_never_reindexes_held_blocks() -> None:
     pool = BlockPool(8)
     held = pool.allocate(3)
     for i, blk in enumerate(held):
-        pool.cache_block(blk, hash_block(None, [i], None))
+        pool.cache_block(blk, pool.open_index(BASE), hash_block(None, [i], None))
     pool.free(held[:1])
     assert pool.num_cached_blocks == 1
     assert pool.reset() == 3
     assert pool.epoch == 1 and pool.num_cached_blocks == 0
-    assert all(pool.lookup(hash_block(None, [i], None)) is None for i in range(3))
+    assert all(pool.lookup(BASE, hash_block(None, [i], None)) is None for i in range(3))
     pool.free(held[1:])
     assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 8
 
@@ -110,7 +112,7 @@ def test_reset_cost_does_not_walk_the_pool(num_blocks: int) -> None:
     pool = BlockPool(num_blocks)
     blocks = pool.allocate(num_blocks)
     for i, blk in enumerate(blocks):
-        pool.cache_block(blk, hash_block(None, [i], None))
+        pool.cache_block(blk, pool.open_index(BASE), hash_block(None, [i], None))
     pool.free(blocks)
     assert pool.reset() == num_blocks
     assert sum(1 for b in pool.blocks if b.block_hash is not None) == num_blocks  # nothing walked
@@ -142,3 +144,65 @@ def test_an_overflowed_request_never_leaks_into_other_decode_rows() -> None:
     write_kv(bad, torch.full((7, 1, 8), float("inf")), k_cache, v_cache, dead)
     dirty = paged_attention(q, k_cache, v_cache, meta, 0.3)
     assert torch.isfinite(dirty).all() and torch.allclose(clean, dirty)
+
+
+# ---- scoped resets: one adapter, salt or weight version --------------------------------------------
+SALTED = CacheScope(None, None, "tenant-a")
+
+
+def _cache(pool: BlockPool, scope: CacheScope, n: int, first: int = 0) -> list:
+    blocks = pool.allocate(n)
+    index = pool.open_index(scope)
+    for i, blk in enumerate(blocks, start=first):
+        pool.cache_block(blk, index, hash_block(None, [i], scope.cache_salt))
+    return blocks
+
+
+def test_a_scoped_reset_clears_its_scope_and_leaves_the_rest_warm() -> None:
+    pool = BlockPool(16)
+    base, salted = _cache(pool, BASE, 4), _cache(pool, SALTED, 3)
+    pool.free(base)
+    pool.free(salted[:2])  # one salted block stays held by its request
+    assert pool.num_cached_blocks == 6
+    assert pool.reset_scopes(lambda s: s.cache_salt == "tenant-a") == 3
+    assert pool.epoch == 0 and pool.num_cached_blocks == 4  # a scoped reset is no full one
+    assert all(pool.lookup(SALTED, hash_block(None, [i], "tenant-a")) is None for i in range(3))
+    assert [pool.lookup(BASE, hash_block(None, [i], None)) for i in range(4)] == base
+    pool.free(salted[2:])  # the held block comes back unreachable, not cached
+    assert pool.num_cached_blocks == 4 and pool.num_free_blocks == 16
+    assert pool.reset_scopes(lambda s: s.cache_salt == "tenant-a") == 0  # nothing left of it
+
+
+def test_a_request_whose_scope_was_reset_never_indexes_its_kv() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    req = Request("r", list(range(8)), SamplingParams(), cache_salt="tenant-a")
+    other = Request("o", list(range(8)), SamplingParams())
+    for r in (req, other):
+        assert kv.allocate_slots(r, 8)
+    kv.reset_prefix_cache(lambda s: s.cache_salt == "tenant-a")
+    for r in (req, other):
+        kv.cache_full_blocks(r, 8)
+        kv.free(r)
+    assert (
+        kv.find_prefix(Request("r2", list(range(8)), SamplingParams(), cache_salt="tenant-a")).num_tokens == 0
+    )
+    assert kv.find_prefix(Request("o2", list(range(8)), SamplingParams())).num_tokens == 4
+
+
+def test_scopes_that_hold_nothing_are_dropped_whatever_salts_clients_send() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    for i in range(200):
+        req = Request(f"r{i}", list(range(8)), SamplingParams(), cache_salt=f"salt-{i}")
+        assert kv.allocate_slots(req, 8)
+        kv.cache_full_blocks(req, 8)
+        kv.free(req)
+    assert len(kv.pool._scopes) <= 2  # the 4 blocks hold at most two salts' prefixes
+
+
+@pytest.mark.parametrize("num_blocks", [100_000])
+def test_a_scoped_reset_does_not_walk_the_pool(num_blocks: int) -> None:
+    pool = BlockPool(num_blocks)
+    pool.free(_cache(pool, SALTED, num_blocks // 2) + _cache(pool, BASE, num_blocks // 2, num_blocks))
+    assert pool.reset_scopes(lambda s: s == SALTED) == num_blocks // 2
+    assert sum(1 for b in pool.blocks if b.block_hash is not None) == num_blocks  # nothing walked
+    assert pool.num_cached_blocks == num_blocks // 2

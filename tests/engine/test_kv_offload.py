@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvpilot.daemon.engine.request import RequestStatus, SamplingParams
+from kvpilot.protocol.requests import ResetScope
 from support.engine import request_of, run_alone
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -98,6 +99,32 @@ def test_reset_clears_every_tier(make_engine, shared_prefix_prompts, long_prompt
     assert all(t.blocks == 0 for t in eng.stats().offload)
     _, cached = run_one(eng, "b", prompt)
     assert cached == 0
+    eng.close()
+
+
+def test_a_scoped_reset_clears_its_blocks_in_every_tier_and_keeps_the_rest(
+    make_engine, shared_prefix_prompts, long_prompts, tmp_path
+) -> None:  # noqa: ANN001
+    """A reset of one salt: its blocks leave the pool and the host tier, the other salt's stay there and
+    are served; the disk tier, which keeps no scope, is emptied whole."""
+    eng = make_engine(
+        num_kv_blocks=POOL_BLOCKS, kv_offloading_size=HOST_GIB, kv_offloading_dir=str(tmp_path / "kv")
+    )
+    prompt = shared_prefix_prompts[1]
+    full = (len(prompt) - 1) // 16 * 16
+    run_alone(eng, "a", prompt, PARAMS, "tenant-a")
+    run_alone(eng, "b", prompt, PARAMS, "tenant-b")
+    flush_pool(eng, long_prompts, "flush")  # both prefixes now in the host tier
+    wait_for_disk(eng)
+    host_before = {t.tier: t.blocks for t in eng.stats().offload}["host"]
+
+    result = eng.reset_prefix_cache(scope=ResetScope(cache_salt="tenant-a"))
+    assert result.scope == {"cache_salt": "tenant-a"} and result.epoch == 0
+    gone = result.evicted_by_tier["host"]
+    assert full // 16 <= gone < host_before  # tenant-a's blocks; tenant-b's and the flush's stay
+    assert {t.tier: t.blocks for t in eng.stats().offload} == {"host": host_before - gone, "disk": 0}
+    assert run_alone(eng, "b2", prompt, PARAMS, "tenant-b")[1] == full  # still warm, from the host tier
+    assert run_alone(eng, "a2", prompt, PARAMS, "tenant-a")[1] == 0
     eng.close()
 
 

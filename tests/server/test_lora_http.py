@@ -110,6 +110,44 @@ def test_an_adapters_prompts_never_hit_the_base_models_cache(lora_server) -> Non
     assert cached(base) >= 32
 
 
+def test_a_reset_of_one_adapter_or_salt_leaves_the_rest_of_the_cache_warm(lora_server) -> None:  # noqa: ANN001
+    """POST /reset_prefix_cache?lora_name=... (vLLM's query style) or {"cache_salt": ...} (a JSON body): that
+    scope's prompts miss afterwards on every rank, every other adapter's, salt's and the base model's hit."""
+    client = _client(lora_server)
+    base = client.models.list().data[0].id
+    lora_server.reset()
+
+    def cached(model: str, salt: str | None = None) -> int:
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+            max_tokens=1,
+            extra_body={"cache_salt": salt} if salt else None,
+        )
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    scopes = [(base, None), ("every-layer", None), ("attention-only", None), (base, "tenant-a")]
+    for model, salt in scopes:
+        cached(model, salt)
+    assert all(cached(model, salt) >= 32 for model, salt in scopes)  # all warm
+
+    reply = _admin_post(lora_server, "/reset_prefix_cache?lora_name=every-layer", {})
+    assert reply.status == 200, reply.body
+    assert reply.json()["scope"] == {"lora_name": "every-layer"} and reply.json()["evicted_blocks"] >= 2
+    assert all(r["scope"] == {"lora_name": "every-layer"} for r in reply.json()["ranks"])
+    assert cached("every-layer") == 0
+    assert all(cached(model, salt) >= 32 for model, salt in scopes if model != "every-layer")
+
+    reply = _admin_post(lora_server, "/reset_prefix_cache", {"cache_salt": "tenant-a"})
+    assert reply.status == 200 and reply.json()["scope"] == {"cache_salt": "tenant-a"}, reply.body
+    assert cached(base, "tenant-a") == 0 and cached(base) >= 32 and cached("attention-only") >= 32
+
+    for body in ({"lora_name": 5}, {"cache_salt": ""}, {"weight_version": "v" * 5000}):
+        bad = _admin_post(lora_server, "/reset_prefix_cache", body)
+        assert bad.status == 400 and bad.json()["error"]["param"] == next(iter(body)), bad.body
+    assert cached(base) >= 32  # a refused reset cleared nothing
+
+
 def test_an_unknown_model_is_a_404(lora_server) -> None:  # noqa: ANN001
     import openai
 

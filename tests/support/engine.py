@@ -15,10 +15,14 @@ def request_of(engine: LLMEngine, request_id: str) -> Request | None:
 
 
 def run_alone(
-    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+    engine: LLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    cache_salt: str | None = None,
 ) -> tuple[list[int], int]:
     """Run one request to its end (others may share its steps): its tokens and its cached-token count."""
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(request_id, prompt, params, cache_salt)
     tokens, cached = [], -1
     while engine.has_unfinished_requests():
         for o in engine.step():
