@@ -77,6 +77,12 @@ def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="vLLM: leave its CPU offload tier and KV connectors as they are (spec.resetExternal: false)",
     )
+    for flag, what in (
+        ("--lora-name", "one LoRA adapter's blocks (every version of it)"),
+        ("--cache-salt", "one cache_salt's blocks"),
+        ("--weight-version", "one weight version's blocks ('initial': the weights the pods started with)"),
+    ):
+        p.add_argument(flag, default=None, help=f"reset only {what}; the rest stays warm (spec.scope)")
     add_timeout_seconds(p, "the whole reset", RESET_TIMEOUT_S)
     p.add_argument(
         "--max-concurrency",
@@ -106,6 +112,17 @@ def reset_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
         spec["timeoutSeconds"] = args.timeout_seconds
     if args.max_concurrency is not None:
         spec["maxConcurrency"] = args.max_concurrency
+    scope = {
+        field: value
+        for field, value in (
+            ("loraName", args.lora_name),
+            ("cacheSalt", args.cache_salt),
+            ("weightVersion", args.weight_version),
+        )
+        if value is not None
+    }
+    if scope:
+        spec["scope"] = scope
     return fleet_object("PrefixCacheReset", name, spec)
 
 

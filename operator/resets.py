@@ -36,6 +36,7 @@ from kvpilot.operator.podwatch import PodWatch, identity
 from kvpilot.operator.reset_status import pod_status, skipped_note, summarize, verified_condition
 from kvpilot.operator.retries import RunFailure, with_retries
 from kvpilot.operator.specs import FleetSpec, ResetSpec
+from kvpilot.protocol.requests import ResetScope
 
 DONE = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
@@ -115,6 +116,7 @@ def settings_for(spec: ResetSpec, plan: Plan) -> FanoutSettings:
         token=plan.token,
         reset_running_requests=spec.reset_running_requests,
         reset_external=spec.reset_external,
+        scope=None if spec.scope is None else ResetScope(**spec.scope.model_dump()),
         verify=spec.verify,
         timeout_s=float(spec.timeout_seconds),
         request_timeout_s=float(spec.request_timeout_seconds or min(10, spec.timeout_seconds)),

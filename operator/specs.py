@@ -110,6 +110,14 @@ class FleetSpec(_Spec):
 
 
 # ---- PrefixCacheReset ------------------------------------------------------------------------------------
+class ScopeSpec(_Spec):
+    """The part of each pod's cache a scoped reset clears (the CRD requires one field at least)."""
+
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    weight_version: str | None = None
+
+
 class ResetSpec(_Spec):
     """PrefixCacheReset spec (crds/prefixcachereset.yaml): exactly one of target_ref and selector."""
 
@@ -119,6 +127,7 @@ class ResetSpec(_Spec):
     port: int | None = None
     reset_running_requests: bool = False
     reset_external: bool = True
+    scope: ScopeSpec | None = None
     verify: bool = True
     timeout_seconds: int = 60
     request_timeout_seconds: int | None = None

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpilot.fanout import FanoutSettings, PodResult, RankResult, Target, run_fanout
+from kvpilot.protocol.requests import ResetScope
 from kvpilot.router.pods import Pod
 
 # Retries of a transient failure per pod, one fewer than a PrefixCacheReset's default (docs/router.md):
@@ -79,6 +80,7 @@ async def reset_pods(
     reset_running_requests: bool = False,
     reset_external: bool = True,
     verify: bool = True,
+    scope: ResetScope | None = None,
 ) -> list[PodReset]:
     """Reset `pods`, which run `engine`: the fan-out's engine adapter calls each its own way and judges
     its reply (vLLM's `{"success": false}`, SGLang's 400 while busy, retried until the deadline); with
@@ -89,6 +91,7 @@ async def reset_pods(
         reset_running_requests=reset_running_requests,
         reset_external=reset_external,
         verify=verify,
+        scope=scope,
         timeout_s=timeout_s,
         request_timeout_s=min(10.0, timeout_s),
         retries_per_pod=RETRIES_PER_POD,

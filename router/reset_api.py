@@ -1,7 +1,9 @@
 """`POST /reset_prefix_cache` on the router: every pod of the fleet reset through the shared fan-out
 (fleet_reset.py) and, unless asked `verify=false`, proven cold by its canary; then the prefix index caught
 up with each reset pod's AllBlocksCleared before the answer, so no request is routed on a block cached
-before the reset once the caller hears it succeeded."""
+before the reset once the caller hears it succeeded. A scoped reset (`lora_name`, `cache_salt`,
+`weight_version`: kvpilot pods only) is caught up the same way with the BlockRemoved events that name the
+scope's blocks, and the rest of the index stays."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from aiohttp import web
 from kvpilot.admin_token import authorized
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.replies import json_response
-from kvpilot.protocol.requests import parse_reset_flag
+from kvpilot.protocol.requests import parse_reset_flag, parse_reset_scope
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.fleet_reset import reset_pods
 from kvpilot.router.kv_stream import PodEventStream
@@ -45,6 +47,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         name: parse_reset_flag(name, request.query.get(name), fields, default)
         for name, default in (("reset_running_requests", False), ("reset_external", True), ("verify", True))
     }
+    scope = parse_reset_scope(request.query, fields)
+    if scope is not None and r.settings.engine != "kvpilot":
+        raise ApiError(
+            400,
+            f"a scoped reset ({', '.join(scope.to_dict())}) needs kvpilot pods: {r.settings.engine} resets "
+            "its whole cache only",
+            param=next(iter(scope.to_dict())),
+            code="unsupported",
+        )
     pods = list(r.fleet.pods)
     if not pods:
         # Nothing was flushed: a 200 here would let a benchmark (AIPerf --reset-kv-cache) go on as if it
@@ -55,7 +66,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
     results = await reset_pods(
-        pods, r.settings.engine, r.settings.admin_token, r.settings.reset_timeout_s, **flags
+        pods, r.settings.engine, r.settings.admin_token, r.settings.reset_timeout_s, scope=scope, **flags
     )
     # The index must not route on pre-reset blocks once we answer: catch up with each reset pod's events
     # up to its AllBlocksCleared (its earlier events come before it, in order), or drop its entries
@@ -64,14 +75,19 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     deadline = min(loop.time() + r.settings.clear_wait_s, started + r.settings.reset_timeout_s)
     by_name = {p.name: p for p in pods}
     reset = [res.pod for res in results if res.success]
+    catch_up = _await_clear if scope is None else _await_removed
     states = await asyncio.gather(
-        *(_await_clear(r, by_name[name], clears_before[name], deadline) for name in reset)
+        *(catch_up(r, by_name[name], clears_before[name], deadline) for name in reset)
     )
     index_state = dict(zip(reset, states))
     failed = [res.pod for res in results if not res.success]
     r.metrics.resets.labels("failed" if failed else "success").inc()
     pods_out = [{**res.to_dict(), "index": index_state.get(res.pod)} for res in results]
-    body_out: dict[str, Any] = {"success": not failed, "pods": pods_out}
+    body_out: dict[str, Any] = {
+        "success": not failed,
+        "scope": None if scope is None else scope.to_dict(),
+        "pods": pods_out,
+    }
     if failed:
         log.warning("fleet reset failed on %s", ", ".join(failed))
         err = ApiError(
@@ -107,6 +123,33 @@ async def _await_clear(r: Router, pod: Pod, before: dict[tuple[str, int], int], 
             )
             r.index.distrust(stream.key)
     return "cleared" if all(cleared) else "dropped"
+
+
+async def _await_removed(r: Router, pod: Pod, before: object, deadline: float) -> str:
+    """After a scoped reset: each rank's events up to its reset applied by `deadline` (one replay, as for a
+    full reset: its BlockRemoved events name the scope's blocks), "removed"; a rank that does not catch up
+    in time has its entries emptied, to be refilled by its next events ("dropped"); "none" for a pod
+    whose events are not followed."""
+    if pod.kv_events != "on":
+        return "none"
+    caught_up = await asyncio.gather(*(_caught_up(s, deadline) for s in pod.streams))
+    for stream, ok in zip(pod.streams, caught_up):
+        if not ok:
+            log.warning(
+                "%s rank %d: not caught up after its scoped reset; its entries are dropped",
+                pod.name,
+                stream.rank,
+            )
+            r.index.clear(stream.key)
+    return "removed" if all(caught_up) else "dropped"
+
+
+async def _caught_up(stream: PodEventStream, deadline: float) -> bool:
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await stream.catch_up()
+    except TimeoutError:
+        return False
 
 
 async def _rank_cleared(r: Router, stream: PodEventStream, before: int, deadline: float) -> bool:

@@ -233,7 +233,9 @@ async def _reset_checked(
         budget = max(0.5, (pod.deadline - time.monotonic()) / 4)
         try:
             async with asyncio.timeout(budget):
-                prepared = await verify.prepare(pod.ask, engine.name, engine.ranks(info), run_id, res.name)
+                prepared = await verify.prepare(
+                    pod.ask, engine.name, engine.ranks(info), run_id, res.name, settings.scope
+                )
         except TimeoutError:
             prepared = verify.Verification(
                 verify.UNKNOWN, f"the canary took over {budget:.1f}s before the reset"
@@ -289,13 +291,24 @@ async def run_fanout(
             queue.put_nowait(res)
     if queue.empty():
         return results
+    refusal = None
     if settings.token and not header_value_ok(settings.token):
+        refusal = (
+            "Failed",
+            "the admin token is not a valid HTTP header value (a line break or control character)",
+        )
+    elif settings.scope is not None and not engine_for(settings.engine).scoped_resets:
+        refusal = (
+            "NotSupported",
+            (
+                f"a scoped reset ({', '.join(settings.scope.to_dict())}) needs kvpilot pods: "
+                f"{settings.engine} resets its whole cache only"
+            ),
+        )
+    if refusal is not None:
         for res in results:
             if res.result == "Pending":
-                res.result = "Failed"
-                res.message = (
-                    "the admin token is not a valid HTTP header value (a line break or control character)"
-                )
+                res.result, res.message = refusal
         return results
     stop = stop or asyncio.Event()
     on_call = on_call or _ignore_call

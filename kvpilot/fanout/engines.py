@@ -16,6 +16,7 @@ import enum
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
@@ -96,6 +97,7 @@ class Engine:
     # data-parallel ranks the pod runs; asked once per pod before its reset (empty: nothing to ask).
     info_paths: tuple[str, ...] = ()
     info_decides_calls = False  # True: the info is asked before every reset, not only to verify
+    scoped_resets = False  # resets one adapter's, salt's or weight version's blocks (FanoutSettings.scope)
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         """How many data-parallel ranks a canary must reach, each by vLLM's X-data-parallel-rank header;
@@ -136,6 +138,7 @@ KVPILOT_TIERS = (
 class KvpilotEngine(Engine):
     name = "kvpilot"
     info_paths = ("/prefix_cache",)
+    scoped_resets = True
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         listed = (info or {}).get("ranks")
@@ -145,6 +148,8 @@ class KvpilotEngine(Engine):
         # A kvpilot reset always clears every tier (pool, host, disk): reset_external is not needed. The
         # tiers it cleared are those its reply counts in evicted_by_tier.
         path = _query("/reset_prefix_cache", reset_running_requests=settings.reset_running_requests)
+        if settings.scope is not None:  # the daemon's scoped reset (docs/server.md): the scope's blocks only
+            path += ("&" if "?" in path else "?") + urlencode(settings.scope.to_dict())
         return [ResetCall(path, ())]
 
     def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvpilot.protocol.requests import ResetScope
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -26,6 +28,7 @@ class FanoutSettings:
     reset_running_requests: bool = False
     reset_external: bool = True  # vLLM: clear its offload tier and KV connectors too (engines.py)
     verify: bool = False  # prove each pod cold with a canary prompt (verify.py)
+    scope: ResetScope | None = None  # kvpilot pods: reset one adapter's, salt's or weight version's blocks
     timeout_s: float = 60.0
     request_timeout_s: float = 10.0
     max_concurrency: int = 64

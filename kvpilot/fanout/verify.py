@@ -10,7 +10,9 @@ reset_external, vLLM 57727; SGLang's HiCache storage, SGLang 9750).
 
 The canary is long enough to fill several KV blocks of any engine (vLLM's CPU block is 128 tokens),
 asks for one token, and carries its own `cache_salt` where the engine has one, so it shares no block with
-any user's prompt and no user's cache is touched. What it costs is in docs/fanout.md ("Verification").
+any user's prompt and no user's cache is touched. A scoped reset's canary runs inside the scope: under its
+adapter (as the model), its salt, pinned to its weight version; a cold one proves that scope cold. What it
+costs is in docs/fanout.md ("Verification").
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from kvpilot.protocol.requests import ResetScope
 
 COLD, WARM, UNKNOWN = "cold", "warm", "unknown"
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
@@ -49,11 +53,14 @@ class Canary:
     salt: str | None
     ranks: int
     hit: int  # the fewest tokens any rank served from cache before the reset
+    weight_version: str | None = None  # a scoped reset's: the canary runs on those weights or not at all
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "prompt": self.prompt, "max_tokens": 1, "temperature": 0}
         if self.salt is not None:
             body["cache_salt"] = self.salt
+        if self.weight_version is not None:
+            body["weight_version"] = self.weight_version
         return body
 
     def headers(self, rank: int) -> tuple[str, ...]:
@@ -116,18 +123,21 @@ async def _model(ask: Ask) -> str | None:
     return model if isinstance(model, str) and 0 < len(model) <= 512 else None
 
 
-async def prepare(ask: Ask, engine: str, ranks: int, run_id: str, pod: str) -> Canary | Verification:
-    """Warm the canary on every rank and check the pod shows its hit; the canary, or an `unknown` verdict
-    that says why this pod cannot be verified."""
-    model = await _model(ask)
+async def prepare(
+    ask: Ask, engine: str, ranks: int, run_id: str, pod: str, scope: ResetScope | None = None
+) -> Canary | Verification:
+    """Warm the canary on every rank (inside `scope`, for a scoped reset) and check the pod shows its hit;
+    the canary, or an `unknown` verdict that says why this pod cannot be verified."""
+    scope = scope or ResetScope()
+    model = scope.lora_name or await _model(ask)
     if model is None:
         return Verification(UNKNOWN, "GET /v1/models named no model for the canary")
-    salt = f"kvpilot-canary-{run_id}" if engine in SALTED_ENGINES else None
+    salt = scope.cache_salt or (f"kvpilot-canary-{run_id}" if engine in SALTED_ENGINES else None)
     prompt = canary_prompt(run_id, pod)
     hit = MAX_TOKENS
     for rank in range(ranks):
         headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
-        body = Canary(model, prompt, salt, ranks, 0).body()
+        body = Canary(model, prompt, salt, ranks, 0, scope.weight_version).body()
         for send in ("fill", "hit"):
             cached, tokens, why = _usage(*await ask("POST", "/v1/completions", body, headers))
             if cached is None:
@@ -141,7 +151,7 @@ async def prepare(ask: Ask, engine: str, ranks: int, run_id: str, pod: str) -> C
                         f"({cached} of {tokens} tokens: prefix caching off, or a block longer than it)",
                     )
                 hit = min(hit, cached)
-    return Canary(model, prompt, salt, ranks, hit)
+    return Canary(model, prompt, salt, ranks, hit, scope.weight_version)
 
 
 async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verification:

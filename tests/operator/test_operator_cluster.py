@@ -165,6 +165,17 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
     ).stdout
     assert "Started" in events and "Succeeded" in events
 
+    # spec.scope: one salt's blocks on every pod, proven cold by a canary under that salt; the rest stays warm
+    for ip in pods.values():
+        for salt in ("tenant-x", None, "tenant-x", None):
+            cached_tokens(ip, salt)
+    apply_ns(cluster, ns, pcr("tenant-x", {"targetRef": {"name": "llm"}, "scope": {"cacheSalt": "tenant-x"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/tenant-x", "-n", ns, "--timeout=120s")
+    st = cluster.kubectl_json("get", "pcr", "tenant-x", "-n", ns)["status"]
+    assert (st["phase"], st["succeeded"], st["verified"]) == ("Succeeded", 3, "3/3"), st
+    for ip in pods.values():
+        assert cached_tokens(ip, "tenant-x") == 0 and cached_tokens(ip) > 0
+
 
 def test_failed_skipped_and_not_supported_pods(cluster: Cluster, ns: str) -> None:
     for name, env in [
@@ -336,6 +347,13 @@ BAD_SPECS = [
         "exactly one of targetRef and selector",
     ),
     ("pcr", {"engine": "kvpilot"}, "exactly one of targetRef and selector"),
+    (
+        "pcr",
+        {"selector": {"matchLabels": {"a": "b"}}, "engine": "vllm", "scope": {"loraName": "policy"}},
+        "scope is for kvpilot pods",
+    ),
+    ("pcr", {"targetRef": {"name": "a"}, "scope": {}}, "spec.scope"),
+    ("pcr", {"targetRef": {"name": "a"}, "scope": {"cacheSalt": ""}}, "spec.scope.cacheSalt"),
     ("pcr", {"targetRef": {"name": "a"}, "maxConcurrency": -1}, "spec.maxConcurrency"),
     ("pcr", {"targetRef": {"name": "a"}, "engine": "trtllm"}, 'Unsupported value: "trtllm"'),
     ("pcr", {"selector": {}}, "selector must not be empty"),

@@ -383,3 +383,18 @@ def test_an_sglang_pod_whose_tiers_cannot_be_read_is_not_called_reset() -> None:
     assert r["pod-0"]["result"] == "Failed" and "GET /server_info: HTTP 500" in r["pod-0"]["message"], r
     assert broken.calls == 0  # never flushed: the reset is not half done behind a Succeeded
     assert r["pod-1"]["result"] == "Succeeded" and old.calls == 1, r
+
+
+def test_a_scoped_reset_is_sent_to_kvpilot_pods_and_refused_for_other_engines() -> None:
+    from kvpilot.fanout.engines import KvpilotEngine
+    from kvpilot.protocol.requests import ResetScope
+
+    scope = ResetScope(lora_name="policy", cache_salt="a b&c")
+    (call,) = KvpilotEngine().calls(FanoutSettings(scope=scope, reset_running_requests=True), None)
+    assert call.path == "/reset_prefix_cache?reset_running_requests=true&lora_name=policy&cache_salt=a+b%26c"
+    (call,) = KvpilotEngine().calls(FanoutSettings(scope=ResetScope(weight_version="v2")), None)
+    assert call.path == "/reset_prefix_cache?weight_version=v2"
+    for engine in ("vllm", "sglang"):
+        settings = FanoutSettings(engine=engine, scope=scope)
+        (res,) = asyncio.run(run_fanout([Target("p", url=f"http://127.0.0.1:{free_port()}")], settings))
+        assert res.result == "NotSupported" and f"{engine} resets its whole cache only" in res.message, res

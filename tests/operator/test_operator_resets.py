@@ -93,6 +93,8 @@ def test_cli_parsers_and_output() -> None:
     assert body["spec"] == {"targetRef": {"name": "llm"}, "resetRunningRequests": True, "maxConcurrency": 8}
     quick = reset_body("llm", p.parse_args(["reset", "llm", "--no-verify", "--no-reset-external"]))
     assert quick["spec"] == {"targetRef": {"name": "llm"}, "verify": False, "resetExternal": False}
+    scoped = reset_body("llm", p.parse_args(["reset", "llm", "--lora-name", "policy", "--cache-salt", "t"]))
+    assert scoped["spec"] == {"targetRef": {"name": "llm"}, "scope": {"loraName": "policy", "cacheSalt": "t"}}
     o = p.parse_args(["operator", "--standalone", "--metrics-port", "9999", "-n", "a", "-n", "b"])
     assert o.standalone and o.metrics_port == 9999 and o.namespace == ["a", "b"]
     line = describe_pod(

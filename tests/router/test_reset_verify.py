@@ -10,7 +10,7 @@ import pytest
 
 from support.engine_standin import EngineStandin, start_standin
 from support.procs import stop, wait_for
-from support.servers import Fleet, RouterProc, start_router, stop_router
+from support.servers import MODEL, Fleet, RouterProc, start_router, stop_router
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,6 +101,10 @@ def test_a_bad_verify_flag_is_a_400(tmp_path: Path, standin) -> None:  # noqa: A
         assert status == 400 and doc["error"]["param"] == "verify", doc
         status, doc = reset(router, body={"reset_external": "no"})
         assert status == 400 and doc["error"]["param"] == "reset_external", doc
+        # vLLM resets its whole cache only: a scoped reset is refused before any pod is called
+        status, doc = reset(router, "?lora_name=policy")
+        assert status == 400 and doc["error"]["code"] == "unsupported", doc
+        assert doc["error"]["param"] == "lora_name" and "needs kvpilot pods" in doc["error"]["message"], doc
         assert "POST /reset_prefix_cache" not in pod.state()["paths"]
     finally:
         stop_router(router)
@@ -175,6 +179,47 @@ def test_the_router_over_kvpilot_daemons_answers_verified_cold(quiet_fleet: Flee
         assert reply["success"] and reply["verified"] == "cold" and reply["reason"] is None, reply
         assert "pool" in reply["cleared"], reply
         assert "found nothing cached" in reply["verify_message"], reply
+
+
+def test_a_scoped_reset_through_the_router_leaves_the_rest_of_the_fleet_warm(quiet_fleet: Fleet) -> None:
+    """?cache_salt=...: each pod resets that salt's blocks, its canary (run under the salt) proves them cold,
+    the router's index drops them from the pods' BlockRemoved events before it answers, and a prompt
+    without the salt is still indexed and still served from cache."""
+    import openai
+
+    router = quiet_fleet.router
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = "A scoped reset's prompt, long enough to fill a few blocks of the prefix cache. " * 8
+
+    def cached(salt: str | None) -> int:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt} if salt else None
+        )
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    def indexed() -> int:
+        return sum(p["indexed_blocks"] for p in router.health()["pods"])
+
+    for salt in ("tenant-x", None, "tenant-x", None):
+        cached(salt)
+    assert cached("tenant-x") >= 32 and cached(None) >= 32
+    wait_for(lambda: indexed() >= 8, 30, "both prompts' blocks indexed")
+    before = indexed()
+
+    # Without the canary first (its blocks, under the salt, would be counted after the reset again).
+    status, doc = reset(router, "?cache_salt=tenant-x&verify=false")
+    assert status == 200 and doc["scope"] == {"cache_salt": "tenant-x"}, doc
+    assert all(reply["index"] == "removed" for reply in doc["pods"]), doc
+    after = indexed()
+    assert 4 <= after <= before - 4, (before, after)  # tenant-x's blocks went, the unsalted ones stayed
+    assert cached(None) >= 32 and cached("tenant-x") == 0
+
+    cached("tenant-x")
+    status, doc = reset(router, body={"cache_salt": "tenant-x"})
+    assert status == 200, doc
+    for reply in doc["pods"]:
+        assert reply["success"] and reply["verified"] == "cold" and reply["index"] == "removed", reply
+    assert cached(None) >= 32 and cached("tenant-x") == 0
 
 
 def test_sglang_storage_that_cannot_clear_fails_the_reset_naming_the_call(tmp_path: Path, standin) -> None:  # noqa: ANN001

@@ -112,9 +112,10 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120) 
         return json.loads(r.read() or b"null")
 
 
-def cached_tokens(ip: str) -> int:
+def cached_tokens(ip: str, cache_salt: str | None = None) -> int:
+    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     r = http(
-        "POST", f"http://{ip}:8000/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        "POST", f"http://{ip}:8000/v1/completions", body | ({"cache_salt": cache_salt} if cache_salt else {})
     )
     return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
