@@ -285,12 +285,14 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     # A client that disconnects cancels its handler at once, whose `finally` aborts the engine request,
     # so its blocks are freed before the next step.
     served = await start_server(app, settings.host, settings.port, settings.limits)
+    tenants = settings.tenant_tokens
     log.info(
-        "serving %s on http://%s:%d (admin token %s, max body %d bytes)",
+        "serving %s on http://%s:%d (admin token %s, %s, max body %d bytes)",
         ", ".join(state.served),
         settings.host,
         settings.port,
         "required" if settings.admin_token else "off",
+        f"{len(set(tenants.values()))} tenants, each salted by the server" if tenants else "no tenants",
         settings.max_body_bytes,
     )
     # The line a newcomer waits for (README.md, "Try it"): where to point curl, and that it goes in another shell.

@@ -23,6 +23,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="file holding the admin token for /reset_prefix_cache (default: $KVPILOT_ADMIN_TOKEN)",
     )
+    server.add_argument(
+        "--tenant-tokens-file",
+        default=None,
+        help="file of 'TENANT TOKEN' lines: generation requests then need a tenant's token, and the server "
+        "salts each tenant's cache itself (a body's cache_salt cannot reach another tenant's blocks)",
+    )
     add_flags(p, ConnectionLimits, "client connections")
 
 
@@ -32,14 +38,22 @@ def run_serve(args: argparse.Namespace) -> int:
     Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.
     """
     from kvpilot.admin_token import AdminTokenError, load_admin_token
+    from kvpilot.daemon.server.tenants import TenantFileError, load_tenant_tokens
 
     try:
         token = load_admin_token(args.admin_token_file)
-    except AdminTokenError as exc:
+        tenants = load_tenant_tokens(args.tenant_tokens_file) if args.tenant_tokens_file else None
+    except (AdminTokenError, TenantFileError) as exc:
         log.error("%s", exc)
         return 2
     config = from_flags(EngineConfig, args)
-    settings = from_flags(ServerSettings, args, admin_token=token, limits=from_flags(ConnectionLimits, args))
+    settings = from_flags(
+        ServerSettings,
+        args,
+        admin_token=token,
+        tenant_tokens=tenants,
+        limits=from_flags(ConnectionLimits, args),
+    )
     try:
         config.validate()
         settings.validate()

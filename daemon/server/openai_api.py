@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.admin_token import authorized
 from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.outputs import RequestOutput
@@ -42,6 +43,7 @@ from kvpilot.daemon.server.prepare import (
     prepare_completion,
     prepare_tokenize,
 )
+from kvpilot.daemon.server.tenants import presented_token, tenant_of, tenant_salt
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.protocol.replies import json_response
@@ -190,6 +192,7 @@ async def tokenize(request: web.Request) -> web.Response:
     """vLLM's `POST /tokenize`: the prompt's token ids as generation would run them (vllm-router's
     kv_aware policy asks for them to key a request's blocks)."""
     state = request.app[STATE]
+    _caller_tenant(request, state)
     raw = await request.read()
     out: Tokenized = await state.text.prepare(prepare_tokenize, state.rules, raw)
     _IGNORED_LOG.note(out.ignored_fields, request.path)
@@ -197,12 +200,34 @@ async def tokenize(request: web.Request) -> web.Response:
     return json_response(out.body, headers=headers)
 
 
+def _caller_tenant(request: web.Request, state: ServerState) -> str | None:
+    """With --tenant-tokens-file, the tenant whose token the request carries (None: the admin token's
+    request, trusted with the salt it names); a request with neither is a 401. Without it, None."""
+    tokens = state.settings.tenant_tokens
+    if tokens is None:
+        return None
+    header = request.headers.get("Authorization")
+    presented = presented_token(header)
+    if presented is not None:
+        tenant = tenant_of(presented, tokens)
+        if tenant is not None:
+            return tenant
+        if state.settings.admin_token is not None and authorized(header, state.settings.admin_token):
+            return None
+    raise ApiError(
+        401, "a tenant's API key is required: Authorization: Bearer <token>", code="invalid_api_key"
+    )
+
+
 async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
+    tenant = _caller_tenant(request, state)
     dp_rank = _requested_rank(request.headers.get(DP_RANK_HEADER), running_engine(state).info.num_ranks)
     raw = await request.read()
     prep: Prepared = await state.text.prepare(prepare, state.rules, raw)
+    if tenant is not None:  # the server's salt, not the body's (tenants.py)
+        prep.req.cache_salt = tenant_salt(tenant, prep.req.cache_salt)
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]

@@ -22,6 +22,8 @@ class ServerSettings:
         ),
     )
     admin_token: str | None = None  # from --admin-token-file or $KVPILOT_ADMIN_TOKEN (admin_token.py)
+    # From --tenant-tokens-file (tenants.py): token SHA-256 -> tenant; None: no tenancy, salts as sent.
+    tenant_tokens: dict[bytes, str] | None = None
     max_body_bytes: int = field(  # a full 128k-token context as JSON fits well below the default
         default=4 << 20,
         metadata=flag("larger request bodies are refused with 413", name="--max-request-body-bytes"),

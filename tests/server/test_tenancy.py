@@ -1,0 +1,92 @@
+"""Server-set tenancy through a real `kvpilot serve --tenant-tokens-file` and the official openai client: each
+tenant's cache is salted by the server, so no `cache_salt` a tenant sends reaches another's blocks; a request
+without a tenant's token is a 401; the admin resets one tenant's cache by its salt; a bad file stops the
+start with its reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
+
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
+SYSTEM = "You answer questions about prefix caches of language model servers, in one short sentence. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("tenancy")
+    tokens = tmp / "tenants"
+    tokens.write_text(f"# tenant token\nalice {ALICE}\nbob {BOB}\n")
+    srv = start_server(tmp, "--tenant-tokens-file", str(tokens), token=ADMIN_TOKEN)
+    yield srv
+    stop_server(srv)
+    assert "Traceback" not in srv.log(), srv.log()[-4000:]
+
+
+def cached(server: Server, key: str, salt: str | None = None) -> int:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is one?"}],
+        max_tokens=1,
+        extra_body={"cache_salt": salt} if salt else None,
+    )
+    return out.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_a_request_without_a_tenants_token_is_a_401(server: Server) -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer not-a-tenant-token"}, {"Authorization": f"Basic {ALICE}"}):
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            r = server.request("POST", path, body, headers=headers)
+            assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers, r.body)
+    assert server.request("GET", "/v1/models").status == 200  # what a router or a probe reads stays open
+
+
+def test_no_salt_a_tenant_sends_reaches_another_tenants_blocks(server: Server) -> None:
+    server.reset()
+    cached(server, ALICE)
+    assert cached(server, ALICE) >= 32  # a tenant's own prompts hit
+    assert cached(server, BOB) == 0  # the same prompt, another tenant: nothing shared
+    for spelled in ("tenant:alice", "alice", ":alice"):
+        assert cached(server, BOB, spelled) == 0, spelled  # not even by spelling alice's salt
+    cached(server, BOB, "team-1")
+    assert cached(server, BOB, "team-1") >= 32  # a tenant's own salts partition its own cache
+
+
+def test_the_admin_resets_one_tenants_cache_by_its_salt(server: Server) -> None:
+    server.reset()
+    for key in (ALICE, BOB, ALICE, BOB):
+        cached(server, key)
+    reply = server.reset(cache_salt="tenant:alice")
+    assert reply["scope"] == {"cache_salt": "tenant:alice"} and reply["evicted_blocks"] > 0, reply
+    assert cached(server, ALICE) == 0 and cached(server, BOB) >= 32
+    assert cached(server, ADMIN_TOKEN, "tenant:bob") >= 32  # the admin's requests keep the salt they name
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "names no token"),
+        ("alice short\n", "line 1: a token has at least 16 characters"),
+        (f"alice {ALICE}\nbob {ALICE}\n", "line 2: this token is given twice"),
+        (f"al:ice {ALICE}\n", "line 1: a tenant is 1 to 63 letters"),
+        (f"alice {ALICE} extra\n", "line 1: expected 'TENANT TOKEN'"),
+    ],
+)
+def test_a_bad_tenant_file_stops_the_start_with_its_reason(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "tenants"
+    path.write_text(content)
+    argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
