@@ -82,6 +82,7 @@ async def unload_lora_adapter(request: web.Request, state: ServerState, body: di
             )
         state.set_adapter(name, None)  # no new request names it from here on
         ranks = await call(state, state.engine.unload_lora_adapter(name, rank_timeout(state)))
+        state.metrics.forget_adapter(name)
     log.info("LoRA adapter %s unloaded", name)
     return {
         "message": f"Success: LoRA adapter '{name}' removed successfully.",

@@ -213,6 +213,23 @@ class DaemonMetrics:
             registry=r,
         )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        # Per LoRA adapter (`adapter`: its name; the base model's requests are not counted here). A series
+        # goes when its adapter is unloaded, so they are bounded by the adapters served.
+        self.lora_requests = Counter(
+            PREFIX + "lora_requests", "Admitted requests (prompts) per LoRA adapter.", ["adapter"], registry=r
+        )
+        self.lora_prompt_tokens = Counter(
+            PREFIX + "lora_prompt_tokens",
+            "Prompt tokens of admitted requests per LoRA adapter.",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_prompt_tokens_cached = Counter(
+            PREFIX + "lora_prompt_tokens_cached",
+            "Prompt tokens per LoRA adapter served from the prefix cache (not computed).",
+            ["adapter"],
+            registry=r,
+        )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from request arrival to its first generated token.",
@@ -233,6 +250,23 @@ class DaemonMetrics:
         )
         register_build_info(r)
         r.register(EngineCollector(snapshot, model_name))
+
+    def admitted(self, adapter: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first token: its prompt, and what of it the cache served."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens_cached.inc(cached_tokens)
+        if adapter is not None:
+            self.lora_requests.labels(adapter).inc()
+            self.lora_prompt_tokens.labels(adapter).inc(prompt_tokens)
+            self.lora_prompt_tokens_cached.labels(adapter).inc(cached_tokens)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """The adapter was unloaded: its series go (a later load of the name starts them at 0)."""
+        for counter in (self.lora_requests, self.lora_prompt_tokens, self.lora_prompt_tokens_cached):
+            try:
+                counter.remove(adapter)
+            except KeyError:
+                pass  # it served no request
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -118,8 +118,7 @@ async def _generate(
             now = time.monotonic()
             if last == arrival:
                 m.ttft.observe(now - arrival)
-                m.prompt_tokens.inc(items[0].num_prompt_tokens)
-                m.prompt_tokens_cached.inc(items[0].num_cached_tokens)
+                m.admitted(req.lora_name, items[0].num_prompt_tokens, items[0].num_cached_tokens)
             else:
                 m.itl.observe(now - last)
             last = now

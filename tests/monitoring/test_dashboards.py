@@ -65,6 +65,8 @@ def test_fleet_cache_panels() -> None:
         "Offload tier blocks by pod",
         "Prefix cache hits by tier",
         "Offload tier blocks stored and loaded",
+        "Requests per second by adapter",
+        "Prefix cache hit rate by adapter",
         "Time to first token p50 / p95 / p99",
         "Inter-token latency p50 / p95 / p99",
         "Tokens per second",

@@ -148,6 +148,21 @@ def test_a_reset_of_one_adapter_or_salt_leaves_the_rest_of_the_cache_warm(lora_s
     assert cached(base) >= 32  # a refused reset cleared nothing
 
 
+def test_requests_and_cache_hits_are_counted_per_adapter(lora_server) -> None:  # noqa: ANN001
+    client = _client(lora_server)
+    before = lora_server.metrics()
+
+    def grew(name: str, adapter: str) -> float:
+        key = f'kvpilot_lora_{name}_total{{adapter="{adapter}"}}'
+        return lora_server.metrics().get(key, 0.0) - before.get(key, 0.0)
+
+    sent = [client.completions.create(model="attention-only", prompt=SYSTEM, max_tokens=1) for _ in range(2)]
+    assert grew("requests", "attention-only") == 2
+    assert grew("prompt_tokens", "attention-only") == sum(out.usage.prompt_tokens for out in sent)
+    assert grew("prompt_tokens_cached", "attention-only") >= 16  # the second one hit the first one's blocks
+    assert grew("requests", "every-layer") == 0  # the base model's and other adapters' requests are not its
+
+
 def test_an_unknown_model_is_a_404(lora_server) -> None:  # noqa: ANN001
     import openai
 
@@ -223,8 +238,10 @@ def test_an_adapter_loaded_reloaded_in_place_and_unloaded_at_run_time(
     assert cached() == 0  # a new identity: nothing the old weights computed is served
     assert answer() == references["attention-only"]
 
+    assert any('adapter="policy"' in k for k in lora_server.metrics())
     gone = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
     assert gone.status == 200, gone.body
+    assert not any('adapter="policy"' in k for k in lora_server.metrics())  # its series went with it
     assert "policy" not in {m.id for m in client.models.list().data}
     assert "policy" not in lora_server.request("GET", "/health").json()["lora_adapters"]
     missing = _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "policy"})
