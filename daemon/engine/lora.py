@@ -22,8 +22,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from kvpilot.block_keys import LoRAKey
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+# Rank 64 on every projection of a 70B model is about 1.6 GiB; the file is read whole into host memory.
+MAX_WEIGHTS_BYTES = 4 << 30
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 # The projections a LoRA pair may target: every linear layer of a decoder layer (not the embeddings or
 # the LM head, which the engine shares between all rows of a batch).
@@ -111,6 +114,7 @@ def _load(
     name: str, root: Path, model: LlamaForCausalLM, max_rank: int, dtype: torch.dtype, device: torch.device
 ) -> LoRAAdapter:
     raw, weights_path = _read_config(name, root)
+    weights = _read_weights(name, weights_path)  # read once: the tensors and the digest are of one content
     try:
         cfg = json.loads(raw)
     except ValueError as exc:
@@ -120,13 +124,12 @@ def _load(
     rank, scaling = _check_config(name, cfg, max_rank)
     per_module: dict[str, dict[str, torch.Tensor]] = {}  # peft module path -> {"A": .., "B": ..}
     try:
-        with safe_open(str(weights_path), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                module, part = _split_key(name, key)
-                pair = per_module.setdefault(module, {})
-                if part in pair:
-                    raise LoRAError(f"adapter {name!r}: {module} has two lora_{part} tensors")
-                pair[part] = st.get_tensor(key).to(torch.float32)
+        for key, tensor in safetensors.torch.load(weights).items():
+            module, part = _split_key(name, key)
+            pair = per_module.setdefault(module, {})
+            if part in pair:
+                raise LoRAError(f"adapter {name!r}: {module} has two lora_{part} tensors")
+            pair[part] = tensor.to(torch.float32)
     except LoRAError:
         raise
     except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
@@ -175,7 +178,7 @@ def _load(
             big_b[offset : offset + b.shape[0], col : col + a.shape[0]] = b.to(device=device, dtype=dtype)
             col += a.shape[0]
         pairs[target] = (big_a.contiguous(), big_b)
-    identity = LoRAKey(name, _digest(raw, weights_path))
+    identity = LoRAKey(name, _digest(raw, weights))
     log.info(
         "LoRA adapter %s: %s, rank %d, %d modules, digest %s",
         name,
@@ -199,7 +202,7 @@ def served_adapter(name: str, path: str) -> ServedAdapter:
     """The adapter at `path` as its ranks will key it, without loading it (a data-parallel server's front
     process, which loads no weights)."""
     raw, weights_path = _read_config(name, Path(path).expanduser())
-    return ServedAdapter(path, _digest(raw, weights_path))
+    return ServedAdapter(path, _digest(raw, _read_weights(name, weights_path)))
 
 
 def _read_config(name: str, root: Path) -> tuple[bytes, Path]:
@@ -216,11 +219,21 @@ def _read_config(name: str, root: Path) -> tuple[bytes, Path]:
     return raw, weights_path
 
 
-def _digest(raw_config: bytes, weights_path: Path) -> str:
+def _read_weights(name: str, weights_path: Path) -> bytes:
+    try:
+        with weights_path.open("rb") as f:
+            weights = f.read(MAX_WEIGHTS_BYTES + 1)
+    except OSError as exc:
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read: {exc.strerror}") from None
+    if len(weights) > MAX_WEIGHTS_BYTES:
+        raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} is larger than {MAX_WEIGHTS_BYTES} bytes")
+    return weights
+
+
+def _digest(raw_config: bytes, weights: bytes) -> str:
     """The adapter's identity beside its name: sha256 over its config and its weights file's sha256."""
     digest = hashlib.sha256(raw_config)
-    with weights_path.open("rb") as f:
-        digest.update(hashlib.file_digest(f, "sha256").digest())
+    digest.update(hashlib.sha256(weights).digest())
     return digest.hexdigest()
 
 

@@ -145,33 +145,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = [
-        {
+
+    def entry(name: str, root: str, parent: str | None) -> dict:
+        return {
             "id": name,
             "object": "model",
             "created": state.created,
             "owned_by": "kvpilot",
-            "root": state.served[0],
-            "parent": None,
+            "root": root,
+            "parent": parent,
             "max_model_len": state.engine.info.max_model_len,
             "weight_version": state.weights.version,
         }
-        for name in state.served
-    ]
+
+    base = state.served[0]
     # Adapters as vLLM lists them: the adapter's path as its root, the base model as its parent.
-    data += [
-        {
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "kvpilot",
-            "root": adapter.path,
-            "parent": state.served[0],
-            "max_model_len": state.engine.info.max_model_len,
-            "weight_version": state.weights.version,
-        }
-        for name, adapter in state.adapters.items()
-    ]
+    data = [entry(name, base, None) for name in state.served]
+    data += [entry(name, adapter.path, base) for name, adapter in state.adapters.items()]
     return json_response({"object": "list", "data": data})
 
 

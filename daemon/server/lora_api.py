@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kvpilot.daemon.engine.lora import ServedAdapter
+from kvpilot.daemon.engine.lora import LoRAError, ServedAdapter, check_name
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.weights_api import WeightFailure, call, rank_timeout, route
-from kvpilot.kv_events import MAX_LORA_NAME_CHARS
 from kvpilot.protocol.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -112,14 +111,10 @@ async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -
 
 
 def _lora_name(body: dict) -> str:
-    name = body.get("lora_name")
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_LORA_NAME_CHARS:
-        raise ApiError(
-            400,
-            f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters",
-            "lora_name",
-        )
-    return name
+    try:
+        return check_name(body.get("lora_name"))
+    except LoRAError as exc:
+        raise ApiError(400, f"lora_name: {exc}", "lora_name") from None
 
 
 # The route table (app.py adds it): (method, path, handler).
