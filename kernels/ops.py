@@ -26,6 +26,7 @@ class Ops:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    lora_add: Callable[..., None]
 
 
 TORCH_OPS = Ops(
@@ -35,6 +36,7 @@ TORCH_OPS = Ops(
     rms_norm=reference.rms_norm,
     rotary=reference.rotary,
     silu_and_mul=reference.silu_and_mul,
+    lora_add=reference.lora_add,
 )
 
 

@@ -237,3 +237,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(x[..., :I]) * x[..., I:]."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def lora_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None
+) -> None:
+    """One LoRA adapter's product, in place: y += (x @ a.T) @ b.T at `rows` (int64, distinct; None: every
+    row). x [T, K], a [R, K], b [N, R], y [T, N], all of one dtype."""
+    if rows is None:
+        y.add_((x @ a.T) @ b.T)
+    else:
+        y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)

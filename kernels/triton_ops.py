@@ -10,6 +10,7 @@ from kvpilot.kernels.ops import Ops
 from kvpilot.kernels.triton_activation import silu_and_mul
 from kvpilot.kernels.triton_attention import paged_attention
 from kvpilot.kernels.triton_kv_write import write_kv
+from kvpilot.kernels.triton_lora import lora_add
 from kvpilot.kernels.triton_norm import rms_norm
 from kvpilot.kernels.triton_rotary import rotary
 
@@ -20,6 +21,7 @@ TRITON_OPS = Ops(
     rms_norm=rms_norm,
     rotary=rotary,
     silu_and_mul=silu_and_mul,
+    lora_add=lora_add,
 )
 
 __all__ = ["TRITON_OPS"]

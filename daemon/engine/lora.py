@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,29 +282,29 @@ def _split_key(name: str, key: str) -> tuple[str, str]:
     return module, part
 
 
+# y, x, a, b, rows: one adapter's product added to y at rows (kvpilot.kernels.reference.lora_add)
+LoRAAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+
+
 class LoRABatch:
     """One step's adapters and their rows; the model calls `add` after each projection."""
 
-    __slots__ = ("_groups",)
+    __slots__ = ("_groups", "_lora_add")
 
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> None:
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]], lora_add: LoRAAdd) -> None:
         self._groups = groups  # (adapter, its rows; None: every row of the batch)
+        self._lora_add = lora_add  # the kernel: Ops.lora_add (triton on CUDA, torch elsewhere)
 
     def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the low-rank product of each adapter's rows of x, for the fused module `module`."""
         for adapter, rows in self._groups:
             pair = adapter.pairs.get(module)
-            if pair is None:
-                continue
-            a, b = pair
-            if rows is None:
-                y.add_((x @ a.T) @ b.T)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+            if pair is not None:
+                self._lora_add(y, x, *pair, rows)
 
 
 def lora_batch(
-    spans: list[tuple[LoRAAdapter, int, int]], num_rows: int, device: torch.device
+    spans: list[tuple[LoRAAdapter, int, int]], num_rows: int, device: torch.device, lora_add: LoRAAdd
 ) -> LoRABatch | None:
     """The LoRABatch for a step of `num_rows` rows whose `spans` (adapter, first row, rows) run under an
     adapter; the other rows are the base model's. One span per chunk, not a Python item per token."""
@@ -320,7 +321,7 @@ def lora_batch(
             continue
         rows = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in ranges]).to(device)
         groups.append((adapter, rows))
-    return LoRABatch(groups)
+    return LoRABatch(groups, lora_add)
 
 
 class LoRARegistry:

@@ -144,7 +144,9 @@ class ModelRunner:
             slot_mapping=as_tensor(p.slots),
             attn=attn,
             logits_indices=as_tensor(p.logits_rows),
-            lora=lora_batch(p.lora_spans, len(p.input_ids), self.device) if p.lora_spans else None,
+            lora=lora_batch(p.lora_spans, len(p.input_ids), self.device, self.model.ops.lora_add)
+            if p.lora_spans
+            else None,
         )
 
 

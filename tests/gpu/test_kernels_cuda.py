@@ -13,8 +13,10 @@ from support.kernel_cases import (
     ATTENTION_TOL,
     DTYPES,
     ELEMENTWISE_TOL,
+    LORA_TOL,
     MIXED_BATCH,
     build_attention_case,
+    lora_case,
     random_attention_case,
 )
 
@@ -153,6 +155,20 @@ def test_rms_norm(ops, dtype, rows, hidden):
 def test_silu_and_mul(ops, dtype, shape):
     x = (torch.randn(shape, device=DEV) * 4).to(dtype)
     torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ["all", "some", "shuffled"])
+@pytest.mark.parametrize(
+    ("tokens", "k", "n", "rank"), [(1, 4096, 6144, 16), (300, 4096, 28672, 64), (2048, 896, 1152, 8)]
+)
+def test_lora_add(ops, dtype, rows, tokens, k, n, rank):
+    """Llama-3-8B's fused qkv and gate_up widths, decode to a long prefill, rank 8 to 64."""
+    y, x, a, b, picked = lora_case(tokens, k, n, rank, rows, dtype, device=DEV)
+    expected = y.clone()
+    reference.lora_add(expected, x, a, b, picked)
+    ops.lora_add(y, x, a, b, picked)
+    torch.testing.assert_close(y, expected, **LORA_TOL[dtype])
 
 
 def test_dispatch_on_cuda(monkeypatch):

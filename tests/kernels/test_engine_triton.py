@@ -51,3 +51,25 @@ def test_chunked_prefill_matches_reference(sharp_tiny_model_dir, reference_token
     eng = _engine(sharp_tiny_model_dir, "triton", max_num_batched_tokens=8, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     assert eng.generate(PROMPTS, params) == reference_tokens[0]
+
+
+def test_lora_adapters_mixed_in_a_batch_match_reference(sharp_tiny_model_dir, tmp_path):
+    """Two adapters and the base model in one batch, on the triton path (its lora_add kernel): the torch
+    path's greedy tokens (tests/engine/test_lora.py holds that path to peft's)."""
+    from support.lora import make_adapter
+
+    adapters = {
+        "a": make_adapter(sharp_tiny_model_dir, tmp_path / "a", seed=1, scale=0.5),
+        "b": make_adapter(
+            sharp_tiny_model_dir, tmp_path / "b", seed=2, r=4, targets=["q_proj", "v_proj"], scale=0.5
+        ),
+    }
+    lora = dict(enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()])
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    names = ["a", None, "b"]
+    reference = _engine(sharp_tiny_model_dir, "torch", **lora)
+    expected = reference.generate(PROMPTS, params, lora_names=names)
+    base = reference.generate(PROMPTS, params)
+    assert expected[0] != base[0] and expected[2] != base[2], "the adapters change nothing: nothing is proven"
+    eng = _engine(sharp_tiny_model_dir, "triton", **lora)
+    assert eng.generate(PROMPTS, params, lora_names=names) == expected

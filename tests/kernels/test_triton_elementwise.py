@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.kernels import reference, triton_activation, triton_kv_write, triton_norm, triton_rotary
+from kvpilot.kernels import (
+    reference,
+    triton_activation,
+    triton_kv_write,
+    triton_lora,
+    triton_norm,
+    triton_rotary,
+)
 from kvpilot.kernels.ops import select_ops
-from support.kernel_cases import DTYPES, ELEMENTWISE_TOL, build_attention_case
+from support.kernel_cases import DTYPES, ELEMENTWISE_TOL, LORA_TOL, build_attention_case, lora_case
 
 
 def _rand(*shape, dtype, seed=0):
@@ -145,3 +152,26 @@ def test_select_ops_triton(monkeypatch):
     assert ops.paged_attention.__module__ == "kvpilot.kernels.triton_attention"
     monkeypatch.setenv("KVPILOT_KERNELS", "triton")
     assert select_ops("cpu").name == "triton"
+
+
+# ---- lora_add -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ["all", "some", "shuffled", "none"])
+@pytest.mark.parametrize(
+    ("tokens", "k", "n", "rank"), [(7, 64, 96, 8), (40, 200, 130, 16), (33, 576, 1728, 64)]
+)
+def test_lora_add(dtype, rows, tokens, k, n, rank):
+    """One adapter's product added at its rows (off every block grid: 7 or 33 rows, 200 or 130 features);
+    the rows it does not own must stay as they were."""
+    y, x, a, b, picked = lora_case(tokens, k, n, rank, rows, dtype)
+    expected = y.clone()
+    reference.lora_add(expected, x, a, b, picked)
+    actual = y.clone()
+    triton_lora.lora_add(actual, x, a, b, picked)
+    torch.testing.assert_close(actual, expected, **LORA_TOL[dtype])
+    if picked is not None:
+        untouched = torch.ones(tokens, dtype=torch.bool)
+        untouched[picked] = False
+        assert torch.equal(actual[untouched], y[untouched])

@@ -257,7 +257,11 @@ def test_a_bad_runtime_load_is_refused_with_its_reason_and_changes_nothing(lora_
     cases = [
         ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "is not a peft LoRA directory"),
         ({"lora_name": "x"}, 400, "lora_path must be a non-empty string"),
-        ({"lora_name": "", "lora_path": str(tmp_path)}, 400, "lora_name: an adapter name must be a non-empty string"),
+        (
+            {"lora_name": "", "lora_path": str(tmp_path)},
+            400,
+            "lora_name: an adapter name must be a non-empty string",
+        ),
         ({"lora_name": "x", "lora_path": str(tmp_path), "load_inplace": "yes"}, 400, "load_inplace must be"),
         ({"lora_name": before[0]["id"], "lora_path": str(tmp_path)}, 400, "the base model's name"),
     ]

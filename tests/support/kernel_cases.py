@@ -160,3 +160,30 @@ def sharpen_checkpoint(src, dst, qk: float = 6.0, vo: float = 12.0, mlp: float =
     model.save_pretrained(dst)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return dst
+
+
+LORA_TOL = {  # two matmuls, each rounded to the dtype as the torch reference rounds them
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def lora_case(
+    tokens: int, k: int, n: int, rank: int, rows: str, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, x, a, b, rows) of one adapter's product over a step of `tokens` rows: `rows` "all" (None), "some"
+    (every third row, in order), "shuffled" (the same, out of order) or "none" (no row)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(tokens, n, generator=g)
+    x = torch.randn(tokens, k, generator=g)
+    a = torch.randn(rank, k, generator=g) / k**0.5
+    b = torch.randn(n, rank, generator=g) / rank**0.5
+    picked = {
+        "all": None,
+        "some": torch.arange(0, tokens, 3),
+        "shuffled": torch.arange(0, tokens, 3)[torch.randperm(len(range(0, tokens, 3)), generator=g)],
+        "none": torch.empty(0, dtype=torch.int64),
+    }[rows]
+    out = [t.to(device=device, dtype=dtype) for t in (y, x, a, b)]
+    return (*out, None if picked is None else picked.to(device))
