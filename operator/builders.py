@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 from typing import Any
 
 from pydantic import BaseModel
 
 from kvpilot.fleet_members import FLEET_LABEL
-from kvpilot.operator.specs import EngineSpec, FleetSpec, RouterSpec, SecretKeyRef
+from kvpilot.operator.specs import EngineSpec, FleetSpec, LoRASpec, RouterSpec, SecretKeyRef
 
 GROUP = "kvpilot.io"
 VERSION = "v1alpha1"
@@ -189,9 +190,24 @@ def serve_args(spec: FleetSpec) -> list[str]:
             args += [flag, str(value)]
     if not engine.enable_prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if engine.lora is not None:
+        args += lora_args(engine.lora)
     if (threads := cpu_threads(spec)) is not None:
         args += ["--cpu-threads", str(threads)]  # torch threads follow the CPU limit, not the node's cores
     return args + kv_events_args(spec)
+
+
+def lora_args(lora: LoRASpec) -> list[str]:
+    """`--enable-lora` and its flags; each module in the JSON form vLLM takes, so no name or path needs
+    quoting."""
+    args = ["--enable-lora"]
+    if lora.modules:
+        args += ["--lora-modules", *(json.dumps({"name": m.name, "path": m.path}) for m in lora.modules)]
+    if lora.max_loras is not None:
+        args += ["--max-loras", str(lora.max_loras)]
+    if lora.max_lora_rank is not None:
+        args += ["--max-lora-rank", str(lora.max_lora_rank)]
+    return args
 
 
 def router_spec(spec: FleetSpec) -> RouterSpec | None:

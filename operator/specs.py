@@ -45,6 +45,17 @@ class SecretKeyRef(_Spec):
 
 
 # ---- InferenceDeployment ---------------------------------------------------------------------------------
+class LoRAModule(_Spec):
+    name: str
+    path: str
+
+
+class LoRASpec(_Spec):
+    modules: list[LoRAModule] | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+
+
 class EngineSpec(_Spec):
     block_size: int = 16
     max_num_seqs: int | None = None
@@ -53,6 +64,7 @@ class EngineSpec(_Spec):
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    lora: LoRASpec | None = None  # present: --enable-lora
     kv_cache_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -50,6 +50,23 @@ def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_
     )
 
 
+def test_lora_adapters_become_the_daemons_flags_as_its_own_parser_reads_them() -> None:
+    from kvpilot.daemon.engine.lora import parse_lora_modules
+
+    modules = [{"name": "sql=v2", "path": "/adapters/sql v2"}, {"name": "chat", "path": "/adapters/chat"}]
+    lora = {"modules": modules, "maxLoras": 2, "maxLoraRank": 64}
+    args = builders.serve_args(FleetSpec.parse({"engine": {"lora": lora}}))
+    at = args.index("--lora-modules")
+    assert args[at - 1] == "--enable-lora"
+    assert parse_lora_modules(args[at + 1 : at + 3]) == {
+        "sql=v2": "/adapters/sql v2",
+        "chat": "/adapters/chat",
+    }
+    assert args[args.index("--max-loras") + 1] == "2" and args[args.index("--max-lora-rank") + 1] == "64"
+    assert "--enable-lora" not in builders.serve_args(FleetSpec.parse({}))
+    assert builders.serve_args(FleetSpec.parse({"engine": {"lora": {}}})).count("--enable-lora") == 1
+
+
 def test_daemonset_placement_has_no_replicas_and_model_is_passed() -> None:
     d = builders.workload("x", FleetSpec.parse({"placement": "DaemonSet", "model": "/models/q"}))
     assert d["kind"] == "DaemonSet" and "replicas" not in d["spec"]

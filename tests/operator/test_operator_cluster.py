@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,9 @@ def standin_pods(
 
 
 # --------------------------------------------------------------------------------------------------------
-def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+def test_reset_three_real_daemons(
+    cluster: Cluster, ns: str, operator: OperatorProcess, lora_adapters: dict[str, Path]
+) -> None:
     cluster.kubectl("create", "secret", "generic", "admin", "-n", ns, "--from-literal=token=s3cret-admin")
     cluster.kubectl("label", "secret", "admin", "-n", ns, "kvpilot.io/admin-token=true")  # its owner consents
     apply_ns(
@@ -74,7 +77,12 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
             {
                 "replicas": 3,
                 "adminTokenSecretRef": {"name": "admin"},
-                "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+                "engine": {
+                    "kvCacheBlocks": 256,
+                    "maxNumSeqs": 4,
+                    "maxModelLen": 512,
+                    "lora": {"modules": [{"name": "sql", "path": str(lora_adapters["every-layer"])}]},
+                },
                 "env": [
                     {
                         "name": "KVPILOT_CACHE",
@@ -175,6 +183,17 @@ def test_reset_three_real_daemons(cluster: Cluster, ns: str, operator: OperatorP
     assert (st["phase"], st["succeeded"], st["verified"]) == ("Succeeded", 3, "3/3"), st
     for ip in pods.values():
         assert cached_tokens(ip, "tenant-x") == 0 and cached_tokens(ip) > 0
+
+    # scope.loraName: the adapter spec.engine.lora serves, reset on every pod; the base model stays warm
+    for ip in pods.values():
+        for model in ("sql", None, "sql"):
+            cached_tokens(ip, model=model)
+    apply_ns(cluster, ns, pcr("sql", {"targetRef": {"name": "llm"}, "scope": {"loraName": "sql"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/sql", "-n", ns, "--timeout=120s")
+    st = cluster.kubectl_json("get", "pcr", "sql", "-n", ns)["status"]
+    assert (st["phase"], st["succeeded"], st["verified"]) == ("Succeeded", 3, "3/3"), st
+    for ip in pods.values():
+        assert cached_tokens(ip, model="sql") == 0 and cached_tokens(ip) > 0
 
 
 def test_failed_skipped_and_not_supported_pods(cluster: Cluster, ns: str) -> None:

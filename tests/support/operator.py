@@ -112,11 +112,12 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120) 
         return json.loads(r.read() or b"null")
 
 
-def cached_tokens(ip: str, cache_salt: str | None = None) -> int:
-    body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-    r = http(
-        "POST", f"http://{ip}:8000/v1/completions", body | ({"cache_salt": cache_salt} if cache_salt else {})
-    )
+def cached_tokens(ip: str, cache_salt: str | None = None, model: str | None = None) -> int:
+    """The pod's cached tokens of PROMPT (under `cache_salt`, or the LoRA adapter `model` names)."""
+    body: dict = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    body |= {"cache_salt": cache_salt} if cache_salt else {}
+    body |= {"model": model} if model else {}
+    r = http("POST", f"http://{ip}:8000/v1/completions", body)
     return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
