@@ -158,11 +158,17 @@ class ResetSpec(_Spec):
 ROLLING_MAX_UNAVAILABLE = 1
 
 
+class AdapterRef(_Spec):
+    name: str
+    path: str
+
+
 class WeightUpdateSpec(_Spec):
-    """WeightUpdate spec (crds/weightupdates.yaml)."""
+    """WeightUpdate spec (crds/weightupdates.yaml): exactly one of model_path and adapter."""
 
     target_ref: TargetRef
-    model_path: str
+    model_path: str | None = None
+    adapter: AdapterRef | None = None
     version: str
     strategy: Literal["Atomic", "Rolling"] = "Atomic"
     pause_mode: Literal["abort", "wait", "keep"] = "wait"

@@ -10,6 +10,12 @@ Atomic is a two-phase commit over the pods (and, inside each daemon, over its ra
    weights it is taken out of the fleet's Service (fence.py). A pod an earlier update fenced is let back once this one commits on it.
 Rolling runs the same two phases over maxUnavailable pods at a time; a failed batch stops it there.
 
+An adapter update (spec.adapter) changes one LoRA adapter instead of the model: every pod loads the adapter's
+new directory in place (/v1/load_lora_adapter with load_inplace, each daemon over its ranks, all or none);
+when any pod fails or they loaded different files, the pods that did go back to the directory they served
+before (or unload an adapter they did not have), so the fleet ends on one version of it either way. A pod
+whose way back fails is Fenced. The base weights, status.weights and the catch-up are not touched.
+
 Every update ends within timeoutSeconds, counted from status.startTime (a restart does not extend it). A run
 that an operator restart interrupted starts over: staging again drops the old stage first, and finishing the
 same weights again on a pod that already serves them is harmless (the same digest), so it is at-least-once.
@@ -137,6 +143,8 @@ class Run:
             max_concurrency=self.spec.max_concurrency,
         )
         self.pods = [PodUpdate(t.name) for t in targets]
+        if self.spec.adapter is not None:
+            return await self.update_adapter(targets, settings)
         batch = len(targets)
         if self.spec.strategy == "Rolling":
             batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
@@ -267,6 +275,68 @@ class Run:
                 p.message = redact(f"commit: {r.message or served}")
         await self.fence_behind(group)
 
+    async def update_adapter(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+        """spec.adapter on every pod or on none (the module docstring)."""
+        adapter = self.spec.adapter
+        assert adapter is not None
+        await self.progress("Committing")
+        pods = self._by_name()
+        listed = await self.call(targets, settings, "GET", "/v1/models")
+        if unlisted := [n for n, r in listed.items() if not r.ok]:
+            # without what a pod serves now it could not be brought back to it: change none
+            for n in unlisted:
+                pods[n].result, pods[n].message = "Failed", redact(f"GET /v1/models: {listed[n].message}")
+            return await self.finish(
+                "Failed", "StageFailed", f"no pod changed; {unlisted[0]}: {pods[unlisted[0]].message}"
+            )
+        body = {"lora_name": adapter.name, "lora_path": adapter.path, "load_inplace": True}
+        loaded = await self.call(targets, settings, "POST", "/v1/load_lora_adapter", body)
+        for n, r in loaded.items():
+            pods[n].staged_digest = str(r.body.get("digest") or "") if r.ok else ""
+            pods[n].result, pods[n].message = (
+                ("Succeeded", "") if r.ok else ("Failed", redact(f"load: {r.message}"))
+            )
+        digests = {p.staged_digest for p in self.pods if p.result == "Succeeded"}
+        if len(digests) == 1 and all(p.result == "Succeeded" for p in self.pods):
+            await self.read_versions(targets, settings)
+            digest = digests.pop()
+            n = len(self.pods)
+            msg = f"{n}/{n} pods serve adapter {adapter.name} {self.spec.version} ({digest})"
+            return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
+        if all(p.result == "Succeeded" for p in self.pods):  # the same path, other files on some nodes
+            for p in self.pods:
+                p.message = f"loaded {p.staged_digest}: the pods read different files at {adapter.path}"
+        for t in targets:
+            if pods[t.name].result == "Succeeded":
+                await self.undo_adapter(t, settings, _adapter_path(listed[t.name].body, adapter.name))
+        await self.read_versions(targets, settings)
+        first = next(p for p in self.pods if p.message)  # a failed load, or the files that differed
+        why = f"{first.name}: {first.message}"
+        if fenced := [p.name for p in self.pods if p.result == "Fenced"]:
+            msg = f"{', '.join(fenced[:5])} could not go back from the new {adapter.name} (fenced); {why}"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        return await self.finish("Failed", "StageFailed", f"no pod changed {adapter.name}; {why}")
+
+    async def undo_adapter(self, t: Target, settings: FanoutSettings, before: str | None) -> None:
+        """Take pod `t` back to the adapter directory it served `before` (None: it served none of that
+        name); Dropped when it went back, else Fenced: out of the Service, on an adapter the fleet is not."""
+        adapter, p = self.spec.adapter, self._by_name()[t.name]
+        assert adapter is not None
+        if before is None:
+            back = await self.call(
+                [t], settings, "POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name}
+            )
+        else:
+            body = {"lora_name": adapter.name, "lora_path": before, "load_inplace": True}
+            back = await self.call([t], settings, "POST", "/v1/load_lora_adapter", body)
+        if back[t.name].ok:
+            p.result = "Dropped"  # its message, if any, says why the update did not go through
+            return
+        p.result = "Fenced"
+        p.message = redact(f"could not go back to {before or 'no adapter'}: {back[t.name].message}")
+        if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+            self.fenced.add(t.name)
+
     async def fence_behind(self, group: Sequence[Target]) -> None:
         """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
         are behind the fleet); while none does, the fleet is still on its old weights, as they are."""
@@ -339,3 +409,11 @@ class Run:
         except ApiException as exc:  # informative; the update's own status is written next
             if exc.status != 404:
                 log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)
+
+
+def _adapter_path(models: dict[str, Any], name: str) -> str | None:
+    """The directory a pod serves the adapter `name` from, as its /v1/models lists it (vLLM's `root`)."""
+    for m in models.get("data") or []:
+        if isinstance(m, dict) and m.get("id") == name and m.get("parent") and isinstance(m.get("root"), str):
+            return m["root"]
+    return None

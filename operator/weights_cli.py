@@ -1,4 +1,5 @@
-"""`kvpilot weights update NAME --path P --version V [--wait]`: create a WeightUpdate and follow it.
+"""`kvpilot weights update NAME --path P --version V [--adapter A] [--wait]`: create a WeightUpdate and follow
+it (with --adapter, of that LoRA adapter: P is its peft directory).
 
 Wiring (kvpilot/cli.py): `_COMMANDS["weights"] = add_weights_parser`.
 """
@@ -25,6 +26,12 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
     u = add_command(sub, "update", _run_update)
     _add_target(u)
     u.add_argument("--path", required=True, help="checkpoint directory as every pod sees it")
+    u.add_argument(
+        "--adapter",
+        default=None,
+        metavar="NAME",
+        help="update this LoRA adapter to the peft directory --path instead of the model (spec.adapter)",
+    )
     u.add_argument("--version", required=True, dest="weight_version", help="the weight version afterwards")
     # Unset flags stay out of the spec: the API server fills in the CRD's defaults, which the help names.
     strategy, pause_mode = WeightUpdateSpec.default("strategy"), WeightUpdateSpec.default("pause_mode")
@@ -46,11 +53,11 @@ def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def update_body(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "targetRef": {"name": name},
-        "modelPath": args.path,
-        "version": args.weight_version,
-    }
+    spec: dict[str, Any] = {"targetRef": {"name": name}, "version": args.weight_version}
+    if args.adapter is None:
+        spec["modelPath"] = args.path
+    else:
+        spec["adapter"] = {"name": args.adapter, "path": args.path}
     optional = {
         "strategy": args.strategy,
         "pauseMode": args.pause_mode,

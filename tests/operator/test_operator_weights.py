@@ -43,7 +43,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def real_fleet(
-    cluster: Cluster, ns: str, replicas: int, router: bool = False, **engine: int
+    cluster: Cluster, ns: str, replicas: int, router: bool = False, **engine: object
 ) -> dict[str, str]:
     """`replicas` ready daemons of InferenceDeployment llm (the embedded model; `engine` over the small
     defaults), with its fleet router if `router`; pod name -> IP."""
@@ -170,6 +170,7 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
 
 def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     good = {"targetRef": {"name": "llm"}, "modelPath": "/ckpt", "version": "v2"}
+    adapter_only = {"targetRef": {"name": "llm"}, "adapter": {"name": "sql", "path": "/a"}, "version": "v2"}
     bad = [
         ({**good, "modelPath": "relative/dir"}, "absolute path"),
         ({**good, "version": "mixed"}, "not 'mixed'"),
@@ -177,6 +178,13 @@ def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProc
         ({**good, "strategy": "Sideways"}, "Unsupported value"),
         ({**good, "maxUnavailable": 2}, "maxUnavailable is for the Rolling strategy"),
         ({k: v for k, v in good.items() if k != "version"}, "version: Required value"),
+        ({**good, "adapter": {"name": "sql", "path": "/a"}}, "exactly one of modelPath"),
+        ({"targetRef": {"name": "llm"}, "version": "v2"}, "exactly one of modelPath"),
+        ({**adapter_only, "strategy": "Rolling"}, "an adapter update is Atomic"),
+        (
+            {**adapter_only, "adapter": {"name": "sql", "path": "rel"}},
+            "adapter.path must be an absolute path",
+        ),
     ]
     for i, (spec, why) in enumerate(bad):
         obj = wu(f"bad-{i}", spec)
@@ -185,6 +193,55 @@ def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProc
 
         r = cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=False)
         assert r.returncode != 0 and why in r.stderr, (spec, r.stderr)
+
+
+def test_an_adapter_update_reaches_every_pod_or_none(
+    cluster: Cluster, ns: str, operator: OperatorProcess, lora_adapters: dict[str, Path]
+) -> None:
+    """spec.adapter: the fleet's LoRA adapter `sql` to new files on both pods, its cache cold afterwards and
+    the base model's warm; then a path one pod cannot load leaves both on those files."""
+    import json
+    import urllib.request
+
+    first, second = lora_adapters["every-layer"], lora_adapters["attention-only"]
+    pods = real_fleet(cluster, ns, 2, lora={"modules": [{"name": "sql", "path": str(first)}]})
+
+    def served(ip: str) -> str:
+        with urllib.request.urlopen(f"http://{ip}:8000/health", timeout=60) as r:
+            return json.loads(r.read())["lora_adapters"]["sql"]
+
+    def cached(ip: str, model: str | None) -> int:
+        body = {
+            "prompt": "A prompt long enough to fill two blocks of the cache, or so. " * 6,
+            "max_tokens": 1,
+        }
+        req = urllib.request.Request(
+            f"http://{ip}:8000/v1/completions",
+            json.dumps(body | ({"model": model} if model else {})).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    old = {served(ip) for ip in pods.values()}
+    assert len(old) == 1
+    for ip in pods.values():
+        for model in ("sql", None, "sql", None):
+            cached(ip, model)
+    spec = {"targetRef": {"name": "llm"}, "adapter": {"name": "sql", "path": str(second)}, "version": "sql-2"}
+    apply_ns(cluster, ns, wu("sql-2", spec))
+    st = wait_done(cluster, ns, "sql-2", 120)["status"]
+    assert st["phase"] == "Succeeded" and st["succeeded"] == 2, st
+    new = {served(ip) for ip in pods.values()}
+    assert len(new) == 1 and new != old and st["digest"] in new, (st, new)
+    for ip in pods.values():  # the new weights are a new identity: nothing the old ones computed is served
+        assert cached(ip, "sql") == 0 and cached(ip, None) > 0
+
+    spec = {**spec, "adapter": {"name": "sql", "path": "/no/such/adapter"}, "version": "sql-3"}
+    apply_ns(cluster, ns, wu("sql-3", spec))
+    st = wait_done(cluster, ns, "sql-3", 120)["status"]
+    assert st["phase"] == "Failed" and "no pod changed sql" in st["conditions"][-1]["message"], st
+    assert {served(ip) for ip in pods.values()} == new
 
 
 def test_a_missing_target_fails_at_once(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:

@@ -62,6 +62,7 @@ def test_cli_body_and_pod_line() -> None:
         pause_mode="abort",
         max_unavailable=None,
         timeout_seconds=30,
+        adapter=None,
     )
     body = update_body("llm", args)
     assert body["kind"] == "WeightUpdate" and body["metadata"] == {"generateName": "llm-"}
@@ -71,6 +72,12 @@ def test_cli_body_and_pod_line() -> None:
         "version": "v2",
         "pauseMode": "abort",
         "timeoutSeconds": 30,
+    }
+    args.adapter, args.pause_mode, args.timeout_seconds = "sql", None, None
+    assert update_body("llm", args)["spec"] == {
+        "targetRef": {"name": "llm"},
+        "adapter": {"name": "sql", "path": "/ckpt"},
+        "version": "v2",
     }
     line = describe_pod({"name": "p", "result": "Failed", "message": "stage: HTTP 404: no checkpoint"})
     assert "Failed" in line and "HTTP 404" in line
