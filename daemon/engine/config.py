@@ -156,6 +156,14 @@ class EngineConfig:
     )
     max_loras: int = field(default=4, metadata=flag("most distinct adapters in one step"))
     max_lora_rank: int = field(default=16, metadata=flag("highest LoRA rank an adapter may have"))
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=flag(
+            "most adapters whose weights are kept in memory; the others are read again from their "
+            "directory when a request names one (least recently used out first)",
+            unset="all of them",
+        ),
+    )
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
@@ -212,6 +220,8 @@ class EngineConfig:
             parse_lora_modules(self.lora_modules)
             if self.max_loras < 1 or self.max_lora_rank < 1:
                 raise ValueError("max_loras and max_lora_rank must be positive")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError("max_cpu_loras must be at least max_loras: a step's adapters are all held")
             if self.tensor_parallel_size > 1:
                 raise ValueError("LoRA adapters and tensor_parallel_size > 1 cannot be combined yet")
         if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:

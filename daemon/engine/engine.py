@@ -160,7 +160,10 @@ class LLMEngine:
             raise RequestRejected("cache_salt must be a string", "cache_salt")
         lora = adapter
         if lora is None and lora_name is not None:
-            lora = self.loras.get(lora_name)
+            try:
+                lora = self.loras.get(lora_name)  # its weights read again if they were let go
+            except LoRAError as exc:
+                raise RequestRejected(str(exc), "model", "invalid_lora_adapter") from None
             if lora is None:
                 raise RequestRejected(f"no LoRA adapter {lora_name!r} is loaded", "model", "model_not_found")
         limit = self.config.max_queued_requests
@@ -466,10 +469,9 @@ class LLMEngine:
         if not self.config.enable_lora:
             raise LoRAError("LoRA adapters are off: start the daemon with --enable-lora")
         check_name(name)
-        if self.loras.get(name) is not None and not inplace:
+        if name in self.loras.served and not inplace:
             raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
-        c = self.config
-        adapter = load_adapter(name, path, self.runner.model, c.max_lora_rank, self.dtype, self.device)
+        adapter = self.loras.read(name, path)
         self.loras.add(adapter)
         return adapter
 
@@ -523,10 +525,14 @@ class LLMEngine:
         """The adapters --lora-modules names, each checked against the base model (a bad one stops the
         start with its reason)."""
         c = self.config
-        loras = LoRARegistry()
+
+        def read(name: str, path: str | Path) -> LoRAAdapter:
+            return load_adapter(name, path, model, c.max_lora_rank, self.dtype, self.device)
+
+        loras = LoRARegistry(read, c.max_cpu_loras)
         if c.enable_lora:
             for name, path in parse_lora_modules(c.lora_modules).items():
-                loras.add(load_adapter(name, path, model, c.max_lora_rank, self.dtype, self.device))
+                loras.add(read(name, path))
         return loras
 
     def _start_offload(self, model) -> KVOffload:  # noqa: ANN001

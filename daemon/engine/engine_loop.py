@@ -92,7 +92,7 @@ class EngineLoop(WeightOperations):
             weight_version=engine.weight_version,
             enable_lora=engine.config.enable_lora,
             lora_adapters={
-                n: ServedAdapter(str(a.path), a.identity.digest) for n, a in engine.loras.adapters.items()
+                n: ServedAdapter(str(path), key.digest) for n, (path, key) in engine.loras.served.items()
             },
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started

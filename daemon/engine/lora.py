@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,16 +326,53 @@ def lora_batch(
 
 
 class LoRARegistry:
-    """The adapters an engine serves, by name."""
+    """The adapters an engine serves, by name, and those of them whose weights it holds (`--max-cpu-loras`,
+    least recently used first out). An adapter whose weights were let go is read again from its directory
+    when a request names it, and must come back with the identity it was served under: files changed on
+    disk meanwhile are refused, never served under the old identity's cached blocks. Requests hold the
+    adapter they run under, so letting one go never takes weights from a running request."""
 
-    def __init__(self) -> None:
-        self.adapters: dict[str, LoRAAdapter] = {}
+    def __init__(self, read: Callable[[str, str | Path], LoRAAdapter], capacity: int | None = None) -> None:
+        self.read = read  # an adapter's directory -> the adapter, checked against the base model
+        self.served: dict[str, tuple[Path, LoRAKey]] = {}  # every adapter served: its directory, identity
+        self._held: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.capacity = capacity  # adapters whose weights are held at most (None: every one)
+        self.reloads = 0
 
     def add(self, adapter: LoRAAdapter) -> None:
-        self.adapters[adapter.name] = adapter
+        self.served[adapter.name] = (adapter.path, adapter.identity)
+        self._hold(adapter)
 
     def get(self, name: str) -> LoRAAdapter | None:
-        return self.adapters.get(name)
+        """The adapter `name` with its weights (read again if they were let go); None: not served.
+        LoRAError when its files no longer hold the weights it was served with."""
+        if name not in self.served:
+            return None
+        adapter = self._held.get(name)
+        if adapter is not None:
+            self._held.move_to_end(name)
+            return adapter
+        path, identity = self.served[name]
+        adapter = self.read(name, path)
+        self.reloads += 1
+        if adapter.identity != identity:
+            raise LoRAError(
+                f"adapter {name!r}: the files in {path} changed since it was loaded (digest "
+                f"{identity.digest[:12]}, now {adapter.identity.digest[:12]}): load it again with load_inplace"
+            )
+        self._hold(adapter)
+        return adapter
 
     def remove(self, name: str) -> bool:
-        return self.adapters.pop(name, None) is not None
+        self._held.pop(name, None)
+        return self.served.pop(name, None) is not None
+
+    @property
+    def held(self) -> list[str]:
+        return list(self._held)
+
+    def _hold(self, adapter: LoRAAdapter) -> None:
+        self._held[adapter.name] = adapter
+        self._held.move_to_end(adapter.name)
+        while self.capacity is not None and len(self._held) > self.capacity:
+            self._held.popitem(last=False)

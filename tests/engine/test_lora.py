@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.block_keys import HASH_ALGOS, KeyScheme
+from kvpilot.daemon.engine.engine import RequestRejected
 from kvpilot.daemon.engine.lora import LoRAError
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kv_events import BlockStored, decode_batch
@@ -53,6 +54,35 @@ def test_a_batch_mixing_base_and_adapters_matches_peft(lora_engine, references, 
     )
     for k, ((prompt, name), out) in enumerate(zip(mixed, got)):
         assert out == references[name][chat_prompts.index(prompt)], (k, name)
+
+
+def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(
+    make_engine, lora_adapters, references, chat_prompts, tmp_path
+) -> None:  # noqa: ANN001
+    """--max-cpu-loras 1: one adapter's weights held at a time, the other read again from its directory when a
+    request names it, with peft's answers all the same; files changed on disk meanwhile are refused, not
+    served under the identity (and the cached blocks) of the weights first loaded."""
+    moved = tmp_path / "attention-only"
+    shutil.copytree(lora_adapters["attention-only"], moved)
+    eng = make_engine(
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+        lora_modules=[f"every-layer={lora_adapters['every-layer']}", f"attention-only={moved}"],
+    )
+    assert eng.loras.held == ["attention-only"]  # the last loaded
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    prompt = chat_prompts[:1]
+    for name in ("every-layer", "attention-only", "every-layer"):
+        assert eng.generate(prompt, params, lora_names=[name]) == references[name][:1], name
+        assert eng.loras.held == [name]
+    assert eng.loras.reloads == 3
+    for f in ("adapter_config.json", "adapter_model.safetensors"):  # another valid adapter, same directory
+        shutil.copy(lora_adapters["every-layer"] / f, moved / f)
+    with pytest.raises(RequestRejected, match="changed since it was loaded"):
+        eng.add_request("changed", prompt[0], params, lora_name="attention-only")
+    with pytest.raises(ValueError, match="max_cpu_loras must be at least max_loras"):
+        make_engine(enable_lora=True, max_loras=2, max_cpu_loras=1)
 
 
 def test_one_adapter_a_step_still_serves_a_mixed_batch(
