@@ -2,8 +2,10 @@
 
 A pool of `--blocks` cached blocks spread evenly over `--scopes` scopes (one LoRA adapter or salt each, as
 an RL fleet with several policies or a multi-tenant fleet holds them). Alternately, `--repeats` times each:
-the full reset (the baseline: everything cold) and a reset of one scope. The JSON under bench/results/
-has each one's median time, the blocks it made unreachable and the share of the cache left warm.
+the full reset (the baseline: everything cold) and a reset of one scope, each without and with KV events
+recorded (a full reset records one AllBlocksCleared; a scoped one names every key it dropped). The JSON
+under bench/results/ has each one's median time, the blocks it made unreachable and the share of the cache
+left warm.
 
     python bench/scoped_reset.py            # 100k blocks, 8 scopes, 20 repeats
 """
@@ -23,6 +25,7 @@ import benchkit  # noqa: E402
 from kvpilot.block_keys import DEFAULT_KEYS, LoRAKey  # noqa: E402
 from kvpilot.daemon.engine.block_pool import BlockPool  # noqa: E402
 from kvpilot.daemon.engine.cache_scope import CacheScope  # noqa: E402
+from kvpilot.daemon.engine.kv_recorder import KVEventRecorder  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,14 +44,16 @@ def fill(pool: BlockPool, scopes: list[CacheScope]) -> None:
 
 def measure(num_blocks: int, num_scopes: int, repeats: int) -> dict:
     scopes = [CacheScope(None, LoRAKey(f"policy-{i}", "0" * 64), None) for i in range(num_scopes)]
-    runs: dict[str, list[tuple[float, int, int]]] = {"full": [], "scoped": []}
+    modes = ("full", "scoped", "full_with_events", "scoped_with_events")
+    runs: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
     pool = BlockPool(num_blocks)
     for _ in range(repeats):
         for mode in runs:
+            pool.events = KVEventRecorder(16) if mode.endswith("_with_events") else None
             fill(pool, scopes)
             before = pool.num_cached_blocks
             start = time.perf_counter()
-            if mode == "full":
+            if mode.startswith("full"):
                 evicted = pool.reset()
             else:
                 evicted = pool.reset_scopes(lambda s: s.lora is not None and s.lora.name == "policy-0")
@@ -67,6 +72,9 @@ def measure(num_blocks: int, num_scopes: int, repeats: int) -> dict:
             "warm_share_kept": rs[0][2] / (num_blocks // num_scopes * num_scopes),
         }
     out["scoped_vs_full_time"] = out["scoped"]["median_ms"] / out["full"]["median_ms"]
+    out["scoped_vs_full_time_with_events"] = (
+        out["scoped_with_events"]["median_ms"] / out["full_with_events"]["median_ms"]
+    )
     return out
 
 
