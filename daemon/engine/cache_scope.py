@@ -8,6 +8,8 @@ computed it (`block_keys.py`); `CacheScope` is that triple. The pool keeps one p
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,36 @@ class CacheScope:
     weight_key: str | None  # None: the unnamed initial weights
     lora: LoRAKey | None
     cache_salt: str | None
+
+
+def scope_record(scope: CacheScope) -> dict:
+    """The scope as JSON (the disk tier writes it beside its blocks: `kv_offload.py`)."""
+    lora = None if scope.lora is None else {"name": scope.lora.name, "digest": scope.lora.digest}
+    return {"weight_key": scope.weight_key, "lora": lora, "cache_salt": scope.cache_salt}
+
+
+def scope_from_record(record: dict) -> CacheScope:
+    """`scope_record`'s JSON read back; TypeError or KeyError for anything else."""
+    lora = record["lora"]
+    scope = CacheScope(
+        record["weight_key"],
+        None if lora is None else LoRAKey(lora["name"], lora["digest"]),
+        record["cache_salt"],
+    )
+    strings = [
+        scope.weight_key,
+        scope.cache_salt,
+        *([] if scope.lora is None else [scope.lora.name, scope.lora.digest]),
+    ]
+    if not all(v is None or isinstance(v, str) for v in strings):
+        raise TypeError("a scope's fields are strings or null")
+    return scope
+
+
+def scope_dir_name(scope: CacheScope) -> str:
+    """A directory name for the scope: a digest of its record (salts and names may hold any character)."""
+    raw = json.dumps(scope_record(scope), sort_keys=True).encode()
+    return "s-" + hashlib.sha256(raw).hexdigest()[:32]
 
 
 def scope_filter(reset: ResetScope, initial_version: str) -> Callable[[CacheScope], bool]:

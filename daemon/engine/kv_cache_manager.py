@@ -229,8 +229,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self, match: Callable[[CacheScope], bool] | None = None) -> dict[str, int]:
         """Every tier at once; the blocks each made unreachable, by tier ("pool", "host", "disk"). With
-        `match`, only the blocks of the scopes it names, in the pool and the host tier; the disk tier,
-        which keeps no scope, is emptied whole."""
+        `match`, only the blocks of the scopes it names, in every tier."""
         if match is None:
             evicted = {"pool": self.pool.reset()}
             if self.offload is not None:

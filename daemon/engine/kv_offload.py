@@ -8,7 +8,8 @@ disk tier. A reset empties every tier in O(1): the host tier swaps its map for a
 does), the disk tier starts a new generation directory, and a disk write still in flight from before the
 reset lands in the old generation, which is never read again (`DiskTier`). A scoped reset (one adapter,
 salt or weight version: `cache_scope.py`) drops that scope's blocks from the host tier, O(blocks held
-there), and empties the disk tier whole, which keeps no scope per file.
+there), and from the disk tier, whose directory per scope it renames away (O(1) on disk, O(blocks held)
+in its index).
 
 Copies: the block's data is gathered off the pool before the step's forward pass can overwrite it (on a
 GPU, into pinned host memory on a side stream the step does not wait for; on the CPU the gather is that
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.block_keys import BlockHash
-from kvpilot.daemon.engine.cache_scope import CacheScope
+from kvpilot.daemon.engine.cache_scope import CacheScope, scope_dir_name, scope_from_record, scope_record
 from kvpilot.daemon.engine.outputs import TierStats
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ HOST, DISK = "host", "disk"
 # The tiers' names in KV events, as vLLM names the media of its offloading connector.
 MEDIUM = {HOST: "CPU", DISK: "STORAGE"}
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "kvpilot-kv-offload-v1"
+MANIFEST_FORMAT = "kvpilot-kv-offload-v2"  # v2: a directory per cache scope in each generation
+SCOPE_FILE = "scope.json"
 # Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
 # instead of spilled (a slow disk must not grow the daemon's memory without bound).
 MAX_PENDING_WRITE_BYTES = 256 << 20
@@ -123,14 +125,17 @@ class Prefetch:
 
 
 class DiskTier:
-    """Blocks as files `<dir>/gen-<N>/<key hex>.kv`, raw bytes of the block's tensor.
+    """Blocks as files `<dir>/gen-<N>/<scope>/<key hex>.kv`, raw bytes of the block's tensor, one directory per
+    cache scope (weights, adapter, salt: `cache_scope.py`) with that scope in its `scope.json`.
 
     `manifest.json` names the current generation and what the files were computed by (the checkpoint's
     files, dtype, block shape). A reset writes the next generation into the manifest before it answers,
     then the worker removes the old directory; a write that was in flight lands in the old directory and
-    is never read. A daemon that starts over a directory keeps the manifest's generation only when it
-    matches the same checkpoint and shape (a restart keeps the warm disk tier, never one from before a
-    reset or from other weights); every other `gen-*` directory is removed.
+    is never read. A scoped reset renames the scope's directories to `dropped-*` before it answers (one
+    rename each, whatever they hold; the worker removes them afterwards), so a restart never finds them
+    again. A daemon that starts over a directory keeps the manifest's generation only when it matches the
+    same checkpoint and shape (a restart keeps the warm disk tier, never one from before a reset or from
+    other weights); every other `gen-*` directory, and every `dropped-*` one, is removed.
     """
 
     name = DISK
@@ -155,10 +160,12 @@ class DiskTier:
             **identity,
         }
         self._lock = threading.Lock()  # the index and generation, shared with the writer thread
-        self._index: OrderedDict[BlockHash, None] = OrderedDict()
+        self._index: OrderedDict[BlockHash, str] = OrderedDict()  # key -> its scope's directory name
+        self._scopes: dict[str, CacheScope] = {}  # directory name -> scope, for scoped resets
         self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
         self._pending_bytes = 0
-        self._writing: set[BlockHash] = set()  # queued writes not discarded since
+        self._writing: dict[BlockHash, str] = {}  # queued writes not discarded since, with their scope
+        self._dropped = 0  # scope directories renamed away by scoped resets, for unique names
         self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
         root.mkdir(parents=True, exist_ok=True)
         self.generation = self._open()
@@ -193,9 +200,10 @@ class DiskTier:
 
     def get(self, key: BlockHash) -> HostBlock | None:
         with self._lock:
-            if key not in self._index:
+            scope_dir = self._index.get(key)
+            if scope_dir is None:
                 return None
-            path = self._path(self.generation, key)
+            path = self._path(self.generation, scope_dir, key)
         try:
             raw = path.read_bytes()
         except OSError:
@@ -210,25 +218,28 @@ class DiskTier:
         return HostBlock(data)
 
     def put(self, key: BlockHash, block: HostBlock) -> bool:
-        """Queue the block's write; False (dropped) when the writer is too far behind."""
+        """Queue the block's write (`block.scope` set); False (dropped) when the writer is too far behind."""
+        assert block.scope is not None, "a block goes to disk with the scope it was computed under"
         if self._pending_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
             self.dropped_blocks += 1
             return False
+        scope_dir = scope_dir_name(block.scope)
         with self._lock:
             self._pending_bytes += self.block_bytes
-            self._writing.add(key)
+            self._writing[key] = scope_dir
+            self._scopes[scope_dir] = block.scope
             gen = self.generation
-        self._queue.put(("write", gen, key, block))
+        self._queue.put(("write", gen, key, (scope_dir, block)))
         return True
 
     def discard(self, key: BlockHash) -> bool:
         """Forget the block (its file goes on the writer thread); False when it was not here."""
         with self._lock:
-            self._writing.discard(key)  # a write on its way is dropped when it lands
-            if key not in self._index:
+            self._writing.pop(key, None)  # a write on its way is dropped when it lands
+            scope_dir = self._index.pop(key, None)
+            if scope_dir is None:
                 return False
-            del self._index[key]
-            self._queue.put(("unlink", self.generation, key, None))
+            self._queue.put(("unlink", self.generation, key, scope_dir))
         return True
 
     def reset(self) -> int:
@@ -238,15 +249,34 @@ class DiskTier:
             old, self.generation = self.generation, self.generation + 1
             self._index = OrderedDict()
             self._writing.clear()
+            self._scopes.clear()
             self._done.clear()
             (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
             self._write_manifest()
-        self._queue.put(("rmtree", old, None, None))
+        self._queue.put(("rmtree", old, None, self.root / f"gen-{old}"))
         return n
 
-    def keys(self) -> list[BlockHash]:
+    def reset_scopes(self, match: Callable[[CacheScope], bool]) -> list[BlockHash]:
+        """Drop the blocks of the scopes `match` names; returns their keys. Each scope's directory is renamed
+        away before this returns (a write still in flight for it lands in a directory made anew and is
+        dropped there, as a discarded block's is)."""
         with self._lock:
-            return list(self._index)
+            dirs = {d for d, scope in self._scopes.items() if match(scope)}
+            gone = [k for k, d in self._index.items() if d in dirs]
+            for k in gone:
+                del self._index[k]
+            self._writing = {k: d for k, d in self._writing.items() if d not in dirs}
+            gen_dir = self.root / f"gen-{self.generation}"
+            for d in dirs:
+                del self._scopes[d]
+                self._dropped += 1
+                away = gen_dir / f"dropped-{self._dropped}-{d}"
+                try:
+                    os.replace(gen_dir / d, away)
+                except FileNotFoundError:
+                    continue  # nothing written for it yet
+                self._queue.put(("rmtree", 0, None, away))
+        return gone
 
     def drain(self) -> list[tuple[str, BlockHash]]:
         """What the writer stored and evicted since the last call, for the engine's KV events."""
@@ -280,29 +310,30 @@ class DiskTier:
     # ---- writer thread -------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while (job := self._queue.get()) is not None:
-            op, gen, key, block = job
+            op, gen, key, arg = job
             try:
                 if op == "write":
-                    self._write(gen, key, block)
+                    self._write(gen, key, *arg)
                 elif op == "unlink":
-                    self._path(gen, key).unlink(missing_ok=True)
+                    self._path(gen, arg, key).unlink(missing_ok=True)
                 elif op == "flush":
-                    block.set()
-                else:
-                    shutil.rmtree(self.root / f"gen-{gen}", ignore_errors=True)
+                    arg.set()
+                else:  # rmtree: an old generation, or a scope a scoped reset renamed away
+                    shutil.rmtree(arg, ignore_errors=True)
             except OSError as exc:
-                log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else gen, exc)
+                log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else arg, exc)
 
-    def _write(self, gen: int, key: BlockHash, block: HostBlock) -> None:
-        path = self._path(gen, key)
+    def _write(self, gen: int, key: BlockHash, scope_dir: str, block: HostBlock) -> None:
+        path = self._path(gen, scope_dir, key)
         try:
             block.wait()
+            self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
             os.replace(tmp, path)
         except OSError:
             with self._lock:
-                self._writing.discard(key)
+                self._writing.pop(key, None)
             raise
         finally:
             with self._lock:
@@ -311,28 +342,38 @@ class DiskTier:
         with self._lock:
             if gen != self.generation:
                 return  # a reset came first: the old generation's directory goes, this file with it
-            if key not in self._writing:  # discarded meanwhile: the pool computed it again
+            if self._writing.get(key) != scope_dir:  # discarded (the pool computed it again) or reset
                 path.unlink(missing_ok=True)
                 return
-            self._writing.discard(key)
-            self._index[key] = None
+            del self._writing[key]
+            self._index[key] = scope_dir
             self._index.move_to_end(key)
             self.stored_blocks += 1
             self._done.append(("stored", key))
             while len(self._index) * self.block_bytes > self.capacity_bytes:
-                old, _ = self._index.popitem(last=False)
-                evicted.append(old)
+                old, old_dir = self._index.popitem(last=False)
+                evicted.append((old, old_dir))
                 self._done.append(("removed", old))
-        for old in evicted:
-            self._path(gen, old).unlink(missing_ok=True)
+        for old, old_dir in evicted:
+            self._path(gen, old_dir, old).unlink(missing_ok=True)
+
+    def _make_scope_dir(self, directory: Path, scope: CacheScope) -> None:
+        """The scope's directory with its scope.json (written before any block, renamed into place)."""
+        if directory.is_dir():
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (SCOPE_FILE + ".tmp")
+        tmp.write_text(json.dumps(scope_record(scope)))
+        os.replace(tmp, directory / SCOPE_FILE)
 
     # ---- the directory -------------------------------------------------------------------------
-    def _path(self, gen: int, key: BlockHash) -> Path:
-        return self.root / f"gen-{gen}" / f"{key.hex()}.kv"
+    def _path(self, gen: int, scope_dir: str, key: BlockHash) -> Path:
+        return self.root / f"gen-{gen}" / scope_dir / f"{key.hex()}.kv"
 
     def _open(self) -> int:
         """The generation to serve: the manifest's when it matches these weights and shape, with the
-        files it holds; otherwise a new empty one. Other generations are removed."""
+        files it holds; otherwise a new empty one. Other generations, scopes a scoped reset dropped and
+        anything that is not a scope directory with its scope.json are removed."""
         gen = 0
         try:
             manifest = json.loads((self.root / MANIFEST).read_text())
@@ -347,8 +388,17 @@ class DiskTier:
                 shutil.rmtree(d, ignore_errors=True)
         current = self.root / f"gen-{gen}"
         current.mkdir(exist_ok=True)
-        files = sorted(current.glob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
-        for p in files:
+        files = []
+        for d in current.iterdir():
+            scope = self._read_scope(d)
+            if scope is None:
+                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+                continue
+            self._scopes[d.name] = scope
+            for p in d.glob("*.tmp"):
+                p.unlink(missing_ok=True)
+            files += [(p.stat().st_mtime_ns, d.name, p) for p in d.glob("*.kv")]
+        for _, scope_dir, p in sorted(files):
             try:
                 key = BlockHash(bytes.fromhex(p.stem))
             except ValueError:
@@ -356,12 +406,10 @@ class DiskTier:
             if key is None or p.stat().st_size != self.block_bytes:
                 p.unlink(missing_ok=True)
                 continue
-            self._index[key] = None
+            self._index[key] = scope_dir
         while len(self._index) * self.block_bytes > self.capacity_bytes:
-            old, _ = self._index.popitem(last=False)
-            self._path(gen, old).unlink(missing_ok=True)
-        for p in current.glob("*.tmp"):
-            p.unlink(missing_ok=True)
+            old, old_dir = self._index.popitem(last=False)
+            self._path(gen, old_dir, old).unlink(missing_ok=True)
         self.generation = gen
         self._write_manifest()
         if self._index:
@@ -372,6 +420,18 @@ class DiskTier:
                 gen,
             )
         return gen
+
+    @staticmethod
+    def _read_scope(d: Path) -> CacheScope | None:
+        """A scope directory's scope; None for a `dropped-*` one, a stray file, or a scope.json that does
+        not parse (all removed: a block must never be served under a scope it was not computed in)."""
+        if not d.is_dir() or d.name.startswith("dropped-"):
+            return None
+        try:
+            scope = scope_from_record(json.loads((d / SCOPE_FILE).read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return scope if scope_dir_name(scope) == d.name else None
 
     def _write_manifest(self) -> None:
         tmp = self.root / (MANIFEST + ".tmp")
@@ -469,8 +529,8 @@ class KVOffload:
         return {t.name: t.reset() for t in self.tiers}
 
     def reset_scopes(self, match: Callable[[CacheScope], bool]) -> dict[str, int]:
-        """The host tier's blocks of those scopes, and the disk tier whole; each key removed is told to
-        the events (a full reset's AllBlocksCleared covers them; a scoped one must name them)."""
+        """The blocks of those scopes in each tier; each key removed is told to the events (a full reset's
+        AllBlocksCleared covers them; a scoped one must name them)."""
         out = {}
         if self.host is not None:
             gone = self.host.reset_scopes(match)
@@ -478,9 +538,10 @@ class KVOffload:
                 self._removed(key, HOST)
             out[HOST] = len(gone)
         if self.disk is not None:
-            for key in self.disk.keys():
+            gone = self.disk.reset_scopes(match)
+            for key in gone:
                 self._removed(key, DISK)
-            out[DISK] = self.disk.reset()
+            out[DISK] = len(gone)
         return out
 
     def poll(self) -> None:

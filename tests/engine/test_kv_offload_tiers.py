@@ -9,19 +9,26 @@ from pathlib import Path
 import torch
 
 from kvpilot.block_keys import BlockHash
+from kvpilot.daemon.engine.cache_scope import CacheScope, scope_dir_name
 from kvpilot.daemon.engine.kv_offload import DiskTier, HostBlock, HostTier, KVOffload
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head dim
 BLOCK_BYTES = 2 * 2 * 4 * 8 * 4
 IDENTITY = {"model": "m", "files": [["model.safetensors", 10, 1]]}
+BASE = CacheScope(None, None, None)
+TENANT = CacheScope(None, None, "tenant-a")
 
 
 def key(i: int) -> BlockHash:
     return BlockHash(i.to_bytes(32, "big"))
 
 
-def block(i: int) -> HostBlock:
-    return HostBlock(torch.full(SHAPE, float(i)))
+def block(i: int, scope: CacheScope = BASE, ready: object | None = None) -> HostBlock:
+    return HostBlock(torch.full(SHAPE, float(i)), ready, scope)
+
+
+def scope_dir(root: Path, disk: DiskTier, scope: CacheScope = BASE) -> Path:
+    return root / f"gen-{disk.generation}" / scope_dir_name(scope)
 
 
 def disk_tier(root: Path, blocks: int = 8, identity: dict = IDENTITY) -> DiskTier:
@@ -55,7 +62,7 @@ def test_disk_blocks_round_trip_and_lru(tmp_path: Path) -> None:
     assert disk.flush(10)
     assert [key(i) in disk for i in range(5)] == [False, False, True, True, True]
     assert torch.equal(disk.get(key(4)).data, block(4).data)
-    assert sorted(p.name for p in (tmp_path / f"gen-{disk.generation}").iterdir()) == sorted(
+    assert sorted(p.name for p in scope_dir(tmp_path, disk).glob("*.kv")) == sorted(
         f"{key(i).hex()}.kv" for i in (2, 3, 4)
     )
     events = disk.drain()
@@ -67,16 +74,16 @@ def test_disk_blocks_round_trip_and_lru(tmp_path: Path) -> None:
 def test_a_discard_or_a_reset_overtakes_a_write_on_its_way(tmp_path: Path) -> None:
     disk = disk_tier(tmp_path)
     gate = Gate()
-    disk.put(key(1), HostBlock(block(1).data, gate))
+    disk.put(key(1), block(1, ready=gate))
     disk.put(key(2), block(2))
     assert not disk.discard(key(1)), "not on disk yet"  # the pool computed it again meanwhile
     gate.opened.set()
     assert disk.flush(10)
     assert key(1) not in disk and key(2) in disk, "the discarded write was dropped when it landed"
-    assert not (tmp_path / f"gen-{disk.generation}" / f"{key(1).hex()}.kv").exists()
+    assert not (scope_dir(tmp_path, disk) / f"{key(1).hex()}.kv").exists()
 
     gate = Gate()
-    disk.put(key(3), HostBlock(block(3).data, gate))
+    disk.put(key(3), block(3, ready=gate))
     old = disk.generation
     assert disk.reset() == 1
     gate.opened.set()  # key(3) lands in the old generation, after the reset
@@ -125,3 +132,41 @@ def test_offload_moves_host_overflow_to_disk_and_reports_media(tmp_path: Path) -
     assert ("removed", key(0), "STORAGE") in events and key(0) not in tiers.disk
     assert tiers.reset() == {"host": 2, "disk": 0}
     tiers.close()
+
+
+def test_a_scoped_reset_drops_its_scope_on_disk_and_a_restart_does_not_bring_it_back(tmp_path: Path) -> None:
+    disk = disk_tier(tmp_path)
+    for i in range(3):
+        disk.put(key(i), block(i, TENANT))
+    disk.put(key(7), block(7))
+    assert disk.flush(10)
+    gate = Gate()
+    disk.put(key(5), block(5, TENANT, ready=gate))  # on its way when its scope is reset
+    gone = disk.reset_scopes(lambda s: s.cache_salt == "tenant-a")
+    assert sorted(gone) == [key(0), key(1), key(2)]
+    assert not scope_dir(tmp_path, disk, TENANT).exists()  # renamed away before the reset answered
+    gate.opened.set()
+    assert disk.flush(10)
+    assert [key(i) in disk for i in (0, 1, 2, 5, 7)] == [False, False, False, False, True]
+    assert disk.reset_scopes(lambda s: s.cache_salt == "tenant-a") == []
+    disk.close()
+
+    again = disk_tier(tmp_path)  # the same checkpoint: the generation is kept, the dropped scope is not
+    assert [key(i) in again for i in (0, 1, 2, 5, 7)] == [False, False, False, False, True]
+    assert not list((tmp_path / f"gen-{again.generation}").glob("dropped-*"))
+    assert torch.equal(again.get(key(7)).data, block(7).data)
+    again.close()
+
+
+def test_a_scope_directory_that_does_not_say_its_scope_is_removed_at_start(tmp_path: Path) -> None:
+    disk = disk_tier(tmp_path)
+    disk.put(key(1), block(1, TENANT))
+    disk.put(key(2), block(2))
+    assert disk.flush(10)
+    disk.close()
+    (scope_dir(tmp_path, disk, TENANT) / "scope.json").write_text(
+        '{"weight_key": null, "lora": null, "cache_salt": "other"}'
+    )
+    again = disk_tier(tmp_path)
+    assert key(1) not in again and key(2) in again  # never served under a scope it was not computed in
+    again.close()
