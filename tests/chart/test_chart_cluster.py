@@ -93,13 +93,14 @@ def helm_chart(
 
 
 def warm(fleet: dict[str, str]) -> None:
-    """Two completions of PROMPT on each daemon: the second finds the prefix the first cached."""
+    """Two completions of PROMPT on each daemon, on the base model and on its LoRA adapter `sql`: the second
+    finds the prefix the first cached."""
     for ip in fleet.values():
-        for _ in range(2):
+        for model in (None, None, "sql", "sql"):
             http(
                 "POST",
                 f"http://{ip}:8000/v1/completions",
-                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                {"prompt": PROMPT, "max_tokens": 4, "temperature": 0} | ({"model": model} if model else {}),
             )
 
 
@@ -183,9 +184,9 @@ def prometheus(
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster, release: None) -> dict[str, str]:
-    """An InferenceDeployment of 2 real daemons (the embedded model) with an admin token and a fleet router;
-    daemon pod name -> IP."""
+def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> dict[str, str]:
+    """An InferenceDeployment of 2 real daemons (the embedded model and a LoRA adapter, so the dashboards'
+    adapter panels have series) with an admin token and a fleet router; daemon pod name -> IP."""
     cluster.kubectl("create", "namespace", FLEET_NS)
     wait_for(
         lambda: cluster.kubectl("get", "sa", "default", "-n", FLEET_NS, check=False).returncode == 0, 30, "sa"
@@ -203,7 +204,13 @@ def fleet(cluster: Cluster, release: None) -> dict[str, str]:
             "adminTokenSecretRef": {"name": "admin"},
             "router": {"enabled": True},
             # a host offload tier of ~14 blocks: the dashboards' offload panels have series to answer
-            "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512, "kvOffloadingSize": 0.01},
+            "engine": {
+                "kvCacheBlocks": 256,
+                "maxNumSeqs": 4,
+                "maxModelLen": 512,
+                "kvOffloadingSize": 0.01,
+                "lora": {"modules": [{"name": "sql", "path": str(lora_adapters["every-layer"])}]},
+            },
             "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
         },
     }
