@@ -15,11 +15,15 @@ import triton.language as tl
 
 # Shared with the attention kernel: fp32 dots stay fp32-accurate (3xTF32 on CUDA, IEEE in the interpreter),
 # and the interpreter's bf16 tl.dot is wrong, so bf16 is upcast there.
+from kvpilot.kernels import reference
 from kvpilot.kernels.triton_attention import _fp32_dot_precision, _interpreting
 
 BLOCK_M = 32  # rows per program; >= 16 keeps tl.dot legal on GPUs
 BLOCK_K = 64  # of the input features per shrink iteration
 BLOCK_N = 64  # output features per expand program
+# The rank is one tile (a fused qkv adapter's is 3r): past this its tiles would not fit a program's registers
+# and shared memory, and the torch reference runs it instead (a rank loop in the kernels would lift this).
+MAX_BLOCK_R = 256
 
 
 @triton.jit
@@ -123,6 +127,9 @@ def lora_add(
     m = x.shape[0] if rows is None else rows.numel()
     rank, k, n = a.shape[0], x.shape[1], y.shape[1]
     if m == 0:
+        return
+    if triton.next_power_of_2(rank) > MAX_BLOCK_R:
+        reference.lora_add(y, x, a, b, rows)
         return
     if x.stride(-1) != 1:
         x = x.contiguous()

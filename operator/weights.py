@@ -31,6 +31,7 @@ no one version then).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -281,23 +282,39 @@ class Run:
         assert adapter is not None
         await self.progress("Committing")
         pods = self._by_name()
+        # What each pod serves now (its directory, its digest): what an undo must bring it back to.
         listed = await self.call(targets, settings, "GET", "/v1/models")
-        if unlisted := [n for n, r in listed.items() if not r.ok]:
-            # without what a pod serves now it could not be brought back to it: change none
-            for n in unlisted:
-                pods[n].result, pods[n].message = "Failed", redact(f"GET /v1/models: {listed[n].message}")
-            return await self.finish(
-                "Failed", "StageFailed", f"no pod changed; {unlisted[0]}: {pods[unlisted[0]].message}"
+        health = await self.call(targets, settings, "GET", "/health")
+        if unknown := [t.name for t in targets if not (listed[t.name].ok and health[t.name].ok)]:
+            for n in unknown:
+                r = listed[n] if not listed[n].ok else health[n]
+                pods[n].result, pods[n].message = "Failed", redact(f"what it serves: {r.message}")
+            why = f"{unknown[0]}: {pods[unknown[0]].message}"
+            return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
+        before = {
+            t.name: (
+                _adapter_path(listed[t.name].body, adapter.name),
+                _adapter_digest(health[t.name].body, adapter.name),
             )
+            for t in targets
+        }
         body = {"lora_name": adapter.name, "lora_path": adapter.path, "load_inplace": True}
-        loaded = await self.call(targets, settings, "POST", "/v1/load_lora_adapter", body)
-        for n, r in loaded.items():
-            pods[n].staged_digest = str(r.body.get("digest") or "") if r.ok else ""
-            pods[n].result, pods[n].message = (
-                ("Succeeded", "") if r.ok else ("Failed", redact(f"load: {r.message}"))
-            )
-        digests = {p.staged_digest for p in self.pods if p.result == "Succeeded"}
-        if len(digests) == 1 and all(p.result == "Succeeded" for p in self.pods):
+        # Until the stage deadline, as a model's stage: the time after it is for going back.
+        loaded = await run_phase(
+            targets,
+            settings,
+            "POST",
+            "/v1/load_lora_adapter",
+            body,
+            deadline=self.stage_deadline,
+            limiter=self.limiter,
+        )
+        for t in targets:
+            r, p = loaded[t.name], pods[t.name]
+            p.staged_digest = str(r.body.get("digest") or "") if r.ok else ""
+            p.result, p.message = ("Succeeded", "") if r.ok else ("Failed", redact(f"load: {r.message}"))
+        digests = {p.staged_digest for p in self.pods}
+        if all(p.result == "Succeeded" for p in self.pods) and len(digests) == 1:
             await self.read_versions(targets, settings)
             digest = digests.pop()
             n = len(self.pods)
@@ -306,9 +323,9 @@ class Run:
         if all(p.result == "Succeeded" for p in self.pods):  # the same path, other files on some nodes
             for p in self.pods:
                 p.message = f"loaded {p.staged_digest}: the pods read different files at {adapter.path}"
-        for t in targets:
-            if pods[t.name].result == "Succeeded":
-                await self.undo_adapter(t, settings, _adapter_path(listed[t.name].body, adapter.name))
+        # Back on every pod that may have loaded it: those that did, and those that gave no definite answer.
+        refused = {t.name for t in targets if not loaded[t.name].ok and 400 <= loaded[t.name].status < 500}
+        await self.undo_adapter([t for t in targets if t.name not in refused], settings, before)
         await self.read_versions(targets, settings)
         first = next(p for p in self.pods if p.message)  # a failed load, or the files that differed
         why = f"{first.name}: {first.message}"
@@ -317,25 +334,44 @@ class Run:
             return await self.finish("Degraded", "CommitFailed", msg)
         return await self.finish("Failed", "StageFailed", f"no pod changed {adapter.name}; {why}")
 
-    async def undo_adapter(self, t: Target, settings: FanoutSettings, before: str | None) -> None:
-        """Take pod `t` back to the adapter directory it served `before` (None: it served none of that
-        name); Dropped when it went back, else Fenced: out of the Service, on an adapter the fleet is not."""
-        adapter, p = self.spec.adapter, self._by_name()[t.name]
+    async def undo_adapter(
+        self,
+        group: Sequence[Target],
+        settings: FanoutSettings,
+        before: dict[str, tuple[str | None, str | None]],
+    ) -> None:
+        """Take the pods of `group` back to the adapter each served before ((directory, digest); a directory of
+        None: it served none of that name), side by side. A pod is back (Dropped, or Failed if its own load
+        failed) only when it says so with the digest it had; else it is Fenced: out of the Service."""
+        adapter, pods = self.spec.adapter, self._by_name()
         assert adapter is not None
-        if before is None:
-            back = await self.call(
-                [t], settings, "POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name}
-            )
-        else:
-            body = {"lora_name": adapter.name, "lora_path": before, "load_inplace": True}
-            back = await self.call([t], settings, "POST", "/v1/load_lora_adapter", body)
-        if back[t.name].ok:
-            p.result = "Dropped"  # its message, if any, says why the update did not go through
-            return
-        p.result = "Fenced"
-        p.message = redact(f"could not go back to {before or 'no adapter'}: {back[t.name].message}")
-        if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
-            self.fenced.add(t.name)
+        by_dir: dict[str | None, list[Target]] = {}
+        for t in group:
+            by_dir.setdefault(before[t.name][0], []).append(t)
+
+        async def back(directory: str | None, ts: list[Target]) -> dict[str, PhaseReply]:
+            if directory is None:  # it served none of that name: unload it
+                return await self.call(
+                    ts, settings, "POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name}
+                )
+            body = {"lora_name": adapter.name, "lora_path": directory, "load_inplace": True}
+            return await self.call(ts, settings, "POST", "/v1/load_lora_adapter", body)
+
+        replies: dict[str, PhaseReply] = {}
+        for part in await asyncio.gather(*(back(d, ts) for d, ts in by_dir.items())):
+            replies |= part
+        for t in group:
+            p, r, (directory, digest) = pods[t.name], replies[t.name], before[t.name]
+            # an unload of an adapter the load never reached answers 404: it is back as well
+            ok = r.ok or (directory is None and r.status == 404)
+            if ok and (directory is None or r.body.get("digest") == digest):
+                p.result = "Failed" if p.result == "Failed" else "Dropped"
+                continue
+            served = f"now {r.body.get('digest')}" if r.ok else r.message
+            p.result = "Fenced"
+            p.message = redact(f"could not go back to {directory or 'no adapter'} ({digest}): {served}")
+            if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+                self.fenced.add(t.name)
 
     async def fence_behind(self, group: Sequence[Target]) -> None:
         """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
@@ -417,3 +453,10 @@ def _adapter_path(models: dict[str, Any], name: str) -> str | None:
         if isinstance(m, dict) and m.get("id") == name and m.get("parent") and isinstance(m.get("root"), str):
             return m["root"]
     return None
+
+
+def _adapter_digest(health: dict[str, Any], name: str) -> str | None:
+    """The digest of the adapter `name` a pod's /health names (None: it serves none of that name)."""
+    adapters = health.get("lora_adapters")
+    digest = adapters.get(name) if isinstance(adapters, dict) else None
+    return digest if isinstance(digest, str) else None

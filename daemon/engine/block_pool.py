@@ -105,7 +105,7 @@ class BlockPool:
         self._free = FreeBlockQueue(self.blocks)
         self._scopes: dict[CacheScope, ScopeIndex] = {}
         self._num_cached_free = 0
-        self._retired: list[object] = []  # maps dropped by resets, freed after the reset answered
+        self._retired: list[dict[BlockHash, KVBlock]] = []  # maps dropped by resets, freed after it answered
         self.epoch = 0
         self.events: KVEventRecorder | None = None  # set when KV events are published
         # Told of each cached block evicted by an allocation, before anything overwrites it (the
@@ -174,9 +174,8 @@ class BlockPool:
     def reset(self) -> int:
         """Make every indexed block unreachable at once; returns how many were reachable."""
         evicted = sum(len(i.blocks) for i in self._scopes.values())
-        # Freeing dicts of 100k keys takes milliseconds: park them and let release_retired() free them
-        # after the reset has answered.
-        self._retired.append(self._scopes)
+        for index in self._scopes.values():
+            self._retire(index)
         self._scopes = {}
         self._num_cached_free = 0
         self.epoch += 1
@@ -196,8 +195,14 @@ class BlockPool:
             if self.events is not None:
                 for key in index.blocks:
                     self.events.block_removed(key)
-            self._retired.append(index.blocks)
+            self._retire(index)
         return evicted
+
+    def _retire(self, index: ScopeIndex) -> None:
+        """Freeing a dict of 100k keys takes milliseconds: park a dropped map's and let release_retired()
+        free it after the reset has answered (its blocks still point at the emptied index, dead anyway)."""
+        self._retired.append(index.blocks)
+        index.blocks = {}
 
     def release_retired(self) -> None:
         self._retired.clear()

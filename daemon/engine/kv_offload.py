@@ -265,6 +265,9 @@ class DiskTier:
             gone = [k for k, d in self._index.items() if d in dirs]
             for k in gone:
                 del self._index[k]
+            # a "stored" the engine has not drained must not go out after this reset's "removed"
+            dropped = set(gone)
+            self._done = [(what, k) for what, k in self._done if k not in dropped]
             self._writing = {k: d for k, d in self._writing.items() if d not in dirs}
             gen_dir = self.root / f"gen-{self.generation}"
             for d in dirs:
@@ -531,6 +534,8 @@ class KVOffload:
     def reset_scopes(self, match: Callable[[CacheScope], bool]) -> dict[str, int]:
         """The blocks of those scopes in each tier; each key removed is told to the events (a full reset's
         AllBlocksCleared covers them; a scoped one must name them)."""
+        # A disk read made before this reset may hold the scope's blocks: requests ask again.
+        self._prefetches.clear()
         out = {}
         if self.host is not None:
             gone = self.host.reset_scopes(match)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ class LoRAError(ValueError):
     message names why."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class LoRAAdapter:
     identity: LoRAKey
     path: Path
@@ -327,51 +329,64 @@ def lora_batch(
 
 class LoRARegistry:
     """The adapters an engine serves, by name, and those of them whose weights it holds (`--max-cpu-loras`,
-    least recently used first out). An adapter whose weights were let go is read again from its directory
-    when a request names it, and must come back with the identity it was served under: files changed on
-    disk meanwhile are refused, never served under the old identity's cached blocks. Requests hold the
-    adapter they run under, so letting one go never takes weights from a running request."""
+    least recently used first out). An adapter whose weights were let go is taken back from a request that
+    still runs it, else read again from its directory when a request names it, and must come back with the
+    identity it was served under: files changed on disk meanwhile are refused, never served under the old
+    identity's cached blocks. Requests hold the adapter they run under, so letting one go never takes
+    weights from a running request, and no adapter is in memory twice. Locked: run-time loads come from
+    beside the steps while the engine's thread looks adapters up."""
 
     def __init__(self, read: Callable[[str, str | Path], LoRAAdapter], capacity: int | None = None) -> None:
         self.read = read  # an adapter's directory -> the adapter, checked against the base model
         self.served: dict[str, tuple[Path, LoRAKey]] = {}  # every adapter served: its directory, identity
         self._held: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        # Every adapter still in memory (held, or run by a request), by identity: taken back, not read again.
+        self._alive: weakref.WeakValueDictionary[LoRAKey, LoRAAdapter] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
         self.capacity = capacity  # adapters whose weights are held at most (None: every one)
         self.reloads = 0
 
     def add(self, adapter: LoRAAdapter) -> None:
-        self.served[adapter.name] = (adapter.path, adapter.identity)
-        self._hold(adapter)
+        with self._lock:
+            self.served[adapter.name] = (adapter.path, adapter.identity)
+            self._hold(adapter)
 
     def get(self, name: str) -> LoRAAdapter | None:
         """The adapter `name` with its weights (read again if they were let go); None: not served.
         LoRAError when its files no longer hold the weights it was served with."""
-        if name not in self.served:
-            return None
-        adapter = self._held.get(name)
-        if adapter is not None:
-            self._held.move_to_end(name)
+        with self._lock:
+            if name not in self.served:
+                return None
+            adapter = self._held.get(name)
+            if adapter is not None:
+                self._held.move_to_end(name)
+                return adapter
+            path, identity = self.served[name]
+            adapter = self._alive.get(identity)
+            if adapter is None:
+                adapter = self.read(name, path)
+                self.reloads += 1
+                if adapter.identity != identity:
+                    raise LoRAError(
+                        f"adapter {name!r}: the files in {path} changed since it was loaded (digest "
+                        f"{identity.digest[:12]}, now {adapter.identity.digest[:12]}): load it again with "
+                        "load_inplace"
+                    )
+            self._hold(adapter)
             return adapter
-        path, identity = self.served[name]
-        adapter = self.read(name, path)
-        self.reloads += 1
-        if adapter.identity != identity:
-            raise LoRAError(
-                f"adapter {name!r}: the files in {path} changed since it was loaded (digest "
-                f"{identity.digest[:12]}, now {adapter.identity.digest[:12]}): load it again with load_inplace"
-            )
-        self._hold(adapter)
-        return adapter
 
     def remove(self, name: str) -> bool:
-        self._held.pop(name, None)
-        return self.served.pop(name, None) is not None
+        with self._lock:
+            self._held.pop(name, None)
+            return self.served.pop(name, None) is not None
 
     @property
     def held(self) -> list[str]:
-        return list(self._held)
+        with self._lock:
+            return list(self._held)
 
     def _hold(self, adapter: LoRAAdapter) -> None:
+        self._alive[adapter.identity] = adapter
         self._held[adapter.name] = adapter
         self._held.move_to_end(adapter.name)
         while self.capacity is not None and len(self._held) > self.capacity:

@@ -54,6 +54,11 @@ class ServerSettings:
             raise ValueError("shutdown_timeout must not be negative")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError("request_timeout must be a positive number of seconds")
+        if self.tenant_tokens is not None and self.admin_token is None:
+            raise ValueError(
+                "--tenant-tokens-file needs an admin token (--admin-token-file or $KVPILOT_ADMIN_TOKEN): "
+                "without one the admin routes are open to every tenant"
+            )
         if self.reset_timeout <= 0 or self.text_workers < 1 or self.max_pending_prepare < 1:
             raise ValueError("reset_timeout, text_workers and max_pending_prepare must be positive")
         self.limits.validate()

@@ -158,7 +158,9 @@ async def _reset_call(
     """One call of the reset, retried until it is final: its successful judgement, or None once `res`
     holds the target's final result (Failed, NotSupported); raises _Gone."""
     settings = pod.settings
-    ep = pod.endpoint(call.method, call.path)  # prepared once; the connection is kept per pod (http1.Pool)
+    ep = pod.endpoint(
+        call.method, call.path, call.body
+    )  # prepared once; the connection is kept per pod (http1.Pool)
     transient = busy = 0
     last = ""
     while True:

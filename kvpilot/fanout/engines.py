@@ -16,7 +16,6 @@ import enum
 import json
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
@@ -89,6 +88,7 @@ class ResetCall:
     path: str
     tiers: tuple[str, ...]
     method: str = "POST"
+    body: dict[str, Any] | None = None  # a JSON body (a scoped reset's scope: a salt may be 4096 characters)
 
 
 class Engine:
@@ -148,9 +148,9 @@ class KvpilotEngine(Engine):
         # A kvpilot reset always clears every tier (pool, host, disk): reset_external is not needed. The
         # tiers it cleared are those its reply counts in evicted_by_tier.
         path = _query("/reset_prefix_cache", reset_running_requests=settings.reset_running_requests)
-        if settings.scope is not None:  # the daemon's scoped reset (docs/server.md): the scope's blocks only
-            path += ("&" if "?" in path else "?") + urlencode(settings.scope.to_dict())
-        return [ResetCall(path, ())]
+        # The daemon's scoped reset (docs/server.md): the scope's blocks only; a body, as a salt may be long.
+        scope = settings.scope.to_dict() if settings.scope is not None else None
+        return [ResetCall(path, (), body=scope)]
 
     def judge(self, call: ResetCall, status: int, text: str, token: str | None = None) -> Judgement:
         if (j := self.common(status, text, token)) is not None:
@@ -159,6 +159,11 @@ class KvpilotEngine(Engine):
         if not isinstance(body, dict) or body.get("success") is not True:
             what = "not JSON" if body is None else "without success: true"
             return Judgement(Verdict.FAILED, f"HTTP {status}: a reply {what} (not a kvpilot reset reply)")
+        if call.body is not None and body.get("scope") != call.body:
+            # a daemon from before scoped resets ignores the scope and resets everything
+            return Judgement(
+                Verdict.FAILED, "the pod did not reset the scope asked (a kvpilot too old for scoped resets)"
+            )
         by_tier = body.get("evicted_by_tier")
         # only the tier names a kvpilot daemon has: a pod's reply never puts its own strings in a status
         tiers = tuple(t for t in KVPILOT_TIERS if t in by_tier) if isinstance(by_tier, dict) else ("pool",)

@@ -77,6 +77,9 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(
         assert eng.generate(prompt, params, lora_names=[name]) == references[name][:1], name
         assert eng.loras.held == [name]
     assert eng.loras.reloads == 3
+    running = eng.loras.get("every-layer")  # as a request still running it holds it
+    eng.loras.get("attention-only")  # its weights take every-layer's place in the held set
+    assert eng.loras.get("every-layer") is running and eng.loras.reloads == 4  # taken back, not read again
     for f in ("adapter_config.json", "adapter_model.safetensors"):  # another valid adapter, same directory
         shutil.copy(lora_adapters["every-layer"] / f, moved / f)
     with pytest.raises(RequestRejected, match="changed since it was loaded"):

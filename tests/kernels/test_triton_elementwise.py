@@ -160,7 +160,8 @@ def test_select_ops_triton(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ["all", "some", "shuffled", "none"])
 @pytest.mark.parametrize(
-    ("tokens", "k", "n", "rank"), [(7, 64, 96, 8), (40, 200, 130, 16), (33, 576, 1728, 64)]
+    ("tokens", "k", "n", "rank"),
+    [(7, 64, 96, 8), (40, 200, 130, 16), (33, 576, 1728, 64), (5, 64, 64, 300)],  # 300: the reference runs
 )
 def test_lora_add(dtype, rows, tokens, k, n, rank):
     """One adapter's product added at its rows (off every block grid: 7 or 33 rows, 200 or 130 features);

@@ -386,14 +386,20 @@ def test_an_sglang_pod_whose_tiers_cannot_be_read_is_not_called_reset() -> None:
 
 
 def test_a_scoped_reset_is_sent_to_kvpilot_pods_and_refused_for_other_engines() -> None:
-    from kvpilot.fanout.engines import KvpilotEngine
+    from kvpilot.fanout.engines import KvpilotEngine, Verdict
     from kvpilot.protocol.requests import ResetScope
 
     scope = ResetScope(lora_name="policy", cache_salt="a b&c")
-    (call,) = KvpilotEngine().calls(FanoutSettings(scope=scope, reset_running_requests=True), None)
-    assert call.path == "/reset_prefix_cache?reset_running_requests=true&lora_name=policy&cache_salt=a+b%26c"
-    (call,) = KvpilotEngine().calls(FanoutSettings(scope=ResetScope(weight_version="v2")), None)
-    assert call.path == "/reset_prefix_cache?weight_version=v2"
+    engine = KvpilotEngine()
+    (call,) = engine.calls(FanoutSettings(scope=scope, reset_running_requests=True), None)
+    assert call.path == "/reset_prefix_cache?reset_running_requests=true"
+    assert call.body == {"lora_name": "policy", "cache_salt": "a b&c"}
+    (call,) = engine.calls(FanoutSettings(scope=ResetScope(weight_version="v2")), None)
+    assert (call.path, call.body) == ("/reset_prefix_cache", {"weight_version": "v2"})
+    # a daemon too old for scoped resets answers a full reset's reply: not the scope asked
+    assert engine.judge(call, 200, '{"success": true, "epoch": 3}').verdict == Verdict.FAILED
+    scoped = '{"success": true, "epoch": 3, "scope": {"weight_version": "v2"}}'
+    assert engine.judge(call, 200, scoped).verdict == Verdict.SUCCEEDED
     for engine in ("vllm", "sglang"):
         settings = FanoutSettings(engine=engine, scope=scope)
         (res,) = asyncio.run(run_fanout([Target("p", url=f"http://127.0.0.1:{free_port()}")], settings))

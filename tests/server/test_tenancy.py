@@ -5,6 +5,7 @@ start with its reason."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -80,6 +81,7 @@ def test_the_admin_resets_one_tenants_cache_by_its_salt(server: Server) -> None:
         (f"alice {ALICE}\nbob {ALICE}\n", "line 2: this token is given twice"),
         (f"al:ice {ALICE}\n", "line 1: a tenant is 1 to 63 letters"),
         (f"alice {ALICE} extra\n", "line 1: expected 'TENANT TOKEN'"),
+        (f"alice {ALICE}\n", "--tenant-tokens-file needs an admin token"),  # a good file, no admin token
     ],
 )
 def test_a_bad_tenant_file_stops_the_start_with_its_reason(
@@ -88,5 +90,6 @@ def test_a_bad_tenant_file_stops_the_start_with_its_reason(
     path = tmp_path / "tenants"
     path.write_text(content)
     argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
