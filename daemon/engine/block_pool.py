@@ -143,6 +143,10 @@ class BlockPool:
         index = self._scopes.get(scope)
         return None if index is None else index.blocks.get(block_hash)
 
+    def indexed_keys(self) -> set[BlockHash]:
+        """Every key a lookup finds now, in every scope (O(blocks): for tests and checks, not steps)."""
+        return {key for index in self._scopes.values() for key in index.blocks}
+
     def open_index(self, scope: CacheScope) -> ScopeIndex:
         """The live map of `scope` (made on first use), for a request whose KV begins now."""
         index = self._scopes.get(scope)

@@ -49,7 +49,7 @@ def sync(eng: LLMEngine, index: PrefixIndex) -> None:
     # Through the wire encoding, as the router receives it.
     batch = decode_batch(encode_batch(EventBatch(0.0, eng.kv.pool.events.drain())))
     index.apply("pod", batch)
-    truth = set(eng.kv.pool._index)
+    truth = eng.kv.pool.indexed_keys()
     assert index.num_blocks("pod") == len(truth)
     assert all(index.matched_blocks([k], ["pod"])["pod"] == 1 for k in truth)
 

@@ -152,7 +152,7 @@ def test_a_consumer_that_drops_messages_recovers_through_replay(engine: LLMEngin
     for _, p in replay_all(pub.replay_endpoint):
         complete.apply(POD, decode_batch(p))
     assert counts.get("replayed") == 2 and not counts.get("missed"), counts
-    assert index.num_blocks(POD) == complete.num_blocks(POD) == len(engine.kv.pool._index)
+    assert index.num_blocks(POD) == complete.num_blocks(POD) == len(engine.kv.pool.indexed_keys())
     keys = [
         k
         for p in range(5)
@@ -231,4 +231,4 @@ def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine)
         return index, [matched]
 
     index, (matched,) = asyncio.run(go())
-    assert matched == 3 and index.num_blocks(POD) == len(engine.kv.pool._index) == 3
+    assert matched == 3 and index.num_blocks(POD) == len(engine.kv.pool.indexed_keys()) == 3
