@@ -186,9 +186,10 @@ def test_router_restarted_under_load(tmp_path, pods: list[Server]) -> None:
             router, took_under_load = restart(router)
             served_before = load.ok
             wait_for(lambda: load.ok >= served_before + 6, 120, "requests served after the restart")
-        assert not [
-            f for f in load.failed if not f.startswith(("RemoteDisconnected", "ConnectionResetError"))
-        ], load.failed
+        # A request on a connection the stopping router closed: cut off while sent (BrokenPipeError) or read
+        # (reset, disconnected), never answered with an error of the router's.
+        cut = ("RemoteDisconnected", "ConnectionResetError", "BrokenPipeError")
+        assert not [f for f in load.failed if not f.startswith(cut)], load.failed
         assert len(load.failed) <= len(load.threads), load.failed  # at most the ones in flight at SIGTERM
         wait_idle(*pods)
         names = [p["pod"] for p in router.health()["pods"]]
