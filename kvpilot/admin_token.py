@@ -36,18 +36,23 @@ def load_admin_token(token_file: str | os.PathLike | None = None, environ: dict 
     return None
 
 
+def bearer_token(authorization_header: str | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header, as raw bytes; None for anything else."""
+    if not authorization_header:
+        return None
+    scheme, _, presented = authorization_header.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return None
+    try:
+        # A header that is not valid UTF-8 reaches us with surrogate escapes: keep its raw bytes.
+        return presented.strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return None
+
+
 def authorized(authorization_header: str | None, token: str | None) -> bool:
     """True when no token is configured, or the header is `Bearer <token>` (compared in constant time)."""
     if token is None:
         return True
-    if not authorization_header:
-        return False
-    scheme, _, presented = authorization_header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    try:
-        # A header that is not valid UTF-8 reaches us with surrogate escapes: compare its raw bytes.
-        raw = presented.strip().encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        return False
-    return hmac.compare_digest(raw, token.encode())
+    raw = bearer_token(authorization_header)
+    return raw is not None and hmac.compare_digest(raw, token.encode())

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.admin_token import authorized
+from kvpilot.admin_token import authorized, bearer_token
 from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.outputs import RequestOutput
@@ -43,7 +43,7 @@ from kvpilot.daemon.server.prepare import (
     prepare_completion,
     prepare_tokenize,
 )
-from kvpilot.daemon.server.tenants import presented_token, tenant_of, tenant_salt
+from kvpilot.daemon.server.tenants import tenant_of, tenant_salt
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.protocol.replies import json_response
@@ -206,7 +206,7 @@ def _caller_tenant(request: web.Request, state: ServerState) -> str | None:
     if tokens is None:
         return None
     header = request.headers.get("Authorization")
-    presented = presented_token(header)
+    presented = bearer_token(header)
     if presented is not None:
         tenant = tenant_of(presented, tokens)
         if tenant is not None:

@@ -69,17 +69,6 @@ def load_tenant_tokens(path: str | Path) -> dict[bytes, str]:
     return tokens
 
 
-def presented_token(authorization: str | None) -> bytes | None:
-    """The bearer token of an Authorization header, as bytes (None: no bearer token)."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    # A header that is not valid UTF-8 reaches us with surrogate escapes: keep its raw bytes.
-    return token.strip().encode("utf-8", "surrogateescape")
-
-
 def tenant_of(token: bytes, tokens: dict[bytes, str]) -> str | None:
     return tokens.get(_digest(token))
 
