@@ -115,6 +115,12 @@ class PrefixAware(Policy):
         # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon, lowering
         # bench/router.py's hit rate (docs/router.md, the table of the two changes under "Benchmark").
         self.load_tokens = tokens_per_running_request
+        # What one cached token a cold prompt would evict costs, in tokens to compute: twice, since the
+        # next request for that prefix computes it again, and that prompt, landing in a full pool too,
+        # evicts another in turn. At 1x, a 12-block prompt that would push 8 of a full pool's blocks out
+        # tied with 4 requests open on a pod just reset, and the tie (load) filled the full pool:
+        # bench/router_compare.py lost a system prompt in one run of two that way (docs/router.md).
+        self.eviction_weight = 2
 
     def predict(
         self, pods: list[Pod], prompts: Prompts, expected: bool = False
@@ -178,8 +184,8 @@ class PrefixAware(Policy):
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
 
     def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
-        """For a prompt no candidate holds any of: the tokens of cached blocks each would evict to store it,
-        each a prefix a later request may find gone. Equal on pools full alike (load decides, as before),
+        """For a prompt no candidate holds any of: the tokens of cached blocks each would evict to store it
+        (each a prefix a later request may find gone), times `eviction_weight`. Equal on pools full alike (load decides, as before),
         it sends a cold prompt to a pod with room (one just reset, or new) rather than into a full pool,
         as sglang-router sends it to its smallest tree (bench/router_compare.py, one pod reset behind the
         router's back: hit share 0.625 by load alone, 0.652 with this, sglang-router 0.661). Zero for all
@@ -191,7 +197,7 @@ class PrefixAware(Policy):
             if room is None:
                 return [0] * len(candidates)
             need = n // pod.block_size
-            out.append(max(need - room, 0) * pod.block_size)
+            out.append(max(need - room, 0) * pod.block_size * self.eviction_weight)
         return out
 
 

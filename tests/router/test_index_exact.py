@@ -197,6 +197,21 @@ def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPa
     assert pa.choose([a, b], Prompts([list(range(5000, 5041))], None)).pod is b
 
 
+def test_an_eviction_outweighs_a_request_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools of 20 blocks: b holds 16 (room for 4), a was just reset and has one request open. A cold
+    prompt of 10 blocks would push 6 of b's cached blocks (24 tokens) out: counted once, that is less than
+    a's open request (32 tokens) and b would take it; counted twice (the prefix computed again later, and
+    what that evicts), it goes to a."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    index.store(("b:1", 0), key_scheme().prompt_hashes(list(range(1000, 1064)), BS))
+    assert index.room(("b:1", 0)) == 4
+    a, b = pod("a:1", in_flight=1), pod("b:1")
+    assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is a
+
+
 def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
