@@ -149,6 +149,7 @@ def summarize(results: list[dict]) -> dict:
         "requests": len(results),
         "errors": len(results) - len(ok),
         "prefix_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else None,
+        "cold_requests": sum(1 for r in ok if not r["cached_tokens"]),  # no prefix cached: computed whole
         "ttft_p50_ms": pct([r["ttft"] for r in ok], 50) * 1e3,
         "ttft_p99_ms": pct([r["ttft"] for r in ok], 99) * 1e3,
         "ttft_mean_ms": statistics.fmean(r["ttft"] for r in ok) * 1e3 if ok else None,

@@ -10,6 +10,8 @@ hears of it; one that guesses from what it sent (sglang-router) keeps sending th
 
 Each run starts a fresh router, warms it with two unrelated chats, resets both daemons (cold caches),
 then sends the load. Per run: the fleet's hit share (cached / prompt tokens, from each reply's `usage`),
+the requests that found nothing cached (at best 12 here: each system prompt once, and again those of the
+reset pod's that come back, 4 when the pods hold 4 each),
 TTFT p50 and p99 as the client sees them, and the router's CPU per request (its process tree's
 CPU-time clocks over the load, benchkit.cpu_s, its idle timers and health checks included: its CPU a second
 idle, measured for 3 s before the load, is written beside it; vllm-router also asks a daemon's `POST /tokenize` for each
@@ -128,7 +130,7 @@ def one_run(name: str, daemons: list[str], work: list, args: argparse.Namespace,
     run["router_cpu_ms_per_request"] = round(cpu / len(results) * 1e3, 3)
     run["router_idle_cpu_ms_per_s"] = round(idle / IDLE_S * 1e3, 2)  # its own timers, polls, health checks
     print(
-        f"{name:26s} hit {run['prefix_hit_rate']:.3f}  TTFT p50 {run['ttft_p50_ms']:6.0f} ms  "
+        f"{name:26s} hit {run['prefix_hit_rate']:.3f}  cold {run['cold_requests']:2d}  TTFT p50 {run['ttft_p50_ms']:6.0f} ms  "
         f"p99 {run['ttft_p99_ms']:6.0f} ms  CPU {run['router_cpu_ms_per_request']:.2f} ms/request  "
         f"pods {run['requests_per_pod']}  errors {run['errors']}",
         flush=True,
@@ -197,6 +199,7 @@ def main() -> int:
             key: round(statistics.median(r[key] for r in mine), 3)
             for key in (
                 "prefix_hit_rate",
+                "cold_requests",
                 "ttft_p50_ms",
                 "ttft_p99_ms",
                 "router_cpu_ms_per_request",

@@ -36,6 +36,7 @@ from kvpilot.kv_events import (
     DEFAULT_BUFFER_BYTES,
     END_OF_REPLAY,
     AllBlocksCleared,
+    BlockStored,
     decode_batch,
 )
 from kvpilot.kv_sockets import reconnect
@@ -235,6 +236,7 @@ class PodEventStream:
         blocks_total: int | None = None,
         weight_version: Version = None,
         on_version: Callable[[Version], None] = lambda version: None,
+        block_size: int | None = None,
     ) -> None:
         self._on_version = on_version  # told each version the rank serves from then on (VersionChoice.saw)
         self.pod = pod
@@ -247,6 +249,11 @@ class PodEventStream:
         self._ctx = ctx
         self._idle_check_s = idle_check_s
         self.limits = limits
+        # The block size the router keys this pod's prompts with: a BlockStored of another size names
+        # blocks no request's keys can meet (a vLLM pod's --block-size is not published: the router is
+        # told it), which is said once, not per batch.
+        self.block_size = block_size
+        self._size_warned = False
         self.last_seq = -1  # highest sequence applied
         # What the rank's keys are hashed with: the pod's /health at first (the fleet keeps `health_version`
         # current), then each AllBlocksCleared that names one, applied where it stands in the stream.
@@ -389,6 +396,20 @@ class PodEventStream:
             self.restart(f"batches {self.last_seq + 1}..{seq - 1} are lost")
         self._apply(seq, payload)
 
+    def _wrong_block_size(self, stored: int) -> None:
+        if self._size_warned or self.block_size is None:
+            return
+        self._size_warned = True
+        log.warning(
+            "KV events of %s rank %d store blocks of %r tokens, but the router keys its prompts in blocks of "
+            "%d (a vLLM pod's --block-size, given to the router as --kv-events-block-size): no request "
+            "will find this pod's prefixes",
+            self.pod,
+            self.rank,
+            stored,
+            self.block_size,
+        )
+
     async def on_gap(self, why: str) -> None:
         """A live message without a usable sequence number: whatever it was, the replay has it, or the
         pod's entries start over."""
@@ -441,4 +462,6 @@ class PodEventStream:
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared) and ev.weight_version is not None:  # a plain one: a reset
                 self.weight_version = checked(ev.weight_version)
+            elif isinstance(ev, BlockStored) and ev.block_size != self.block_size:
+                self._wrong_block_size(ev.block_size)
         self.last_seq = seq

@@ -380,6 +380,7 @@ class Fleet:
                 blocks_total=r.blocks_total,
                 weight_version=pod.weight_version,
                 on_version=self.versions.saw,
+                block_size=events.block_size,
             )
             for r in events.ranks
         ]

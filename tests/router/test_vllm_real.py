@@ -249,3 +249,22 @@ def test_a_static_kv_event_source_is_followed_without_asking_the_pod(
         )
     finally:
         stop_router(router)
+
+
+def test_a_wrong_block_size_is_said_once(vllm_server: VllmServer, tmp_path: Path) -> None:
+    """vLLM names its --block-size nowhere the router reads; told 16 (vLLM's GPU default) for a CPU server of
+    128-token blocks, the router keys prompts in blocks no BlockStored names, and its log says so, once."""
+    flags = ["--engine", "vllm", "--policy", "prefix-aware", "--kv-events-block-size", "16"]
+    router = start_router(tmp_path, [vllm_server.url], *flags)
+    try:
+        [pod] = router.health()["pods"]
+        assert pod["kv_events"] == "on" and pod["synced"], pod
+        before = router.pod(pod["pod"])["indexed_blocks"]
+        for topic in ("a wrong block size", "a wrong block size, again"):
+            complete(router, long_prompt(topic))
+        # both prompts' blocks (four or more each) indexed: every BlockStored of them has been read
+        wait_for(lambda: router.pod(pod["pod"])["indexed_blocks"] >= before + 8, 30, "the blocks indexed")
+        said = "store blocks of 128 tokens, but the router keys its prompts in blocks of 16"
+        assert router.log().count(said) == 1, router.log()[-2000:]
+    finally:
+        stop_router(router)
