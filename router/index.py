@@ -194,6 +194,12 @@ class PrefixIndex:
         expected = sum(1 for until in self._expected.get(holder, {}).values() if until > now)
         return max(cap - self.num_blocks(holder) - expected, 0)
 
+    def fill(self, holder: Holder) -> float | None:
+        """The share of the holder's pool that is taken (`room` less from the whole, 0 to 1); None when its
+        pool's size is not known."""
+        room = self.room(holder)
+        return None if room is None else 1 - room / self._capacity[holder]
+
     def blocks_of(self, holders: Iterable[Holder]) -> int:
         """Blocks indexed for a pod: its ranks' entries together."""
         return sum(self.num_blocks(h) for h in holders)

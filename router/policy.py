@@ -184,20 +184,24 @@ class PrefixAware(Policy):
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
 
     def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
-        """For a prompt no candidate holds any of: the tokens of cached blocks each would evict to store it
-        (each a prefix a later request may find gone), times `eviction_weight`. Equal on pools full alike (load decides, as before),
-        it sends a cold prompt to a pod with room (one just reset, or new) rather than into a full pool,
-        as sglang-router sends it to its smallest tree (bench/router_compare.py, one pod reset behind the
-        router's back: hit share 0.625 by load alone, 0.652 with this, sglang-router 0.661). Zero for all
-        unless every candidate is a rank whose pool size is known, and for a prompt cached (or just sent)
-        anywhere: there the cached tokens and the load decide, as tuned."""
+        """For a prompt no candidate holds any of: the tokens of cached blocks each candidate's pool would
+        lose to it, times `eviction_weight`. A pool as full as `fill` (the share of its blocks cached or
+        just sent) gives that share of a newcomer's blocks to cached ones, sooner or later: all of them
+        in a full pool, none in an empty one. Equal on pools filled alike (load decides, as before), it
+        sends a cold prompt to the pod with more room, as sglang-router sends it to its smallest tree:
+        after a reset, to the pod just reset (bench/router_compare.py, one pod reset behind the router's
+        back: hit share 0.625 by load alone, 0.652 counting only the blocks a full pool must evict now,
+        sglang-router 0.661), and before, to the pod holding fewer system prompts (counting only what
+        must be evicted now, a pool with room for one more took a fifth prompt by load and evicted its
+        own four later, one run in four). Zero for all unless every candidate is a rank whose pool size
+        is known, and for a prompt cached (or just sent) anywhere: there the cached tokens and the load
+        decide, as tuned."""
         out = []
         for pod, rank, cached in candidates:
-            room = None if rank is None or cached or not pod.block_size else self.index.room((pod.name, rank))
-            if room is None:
+            fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
+            if fill is None:
                 return [0] * len(candidates)
-            need = n // pod.block_size
-            out.append(max(need - room, 0) * pod.block_size * self.eviction_weight)
+            out.append(round((n // pod.block_size) * pod.block_size * fill * self.eviction_weight))
         return out
 
 

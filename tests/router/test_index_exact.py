@@ -198,10 +198,10 @@ def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPa
 
 
 def test_an_eviction_outweighs_a_request_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pools of 20 blocks: b holds 16 (room for 4), a was just reset and has one request open. A cold
-    prompt of 10 blocks would push 6 of b's cached blocks (24 tokens) out: counted once, that is less than
-    a's open request (32 tokens) and b would take it; counted twice (the prefix computed again later, and
-    what that evicts), it goes to a."""
+    """Pools of 20 blocks: b holds 16 (fill 0.8), a was just reset and has one request open. A cold
+    prompt of 10 blocks (40 tokens) would give 0.8 of them to b's cached blocks: counted once, 32 tokens,
+    no more than a's open request, and b (less loaded) would take it; counted twice (the prefix computed
+    again later, and what that evicts), it goes to a."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     for holder in (("a:1", 0), ("b:1", 0)):
@@ -237,3 +237,17 @@ def test_endpoints_are_parsed_and_checked() -> None:
     for bad in ("", "ftp://x:1", "http://a:1,http://a:1"):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
+
+
+def test_a_cold_prompt_goes_to_the_emptier_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools of 20 blocks, both with room for a cold prompt of 10 blocks: a holds 12 (fill 0.6), b nothing
+    but has one request open. By load, and by what must be evicted now (nothing on either), a would take
+    it and hold two prompts while b holds none: a's cached blocks would go later. It goes to b."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
+    assert (index.fill(("a:1", 0)), index.fill(("b:1", 0))) == (0.6, 0.0)
+    a, b = pod("a:1"), pod("b:1", in_flight=1)
+    assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is b
