@@ -44,6 +44,9 @@ MEDIUM = {HOST: "CPU", DISK: "STORAGE"}
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "kvpilot-kv-offload-v2"  # v2: a directory per cache scope in each generation
 SCOPE_FILE = "scope.json"
+# A scope.json holds a weight version, an adapter name and digest and a salt, each bounded where the daemon
+# takes it (well under 8 KiB together); a bigger one is not the daemon's and is removed unread.
+MAX_SCOPE_FILE_BYTES = 64 << 10
 # Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
 # instead of spilled (a slow disk must not grow the daemon's memory without bound).
 MAX_PENDING_WRITE_BYTES = 256 << 20
@@ -427,12 +430,16 @@ class DiskTier:
     @staticmethod
     def _read_scope(d: Path) -> CacheScope | None:
         """A scope directory's scope; None for a `dropped-*` one, a stray file, or a scope.json that does
-        not parse (all removed: a block must never be served under a scope it was not computed in)."""
+        not parse or is over MAX_SCOPE_FILE_BYTES (all removed: a block must never be served under a scope it was not computed in)."""
         if not d.is_dir() or d.name.startswith("dropped-"):
             return None
         try:
-            scope = scope_from_record(json.loads((d / SCOPE_FILE).read_text()))
-        except (OSError, ValueError, TypeError, KeyError):
+            with open(d / SCOPE_FILE, "rb") as f:
+                raw = f.read(MAX_SCOPE_FILE_BYTES + 1)
+            if len(raw) > MAX_SCOPE_FILE_BYTES:
+                return None
+            scope = scope_from_record(json.loads(raw))
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
             return None
         return scope if scope_dir_name(scope) == d.name else None
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvpilot.block_keys import BlockHash
 from kvpilot.daemon.engine.cache_scope import CacheScope, scope_dir_name
-from kvpilot.daemon.engine.kv_offload import DiskTier, HostBlock, HostTier, KVOffload
+from kvpilot.daemon.engine.kv_offload import MAX_SCOPE_FILE_BYTES, DiskTier, HostBlock, HostTier, KVOffload
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head dim
 BLOCK_BYTES = 2 * 2 * 4 * 8 * 4
@@ -158,15 +159,24 @@ def test_a_scoped_reset_drops_its_scope_on_disk_and_a_restart_does_not_bring_it_
     again.close()
 
 
-def test_a_scope_directory_that_does_not_say_its_scope_is_removed_at_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("record", ["other scope", "oversized", "nested"])
+def test_a_scope_directory_that_does_not_say_its_scope_is_removed_at_start(
+    tmp_path: Path, record: str
+) -> None:
+    """A scope.json naming another scope, one over MAX_SCOPE_FILE_BYTES (read no further than its cap) or
+    one nested past the JSON parser's depth: its directory is removed, the rest of the tier kept."""
     disk = disk_tier(tmp_path)
     disk.put(key(1), block(1, TENANT))
     disk.put(key(2), block(2))
     assert disk.flush(10)
     disk.close()
-    (scope_dir(tmp_path, disk, TENANT) / "scope.json").write_text(
-        '{"weight_key": null, "lora": null, "cache_salt": "other"}'
-    )
+    text = {
+        "other scope": '{"weight_key": null, "lora": null, "cache_salt": "other"}',
+        "oversized": '{"weight_key": null, "lora": null, "cache_salt": "tenant-a", "pad": "%s"}'
+        % ("x" * MAX_SCOPE_FILE_BYTES),
+        "nested": "[" * 100_000,
+    }[record]
+    (scope_dir(tmp_path, disk, TENANT) / "scope.json").write_text(text)
     again = disk_tier(tmp_path)
     assert key(1) not in again and key(2) in again  # never served under a scope it was not computed in
     again.close()
