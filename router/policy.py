@@ -117,7 +117,7 @@ class PrefixAware(Policy):
         self.load_tokens = tokens_per_running_request
         # What one cached token a cold prompt would evict costs, in tokens to compute: twice, since the
         # next request for that prefix computes it again, and that prompt, landing in a full pool too,
-        # evicts another in turn. At 1x, a 12-block prompt that would push 8 of a full pool's blocks out
+        # evicts another in turn. Counted once, a 12-block prompt that would push 8 of a full pool's blocks out
         # tied with 4 requests open on a pod just reset, and the tie (load) filled the full pool:
         # bench/router_compare.py lost a system prompt in one run of two that way (docs/router.md).
         self.eviction_weight = 2
@@ -192,8 +192,8 @@ class PrefixAware(Policy):
         after a reset, to the pod just reset (bench/router_compare.py, one pod reset behind the router's
         back: hit share 0.625 by load alone, 0.652 counting only the blocks a full pool must evict now,
         sglang-router 0.661), and before, to the pod holding fewer system prompts (counting only what
-        must be evicted now, a pool with room for one more took a fifth prompt by load and evicted its
-        own four later, one run in four). Zero for all unless every candidate is a rank whose pool size
+        must be evicted now, a pool with room for one more took a fifth prompt by load and later evicted
+        one of its other four, one run in four). Zero for all unless every candidate is a rank whose pool size
         is known, and for a prompt cached (or just sent) anywhere: there the cached tokens and the load
         decide, as tuned."""
         out = []
