@@ -430,7 +430,8 @@ class DiskTier:
     @staticmethod
     def _read_scope(d: Path) -> CacheScope | None:
         """A scope directory's scope; None for a `dropped-*` one, a stray file, or a scope.json that does
-        not parse or is over MAX_SCOPE_FILE_BYTES (all removed: a block must never be served under a scope it was not computed in)."""
+        not parse or is over MAX_SCOPE_FILE_BYTES (all removed: a block must never be served under a scope
+        it was not computed in)."""
         if not d.is_dir() or d.name.startswith("dropped-"):
             return None
         try:
