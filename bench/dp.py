@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
 
 import benchkit
-from kvpilot.loadgen import sweep
+from kvpilot.cli.loadgen import sweep
 
 HERE = Path(__file__).resolve().parent
 

@@ -44,7 +44,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # be
 
 import benchkit
 from devcluster.procs import free_port, spawn, stop, wait_ready
-from kvpilot.loadgen import pct
+from kvpilot.cli.loadgen import pct
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_BENCH = benchkit.bench_module(ROOT / "bench" / "router.py")  # its load: system prompts of shops

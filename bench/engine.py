@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.block_keys import DEFAULT_KEYS
-from kvpilot.daemon.engine.block_pool import BlockPool
-from kvpilot.daemon.engine.cache_scope import CacheScope
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.kv.block_pool import BlockPool
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kv.block_keys import DEFAULT_KEYS
 
 RESULTS = Path(__file__).parent / "results"
 

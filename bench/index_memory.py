@@ -22,7 +22,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from kvpilot.router.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex
+from kvpilot.router.kv.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex
 
 RESULTS = Path(__file__).parent / "results"
 

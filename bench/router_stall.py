@@ -46,7 +46,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # be
 
 import benchkit
 from devcluster.procs import free_port
-from kvpilot.loadgen import pct
+from kvpilot.cli.loadgen import pct
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"

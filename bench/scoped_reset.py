@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit
 import benchkit  # noqa: E402
-from kvpilot.block_keys import DEFAULT_KEYS, LoRAKey  # noqa: E402
-from kvpilot.daemon.engine.block_pool import BlockPool  # noqa: E402
-from kvpilot.daemon.engine.cache_scope import CacheScope  # noqa: E402
-from kvpilot.daemon.engine.kv_recorder import KVEventRecorder  # noqa: E402
+from kvpilot.daemon.engine.kv.block_pool import BlockPool  # noqa: E402
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope  # noqa: E402
+from kvpilot.daemon.engine.kv.recorder import KVEventRecorder  # noqa: E402
+from kvpilot.kv.block_keys import DEFAULT_KEYS, LoRAKey  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

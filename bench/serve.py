@@ -50,7 +50,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # be
 
 import benchkit
 from devcluster.procs import free_port
-from kvpilot.loadgen import RunResult, sweep
+from kvpilot.cli.loadgen import RunResult, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 

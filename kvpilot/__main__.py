@@ -2,6 +2,6 @@
 
 import sys
 
-from kvpilot.cli import main
+from kvpilot.cli.main import main
 
 sys.exit(main())

@@ -1,9 +1,9 @@
 """`kvpilot operator`, `kvpilot reset NAME [-n NS] [--wait]` and `kvpilot endpoint NAME [-n NS]`.
 
-Wiring (kvpilot/cli.py): `_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser;
+Wiring (kvpilot/cli/main.py): `_COMMANDS["operator"] = add_operator_parser; _COMMANDS["reset"] = add_reset_parser;
 _COMMANDS["endpoint"] = add_endpoint_parser`.
-Each makes its parser with `kvpilot.config_flags.add_command`, which sets the `handler` that
-`kvpilot.cli.main` calls with the parsed args.
+Each makes its parser with `kvpilot.cli.flags.add_command`, which sets the `handler` that
+`kvpilot.cli.main.main` calls with the parsed args.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any, TextIO
 
-from kvpilot.config_flags import add_command
-from kvpilot.kubeconfig import KubeconfigError, fail, load
-from kvpilot.operator.builders import FLEETS, GROUP, RESETS, VERSION
+from kvpilot.cli.flags import add_command
+from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.cli_follow import Followed, api_error, follow
+from kvpilot.operator.fleets.builders import FLEETS, GROUP, RESETS, VERSION
 from kvpilot.operator.specs import ResetSpec
 
 RESET_TIMEOUT_S = ResetSpec.default("timeout_seconds")
@@ -268,7 +268,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from kubernetes import client
 
-    from kvpilot.endpointslices import MANAGED_BY, SERVICE_LABEL, ready_endpoints
+    from kvpilot.kube.endpointslices import MANAGED_BY, SERVICE_LABEL, ready_endpoints
 
     try:
         default_ns = load(args.kubeconfig)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from kvpilot.operator.builders import GROUP, VERSION
+from kvpilot.operator.fleets.builders import GROUP, VERSION
 from kvpilot.operator.specs import ResetSpec, WeightUpdateSpec
 
 

@@ -17,13 +17,17 @@ from typing import Any
 
 import kopf
 
-from kvpilot.operator import fleets, inference_pool, metrics, resets, weights
-from kvpilot.operator.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
-from kvpilot.operator.catchup import CatchUps
-from kvpilot.operator.kube import Kube
-from kvpilot.operator.owners import owner_of_kind
-from kvpilot.operator.reset_expiry import Expiry
+from kvpilot.operator import metrics
+from kvpilot.operator.fleets import inference_pool
+from kvpilot.operator.fleets import reconcile as fleets
+from kvpilot.operator.fleets.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.kube.api import Kube
+from kvpilot.operator.kube.owners import owner_of_kind
+from kvpilot.operator.resets import drive as resets
+from kvpilot.operator.resets.expiry import Expiry
 from kvpilot.operator.specs import FleetSpec, WeightUpdateSpec
+from kvpilot.operator.weights import update as weights
+from kvpilot.operator.weights.catchup import CatchUps
 
 # The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics
 # registry it feeds is (a restarted operator counts again from its resume handlers).

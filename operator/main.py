@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import kopf
 import uvloop
 
-from kvpilot.operator.network_policy import DEFAULT_OPERATOR_LABELS, OperatorPeer
+from kvpilot.operator.fleets.network_policy import DEFAULT_OPERATOR_LABELS, OperatorPeer
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 
 log = logging.getLogger("kvpilot.operator")
@@ -90,7 +90,7 @@ def ensure_router_role(name: str) -> None:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
-    from kvpilot.operator.kube import Kube
+    from kvpilot.operator.kube.api import Kube
     from kvpilot.operator.rbac import router_cluster_role
 
     rbac = client.RbacAuthorizationV1Api(Kube().api)
@@ -123,7 +123,7 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
     from kubernetes import client
     from kubernetes.client.rest import ApiException
 
-    from kvpilot.operator.kube import Kube
+    from kvpilot.operator.kube.api import Kube
 
     kube = Kube()
     crd = "kopfpeerings.kopf.dev" if namespaces else "clusterkopfpeerings.kopf.dev"
@@ -174,7 +174,7 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
 
 def warn_about_equal_peers(name: str, priority: int) -> None:
     """kopf pauses every replica of equal priority: say so at startup instead of idling in silence."""
-    from kvpilot.operator.kube import Kube
+    from kvpilot.operator.kube.api import Kube
 
     try:
         obj = Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpilot operator", description=__doc__)
     add_arguments(p)
-    # `kvpilot --log-level L operator` (or `kvpilot operator --log-level L`) sets it through kvpilot.cli.
+    # `kvpilot --log-level L operator` (or `kvpilot operator --log-level L`) sets it through kvpilot.cli.main.
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start(args: argparse.Namespace) -> int:
     """`run` once the Kubernetes credentials load; a missing or broken kubeconfig is one line and exit 2."""
-    from kvpilot.kubeconfig import KubeconfigError, fail, load
+    from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
 
     try:
         load()

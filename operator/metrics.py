@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvpilot.build_info import register_build_info
 from kvpilot.fanout import PodResult
+from kvpilot.serving.build_info import register_build_info
 
 REGISTRY = CollectorRegistry()
 _P = "kvpilot_operator_"

@@ -33,10 +33,10 @@ Rule = dict[str, Any]
 
 # What a fleet router reads in its own namespace (granted by a RoleBinding there, never cluster-wide).
 ROUTER_RULES: list[Rule] = [
-    # Its fleet Service's EndpointSlices: listed, then watched (router/discovery.py).
+    # Its fleet Service's EndpointSlices: listed, then watched (router/fleet/discovery.py).
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     # Whether an endpoint is a Pod its fleet controls before prompts and the fleet's token go there
-    # (router/discovery.py FleetMembers, kvpilot/fleet_members.py): the InferenceDeployment and its workload
+    # (router/fleet/discovery.py FleetMembers, kvpilot/kube/fleet_members.py): the InferenceDeployment and its workload
     # (a DaemonSet fleet's on a Deployment's 404), the workload's ReplicaSets and the fleet's pods, listed by
     # the fleet's label. A ClusterRole shared by every fleet cannot name them (resourceNames): any of the
     # namespace's, read only.
@@ -102,7 +102,7 @@ _NAMESPACED: list[Rule] = [
     },
     # Reset and weight update targets: listed by label selector at start, then watched so a token never goes
     # to a stale IP; patched to fence a fleet pod that is not on the fleet's weights and to let it back (its
-    # kvpilot.io/serving label only, which the fleet's Service selects: operator/fence.py).
+    # kvpilot.io/serving label only, which the fleet's Service selects: operator/weights/fence.py).
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     # Admin tokens, read by name only (no list/watch: no other Secret is ever seen); create: a fleet's
     # generated token and its KV event keys (both made once, never patched).

@@ -12,21 +12,21 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvpilot.block_keys import key_scheme
-from kvpilot.http_limits import UPSTREAM_IDLE_S, start_server
+from kvpilot.kv.block_keys import key_scheme
 from kvpilot.protocol.errors import error_middleware
 from kvpilot.protocol.replies import json_response
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.engines import PROBES
-from kvpilot.router.index import PrefixIndex
+from kvpilot.router.fleet.engines import PROBES
+from kvpilot.router.fleet.pods import Fleet, Pod, parse_static_sources
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.weight_versions import describe
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.pods import Fleet, Pod, parse_static_sources
-from kvpilot.router.policy import make_policy
-from kvpilot.router.prompts import PromptReader
 from kvpilot.router.proxy import generate, models
 from kvpilot.router.reset_api import reset_prefix_cache
+from kvpilot.router.routing.policy import make_policy
+from kvpilot.router.routing.prompts import PromptReader
 from kvpilot.router.settings import RouterSettings
-from kvpilot.router.weight_versions import describe
+from kvpilot.serving.http_limits import UPSTREAM_IDLE_S, start_server
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         watch = None
         if fleet_name is not None:
-            from kvpilot.router.discovery import EndpointSliceWatch
+            from kvpilot.router.fleet.discovery import EndpointSliceWatch
 
             watch = EndpointSliceWatch(fleet_name, namespace, fleet.update)
             watch.start()

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from kvpilot.router.index import PrefixIndex
+from kvpilot.router.fleet.pods import Fleet
+from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.metrics import RouterMetrics
-from kvpilot.router.pods import Fleet
-from kvpilot.router.policy import Policy
-from kvpilot.router.prompts import MIN_PARSE_LIMIT, PromptReader
+from kvpilot.router.routing.policy import Policy
+from kvpilot.router.routing.prompts import MIN_PARSE_LIMIT, PromptReader
 from kvpilot.router.settings import RouterSettings
 
 

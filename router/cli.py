@@ -8,9 +8,9 @@ import logging
 
 import uvloop
 
-from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
-from kvpilot.http_limits import ConnectionLimits
+from kvpilot.cli.flags import add_command, add_flags, flag_message, from_flags
 from kvpilot.router.settings import RouterSettings
+from kvpilot.serving.http_limits import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ def run_router(args: argparse.Namespace) -> int:
     vLLM or SGLang pods: their own health endpoints and resets; vLLM pods routed by their own KV events
     (GET /kv_event_sources), and both by the load their metrics report.
     """
-    from kvpilot.admin_token import AdminTokenError, load_admin_token
     from kvpilot.router.app import serve
-    from kvpilot.router.pods import parse_endpoints
+    from kvpilot.router.fleet.pods import parse_endpoints
+    from kvpilot.serving.admin_token import AdminTokenError, load_admin_token
 
     try:
         token = load_admin_token(args.admin_token_file)
@@ -77,7 +77,7 @@ def run_router(args: argparse.Namespace) -> int:
         except ImportError:
             log.error("--fleet needs the kubernetes client: pip install 'kvpilot[operator]'")
             return 2
-        from kvpilot.kubeconfig import KubeconfigError, fail, load
+        from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
 
         try:
             default_ns = load()

@@ -39,7 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.router.app_state import Router
-from kvpilot.router.pods import Pod
+from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.proxy import decide, routing_inputs
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvpilot.build_info import register_build_info
+from kvpilot.serving.build_info import register_build_info
 
 _P = "kvpilot_router_"
 

@@ -23,12 +23,12 @@ from aiohttp import web
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.engines import read_capped
-from kvpilot.router.pods import Pod
-from kvpilot.router.policy import Decision, hash_schemes
-from kvpilot.router.prompts import Prompts
+from kvpilot.router.fleet.engines import read_capped
+from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.relay import relay_stream
-from kvpilot.router.version_choice import pinned_version
+from kvpilot.router.routing.policy import Decision, hash_schemes
+from kvpilot.router.routing.prompts import Prompts
+from kvpilot.router.routing.version_choice import pinned_version
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def routing_inputs(r: Router, path: str, raw: bytes) -> tuple[Prompts | None, str | None]:
     """What the policy routes a request to `path` with body `raw` by: its prompts, tokenized and keyed as
     the policy wants them (None: the policy routes without, or the body does not parse), and the weight
-    version it pins; neither for a body over the parse limit (router/prompts.py)."""
+    version it pins; neither for a body over the parse limit (router/routing/prompts.py)."""
     if len(raw) > r.parse_limit:
         return None, None
     prompts = None

@@ -1,5 +1,5 @@
 """`POST /reset_prefix_cache` on the router: every pod of the fleet reset through the shared fan-out
-(fleet_reset.py) and, unless asked `verify=false`, proven cold by its canary; then the prefix index caught
+(fleet/reset.py) and, unless asked `verify=false`, proven cold by its canary; then the prefix index caught
 up with each reset pod's AllBlocksCleared before the answer, so no request is routed on a block cached
 before the reset once the caller hears it succeeded. A scoped reset (`lora_name`, `cache_salt`,
 `weight_version`: kvpilot pods only) is caught up the same way with the BlockRemoved events that name the
@@ -14,14 +14,14 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.admin_token import authorized
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_reset_flag, parse_reset_scope
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.fleet_reset import reset_pods
-from kvpilot.router.kv_stream import PodEventStream
-from kvpilot.router.pods import Pod
+from kvpilot.router.fleet.pods import Pod
+from kvpilot.router.fleet.reset import reset_pods
+from kvpilot.router.kv.stream import PodEventStream
+from kvpilot.serving.admin_token import authorized
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
 """The router's settings. Each field with `flag(...)` metadata is a `kvpilot router` flag
-(kvpilot/config_flags.py); its default here is the flag's. Light on purpose: `kvpilot --help` imports it."""
+(kvpilot/cli/flags.py); its default here is the flag's. Light on purpose: `kvpilot --help` imports it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.config_flags import flag
-from kvpilot.http_limits import ConnectionLimits
+from kvpilot.cli.flags import flag
+from kvpilot.serving.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where make_policy builds them
-# The pods' engines (router/engines.py says how each is probed; kvpilot.fanout.engines resets them).
+# The pods' engines (router/fleet/engines.py says how each is probed; kvpilot.fanout.engines resets them).
 # Spelled out here rather than imported: importing kvpilot.fanout pulls in aiohttp, and this module is
 # imported by `kvpilot --help`. tests/router/test_engines.py checks both lists name the same engines.
 ENGINES = ("kvpilot", "vllm", "sglang")
@@ -152,7 +152,7 @@ class RouterSettings:
         if self.kv_events_hash_algo not in VLLM_HASH_ALGOS:
             raise ValueError(f"kv_events_hash_algo must be one of {', '.join(VLLM_HASH_ALGOS)}")
         if self.kv_events_hash_seed is not None:
-            from kvpilot.block_keys import KeyScheme
+            from kvpilot.kv.block_keys import KeyScheme
 
             KeyScheme(self.kv_events_hash_algo, self.kv_events_hash_seed)  # its length and text checked
         if self.kv_event_source:
@@ -161,11 +161,11 @@ class RouterSettings:
                     "--kv-event-source is for --engine vllm: a kvpilot daemon names its publishers (and "
                     "its block size and keys) at GET /kv_events"
                 )
-            from kvpilot.router.pods import parse_static_sources
+            from kvpilot.router.fleet.pods import parse_static_sources
 
             parse_static_sources(self.kv_event_source)
         if self.kv_events_curve_dir:
-            from kvpilot.kv_sockets import load_client_keys
+            from kvpilot.kv.sockets import load_client_keys
 
             load_client_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
         if self.shutdown_timeout_s < 0:

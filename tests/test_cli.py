@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from kvpilot.bench_cli import BenchSettings
-from kvpilot.cli import build_parser, main
-from kvpilot.config_flags import flag_message, from_flags
+from kvpilot.cli.bench import BenchSettings
+from kvpilot.cli.flags import flag_message, from_flags
+from kvpilot.cli.main import build_parser, main
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.server.settings import ServerSettings
 from kvpilot.router.settings import RouterSettings

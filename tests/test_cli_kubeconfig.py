@@ -1,5 +1,5 @@
 """Every CLI command that talks to Kubernetes turns a missing or broken kubeconfig into one line that names the
-problem and the fix, and exits 2: no traceback (kvpilot/kubeconfig.py). Run as a user types them."""
+problem and the fix, and exits 2: no traceback (kvpilot/kube/kubeconfig.py). Run as a user types them."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ RULES = {
 
 # The modules of kvpilot/ that may import the parts: the CLI dispatcher, which hands each subcommand to its
 # part's own cli.py. Every other module there is shared (fan-out aside: it has its own rule above).
-CLI_DISPATCHER = {"kvpilot/cli.py", "kvpilot/__main__.py"}
+CLI_DISPATCHER = {"kvpilot/cli/main.py", "kvpilot/__main__.py"}
 
 
 def shared_modules() -> list[Path]:
@@ -76,7 +76,7 @@ def test_no_forbidden_import(folder: str) -> None:
 
 def test_shared_modules_import_no_part() -> None:
     files = shared_modules()
-    assert ROOT / "kvpilot" / "kv_events.py" in files and ROOT / "kvpilot" / "cli.py" not in files
+    assert ROOT / "kvpilot" / "kv" / "events.py" in files and ROOT / "kvpilot" / "cli" / "main.py" not in files
     assert all((ROOT / name).is_file() for name in CLI_DISPATCHER), "a listed dispatcher module is gone"
     bad = []
     for path in files:
@@ -105,20 +105,20 @@ def test_the_check_sees_every_form_of_import() -> None:
     ]
     # and both callers' use of the fan-out is found in the real files
     for folder, package, module in (
-        ("operator", "kvpilot.operator", "resets.py"),
-        ("router", "kvpilot.router", "fleet_reset.py"),
+        ("operator", "kvpilot.operator", "resets/drive.py"),
+        ("router", "kvpilot.router", "fleet/reset.py"),
     ):
         found = imports((ROOT / folder / module).read_text(), package)
         assert any(within(name, "kvpilot.fanout") for _, name in found), module
     # the neutral contracts are what the router and the daemon really import: the rules above see them
     for folder, package, module, contract in (
-        ("router", "kvpilot.router", "kv_stream.py", "kvpilot.kv_events"),
-        ("daemon/engine", "kvpilot.daemon.engine", "kv_publisher.py", "kvpilot.kv_events"),
-        ("router", "kvpilot.router", "prompts.py", "kvpilot.protocol"),
+        ("router", "kvpilot.router", "kv/stream.py", "kvpilot.kv.events"),
+        ("daemon/engine", "kvpilot.daemon.engine", "kv/publisher.py", "kvpilot.kv.events"),
+        ("router", "kvpilot.router", "routing/prompts.py", "kvpilot.protocol"),
         ("daemon/server", "kvpilot.daemon.server", "prepare.py", "kvpilot.protocol"),
     ):
         found = imports((ROOT / folder / module).read_text(), package)
         assert any(within(name, contract) for _, name in found), module
     # and the shared-module rule sees a part imported by a real dispatcher module
-    found = imports((ROOT / "kvpilot" / "cli.py").read_text(), "kvpilot")
+    found = imports((ROOT / "kvpilot" / "cli" / "main.py").read_text(), "kvpilot.cli")
     assert any(within(name, "kvpilot.daemon") for _, name in found)

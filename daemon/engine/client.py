@@ -8,7 +8,7 @@ server never asks which kind it has.
 Errors are part of the contract: `add` raises the engine's `RequestRejected` or `SamplingError` (both
 `ValueError`, the client's fault) and `QueueFull` (try again later); every call raises
 `EngineDeadError` once the client no longer runs. A weight operation answers per rank: a `RankReply`
-with the rank's fields or its `WeightError` (`weight_ops.py`).
+with the rank's fields or its `WeightError` (`weights/ops.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.daemon.engine.weight_ops import (
+from kvpilot.daemon.engine.weights.ops import (
     AbortRequests,
     Command,
     FinishUpdate,
@@ -40,7 +40,7 @@ from kvpilot.protocol.requests import ResetScope
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from kvpilot.daemon.engine.lora import ServedAdapter
+    from kvpilot.daemon.engine.weights.lora import ServedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class EngineRequest:
     # The rank to run on (X-data-parallel-rank, checked against `EngineInfo.num_ranks` by the server);
     # None: the engine client chooses.
     data_parallel_rank: int | None = None
-    restartable: bool = False  # not streamed: a weight swap may start it again (weights.py)
+    restartable: bool = False  # not streamed: a weight swap may start it again (weights/control.py)
     weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
     lora_name: str | None = None  # the adapter it runs under (--lora-modules); None: the base model
 
@@ -198,7 +198,7 @@ def start_engine(config: EngineConfig) -> EngineClient:
     # Imported here: both implementations import this module for the contract's types.
     client: EngineClient
     if config.data_parallel_size > 1:
-        from kvpilot.daemon.engine.dp_engine import DataParallelEngine, DataParallelLoop
+        from kvpilot.daemon.engine.parallel.dp_engine import DataParallelEngine, DataParallelLoop
 
         client = DataParallelLoop(DataParallelEngine(config, config.data_parallel_size))
     else:

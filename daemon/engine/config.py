@@ -1,4 +1,4 @@
-"""Engine settings. Each field with `flag(...)` metadata is a `kvpilot serve` flag (kvpilot/config_flags.py),
+"""Engine settings. Each field with `flag(...)` metadata is a `kvpilot serve` flag (kvpilot/cli/flags.py),
 named as vLLM names it; its default here is the flag's."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpilot.block_keys import DEFAULT_HASH_ALGO, HASH_ALGOS
-from kvpilot.config_flags import flag
+from kvpilot.cli.flags import flag
+from kvpilot.kv.block_keys import DEFAULT_HASH_ALGO, HASH_ALGOS
 
 if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its flags from this class
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv_publisher.py)
+ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv/publisher.py)
 
 
 @dataclass(slots=True)
@@ -186,7 +186,7 @@ class EngineConfig:
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV events replay endpoint needs a KV events endpoint")
         if self.kv_events_curve_dir:
-            from kvpilot.kv_sockets import load_server_keys
+            from kvpilot.kv.sockets import load_server_keys
 
             load_server_keys(self.kv_events_curve_dir)  # a missing or unreadable key is a startup error
         if self.dtype not in DTYPES:
@@ -205,7 +205,7 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("KV offloading and tensor_parallel_size > 1 cannot be combined yet")
         if self.weight_version is not None:
-            from kvpilot.daemon.engine.weight_ops import RESERVED_VERSIONS
+            from kvpilot.daemon.engine.weights.ops import RESERVED_VERSIONS
 
             if not self.weight_version or self.weight_version in RESERVED_VERSIONS:
                 raise ValueError(
@@ -215,7 +215,7 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         if self.enable_lora:
-            from kvpilot.daemon.engine.lora import parse_lora_modules
+            from kvpilot.daemon.engine.weights.lora import parse_lora_modules
 
             parse_lora_modules(self.lora_modules)
             if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -227,7 +227,7 @@ class EngineConfig:
         if self.weight_staging_memory_bytes is not None and self.weight_staging_memory_bytes < 1:
             raise ValueError("weight_staging_memory_bytes must be positive")
         if self.weight_transfer_config is not None:
-            from kvpilot.daemon.engine.weight_stage import transfer_backend
+            from kvpilot.daemon.engine.weights.stage import transfer_backend
 
             transfer_backend(self.weight_transfer_config, str(self.torch_device()))
         if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:

@@ -16,15 +16,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpilot.block_keys import key_scheme
-from kvpilot.daemon.engine.cache_scope import scope_filter
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import engine_threads
-from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
-from kvpilot.daemon.engine.kv_offload import DiskTier, HostTier, KVOffload, checkpoint_files
+from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager, KVTransfers
+from kvpilot.daemon.engine.kv.cache_scope import scope_filter
+from kvpilot.daemon.engine.kv.offload import DiskTier, HostTier, KVOffload, checkpoint_files
 from kvpilot.daemon.engine.loader import load
-from kvpilot.daemon.engine.lora import (
+from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
+from kvpilot.daemon.engine.pause import PauseState, stopped_output
+from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
+from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
+from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.daemon.engine.weights.lora import (
     LoRAAdapter,
     LoRAError,
     LoRARegistry,
@@ -32,18 +37,13 @@ from kvpilot.daemon.engine.lora import (
     load_adapter,
     parse_lora_modules,
 )
-from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
-from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
-from kvpilot.daemon.engine.pause import PauseState, stopped_output
-from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
-from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
-from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
-from kvpilot.daemon.engine.weight_ops import INITIAL_VERSION, PauseMode
+from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
 from kvpilot.kernels import select_ops
+from kvpilot.kv.block_keys import key_scheme
 from kvpilot.protocol.requests import ResetScope
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
+    from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LLMEngine:
         model = loaded.model
         tp = None
         if config.tensor_parallel_size > 1:
-            from kvpilot.daemon.engine.tp import TensorParallel
+            from kvpilot.daemon.engine.parallel.tp import TensorParallel
 
             tp = TensorParallel(config, model, self.device)  # shards `model`: rank 0 of the group
 
@@ -148,7 +148,7 @@ class LLMEngine:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
         `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
-        (`weights.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
+        (`weights/control.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
         a restart keeps the one it began with, unloaded since or not). While paused it is held, not
         scheduled, until `resume`."""
         params = params or SamplingParams()
@@ -412,7 +412,7 @@ class LLMEngine:
             lora_waiting=_adapter_names(self.scheduler.waiting),
         )
 
-    # ---- pause and weight generations (weights.py drives them, between two steps) -------------
+    # ---- pause and weight generations (weights/control.py drives them, between two steps) -------------
     def pause(self, mode: PauseMode, on_drained: Callable[[], None]) -> tuple[list[RequestOutput], bool]:
         """Stop stepping: ABORT ends every request, KEEP freezes them, WAIT steps until the batch has
         drained (`PauseState.start`). Returns the ended requests' outputs and whether it is drained."""
@@ -536,7 +536,7 @@ class LLMEngine:
         return loras
 
     def _start_offload(self, model) -> KVOffload:  # noqa: ANN001
-        """The tiers below the pool (kv_offload.py); a data-parallel rank gets its share of each and a
+        """The tiers below the pool (kv/offload.py); a data-parallel rank gets its share of each and a
         directory of its own."""
         c = self.config
         shape = kv_block_shape(model, c.block_size)
@@ -564,7 +564,7 @@ class LLMEngine:
     def _start_kv_events(self) -> KVEventPublisher | None:
         if not self.config.kv_events_endpoint:
             return None
-        from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
+        from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 
         publisher = KVEventPublisher(
             self.config.kv_events_endpoint,
@@ -575,7 +575,7 @@ class LLMEngine:
             keys=self.keys,
             curve_dir=self.config.kv_events_curve_dir,
             # every block the rank can hold, offload tiers included: a consumer caps its index of this
-            # rank at it (router/index.py), and a tier holds blocks the pool no longer does
+            # rank at it (router/kv/index.py), and a tier holds blocks the pool no longer does
             blocks_total=self.num_blocks + (self.kv.offload.capacity_blocks if self.kv.offload else 0),
         )
         self.kv.pool.events = publisher.recorder

@@ -38,10 +38,10 @@ from kvpilot.daemon.engine.client import (
     LoopState,
     WeightOperations,
 )
-from kvpilot.daemon.engine.lora import ServedAdapter
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.engine.weight_ops import RankReply, WeightOp, beside_steps
-from kvpilot.daemon.engine.weights import Reply, WeightControl
+from kvpilot.daemon.engine.weights.control import Reply, WeightControl
+from kvpilot.daemon.engine.weights.lora import ServedAdapter
+from kvpilot.daemon.engine.weights.ops import RankReply, WeightOp, beside_steps
 from kvpilot.protocol.requests import ResetScope
 
 if TYPE_CHECKING:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.daemon.engine.kv_offload import HostBlock
-from kvpilot.daemon.engine.lora import LoRAAdapter, lora_batch
+from kvpilot.daemon.engine.kv.offload import HostBlock
 from kvpilot.daemon.engine.models import ForwardBatch
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.daemon.engine.scheduler import SchedulerOutput
+from kvpilot.daemon.engine.weights.lora import LoRAAdapter, lora_batch
 from kvpilot.kernels import AttentionMetadata
 
 
@@ -52,7 +52,7 @@ class ModelRunner:
         self.block_shape = kv_block_shape(model, block_size)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    # ---- offload tiers (kv_offload.py) ---------------------------------------------------------
+    # ---- offload tiers (kv/offload.py) ---------------------------------------------------------
     def read_blocks(self, block_ids: list[int]) -> list[HostBlock]:
         """Copy these pool blocks to host memory, one tensor each. Call before anything writes to them;
         on a GPU the copy to (pinned) host memory runs on a side stream and each block's `ready` event

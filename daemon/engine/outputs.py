@@ -101,7 +101,7 @@ class CacheStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
-    offload: tuple[TierStats, ...] = ()  # the tiers below the pool (kv_offload.py), when on
+    offload: tuple[TierStats, ...] = ()  # the tiers below the pool (kv/offload.py), when on
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
     lora_running: tuple[str, ...] = ()  # the adapters of the running requests, sorted
     lora_waiting: tuple[str, ...] = ()  # and of the waiting ones

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import Request
-from kvpilot.daemon.engine.weight_ops import PauseMode
+from kvpilot.daemon.engine.weights.ops import PauseMode
 
 
 class PauseState:

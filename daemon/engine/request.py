@@ -10,10 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpilot.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
-from kvpilot.daemon.engine.cache_scope import CacheScope
-from kvpilot.daemon.engine.lora import LoRAAdapter
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.outputs import TokenLogprob
+from kvpilot.daemon.engine.weights.lora import LoRAAdapter
+from kvpilot.kv.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 # Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).

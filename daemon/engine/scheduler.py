@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager, KVTransfers
+from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager, KVTransfers
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus
 

@@ -16,7 +16,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpilot import __version__
-from kvpilot.admin_token import authorized
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
@@ -27,12 +26,13 @@ from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
-from kvpilot.http_limits import start_server
 from kvpilot.protocol.errors import ApiError, error_middleware, error_response, unavailable
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_json_object, parse_reset_flag, parse_reset_scope
 from kvpilot.protocol.schema import openapi
-from kvpilot.text_pool import Busy, TextPool
+from kvpilot.serving.admin_token import authorized
+from kvpilot.serving.http_limits import start_server
+from kvpilot.serving.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
-from kvpilot.daemon.engine.lora import ServedAdapter
+from kvpilot.daemon.engine.weights.lora import ServedAdapter
 from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.settings import ServerSettings
-from kvpilot.text_pool import TextPool
+from kvpilot.serving.text_pool import TextPool
 
 
 @dataclass(slots=True)

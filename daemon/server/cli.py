@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import logging
 
-from kvpilot.config_flags import add_command, add_flags, flag_message, from_flags
+from kvpilot.cli.flags import add_command, add_flags, flag_message, from_flags
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.server.settings import ServerSettings
-from kvpilot.http_limits import ConnectionLimits
+from kvpilot.serving.http_limits import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     Run the kvpilot daemon. Flag names follow vLLM's `vllm serve` where it has one.
     """
-    from kvpilot.admin_token import AdminTokenError, load_admin_token
     from kvpilot.daemon.server.tenants import TenantFileError, load_tenant_tokens
+    from kvpilot.serving.admin_token import AdminTokenError, load_admin_token
 
     try:
         token = load_admin_token(args.admin_token_file)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kvpilot.daemon.engine.lora import LoRAError, ServedAdapter, check_name
+from kvpilot.daemon.engine.weights.lora import LoRAError, ServedAdapter, check_name
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.weights_api import WeightFailure, call, rank_timeout, route
 from kvpilot.protocol.errors import ApiError

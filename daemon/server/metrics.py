@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot.build_info import register_build_info
 from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server.weight_metrics import WeightMetrics
+from kvpilot.serving.build_info import register_build_info
 
 PREFIX = "kvpilot_"
 

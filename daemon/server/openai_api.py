@@ -20,7 +20,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.admin_token import authorized, bearer_token
 from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
 from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.outputs import RequestOutput
@@ -48,6 +47,7 @@ from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import GenerateRequest
+from kvpilot.serving.admin_token import authorized, bearer_token
 
 _IGNORED_LOG = IgnoredFieldLog()
 

@@ -1,12 +1,12 @@
 """The HTTP server's settings. Each field with `flag(...)` metadata is a `kvpilot serve` flag
-(kvpilot/config_flags.py); its default here is the flag's. Light on purpose: `kvpilot --help` imports it."""
+(kvpilot/cli/flags.py); its default here is the flag's. Light on purpose: `kvpilot --help` imports it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpilot.config_flags import flag
-from kvpilot.http_limits import ConnectionLimits
+from kvpilot.cli.flags import flag
+from kvpilot.serving.http_limits import ConnectionLimits
 
 
 @dataclass(slots=True)

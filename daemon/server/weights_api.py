@@ -7,7 +7,7 @@ written for vLLM drive this daemon unchanged; replies carry kvpilot's extras bes
 
 A trainer's loop: `/pause` -> `/start_weight_update` -> `/update_weights` (one or more) ->
 `/finish_weight_update` -> `/resume`. The engine side (stage, swap, cache generation) is
-`daemon/engine/weights.py`, the pause modes `engine.py`'s; this module checks the order on every rank
+`daemon/engine/weights/control.py`, the pause modes `engine.py`'s; this module checks the order on every rank
 and answers honestly: never 200 unless every rank did it. `finish` is a two-phase commit over the
 ranks: every rank must hold a stage of the same digest before any swaps, and if a rank fails its swap
 after another succeeded, the daemon stops serving (unhealthy) rather than serve mixed weights. The
@@ -24,9 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpilot.admin_token import authorized
 from kvpilot.daemon.engine.client import EngineDeadError
-from kvpilot.daemon.engine.weight_ops import (
+from kvpilot.daemon.engine.weights.ops import (
     MIXED_VERSION,
     RESERVED_VERSIONS,
     PauseMode,
@@ -37,6 +36,7 @@ from kvpilot.daemon.server.app_state import STATE, ServerState
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_json_object
+from kvpilot.serving.admin_token import authorized
 
 log = logging.getLogger(__name__)
 

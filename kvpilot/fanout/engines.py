@@ -132,7 +132,7 @@ KVPILOT_TIERS = (
     "pool",
     "host",
     "disk",
-)  # a kvpilot reply's evicted_by_tier keys (daemon/engine/kv_offload.py)
+)  # a kvpilot reply's evicted_by_tier keys (daemon/engine/kv/offload.py)
 
 
 class KvpilotEngine(Engine):

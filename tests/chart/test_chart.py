@@ -15,7 +15,7 @@ import yaml
 
 from chart.tools import CHART, Helm, kinds
 from kvpilot.operator import rbac
-from kvpilot.operator.router_objects import router_labels
+from kvpilot.operator.fleets.router_objects import router_labels
 from support import ROOT
 
 MONITORING_API = ("--api-versions", "monitoring.coreos.com/v1")

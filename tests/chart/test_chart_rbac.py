@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from chart.tools import CHART, Helm
-from kvpilot.operator.builders import MANAGED_BY, RESET_ANNOTATION
+from kvpilot.operator.fleets.builders import MANAGED_BY, RESET_ANNOTATION
 from support.cluster import Cluster, dev_cluster, manifest
 from support.operator import (
     STANDIN_ENV,

@@ -1,9 +1,9 @@
-"""The memo of recent block keys (kvpilot/block_keys.py `_KeyMemo`): a key found there is the key the scheme
+"""The memo of recent block keys (kvpilot/kv/block_keys.py `_KeyMemo`): a key found there is the key the scheme
 computes, for each scheme, seed and extra key, and the memo's memory stays bounded."""
 
 from __future__ import annotations
 
-from kvpilot.block_keys import _MEMO, HASH_ALGOS, KeyScheme, _KeyMemo
+from kvpilot.kv.block_keys import _MEMO, HASH_ALGOS, KeyScheme, _KeyMemo
 
 PROMPT = list(range(500, 500 + 16 * 4))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.block_keys import key_scheme
+from kvpilot.kv.block_keys import key_scheme
 from support.vllm_server import vllm_server_venv
 
 PROMPT = list(range(1000, 1000 + 16 * 5 + 7))  # five full blocks of 16 and a partial one

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from kvpilot.block_keys import DEFAULT_KEYS, HASH_ALGOS, KeyScheme
-from kvpilot.daemon.engine.block_pool import BlockPool
-from kvpilot.daemon.engine.cache_scope import CacheScope
-from kvpilot.daemon.engine.kv_cache_manager import KVCacheManager
+from kvpilot.daemon.engine.kv.block_pool import BlockPool
+from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.request import Request, SamplingParams
+from kvpilot.kv.block_keys import DEFAULT_KEYS, HASH_ALGOS, KeyScheme
 
 hash_block = DEFAULT_KEYS.hash_block
 BASE = CacheScope(None, None, None)  # the base model's unsalted blocks
@@ -37,7 +37,7 @@ def test_keys_chain_the_prefix_and_the_salt(algo: str) -> None:
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 def test_keys_are_the_same_in_another_process_and_seeded_as_vllm_seeds(algo: str) -> None:
     code = (
-        "from kvpilot.block_keys import key_scheme; "
+        "from kvpilot.kv.block_keys import key_scheme; "
         f"print(key_scheme({algo!r}).prompt_hashes([1, 2, 3, 4], 4, 's')[0].hex())"
     )
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.block_keys import BlockHash
-from kvpilot.daemon.engine.cache_scope import CacheScope, scope_dir_name
-from kvpilot.daemon.engine.kv_offload import MAX_SCOPE_FILE_BYTES, DiskTier, HostBlock, HostTier, KVOffload
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope, scope_dir_name
+from kvpilot.daemon.engine.kv.offload import MAX_SCOPE_FILE_BYTES, DiskTier, HostBlock, HostTier, KVOffload
+from kvpilot.kv.block_keys import BlockHash
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head dim
 BLOCK_BYTES = 2 * 2 * 4 * 8 * 4

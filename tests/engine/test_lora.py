@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.block_keys import HASH_ALGOS, KeyScheme
 from kvpilot.daemon.engine.engine import RequestRejected
-from kvpilot.daemon.engine.lora import LoRAError
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.kv_events import BlockStored, decode_batch
+from kvpilot.daemon.engine.weights.lora import LoRAError
+from kvpilot.kv.block_keys import HASH_ALGOS, KeyScheme
+from kvpilot.kv.events import BlockStored, decode_batch
 from support.kv_events import BS, kv_events_engine, wait_replayed
 from support.lora import make_adapter, peft_greedy
 

@@ -138,7 +138,7 @@ def test_kvpilot_help_runs_in_the_image(container: str) -> None:
     r = run_in(container, "kvpilot", "operator", "--help")
     assert r.returncode == 0, r.stderr  # kopf and the kubernetes client are in the image
     # Every subpackage made it into the wheel (--help imports none of them) with its dependencies.
-    modules = "kvpilot.router.app, kvpilot.daemon.engine.kv_publisher, kvpilot.daemon.engine.dp_engine, kvpilot.operator.main"
+    modules = "kvpilot.router.app, kvpilot.daemon.engine.kv.publisher, kvpilot.daemon.engine.parallel.dp_engine, kvpilot.operator.main"
     r = run_in(container, "python3", "-c", f"import {modules}")
     assert r.returncode == 0, r.stderr
 

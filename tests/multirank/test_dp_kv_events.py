@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.kv_publisher import rank_endpoint
+from kvpilot.daemon.engine.kv.publisher import rank_endpoint
 from support.procs import free_port, wait_for
 from support.servers import Server, start_daemon, start_router, start_server, stop_fleet
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.block_keys import key_scheme
-from kvpilot.daemon.engine.dp_engine import cpu_shares
-from kvpilot.daemon.engine.dp_policy import PrefixAwarePolicy
+from kvpilot.daemon.engine.parallel.dp_engine import cpu_shares
+from kvpilot.daemon.engine.parallel.dp_policy import PrefixAwarePolicy
+from kvpilot.kv.block_keys import key_scheme
 
 SYSTEM = list(range(100, 164))  # four full blocks of 16
 

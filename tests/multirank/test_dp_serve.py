@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.fanout import FanoutSettings, Target, run_fanout
-from kvpilot.operator.reset_status import pod_entry
+from kvpilot.operator.resets.status import pod_entry
 from support.servers import (
     ADMIN_TOKEN,
     MODEL,

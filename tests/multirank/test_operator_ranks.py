@@ -3,7 +3,7 @@ pod's GPU request."""
 
 from __future__ import annotations
 
-from kvpilot.operator import builders
+from kvpilot.operator.fleets import builders
 from kvpilot.operator.specs import FleetSpec
 
 

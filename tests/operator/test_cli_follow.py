@@ -10,7 +10,7 @@ from kubernetes.client.rest import ApiException
 
 from kvpilot.operator.cli import RESET
 from kvpilot.operator.cli_follow import follow
-from kvpilot.operator.weights_cli import UPDATE
+from kvpilot.operator.weights.cli import UPDATE
 
 
 class Reads:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.operator import builders, inference_pool, router_objects
-from kvpilot.operator.conditions import fleet_conditions, get_condition, set_condition
-from kvpilot.operator.fleet_router import deployment_state
+from kvpilot.operator.fleets import builders, inference_pool, router_objects
+from kvpilot.operator.fleets.router import deployment_state
+from kvpilot.operator.kube.conditions import fleet_conditions, get_condition, set_condition
 from kvpilot.operator.specs import FleetSpec
 
 SPEC = {
@@ -51,7 +51,7 @@ def test_deployment_runs_kvpilot_serve_with_engine_flags_probe_token_and_scrape_
 
 
 def test_lora_adapters_become_the_daemons_flags_as_its_own_parser_reads_them() -> None:
-    from kvpilot.daemon.engine.lora import parse_lora_modules
+    from kvpilot.daemon.engine.weights.lora import parse_lora_modules
 
     modules = [{"name": "sql=v2", "path": "/adapters/sql v2"}, {"name": "chat", "path": "/adapters/chat"}]
     lora = {"modules": modules, "maxLoras": 2, "maxLoraRank": 64}
@@ -384,8 +384,8 @@ def test_crds_have_no_stray_keys() -> None:
 
 def test_offload_tiers_reach_kvpilot_serve_as_its_own_flags() -> None:
     """engine.kvOffloading*: the daemon's offload tiers (docs/engine.md), parsed by `kvpilot serve` itself."""
-    from kvpilot.cli import build_parser
-    from kvpilot.config_flags import from_flags
+    from kvpilot.cli.flags import from_flags
+    from kvpilot.cli.main import build_parser
     from kvpilot.daemon.engine.config import EngineConfig
 
     engine = {"kvOffloadingSize": 2.5, "kvOffloadingDir": "/kv", "kvOffloadingDirSize": 40}

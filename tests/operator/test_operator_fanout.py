@@ -13,8 +13,8 @@ from standin import Standin
 
 from kvpilot.fanout import FanoutSettings, OnCall, PodResult, Target, run_fanout
 from kvpilot.operator import metrics
-from kvpilot.operator.reset_status import pod_entry, summarize
-from kvpilot.operator.resets import outcome
+from kvpilot.operator.resets.drive import outcome
+from kvpilot.operator.resets.status import pod_entry, summarize
 from support.procs import free_port
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot import kv_sockets
-from kvpilot.operator import builders, router_objects
-from kvpilot.operator.network_policy import OperatorPeer, network_policy
+from kvpilot.kv import sockets as kv_sockets
+from kvpilot.operator.fleets import builders, router_objects
+from kvpilot.operator.fleets.network_policy import OperatorPeer, network_policy
 from kvpilot.operator.specs import FleetSpec
 from support.cluster import Cluster
 from support.operator import OP_NS, OperatorProcess, apply_ns, fleet, infd

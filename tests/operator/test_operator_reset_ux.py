@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from kvpilot.fanout import PodResult
-from kvpilot.operator.reset_status import MAX_NAMED, skipped_note
-from kvpilot.operator.resets import outcome
+from kvpilot.operator.resets.drive import outcome
+from kvpilot.operator.resets.status import MAX_NAMED, skipped_note
 from support.cluster import Cluster
 from support.operator import (
     STANDIN_ENV,

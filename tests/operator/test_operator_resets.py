@@ -10,9 +10,9 @@ from kvpilot.fanout import PodResult
 from kvpilot.fanout.results import STILL_WARM
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
-from kvpilot.operator.fleet_targets import Plan, pod_target
-from kvpilot.operator.reset_status import pod_status, verified_condition
-from kvpilot.operator.resets import outcome
+from kvpilot.operator.fleets.targets import Plan, pod_target
+from kvpilot.operator.resets.drive import outcome
+from kvpilot.operator.resets.status import pod_status, verified_condition
 
 
 def pod(

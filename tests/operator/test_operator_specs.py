@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from kvpilot.operator.cli import RESET_TIMEOUT_S
 from kvpilot.operator.specs import FleetSpec, ResetSpec, WeightUpdateSpec
-from kvpilot.operator.weights_cli import UPDATE_TIMEOUT_S
+from kvpilot.operator.weights.cli import UPDATE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = {

@@ -13,8 +13,8 @@ from aiohttp import web
 from kvpilot.fanout import FanoutSettings, Target
 from kvpilot.fanout.phase import Step, run_phase, run_steps
 from kvpilot.operator.specs import FleetSpec
-from kvpilot.operator.weights_cli import describe_pod, update_body
-from kvpilot.operator.weights_status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+from kvpilot.operator.weights.cli import describe_pod, update_body
+from kvpilot.operator.weights.status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
 from support.procs import free_port
 
 
@@ -170,7 +170,16 @@ def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
 
 
 def test_fence_decision() -> None:
-    from kvpilot.operator.fence import CATCH_UP, FENCE, LEAVE, SERVE, WAIT, decide, recorded_for, serving
+    from kvpilot.operator.weights.fence import (
+        CATCH_UP,
+        FENCE,
+        LEAVE,
+        SERVE,
+        WAIT,
+        decide,
+        recorded_for,
+        serving,
+    )
 
     fleet = {"version": "v2", "modelPath": "/ckpt", "digest": "sha256:b"}
     on_v2 = {"weight_version": "v2", "digest": "sha256:b"}

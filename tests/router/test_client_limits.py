@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpilot.block_keys import DEFAULT_KEYS
-from kvpilot.router.prompts import Prompts
+from kvpilot.kv.block_keys import DEFAULT_KEYS
+from kvpilot.router.routing.prompts import Prompts
 from support.procs import free_port
 from support.servers import (
     ADMIN_TOKEN,
@@ -30,7 +30,7 @@ from support.servers import (
 
 pytestmark = pytest.mark.timeout(300)
 
-HEADER_TIMEOUT_S = 10.0  # the servers' default (kvpilot/http_limits.py)
+HEADER_TIMEOUT_S = 10.0  # the servers' default (kvpilot/serving/http_limits.py)
 SLOW_CLIENTS = 100
 
 

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpilot.cli import main
-from kvpilot.router.engines import PROBES, parse_load, read_load
+from kvpilot.cli.main import main
+from kvpilot.router.fleet.engines import PROBES, parse_load, read_load
 from kvpilot.router.settings import ENGINES, RouterSettings
 from support.engine_standin import EngineStandin, start_standin
 from support.procs import free_port, stop, wait_for

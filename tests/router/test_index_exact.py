@@ -8,12 +8,12 @@ import pytest
 from engine.test_accounting import SHARED_PREFIXES, ops  # the same random operations as the pool's test
 from hypothesis import HealthCheck, given, settings
 
-from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.kv_recorder import KVEventRecorder
+from kvpilot.daemon.engine.kv.recorder import KVEventRecorder
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.kv_events import (
+from kvpilot.kv.block_keys import key_scheme
+from kvpilot.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,11 +21,11 @@ from kvpilot.kv_events import (
     decode_batch,
     encode_batch,
 )
-from kvpilot.router import index as index_module
-from kvpilot.router.index import PrefixIndex
-from kvpilot.router.pods import Pod, parse_endpoints
-from kvpilot.router.policy import LeastLoad, PrefixAware, RoundRobin
-from kvpilot.router.prompts import Prompts
+from kvpilot.router.fleet.pods import Pod, parse_endpoints
+from kvpilot.router.kv import index as index_module
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.routing.policy import LeastLoad, PrefixAware, RoundRobin
+from kvpilot.router.routing.prompts import Prompts
 
 BS = 4
 

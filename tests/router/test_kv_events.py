@@ -10,13 +10,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits
+from kvpilot.kv.block_keys import key_scheme
+from kvpilot.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits
 from support.kv_events import BS, kv_events_engine, replay_all, wait_replayed
 
 pytestmark = pytest.mark.timeout(300)
@@ -197,7 +197,7 @@ def test_kv_events_route_names_the_sockets_and_is_404_when_off(tiny_model_dir) -
 def test_a_restarted_publisher_is_followed_from_its_new_start(engine: LLMEngine) -> None:
     """The pod goes away (its connection drops): its entries go; its successor's stream, numbered from 0
     again, is followed."""
-    from kvpilot.daemon.engine.kv_publisher import KVEventPublisher
+    from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 
     first = engine.kv_events
 

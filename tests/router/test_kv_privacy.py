@@ -16,12 +16,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvpilot import kv_sockets
-from kvpilot.block_keys import key_scheme
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.kv_events import (
+from kvpilot.kv import sockets as kv_sockets
+from kvpilot.kv.block_keys import key_scheme
+from kvpilot.kv.events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -29,8 +29,8 @@ from kvpilot.kv_events import (
     encode_batch,
     encode_batches,
 )
-from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
 from kvpilot.router.settings import RouterSettings
 from support.kv_events import BS, kv_events_engine, write_fleet_keys
 from support.procs import free_port

@@ -1,4 +1,4 @@
-"""The KV events' wire layout (kvpilot/kv_events.py): vLLM's tagged maps, read by vLLM's own structs
+"""The KV events' wire layout (kvpilot/kv/events.py): vLLM's tagged maps, read by vLLM's own structs
 (vLLM 0.33.0's vllm/distributed/kv_events.py with msgspec, as vLLM's consumers decode), kvpilot's weight
 version carried where vLLM's decoder passes over it; vLLM's own encoding read by the router; and the
 older array layout, which daemons before it sent, still followed by the router's stream."""
@@ -16,11 +16,11 @@ import msgpack
 import pytest
 import zmq.asyncio
 
-from kvpilot import kv_events
-from kvpilot.block_keys import key_scheme
-from kvpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream
+from kvpilot.kv import events as kv_events
+from kvpilot.kv.block_keys import key_scheme
+from kvpilot.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.stream import PodEventStream
 from support import vllm_client
 from support.vllm_kv_events import KV_CACHE_UTILS_LINE
 

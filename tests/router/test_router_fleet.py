@@ -11,9 +11,9 @@ import json
 import pytest
 from kubernetes import config
 
-from kvpilot.endpointslices import Endpoint
-from kvpilot.operator.builders import serving_selector
-from kvpilot.router.discovery import FleetMembers
+from kvpilot.kube.endpointslices import Endpoint
+from kvpilot.operator.fleets.builders import serving_selector
+from kvpilot.router.fleet.discovery import FleetMembers
 from support.cluster import Cluster
 from support.operator import (
     STANDIN_ENV,

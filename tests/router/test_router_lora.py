@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvpilot.router.lora_adapters import MAX_ADAPTERS, adapters_from_health
+from kvpilot.router.kv.lora_adapters import MAX_ADAPTERS, adapters_from_health
 from support.servers import Fleet, Server, start_daemon, start_router, stop_fleet
 
 SYSTEM = (

@@ -12,17 +12,17 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 
-from kvpilot.block_keys import DEFAULT_KEYS, key_scheme
 from kvpilot.default_model import ensure_default_model
-from kvpilot.kv_events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.kv.block_keys import DEFAULT_KEYS, key_scheme
+from kvpilot.kv.events import AllBlocksCleared, BlockStored, EventBatch, encode_batch
 from kvpilot.protocol.errors import ApiError
-from kvpilot.router.index import PrefixIndex
-from kvpilot.router.kv_stream import PodEventStream
-from kvpilot.router.pods import Pod
-from kvpilot.router.policy import PrefixAware, hash_schemes
-from kvpilot.router.prompts import Prompts
-from kvpilot.router.version_choice import VersionChoice, pinned_version, pod_version
-from kvpilot.router.weight_versions import MAX_CHARS, UNKNOWN, from_health
+from kvpilot.router.fleet.pods import Pod
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.stream import PodEventStream
+from kvpilot.router.kv.weight_versions import MAX_CHARS, UNKNOWN, from_health
+from kvpilot.router.routing.policy import PrefixAware, hash_schemes
+from kvpilot.router.routing.prompts import Prompts
+from kvpilot.router.routing.version_choice import VersionChoice, pinned_version, pod_version
 from support.procs import free_port
 from support.servers import (
     ADMIN_TOKEN,

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvpilot.default_model import ensure_default_model
-from kvpilot.router.segment_tokenizer import SegmentTokenizer
+from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
 
 WORDS = [
     "the",

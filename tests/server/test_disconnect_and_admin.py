@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvpilot.admin_token import AdminTokenError, authorized, load_admin_token
+from kvpilot.serving.admin_token import AdminTokenError, authorized, load_admin_token
 from support.servers import ADMIN_TOKEN, Server, read_until_decoding, send_completion
 
 pytestmark = pytest.mark.timeout(300)

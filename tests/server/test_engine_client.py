@@ -11,8 +11,8 @@ import pytest
 
 import kvpilot.daemon.server as server_package
 from kvpilot.daemon.engine.client import EngineClient, WeightOperations
-from kvpilot.daemon.engine.dp_engine import DataParallelLoop
 from kvpilot.daemon.engine.engine_loop import EngineLoop
+from kvpilot.daemon.engine.parallel.dp_engine import DataParallelLoop
 
 IMPLEMENTATIONS = ("engine_loop", "dp_engine", "dp_rank", "dp_policy", "tp")
 

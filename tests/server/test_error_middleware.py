@@ -1,5 +1,5 @@
 """The error middleware the daemon and the router share, and the server start both use
-(kvpilot/http_limits.py), on a small application of its own over real loopback HTTP: whatever a handler
+(kvpilot/serving/http_limits.py), on a small application of its own over real loopback HTTP: whatever a handler
 raises, the client gets OpenAI's error JSON, never aiohttp's plain-text 500."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvpilot.http_limits import ConnectionLimits, start_server
 from kvpilot.protocol.errors import ApiError, error_middleware
+from kvpilot.serving.http_limits import ConnectionLimits, start_server
 
 pytestmark = pytest.mark.timeout(120)
 

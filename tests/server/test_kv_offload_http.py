@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import zmq.asyncio
 
-from kvpilot.kv_events import decode_batch
-from kvpilot.router.kv_stream import fetch_replay
+from kvpilot.kv.events import decode_batch
+from kvpilot.router.kv.stream import fetch_replay
 from support.procs import free_port
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
 

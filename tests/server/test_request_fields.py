@@ -13,7 +13,7 @@ import uuid
 import pytest
 from transformers import AutoTokenizer
 
-from kvpilot.router.prompts import tokenizer_dir
+from kvpilot.router.routing.prompts import tokenizer_dir
 from support.servers import MODEL, Server
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvpilot.kv_events import END_OF_REPLAY, AllBlocksCleared, BlockStored, EventBatch, encode_batch
+from kvpilot.kv.events import END_OF_REPLAY, AllBlocksCleared, BlockStored, EventBatch, encode_batch
 
 
 def seq_frame(seq: int) -> bytes:

@@ -12,10 +12,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvpilot import kv_sockets
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.router.kv_stream import fetch_replay
+from kvpilot.kv import sockets as kv_sockets
+from kvpilot.router.kv.stream import fetch_replay
 
 BS = 16  # tokens per block of these engines
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-from kvpilot.daemon.engine.weight_ops import (
+from kvpilot.daemon.engine.weights.ops import (
     Command,
     FinishUpdate,
     Pause,

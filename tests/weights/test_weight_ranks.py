@@ -1,5 +1,5 @@
 """A rank that fails in the middle of a weight update, with `--data-parallel-size 2`; the failure is real:
-rank 1's process (an engine-core process of its own, `daemon/engine/dp_rank.py`) is stopped and killed.
+rank 1's process (an engine-core process of its own, `daemon/engine/parallel/dp_rank.py`) is stopped and killed.
 
 - At the swap: rank 0 swapped and rank 1 died before it did. The finish answers 500 naming rank 1,
   `/health` turns 503 (readiness takes the pod out) and no request is served any more, on either rank,

@@ -52,7 +52,7 @@ def test_update_serves_the_new_weights_everywhere(
         events = _events(sub, until=lambda evs: any(e["type"] == "BlockStored" for e in evs))
         cleared = [e for e in events if e["type"] == "AllBlocksCleared"]
         assert cleared and cleared[-1] == {"type": "AllBlocksCleared", "weight_version": "v2"}, events
-        from kvpilot.block_keys import key_scheme
+        from kvpilot.kv.block_keys import key_scheme
 
         stored = [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]]
         assert stored[0] == key_scheme().prompt_hashes(ids, 16, None, "v2")[0]  # the version is in the key

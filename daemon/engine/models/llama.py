@@ -18,7 +18,7 @@ from torch import nn
 from kvpilot.kernels import AttentionMetadata, Ops
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.lora import LoRABatch
+    from kvpilot.daemon.engine.weights.lora import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_slot(self, name: str) -> tuple[str, int, int | None] | None:
         """Where a Hugging Face tensor goes: (parameter name, first row, rows or None for all of it);
         None for tensors the model does not keep (rotary tables, a tied LM head). Raises KeyError for a
-        tensor that has no place here. Loading and weight updates (`weight_stage.py`) share it."""
+        tensor that has no place here. Loading and weight updates (`weights/stage.py`) share it."""
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         fused = {

@@ -1,0 +1,227 @@
+"""Reconcile an InferenceDeployment: its admin token Secret, workload and Service as the builders say
+(server-side apply: what we no longer set is removed, what others set is kept, a no-op writes nothing), its
+status, and the annotation trigger. Idempotent: called on create/update/resume and on every event of an owned
+object.
+
+Nothing is applied while the Secret named by adminTokenSecretRef does not consent to the fleet's pods
+mounting it (tokens.py), or while a Deployment, DaemonSet or Service of the fleet's name belongs to someone
+else: Ready is False with the reason, and the reconcile is retried."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+from typing import Any
+
+import kopf
+
+from kvpilot.operator import metrics
+from kvpilot.operator.fleets import builders, inference_pool, router_objects
+from kvpilot.operator.fleets import network as fleet_network
+from kvpilot.operator.fleets.builders import FLEETS, RESETS
+from kvpilot.operator.fleets.network_policy import OperatorPeer
+from kvpilot.operator.fleets.pool import PoolState, reconcile_pool
+from kvpilot.operator.fleets.router import RouterState, reconcile_router
+from kvpilot.operator.fleets.tokens import refusal
+from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
+from kvpilot.operator.kube.conditions import fleet_conditions, set_condition
+from kvpilot.operator.kube.owners import holder, owned_by
+from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
+from kvpilot.operator.specs import FleetSpec
+
+_KEEP_TOKENS = 20
+
+
+async def _ensure_token_secret(
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: logging.Logger
+) -> None:
+    """A fleet without adminTokenSecretRef gets a random token of its own, made once (never logged)."""
+    name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    if spec.admin_token_secret_ref or spec.disable_admin_token:
+        return
+    ref = builders.token_secret_ref(name, spec)
+    assert ref is not None
+    if await kube.secret(ns, ref.name) is not None:
+        return
+    body = builders.generated_token_secret(name, secrets.token_urlsafe(32))
+    kopf.adopt(body, owner=owner)
+    try:
+        await kube.create_secret(ns, body)
+        logger.info("created Secret %s/%s with a generated admin token", ns, ref.name)
+    except ApiException as exc:
+        if exc.status != 409 and not namespace_terminating(exc):
+            raise
+
+
+async def _token_refusal(kube: Kube, owner: dict[str, Any], spec: FleetSpec) -> tuple[str, str] | None:
+    """Why the fleet's pods may not mount the Secret its adminTokenSecretRef names (tokens.py), checked
+    before anything that mounts it is applied; None when they may (or the operator generated the token)."""
+    meta, ref = owner["metadata"], spec.admin_token_secret_ref
+    if not ref:
+        return None
+    secret = await kube.secret(meta["namespace"], ref.name)
+    return refusal(secret, meta["namespace"], ref, meta["uid"], "adminTokenSecretRef")
+
+
+async def _name_taken(
+    kube: Kube, owner: dict[str, Any], objs: list[dict[str, Any]]
+) -> tuple[str, str] | None:
+    """("NameConflict", message) when one of the fleet's own objects exists and is not the fleet's: it is
+    never taken over (a forced apply would adopt another controller's Deployment or a user's Service)."""
+    meta = owner["metadata"]
+    for obj in objs:
+        live = await kube.read(obj["kind"], meta["namespace"], obj["metadata"]["name"])
+        if live is not None and not owned_by(live, meta["uid"]):
+            name = obj["metadata"]["name"]
+            return (
+                "NameConflict",
+                f"{obj['kind']} {name} already exists and belongs to {holder(live)}: rename one of them",
+            )
+    return None
+
+
+async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
+    kopf.adopt(desired, owner=owner)
+    try:
+        return await kube.apply(owner["metadata"]["namespace"], desired)
+    except ApiException as exc:
+        if namespace_terminating(exc):
+            return None
+        raise
+
+
+def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int, int, int, int, bool]:
+    """(desired, replicas, ready, updated, stalled) of the workload."""
+    if wl is None:
+        return spec.replicas if kind == "Deployment" else 0, 0, 0, 0, False
+    st = wl.get("status") or {}
+    if kind == "Deployment":
+        stalled = any(
+            c.get("type") == "Progressing" and c.get("status") == "False" for c in st.get("conditions") or []
+        )
+        return (
+            int(wl["spec"].get("replicas", 1)),
+            st.get("replicas", 0),
+            st.get("readyReplicas", 0),
+            st.get("updatedReplicas", 0),
+            stalled,
+        )
+    return (
+        st.get("desiredNumberScheduled", 0),
+        st.get("currentNumberScheduled", 0),
+        st.get("numberReady", 0),
+        st.get("updatedNumberScheduled", 0),
+        False,
+    )
+
+
+async def reconcile(
+    kube: Kube,
+    body: Any,
+    logger: logging.Logger,
+    router_role: str = ROUTER_CLUSTER_ROLE,
+    peer: OperatorPeer | None = None,
+) -> None:
+    meta, raw_spec = body["metadata"], dict(body.get("spec") or {})
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": raw_spec}
+    spec = FleetSpec.parse(raw_spec)
+    status = dict(body.get("status") or {})
+    ns, name = meta["namespace"], meta["name"]
+    kind = spec.placement
+    other = "DaemonSet" if kind == "Deployment" else "Deployment"
+    gen = meta.get("generation")
+
+    await _ensure_token_secret(kube, owner, spec, logger)
+    own = [builders.workload(name, spec), builders.service(name, spec)]
+    taken = await _name_taken(kube, owner, own)
+    problem = taken or await _token_refusal(kube, owner, spec)
+    if problem is not None:
+        kopf.event(owner, type="Warning", reason=problem[0], message=problem[1])
+    else:  # KV event keys someone else made are never mounted (ensure_kv_keys posts its own Event)
+        problem = await fleet_network.ensure_kv_keys(kube, owner, spec, logger)
+    if problem is None:
+        wl = await _apply(kube, owner, own[0])
+        await _apply(kube, owner, own[1])
+        router = await reconcile_router(kube, owner, spec, status, logger, router_role)
+    else:  # nothing that would mount the token or the keys, or write over another's object, is applied
+        wl = None if taken else await kube.read(kind, ns, name)
+        router = RouterState(status.get("router"))
+    pool: PoolState | None = None  # None: the pool and its condition are left as they are
+    if problem is None and router.reason != "RouterNameConflict":  # never a pool naming another's Service
+        pool = await reconcile_pool(kube, owner, spec, status)
+    policy = await fleet_network.reconcile_policy(kube, owner, spec, status, peer or OperatorPeer())
+    if gen is not None and gen != status.get("observedGeneration") and wl is not None:
+        kopf.event(
+            owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
+        )
+    # placement changed: the workload of the other kind goes (only if it is ours)
+    await kube.delete_owned(other, ns, name, meta["uid"])
+
+    desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
+    new: dict[str, Any] = {
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "selector": builders.selector_string(name),
+        "observedGeneration": gen,
+        "workload": f"{kind}/{name}",
+        "endpoint": router_objects.endpoint(name, ns, spec),
+        "router": router.status,
+        "inferencePool": pool.name if pool else status.get("inferencePool"),
+        "networkPolicy": policy.name,
+        "conditions": fleet_conditions(
+            status.get("conditions"),
+            desired,
+            ready,
+            updated,
+            gen or 0,
+            wl is not None,
+            stalled,
+            router.problem or policy.problem,
+        ),
+    }
+    if problem is not None:  # Ready says why the spec is not rolled out, whatever the pods from before do
+        new["conditions"] = set_condition(new["conditions"], "Ready", False, *problem, gen or 0)
+    if pool is not None and pool.condition is not None:
+        new["conditions"] = set_condition(
+            new["conditions"], inference_pool.CONDITION, *pool.condition, gen or 0
+        )
+    elif pool is not None:  # no picker: no condition about its pool
+        new["conditions"] = [c for c in new["conditions"] if c["type"] != inference_pool.CONDITION]
+
+    token = (meta.get("annotations") or {}).get(builders.RESET_ANNOTATION)
+    tokens = list(status.get("resetTokens") or [])
+    if token and token not in tokens:
+        pcr = builders.reset_for_token(name, token)
+        kopf.adopt(pcr, owner=owner)
+        try:
+            await kube.create_cr(RESETS, ns, pcr)
+            kopf.event(
+                owner,
+                type="Normal",
+                reason="ResetRequested",
+                message=f"PrefixCacheReset {pcr['metadata']['name']} for annotation token {token!r}",
+            )
+        except ApiException as exc:
+            if exc.status != 409:  # 409: made before a crash, before the token reached status
+                raise
+        new["resetTokens"] = (tokens + [token])[-_KEEP_TOKENS:]
+
+    metrics.READY_REPLICAS.labels(ns, name).set(ready)
+    metrics.DESIRED_REPLICAS.labels(ns, name).set(desired)
+    if any(status.get(k) != v for k, v in new.items()):
+        await kube.patch_status(FLEETS, ns, name, copy.deepcopy(new))
+    if problem is not None:  # a Secret labelled or a name freed later is seen on the retry
+        raise kopf.TemporaryError(problem[1], delay=30)
+    pool_retry = pool is not None and pool.retry
+    if (
+        router.retry or policy.problem or pool_retry
+    ):  # status says what is wrong; look again later (a name freed, the API back)
+        delay = router.retry_delay_s if router.retry else 60
+        why = (
+            router.message
+            or (policy.problem or ("", ""))[1]
+            or (pool.condition[2] if pool and pool.condition else "")
+        )
+        raise kopf.TemporaryError(why, delay=delay)

@@ -1,0 +1,108 @@
+"""The pods of an InferenceDeployment as targets of a run: a PrefixCacheReset, a WeightUpdate, a catch-up.
+
+A fleet's pods are called with the fleet's own admin token, and only those its workload runs: a pod that
+merely carries the fleet's labels never sees the token (fleet_members).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.fanout import Target
+from kvpilot.kube.fleet_members import is_member, workload_controllers
+from kvpilot.operator.fleets import builders, tokens
+from kvpilot.operator.fleets.builders import FLEETS
+from kvpilot.operator.kube.api import Kube
+from kvpilot.operator.kube.owners import controlled_by
+from kvpilot.operator.kube.retries import RunFailure, with_retries
+from kvpilot.operator.specs import FleetSpec, SecretKeyRef
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a run is aimed at, resolved from its spec."""
+
+    description: str  # InferenceDeployment/NAME or the selector
+    selector: str  # label selector of the candidate pods
+    port: int
+    token: str | None
+    container: str | None  # the engine container that must be running; None: any container
+    controllers: frozenset[str] | None  # uids that must control a pod (its fleet's workload), None: any
+    waits_for_pods: bool = False  # a fleet that wants pods but has none to call yet is waited for
+
+
+def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
+    """A candidate pod as a target: called when it has an IP and a running engine container (Ready or not:
+    a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
+    meta, spec, st = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    skip = ""
+    running = {
+        c.get("name") for c in st.get("containerStatuses") or [] if "running" in (c.get("state") or {})
+    }
+    if meta.get("deletionTimestamp"):
+        skip = "pod is terminating"
+    elif plan.controllers is not None and not is_member(pod, plan.controllers):
+        skip = "pod is not run by the InferenceDeployment's workload: its admin token is not sent there"
+    elif not st.get("podIP"):
+        skip = f"pod has no IP (phase {st.get('phase')})"
+    elif (plan.container not in running) if plan.container else not running:
+        skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
+    return Target(
+        meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
+    )
+
+
+async def secret_token(
+    kube: Kube, ns: str, ref: SecretKeyRef, deadline: float, use: str, owner_uid: str | None
+) -> str:
+    """The token of `ref`, if its Secret consents to being sent (tokens.refusal); `owner_uid`: the targeted
+    InferenceDeployment, whose own Secret counts as consented."""
+    secret = await with_retries(f"Secret {ns}/{ref.name}", lambda: kube.secret(ns, ref.name), deadline)
+    if problem := tokens.refusal(secret, ns, ref, owner_uid, use):
+        raise RunFailure(*problem)
+    assert secret is not None
+    return secret["data"][ref.key].strip()
+
+
+async def read_fleet(kube: Kube, ns: str, name: str, deadline: float) -> dict[str, Any] | None:
+    """The InferenceDeployment, None when there is none."""
+    return await with_retries(
+        f"InferenceDeployment {ns}/{name}", lambda: kube.get_cr(FLEETS, ns, name), deadline
+    )
+
+
+async def _fleet_controllers(
+    kube: Kube, ns: str, meta: dict[str, Any], spec: FleetSpec, deadline: float
+) -> frozenset[str]:
+    """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers)."""
+    name, uid = meta["name"], meta["uid"]
+    kind = spec.placement
+    wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
+    if wl is None or not controlled_by(wl, uid) or kind == "DaemonSet":
+        return workload_controllers(uid, wl, ())
+    sel = builders.selector_string(name)
+    rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
+    return workload_controllers(uid, wl, rsets)
+
+
+async def fleet_plan(
+    kube: Kube, ns: str, meta: dict[str, Any], spec: FleetSpec, deadline: float, port: int | None = None
+) -> Plan:
+    """The pods of the InferenceDeployment (its metadata and spec as read), its token and workload; `port`
+    instead of the fleet's own. Raises RunFailure with a reason when it cannot go on."""
+    name = meta["name"]
+    ref = builders.token_secret_ref(name, spec)
+    use = f"the admin token of {name}"
+    token = await secret_token(kube, ns, ref, deadline, use, meta["uid"]) if ref else None
+    controllers = await _fleet_controllers(kube, ns, meta, spec, deadline)
+    wants_pods = spec.placement == "DaemonSet" or spec.replicas > 0
+    return Plan(
+        f"InferenceDeployment/{name}",
+        builders.selector_string(name),
+        port or spec.port,
+        token,
+        builders.CONTAINER,
+        controllers,
+        wants_pods,
+    )

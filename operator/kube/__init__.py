@@ -1,0 +1,1 @@
+"""The operator's Kubernetes plumbing: API calls, conditions, ownership checks and retries."""

@@ -1,0 +1,463 @@
+"""A WeightUpdate from start to finish: every pod of an InferenceDeployment to new weights, through the
+daemon's weight routes (checkpoint transport: each pod reads spec.modelPath), with the fleet's own token only.
+
+Atomic is a two-phase commit over the pods (and, inside each daemon, over its ranks):
+1. stage: /abort_weight_update (a stage left by an interrupted run), /start_weight_update, /update_weights
+   on every pod. Only when every pod staged the same digest does the commit start; if any stage fails, times
+   out or differs, the stage is dropped everywhere and the update ends Failed with no pod changed.
+2. commit: on every pod, /pause?mode=pauseMode, /finish_weight_update {weight_version}, /resume. A pod whose
+   finish failed is Fenced: named in status, the update ends Degraded, and once some pod serves the new
+   weights it is taken out of the fleet's Service (fence.py). A pod an earlier update fenced is let back once this one commits on it.
+Rolling runs the same two phases over maxUnavailable pods at a time; a failed batch stops it there.
+
+An adapter update (spec.adapter) changes one LoRA adapter instead of the model: every pod loads the adapter's
+new directory in place (/v1/load_lora_adapter with load_inplace, each daemon over its ranks, all or none);
+when any pod fails or they loaded different files, the pods that did go back to the directory they served
+before (or unload an adapter they did not have), so the fleet ends on one version of it either way. A pod
+whose way back fails is Fenced. The base weights, status.weights and the catch-up are not touched.
+
+Every update ends within timeoutSeconds, counted from status.startTime (a restart does not extend it). A run
+that an operator restart interrupted starts over: staging again drops the old stage first, and finishing the
+same weights again on a pod that already serves them is harmless (the same digest), so it is at-least-once.
+At the end every pod is asked what it serves (/weight_info): status.pods[].version and the
+InferenceDeployment's status.weightVersion come from those answers, never from what we expected.
+
+An update that committed on at least one pod (Succeeded, or Degraded with the others fenced) records the
+fleet's weights in the InferenceDeployment's status.weights {version, modelPath, digest, model}: what catchup.py
+brings every pod back to. One whose commit failed on every pod fences none and leaves status.weights as it
+was (the fleet is still on its old weights); a Rolling update that failed part way clears it (the fleet has
+no one version then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import kopf
+
+from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
+from kvpilot.operator import metrics
+from kvpilot.operator.fleets.builders import FLEETS, WEIGHT_UPDATES
+from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet
+from kvpilot.operator.kube.api import ApiException, Kube
+from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.kube.retries import RunFailure, with_retries
+from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpdateSpec
+from kvpilot.operator.weights import fence
+from kvpilot.operator.weights.status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+
+DONE = ("Succeeded", "Failed", "Degraded")
+# Of timeoutSeconds, the part kept back from staging for dropping the stage or switching (at most this).
+RESERVE_S = 15.0
+_KEEP = object()  # status.weights left as it is (an update that changed no pod)
+log = logging.getLogger(__name__)
+
+
+def unfinished(status: dict[str, Any], **_: Any) -> bool:
+    """kopf's filter of the update daemon: a finished update runs nothing (no finalizer stays on it)."""
+    return (status or {}).get("phase") not in DONE
+
+
+async def drive(
+    kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None, catchups: Any = None
+) -> None:
+    """Run the update unless it is finished. `catchups` (catchup.CatchUps): no catch-up of the fleet runs
+    meanwhile, and one looks at the fleet afterwards (the pods this update fenced)."""
+    obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
+    if obj is None or not unfinished(obj.get("status") or {}):
+        return
+    spec = WeightUpdateSpec.parse(obj["spec"])
+    fleet = spec.target_ref.name
+    metrics.WEIGHT_UPDATES_IN_PROGRESS.inc()
+    try:
+        async with catchups.lock(ns, fleet) if catchups else contextlib.nullcontext():
+            # made once the fleet is ours: a first run's timeout counts from here, not from the wait
+            await Run(kube, obj, spec, logger, limiter).run()
+    finally:
+        metrics.WEIGHT_UPDATES_IN_PROGRESS.dec()
+    if catchups:
+        catchups.poke(ns, fleet)
+
+
+class Run:
+    def __init__(
+        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: logging.Logger, limiter: Any
+    ) -> None:
+        self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
+        self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        status = obj.get("status") or {}
+        self.start = status.get("startTime") or now_iso()
+        started = parse_time(status.get("startTime"))
+        timeout = float(self.spec.timeout_seconds)
+        self.deadline = time.monotonic() + timeout - (time.time() - started if started else 0)
+        # A pod that never answers its stage must leave time to drop the stage on the others.
+        self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
+        self.pods: list[PodUpdate] = []
+        self.target = f"InferenceDeployment/{self.spec.target_ref.name}"
+        self.fenced: set[str] = (
+            set()
+        )  # pods out of the Service (label kvpilot.io/serving "false"), as far as known
+        self.weights: Any = _KEEP  # the fleet's status.weights once the update ends
+
+    # ---- status ------------------------------------------------------------------------------------
+    async def patch(self, phase: str, **extra: Any) -> dict[str, Any]:
+        body = {
+            "phase": phase,
+            "target": self.target,
+            "version": self.spec.version,
+            "startTime": self.start,
+            "observedGeneration": self.obj["metadata"].get("generation"),
+            **(pod_status(self.pods) if self.pods else {}),
+            **extra,
+        }
+        return await self.kube.patch_status(WEIGHT_UPDATES, self.ns, self.name, body)
+
+    async def progress(self, phase: str) -> None:
+        try:
+            await self.patch(phase)
+        except Exception as exc:  # noqa: BLE001 - progress is for people; the final write is retried
+            self.logger.warning("weight update %s/%s: progress not written: %s", self.ns, self.name, exc)
+
+    # ---- the run -----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.progress("Pending")
+        fleet = self.spec.target_ref.name
+        try:
+            if (body := await read_fleet(self.kube, self.ns, fleet, self.deadline)) is None:
+                raise RunFailure("TargetNotFound", f"InferenceDeployment {self.ns}/{fleet} not found")
+            plan = await fleet_plan(
+                self.kube, self.ns, body["metadata"], FleetSpec.parse(body.get("spec")), self.deadline
+            )
+            targets = await self.targets(plan)
+        except RunFailure as f:
+            return await self.finish("Failed", f.reason, f.message)
+        settings = FanoutSettings(
+            port=plan.port,
+            token=plan.token,
+            timeout_s=float(self.spec.timeout_seconds),
+            request_timeout_s=float(self.spec.timeout_seconds),
+            max_concurrency=self.spec.max_concurrency,
+        )
+        self.pods = [PodUpdate(t.name) for t in targets]
+        if self.spec.adapter is not None:
+            return await self.update_adapter(targets, settings)
+        batch = len(targets)
+        if self.spec.strategy == "Rolling":
+            batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
+        kopf.event(
+            self.obj,
+            type="Normal",
+            reason="Started",
+            message=f"updating {len(targets)} pods of {self.target} to {self.spec.version}",
+        )
+        for i in range(0, len(targets), batch):
+            group = targets[i : i + batch]
+            if not await self.stage(group, settings):
+                await self.read_versions(targets, settings)
+                done = sum(p.result == "Succeeded" for p in self.pods)
+                first = next(p for p in self.pods if p.result == "Failed")
+                why = f"{first.name}: {first.message}"
+                if done:  # Rolling: earlier batches serve the new version
+                    self.weights = None  # no one version to bring pods back to
+                    msg = f"a stage failed after {done} pods were updated ({why}); the fleet is on mixed versions"
+                    return await self.finish("Failed", "StageFailed", msg)
+                return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
+            await self.commit(group, settings)
+        await self.fence_behind(targets)  # a Rolling batch's failures, once a later batch succeeded
+        await self.read_versions(targets, settings)
+        await self.unfence(targets, "on the fleet's weights again")
+        digest = self.pods[0].staged_digest
+        fenced = [p.name for p in self.pods if p.result == "Fenced"]
+        if not any(p.result == "Succeeded" for p in self.pods):  # the fleet stays on its weights
+            why = "not fenced: no pod changed weights"
+            msg = f"no pod serves {self.spec.version}: {', '.join(fenced[:5])} ({why})"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        self.weights = {
+            "version": self.spec.version,
+            "modelPath": self.spec.model_path,
+            "digest": digest,
+        }
+        if fenced:
+            msg = f"{len(fenced)} pods are not on {self.spec.version}: {', '.join(fenced[:5])} (fenced)"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        msg = f"{len(self.pods)}/{len(self.pods)} pods serve {self.spec.version} ({digest})"
+        return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
+
+    async def targets(self, plan: Plan) -> list[Target]:
+        """Every pod of the fleet, each callable: an update that cannot reach a pod does not start."""
+        pods, _ = await with_retries(
+            "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
+        )
+        targets = sorted((pod_target(p, plan) for p in pods), key=lambda t: t.name)
+        self.fenced = {p["metadata"]["name"] for p in pods if not fence.serving(p)}
+        if not targets:
+            raise RunFailure("NoTargets", f"{self.target} has no pods")
+        blocked = [t for t in targets if t.skip_reason]
+        if blocked:
+            names = ", ".join(f"{t.name} ({t.skip_reason})" for t in blocked[:5])
+            raise RunFailure("PodsNotReady", f"no pod changed: not every pod can be called: {names}")
+        return targets
+
+    def _by_name(self) -> dict[str, PodUpdate]:
+        return {p.name: p for p in self.pods}
+
+    async def call(
+        self,
+        group: Sequence[Target],
+        settings: FanoutSettings,
+        method: str,
+        path: str,
+        body: Any = None,
+    ) -> dict[str, PhaseReply]:
+        return await run_phase(
+            group, settings, method, path, body, deadline=self.deadline, limiter=self.limiter
+        )
+
+    async def stage(self, group: Sequence[Target], settings: FanoutSettings) -> bool:
+        """Phase one on `group`: True when every pod staged the same digest; else the stage is dropped
+        on every pod of the group and the failing pods are Failed, the others Dropped."""
+        await self.progress("Staging")
+        pods = self._by_name()
+        info = {"update_info": {"model_path": self.spec.model_path}}
+        steps = [
+            Step("POST", "/abort_weight_update", must_succeed=False),  # a stage an earlier run left
+            Step("POST", "/start_weight_update"),
+            Step("POST", "/update_weights", info),
+        ]
+        replies = await run_steps(group, settings, steps, deadline=self.stage_deadline, limiter=self.limiter)
+        failed: dict[str, str] = {}
+        for n, seq in replies.items():
+            last = seq[-1]
+            if last.body.get("ranks"):
+                pods[n].ranks = rank_entries(last.body)
+            if len(seq) < len(steps) or not last.ok:
+                i, bad = next((i, r) for i, r in enumerate(seq) if not r.ok)  # the first, the cause
+                failed[n] = f"{steps[i].path}: {bad.message}"
+            else:
+                pods[n].staged_digest = str(last.body.get("staged_digest") or "")
+                pods[n].result = "Staged"
+        digests = {pods[t.name].staged_digest for t in group if t.name not in failed}
+        if not failed and len(digests) == 1:
+            return True
+        if not failed:  # every pod staged, but not the same weights: a path that differs between nodes
+            failed = {t.name: f"staged {pods[t.name].staged_digest}, not what the others did" for t in group}
+        await self.call(group, settings, "POST", "/abort_weight_update")
+        for t in group:
+            p = pods[t.name]
+            p.result, p.message = ("Failed", redact(failed[t.name])) if t.name in failed else ("Dropped", "")
+        return False
+
+    async def commit(self, group: Sequence[Target], settings: FanoutSettings) -> None:
+        """Phase two on `group`: pause, finish, resume; a pod whose finish failed is Fenced."""
+        await self.progress("Committing")
+        pods = self._by_name()
+        mode = self.spec.pause_mode
+        version = self.spec.version
+        paused = await self.call(group, settings, "POST", f"/pause?mode={mode}")
+        held = [t for t in group if paused[t.name].ok]  # a pod that did not pause is not switched
+        body = {"weight_version": version}
+        finished = await self.call(held, settings, "POST", "/finish_weight_update", body) if held else {}
+        if held:
+            await self.call(held, settings, "POST", "/resume")
+        for t in group:
+            p, r = pods[t.name], finished.get(t.name) or paused[t.name]
+            if r.body.get("ranks"):
+                p.ranks = rank_entries(r.body)
+            if r.ok and r.body.get("weight_version") == version and r.body.get("digest") == p.staged_digest:
+                p.result, p.message = "Succeeded", ""
+            else:
+                p.result = "Fenced"
+                served = f"serves {r.body.get('weight_version')} ({r.body.get('digest')})"
+                p.message = redact(f"commit: {r.message or served}")
+        await self.fence_behind(group)
+
+    async def update_adapter(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+        """spec.adapter on every pod or on none (the module docstring)."""
+        adapter = self.spec.adapter
+        assert adapter is not None
+        await self.progress("Committing")
+        pods = self._by_name()
+        # What each pod serves now (its directory, its digest): what an undo must bring it back to.
+        listed = await self.call(targets, settings, "GET", "/v1/models")
+        health = await self.call(targets, settings, "GET", "/health")
+        if unknown := [t.name for t in targets if not (listed[t.name].ok and health[t.name].ok)]:
+            for n in unknown:
+                r = listed[n] if not listed[n].ok else health[n]
+                pods[n].result, pods[n].message = "Failed", redact(f"what it serves: {r.message}")
+            why = f"{unknown[0]}: {pods[unknown[0]].message}"
+            return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
+        before = {
+            t.name: (
+                _adapter_path(listed[t.name].body, adapter.name),
+                _adapter_digest(health[t.name].body, adapter.name),
+            )
+            for t in targets
+        }
+        body = {"lora_name": adapter.name, "lora_path": adapter.path, "load_inplace": True}
+        # Until the stage deadline, as a model's stage: the time after it is for going back.
+        loaded = await run_phase(
+            targets,
+            settings,
+            "POST",
+            "/v1/load_lora_adapter",
+            body,
+            deadline=self.stage_deadline,
+            limiter=self.limiter,
+        )
+        for t in targets:
+            r, p = loaded[t.name], pods[t.name]
+            p.staged_digest = str(r.body.get("digest") or "") if r.ok else ""
+            p.result, p.message = ("Succeeded", "") if r.ok else ("Failed", redact(f"load: {r.message}"))
+        digests = {p.staged_digest for p in self.pods}
+        if all(p.result == "Succeeded" for p in self.pods) and len(digests) == 1:
+            await self.read_versions(targets, settings)
+            digest = digests.pop()
+            n = len(self.pods)
+            msg = f"{n}/{n} pods serve adapter {adapter.name} {self.spec.version} ({digest})"
+            return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
+        if all(p.result == "Succeeded" for p in self.pods):  # the same path, other files on some nodes
+            for p in self.pods:
+                p.message = f"loaded {p.staged_digest}: the pods read different files at {adapter.path}"
+        # Back on every pod that may have loaded it: those that did, and those that gave no definite answer.
+        refused = {t.name for t in targets if not loaded[t.name].ok and 400 <= loaded[t.name].status < 500}
+        await self.undo_adapter([t for t in targets if t.name not in refused], settings, before)
+        await self.read_versions(targets, settings)
+        first = next(p for p in self.pods if p.message)  # a failed load, or the files that differed
+        why = f"{first.name}: {first.message}"
+        if fenced := [p.name for p in self.pods if p.result == "Fenced"]:
+            msg = f"{', '.join(fenced[:5])} could not go back from the new {adapter.name} (fenced); {why}"
+            return await self.finish("Degraded", "CommitFailed", msg)
+        return await self.finish("Failed", "StageFailed", f"no pod changed {adapter.name}; {why}")
+
+    async def undo_adapter(
+        self,
+        group: Sequence[Target],
+        settings: FanoutSettings,
+        before: dict[str, tuple[str | None, str | None]],
+    ) -> None:
+        """Take the pods of `group` back to the adapter each served before ((directory, digest); a directory of
+        None: it served none of that name), side by side. A pod is back (Dropped, or Failed if its own load
+        failed) only when it says so with the digest it had; else it is Fenced: out of the Service."""
+        adapter, pods = self.spec.adapter, self._by_name()
+        assert adapter is not None
+        by_dir: dict[str | None, list[Target]] = {}
+        for t in group:
+            by_dir.setdefault(before[t.name][0], []).append(t)
+
+        async def back(directory: str | None, ts: list[Target]) -> dict[str, PhaseReply]:
+            if directory is None:  # it served none of that name: unload it
+                return await self.call(
+                    ts, settings, "POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name}
+                )
+            body = {"lora_name": adapter.name, "lora_path": directory, "load_inplace": True}
+            return await self.call(ts, settings, "POST", "/v1/load_lora_adapter", body)
+
+        replies: dict[str, PhaseReply] = {}
+        for part in await asyncio.gather(*(back(d, ts) for d, ts in by_dir.items())):
+            replies |= part
+        for t in group:
+            p, r, (directory, digest) = pods[t.name], replies[t.name], before[t.name]
+            # an unload of an adapter the load never reached answers 404: it is back as well
+            ok = r.ok or (directory is None and r.status == 404)
+            if ok and (directory is None or r.body.get("digest") == digest):
+                p.result = "Failed" if p.result == "Failed" else "Dropped"
+                continue
+            served = f"now {r.body.get('digest')}" if r.ok else r.message
+            p.result = "Fenced"
+            p.message = redact(f"could not go back to {directory or 'no adapter'} ({digest}): {served}")
+            if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+                self.fenced.add(t.name)
+
+    async def fence_behind(self, group: Sequence[Target]) -> None:
+        """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
+        are behind the fleet); while none does, the fleet is still on its old weights, as they are."""
+        if not any(p.result == "Succeeded" for p in self.pods):
+            return
+        pods = self._by_name()
+        for t in group:
+            p = pods[t.name]
+            if p.result == "Fenced" and t.name not in self.fenced:  # out of the Service until it is back
+                if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
+                    self.fenced.add(t.name)
+
+    async def unfence(self, group: Sequence[Target], why: str) -> None:
+        """Let the pods of `group` that this run updated and that were fenced back into the Service."""
+        for t in group:
+            p = self._by_name()[t.name]
+            if p.result == "Succeeded" and t.name in self.fenced:
+                if await fence.set_serving(self.kube, self.ns, t.name, t.uid, True, why, self.obj):
+                    self.fenced.discard(t.name)
+
+    async def read_versions(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+        """What every pod serves now, as it says (status.pods[].version); unknown when it does not answer."""
+        pods = self._by_name()
+        replies = await run_phase(
+            targets, settings, "GET", "/weight_info", deadline=self.deadline + 10, limiter=self.limiter
+        )
+        for n, r in replies.items():
+            pods[n].version = str(r.body.get("weight_version") or "") if r.ok else ""
+
+    async def finish(self, phase: str, reason: str, message: str, digest: str = "") -> None:
+        """The end: conditions, Event, metrics, the fleet's weightVersion, then the final status write
+        (after it lands kopf's filter no longer matches and the daemon and its finalizer go)."""
+        self.logger.info("weight update %s/%s: %s: %s", self.ns, self.name, phase, message)
+        gen = self.obj["metadata"].get("generation") or 1
+        conds = (self.obj.get("status") or {}).get("conditions")
+        kind = {"Succeeded": "Complete", "Failed": "Failed", "Degraded": "Degraded"}[phase]
+        conds = set_condition(conds, kind, True, reason, message, gen)
+        kopf.event(
+            self.obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
+        )
+        metrics.WEIGHT_UPDATES.labels(self.ns, phase).inc()
+        if (t0 := parse_time(self.start)) is not None:
+            metrics.WEIGHT_UPDATE_DURATION.observe(max(0.0, time.time() - t0))
+        if self.pods:
+            await self.fleet_version()
+        extra: dict[str, Any] = {"completionTime": now_iso(), "conditions": conds}
+        if digest:
+            extra["digest"] = digest
+        await with_retries("final status", lambda: self.patch(phase, **extra), time.monotonic() + 30)
+
+    async def fleet_version(self) -> None:
+        fleet = self.spec.target_ref.name
+        versions = [p.version or "unknown" for p in self.pods]
+        body: dict[str, Any] = fleet_weight_version(versions)
+        try:
+            old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
+            if self.weights is not _KEEP:  # with the model they were committed over (fence.recorded_for)
+                model = FleetSpec.parse(old.get("spec")).model or ""
+                body["weights"] = self.weights and {**self.weights, "model": model}
+            gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
+            for version in gone:  # a merge patch keeps map keys it does not name
+                body["weightVersions"][version] = None
+                with contextlib.suppress(KeyError):
+                    metrics.FLEET_WEIGHT_PODS.remove(self.ns, fleet, version)
+            for version, n in body["weightVersions"].items():
+                if n is not None:
+                    metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
+            await self.kube.patch_status(FLEETS, self.ns, fleet, body)
+            metrics.FENCED_PODS.labels(self.ns, fleet).set(len(self.fenced))
+        except ApiException as exc:  # informative; the update's own status is written next
+            if exc.status != 404:
+                log.warning("weightVersion of %s/%s not written: %s", self.ns, fleet, exc.reason)
+
+
+def _adapter_path(models: dict[str, Any], name: str) -> str | None:
+    """The directory a pod serves the adapter `name` from, as its /v1/models lists it (vLLM's `root`)."""
+    for m in models.get("data") or []:
+        if isinstance(m, dict) and m.get("id") == name and m.get("parent") and isinstance(m.get("root"), str):
+            return m["root"]
+    return None
+
+
+def _adapter_digest(health: dict[str, Any], name: str) -> str | None:
+    """The digest of the adapter `name` a pod's /health names (None: it serves none of that name)."""
+    adapters = health.get("lora_adapters")
+    digest = adapters.get(name) if isinstance(adapters, dict) else None
+    return digest if isinstance(digest, str) else None

@@ -1,0 +1,216 @@
+"""Where a request goes: `prefix-aware` (kvpilot pods' default), `round-robin` or `least-load`, each a
+`Policy`.
+
+prefix-aware scores each ready pod by the work the request would cost there: the prompt tokens it would
+have to compute (those not in the pod's cached prefix, as its KV events say or as the router just sent
+there: index.py, "Expected blocks") plus a charge per request the pod is already serving. The cheapest pod
+wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
+cached until that pod is busier than a recompute is worth.
+
+A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
+scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
+`X-data-parallel-rank` header, so the request lands on the very cache the score was computed for.
+
+A rank whose weights are named hashes its keys with the version (`weight_versions.py`), so a request's
+prompt is keyed once per hash scheme, (block size, weight version), and each rank is looked up with the
+keys of its own scheme. A pod with a rank whose version is unknown is routed by load.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvpilot.router.fleet.pods import Pod
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.routing.prompts import Prompts, Scheme
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: Pod
+    reason: str  # prefix | load | round-robin
+    predicted_cached_tokens: int | None = None  # None: no prediction (the pod publishes no events)
+    rank: int | None = None  # the data-parallel rank to run on (None: the pod chooses)
+
+
+def _keyed(pod: Pod) -> bool:
+    """The pod's cache is followed and every rank's weight version known: a request is scored there by
+    its prompts' block keys."""
+    return pod.block_size is not None and pod.synced() and pod.rank_versions() is not None
+
+
+def _schemes(pod: Pod, model: str | None = None) -> list[tuple[tuple[str, int], Scheme]]:
+    """Each (holder, hash scheme) of a keyed pod for a request naming `model`: its block size, that rank's
+    weight version, the pod's key scheme and the identity the pod gives the adapter `model` names (None:
+    the base model)."""
+    bs, versions = pod.block_size or 0, pod.rank_versions() or []
+    lora = pod.adapters.get(model) if model is not None else None
+    return [(h, (bs, v, pod.keys, lora)) for h, v in zip(pod.holders(), versions, strict=True)]
+
+
+def hash_schemes(pods: list[Pod]) -> set[Scheme]:
+    """The hash schemes prefix-aware keys a base-model request's prompts by, for these pods (computed
+    before the body is read; an adapter's are computed when the policy asks for them)."""
+    return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
+
+
+def serving(pods: list[Pod], model: str | None) -> list[Pod]:
+    """The pods that serve the LoRA adapter `model` names, when some do (the others would answer 404);
+    else all of them."""
+    if model is None:
+        return pods
+    return [p for p in pods if model in p.adapters] or pods
+
+
+class Policy(ABC):
+    """A routing policy: picks the pod (and rank) for one request among the ready pods of one weight
+    version. Each policy's ties go round-robin, so equal pods share the load."""
+
+    name: str  # as `--policy` names it, and the metrics' `policy` label
+    needs_prompts = False  # whether `choose` is given the request's prompts (tokenized and keyed)
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def order(self, pods: list[Pod]) -> list[Pod]:
+        """`pods` rotated by one more place each call: the tie-break order."""
+        k = next(self._turn) % len(pods)
+        return pods[k:] + pods[:k]
+
+    @abstractmethod
+    def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
+        """The decision for one request; `pods` is not empty."""
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
+        return Decision(self.order(pods)[0], "round-robin")
+
+
+class LeastLoad(Policy):
+    """Fewest requests on the pod (`Pod.load`: the router's own open requests, or the pod's metrics where
+    its engine publishes them); ties go round-robin."""
+
+    name = "least-load"
+
+    def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
+        return Decision(min(self.order(pods), key=Pod.load), "load")
+
+
+class PrefixAware(Policy):
+    name = "prefix-aware"
+    needs_prompts = True
+
+    def __init__(self, index: PrefixIndex, tokens_per_running_request: int = 32) -> None:
+        super().__init__()
+        self.index = index
+        # What one request already open on a pod costs a newcomer there, in prompt tokens to compute.
+        # With continuous batching a decoding neighbour adds about one token of work per step, far less
+        # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
+        # requests open than another (then one spill also warms a second pod for that prefix): 4 for a
+        # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon, lowering
+        # bench/router.py's hit rate (docs/router.md, the table of the two changes under "Benchmark").
+        self.load_tokens = tokens_per_running_request
+        # What one cached token a cold prompt would evict costs, in tokens to compute: twice, since the
+        # next request for that prefix computes it again, and that prompt, landing in a full pool too,
+        # evicts another in turn. Counted once, a 12-block prompt that would push 8 of a full pool's blocks out
+        # tied with 4 requests open on a pod just reset, and the tie (load) filled the full pool:
+        # bench/router_compare.py lost a system prompt in one run of two that way (docs/router.md).
+        self.eviction_weight = 2
+
+    def predict(
+        self, pods: list[Pod], prompts: Prompts, expected: bool = False
+    ) -> dict[tuple[str, int], int]:
+        """Prompt tokens each (pod, rank) would serve from its cache, per the index (with `expected`, also
+        from the prompts just sent there whose events have not come yet); pods whose events are not
+        followed are left out."""
+        out: dict[tuple[str, int], int] = {}
+        by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
+        for p in pods:
+            if _keyed(p):
+                for holder, scheme in _schemes(p, prompts.model):
+                    by_scheme.setdefault(scheme, []).append(holder)
+                out.update(dict.fromkeys(p.holders(), 0))
+        # A rank is looked up only with keys of its own version: blocks of other weights never match.
+        for scheme, holders in by_scheme.items():
+            # a base-model scheme was keyed before the policy runs (PromptReader), an adapter's is here
+            for keys in prompts.block_keys(scheme):
+                for holder, blocks in self.index.matched_blocks(keys, holders, expected).items():
+                    out[holder] += blocks * scheme[0]
+        return out
+
+    def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
+        if prompts is None:
+            return Decision(min(self.order(pods), key=lambda p: p.in_flight), "load")
+        order = self.order(serving(pods, prompts.model))
+        n = sum(len(ids) for ids in prompts.token_ids)
+        # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
+        likely = self.predict(order, prompts, expected=True)
+        # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
+        candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
+        for pod in order:
+            held = [h for h in pod.holders() if h in likely]
+            if held:
+                candidates += [(pod, rank, likely[(pod.name, rank)]) for _, rank in held]
+            else:
+                candidates.append((pod, None, None))
+
+        evicted = self._evictions(candidates, n)
+
+        def score(i: int) -> tuple[int, int, int]:
+            pod, rank, cached = candidates[i]
+            # A rank's own open requests when the pod has several (they do not share a cache or a batch).
+            load = (
+                pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
+            )
+            return (n - (cached or 0) + evicted[i] + self.load_tokens * load, load, i)
+
+        pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
+        predicted = None
+        if rank is not None:
+            # Reported as predicted: what the chosen rank's events confirmed (the pod's cached_tokens is
+            # compared with it), counted for that rank alone.
+            holder = (pod.name, rank)
+            scheme = dict(_schemes(pod, prompts.model))[holder]
+            predicted = 0
+            for keys in prompts.block_keys(scheme):
+                predicted += self.index.matched_blocks(keys, [holder])[holder] * scheme[0]
+                self.index.expect(holder, keys)
+        # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
+        return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
+
+    def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
+        """For a prompt no candidate holds any of: the tokens of cached blocks each candidate's pool would
+        lose to it, times `eviction_weight`. A pool as full as `fill` (the share of its blocks cached or
+        just sent) gives that share of a newcomer's blocks to cached ones, sooner or later: all of them
+        in a full pool, none in an empty one. Equal on pools filled alike (load decides, as before), it
+        sends a cold prompt to the pod with more room, as sglang-router sends it to its smallest tree:
+        after a reset, to the pod just reset (bench/router_compare.py, one pod reset behind the router's
+        back: hit share 0.625 by load alone, 0.652 counting only the blocks a full pool must evict now,
+        sglang-router 0.661), and before, to the pod holding fewer system prompts (counting only what
+        must be evicted now, a pool with room for one more took a fifth prompt by load and later evicted
+        one of its other four, one run in four). Zero for all unless every candidate is a rank whose pool size
+        is known, and for a prompt cached (or just sent) anywhere: there the cached tokens and the load
+        decide, as tuned."""
+        out = []
+        for pod, rank, cached in candidates:
+            fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
+            if fill is None:
+                return [0] * len(candidates)
+            out.append(round((n // pod.block_size) * pod.block_size * fill * self.eviction_weight))
+        return out
+
+
+def make_policy(name: str, index: PrefixIndex) -> Policy:
+    """The policy `--policy NAME` names (settings.POLICIES)."""
+    if name == "prefix-aware":
+        return PrefixAware(index)
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    raise ValueError(f"unknown policy {name!r}")

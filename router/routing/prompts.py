@@ -1,0 +1,165 @@
+"""A request's prompt token ids, exactly as the daemon will see them (same tokenizer, same template).
+
+Validation stays with the daemon: the router reads the body with the daemon's own parsers and, where a
+body does not parse, routes without a prediction and lets the pod answer the 4xx.
+
+What a client's body costs happens once, before the policy runs: JSON parsing, templating, tokenizing
+and the block keys the policy compares with the index (once per hash scheme, block size and weight
+version, among the pods). A chat of at most INLINE_BYTES is read on the event loop; anything else off it,
+in a small pool of threads with a bounded queue (the daemon's TextPool).
+Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
+pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
+the request is routed without a prediction, by load.
+
+A body bigger than `parse_limit` is not read at all (routed by load, its weight-version pin not read
+either): the threads share the interpreter's lock, and parsing a few MiB of JSON holds it for tens of
+milliseconds at a time, which is what stalled every other request (/health too) while clients sent huge
+bodies. 16 bytes per token of the model's context are more than one prompt that fits takes (a token id is
+at most 8 bytes of JSON, a token of text a few characters of up to 6), so such a body is a prompt no pod
+accepts, or a batch of many prompts: routing it by load costs it only its cache affinity, and, where it
+pins a weight version in a fleet of two, perhaps a 409 from a pod of the other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from kvpilot.kv.block_keys import BlockHash, KeyScheme, LoRAKey
+from kvpilot.protocol.errors import ApiError
+from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
+from kvpilot.serving.text_pool import Busy, TextPool
+
+log = logging.getLogger(__name__)
+
+# How a pod rank hashes a request's blocks: (block size, weight version, key scheme, the LoRA adapter the
+# request names as that pod knows it, or None).
+Scheme = tuple[int, str | None, KeyScheme, LoRAKey | None]
+
+# The context assumed for a tokenizer directory whose config.json names none.
+FALLBACK_CONTEXT = 131072
+PARSE_BYTES_PER_TOKEN = 16
+# A chat this small is read on the event loop, not in a prompt thread: handing it to a thread and back
+# wakes two threads and the loop, which on a busy machine cost more CPU than the work (bench/router_compare.py).
+# Its worst case, 4 KiB of text never seen before, is about 2 ms of tokenizing: under /health's 100 ms. Not
+# a completion: its 4 KiB may be a thousand one-character prompts, each tokenized and keyed on its own.
+INLINE_BYTES = 4096
+MIN_PARSE_LIMIT = 1 << 20  # bytes: the bound for a router that reads no prompts (its weight-version pin)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    token_ids: list[list[int]]  # one list per prompt of the request
+    cache_salt: str | None
+    max_tokens: int | None = None  # tokens of a prompt that are hashed at most (None: all)
+    model: str | None = None  # the body's `model`: the base model's name or a LoRA adapter's
+    _keys: dict[Scheme, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
+
+    def block_keys(self, scheme: Scheme) -> list[list[BlockHash]]:
+        """Each prompt's keys of the full blocks a pod rank hashing with `scheme` could serve from its
+        cache: the engine always computes the last prompt token, so at most len-1 tokens' worth, and at
+        most `max_tokens`."""
+        keys = self._keys.get(scheme)
+        if keys is None:
+            keys = self._keys[scheme] = [self._keys_of(ids, *scheme) for ids in self.token_ids]
+        return keys
+
+    def _keys_of(
+        self,
+        ids: list[int],
+        block_size: int,
+        weight_version: str | None,
+        keys: KeyScheme,
+        lora: LoRAKey | None,
+    ) -> list[BlockHash]:
+        usable = len(ids) - 1 if self.max_tokens is None else min(len(ids) - 1, self.max_tokens)
+        n = max(usable, 0) // block_size * block_size
+        return keys.prompt_hashes(ids[:n], block_size, self.cache_salt, weight_version, lora)
+
+
+def tokenizer_dir(model: str | None) -> Path:
+    """`--model` as `kvpilot serve` reads it: a checkpoint directory, or the embedded default model."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--model {model!r}: no tokenizer in this directory")
+    return path
+
+
+def model_context(path: Path) -> int:
+    """The longest prompt any pod serving the model at `path` accepts: its config's
+    max_position_embeddings, which bounds every daemon's --max-model-len."""
+    try:
+        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    return value if isinstance(value, int) and value > 0 else FALLBACK_CONTEXT
+
+
+class PromptReader:
+    def __init__(self, model: str | None, workers: int = 2, max_pending: int = 64) -> None:
+        path = tokenizer_dir(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.encoder = SegmentTokenizer(self.tokenizer)
+        self.max_model_len = model_context(path)
+        self.parse_limit = max(MIN_PARSE_LIMIT, PARSE_BYTES_PER_TOKEN * self.max_model_len)
+        self._pool = TextPool(workers, max_pending)
+
+    async def prompts(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:
+        """The request's prompts, tokenised once, with their keys for each of `schemes` computed, from a
+        worker thread (a small body on the event loop); None when the body does not parse, or the pool is
+        too busy to predict."""
+        if len(raw) <= INLINE_BYTES and path.endswith("/chat/completions"):
+            return self._prepare(path, raw, schemes)
+        try:
+            return await self._pool.prepare(self._prepare, path, raw, schemes)
+        except Busy:
+            log.debug("prompt pool busy: %s routed by load", path)
+            return None
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _prepare(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
+            return None
+        prompts = self.read(path, body)
+        for scheme in schemes if prompts is not None else ():
+            prompts.block_keys(scheme)
+        return prompts
+
+    def read(self, path: str, body: Any) -> Prompts | None:
+        if not isinstance(body, dict):
+            return None
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        served = [model] if model is not None else []
+        tok = self.tokenizer
+        try:
+            if path.endswith("/chat/completions"):
+                chat = parse_chat(body, served)
+                text = chat.render(tok)
+                ids = self.encoder.encode(text)
+                return Prompts([ids], chat.generate.cache_salt, self.max_model_len, model)
+            req = parse_completion(body, served)
+        except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
+            return None
+        except Exception:  # noqa: BLE001 - a chat template error: the pod answers it as a 400
+            return None
+        if req.params.prompt_logprobs is not None:
+            # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
+            # route by, and predicting a hit would count as a stale prediction.
+            return None
+        ids = [
+            p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in req.prompts
+        ]
+        return Prompts(ids, req.cache_salt, self.max_model_len, model)
