@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit
 
 import benchkit
-from kvpilot.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.fanout import ResetSettings, Target, run_fanout
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -50,7 +50,7 @@ def model_of(url: str) -> str:
 
 
 def reset(url: str, engine: str, token: str | None, verify: bool) -> tuple[float, dict]:
-    settings = FanoutSettings(engine=engine, token=token, verify=verify, timeout_s=120, request_timeout_s=60)
+    settings = ResetSettings(engine=engine, token=token, verify=verify, timeout_s=120, request_timeout_s=60)
     t0 = time.perf_counter()
     [res] = asyncio.run(run_fanout([Target("pod", url=url)], settings))
     elapsed = time.perf_counter() - t0

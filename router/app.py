@@ -12,11 +12,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpilot.engines import traits_of
 from kvpilot.kv.block_keys import key_scheme
 from kvpilot.protocol.errors import error_middleware
 from kvpilot.protocol.replies import json_response
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.fleet.engines import PROBES
 from kvpilot.router.fleet.pods import Fleet, Pod, parse_static_sources
 from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.kv.weight_versions import describe
@@ -97,7 +97,7 @@ async def serve(
             index,
             metrics_,
             session,
-            probe=PROBES[settings.engine],
+            engine=traits_of(settings.engine),
             kv_events_curve_dir=settings.kv_events_curve_dir,
             vllm_events=(
                 settings.kv_events_block_size,

@@ -23,7 +23,7 @@ from aiohttp import web
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.fleet.engines import read_capped
+from kvpilot.router.fleet.load import read_capped
 from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.relay import relay_stream
 from kvpilot.router.routing.policy import Decision, hash_schemes

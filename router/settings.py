@@ -6,18 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.cli.flags import flag
+from kvpilot.engines import ENGINE_NAMES, ENGINES, traits_of
 from kvpilot.serving.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where make_policy builds them
-# The pods' engines (router/fleet/engines.py says how each is probed; kvpilot.fanout.engines resets them).
-# Spelled out here rather than imported: importing kvpilot.fanout pulls in aiohttp, and this module is
-# imported by `kvpilot --help`. tests/router/test_engines.py checks both lists name the same engines.
-ENGINES = ("kvpilot", "vllm", "sglang")
-# The engines whose pods publish KV events with block keys the router computes (docs/router.md, "Engines").
-EVENT_ENGINES = ("kvpilot", "vllm")
-# Those routed prefix-aware by default. vLLM pods only on request: their keys match only with --model and
-# the --kv-events-* flags right, and a vLLM pod publishes no events unless started with them.
-PREFIX_DEFAULT_ENGINES = ("kvpilot",)
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's cryptographic --prefix-caching-hash-algo names
 
 
@@ -25,7 +17,7 @@ VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's cryptographic --prefix-cac
 class RouterSettings:
     host: str = field(default="0.0.0.0", metadata=flag("address to listen on"))
     port: int = field(default=8080, metadata=flag("port to listen on"))
-    engine: str = field(default="kvpilot", metadata=flag("the engine the pods run", choices=ENGINES))
+    engine: str = field(default="kvpilot", metadata=flag("the engine the pods run", choices=ENGINE_NAMES))
     # None (the flag not given) becomes the engine's default when the settings are made: prefix-aware
     # where the pods publish verifiable KV events, least-load elsewhere. An explicit prefix-aware for
     # other engines is kept, so validate() refuses it rather than routing blind.
@@ -133,19 +125,20 @@ class RouterSettings:
 
     def __post_init__(self) -> None:
         if self.policy is None:
-            self.policy = "prefix-aware" if self.engine in PREFIX_DEFAULT_ENGINES else "least-load"
+            known = ENGINES.get(self.engine)  # an unknown engine is validate()'s to refuse
+            self.policy = "prefix-aware" if known is not None and known.prefix_aware_default else "least-load"
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be between 0 and 65535")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
+        traits = traits_of(self.engine)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-        if self.policy == "prefix-aware" and self.engine not in EVENT_ENGINES:
+        if self.policy == "prefix-aware" and traits.kv_events_path is None:
+            followed = " or ".join(e.name for e in ENGINES.values() if e.kv_events_path is not None)
             raise ValueError(
-                f"--policy prefix-aware needs pods whose KV events the router can follow (--engine kvpilot "
-                f"or vllm); {self.engine} pods publish none it can: use --policy least-load or round-robin"
+                f"--policy prefix-aware needs pods whose KV events the router can follow (--engine {followed}); "
+                f"{self.engine} pods publish none it can: use --policy least-load or round-robin"
             )
         if not 1 <= self.kv_events_block_size <= 1 << 16:
             raise ValueError("kv_events_block_size must be between 1 and 65536")

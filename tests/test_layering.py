@@ -76,7 +76,9 @@ def test_no_forbidden_import(folder: str) -> None:
 
 def test_shared_modules_import_no_part() -> None:
     files = shared_modules()
-    assert ROOT / "kvpilot" / "kv" / "events.py" in files and ROOT / "kvpilot" / "cli" / "main.py" not in files
+    assert (
+        ROOT / "kvpilot" / "kv" / "events.py" in files and ROOT / "kvpilot" / "cli" / "main.py" not in files
+    )
     assert all((ROOT / name).is_file() for name in CLI_DISPATCHER), "a listed dispatcher module is gone"
     bad = []
     for path in files:

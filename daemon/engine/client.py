@@ -35,7 +35,7 @@ from kvpilot.daemon.engine.weights.ops import (
     UpdateWeights,
     WeightOp,
 )
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -40,7 +40,7 @@ from kvpilot.daemon.engine.weights.lora import (
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
 from kvpilot.kernels import select_ops
 from kvpilot.kv.block_keys import key_scheme
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.kv.publisher import KVEventPublisher

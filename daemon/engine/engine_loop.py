@@ -42,7 +42,7 @@ from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.weights.control import Reply, WeightControl
 from kvpilot.daemon.engine.weights.lora import ServedAdapter
 from kvpilot.daemon.engine.weights.ops import RankReply, WeightOp, beside_steps
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.engine import LLMEngine

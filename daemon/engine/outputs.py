@@ -54,7 +54,7 @@ class ResetResult:
     # The blocks the reset made unreachable in each tier: "pool" (= evicted_blocks), and "host" and
     # "disk" when those offload tiers are on.
     evicted_by_tier: dict[str, int] = field(default_factory=dict)
-    scope: dict[str, str] | None = None  # what a scoped reset named (kvpilot.protocol.requests.ResetScope)
+    scope: dict[str, str] | None = None  # what a scoped reset named (kvpilot.kv.reset_scope.ResetScope)
 
     @classmethod
     def failed(cls, rank: int, error: str) -> ResetResult:

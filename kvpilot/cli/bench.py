@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvpilot.cli.flags import add_command, add_flags, flag, flag_message, from_flags
-from kvpilot.fanout.engines import ENGINES  # the engines the reset before each run knows how to call
+from kvpilot.engines import ENGINE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,7 @@ class BenchSettings:
     )
     engine: str = field(
         default="kvpilot",
-        metadata=flag(
-            "what the server runs, so that its reset is called its own way", choices=tuple(ENGINES)
-        ),
+        metadata=flag("what the server runs, so that its reset is called its own way", choices=ENGINE_NAMES),
     )
     output: str | None = field(default=None, metadata=flag("write the runs as JSON to this file"))
 

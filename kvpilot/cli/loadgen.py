@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvpilot.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.fanout import ResetSettings, Target, run_fanout
 from kvpilot.serving.http_limits import UPSTREAM_IDLE_S
 
 SYSTEM = (
@@ -140,7 +140,7 @@ async def reset_server(url: str, headers: dict, engine: str, verify: bool) -> di
     as RunResult.reset holds it."""
     bearer = headers.get("Authorization", "")
     token = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else None
-    settings = FanoutSettings(engine=engine, token=token, verify=verify)
+    settings = ResetSettings(engine=engine, token=token, verify=verify)
     (res,) = await run_fanout([Target(name=url, url=url)], settings)
     return {
         "result": res.result,

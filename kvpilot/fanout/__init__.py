@@ -1,11 +1,12 @@
 """Reset the prefix caches of a list of targets over HTTP: who is called, how often, with what result.
 
 Owned by neither the operator nor the router; both call it. A caller builds `Target`s (a name plus an IP or
-a base URL) and `FanoutSettings`, makes one `run_fanout` call, and maps the `PodResult`s it gets back to
+a base URL) and `ResetSettings`, makes one `run_fanout` call, and maps the `PodResult`s it gets back to
 its own shape (the operator to PrefixCacheReset status, the router to its JSON answer). Nothing here knows
 Kubernetes, kopf or either caller's metrics.
 
-- `targets.py`: what is called, and the settings of one fan-out.
+- `targets.py`: what is called, and how: `CallSettings` for any call, `ResetSettings` for a reset's.
+- `phase.py`: one call or a sequence of calls to every target (a weight update's phases), no reset.
 - `engines.py`: how kvpilot's, vLLM's and SGLang's reset endpoints are called and their replies judged.
 - `caller.py`: the sliding-window caller: retries, backoff, deadline, shutdown grace.
 - `results.py`: per-pod and per-rank results, under the daemon's field names.
@@ -14,15 +15,16 @@ Kubernetes, kopf or either caller's metrics.
 
 from kvpilot.fanout.caller import Checkpoint, OnCall, PodGone, run_fanout
 from kvpilot.fanout.results import PodResult, RankResult, initial_results
-from kvpilot.fanout.targets import FanoutSettings, Target
+from kvpilot.fanout.targets import CallSettings, ResetSettings, Target
 
 __all__ = [
     "Checkpoint",
-    "FanoutSettings",
+    "CallSettings",
     "OnCall",
     "PodGone",
     "PodResult",
     "RankResult",
+    "ResetSettings",
     "Target",
     "initial_results",
     "run_fanout",

@@ -37,7 +37,7 @@ from kvpilot.fanout.engines import Engine, Judgement, ResetCall, Verdict, engine
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import STILL_WARM, PodResult, initial_results
-from kvpilot.fanout.targets import FanoutSettings, Target, address
+from kvpilot.fanout.targets import ResetSettings, Target, address
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class _Pod:
         self,
         pool: Pool,
         res: PodResult,
-        settings: FanoutSettings,
+        settings: ResetSettings,
         deadline: float,
         limiter: asyncio.Semaphore | None,
         pod_gone: PodGone | None,
@@ -199,7 +199,7 @@ async def _reset_call(
 async def _reset_one(
     pool: Pool,
     res: PodResult,
-    settings: FanoutSettings,
+    settings: ResetSettings,
     deadline: float,
     pod_gone: PodGone | None,
     limiter: asyncio.Semaphore | None,
@@ -273,7 +273,7 @@ def _ignore_call(verdict: str, code: str) -> None:
 
 async def run_fanout(
     targets: Sequence[Target],
-    settings: FanoutSettings,
+    settings: ResetSettings,
     *,
     deadline: float | None = None,
     checkpoint: Checkpoint | None = None,

@@ -1,4 +1,5 @@
-"""How each engine's reset endpoint is called and how its reply is judged.
+"""How each engine's reset endpoint is called and how its reply is judged (what else kvpilot knows of each
+engine, the paths it answers on and what it supports, is `kvpilot/engines.py`).
 
 kvpilot: POST /reset_prefix_cache, JSON {"success": true, "epoch", "evicted_blocks", "ranks", ...}
          (docs/server.md, "POST /reset_prefix_cache").
@@ -17,9 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engines import KVPILOT, SGLANG, VLLM, EngineTraits
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
-from kvpilot.fanout.targets import FanoutSettings
+from kvpilot.fanout.targets import ResetSettings
 
 
 class Verdict(enum.Enum):
@@ -92,19 +94,28 @@ class ResetCall:
 
 
 class Engine:
-    name = "base"
-    # GETs, tried in order until one answers a JSON object, whose reply says which tiers and how many
-    # data-parallel ranks the pod runs; asked once per pod before its reset (empty: nothing to ask).
-    info_paths: tuple[str, ...] = ()
+    traits: EngineTraits
     info_decides_calls = False  # True: the info is asked before every reset, not only to verify
-    scoped_resets = False  # resets one adapter's, salt's or weight version's blocks (FanoutSettings.scope)
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def info_paths(self) -> tuple[str, ...]:
+        """Asked once per pod before its reset (`EngineTraits.info_paths`)."""
+        return self.traits.info_paths
+
+    @property
+    def scoped_resets(self) -> bool:
+        return self.traits.scoped_resets
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         """How many data-parallel ranks a canary must reach, each by vLLM's X-data-parallel-rank header;
         1: the engine picks the rank (one canary)."""
         return 1
 
-    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+    def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         """The calls that reset every tier of one pod, in order; each is retried until it is final."""
         raise NotImplementedError
 
@@ -136,15 +147,13 @@ KVPILOT_TIERS = (
 
 
 class KvpilotEngine(Engine):
-    name = "kvpilot"
-    info_paths = ("/prefix_cache",)
-    scoped_resets = True
+    traits = KVPILOT
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         listed = (info or {}).get("ranks")
         return max(1, min(len(listed), 64)) if isinstance(listed, list) else 1
 
-    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+    def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         # A kvpilot reset always clears every tier (pool, host, disk): reset_external is not needed. The
         # tiers it cleared are those its reply counts in evicted_by_tier.
         path = _query("/reset_prefix_cache", reset_running_requests=settings.reset_running_requests)
@@ -178,9 +187,9 @@ class KvpilotEngine(Engine):
 
 
 class VllmEngine(Engine):
-    name = "vllm"
+    traits = VLLM
 
-    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+    def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         # reset_external=true also clears vLLM's CPU offload tier and its KV connectors (LMCache and
         # others); without it vLLM answers success while those keep serving the old blocks (vLLM 57727).
         path = _query(
@@ -212,11 +221,10 @@ class VllmEngine(Engine):
 
 
 class SglangEngine(Engine):
-    name = "sglang"
-    info_paths = ("/server_info", "/get_server_info")  # the second before SGLang 0.5
+    traits = SGLANG
     info_decides_calls = True
 
-    def calls(self, settings: FanoutSettings, info: dict[str, Any] | None) -> list[ResetCall]:
+    def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         # /flush_cache resets the radix tree, and with HiCache its host pool; the storage tier (L3) needs
         # its own call (SGLang 9750). SGLang has no equivalent of reset_running_requests: it refuses to
         # flush while requests run.
@@ -238,11 +246,11 @@ class SglangEngine(Engine):
         return Judgement(Verdict.SUCCEEDED, "SGLang reported the cache flushed", tiers=call.tiers)
 
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (KvpilotEngine(), VllmEngine(), SglangEngine())}
+ADAPTERS: dict[str, Engine] = {e.name: e for e in (KvpilotEngine(), VllmEngine(), SglangEngine())}
 
 
 def engine_for(name: str) -> Engine:
     try:
-        return ENGINES[name]
+        return ADAPTERS[name]
     except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ADAPTERS)}") from None

@@ -19,10 +19,10 @@ import aiohttp
 
 from kvpilot.fanout.engines import error_message
 from kvpilot.fanout.redact import MAX_REPLY_BYTES
-from kvpilot.fanout.targets import FanoutSettings, Target, address
+from kvpilot.fanout.targets import CallSettings, Target, address
 
 
-def _url(target: Target, settings: FanoutSettings) -> str:
+def _url(target: Target, settings: CallSettings) -> str:
     host, port, tls, prefix = address(target, settings)
     host = f"[{host}]" if ":" in host else host  # IPv6
     return f"{'https' if tls else 'http'}://{host}:{port}{prefix}"
@@ -43,7 +43,7 @@ class PhaseReply:
 async def _one(
     session: aiohttp.ClientSession,
     target: Target,
-    settings: FanoutSettings,
+    settings: CallSettings,
     method: str,
     path: str,
     body: dict[str, Any] | None,
@@ -100,7 +100,7 @@ class Step:
 
 async def run_steps(
     targets: Sequence[Target],
-    settings: FanoutSettings,
+    settings: CallSettings,
     steps: Sequence[Step],
     *,
     deadline: float,
@@ -127,7 +127,7 @@ async def run_steps(
 
 async def run_phase(
     targets: Sequence[Target],
-    settings: FanoutSettings,
+    settings: CallSettings,
     method: str,
     path: str,
     body: dict[str, Any] | None = None,

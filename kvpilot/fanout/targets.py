@@ -1,11 +1,11 @@
-"""What a fan-out calls (`Target`) and how (`FanoutSettings`)."""
+"""What a fan-out calls (`Target`) and how (`CallSettings`; a reset's, `ResetSettings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,14 +21,11 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
-class FanoutSettings:
-    engine: str = "kvpilot"
+class CallSettings:
+    """How pods are called, whatever the call: a reset, a weight update's phase, a catch-up's question."""
+
     port: int = 8000
     token: str | None = None
-    reset_running_requests: bool = False
-    reset_external: bool = True  # vLLM: clear its offload tier and KV connectors too (engines.py)
-    verify: bool = False  # prove each pod cold with a canary prompt (verify.py)
-    scope: ResetScope | None = None  # kvpilot pods: reset one adapter's, salt's or weight version's blocks
     timeout_s: float = 60.0
     request_timeout_s: float = 10.0
     max_concurrency: int = 64
@@ -39,7 +36,18 @@ class FanoutSettings:
     shutdown_grace_s: float = 5.0
 
 
-def address(target: Target, settings: FanoutSettings) -> tuple[str, int, bool, str]:
+@dataclass(frozen=True, slots=True)
+class ResetSettings(CallSettings):
+    """A reset's calls: what each pod's engine is asked to clear, and whether a canary proves it cold."""
+
+    engine: str = "kvpilot"
+    reset_running_requests: bool = False
+    reset_external: bool = True  # vLLM: clear its offload tier and KV connectors too (engines.py)
+    verify: bool = False  # prove each pod cold with a canary prompt (verify.py)
+    scope: ResetScope | None = None  # kvpilot pods: reset one adapter's, salt's or weight version's blocks
+
+
+def address(target: Target, settings: CallSettings) -> tuple[str, int, bool, str]:
     """(host, port, TLS, path prefix) of a target: its pod IP and the settings' port, or its base URL's."""
     if not target.url:
         return target.ip, settings.port, False, ""

@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.engines import traits_of
+from kvpilot.kv.reset_scope import ResetScope
 
 COLD, WARM, UNKNOWN = "cold", "warm", "unknown"
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
@@ -39,7 +40,6 @@ _VOCABULARY = (
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's, which kvpilot's daemon reads too
 MAX_TOKENS = 1 << 20  # a usage count past this is no answer
 MIN_HIT = 16  # tokens served from cache before the reset for the canary to show anything: one small block
-SALTED_ENGINES = ("kvpilot", "vllm")  # SGLang's completions take no cache_salt
 
 # ask(method, path, json body or None, extra header lines) -> (HTTP status or 0, reply text); the caller
 # bounds its time and bytes and turns connection errors into status 0 with the reason as text.
@@ -132,7 +132,7 @@ async def prepare(
     model = scope.lora_name or await _model(ask)
     if model is None:
         return Verification(UNKNOWN, "GET /v1/models named no model for the canary")
-    salt = scope.cache_salt or (f"kvpilot-canary-{run_id}" if engine in SALTED_ENGINES else None)
+    salt = scope.cache_salt or (f"kvpilot-canary-{run_id}" if traits_of(engine).cache_salt else None)
     prompt = canary_prompt(run_id, pod)
     hit = MAX_TOKENS
     for rank in range(ranks):

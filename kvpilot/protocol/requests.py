@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
 from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
@@ -272,22 +273,7 @@ def parse_reset_flag(name: str, query_value: str | None, body: dict | None, defa
     return default if value is None else value
 
 
-RESET_SCOPE_FIELDS = ("lora_name", "cache_salt", "weight_version")
 MAX_SCOPE_CHARS = 4096  # a salt is the longest of the three, and requests bound it only by their body
-
-
-@dataclass(frozen=True, slots=True)
-class ResetScope:
-    """The part of the prefix cache a scoped POST /reset_prefix_cache clears: the blocks of the LoRA
-    adapter `lora_name` (every version of it), of `cache_salt`, of `weight_version`; given together, the
-    blocks that are all of them at once."""
-
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    weight_version: str | None = None
-
-    def to_dict(self) -> dict[str, str]:
-        return {k: getattr(self, k) for k in RESET_SCOPE_FIELDS if getattr(self, k) is not None}
 
 
 def parse_reset_scope(query: Mapping[str, str], body: dict | None) -> ResetScope | None:

@@ -26,7 +26,8 @@ from typing import Any
 
 import kopf
 
-from kvpilot.fanout import FanoutSettings, PodResult, initial_results, run_fanout
+from kvpilot.fanout import PodResult, ResetSettings, initial_results, run_fanout
+from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets import builders
 from kvpilot.operator.fleets.builders import FLEETS, RESETS
@@ -37,7 +38,6 @@ from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.resets.podwatch import PodWatch, identity
 from kvpilot.operator.resets.status import pod_status, skipped_note, summarize, verified_condition
 from kvpilot.operator.specs import FleetSpec, ResetSpec
-from kvpilot.protocol.requests import ResetScope
 
 DONE = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
@@ -110,8 +110,8 @@ def outcome(
     return "Failed", "PodsFailed", detail + first + note
 
 
-def settings_for(spec: ResetSpec, plan: Plan) -> FanoutSettings:
-    return FanoutSettings(
+def settings_for(spec: ResetSpec, plan: Plan) -> ResetSettings:
+    return ResetSettings(
         engine=spec.engine,
         port=plan.port,
         token=plan.token,

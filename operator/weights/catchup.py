@@ -27,7 +27,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout import CallSettings, Target
 from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.phase import run_phase
 from kvpilot.kube.fleet_members import is_member
@@ -121,7 +121,7 @@ class CatchUps:
         pods, _ = await self.kube.list_pods(ns, plan.selector)
         pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         targets = {p["metadata"]["name"]: pod_target(p, plan) for p in pods}
-        settings = FanoutSettings(port=plan.port, token=plan.token, request_timeout_s=ASK_TIMEOUT_S)
+        settings = CallSettings(port=plan.port, token=plan.token, request_timeout_s=ASK_TIMEOUT_S)
         callable_ = [t for t in targets.values() if not t.skip_reason]
         replies = await run_phase(
             callable_, settings, "GET", "/weight_info", deadline=time.monotonic() + 2 * ASK_TIMEOUT_S
@@ -211,7 +211,7 @@ class CatchUps:
         run.pods = [PodUpdate(t.name)]
         run.fenced = {t.name}
         log.info("catch-up of %s/%s: %s to %s", ns, fleet, t.name, weights["version"])
-        full = FanoutSettings(
+        full = CallSettings(
             port=settings.port,
             token=settings.token,
             timeout_s=CATCH_UP_TIMEOUT_S,

@@ -40,7 +40,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout import CallSettings, Target
 from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import FLEETS, WEIGHT_UPDATES
@@ -137,7 +137,7 @@ class Run:
             targets = await self.targets(plan)
         except RunFailure as f:
             return await self.finish("Failed", f.reason, f.message)
-        settings = FanoutSettings(
+        settings = CallSettings(
             port=plan.port,
             token=plan.token,
             timeout_s=float(self.spec.timeout_seconds),
@@ -210,7 +210,7 @@ class Run:
     async def call(
         self,
         group: Sequence[Target],
-        settings: FanoutSettings,
+        settings: CallSettings,
         method: str,
         path: str,
         body: Any = None,
@@ -219,7 +219,7 @@ class Run:
             group, settings, method, path, body, deadline=self.deadline, limiter=self.limiter
         )
 
-    async def stage(self, group: Sequence[Target], settings: FanoutSettings) -> bool:
+    async def stage(self, group: Sequence[Target], settings: CallSettings) -> bool:
         """Phase one on `group`: True when every pod staged the same digest; else the stage is dropped
         on every pod of the group and the failing pods are Failed, the others Dropped."""
         await self.progress("Staging")
@@ -253,7 +253,7 @@ class Run:
             p.result, p.message = ("Failed", redact(failed[t.name])) if t.name in failed else ("Dropped", "")
         return False
 
-    async def commit(self, group: Sequence[Target], settings: FanoutSettings) -> None:
+    async def commit(self, group: Sequence[Target], settings: CallSettings) -> None:
         """Phase two on `group`: pause, finish, resume; a pod whose finish failed is Fenced."""
         await self.progress("Committing")
         pods = self._by_name()
@@ -277,7 +277,7 @@ class Run:
                 p.message = redact(f"commit: {r.message or served}")
         await self.fence_behind(group)
 
-    async def update_adapter(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+    async def update_adapter(self, targets: Sequence[Target], settings: CallSettings) -> None:
         """spec.adapter on every pod or on none (the module docstring)."""
         adapter = self.spec.adapter
         assert adapter is not None
@@ -338,7 +338,7 @@ class Run:
     async def undo_adapter(
         self,
         group: Sequence[Target],
-        settings: FanoutSettings,
+        settings: CallSettings,
         before: dict[str, tuple[str | None, str | None]],
     ) -> None:
         """Take the pods of `group` back to the adapter each served before ((directory, digest); a directory of
@@ -394,7 +394,7 @@ class Run:
                 if await fence.set_serving(self.kube, self.ns, t.name, t.uid, True, why, self.obj):
                     self.fenced.discard(t.name)
 
-    async def read_versions(self, targets: Sequence[Target], settings: FanoutSettings) -> None:
+    async def read_versions(self, targets: Sequence[Target], settings: CallSettings) -> None:
         """What every pod serves now, as it says (status.pods[].version); unknown when it does not answer."""
         pods = self._by_name()
         replies = await run_phase(

@@ -1,6 +1,6 @@
 """The fleet's pods as the router sees them: address, readiness, load, and their KV event streams.
 
-Each pod is probed on its own, as its engine wants (`router/fleet/engines.py`): its health endpoint every few
+Each pod is probed on its own, as its engine wants (`kvpilot/engines.py`): its health endpoint every few
 seconds, then for kvpilot pods GET /kv_events and for vLLM pods GET /kv_event_sources, which tell where
 it publishes (one `PodEventStream` per rank keeps the prefix index current), and for vLLM and SGLang pods
 their load from GET /metrics. A pod that serves no KV events (404, `{}`, or SGLang) is still routed to,
@@ -25,9 +25,10 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
+from kvpilot.engines import KVPILOT, EngineTraits
 from kvpilot.kv.block_keys import DEFAULT_KEYS, KeyScheme, LoRAKey
 from kvpilot.kv.sockets import subscriber_context
-from kvpilot.router.fleet.engines import PROBES, EngineProbe, read_capped, read_load
+from kvpilot.router.fleet.load import read_capped, read_load
 from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.kv.info import (
     MAX_REPLY_BYTES,
@@ -170,13 +171,13 @@ class Fleet:
         metrics: RouterMetrics,
         session: aiohttp.ClientSession,
         probe_interval_s: float = 2.0,
-        probe: EngineProbe = PROBES["kvpilot"],
+        engine: EngineTraits = KVPILOT,
         kv_events_curve_dir: str | None = None,
         vllm_events: tuple[int, KeyScheme] = (16, KeyScheme("sha256")),
         static_sources: dict[str, str] | None = None,
     ) -> None:
         self.pods: list[Pod] = []
-        self.probe = probe
+        self.engine = engine
         # vLLM pods name neither: (block size, key scheme) from --kv-events-block-size and -hash-algo
         self._vllm_events = vllm_events
         self._static_sources = static_sources or {}  # --kv-event-source: pod name -> its publisher
@@ -210,7 +211,7 @@ class Fleet:
                 continue
             if current is not None:
                 self._tasks.pop(current.name).cancel()
-            if self.probe.kv_events_path is None:
+            if self.engine.kv_events_path is None:
                 p.kv_events = "off"  # never asked: the engine publishes none the router can verify
             keep.append(p)
             self.metrics.add_pod(p.name)
@@ -286,18 +287,18 @@ class Fleet:
         started = []
         if pod.ready and pod.kv_events == "pending":
             started = await self._follow_events(pod)
-        if self.probe.load_metrics:
+        if self.engine.load_metrics:
             await self._read_load(pod)
         self.metrics.indexed_blocks.labels(pod.name).set(self.index.blocks_of(pod.holders()))
         return started
 
     async def _healthy(self, pod: Pod) -> bool:
-        url = pod.url + self.probe.health_path
+        url = pod.url + self.engine.health_path
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status != 200:
                     return False
-                if self.probe.weight_version:
+                if self.engine.weight_version:
                     raw = await read_capped(r, MAX_HEALTH_BYTES)
                     self._set_version(pod, from_health(raw))
                     pod.adapters = adapters_from_health(raw)
@@ -318,7 +319,7 @@ class Fleet:
         if not pod.ready:
             pod.engine_load = None
             return
-        pod.engine_load, why = await read_load(self._session, pod.url, self.probe)
+        pod.engine_load, why = await read_load(self._session, pod.url, self.engine)
         if why and why != pod.load_error:  # once per new reason, not every probe
             log.warning(
                 "%s: load unknown (%s); counting the requests this router has open there", pod.name, why
@@ -328,7 +329,7 @@ class Fleet:
         pod.load_error = why
 
     async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
-        path = self.probe.kv_events_path or ""
+        path = self.engine.kv_events_path or ""
         static = self._static_sources.get(pod.name)
         if static is not None:
             return self._subscribe(pod, static_event_source(static, *self._vllm_events))

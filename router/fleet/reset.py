@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpilot.fanout import FanoutSettings, PodResult, RankResult, Target, run_fanout
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.fanout import PodResult, RankResult, ResetSettings, Target, run_fanout
+from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.router.fleet.pods import Pod
 
 # Retries of a transient failure per pod, one fewer than a PrefixCacheReset's default (docs/router.md):
@@ -85,7 +85,7 @@ async def reset_pods(
     """Reset `pods`, which run `engine`: the fan-out's engine adapter calls each its own way and judges
     its reply (vLLM's `{"success": false}`, SGLang's 400 while busy, retried until the deadline); with
     `verify`, each pod's canary before and after proves it cold, and a pod still warm fails (StillWarm)."""
-    settings = FanoutSettings(
+    settings = ResetSettings(
         engine=engine,
         token=token,
         reset_running_requests=reset_running_requests,

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvpilot.daemon.engine.request import RequestStatus, SamplingParams
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 from support.engine import request_of, run_alone
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

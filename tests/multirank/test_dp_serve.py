@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.fanout import FanoutSettings, Target, run_fanout
+from kvpilot.fanout import ResetSettings, Target, run_fanout
 from kvpilot.operator.resets.status import pod_entry
 from support.servers import (
     ADMIN_TOKEN,
@@ -107,7 +107,7 @@ def test_fleet_fanout_records_every_rank(dp_server: Server) -> None:
     """The operator's (and router's) fan-out keeps each rank's answer in the pod's record."""
     before = dp_server.cache()["ranks"]
     [rec] = asyncio.run(
-        run_fanout([Target("dp-pod", url=dp_server.url)], FanoutSettings(token=ADMIN_TOKEN, timeout_s=60))
+        run_fanout([Target("dp-pod", url=dp_server.url)], ResetSettings(token=ADMIN_TOKEN, timeout_s=60))
     )
     assert rec.result == "Succeeded", rec
     assert [r.rank for r in rec.ranks] == [0, 1] and all(r.success for r in rec.ranks)
@@ -122,7 +122,7 @@ def test_verification_sends_a_canary_to_every_rank(dp_server: Server) -> None:
     """A verified reset of a DP pod proves each rank cold: the canary reaches every rank (by vLLM's
     X-data-parallel-rank header), is served from each rank's cache before the reset, and from none after."""
     before = dp_server.cache()["ranks"]
-    settings = FanoutSettings(token=ADMIN_TOKEN, timeout_s=120, verify=True)
+    settings = ResetSettings(token=ADMIN_TOKEN, timeout_s=120, verify=True)
     [rec] = asyncio.run(run_fanout([Target("dp-pod", url=dp_server.url)], settings))
     after = dp_server.cache()["ranks"]
     assert rec.result == "Succeeded" and rec.verified == "cold", rec

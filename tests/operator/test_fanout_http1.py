@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from kvpilot.fanout import FanoutSettings, PodResult, Target, run_fanout
+from kvpilot.fanout import PodResult, ResetSettings, Target, run_fanout
 from kvpilot.fanout.http1 import MAX_REPLY_BYTES, Pool, ReplyError, endpoint
 from support.fanout import CountingPool
 from support.procs import free_port
@@ -61,7 +61,7 @@ def test_a_pod_is_called_again_on_its_kept_alive_connection() -> None:
     async def go() -> tuple[list[PodResult], int]:
         await pod.start("127.0.8.1", port)
         try:
-            st = FanoutSettings(port=port, retries_per_pod=2, backoff_base_s=0.01, token="t")
+            st = ResetSettings(port=port, retries_per_pod=2, backoff_base_s=0.01, token="t")
             return await run_fanout([Target("p", "127.0.8.1", uid="u")], st), 0
         finally:
             await pod.cleanup()
@@ -90,7 +90,7 @@ def test_a_kept_alive_connection_never_carries_a_call_to_the_pod_that_took_its_i
 
         try:
             targets = [Target("a", ip, uid="uid-a"), Target("b", ip, uid="uid-b")]
-            st = FanoutSettings(port=port, max_concurrency=1, token="fleet-token")
+            st = ResetSettings(port=port, max_concurrency=1, token="fleet-token")
             return await run_fanout(targets, st, pod_gone=gone)
         finally:
             await old.cleanup()
@@ -214,7 +214,7 @@ def test_a_token_that_would_break_the_request_apart_is_never_sent() -> None:
     async def go() -> list[PodResult]:
         await pod.start("127.0.8.5", port)
         try:
-            st = FanoutSettings(port=port, token="good\r\nX-Injected: 1")
+            st = ResetSettings(port=port, token="good\r\nX-Injected: 1")
             return await run_fanout([Target("p", "127.0.8.5")], st, deadline=time.monotonic() + 10)
         finally:
             await pod.cleanup()

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from aiohttp import web
 from standin import Standin
 
-from kvpilot.fanout import FanoutSettings, OnCall, PodResult, Target, run_fanout
+from kvpilot.fanout import OnCall, PodResult, ResetSettings, Target, run_fanout
 from kvpilot.operator import metrics
 from kvpilot.operator.resets.drive import outcome
 from kvpilot.operator.resets.status import pod_entry, summarize
@@ -48,10 +48,10 @@ class Recorder:
 
 
 def run(
-    standins: list[Standin], settings: FanoutSettings | None = None, on_call: OnCall | None = None, **kw
+    standins: list[Standin], settings: ResetSettings | None = None, on_call: OnCall | None = None, **kw
 ) -> tuple[list[PodResult], Recorder]:
     port = free_port()
-    settings = settings or FanoutSettings()
+    settings = settings or ResetSettings()
     settings = dataclasses.replace(settings, port=port, **kw)
     rec = Recorder()
 
@@ -158,7 +158,7 @@ def test_unreachable_pod_fails_and_a_gone_or_moved_pod_is_skipped_before_any_cal
                 Target("moved", "127.0.7.1"),
                 Target("noip", "", skip_reason="pod has no IP (phase Pending)"),
             ]
-            st = FanoutSettings(port=port, retries_per_pod=1, backoff_base_s=0.01, token="fleet-a")
+            st = ResetSettings(port=port, retries_per_pod=1, backoff_base_s=0.01, token="fleet-a")
             return await run_fanout(
                 targets, st, deadline=time.monotonic() + 10, checkpoint=Recorder(), pod_gone=gone
             )
@@ -194,7 +194,7 @@ def test_concurrency_limit_and_the_global_cap_hold_on_one_server() -> None:
         cap = asyncio.Semaphore(5)  # shared by two resets with maxConcurrency 4 each
         async with serving([one], port):
             targets = [Target(f"p{i}", "127.0.7.1") for i in range(12)]  # 12 "pods" behind one address
-            st = FanoutSettings(port=port, max_concurrency=4)
+            st = ResetSettings(port=port, max_concurrency=4)
             await asyncio.gather(*(run_fanout(targets, st, limiter=cap) for _ in range(2)))
 
     asyncio.run(go())
@@ -208,7 +208,7 @@ def test_progress_is_best_effort() -> None:
 
     async def go() -> list[PodResult]:
         async with serving(s, port) as targets:
-            st = FanoutSettings(port=port, max_concurrency=2, progress_interval_s=0.1)
+            st = ResetSettings(port=port, max_concurrency=2, progress_interval_s=0.1)
             return await run_fanout(targets, st, checkpoint=failing)
 
     records = asyncio.run(go())
@@ -230,7 +230,7 @@ def test_stop_gives_calls_in_flight_a_bounded_grace_and_leaves_the_rest_pending(
     async def go() -> tuple[list[PodResult], float]:
         async with serving(s, port) as targets:
             stop = asyncio.Event()
-            st = FanoutSettings(
+            st = ResetSettings(
                 port=port, max_concurrency=2, request_timeout_s=60, timeout_s=60, shutdown_grace_s=0.5
             )
             task = asyncio.create_task(run_fanout(targets, st, stop=stop))
@@ -258,7 +258,7 @@ def test_base_url_targets_for_the_router() -> None:
                 Target("a", url=f"http://127.0.7.1:{port}"),
                 Target("b", url=f"http://127.0.7.2:{port}/"),
             ]
-            return await run_fanout(targets, FanoutSettings())  # plain targets, no records needed
+            return await run_fanout(targets, ResetSettings())  # plain targets, no records needed
 
     assert [r.result for r in asyncio.run(go())] == ["Succeeded", "Succeeded"]
     assert [x.resets for x in s] == [1, 1]
@@ -387,20 +387,20 @@ def test_an_sglang_pod_whose_tiers_cannot_be_read_is_not_called_reset() -> None:
 
 def test_a_scoped_reset_is_sent_to_kvpilot_pods_and_refused_for_other_engines() -> None:
     from kvpilot.fanout.engines import KvpilotEngine, Verdict
-    from kvpilot.protocol.requests import ResetScope
+    from kvpilot.kv.reset_scope import ResetScope
 
     scope = ResetScope(lora_name="policy", cache_salt="a b&c")
     engine = KvpilotEngine()
-    (call,) = engine.calls(FanoutSettings(scope=scope, reset_running_requests=True), None)
+    (call,) = engine.calls(ResetSettings(scope=scope, reset_running_requests=True), None)
     assert call.path == "/reset_prefix_cache?reset_running_requests=true"
     assert call.body == {"lora_name": "policy", "cache_salt": "a b&c"}
-    (call,) = engine.calls(FanoutSettings(scope=ResetScope(weight_version="v2")), None)
+    (call,) = engine.calls(ResetSettings(scope=ResetScope(weight_version="v2")), None)
     assert (call.path, call.body) == ("/reset_prefix_cache", {"weight_version": "v2"})
     # a daemon too old for scoped resets answers a full reset's reply: not the scope asked
     assert engine.judge(call, 200, '{"success": true, "epoch": 3}').verdict == Verdict.FAILED
     scoped = '{"success": true, "epoch": 3, "scope": {"weight_version": "v2"}}'
     assert engine.judge(call, 200, scoped).verdict == Verdict.SUCCEEDED
     for engine in ("vllm", "sglang"):
-        settings = FanoutSettings(engine=engine, scope=scope)
+        settings = ResetSettings(engine=engine, scope=scope)
         (res,) = asyncio.run(run_fanout([Target("p", url=f"http://127.0.0.1:{free_port()}")], settings))
         assert res.result == "NotSupported" and f"{engine} resets its whole cache only" in res.message, res

@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from kvpilot.fanout import FanoutSettings, Target
+from kvpilot.fanout import ResetSettings, Target
 from kvpilot.fanout.phase import Step, run_phase, run_steps
 from kvpilot.operator.specs import FleetSpec
 from kvpilot.operator.weights.cli import describe_pod, update_body
@@ -109,7 +109,7 @@ def test_run_phase_replies_refusals_and_silence() -> None:
             runners.append(r)
         try:
             targets = [Target(f"pod-{i}", f"127.0.8.{i + 1}") for i in range(3)]
-            settings = FanoutSettings(port=port, token="t0k", request_timeout_s=60)
+            settings = ResetSettings(port=port, token="t0k", request_timeout_s=60)
             t0 = time.monotonic()
             body = {"update_info": {"model_path": "/ckpt"}}
             replies = await run_phase(targets, settings, "POST", "/update_weights", body, deadline=t0 + 1.5)
@@ -157,7 +157,7 @@ def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
                 Step("POST", "/update_weights"),
             ]
             targets = [Target("good", "127.0.8.1"), Target("bad", "127.0.8.2")]
-            settings = FanoutSettings(port=port)
+            settings = ResetSettings(port=port)
             return await run_steps(targets, settings, steps, deadline=time.monotonic() + 30)
         finally:
             for r in runners:

@@ -16,16 +16,17 @@ import pytest
 from aiohttp import web
 
 from kvpilot.cli.main import main
-from kvpilot.router.fleet.engines import PROBES, parse_load, read_load
-from kvpilot.router.settings import ENGINES, RouterSettings
+from kvpilot.engines import ENGINES
+from kvpilot.router.fleet.load import parse_load, read_load
+from kvpilot.router.settings import RouterSettings
 from support.engine_standin import EngineStandin, start_standin
 from support.procs import free_port, stop, wait_for
 from support.servers import RouterProc, start_router, stop_router
 
 pytestmark = pytest.mark.timeout(300)
 
-VLLM = PROBES["vllm"].load_metrics
-SGLANG = PROBES["sglang"].load_metrics
+VLLM = ENGINES["vllm"].load_metrics
+SGLANG = ENGINES["sglang"].load_metrics
 
 # As vLLM 0.33.0 sends it (two engines, i.e. DP=2), with the neighbours a prefix match would take.
 VLLM_METRICS = """\
@@ -43,10 +44,11 @@ vllm:num_requests_running_total{engine="0",model_name="m"} 100.0
 """
 
 
-def test_the_fanout_and_the_router_name_the_same_engines() -> None:
-    from kvpilot.fanout.engines import ENGINES as FANOUT_ENGINES
+def test_every_engine_has_a_reset_adapter() -> None:
+    from kvpilot.fanout.engines import ADAPTERS
 
-    assert set(ENGINES) == set(FANOUT_ENGINES) == set(PROBES)
+    assert set(ENGINES) == set(ADAPTERS)
+    assert all(ADAPTERS[name].traits is ENGINES[name] for name in ENGINES)
 
 
 def test_load_is_the_sum_of_the_exact_metrics_and_unknown_when_in_doubt() -> None:
@@ -101,7 +103,7 @@ def test_a_pods_metrics_are_read_within_bounds() -> None:
                     load, why = await read_load(
                         session,
                         f"http://127.0.0.1:{port}/{name}",
-                        PROBES["vllm"],
+                        ENGINES["vllm"],
                         max_bytes=1 << 20,
                         timeout_s=1.0,
                     )

@@ -48,7 +48,7 @@ from kvpilot.daemon.engine.weights.lora import parse_lora_modules, served_adapte
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
 from kvpilot.kv.block_keys import LoRAKey, key_scheme
 from kvpilot.kv.events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
-from kvpilot.protocol.requests import ResetScope
+from kvpilot.kv.reset_scope import ResetScope
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,6 @@
-"""How the router reads each engine's pods: where their health is, whether they publish KV events it can
-follow, and which of their metrics say how busy they are (docs/router.md, "Engines").
-
-- kvpilot: `GET /health` 200, naming its weight version; `GET /kv_events` names its event sockets; load:
-  the requests this router has open on the pod (the daemon's events and replies are what the router
-  trusts).
-- vLLM: `GET /health` 200 (503 once its engine died); `GET /kv_event_sources` names each rank's event
-  sockets when the pod runs with `--kv-events-config` (vLLM 0.32 and later; `{}` without), and the router
-  keys requests as vLLM keys blocks (`--kv-events-hash-algo`, its block size `--kv-events-block-size`,
-  neither of which vLLM names); load: `vllm:num_requests_running` plus `vllm:num_requests_waiting` from
-  `GET /metrics`, summed over their series (one per engine, i.e. DP rank).
-- SGLang: `GET /health` 200 (503 while starting or shutting down; releases before 0.5 generate one token
-  first, within a second or so); load: `sglang:num_running_reqs` plus `sglang:num_queue_reqs`, which
-  SGLang serves only with `--enable-metrics` (without, the router counts its own open requests).
+"""A pod's load from its own metrics, for the engines that serve it (`EngineTraits.load_metrics`,
+`kvpilot/engines.py`: vLLM's and SGLang's request gauges; a kvpilot pod's load is the requests this router
+has open on it).
 
 A pod's /metrics is read with bounds (bytes and seconds) and parsed defensively: only the exact metric
 names count (`vllm:num_requests_waiting_by_reason` is not `vllm:num_requests_waiting`), and a malformed or
@@ -21,37 +10,13 @@ negative sample makes the load unknown rather than wrong.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import aiohttp
 
+from kvpilot.engines import EngineTraits
+
 METRICS_MAX_BYTES = 4 << 20  # a vLLM pod with histograms for a few models sends ~100 KiB
 METRICS_TIMEOUT_S = 2.0  # the whole read; the probe loop comes back every 2 s anyway
-
-
-@dataclass(frozen=True, slots=True)
-class EngineProbe:
-    name: str
-    health_path: str = "/health"
-    # Where the pod names its KV event sockets: kvpilot's GET /kv_events, vLLM's GET /kv_event_sources;
-    # None: the engine publishes none the router follows.
-    kv_events_path: str | None = None
-    weight_version: bool = False  # its health reply names the weight version its block keys carry
-    load_metrics: tuple[str, ...] = ()  # summed into the pod's load; empty: not read
-
-
-PROBES = {
-    p.name: p
-    for p in (
-        EngineProbe("kvpilot", kv_events_path="/kv_events", weight_version=True),
-        EngineProbe(
-            "vllm",
-            kv_events_path="/kv_event_sources",
-            load_metrics=("vllm:num_requests_running", "vllm:num_requests_waiting"),
-        ),
-        EngineProbe("sglang", load_metrics=("sglang:num_running_reqs", "sglang:num_queue_reqs")),
-    )
-}
 
 
 def parse_load(text: str, names: tuple[str, ...]) -> int | None:
@@ -128,7 +93,7 @@ async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes
 async def read_load(
     session: aiohttp.ClientSession,
     url: str,
-    probe: EngineProbe,
+    engine: EngineTraits,
     max_bytes: int = METRICS_MAX_BYTES,
     timeout_s: float = METRICS_TIMEOUT_S,
 ) -> tuple[int | None, str]:
@@ -148,7 +113,7 @@ async def read_load(
         return None, f"GET /metrics took longer than {timeout_s:g}s"
     except aiohttp.ClientError as exc:
         return None, f"GET /metrics failed: {type(exc).__name__}"
-    load = parse_load(body.decode("utf-8", errors="replace"), probe.load_metrics)
+    load = parse_load(body.decode("utf-8", errors="replace"), engine.load_metrics)
     if load is None:
-        return None, f"GET /metrics has no valid {' and '.join(probe.load_metrics)}"
+        return None, f"GET /metrics has no valid {' and '.join(engine.load_metrics)}"
     return load, ""
