@@ -14,18 +14,20 @@ Kubernetes, kopf or either caller's metrics.
 """
 
 from kvpilot.fanout.caller import Checkpoint, OnCall, PodGone, run_fanout
-from kvpilot.fanout.results import PodResult, RankResult, initial_results
+from kvpilot.fanout.results import Outcome, PodResult, RankResult, Verified, initial_results
 from kvpilot.fanout.targets import CallSettings, ResetSettings, Target
 
 __all__ = [
     "Checkpoint",
     "CallSettings",
     "OnCall",
+    "Outcome",
     "PodGone",
     "PodResult",
     "RankResult",
     "ResetSettings",
     "Target",
+    "Verified",
     "initial_results",
     "run_fanout",
 ]

@@ -36,7 +36,7 @@ from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.engines import Engine, Judgement, ResetCall, Verdict, engine_for
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
-from kvpilot.fanout.results import STILL_WARM, PodResult, initial_results
+from kvpilot.fanout.results import STILL_WARM, Outcome, PodResult, Verified, initial_results
 from kvpilot.fanout.targets import ResetSettings, Target, address
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,9 @@ PodGone = Callable[[Target], Awaitable[str | None]]
 OnCall = Callable[[str, str], None]
 
 
-def _decide(res: PodResult, result: str, message: str, started: float, j: Judgement | None = None) -> None:
+def _decide(
+    res: PodResult, result: Outcome, message: str, started: float, j: Judgement | None = None
+) -> None:
     res.result, res.message = result, message
     res.duration_s = round(time.monotonic() - started, 4)
     if j is not None:
@@ -166,7 +168,12 @@ async def _reset_call(
     while True:
         if pod.deadline - time.monotonic() <= 0.01:
             why = f"; last: {last}" if last else ""
-            _decide(res, "Failed", f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}", started)
+            _decide(
+                res,
+                Outcome.FAILED,
+                f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}",
+                started,
+            )
             on_call(Verdict.FAILED.value, "deadline")
             return None
         status, text = await pod.send(ep)  # raises _Gone before calling a pod that no longer counts
@@ -177,17 +184,17 @@ async def _reset_call(
         if j.verdict is Verdict.SUCCEEDED:
             return j
         if j.verdict is Verdict.NOT_SUPPORTED:
-            _decide(res, "NotSupported", j.message, started)
+            _decide(res, Outcome.NOT_SUPPORTED, j.message, started)
             return None
         if j.verdict is Verdict.FAILED:
-            _decide(res, "Failed", j.message, started)
+            _decide(res, Outcome.FAILED, j.message, started)
             return None
         last = j.message
         if j.verdict is Verdict.TRANSIENT:
             transient += 1
             if transient > settings.retries_per_pod:
                 gave_up = f"gave up after {res.attempts} attempts, retriesPerPod {settings.retries_per_pod}"
-                _decide(res, "Failed", f"{last} ({gave_up})", started)
+                _decide(res, Outcome.FAILED, f"{last} ({gave_up})", started)
                 return None
         else:
             busy += 1
@@ -214,7 +221,7 @@ async def _reset_one(
     try:
         await _reset_checked(pod, res, engine, started, on_call, run_id)
     except _Gone as gone:
-        _decide(res, "Skipped", str(gone), started)
+        _decide(res, Outcome.SKIPPED, str(gone), started)
 
 
 async def _reset_checked(
@@ -227,7 +234,7 @@ async def _reset_checked(
         info, why = await pod.info(engine)
     if why and engine.info_decides_calls:
         # without it, a tier (SGLang's HiCache storage) could be left warm while the pod reads Succeeded
-        _decide(res, "Failed", f"cannot tell which cache tiers the pod runs ({why})", started)
+        _decide(res, Outcome.FAILED, f"cannot tell which cache tiers the pod runs ({why})", started)
         return
     canary: verify.Canary | None = None
     if settings.verify:
@@ -240,7 +247,7 @@ async def _reset_checked(
                 )
         except TimeoutError:
             prepared = verify.Verification(
-                verify.UNKNOWN, f"the canary took over {budget:.1f}s before the reset"
+                Verified.UNKNOWN, f"the canary took over {budget:.1f}s before the reset"
             )
         if isinstance(prepared, verify.Canary):
             canary = prepared
@@ -256,15 +263,15 @@ async def _reset_checked(
         res.cleared += [t for t in judgement.tiers if t not in res.cleared]
     assert judgement is not None
     if settings.verify and canary is None:
-        res.verified = verify.UNKNOWN
+        res.verified = Verified.UNKNOWN
     elif canary is not None:
         checked = await verify.check(pod.ask, canary, tuple(res.cleared))
         res.verified, res.verify_message = checked.verdict, checked.message
-        if checked.verdict == verify.WARM:
-            _decide(res, "Failed", checked.message, started, judgement)
+        if checked.verdict == Verified.WARM:
+            _decide(res, Outcome.FAILED, checked.message, started, judgement)
             res.reason = STILL_WARM
             return
-    _decide(res, "Succeeded", judgement.message, started, judgement)
+    _decide(res, Outcome.SUCCEEDED, judgement.message, started, judgement)
 
 
 def _ignore_call(verdict: str, code: str) -> None:
@@ -289,19 +296,19 @@ async def run_fanout(
     deadline = deadline if deadline is not None else time.monotonic() + settings.timeout_s
     queue: asyncio.Queue[PodResult] = asyncio.Queue()
     for res in results:
-        if res.result == "Pending":
+        if res.result == Outcome.PENDING:
             queue.put_nowait(res)
     if queue.empty():
         return results
     refusal = None
     if settings.token and not header_value_ok(settings.token):
         refusal = (
-            "Failed",
+            Outcome.FAILED,
             "the admin token is not a valid HTTP header value (a line break or control character)",
         )
     elif settings.scope is not None and not engine_for(settings.engine).scoped_resets:
         refusal = (
-            "NotSupported",
+            Outcome.NOT_SUPPORTED,
             (
                 f"a scoped reset ({', '.join(settings.scope.to_dict())}) needs kvpilot pods: "
                 f"{settings.engine} resets its whole cache only"
@@ -309,7 +316,7 @@ async def run_fanout(
         )
     if refusal is not None:
         for res in results:
-            if res.result == "Pending":
+            if res.result == Outcome.PENDING:
                 res.result, res.message = refusal
         return results
     stop = stop or asyncio.Event()
@@ -355,7 +362,7 @@ async def run_fanout(
             await all_done  # a worker's own error (a bug) surfaces here
     if not stop.is_set():
         for res in results:
-            if res.result == "Pending":
-                res.result = "Failed"
+            if res.result == Outcome.PENDING:
+                res.result = Outcome.FAILED
                 res.message = f"not reset within timeoutSeconds ({settings.timeout_s:g}s)"
     return results

@@ -4,6 +4,7 @@ their own audience."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,19 +21,36 @@ class RankResult:
     evicted_blocks: int | None = None
 
 
+class Outcome(enum.StrEnum):
+    """A target's result, under the names PrefixCacheReset status.pods[].result shows; PENDING until final."""
+
+    PENDING = "Pending"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SKIPPED = "Skipped"
+    NOT_SUPPORTED = "NotSupported"
+
+
+class Verified(enum.StrEnum):
+    """What a reset's canary proved of a pod (verify.py)."""
+
+    COLD = "cold"  # the canary found nothing cached after the reset
+    WARM = "warm"  # it was still served from cache: the reset did not hold
+    UNKNOWN = "unknown"  # the pod could not be verified, and the message says why
+
+
 # PodResult.reason: the pod said it reset, and its canary was still served from cache
 STILL_WARM = "StillWarm"
 
 
 @dataclass(slots=True)
 class PodResult:
-    """The result of one target; `result` is Pending until it is final (Succeeded, Failed, Skipped or
-    NotSupported). The caller updates it in place, so a progress checkpoint sees it move."""
+    """The result of one target; `result` is PENDING until it is final. The caller updates it in place, so a progress checkpoint sees it move."""
 
     name: str
     node: str = ""
     ip: str = ""
-    result: str = "Pending"
+    result: Outcome = Outcome.PENDING
     http_status: int | None = None  # of the last call; 0: no reply
     attempts: int = 0
     epoch: int | None = None
@@ -41,7 +59,7 @@ class PodResult:
     duration_s: float | None = None
     ranks: list[RankResult] | None = None  # as the pod reported them; None: it reported none
     cleared: list[str] = field(default_factory=list)  # the cache tiers its engine says the reset cleared
-    verified: str | None = None  # cold, warm or unknown (verify.py); None: not asked
+    verified: Verified | None = None  # None: not asked
     verify_message: str = ""  # how it was verified, or why it could not be
     reason: str = ""  # a machine-readable cause of a failure (STILL_WARM); empty otherwise
     target: Target | None = field(default=None, repr=False, compare=False)
@@ -54,6 +72,6 @@ def initial_results(targets: Sequence[Target]) -> list[PodResult]:
     for t in sorted(targets, key=lambda t: t.name):
         res = PodResult(t.name, t.node, t.ip, target=t)
         if t.skip_reason or not (t.ip or t.url):
-            res.result, res.message = "Skipped", t.skip_reason or "no IP"
+            res.result, res.message = Outcome.SKIPPED, t.skip_reason or "no IP"
         out.append(res)
     return out

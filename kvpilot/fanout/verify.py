@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engines import traits_of
+from kvpilot.fanout.results import Verified
 from kvpilot.kv.reset_scope import ResetScope
 
-COLD, WARM, UNKNOWN = "cold", "warm", "unknown"
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
 # model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
 # CPU blocks (128 tokens) and stay under a 512-token context.
@@ -69,7 +69,7 @@ class Canary:
 
 @dataclass(frozen=True, slots=True)
 class Verification:
-    verdict: str  # cold, warm or unknown
+    verdict: Verified
     message: str = ""
 
 
@@ -131,7 +131,7 @@ async def prepare(
     scope = scope or ResetScope()
     model = scope.lora_name or await _model(ask)
     if model is None:
-        return Verification(UNKNOWN, "GET /v1/models named no model for the canary")
+        return Verification(Verified.UNKNOWN, "GET /v1/models named no model for the canary")
     salt = scope.cache_salt or (f"kvpilot-canary-{run_id}" if traits_of(engine).cache_salt else None)
     prompt = canary_prompt(run_id, pod)
     hit = MAX_TOKENS
@@ -141,12 +141,12 @@ async def prepare(
         for send in ("fill", "hit"):
             cached, tokens, why = _usage(*await ask("POST", "/v1/completions", body, headers))
             if cached is None:
-                return Verification(UNKNOWN, why)
+                return Verification(Verified.UNKNOWN, why)
             if send == "hit":
                 if cached < MIN_HIT:
                     where = f" on rank {rank}" if ranks > 1 else ""
                     return Verification(
-                        UNKNOWN,
+                        Verified.UNKNOWN,
                         f"the canary was not served from cache even before the reset{where} "
                         f"({cached} of {tokens} tokens: prefix caching off, or a block longer than it)",
                     )
@@ -172,11 +172,11 @@ async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verificat
             where = f"rank {rank}" if canary.ranks > 1 else "the pod"
             tiers = ", ".join(cleared) or "none named"
             return Verification(
-                WARM,
+                Verified.WARM,
                 f"{where} served {cached} of {prompt} canary tokens from cache after its reset said success "
                 f"({canary.hit} before it; tiers cleared: {tiers}; a tier it kept still serves old blocks)",
             )
     if unknown:
-        return Verification(UNKNOWN, unknown)
+        return Verification(Verified.UNKNOWN, unknown)
     where = f"on all {canary.ranks} ranks" if canary.ranks > 1 else "on the rank the pod chose"
-    return Verification(COLD, f"the canary ({tokens} tokens) found nothing cached {where}")
+    return Verification(Verified.COLD, f"the canary ({tokens} tokens) found nothing cached {where}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.fanout import PodResult, ResetSettings, initial_results, run_fanout
+from kvpilot.fanout import Outcome, PodResult, ResetSettings, initial_results, run_fanout
 from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets import builders
@@ -95,7 +95,7 @@ def outcome(
         if not c["targets"]:
             return "Failed", "NoTargets", f"no pod matched ({detail}){note}"
         return "Failed", "NoTargets", f"no pod called ({detail}){note}"
-    bad = next((r for r in records if r.result in ("Failed", "NotSupported")), None)
+    bad = next((r for r in records if r.result in (Outcome.FAILED, Outcome.NOT_SUPPORTED)), None)
     if bad is None:
         return "Succeeded", "AllPodsReset", detail + note
     first = f"; {bad.name}: {bad.message}"
@@ -231,7 +231,7 @@ async def _run(
             logger.info(
                 "reset %s/%s: listed %d pods in %.3fs", ns, name, len(targets), time.monotonic() - t_list
             )
-            if any(r.result == "Pending" for r in before) or not plan.waits_for_pods:
+            if any(r.result == Outcome.PENDING for r in before) or not plan.waits_for_pods:
                 break
             if time.monotonic() >= deadline - 1.0:
                 break  # NoTargets
@@ -278,14 +278,14 @@ async def _run(
         await progress.settle()  # the final status lands last
         return await _finish(kube, obj, spec, None, "Failed", f.reason, f.message, start)
     await progress.settle()
-    if any(r.result == "Pending" for r in results):
+    if any(r.result == Outcome.PENDING for r in results):
         logger.info(
             "reset %s/%s: stopped before every pod was reset; the next operator starts it over", ns, name
         )
         return None
     phase, reason, message = outcome(results, spec.min_success_ratio, spec.allow_no_targets, newcomers)
     logger.info("reset %s/%s: %s", ns, name, message)
-    for r in [r for r in results if r.result == "Failed"][:_MAX_FAILURE_EVENTS]:
+    for r in [r for r in results if r.result == Outcome.FAILED][:_MAX_FAILURE_EVENTS]:
         kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
     return await _finish(kube, obj, spec, results, phase, reason, message, start)
 

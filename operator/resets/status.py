@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpilot.fanout import PodResult, RankResult
-from kvpilot.fanout.results import STILL_WARM
-from kvpilot.fanout.verify import COLD, UNKNOWN, WARM
+from kvpilot.fanout.results import STILL_WARM, Outcome, Verified
 
 MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
 MAX_RANKS = (
@@ -16,10 +15,10 @@ MAX_RANKS = (
 )
 
 _COUNT_KEY = {
-    "Succeeded": "succeeded",
-    "Failed": "failed",
-    "Skipped": "skipped",
-    "NotSupported": "notSupported",
+    Outcome.SUCCEEDED: "succeeded",
+    Outcome.FAILED: "failed",
+    Outcome.SKIPPED: "skipped",
+    Outcome.NOT_SUPPORTED: "notSupported",
 }
 
 
@@ -64,7 +63,7 @@ def pod_entry(result: PodResult) -> dict[str, Any]:
 
 def _said_success(r: PodResult) -> bool:
     """The pod's reset said success: Succeeded, or Failed only because its canary was still warm."""
-    return r.result == "Succeeded" or r.reason == STILL_WARM
+    return r.result == Outcome.SUCCEEDED or r.reason == STILL_WARM
 
 
 def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str, Any]:
@@ -74,10 +73,10 @@ def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str,
     verdicts = [r.verified for r in results]
     said = sum(1 for r in results if _said_success(r))
     return {
-        "verified": f"{verdicts.count(COLD)}/{said}",
-        "verifiedCold": verdicts.count(COLD),
-        "verifiedWarm": verdicts.count(WARM),
-        "verifiedUnknown": verdicts.count(UNKNOWN),
+        "verified": f"{verdicts.count(Verified.COLD)}/{said}",
+        "verifiedCold": verdicts.count(Verified.COLD),
+        "verifiedWarm": verdicts.count(Verified.WARM),
+        "verifiedUnknown": verdicts.count(Verified.UNKNOWN),
     }
 
 
@@ -85,7 +84,13 @@ def pod_status(results: Sequence[PodResult], verify: bool = False) -> dict[str, 
     """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries;
     `verify`: the reset's spec.verify, for the verification counts."""
     counts = summarize(results)
-    order = {"Failed": 0, "NotSupported": 1, "Skipped": 2, "Pending": 3, "Succeeded": 4}
+    order = {
+        Outcome.FAILED: 0,
+        Outcome.NOT_SUPPORTED: 1,
+        Outcome.SKIPPED: 2,
+        Outcome.PENDING: 3,
+        Outcome.SUCCEEDED: 4,
+    }
     shown = sorted(results, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
     return {
         **counts,
@@ -104,7 +109,7 @@ def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[str,
     said = [r for r in results if _said_success(r)]
     if not said:
         return "Unknown", "NothingVerified", "no pod's reset succeeded, so none was verified"
-    warm = [r for r in said if r.verified == WARM]
+    warm = [r for r in said if r.verified == Verified.WARM]
     if warm:
         return (
             "False",
@@ -112,7 +117,7 @@ def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[str,
             f"{len(warm)}/{len(said)} pods still served their canary from cache after their reset said "
             f"success: {_names([r.name for r in warm])}; {warm[0].name}: {warm[0].verify_message}",
         )
-    unsure = [r for r in said if r.verified != COLD]
+    unsure = [r for r in said if r.verified != Verified.COLD]
     if unsure:
         why = unsure[0].verify_message or "not verified"
         return (
@@ -138,7 +143,7 @@ def skipped_note(results: Sequence[PodResult], newcomers: Sequence[str] = ()) ->
     the deleted ones): a suffix for the Complete or Failed message, at most MAX_NAMED names per list, so a
     reset with skipped pods never reads as a plain success. Empty when there is nothing to say."""
     groups: dict[str, list[str]] = {}
-    skipped = [r for r in results if r.result == "Skipped"]
+    skipped = [r for r in results if r.result == Outcome.SKIPPED]
     for r in skipped:
         why = r.message or "not called"
         groups.setdefault(why if len(why) <= _MAX_WHY else why[: _MAX_WHY - 3] + "...", []).append(r.name)

@@ -38,7 +38,7 @@ from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.retries import RunFailure
 from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import fence
-from kvpilot.operator.weights.status import PodUpdate
+from kvpilot.operator.weights.status import PodUpdate, WeightResult
 from kvpilot.operator.weights.update import Run, unfinished
 
 log = logging.getLogger(__name__)
@@ -222,12 +222,12 @@ class CatchUps:
             if weights.get("digest") and p.staged_digest != weights["digest"]:
                 await run.call([t], full, "POST", "/abort_weight_update")
                 p.result, p.message = (
-                    "Failed",
+                    WeightResult.FAILED,
                     f"staged {p.staged_digest}, the fleet serves {weights['digest']}",
                 )
             else:
                 await run.commit([t], full)
-        if p.result == "Succeeded":
+        if p.result == WeightResult.SUCCEEDED:
             backoff.pop(t.uid, None)
             await run.unfence([t], f"caught up to {weights['version']}")
             return t.name not in run.fenced

@@ -3,6 +3,7 @@ status.pods), exact counts, and the InferenceDeployment's status.weightVersion f
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -12,17 +13,24 @@ from typing import Any
 MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); the counts cover every pod
 MAX_RANKS = 64
 MAX_MESSAGE = 200  # characters of a pod's message: a daemon's error, never a body we did not read
-# Results of one pod: Pending until decided; Staged (holds the new weights, not serving them), Succeeded
-# (serving them), Dropped (its stage was dropped: it serves what it served before), Failed (its stage failed:
-# it serves what it served before), Fenced (its commit failed: not on the fleet's version).
-RESULTS = ("Pending", "Staged", "Succeeded", "Dropped", "Failed", "Fenced")
 _SECRETS = re.compile(r"(?i)(bearer\s+|token[=:]\s*)\S+")
+
+
+class WeightResult(enum.StrEnum):
+    """One pod's result in a WeightUpdate (status.pods[].result)."""
+
+    PENDING = "Pending"  # not decided yet
+    STAGED = "Staged"  # holds the new weights, not serving them
+    SUCCEEDED = "Succeeded"  # serving them
+    DROPPED = "Dropped"  # its stage was dropped: it serves what it served before
+    FAILED = "Failed"  # its stage failed: it serves what it served before
+    FENCED = "Fenced"  # its commit failed: not on the fleet's version, out of its Service
 
 
 @dataclass(slots=True)
 class PodUpdate:
     name: str
-    result: str = "Pending"
+    result: WeightResult = WeightResult.PENDING
     staged_digest: str = ""
     version: str = ""  # the version it serves, as it last said
     message: str = ""
@@ -55,6 +63,17 @@ def rank_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# status.pods lists the pods that need a look first
+_SHOWN_FIRST = (
+    WeightResult.FENCED,
+    WeightResult.FAILED,
+    WeightResult.DROPPED,
+    WeightResult.PENDING,
+    WeightResult.STAGED,
+    WeightResult.SUCCEEDED,
+)
+
+
 def pod_entry(p: PodUpdate) -> dict[str, Any]:
     out: dict[str, Any] = {"name": p.name, "result": p.result}
     optional = {"stagedDigest": p.staged_digest, "version": p.version, "message": p.message, "ranks": p.ranks}
@@ -64,13 +83,13 @@ def pod_entry(p: PodUpdate) -> dict[str, Any]:
 
 def pod_status(pods: Sequence[PodUpdate]) -> dict[str, Any]:
     counts = Counter(p.result for p in pods)
-    order = {"Fenced": 0, "Failed": 1, "Dropped": 2, "Pending": 3, "Staged": 4, "Succeeded": 5}
+    order = {r: i for i, r in enumerate(_SHOWN_FIRST)}
     shown = sorted(pods, key=lambda p: (order.get(p.result, 3), p.name))[:MAX_POD_DETAIL]
     return {
         "targets": len(pods),
-        "succeeded": counts["Succeeded"],
-        "failed": counts["Failed"] + counts["Fenced"],
-        "progress": f"{counts['Succeeded']}/{len(pods)}",
+        "succeeded": counts[WeightResult.SUCCEEDED],
+        "failed": counts[WeightResult.FAILED] + counts[WeightResult.FENCED],
+        "progress": f"{counts[WeightResult.SUCCEEDED]}/{len(pods)}",
         "pods": [pod_entry(p) for p in shown],
         "podsOmitted": len(pods) - len(shown),
     }

@@ -50,7 +50,14 @@ from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpdateSpec
 from kvpilot.operator.weights import fence
-from kvpilot.operator.weights.status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+from kvpilot.operator.weights.status import (
+    PodUpdate,
+    WeightResult,
+    fleet_weight_version,
+    pod_status,
+    rank_entries,
+    redact,
+)
 
 DONE = ("Succeeded", "Failed", "Degraded")
 # Of timeoutSeconds, the part kept back from staging for dropping the stage or switching (at most this).
@@ -160,8 +167,8 @@ class Run:
             group = targets[i : i + batch]
             if not await self.stage(group, settings):
                 await self.read_versions(targets, settings)
-                done = sum(p.result == "Succeeded" for p in self.pods)
-                first = next(p for p in self.pods if p.result == "Failed")
+                done = sum(p.result == WeightResult.SUCCEEDED for p in self.pods)
+                first = next(p for p in self.pods if p.result == WeightResult.FAILED)
                 why = f"{first.name}: {first.message}"
                 if done:  # Rolling: earlier batches serve the new version
                     self.weights = None  # no one version to bring pods back to
@@ -173,8 +180,8 @@ class Run:
         await self.read_versions(targets, settings)
         await self.unfence(targets, "on the fleet's weights again")
         digest = self.pods[0].staged_digest
-        fenced = [p.name for p in self.pods if p.result == "Fenced"]
-        if not any(p.result == "Succeeded" for p in self.pods):  # the fleet stays on its weights
+        fenced = [p.name for p in self.pods if p.result == WeightResult.FENCED]
+        if not any(p.result == WeightResult.SUCCEEDED for p in self.pods):  # the fleet stays on its weights
             why = "not fenced: no pod changed weights"
             msg = f"no pod serves {self.spec.version}: {', '.join(fenced[:5])} ({why})"
             return await self.finish("Degraded", "CommitFailed", msg)
@@ -241,7 +248,7 @@ class Run:
                 failed[n] = f"{steps[i].path}: {bad.message}"
             else:
                 pods[n].staged_digest = str(last.body.get("staged_digest") or "")
-                pods[n].result = "Staged"
+                pods[n].result = WeightResult.STAGED
         digests = {pods[t.name].staged_digest for t in group if t.name not in failed}
         if not failed and len(digests) == 1:
             return True
@@ -250,7 +257,11 @@ class Run:
         await self.call(group, settings, "POST", "/abort_weight_update")
         for t in group:
             p = pods[t.name]
-            p.result, p.message = ("Failed", redact(failed[t.name])) if t.name in failed else ("Dropped", "")
+            p.result, p.message = (
+                (WeightResult.FAILED, redact(failed[t.name]))
+                if t.name in failed
+                else (WeightResult.DROPPED, "")
+            )
         return False
 
     async def commit(self, group: Sequence[Target], settings: CallSettings) -> None:
@@ -270,9 +281,9 @@ class Run:
             if r.body.get("ranks"):
                 p.ranks = rank_entries(r.body)
             if r.ok and r.body.get("weight_version") == version and r.body.get("digest") == p.staged_digest:
-                p.result, p.message = "Succeeded", ""
+                p.result, p.message = WeightResult.SUCCEEDED, ""
             else:
-                p.result = "Fenced"
+                p.result = WeightResult.FENCED
                 served = f"serves {r.body.get('weight_version')} ({r.body.get('digest')})"
                 p.message = redact(f"commit: {r.message or served}")
         await self.fence_behind(group)
@@ -289,7 +300,7 @@ class Run:
         if unknown := [t.name for t in targets if not (listed[t.name].ok and health[t.name].ok)]:
             for n in unknown:
                 r = listed[n] if not listed[n].ok else health[n]
-                pods[n].result, pods[n].message = "Failed", redact(f"what it serves: {r.message}")
+                pods[n].result, pods[n].message = WeightResult.FAILED, redact(f"what it serves: {r.message}")
             why = f"{unknown[0]}: {pods[unknown[0]].message}"
             return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
         before = {
@@ -313,15 +324,19 @@ class Run:
         for t in targets:
             r, p = loaded[t.name], pods[t.name]
             p.staged_digest = str(r.body.get("digest") or "") if r.ok else ""
-            p.result, p.message = ("Succeeded", "") if r.ok else ("Failed", redact(f"load: {r.message}"))
+            p.result, p.message = (
+                (WeightResult.SUCCEEDED, "") if r.ok else (WeightResult.FAILED, redact(f"load: {r.message}"))
+            )
         digests = {p.staged_digest for p in self.pods}
-        if all(p.result == "Succeeded" for p in self.pods) and len(digests) == 1:
+        if all(p.result == WeightResult.SUCCEEDED for p in self.pods) and len(digests) == 1:
             await self.read_versions(targets, settings)
             digest = digests.pop()
             n = len(self.pods)
             msg = f"{n}/{n} pods serve adapter {adapter.name} {self.spec.version} ({digest})"
             return await self.finish("Succeeded", "AllPodsUpdated", msg, digest=digest)
-        if all(p.result == "Succeeded" for p in self.pods):  # the same path, other files on some nodes
+        if all(
+            p.result == WeightResult.SUCCEEDED for p in self.pods
+        ):  # the same path, other files on some nodes
             for p in self.pods:
                 p.message = f"loaded {p.staged_digest}: the pods read different files at {adapter.path}"
         # Back on every pod that may have loaded it: those that did, and those that gave no definite answer.
@@ -330,7 +345,7 @@ class Run:
         await self.read_versions(targets, settings)
         first = next(p for p in self.pods if p.message)  # a failed load, or the files that differed
         why = f"{first.name}: {first.message}"
-        if fenced := [p.name for p in self.pods if p.result == "Fenced"]:
+        if fenced := [p.name for p in self.pods if p.result == WeightResult.FENCED]:
             msg = f"{', '.join(fenced[:5])} could not go back from the new {adapter.name} (fenced); {why}"
             return await self.finish("Degraded", "CommitFailed", msg)
         return await self.finish("Failed", "StageFailed", f"no pod changed {adapter.name}; {why}")
@@ -366,10 +381,10 @@ class Run:
             # an unload of an adapter the load never reached answers 404: it is back as well
             ok = r.ok or (directory is None and r.status == 404)
             if ok and (directory is None or r.body.get("digest") == digest):
-                p.result = "Failed" if p.result == "Failed" else "Dropped"
+                p.result = WeightResult.FAILED if p.result == WeightResult.FAILED else WeightResult.DROPPED
                 continue
             served = f"now {r.body.get('digest')}" if r.ok else r.message
-            p.result = "Fenced"
+            p.result = WeightResult.FENCED
             p.message = redact(f"could not go back to {directory or 'no adapter'} ({digest}): {served}")
             if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
                 self.fenced.add(t.name)
@@ -377,12 +392,14 @@ class Run:
     async def fence_behind(self, group: Sequence[Target]) -> None:
         """Take the Fenced pods of `group` out of the Service once some pod serves the new weights (then they
         are behind the fleet); while none does, the fleet is still on its old weights, as they are."""
-        if not any(p.result == "Succeeded" for p in self.pods):
+        if not any(p.result == WeightResult.SUCCEEDED for p in self.pods):
             return
         pods = self._by_name()
         for t in group:
             p = pods[t.name]
-            if p.result == "Fenced" and t.name not in self.fenced:  # out of the Service until it is back
+            if (
+                p.result == WeightResult.FENCED and t.name not in self.fenced
+            ):  # out of the Service until it is back
                 if await fence.set_serving(self.kube, self.ns, t.name, t.uid, False, p.message, self.obj):
                     self.fenced.add(t.name)
 
@@ -390,7 +407,7 @@ class Run:
         """Let the pods of `group` that this run updated and that were fenced back into the Service."""
         for t in group:
             p = self._by_name()[t.name]
-            if p.result == "Succeeded" and t.name in self.fenced:
+            if p.result == WeightResult.SUCCEEDED and t.name in self.fenced:
                 if await fence.set_serving(self.kube, self.ns, t.name, t.uid, True, why, self.obj):
                     self.fenced.discard(t.name)
 

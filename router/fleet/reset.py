@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpilot.fanout import PodResult, RankResult, ResetSettings, Target, run_fanout
+from kvpilot.fanout import Outcome, PodResult, RankResult, ResetSettings, Target, Verified, run_fanout
 from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.router.fleet.pods import Pod
 
@@ -27,7 +27,7 @@ class PodReset:
     error: str | None
     ranks: list[dict[str, Any]] | None = None  # as the daemon names the fields (None: not reported)
     cleared: list[str] | None = None  # the cache tiers the pod's engine says its reset cleared
-    verified: str | None = None  # cold, warm or unknown (kvpilot/fanout/verify.py); None: not verified
+    verified: Verified | None = None  # None: not verified
     verify_message: str | None = None  # how the canary proved it, or why it could not; None: not verified
     reason: str | None = None  # why a pod failed, machine-readable: "StillWarm"; None otherwise
 
@@ -52,7 +52,7 @@ def _rank_json(rank: RankResult) -> dict[str, Any]:
 
 
 def _pod_reset(result: PodResult) -> PodReset:
-    ok = result.result == "Succeeded"
+    ok = result.result == Outcome.SUCCEEDED
     error = None if ok else (result.message or result.result)
     if error is not None and result.reason:
         error = f"{result.reason}: {error}"  # a warm pod's error starts with why, as its reason field says
