@@ -111,15 +111,12 @@ class PrefixAware(Policy):
         # What one request already open on a pod costs a newcomer there, in prompt tokens to compute.
         # With continuous batching a decoding neighbour adds about one token of work per step, far less
         # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
-        # requests open than another (then one spill also warms a second pod for that prefix): 4 for a
-        # 128-token system prompt, the daemon's own rank slack. 64 spilled too soon, lowering
-        # bench/router.py's hit rate (docs/router.md, the table of the two changes under "Benchmark").
+        # requests open than another (one spill then also warms a second pod for that prefix); 4 for a
+        # 128-token system prompt, the daemon's own rank slack (docs/router.md, "Benchmark", has the runs).
         self.load_tokens = tokens_per_running_request
         # What one cached token a cold prompt would evict costs, in tokens to compute: twice, since the
         # next request for that prefix computes it again, and that prompt, landing in a full pool too,
-        # evicts another in turn. Counted once, a 12-block prompt that would push 8 of a full pool's blocks out
-        # tied with 4 requests open on a pod just reset, and the tie (load) filled the full pool:
-        # bench/router_compare.py lost a system prompt in one run of two that way (docs/router.md).
+        # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs).
         self.eviction_weight = 2
 
     def predict(
@@ -187,15 +184,11 @@ class PrefixAware(Policy):
         """For a prompt no candidate holds any of: the tokens of cached blocks each candidate's pool would
         lose to it, times `eviction_weight`. A pool as full as `fill` (the share of its blocks cached or
         just sent) gives that share of a newcomer's blocks to cached ones, sooner or later: all of them
-        in a full pool, none in an empty one. Equal on pools filled alike (load decides, as before), it
-        sends a cold prompt to the pod with more room, as sglang-router sends it to its smallest tree:
-        after a reset, to the pod just reset (bench/router_compare.py, one pod reset behind the router's
-        back: hit share 0.625 by load alone, 0.652 counting only the blocks a full pool must evict now,
-        sglang-router 0.661), and before, to the pod holding fewer system prompts (counting only what
-        must be evicted now, a pool with room for one more took a fifth prompt by load and later evicted
-        one of its other four, one run in four). Zero for all unless every candidate is a rank whose pool size
-        is known, and for a prompt cached (or just sent) anywhere: there the cached tokens and the load
-        decide, as tuned."""
+        in a full pool, none in an empty one. Equal on pools filled alike (load decides), it sends a cold
+        prompt to the pod with more room, as sglang-router sends it to its smallest tree: after a reset,
+        to the pod just reset; before, to the pod holding fewer prompts, which would otherwise evict one of
+        its own later. Zero for all unless every candidate is a rank whose pool size is known, and for a
+        prompt cached (or just sent) anywhere: there the cached tokens and the load decide."""
         out = []
         for pod, rank, cached in candidates:
             fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
