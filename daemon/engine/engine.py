@@ -2,7 +2,8 @@
 
 It is synchronous and single-threaded on purpose. Whoever drives it (the server's engine loop, a
 benchmark, a test) calls `step()` in a loop and calls `reset_prefix_cache()` / `stats()` between two
-steps, so a reset can never race a step. Loading a checkpoint is `loader.py`'s job.
+steps, so a reset can never race a step. What it steps (model, pool, scheduler, runner) is built by
+`build.py`; resets and stats are `kv/control.py`'s, admission checks `admission.py`'s.
 """
 
 from __future__ import annotations
@@ -10,127 +11,55 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from kvpilot.daemon.engine.admission import QueueFull, RequestRejected, check_fits
+from kvpilot.daemon.engine.build import build_engine
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.cpu_budget import engine_threads
-from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager, KVTransfers
-from kvpilot.daemon.engine.kv.cache_scope import scope_filter
-from kvpilot.daemon.engine.kv.offload import DiskTier, HostTier, KVOffload, checkpoint_files
-from kvpilot.daemon.engine.loader import load
-from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
+from kvpilot.daemon.engine.kv.cache_manager import KVTransfers
+from kvpilot.daemon.engine.kv.control import CacheControl
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.pause import PauseState, stopped_output
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
-from kvpilot.daemon.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.daemon.engine.scheduler import SchedulerOutput
 from kvpilot.daemon.engine.weights.lora import (
     LoRAAdapter,
     LoRAError,
-    LoRARegistry,
     check_name,
-    load_adapter,
-    parse_lora_modules,
 )
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
-from kvpilot.kernels import select_ops
-from kvpilot.kv.block_keys import key_scheme
 from kvpilot.kv.reset_scope import ResetScope
-
-if TYPE_CHECKING:
-    from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
 
-class RequestRejected(ValueError):
-    """The request can never run here (too long for the context or the KV pool, duplicate id).
-    `param` names the offending input and `code` the reason, for the server's error reply."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class QueueFull(RuntimeError):
-    """`max_queued_requests` requests are already waiting: try again later (the server's 503)."""
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
-        config.validate()
-        self.device = config.torch_device()
-        if self.device.type == "cpu":
-            # OpenMP threads that compete for more cores than the container may use spin-wait each
-            # other into a 5-10x slower step: follow the affinity mask and the cgroup CPU quota.
-            torch.set_num_threads(engine_threads(config.cpu_threads))
-        self.dtype = config.torch_dtype(self.device)
-        self.ops = select_ops(self.device, config.kernel_backend)
-        loaded = load(config.model, self.ops, self.dtype, self.device)
-        self.model_name, self.model_dir, self.tokenizer = loaded.name, loaded.model_dir, loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        model = loaded.model
-        tp = None
-        if config.tensor_parallel_size > 1:
-            from kvpilot.daemon.engine.parallel.tp import TensorParallel
-
-            tp = TensorParallel(config, model, self.device)  # shards `model`: rank 0 of the group
-
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(model)
-        if tp is not None:
-            tp.share_num_blocks(self.num_blocks)
-        pool_tokens = self.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
-        if pool_tokens < self.max_model_len:
-            log.warning(
-                "KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, self.max_model_len
-            )
-            self.max_model_len = pool_tokens
-
-        offload = self._start_offload(model) if config.offloads_kv else None
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, offload)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
-        )
-        self.loras = self._load_loras(model)
-        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.dtype, self.device)
-        if tp is not None:
-            self.runner.on_step = tp.send_step
+        parts = build_engine(config or EngineConfig())
+        self.config = parts.config
+        self.device, self.dtype, self.ops = parts.device, parts.dtype, parts.ops
+        self.model_name, self.model_dir, self.tokenizer = parts.model_name, parts.model_dir, parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.num_blocks, self.max_model_len = parts.num_blocks, parts.max_model_len
+        self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
+        self.loras, self.keys, self.kv_events = parts.loras, parts.keys, parts.kv_events
         self.sampler = Sampler()
+        self.cache = CacheControl(
+            self.kv,
+            self.scheduler,
+            self.kv_events,
+            self.config.block_size,
+            self.config.max_loras if self.config.enable_lora else 0,
+        )
         self._groups: dict[str, list[Request]] = {}
         self._added: dict[str, EngineRequest] = {}  # each group as added: what a weight swap restarts
-        self.keys = key_scheme(config.prefix_caching_hash_algo)
-        self.kv_events = self._start_kv_events()  # None when off: nothing is recorded
-        if offload is not None and self.kv_events is not None:
-            offload.on_stored = self.kv_events.recorder.block_offloaded
-            offload.on_removed = self.kv_events.recorder.block_removed
-        self._resets = 0
-        self._last_reset_time: float | None = None
-        self.weight_version = config.weight_version or INITIAL_VERSION
-        self._weight_key = config.weight_version  # None: unnamed initial weights add nothing to block keys
+        self.weight_version = self.config.weight_version or INITIAL_VERSION
+        self._weight_key = self.config.weight_version  # None: unnamed initial weights add nothing to keys
         self.paused = PauseState()
-        log.info(
-            "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
-            self.model_name,
-            self.model_dir,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-            config.tensor_parallel_size,
-            self.ops.name,
-            torch.get_num_threads(),
-            self.num_blocks,
-            config.block_size,
-            self.num_blocks * kv_bytes_per_block(model, config.block_size, self.dtype) / 2**20,
-            self.max_model_len,
-        )
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -155,7 +84,7 @@ class LLMEngine:
         params.validate()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        self._check_fits(prompt_token_ids, params)
+        check_fits(prompt_token_ids, params, self.max_model_len, self.runner.model.args.vocab_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
         lora = adapter
@@ -332,85 +261,15 @@ class LLMEngine:
                 self._added.pop(seq.group_id, None)
         return out
 
-    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
-        """The one context-length check: the prompt, and the prompt plus an explicit max_tokens."""
-        if not prompt:
-            raise RequestRejected("the prompt is empty", "prompt")
-        n, limit = len(prompt), self.max_model_len
-        if n >= limit + (params.max_tokens == 0):
-            raise RequestRejected(
-                f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
-                "(at least one token must be left for the completion)",
-                "prompt",
-                "context_length_exceeded",
-            )
-        if n + params.max_tokens > limit:
-            raise RequestRejected(
-                f"This model's maximum context length is {limit} tokens; you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion)",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        vocab = self.runner.model.args.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in prompt):
-            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-
     # ---- operations (call between steps) -----------------------------------------------------
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, scope: ResetScope | None = None
     ) -> ResetResult:
-        """Make every cached block unreachable now, or with `scope` those of one adapter, salt or weight
-        version. Running requests keep the KV they hold (never re-indexed); with `reset_running_requests`
-        they (those of the scope) are preempted and recomputed instead."""
-        start = time.perf_counter()
-        in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if scope is None:
-            preempted = self.scheduler.preempt_running() if reset_running_requests else 0
-            evicted = self.kv.reset_prefix_cache()  # every tier
-        else:
-            match = scope_filter(scope, INITIAL_VERSION)
-            preempted = (
-                self.scheduler.preempt_running(lambda r: match(r.cache_scope))
-                if reset_running_requests
-                else 0
-            )
-            evicted = self.kv.reset_prefix_cache(match)
-        self._resets += 1
-        self._last_reset_time = time.time()
-        if self.kv_events is not None:
-            self.kv_events.flush()  # AllBlocksCleared is on its way before the reset answers
-        return ResetResult(
-            success=True,
-            epoch=self.kv.epoch,
-            evicted_blocks=evicted["pool"],
-            in_flight_requests=in_flight,
-            preempted_requests=preempted,
-            duration_ms=(time.perf_counter() - start) * 1e3,
-            evicted_by_tier=evicted,
-            scope=None if scope is None else scope.to_dict(),
-        )
+        """Make every cached block unreachable now, or those of one scope (`CacheControl.reset`)."""
+        return self.cache.reset(reset_running_requests, scope)
 
     def stats(self) -> CacheStats:
-        pool = self.kv.pool
-        return CacheStats(
-            epoch=pool.epoch,
-            block_size=self.config.block_size,
-            blocks_total=pool.num_blocks,
-            blocks_free=pool.num_free_blocks - pool.num_cached_blocks,
-            blocks_cached=pool.num_cached_blocks,
-            blocks_used=pool.num_used_blocks,
-            query_tokens=self.kv.query_tokens,
-            hit_tokens=self.kv.hit_tokens,
-            resets=self._resets,
-            last_reset_time=self._last_reset_time,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            offload=self.kv.offload.stats() if self.kv.offload is not None else (),
-            max_loras=self.config.max_loras if self.config.enable_lora else 0,
-            lora_running=_adapter_names(self.scheduler.running),
-            lora_waiting=_adapter_names(self.scheduler.waiting),
-        )
+        return self.cache.stats()
 
     # ---- pause and weight generations (weights/control.py drives them, between two steps) -------------
     def pause(self, mode: PauseMode, on_drained: Callable[[], None]) -> tuple[list[RequestOutput], bool]:
@@ -520,76 +379,3 @@ class LLMEngine:
             self.kv_events.close()
         if self.kv.offload is not None:
             self.kv.offload.close()
-
-    def _load_loras(self, model) -> LoRARegistry:  # noqa: ANN001
-        """The adapters --lora-modules names, each checked against the base model (a bad one stops the
-        start with its reason)."""
-        c = self.config
-
-        def read(name: str, path: str | Path) -> LoRAAdapter:
-            return load_adapter(name, path, model, c.max_lora_rank, self.dtype, self.device)
-
-        loras = LoRARegistry(read, c.max_cpu_loras)
-        if c.enable_lora:
-            for name, path in parse_lora_modules(c.lora_modules).items():
-                loras.add(read(name, path))
-        return loras
-
-    def _start_offload(self, model) -> KVOffload:  # noqa: ANN001
-        """The tiers below the pool (kv/offload.py); a data-parallel rank gets its share of each and a
-        directory of its own."""
-        c = self.config
-        shape = kv_block_shape(model, c.block_size)
-        block_bytes = kv_bytes_per_block(model, c.block_size, self.dtype)
-        share = c.data_parallel_size
-        host = disk = None
-        if c.kv_offloading_size is not None:
-            host = HostTier(int(c.kv_offloading_size * 2**30) // share, block_bytes)
-        if c.kv_offloading_dir is not None:
-            root = Path(c.kv_offloading_dir)
-            if share > 1:
-                root /= f"rank-{c.data_parallel_rank}"
-            identity = {"model": str(self.model_dir), "files": checkpoint_files(self.model_dir)}
-            disk = DiskTier(root, int(c.kv_offloading_dir_size * 2**30) // share, shape, self.dtype, identity)
-        log.info(
-            "KV offloading: host %s, disk %s, %.0f KiB a block",
-            f"{host.capacity_bytes / 2**30:.2f} GiB" if host else "off",
-            f"{disk.root} ({disk.capacity_bytes / 2**30:.2f} GiB, {len(disk)} blocks kept)"
-            if disk
-            else "off",
-            block_bytes / 1024,
-        )
-        return KVOffload(host, disk)
-
-    def _start_kv_events(self) -> KVEventPublisher | None:
-        if not self.config.kv_events_endpoint:
-            return None
-        from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
-
-        publisher = KVEventPublisher(
-            self.config.kv_events_endpoint,
-            self.config.kv_events_replay_endpoint,
-            self.config.block_size,
-            rank=self.config.data_parallel_rank,
-            token_ids=self.config.kv_events_token_ids,
-            keys=self.keys,
-            curve_dir=self.config.kv_events_curve_dir,
-            # every block the rank can hold, offload tiers included: a consumer caps its index of this
-            # rank at it (router/kv/index.py), and a tier holds blocks the pool no longer does
-            blocks_total=self.num_blocks + (self.kv.offload.capacity_blocks if self.kv.offload else 0),
-        )
-        self.kv.pool.events = publisher.recorder
-        return publisher
-
-    def _blocks_from_memory(self, model) -> int:  # noqa: ANN001
-        per_block = kv_bytes_per_block(model, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        return max(1, budget // per_block)
-
-
-def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
-    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpilot.daemon.engine.kv.offload import HostBlock
+from kvpilot.daemon.engine.kv.host_tier import HostBlock
 from kvpilot.daemon.engine.models import ForwardBatch
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.daemon.engine.scheduler import SchedulerOutput

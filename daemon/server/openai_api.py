@@ -20,8 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.daemon.engine.admission import QueueFull, RequestRejected
 from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
-from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine

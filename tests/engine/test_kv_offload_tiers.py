@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope, scope_dir_name
-from kvpilot.daemon.engine.kv.offload import MAX_SCOPE_FILE_BYTES, DiskTier, HostBlock, HostTier, KVOffload
+from kvpilot.daemon.engine.kv.disk_tier import MAX_SCOPE_FILE_BYTES, DiskTier
+from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
+from kvpilot.daemon.engine.kv.offload import KVOffload
 from kvpilot.kv.block_keys import BlockHash
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block_size, kv heads, head dim

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.daemon.engine.engine import RequestRejected
+from kvpilot.daemon.engine.admission import RequestRejected
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.engine.weights.lora import LoRAError
 from kvpilot.kv.block_keys import HASH_ALGOS, KeyScheme
@@ -191,7 +191,7 @@ def test_bad_adapters_are_refused_with_their_reason(
 
 
 def test_a_request_for_an_unknown_adapter_is_refused(lora_engine, chat_prompts) -> None:  # noqa: ANN001
-    from kvpilot.daemon.engine.engine import RequestRejected
+    from kvpilot.daemon.engine.admission import RequestRejected
 
     with pytest.raises(RequestRejected, match="no LoRA adapter 'nope'"):
         lora_engine.add_request("u1", chat_prompts[0], SamplingParams(max_tokens=1), lora_name="nope")

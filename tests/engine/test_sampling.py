@@ -69,7 +69,7 @@ def test_bad_parameters_are_refused(engine, params: SamplingParams) -> None:  # 
 
 
 def test_prompts_that_cannot_fit_are_refused(engine) -> None:  # noqa: ANN001
-    from kvpilot.daemon.engine.engine import RequestRejected
+    from kvpilot.daemon.engine.admission import RequestRejected
 
     with pytest.raises(RequestRejected):
         engine.add_request("long", [5] * engine.max_model_len, SamplingParams())
@@ -88,7 +88,7 @@ def test_tiny_temperature_is_greedy_and_odd_salts_hash(engine) -> None:  # noqa:
 
 
 def test_rejections_name_the_parameter(engine) -> None:  # noqa: ANN001
-    from kvpilot.daemon.engine.engine import RequestRejected
+    from kvpilot.daemon.engine.admission import RequestRejected
 
     with pytest.raises(RequestRejected) as err:
         engine.add_request("float", [1.5, 2], SamplingParams())

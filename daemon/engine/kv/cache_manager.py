@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from kvpilot.daemon.engine.kv.block_pool import BlockPool, KVBlock, ScopeIndex
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
-from kvpilot.daemon.engine.kv.offload import DiskTier, HostBlock, HostTier, KVOffload
+from kvpilot.daemon.engine.kv.disk_tier import DiskTier
+from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
+from kvpilot.daemon.engine.kv.offload import KVOffload
 from kvpilot.daemon.engine.request import Request
 from kvpilot.kv.block_keys import BlockHash
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.daemon.engine.admission import QueueFull, RequestRejected
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
@@ -37,7 +38,6 @@ from kvpilot.daemon.engine.client import (
 )
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.cpu_budget import available_cpus
-from kvpilot.daemon.engine.engine import QueueFull, RequestRejected
 from kvpilot.daemon.engine.kv.publisher import describe_ranks, rank_endpoint
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult

@@ -1,0 +1,379 @@
+"""The disk tier below the host tier: blocks as files, one generation directory per reset and one
+directory per cache scope in it (the tiers as a whole: offload.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope, scope_dir_name, scope_from_record, scope_record
+from kvpilot.daemon.engine.kv.host_tier import HostBlock
+from kvpilot.daemon.engine.outputs import TierStats
+from kvpilot.kv.block_keys import BlockHash
+
+log = logging.getLogger(__name__)
+
+
+DISK = "disk"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "kvpilot-kv-offload-v2"  # v2: a directory per cache scope in each generation
+SCOPE_FILE = "scope.json"
+# A scope.json holds a weight version, an adapter name and digest and a salt, each bounded where the daemon
+# takes it (well under 8 KiB together); a bigger one is not the daemon's and is removed unread.
+MAX_SCOPE_FILE_BYTES = 64 << 10
+# Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
+# instead of spilled (a slow disk must not grow the daemon's memory without bound).
+MAX_PENDING_WRITE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    """A disk read on its way for a waiting request: the blocks from `first` on, read in `generation`."""
+
+    first: BlockHash
+    generation: int
+    future: Future[list[HostBlock]]
+
+
+class DiskTier:
+    """Blocks as files `<dir>/gen-<N>/<scope>/<key hex>.kv`, raw bytes of the block's tensor, one directory per
+    cache scope (weights, adapter, salt: `cache_scope.py`) with that scope in its `scope.json`.
+
+    `manifest.json` names the current generation and what the files were computed by (the checkpoint's
+    files, dtype, block shape). A reset writes the next generation into the manifest before it answers,
+    then the worker removes the old directory; a write that was in flight lands in the old directory and
+    is never read. A scoped reset renames the scope's directories to `dropped-*` before it answers (one
+    rename each, whatever they hold; the worker removes them afterwards), so a restart never finds them
+    again. A daemon that starts over a directory keeps the manifest's generation only when it matches the
+    same checkpoint and shape (a restart keeps the warm disk tier, never one from before a reset or from
+    other weights); every other `gen-*` directory, and every `dropped-*` one, is removed.
+    """
+
+    name = DISK
+
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        identity: dict,
+    ) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.shape = block_shape
+        self.dtype = dtype
+        self.block_bytes = torch.Size(block_shape).numel() * torch.finfo(dtype).bits // 8
+        self._identity = {
+            "format": MANIFEST_FORMAT,
+            "shape": list(block_shape),
+            "dtype": str(dtype),
+            **identity,
+        }
+        self._lock = threading.Lock()  # the index and generation, shared with the writer thread
+        self._index: OrderedDict[BlockHash, str] = OrderedDict()  # key -> its scope's directory name
+        self._scopes: dict[str, CacheScope] = {}  # directory name -> scope, for scoped resets
+        self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
+        self._pending_bytes = 0
+        self._writing: dict[BlockHash, str] = {}  # queued writes not discarded since, with their scope
+        self._dropped = 0  # scope directories renamed away by scoped resets, for unique names
+        self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
+        root.mkdir(parents=True, exist_ok=True)
+        self.generation = self._open()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def prefetch(self, keys: list[BlockHash]) -> Prefetch:
+        """Read these blocks on the reader thread; the result stops at the first one that is gone."""
+        with self._lock:
+            gen = self.generation
+
+        def read() -> list[HostBlock]:
+            out = []
+            for key in keys:
+                block = self.get(key)
+                if block is None:
+                    break
+                out.append(block)
+            return out
+
+        return Prefetch(keys[0], gen, self._reader.submit(read))
+
+    def get(self, key: BlockHash) -> HostBlock | None:
+        with self._lock:
+            scope_dir = self._index.get(key)
+            if scope_dir is None:
+                return None
+            path = self._path(self.generation, scope_dir, key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None  # evicted by the writer meanwhile
+        if len(raw) != self.block_bytes:
+            log.warning(
+                "disk tier: %s has %d bytes, not %d; dropping it", path.name, len(raw), self.block_bytes
+            )
+            self.discard(key)
+            return None
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(self.shape)
+        return HostBlock(data)
+
+    def put(self, key: BlockHash, block: HostBlock) -> bool:
+        """Queue the block's write (`block.scope` set); False (dropped) when the writer is too far behind."""
+        assert block.scope is not None, "a block goes to disk with the scope it was computed under"
+        if self._pending_bytes + self.block_bytes > MAX_PENDING_WRITE_BYTES:
+            self.dropped_blocks += 1
+            return False
+        scope_dir = scope_dir_name(block.scope)
+        with self._lock:
+            self._pending_bytes += self.block_bytes
+            self._writing[key] = scope_dir
+            self._scopes[scope_dir] = block.scope
+            gen = self.generation
+        self._queue.put(("write", gen, key, (scope_dir, block)))
+        return True
+
+    def discard(self, key: BlockHash) -> bool:
+        """Forget the block (its file goes on the writer thread); False when it was not here."""
+        with self._lock:
+            self._writing.pop(key, None)  # a write on its way is dropped when it lands
+            scope_dir = self._index.pop(key, None)
+            if scope_dir is None:
+                return False
+            self._queue.put(("unlink", self.generation, key, scope_dir))
+        return True
+
+    def reset(self) -> int:
+        """A new generation: nothing stored before is found again, whatever the writer is doing."""
+        with self._lock:
+            n = len(self._index)
+            old, self.generation = self.generation, self.generation + 1
+            self._index = OrderedDict()
+            self._writing.clear()
+            self._scopes.clear()
+            self._done.clear()
+            (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
+            self._write_manifest()
+        self._queue.put(("rmtree", old, None, self.root / f"gen-{old}"))
+        return n
+
+    def reset_scopes(self, match: Callable[[CacheScope], bool]) -> list[BlockHash]:
+        """Drop the blocks of the scopes `match` names; returns their keys. Each scope's directory is renamed
+        away before this returns (a write still in flight for it lands in a directory made anew and is
+        dropped there, as a discarded block's is)."""
+        with self._lock:
+            dirs = {d for d, scope in self._scopes.items() if match(scope)}
+            gone = [k for k, d in self._index.items() if d in dirs]
+            for k in gone:
+                del self._index[k]
+            # a "stored" the engine has not drained must not go out after this reset's "removed"
+            dropped = set(gone)
+            self._done = [(what, k) for what, k in self._done if k not in dropped]
+            self._writing = {k: d for k, d in self._writing.items() if d not in dirs}
+            gen_dir = self.root / f"gen-{self.generation}"
+            for d in dirs:
+                del self._scopes[d]
+                self._dropped += 1
+                away = gen_dir / f"dropped-{self._dropped}-{d}"
+                try:
+                    os.replace(gen_dir / d, away)
+                except FileNotFoundError:
+                    continue  # nothing written for it yet
+                self._queue.put(("rmtree", 0, None, away))
+        return gone
+
+    def drain(self) -> list[tuple[str, BlockHash]]:
+        """What the writer stored and evicted since the last call, for the engine's KV events."""
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued so far has landed (or was dropped); False on timeout."""
+        landed = threading.Event()
+        self._queue.put(("flush", 0, None, landed))
+        return landed.wait(timeout)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    def stats(self) -> TierStats:
+        n = len(self._index)
+        return TierStats(
+            DISK,
+            n,
+            n * self.block_bytes,
+            self.capacity_bytes,
+            self.hit_tokens,
+            self.stored_blocks,
+            self.loaded_blocks,
+        )
+
+    # ---- writer thread -------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            op, gen, key, arg = job
+            try:
+                if op == "write":
+                    self._write(gen, key, *arg)
+                elif op == "unlink":
+                    self._path(gen, arg, key).unlink(missing_ok=True)
+                elif op == "flush":
+                    arg.set()
+                else:  # rmtree: an old generation, or a scope a scoped reset renamed away
+                    shutil.rmtree(arg, ignore_errors=True)
+            except OSError as exc:
+                log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else arg, exc)
+
+    def _write(self, gen: int, key: BlockHash, scope_dir: str, block: HostBlock) -> None:
+        path = self._path(gen, scope_dir, key)
+        try:
+            block.wait()
+            self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
+            os.replace(tmp, path)
+        except OSError:
+            with self._lock:
+                self._writing.pop(key, None)
+            raise
+        finally:
+            with self._lock:
+                self._pending_bytes -= self.block_bytes
+        evicted = []
+        with self._lock:
+            if gen != self.generation:
+                return  # a reset came first: the old generation's directory goes, this file with it
+            if self._writing.get(key) != scope_dir:  # discarded (the pool computed it again) or reset
+                path.unlink(missing_ok=True)
+                return
+            del self._writing[key]
+            self._index[key] = scope_dir
+            self._index.move_to_end(key)
+            self.stored_blocks += 1
+            self._done.append(("stored", key))
+            while len(self._index) * self.block_bytes > self.capacity_bytes:
+                old, old_dir = self._index.popitem(last=False)
+                evicted.append((old, old_dir))
+                self._done.append(("removed", old))
+        for old, old_dir in evicted:
+            self._path(gen, old_dir, old).unlink(missing_ok=True)
+
+    def _make_scope_dir(self, directory: Path, scope: CacheScope) -> None:
+        """The scope's directory with its scope.json (written before any block, renamed into place)."""
+        if directory.is_dir():
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (SCOPE_FILE + ".tmp")
+        tmp.write_text(json.dumps(scope_record(scope)))
+        os.replace(tmp, directory / SCOPE_FILE)
+
+    # ---- the directory -------------------------------------------------------------------------
+    def _path(self, gen: int, scope_dir: str, key: BlockHash) -> Path:
+        return self.root / f"gen-{gen}" / scope_dir / f"{key.hex()}.kv"
+
+    def _open(self) -> int:
+        """The generation to serve: the manifest's when it matches these weights and shape, with the
+        files it holds; otherwise a new empty one. Other generations, scopes a scoped reset dropped and
+        anything that is not a scope directory with its scope.json are removed."""
+        gen = 0
+        try:
+            manifest = json.loads((self.root / MANIFEST).read_text())
+            gen = int(manifest["generation"])
+            keep = {k: v for k, v in manifest.items() if k != "generation"} == self._identity
+        except (OSError, ValueError, KeyError, TypeError):
+            keep = False
+        if not keep:
+            gen += 1
+        for d in self.root.glob("gen-*"):
+            if d.name != f"gen-{gen}":
+                shutil.rmtree(d, ignore_errors=True)
+        current = self.root / f"gen-{gen}"
+        current.mkdir(exist_ok=True)
+        files = []
+        for d in current.iterdir():
+            scope = self._read_scope(d)
+            if scope is None:
+                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+                continue
+            self._scopes[d.name] = scope
+            for p in d.glob("*.tmp"):
+                p.unlink(missing_ok=True)
+            files += [(p.stat().st_mtime_ns, d.name, p) for p in d.glob("*.kv")]
+        for _, scope_dir, p in sorted(files):
+            try:
+                key = BlockHash(bytes.fromhex(p.stem))
+            except ValueError:
+                key = None
+            if key is None or p.stat().st_size != self.block_bytes:
+                p.unlink(missing_ok=True)
+                continue
+            self._index[key] = scope_dir
+        while len(self._index) * self.block_bytes > self.capacity_bytes:
+            old, old_dir = self._index.popitem(last=False)
+            self._path(gen, old_dir, old).unlink(missing_ok=True)
+        self.generation = gen
+        self._write_manifest()
+        if self._index:
+            log.info(
+                "disk tier %s: %d blocks kept from before this start (generation %d)",
+                self.root,
+                len(self._index),
+                gen,
+            )
+        return gen
+
+    @staticmethod
+    def _read_scope(d: Path) -> CacheScope | None:
+        """A scope directory's scope; None for a `dropped-*` one, a stray file, or a scope.json that does
+        not parse or is over MAX_SCOPE_FILE_BYTES (all removed: a block must never be served under a scope
+        it was not computed in)."""
+        if not d.is_dir() or d.name.startswith("dropped-"):
+            return None
+        try:
+            with open(d / SCOPE_FILE, "rb") as f:
+                raw = f.read(MAX_SCOPE_FILE_BYTES + 1)
+            if len(raw) > MAX_SCOPE_FILE_BYTES:
+                return None
+            scope = scope_from_record(json.loads(raw))
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
+            return None
+        return scope if scope_dir_name(scope) == d.name else None
+
+    def _write_manifest(self) -> None:
+        tmp = self.root / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({**self._identity, "generation": self.generation}))
+        os.replace(tmp, self.root / MANIFEST)
+
+
+def checkpoint_files(model_dir: Path) -> list[list]:
+    """What the disk tier's blocks were computed from: each checkpoint file's name, size and mtime (a
+    digest of gigabytes would cost a start seconds; a changed file changes its size or mtime)."""
+    return [
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(model_dir.iterdir())
+        if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()
+    ]
