@@ -22,7 +22,6 @@ from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.cache_manager import KVTransfers
 from kvpilot.daemon.engine.kv.control import CacheControl
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
-from kvpilot.daemon.engine.pause import PauseState, stopped_output
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
 from kvpilot.daemon.engine.scheduler import SchedulerOutput
@@ -32,6 +31,7 @@ from kvpilot.daemon.engine.weights.lora import (
     check_name,
 )
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
+from kvpilot.daemon.engine.weights.pause import PauseState, stopped_output
 from kvpilot.kv.reset_scope import ResetScope
 
 log = logging.getLogger(__name__)
