@@ -26,7 +26,7 @@ from kvpilot.operator.kube.owners import owner_of_kind
 from kvpilot.operator.resets import drive as resets
 from kvpilot.operator.resets.expiry import Expiry
 from kvpilot.operator.specs import FleetSpec, WeightUpdateSpec
-from kvpilot.operator.weights import update as weights
+from kvpilot.operator.weights import drive as weights
 from kvpilot.operator.weights.catchup import CatchUps
 
 # The fleets this process has seen, behind the inference_deployments gauge: process state, as the metrics

@@ -38,8 +38,9 @@ from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.retries import RunFailure
 from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import fence
+from kvpilot.operator.weights.drive import unfinished
 from kvpilot.operator.weights.status import PodUpdate, WeightResult
-from kvpilot.operator.weights.update import Run, unfinished
+from kvpilot.operator.weights.update import Run
 
 log = logging.getLogger(__name__)
 
