@@ -17,7 +17,7 @@ from typing import Any
 
 from kvpilot.kv.block_keys import KeyScheme, scheme_from_wire
 from kvpilot.kv.events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
-from kvpilot.router.kv.stream import ReplayLimits
+from kvpilot.router.kv.replay import ReplayLimits
 
 MAX_REPLY_BYTES = 1 << 20  # a reply naming 256 ranks is ~40 KiB
 MAX_RANKS = 256

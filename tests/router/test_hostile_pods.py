@@ -21,7 +21,8 @@ from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 from kvpilot.kv.block_keys import KeyScheme
 from kvpilot.router.kv.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex, index_key
 from kvpilot.router.kv.info import REPLAY_MAX_BATCHES, parse_kv_event_sources, parse_kv_events
-from kvpilot.router.kv.stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
+from kvpilot.router.kv.replay import ReplayError, ReplayLimits, fetch_replay
+from kvpilot.router.kv.stream import PodEventStream
 from support.hostile_pod import HostilePod, random_keys, seq_frame, stored, stored_keys
 from support.procs import wait_for
 from support.servers import (

@@ -16,7 +16,8 @@ from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kv.block_keys import key_scheme
 from kvpilot.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvpilot.router.kv.index import PrefixIndex
-from kvpilot.router.kv.stream import PodEventStream, ReplayChannel, ReplayError, ReplayLimits
+from kvpilot.router.kv.replay import ReplayChannel, ReplayError, ReplayLimits
+from kvpilot.router.kv.stream import PodEventStream
 from support.kv_events import BS, kv_events_engine, replay_all, wait_replayed
 
 pytestmark = pytest.mark.timeout(300)

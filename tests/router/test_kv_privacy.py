@@ -30,7 +30,8 @@ from kvpilot.kv.events import (
     encode_batches,
 )
 from kvpilot.router.kv.index import PrefixIndex
-from kvpilot.router.kv.stream import PodEventStream, ReplayError, ReplayLimits, fetch_replay
+from kvpilot.router.kv.replay import ReplayError, ReplayLimits, fetch_replay
+from kvpilot.router.kv.stream import PodEventStream
 from kvpilot.router.settings import RouterSettings
 from support.kv_events import BS, kv_events_engine, write_fleet_keys
 from support.procs import free_port

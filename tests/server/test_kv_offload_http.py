@@ -11,7 +11,7 @@ import pytest
 import zmq.asyncio
 
 from kvpilot.kv.events import decode_batch
-from kvpilot.router.kv.stream import fetch_replay
+from kvpilot.router.kv.replay import fetch_replay
 from support.procs import free_port
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
 

@@ -15,7 +15,7 @@ import zmq.asyncio
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.kv import sockets as kv_sockets
-from kvpilot.router.kv.stream import fetch_replay
+from kvpilot.router.kv.replay import fetch_replay
 
 BS = 16  # tokens per block of these engines
 

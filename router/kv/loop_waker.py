@@ -1,0 +1,57 @@
+"""Waking a task on its ZeroMQ sockets from the event loop's own descriptor watch, instead of pyzmq's
+asyncio poller: kept in this one module because it leans on how libzmq signals (edge-triggered descriptors,
+`EVENTS` read to quiet them), which a pyzmq or libzmq upgrade may change; the KV event tests fail if it
+stops waking (tests/router/test_kv_events.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+
+
+class LoopWaker:
+    """Wakes a task when one of its ZeroMQ sockets may hold a message: the sockets' descriptors are watched
+    by the event loop itself, not by pyzmq's asyncio poller, which cost ~0.3 ms of CPU a wait (its futures,
+    a zmq_poll and a reader registered anew on each call: most of what the router spent per request on
+    events, bench/router_compare.py). Like every ZeroMQ descriptor they are edge-triggered: the task calls
+    `clear()`, then reads each socket while `has_message`, and waits only once none holds one."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._woken = asyncio.Event()
+        self._fds: list[int] = []
+
+    def watch(self, sock: zmq.Socket) -> zmq.Socket:
+        """Wake on `sock` from now on; returns it as a plain (blocking-API) socket, read with NOBLOCK."""
+        plain = zmq.Socket.shadow(sock.underlying)
+        self._fds.append(plain.FD)
+        self._loop.add_reader(plain.FD, self._wake, plain)
+        return plain
+
+    def _wake(self, sock: zmq.Socket) -> None:
+        # Reading EVENTS takes in what libzmq signalled, which quiets the descriptor: without it the
+        # loop, level-triggered, would call this again and again while the task awaits something else.
+        sock.get(zmq.EVENTS)
+        self._woken.set()
+
+    def clear(self) -> None:
+        self._woken.clear()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True once woken since `clear()`; False after `timeout_s` without."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._woken.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
+        self._fds.clear()
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
