@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine.parallel.dp_engine import cpu_shares
 from kvpilot.daemon.engine.parallel.dp_policy import PrefixAwarePolicy
+from kvpilot.daemon.engine.parallel.placement import cpu_shares
 from kvpilot.kv.block_keys import key_scheme
 
 SYSTEM = list(range(100, 164))  # four full blocks of 16

@@ -11,7 +11,7 @@ IPC is a pair of one-way `multiprocessing` pipes per rank carrying pickled tuple
   pickle as they are; nothing to keep in step with a second schema, and no extra dependency.
 The pipes are local and carry a few hundred bytes per request per step, far from being the bottleneck.
 
-Each rank gets its share of the CPUs (pinned, torch threads = the share) or its own CUDA device.
+Each rank gets its share of the CPUs (pinned, torch threads = the share) or its own CUDA device (placement.py).
 A dead rank makes the loop not `alive` (/health 503); nothing is rerouted: its KV and its requests are
 gone, so the pod should restart, which a failing /health brings about.
 """
@@ -37,12 +37,12 @@ from kvpilot.daemon.engine.client import (
     WeightOperations,
 )
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.cpu_budget import available_cpus
-from kvpilot.daemon.engine.kv.publisher import describe_ranks, rank_endpoint
+from kvpilot.daemon.engine.kv.publisher import describe_ranks
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.parallel.dp_policy import PrefixAwarePolicy
 from kvpilot.daemon.engine.parallel.dp_rank import RankInfo, rank_main
+from kvpilot.daemon.engine.parallel.placement import rank_configs
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weights.lora import parse_lora_modules, served_adapter
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
@@ -54,55 +54,6 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 STOP_TIMEOUT_S = 10.0
-
-
-def cpu_shares(num_ranks: int, cpus: list[int]) -> list[list[int]]:
-    """Split the CPUs into contiguous shares, one per rank; with fewer CPUs than ranks, ranks share."""
-    if len(cpus) < num_ranks:
-        return [[cpus[r % len(cpus)]] for r in range(num_ranks)]
-    base, extra = divmod(len(cpus), num_ranks)
-    shares, start = [], 0
-    for r in range(num_ranks):
-        size = base + (r < extra)
-        shares.append(cpus[start : start + size])
-        start += size
-    return shares
-
-
-def rank_configs(config: EngineConfig, size: int) -> tuple[list[EngineConfig], list[list[int] | None]]:
-    """Each rank's engine config and CPU pinning: on CUDA its own device, on the CPU its share; each
-    rank's KV events on their own ports (`kv_events.rank_endpoint`)."""
-    configs, shares = _placement(config, size)
-    return [
-        dataclasses.replace(
-            c,
-            data_parallel_rank=r,
-            kv_events_endpoint=rank_endpoint(c.kv_events_endpoint, r),
-            kv_events_replay_endpoint=rank_endpoint(c.kv_events_replay_endpoint, r),
-        )
-        for r, c in enumerate(configs)
-    ], shares
-
-
-def _placement(config: EngineConfig, size: int) -> tuple[list[EngineConfig], list[list[int] | None]]:
-    device = config.torch_device()
-    if device.type == "cuda":
-        import torch
-
-        if torch.cuda.device_count() < size:
-            raise ValueError(
-                f"--data-parallel-size {size} needs {size} CUDA devices; {torch.cuda.device_count()} visible"
-            )
-        return [dataclasses.replace(config, device=f"cuda:{r}") for r in range(size)], [None] * size
-    import os
-
-    cpus = sorted(os.sched_getaffinity(0))[: available_cpus()]
-    shares = cpu_shares(size, cpus)
-    configs = [
-        dataclasses.replace(config, device="cpu", cpu_threads=config.cpu_threads or len(share))
-        for share in shares
-    ]
-    return configs, shares
 
 
 @dataclass(slots=True)
