@@ -21,11 +21,11 @@ from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
-from kvpilot.daemon.server.lora_api import ROUTES as LORA_ROUTES
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
-from kvpilot.daemon.server.weights_api import ROUTES as WEIGHT_ROUTES
+from kvpilot.daemon.server.weights.lora_routes import ROUTES as LORA_ROUTES
+from kvpilot.daemon.server.weights.routes import ROUTES as WEIGHT_ROUTES
 from kvpilot.protocol.errors import ApiError, error_middleware, error_response, unavailable
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_json_object, parse_reset_flag, parse_reset_scope

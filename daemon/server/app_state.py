@@ -44,7 +44,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     weights: WeightStatus = field(default_factory=WeightStatus)
     adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the LoRA adapters served, by name
-    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # lora_api.py's loads and unloads
+    lora_lock: asyncio.Lock = field(
+        default_factory=asyncio.Lock
+    )  # weights/lora_routes.py's loads and unloads
 
     def set_adapter(self, name: str, adapter: ServedAdapter | None) -> None:
         """Serve `adapter` as `name` (None: stop serving it): /v1/models, /health and every request

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpilot.daemon.engine.outputs import CacheStats
-from kvpilot.daemon.server.weight_metrics import WeightMetrics
+from kvpilot.daemon.server.weights.metrics import WeightMetrics
 from kvpilot.serving.build_info import register_build_info
 
 PREFIX = "kvpilot_"

@@ -4,15 +4,13 @@ A request goes forward through the layers once: it is parsed, templated and toke
 sampling parameters (`prepare.py`, in the text pool, off the event loop), then becomes one engine request
 per prompt (`EngineClient.add`), each running `best_of` (or `n`) sequences that share the prompt's KV
 blocks. Tokens come back through the engine client, are detokenized and cut at stop strings
-(`choices.py`, in the pool) and sent as JSON or server-sent events. Whatever ends a handler early
+(`choices.py`, in the pool) and sent as JSON or server-sent events (`responses.py`). Whatever ends a handler early
 (client gone, error) aborts its engine requests, so their blocks are freed before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,17 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from kvpilot.daemon.engine.admission import QueueFull, RequestRejected
-from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest
-from kvpilot.daemon.engine.outputs import RequestOutput
+from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import (
-    Choice,
     Delta,
     PromptEcho,
     Sequence,
-    chat_logprobs,
-    completion_logprobs,
     feed,
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
@@ -42,6 +36,7 @@ from kvpilot.daemon.server.prepare import (
     prepare_completion,
     prepare_tokenize,
 )
+from kvpilot.daemon.server.responses import complete, stream
 from kvpilot.daemon.server.tenants import tenant_of, tenant_salt
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
@@ -164,21 +159,6 @@ def _param_name(param: str | None, req: GenerateRequest, chat: bool) -> str | No
     return param
 
 
-def _usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> dict:
-    firsts = [o for (_, j), o in finals.items() if j == 0]  # the prompt counts once per prompt
-    prompt = sum(o.num_prompt_tokens for o in firsts)
-    completion = sum(o.num_output_tokens for o in finals.values())
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if state.engine.info.enable_prefix_caching:
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}
-    return usage
-
-
-# ---- routes -------------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, prepare_completion, "cmpl")
 
@@ -235,8 +215,8 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
         for i, p in enumerate(prep.prompts)
     ]
     if prep.req.stream:
-        return await _stream(request, state, prep, rid, gens)
-    return await _complete(state, prep, rid, gens)
+        return await stream(request, state, prep, rid, gens)
+    return await complete(state, prep, rid, gens)
 
 
 def _requested_rank(value: str | None, num_ranks: int) -> int | None:
@@ -252,224 +232,3 @@ def _requested_rank(value: str | None, num_ranks: int) -> int | None:
             f"{DP_RANK_HEADER} must be an integer from 0 to {num_ranks - 1}, got {value!r}", DP_RANK_HEADER
         )
     return rank
-
-
-async def _complete(
-    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
-) -> web.Response:
-    req = prep.req
-    created = int(time.time())
-    choices: dict[tuple[int, int], Choice] = {}
-    echoes: dict[int, PromptEcho] = {}
-    async with _merged(gens) as events:
-        async for i, d in events:
-            if d.output.restart:  # recomputed under new weights: start the choice over
-                choices[(i, d.index)] = Choice()
-                continue
-            c = choices.setdefault((i, d.index), Choice())
-            if d.echo is not None:
-                echoes[i] = d.echo
-            c.text += d.text
-            if d.logprobs is not None:
-                c.logprobs.extend(d.logprobs)
-            c.finish_reason = d.finish_reason or c.finish_reason
-            c.output = d.output
-    finals = {k: c.output for k, c in choices.items() if c.output is not None}
-    body_choices = []
-    for i in range(len(prep.prompts)):
-        group = sorted((j, c) for (p, j), c in choices.items() if p == i)
-        if req.params.n > req.n:  # best_of: the n sequences most likely as a whole
-            group.sort(key=lambda jc: -jc[1].output.cumulative_logprob)
-        for k, (_, c) in enumerate(group[: req.n]):
-            body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
-    obj = "chat.completion" if prep.chat else "text_completion"
-    versions = {o.weight_version for o in finals.values()} or {state.weights.version}
-    return json_response(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": versions.pop() if len(versions) == 1 else "mixed",
-            "choices": body_choices,
-            "usage": _usage(state, finals),
-        },
-        headers=_note_headers(req),
-    )
-
-
-def _note_headers(req: GenerateRequest) -> dict[str, str]:
-    """The fields this reply ignored, for the client to see (bounded: fields.header_value)."""
-    return {IGNORED_FIELDS_HEADER: header_value(req.ignored_fields)} if req.ignored_fields else {}
-
-
-def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> dict:
-    wants_logprobs = prep.req.params.logprobs is not None
-    if prep.chat:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c.logprobs) if wants_logprobs else None,
-            "finish_reason": c.finish_reason,
-        }
-    text, entries = c.text, c.logprobs
-    if echo is not None:
-        text = echo.text + text
-        entries = (echo.logprobs or []) + entries
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": completion_logprobs(entries) if wants_logprobs else None,
-        "finish_reason": c.finish_reason,
-    }
-
-
-@contextlib.asynccontextmanager
-async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
-    """Interleave several generations as (index, delta); an error in one ends all of them."""
-    if len(gens) == 1:
-        gen = gens[0]
-
-        async def single() -> AsyncIterator[tuple[int, Delta]]:
-            async for piece in gen:
-                yield 0, piece
-
-        try:
-            yield single()
-        finally:
-            await gen.aclose()
-        return
-
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
-        try:
-            async for piece in gen:
-                await queue.put((i, piece))
-            await queue.put((i, done))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-
-    async def events() -> AsyncIterator[tuple[int, Delta]]:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-
-    try:
-        yield events()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _stream(
-    request: web.Request, state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
-) -> web.StreamResponse:
-    async with _merged(gens) as events:
-        # Pull the first event before sending headers: an invalid request still gets a proper 4xx.
-        first = await anext(events, None)
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **_note_headers(prep.req),
-            }
-        )
-        try:
-            await resp.prepare(request)
-            await _EventStream(state, prep, rid).write(resp, first, events)
-        except ConnectionResetError:
-            pass  # the client left mid-stream: leaving the block aborts its engine requests
-        return resp
-
-
-class _EventStream:
-    """One streamed reply's server-sent events: a chunk per delta, the usage chunk, `[DONE]`."""
-
-    def __init__(self, state: ServerState, prep: Prepared, rid: str) -> None:
-        self.state = state
-        self.req = prep.req
-        self.chat = prep.chat
-        self.rid = rid
-        self.created = int(time.time())
-        self.object = "chat.completion.chunk" if prep.chat else "text_completion"
-        self.wants_logprobs = prep.req.params.logprobs is not None
-        # The weights of the chunk's tokens (each output says which computed it); chunks without tokens
-        # repeat the last one seen.
-        self.fingerprint = state.weights.version
-
-    async def write(self, resp: web.StreamResponse, first: tuple | None, events: AsyncIterator) -> None:
-        req = self.req
-        finals: dict[tuple[int, int], RequestOutput] = {}
-        started: set[int] = set()
-        try:
-            async for i, d in _chain([first] if first is not None else [], events):
-                finals[(i, d.index)] = d.output
-                self.fingerprint = d.output.weight_version or self.fingerprint
-                index = i * req.n + d.index
-                if self.chat and index not in started:
-                    started.add(index)
-                    role = {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    await resp.write(self.chunk([role]))
-                if d.text or d.finish_reason or d.echo is not None or (self.wants_logprobs and d.logprobs):
-                    await resp.write(self.chunk([self.choice(index, d)]))
-        except (EngineDeadError, ApiError) as exc:
-            err = (
-                exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
-            )
-            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        if req.include_usage:
-            await resp.write(self.chunk([], _usage(self.state, finals), final=True))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-
-    def chunk(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
-        body: dict[str, Any] = {
-            "id": self.rid,
-            "object": self.object,
-            "created": self.created,
-            "model": self.req.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
-        if self.req.include_usage:  # as OpenAI: null on every chunk but the last
-            body["usage"] = usage if final else None
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-    def choice(self, index: int, d: Delta) -> dict:
-        entries = d.logprobs
-        text = d.text
-        if self.chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            lp = chat_logprobs(entries) if self.wants_logprobs and entries else None
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        if d.echo is not None:
-            text = d.echo.text + text
-            entries = (d.echo.logprobs or []) + (entries or [])
-        lp = completion_logprobs(entries) if self.wants_logprobs and entries is not None else None
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
-
-
-async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item

@@ -15,7 +15,7 @@ from kvpilot.daemon.engine.weights.ops import (
     WeightErrorKind,
     beside_steps,
 )
-from kvpilot.daemon.server.weights_api import HTTP_STATUS, rank_entry
+from kvpilot.daemon.server.weights.routes import HTTP_STATUS, rank_entry
 
 
 def test_every_error_kind_has_a_status() -> None:

@@ -3,7 +3,7 @@ what each rank answers. A value, not a name, crosses the pipe to a data-parallel
 dispatches on its type (`WeightControl.run`), so every operation has one caller and one handler to grep.
 
 Errors are the engine's own kinds (`WeightErrorKind`); which HTTP status each answers with is the server's
-business (`daemon/server/weights_api.py`).
+business (`daemon/server/weights/routes.py`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 models/serving.py`, vLLM 0.33), so RL trainers written for vLLM drive this daemon unchanged. Both need the
 admin token; the replies carry kvpilot's extras beside vLLM's message (`digest`, `ranks`).
 
-Each runs on every rank (`weights_api.call`): never 200 unless every rank did it. A load that some ranks
+Each runs on every rank (`routes.call`): never 200 unless every rank did it. A load that some ranks
 did and others refused is undone everywhere, so no two ranks serve one name with different weights. An
 in-place load gives the adapter a new identity (its files' digest): requests already running finish with
 the weights they started with, and no block they computed is served to a later request.
@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvpilot.daemon.engine.weights.lora import LoRAError, ServedAdapter, check_name
 from kvpilot.daemon.server.app_state import ServerState
-from kvpilot.daemon.server.weights_api import WeightFailure, call, rank_timeout, route
+from kvpilot.daemon.server.weights.routes import WeightFailure, call, rank_timeout, route
 from kvpilot.protocol.errors import ApiError
 
 log = logging.getLogger(__name__)
