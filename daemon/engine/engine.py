@@ -21,6 +21,7 @@ from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.cache_manager import KVTransfers
 from kvpilot.daemon.engine.kv.control import CacheControl
+from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
 from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
@@ -61,6 +62,15 @@ class LLMEngine:
         self._weight_key = self.config.weight_version  # None: unnamed initial weights add nothing to keys
         self.paused = PauseState()
 
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The model the runner runs: what a weight update stages against and swaps into."""
+        return self.runner.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.args.vocab_size
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
         self,
@@ -84,7 +94,7 @@ class LLMEngine:
         params.validate()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        check_fits(prompt_token_ids, params, self.max_model_len, self.runner.model.args.vocab_size)
+        check_fits(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
         lora = adapter

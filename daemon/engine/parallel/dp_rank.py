@@ -82,7 +82,7 @@ def rank_main(
                 str(engine.model_dir),
                 engine.max_model_len,
                 engine.num_blocks,
-                engine.runner.model.args.vocab_size,
+                engine.vocab_size,
                 events,
             ),
             engine.stats(),

@@ -131,9 +131,7 @@ class WeightControl:
                     WeightErrorKind.OUT_OF_ORDER,
                     "a weight update is already started: finish or abort it first",
                 )
-            self._stage = WeightStage(
-                self.engine.runner.model, self.engine.config.weight_staging_memory_bytes
-            )
+            self._stage = WeightStage(self.engine.model, self.engine.config.weight_staging_memory_bytes)
             self._staged_digest = None
         return {"started": True}
 
@@ -222,7 +220,7 @@ class WeightControl:
     def info(self) -> dict:
         with self._lock:
             if self._digest is None:
-                model = self.engine.runner.model
+                model = self.engine.model
                 self._digest = weights_digest(model.named_parameters())
             return {
                 **self._describe(),
