@@ -4,6 +4,7 @@ terms the server turns into OpenAI's 400s and 503s."""
 from __future__ import annotations
 
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.daemon.engine.weights.lora import LoRAAdapter, LoRAError, LoRARegistry
 
 
 class RequestRejected(ValueError):
@@ -42,3 +43,24 @@ def check_fits(prompt: list[int], params: SamplingParams, max_model_len: int, vo
         )
     if any(type(t) is not int or not 0 <= t < vocab_size for t in prompt):
         raise RequestRejected(f"prompt token ids must be integers in [0, {vocab_size})", "prompt")
+
+
+def adapter_for(loras: LoRARegistry, name: str) -> LoRAAdapter:
+    """The adapter a request names (its weights read again if they were let go)."""
+    try:
+        lora = loras.get(name)
+    except LoRAError as exc:
+        raise RequestRejected(str(exc), "model", "invalid_lora_adapter") from None
+    if lora is None:
+        raise RequestRejected(f"no LoRA adapter {name!r} is loaded", "model", "model_not_found")
+    return lora
+
+
+def check_version(pinned: str | None, served: str) -> None:
+    """A request that pins a weight version runs only on it."""
+    if pinned is not None and pinned != served:
+        raise RequestRejected(
+            f"weight_version {pinned!r} is not served here: this server has {served!r}",
+            "weight_version",
+            "weight_version_mismatch",
+        )

@@ -13,23 +13,19 @@ import logging
 import time
 from collections.abc import Callable
 
-import torch
-
-from kvpilot.daemon.engine.admission import QueueFull, RequestRejected, check_fits
+from kvpilot.daemon.engine.admission import QueueFull, RequestRejected, adapter_for, check_fits, check_version
 from kvpilot.daemon.engine.build import build_engine
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.cache_manager import KVTransfers
 from kvpilot.daemon.engine.kv.control import CacheControl
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
-from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult, TokenLogprob
-from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams
-from kvpilot.daemon.engine.sampler import Sampler, token_logprobs
-from kvpilot.daemon.engine.scheduler import SchedulerOutput
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
+from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams, new_group
+from kvpilot.daemon.engine.sampler import Sampler
 from kvpilot.daemon.engine.weights.lora import (
     LoRAAdapter,
     LoRAError,
-    check_name,
 )
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
 from kvpilot.daemon.engine.weights.pause import PauseState, stopped_output
@@ -97,41 +93,22 @@ class LLMEngine:
         check_fits(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
-        lora = adapter
-        if lora is None and lora_name is not None:
-            try:
-                lora = self.loras.get(lora_name)  # its weights read again if they were let go
-            except LoRAError as exc:
-                raise RequestRejected(str(exc), "model", "invalid_lora_adapter") from None
-            if lora is None:
-                raise RequestRejected(f"no LoRA adapter {lora_name!r} is loaded", "model", "model_not_found")
+        if (lora := adapter) is None and lora_name is not None:
+            lora = adapter_for(self.loras, lora_name)
         limit = self.config.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFull(f"{limit} requests are already waiting")
-        if weight_version is not None and weight_version != self.weight_version:
-            raise RequestRejected(
-                f"weight_version {weight_version!r} is not served here: this server has {self.weight_version!r}",
-                "weight_version",
-                "weight_version_mismatch",
-            )
-        seqs = [
-            Request(
-                request_id if params.n == 1 else f"{request_id}#{i}",
-                list(prompt_token_ids),
-                dataclasses.replace(params, seed=params.seed_of(i)),
-                self.eos_token_ids,
-                cache_salt,
-                group_id=request_id,
-                index=i,
-                weight_key=self._weight_key,
-                keys=self.keys,
-                lora=lora,
-            )
-            for i in range(params.n)
-        ]
-        for follower in seqs[1:]:
-            follower.prompt_logprobs = None  # the first sequence scores the prompt for all
-        seqs[0].forks = seqs[1:]
+        check_version(weight_version, self.weight_version)
+        seqs = new_group(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_ids,
+            cache_salt,
+            weight_key=self._weight_key,
+            keys=self.keys,
+            lora=lora,
+        )
         self._groups[request_id] = seqs
         self._added[request_id] = EngineRequest(
             request_id,
@@ -192,7 +169,7 @@ class LLMEngine:
             self.paused.after_step(self.scheduler.has_unfinished())
             return []
         logits = self.runner.execute(out)
-        sampled = self._sample(out, logits)
+        sampled = self.sampler.sample_step(out, logits)
         advanced = self.scheduler.update(out, sampled)
         self._flush_kv_events()
         outputs = [self._output(seq) for seq in advanced]
@@ -210,39 +187,6 @@ class LLMEngine:
     def _flush_kv_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.flush()  # one batch per step
-
-    def _sample(
-        self, out: SchedulerOutput, logits: torch.Tensor
-    ) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Score prompt positions (prompt logprobs) and sample every chunk that reaches its end;
-        sequences forking off a chunk's request sample their first token from its logits row."""
-        rows: list[int] = []
-        seqs: list[Request] = []
-        first = 0
-        for c in out.chunks:
-            end = c.start + c.num_tokens
-            req = c.request
-            if req.prompt_logprobs is not None:
-                self._score_prompt(req, c.logits_from, min(end, req.num_prompt_tokens - 1), logits[first:])
-            first += end - c.logits_from
-            if c.sample:
-                for seq in (req, *(req.forks if not req.output_token_ids else ())):
-                    rows.append(first - 1)
-                    seqs.append(seq)
-        if not rows:
-            return {}
-        # A decode step samples every row in order: no need to gather a copy of the logits.
-        picked = logits if rows == list(range(len(logits))) else logits[rows]
-        tokens, logprobs = self.sampler.sample(picked, seqs)
-        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs)}
-
-    def _score_prompt(self, req: Request, start: int, stop: int, logits: torch.Tensor) -> None:
-        """Logprobs of prompt tokens start+1 .. stop from the logits of positions start .. stop-1."""
-        if stop <= start:
-            return
-        targets = req.all_token_ids[start + 1 : stop + 1]
-        found = token_logprobs(logits[: stop - start], targets, [req.params.prompt_logprobs] * len(targets))
-        req.prompt_logprobs[start + 1 : stop + 1] = found
 
     def _output(self, seq: Request) -> RequestOutput:
         done = seq.status is RequestStatus.FINISHED
@@ -332,17 +276,10 @@ class LLMEngine:
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
     def load_lora(self, name: str, path: str, inplace: bool) -> LoRAAdapter:
-        """Read and serve an adapter (LoRAError if it cannot be). May run beside the steps: the registry
-        takes it in one assignment, and requests already running keep the adapter they started with,
-        whose identity keys their blocks, so nothing the old weights computed is served after a reload."""
+        """Read and serve an adapter, beside the steps (`LoRARegistry.load`)."""
         if not self.config.enable_lora:
             raise LoRAError("LoRA adapters are off: start the daemon with --enable-lora")
-        check_name(name)
-        if name in self.loras.served and not inplace:
-            raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
-        adapter = self.loras.read(name, path)
-        self.loras.add(adapter)
-        return adapter
+        return self.loras.load(name, path, inplace)
 
     def unload_lora(self, name: str) -> bool:
         """Stop serving an adapter (False: none of that name). Its running requests finish with it."""

@@ -7,6 +7,7 @@ wait in its `forks` and branch off when it samples its first token, sharing its 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -163,3 +164,37 @@ class Request:
         if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None
+
+
+def new_group(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    cache_salt: str | None,
+    *,
+    weight_key: str | None,
+    keys: KeyScheme,
+    lora: LoRAAdapter | None,
+) -> list[Request]:
+    """One API request's `params.n` sequences: they share the prompt (the first one scores its logprobs
+    for all) and fork off the first when it samples its first token; each draws with its own seed."""
+    seqs = [
+        Request(
+            request_id if params.n == 1 else f"{request_id}#{i}",
+            list(prompt_token_ids),
+            dataclasses.replace(params, seed=params.seed_of(i)),
+            eos_token_ids,
+            cache_salt,
+            group_id=request_id,
+            index=i,
+            weight_key=weight_key,
+            keys=keys,
+            lora=lora,
+        )
+        for i in range(params.n)
+    ]
+    for follower in seqs[1:]:
+        follower.prompt_logprobs = None  # the first sequence scores the prompt for all
+    seqs[0].forks = seqs[1:]
+    return seqs

@@ -4,7 +4,8 @@ Penalties and `min_tokens` reshape the logits of the rows that ask for them; gre
 argmax; random rows are scaled, cut by top-k / top-p / min-p as one batch and drawn by inverse CDF
 (cumulative sum, one uniform per row, binary search). Only seeded rows draw their uniform from a
 generator of their own, seeded from the request's seed, so a seeded request samples the same tokens
-whatever runs beside it. Logprobs come from the fp32 logits as the model produced them.
+whatever runs beside it. Logprobs come from the fp32 logits as the model produced them. `sample_step`
+takes a scheduled step whole: the prompt logprobs its chunks score, and a row for each chunk that ends.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request
+from kvpilot.daemon.engine.scheduler import SchedulerOutput
 
 # Top-p looks at the most likely tokens in growing sets and sorts the whole vocabulary only when even the
 # larger set does not reach top_p (a flat distribution at a high temperature).
@@ -50,6 +52,31 @@ class Sampler:
             for i, lp in zip(wanted, found):
                 logprobs[i] = lp
         return token_ids, logprobs
+
+    def sample_step(
+        self, out: SchedulerOutput, logits: torch.Tensor
+    ) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Score prompt positions (prompt logprobs) and sample every chunk that reaches its end;
+        sequences forking off a chunk's request sample their first token from its logits row."""
+        rows: list[int] = []
+        seqs: list[Request] = []
+        first = 0
+        for c in out.chunks:
+            end = c.start + c.num_tokens
+            req = c.request
+            if req.prompt_logprobs is not None:
+                _score_prompt(req, c.logits_from, min(end, req.num_prompt_tokens - 1), logits[first:])
+            first += end - c.logits_from
+            if c.sample:
+                for seq in (req, *(req.forks if not req.output_token_ids else ())):
+                    rows.append(first - 1)
+                    seqs.append(seq)
+        if not rows:
+            return {}
+        # A decode step samples every row in order: no need to gather a copy of the logits.
+        picked = logits if rows == list(range(len(logits))) else logits[rows]
+        tokens, logprobs = self.sample(picked, seqs)
+        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs)}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -95,6 +122,15 @@ class Sampler:
             g.manual_seed(req.params.seed)
             self._generators[req.request_id] = g
         return g
+
+
+def _score_prompt(req: Request, start: int, stop: int, logits: torch.Tensor) -> None:
+    """Logprobs of prompt tokens start+1 .. stop from the logits of positions start .. stop-1."""
+    if stop <= start:
+        return
+    targets = req.all_token_ids[start + 1 : stop + 1]
+    found = token_logprobs(logits[: stop - start], targets, [req.params.prompt_logprobs] * len(targets))
+    req.prompt_logprobs[start + 1 : stop + 1] = found
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: list[int]) -> list[TokenLogprob]:

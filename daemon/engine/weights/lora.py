@@ -351,6 +351,17 @@ class LoRARegistry:
             self.served[adapter.name] = (adapter.path, adapter.identity)
             self._hold(adapter)
 
+    def load(self, name: str, path: str, inplace: bool) -> LoRAAdapter:
+        """Read and serve an adapter (LoRAError if it cannot be). May run beside the steps: it is taken in
+        one assignment, and requests already running keep the adapter they started with, whose identity
+        keys their blocks, so nothing the old weights computed is served after a reload."""
+        check_name(name)
+        if name in self.served and not inplace:
+            raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
+        adapter = self.read(name, path)
+        self.add(adapter)
+        return adapter
+
     def get(self, name: str) -> LoRAAdapter | None:
         """The adapter `name` with its weights (read again if they were let go); None: not served.
         LoRAError when its files no longer hold the weights it was served with."""
