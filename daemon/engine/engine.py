@@ -302,8 +302,10 @@ class LLMEngine:
         if stop <= start:
             return
         targets = req.all_token_ids[start + 1 : stop + 1]
-        found = token_logprobs(logits[: stop - start], targets, [req.params.prompt_logprobs] * len(targets))
-        req.prompt_logprobs[start + 1 : stop + 1] = found
+        top, scored = req.params.prompt_logprobs, req.prompt_logprobs
+        assert top is not None and scored is not None  # only for requests that asked for prompt logprobs
+        found = token_logprobs(logits[: stop - start], targets, [top] * len(targets))
+        scored[start + 1 : stop + 1] = found
 
     def _output(self, seq: Request) -> RequestOutput:
         done = seq.status is RequestStatus.FINISHED

@@ -15,8 +15,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -65,7 +65,7 @@ async def _generate(
     prompt_text: str,
     arrival: float,
     dp_rank: int | None,
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[Delta, None]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)
@@ -255,7 +255,7 @@ def _requested_rank(value: str | None, num_ranks: int) -> int | None:
 
 
 async def _complete(
-    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
+    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncGenerator[Delta, None]]
 ) -> web.Response:
     req = prep.req
     created = int(time.time())
@@ -279,7 +279,8 @@ async def _complete(
     for i in range(len(prep.prompts)):
         group = sorted((j, c) for (p, j), c in choices.items() if p == i)
         if req.params.n > req.n:  # best_of: the n sequences most likely as a whole
-            group.sort(key=lambda jc: -jc[1].output.cumulative_logprob)
+            # every sequence has its final output by now
+            group.sort(key=lambda jc: -cast(RequestOutput, jc[1].output).cumulative_logprob)
         for k, (_, c) in enumerate(group[: req.n]):
             body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
     obj = "chat.completion" if prep.chat else "text_completion"
@@ -325,7 +326,7 @@ def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None
 
 
 @contextlib.asynccontextmanager
-async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
+async def _merged(gens: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
     """Interleave several generations as (index, delta); an error in one ends all of them."""
     if len(gens) == 1:
         gen = gens[0]
@@ -375,7 +376,11 @@ async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterat
 
 
 async def _stream(
-    request: web.Request, state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
+    request: web.Request,
+    state: ServerState,
+    prep: Prepared,
+    rid: str,
+    gens: list[AsyncGenerator[Delta, None]],
 ) -> web.StreamResponse:
     async with _merged(gens) as events:
         # Pull the first event before sending headers: an invalid request still gets a proper 4xx.

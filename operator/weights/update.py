@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -47,6 +47,7 @@ from kvpilot.operator.fleets.builders import FLEETS, WEIGHT_UPDATES
 from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpdateSpec
 from kvpilot.operator.weights import fence
@@ -66,13 +67,13 @@ _KEEP = object()  # status.weights left as it is (an update that changed no pod)
 log = logging.getLogger(__name__)
 
 
-def unfinished(status: dict[str, Any], **_: Any) -> bool:
+def unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     """kopf's filter of the update daemon: a finished update runs nothing (no finalizer stays on it)."""
     return (status or {}).get("phase") not in DONE
 
 
 async def drive(
-    kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None, catchups: Any = None
+    kube: Kube, ns: str, name: str, logger: kopf.Logger, limiter: Any = None, catchups: Any = None
 ) -> None:
     """Run the update unless it is finished. `catchups` (catchup.CatchUps): no catch-up of the fleet runs
     meanwhile, and one looks at the fleet afterwards (the pods this update fenced)."""
@@ -94,7 +95,7 @@ async def drive(
 
 class Run:
     def __init__(
-        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: logging.Logger, limiter: Any
+        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: kopf.Logger, limiter: Any
     ) -> None:
         self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -158,7 +159,7 @@ class Run:
         if self.spec.strategy == "Rolling":
             batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
         kopf.event(
-            self.obj,
+            as_body(self.obj),
             type="Normal",
             reason="Started",
             message=f"updating {len(targets)} pods of {self.target} to {self.spec.version}",
@@ -298,9 +299,12 @@ class Run:
         listed = await self.call(targets, settings, "GET", "/v1/models")
         health = await self.call(targets, settings, "GET", "/health")
         if unknown := [t.name for t in targets if not (listed[t.name].ok and health[t.name].ok)]:
-            for n in unknown:
-                r = listed[n] if not listed[n].ok else health[n]
-                pods[n].result, pods[n].message = WeightResult.FAILED, redact(f"what it serves: {r.message}")
+            for name in unknown:
+                r = listed[name] if not listed[name].ok else health[name]
+                pods[name].result, pods[name].message = (
+                    WeightResult.FAILED,
+                    redact(f"what it serves: {r.message}"),
+                )
             why = f"{unknown[0]}: {pods[unknown[0]].message}"
             return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
         before = {
@@ -429,7 +433,10 @@ class Run:
         kind = {"Succeeded": "Complete", "Failed": "Failed", "Degraded": "Degraded"}[phase]
         conds = set_condition(conds, kind, True, reason, message, gen)
         kopf.event(
-            self.obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
+            as_body(self.obj),
+            type="Normal" if phase == "Succeeded" else "Warning",
+            reason=phase,
+            message=message,
         )
         metrics.WEIGHT_UPDATES.labels(self.ns, phase).inc()
         if (t0 := parse_time(self.start)) is not None:

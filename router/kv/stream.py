@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -178,7 +179,7 @@ class LoopWaker:
 
     def watch(self, sock: zmq.Socket) -> zmq.Socket:
         """Wake on `sock` from now on; returns it as a plain (blocking-API) socket, read with NOBLOCK."""
-        plain = zmq.Socket.shadow(sock.underlying)
+        plain: zmq.Socket = zmq.Socket.shadow(sock.underlying)
         self._fds.append(plain.FD)
         self._loop.add_reader(plain.FD, self._wake, plain)
         return plain
@@ -208,7 +209,7 @@ class LoopWaker:
 
 
 def has_message(sock: zmq.Socket) -> bool:
-    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
+    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)  # EVENTS is an int option
 
 
 _END_FRAME = END_OF_REPLAY.to_bytes(8, "big", signed=True)
