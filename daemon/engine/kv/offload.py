@@ -333,6 +333,7 @@ class DiskTier:
         path = self._path(gen, scope_dir, key)
         try:
             block.wait()
+            # a block reaches the tiers with its scope (CacheManager.store_offloaded sets it)
             self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
@@ -520,6 +521,7 @@ class KVOffload:
     def store(self, key: BlockHash, block: HostBlock) -> None:
         """A block the pool evicted: into the host tier (its overflow to disk), or straight to disk."""
         if self.host is None:
+            # an offload without a host tier has a disk tier (it is made only with one of them)
             self.disk.put(key, block)  # type: ignore[union-attr]
             return
         pushed_out = self.host.put(key, block)
