@@ -61,10 +61,12 @@ test-gpu: setup-test
 gpu-check: setup-test
 	PY=$(PY) bash hack/gpu_check.sh
 
-# ruff is pinned in pyproject's test extras: another version may format the same code differently.
+# ruff and mypy are pinned in pyproject's test extras: another version may format the same code differently,
+# or find other errors. hack/typecheck.sh runs mypy on the kvpilot package (its cache in .mypy_cache).
 lint: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PY=$(PY) bash hack/typecheck.sh
 
 bench-engine: setup
 	$(PY) bench/engine.py

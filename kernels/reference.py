@@ -7,11 +7,13 @@ N = blocks in the pool, B = block size (tokens per block), S = sequences in the 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
 from kvpilot.kernels.metadata import AttentionMetadata
-from kvpilot.kernels.reference_plan import Unit, plan_attention
+from kvpilot.kernels.reference_plan import SharedPrefix, Unit, plan_attention
 
 # Scores held at once by a long prefill chunk (elements): bounds its memory, not its result.
 _MAX_SCORES = 1 << 22
@@ -59,7 +61,7 @@ def paged_attention(
     prefixes = [
         (k_flat[p.span[0] : p.span[1]], v_flat[p.span[0] : p.span[1]])
         if p.span
-        else (k_flat.index_select(0, p.slots), v_flat.index_select(0, p.slots))
+        else (k_flat.index_select(0, _slots(p)), v_flat.index_select(0, _slots(p)))
         for p in plan.prefixes
     ]
     q = query.float() * scale  # folded into the queries: fewer elements than the scores
@@ -143,7 +145,8 @@ def _attend(
     The scores of all parts go into one softmax, laid out [Hkv, n, group, keys]: grouped query heads
     are rows of their KV head's matmul, so K/V are never repeated per head."""
     n, heads, dim = q.shape
-    kv_heads = (shared[0][0] if shared else per_seq[0]).shape[-2]
+    # at least one part: without shared ones, per_seq
+    kv_heads = (shared[0][0] if shared else cast(tuple[torch.Tensor, torch.Tensor], per_seq)[0]).shape[-2]
     group = heads // kv_heads
     qh = q.view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, n * group, dim)
     scores = [torch.matmul(qh, k.float().permute(1, 2, 0)).view(kv_heads, n, group, -1) for k, _ in shared]
@@ -176,6 +179,7 @@ def _attend(
         part = torch.matmul(p, per_seq[1].float().transpose(1, 2))  # [S, Hkv, rows * group, D]
         part = part.view(seqs, kv_heads, rows, group, dim).transpose(0, 1).reshape(kv_heads, n, group, dim)
         out = part if out is None else out.add_(part)
+    assert out is not None  # at least one part
     out = out.div_(total)
     return out.permute(1, 0, 2, 3).reshape(n, heads, dim)
 
@@ -248,3 +252,8 @@ def lora_add(
         y.add_((x @ a.T) @ b.T)
     else:
         y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+
+
+def _slots(p: SharedPrefix) -> torch.Tensor:
+    """A prefix's cache slots, there when its blocks are no span."""
+    return cast(torch.Tensor, p.slots)

@@ -155,7 +155,7 @@ def _shared_prefixes(
         if visible > 0:
             by_first.setdefault(table[0], []).append((i, visible))
     group_of: list[int | None] = [None] * len(seq_lens)
-    prefixes = []
+    prefixes: list[SharedPrefix] = []
     for members in by_first.values():
         if len(members) < 2:
             continue
@@ -170,7 +170,8 @@ def _shared_prefixes(
         for i, _ in members:
             group_of[i] = len(prefixes)
         if blocks == list(range(blocks[0], blocks[0] + n)):
-            span, slots = (blocks[0] * block_size, (blocks[0] + n) * block_size), None
+            span: tuple[int, int] | None = (blocks[0] * block_size, (blocks[0] + n) * block_size)
+            slots: torch.Tensor | None = None
         else:
             span = None
             slots = (

@@ -358,7 +358,7 @@ def paged_attention(
     if num_splits == 1:
         target, m, lse_sum = out, out, out  # m/l are unused without splits
         split_stride = 0
-        ms = (0, 0, 0)
+        ms: tuple[int, ...] = (0, 0, 0)
     else:
         target = torch.empty((num_splits, *query.shape), dtype=torch.float32, device=query.device)
         m = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)

@@ -12,7 +12,7 @@ import argparse
 import socket
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from kvpilot.cli.flags import add_command
 from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
@@ -208,7 +208,7 @@ def create_for_fleet(args: argparse.Namespace, body: dict[str, Any], what: Follo
     if _read_fleet(api, ns, args.name) is None:
         return 2
     try:
-        obj = api.create_namespaced_custom_object(GROUP, VERSION, ns, what.plural, body)
+        obj = cast(dict, api.create_namespaced_custom_object(GROUP, VERSION, ns, what.plural, body))  # JSON
     except errors as exc:
         print(f"error: creating the {body['kind']}: {api_error(exc)}", file=sys.stderr)
         return 2

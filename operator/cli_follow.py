@@ -43,7 +43,13 @@ def api_error(exc: Exception) -> str:
 
 
 def follow(
-    api: Any, ns: str, name: str, what: Followed, until: float, out: TextIO, errors: tuple[type, ...]
+    api: Any,
+    ns: str,
+    name: str,
+    what: Followed,
+    until: float,
+    out: TextIO,
+    errors: tuple[type[Exception], ...],
 ) -> int:
     """Exit code: 0 the success phase, 1 another final phase, 2 the object was deleted, 3 `until` passed."""
     from kubernetes.client.rest import ApiException

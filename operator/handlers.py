@@ -78,7 +78,7 @@ async def _counted(kind: str) -> AsyncIterator[None]:
 @kopf.on.create(GROUP, VERSION, FLEETS)
 @kopf.on.update(GROUP, VERSION, FLEETS)
 @kopf.on.resume(GROUP, VERSION, FLEETS)
-async def fleet_changed(body: kopf.Body, logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+async def fleet_changed(body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
     _fleets.add((body["metadata"]["namespace"], body["metadata"]["name"]))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
     async with _counted("InferenceDeployment"):
@@ -100,8 +100,9 @@ def _catch_up(memo: kopf.Memo, fleet: Any) -> None:
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", labels=MANAGED_BY)
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED_BY)  # spec.networkPolicy
 async def owned_changed(
-    body: kopf.Body, namespace: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+    body: kopf.Body, namespace: str | None, logger: kopf.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
+    assert namespace is not None  # a namespaced kind
     # An owned object changed (edited, deleted, pods became ready): reconcile its owner, which
     # applies it again (a no-op unless someone changed our fields) and refreshes status.
     owner = owner_of_kind(body, f"{GROUP}/{VERSION}", "InferenceDeployment")
@@ -125,7 +126,7 @@ async def owned_changed(
     "customresourcedefinitions",
     when=lambda name, **_: name == inference_pool.CRD_NAME,
 )
-async def pool_crd_changed(logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+async def pool_crd_changed(logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
     # GAIE's InferencePool CRD installed, established or removed after the fleets were reconciled: no event
     # of theirs follows, so each fleet whose router is its endpoint picker is reconciled now (its pool made,
     # or its condition turned to CRDNotInstalled). The initial listing comes here too, before or after the
@@ -143,7 +144,8 @@ async def pool_crd_changed(logger: logging.Logger, memo: kopf.Memo, **_: Any) ->
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS, optional=True)
-def fleet_deleted(namespace: str, name: str, **_: Any) -> None:
+def fleet_deleted(namespace: str | None, name: str, **_: Any) -> None:
+    assert namespace is not None  # a namespaced kind
     _fleets.discard((namespace, name))
     metrics.INFERENCE_DEPLOYMENTS.set(len(_fleets))
     for gauge in (metrics.READY_REPLICAS, metrics.DESIRED_REPLICAS, metrics.FENCED_PODS):
@@ -160,8 +162,14 @@ async def stop_expiry(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.daemon(GROUP, VERSION, RESETS, cancellation_timeout=SHUTDOWN_GRACE_S, when=resets.unfinished)
 async def reset_runs(
-    namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger, memo: kopf.Memo, **_: Any
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
+    assert namespace is not None  # a namespaced kind
     # A daemon, not a create handler: it starts for every unfinished PrefixCacheReset the operator sees, also
     # after a restart, and `drive` starts an interrupted reset over. Finished ones match no daemon: no finalizer.
     async with _counted("PrefixCacheReset"):
@@ -177,8 +185,9 @@ async def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
 
 @kopf.daemon(GROUP, VERSION, WEIGHT_UPDATES, cancellation_timeout=SHUTDOWN_GRACE_S, when=weights.unfinished)
 async def weight_update_runs(
-    namespace: str, name: str, logger: logging.Logger, memo: kopf.Memo, **_: Any
+    namespace: str | None, name: str, logger: kopf.Logger, memo: kopf.Memo, **_: Any
 ) -> None:
+    assert namespace is not None  # a namespaced kind
     # As for resets: a daemon starts for every unfinished WeightUpdate, also after a restart (it starts over).
     async with _counted("WeightUpdate"):
         await weights.drive(memo.kube, namespace, name, logger, memo.limiter, memo.catchups)

@@ -24,7 +24,7 @@ class OperatorLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         # Every handler sees the same record: decide once (a reworded record no longer looks like the original).
         if (keep := getattr(record, "_kvpilot_keep", None)) is None:
-            keep = record._kvpilot_keep = self._decide(record)  # type: ignore[attr-defined]
+            keep = record._kvpilot_keep = self._decide(record)
         return keep
 
     @staticmethod

@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import kopf
 import uvloop
@@ -104,7 +105,8 @@ def ensure_router_role(name: str) -> None:
             )
             return
     try:
-        rbac.create_cluster_role(router_cluster_role(name))
+        # the client sends a dict body as it is; its annotation names only its model class
+        rbac.create_cluster_role(router_cluster_role(name))  # type: ignore[arg-type]
         log.info("created ClusterRole %s: what fleet routers may read (the chart ships its own)", name)
     except ApiException as exc:
         if exc.status != 409:
@@ -177,7 +179,9 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
     from kvpilot.operator.kube.api import Kube
 
     try:
-        obj = Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
+        obj = cast(  # the decoded JSON object
+            dict, Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
+        )
     except Exception:  # noqa: BLE001 - namespaced peering, or no access: nothing to say
         return
     same = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import cast
 
 import aiohttp
 from aiohttp import web
@@ -87,7 +88,7 @@ async def serve(
     """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
     index = PrefixIndex()
     metrics_ = RouterMetrics()
-    policy = make_policy(settings.policy, index)
+    policy = make_policy(cast(str, settings.policy), index)  # set by RouterSettings.__post_init__
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     # Idle pod connections are dropped before a pod's header timeout would close them under a request.

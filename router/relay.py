@@ -48,6 +48,7 @@ class _Sink:
     def relay(self, data: bytes) -> bool:
         """Write `data` to the client now, if it keeps up; False: leave it to the task."""
         t = self.transport
+        assert t is not None  # only a sink with a transport relays (the task's has none)
         if self.queued or t.is_closing() or t.get_write_buffer_size() > CLIENT_BUFFER_MAX:
             self.queued = True
             return False

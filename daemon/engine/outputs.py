@@ -121,7 +121,7 @@ class CacheStats:
             query_tokens=sum(s.query_tokens for s in ranks),
             hit_tokens=sum(s.hit_tokens for s in ranks),
             resets=min(s.resets for s in ranks),
-            last_reset_time=None if None in resets else min(resets),
+            last_reset_time=None if None in resets else min(r for r in resets if r is not None),
             num_running=sum(s.num_running for s in ranks),
             num_waiting=sum(s.num_waiting for s in ranks),
             num_preemptions=sum(s.num_preemptions for s in ranks),

@@ -104,7 +104,7 @@ class Sampler:
         uniform = torch.rand(len(requests), 1, device=dev)
         for i, req in enumerate(requests):
             if req.params.seed is not None:
-                uniform[i] = torch.rand(1, generator=self._generator(req, dev), device=dev)
+                uniform[i] = torch.rand(1, generator=self._generator(req, req.params.seed, dev), device=dev)
         target = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never lands on a zero-probability token
         drawn = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         # Non-finite logits (an overflow) must not take the whole batch down: such a row degrades
@@ -115,11 +115,11 @@ class Sampler:
             drawn = torch.where(bad, greedy, drawn)
         return drawn
 
-    def _generator(self, req: Request, device: torch.device) -> torch.Generator:
+    def _generator(self, req: Request, seed: int, device: torch.device) -> torch.Generator:
         g = self._generators.get(req.request_id)
         if g is None:
             g = torch.Generator(device=device)
-            g.manual_seed(req.params.seed)
+            g.manual_seed(seed)
             self._generators[req.request_id] = g
         return g
 
@@ -129,8 +129,10 @@ def _score_prompt(req: Request, start: int, stop: int, logits: torch.Tensor) -> 
     if stop <= start:
         return
     targets = req.all_token_ids[start + 1 : stop + 1]
-    found = token_logprobs(logits[: stop - start], targets, [req.params.prompt_logprobs] * len(targets))
-    req.prompt_logprobs[start + 1 : stop + 1] = found
+    top, scored = req.params.prompt_logprobs, req.prompt_logprobs
+    assert top is not None and scored is not None  # only for requests that asked for prompt logprobs
+    found = token_logprobs(logits[: stop - start], targets, [top] * len(targets))
+    scored[start + 1 : stop + 1] = found
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: list[int]) -> list[TokenLogprob]:
@@ -140,8 +142,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], top: list[int]) -
     chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
     k = min(max(top, default=0), lp.shape[-1])
     if k:
-        values, indices = torch.topk(lp, k, dim=-1)
-        values, indices = values.tolist(), indices.tolist()
+        top_lp, top_ids = torch.topk(lp, k, dim=-1)
+        values, indices = top_lp.tolist(), top_ids.tolist()
     return [
         TokenLogprob(t, c, tuple(zip(indices[i][: top[i]], values[i][: top[i]])) if top[i] and k else ())
         for i, (t, c) in enumerate(zip(token_ids, chosen))

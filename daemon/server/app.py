@@ -131,7 +131,12 @@ async def health(request: web.Request) -> web.Response:
         reason = state.engine.error or "starting"
         return json_response({"status": "unhealthy", "reason": reason}, status=503)
     w = state.weights
-    body = {"status": "ok", "weight_version": w.version, "digest": w.digest, "paused": w.paused}
+    body: dict[str, Any] = {
+        "status": "ok",
+        "weight_version": w.version,
+        "digest": w.digest,
+        "paused": w.paused,
+    }
     if state.engine.info.enable_lora:
         # Each adapter's identity, as its blocks' keys carry it: a router keys an adapter's prompts so.
         body["lora_adapters"] = {name: a.digest for name, a in state.adapters.items()}

@@ -4,7 +4,7 @@ stop strings, logprobs as token texts), and logprobs take OpenAI's completion or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
@@ -77,7 +77,9 @@ def feed(
         seq = seqs[out.index]
         if out.prompt_logprobs is not None and echo is not None:
             first = (texts(prompt[0]), None, None)
-            echo.logprobs = [first, *(entry(texts, lp) for lp in out.prompt_logprobs[1:])]
+            # only the prompt's first token has no logprob
+            rest = cast(list[TokenLogprob], out.prompt_logprobs[1:])
+            echo.logprobs = [first, *(entry(texts, lp) for lp in rest)]
         text, stopped = seq.stops.feed(seq.detok.push(out.new_token_ids, out.finished), out.finished)
         reason = "stop" if stopped else out.finish_reason if out.finished else None
         seq.done = reason is not None
@@ -107,7 +109,7 @@ def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict:
-    def item(token: str, logprob: float) -> dict:
+    def item(token: str, logprob: float | None) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -136,7 +137,7 @@ class EngineCollector(Collector):
             labels=["state", *rank_label],
         )
         for rank, s in ranks:
-            extra = [rank] if rank_label else []
+            extra = [cast(str, rank)] if rank_label else []  # with the label every rank is named
             blocks.add_metric(["free", *extra], s.blocks_free)
             blocks.add_metric(["cached", *extra], s.blocks_cached)
             blocks.add_metric(["used", *extra], s.blocks_used)
@@ -180,7 +181,8 @@ class EngineCollector(Collector):
             m = kind(PREFIX + name, doc, labels=["tier", *rank_label])
             for rank, s in ranks:
                 for t in s.offload:
-                    m.add_metric([t.tier, *([rank] if rank_label else [])], getattr(t, field))
+                    named = [cast(str, rank)] if rank_label else []  # with the label every rank is named
+                    m.add_metric([t.tier, *named], getattr(t, field))
             yield m
 
 

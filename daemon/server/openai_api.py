@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
@@ -60,7 +60,7 @@ async def _generate(
     prompt_text: str,
     arrival: float,
     dp_rank: int | None,
-) -> AsyncIterator[Delta]:
+) -> AsyncGenerator[Delta, None]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)

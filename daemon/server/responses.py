@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -43,7 +43,7 @@ def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> d
 
 
 async def complete(
-    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
+    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncGenerator[Delta, None]]
 ) -> web.Response:
     req = prep.req
     created = int(time.time())
@@ -67,7 +67,7 @@ async def complete(
     for i in range(len(prep.prompts)):
         group = sorted((j, c) for (p, j), c in choices.items() if p == i)
         if req.params.n > req.n:  # best_of: the n sequences most likely as a whole
-            group.sort(key=lambda jc: -jc[1].output.cumulative_logprob)
+            group.sort(key=lambda jc: -cast(RequestOutput, jc[1].output).cumulative_logprob)
         for k, (_, c) in enumerate(group[: req.n]):
             body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
     obj = "chat.completion" if prep.chat else "text_completion"
@@ -113,7 +113,7 @@ def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None
 
 
 @contextlib.asynccontextmanager
-async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
+async def _merged(gens: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[AsyncIterator[tuple[int, Delta]]]:
     """Interleave several generations as (index, delta); an error in one ends all of them."""
     if len(gens) == 1:
         gen = gens[0]
@@ -163,7 +163,11 @@ async def _merged(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[AsyncIterat
 
 
 async def stream(
-    request: web.Request, state: ServerState, prep: Prepared, rid: str, gens: list[AsyncIterator[Delta]]
+    request: web.Request,
+    state: ServerState,
+    prep: Prepared,
+    rid: str,
+    gens: list[AsyncGenerator[Delta, None]],
 ) -> web.StreamResponse:
     async with _merged(gens) as events:
         # Pull the first event before sending headers: an invalid request still gets a proper 4xx.

@@ -16,7 +16,7 @@ import inspect
 import re
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 FLAG = "kvpilot.flag"  # the field metadata key
 
@@ -65,7 +65,9 @@ def add_flags(parser: argparse.ArgumentParser, config: type, title: str | None =
         spec = f.metadata.get(FLAG)
         if spec is None:
             continue
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        # a field without a default has its factory
+        factory = cast(Callable[[], Any], f.default_factory)
+        default = factory() if f.default is dataclasses.MISSING else f.default
         name = spec.name or _flag_name(f.name)
         kind = _value_type(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(spec, f.name, default)}

@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import aiohttp
 
@@ -95,7 +96,10 @@ async def one_request(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    ttft, last, itls, usage = None, None, [], {}
+    ttft: float | None = None
+    last = start  # set with ttft, and read only once ttft is
+    itls: list[float] = []
+    usage: dict = {}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             return RequestResult(0, [], 0, 0, 0, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -198,11 +202,12 @@ async def run_once(
     itls = [x for r in ok for x in r.itls]
     usage_rate = None
     if ok and all(r.cached_tokens is not None for r in ok):
-        usage_rate = sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
+        usage_rate = sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
     engine_rate = None
     if before[0] == 200 and after[0] == 200:
-        q = after[1]["query_tokens"] - before[1]["query_tokens"]
-        engine_rate = (after[1]["hit_tokens"] - before[1]["hit_tokens"]) / q if q else None
+        old, new = cast(dict, before[1]), cast(dict, after[1])  # a 200's body is the JSON object
+        q = new["query_tokens"] - old["query_tokens"]
+        engine_rate = (new["hit_tokens"] - old["hit_tokens"]) / q if q else None
     return RunResult(
         server=server,
         concurrency=concurrency,

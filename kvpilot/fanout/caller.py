@@ -333,24 +333,25 @@ async def run_fanout(
                 return
             await _reset_one(pool, res, settings, deadline, pod_gone, limiter, on_call, run_id)
 
-    async def progress() -> None:
+    async def progress(checkpoint: Checkpoint) -> None:
         while True:
             await asyncio.sleep(settings.progress_interval_s)
             try:
-                await checkpoint(results)  # type: ignore[misc]
+                await checkpoint(results)
             except Exception as exc:  # noqa: BLE001 - progress is best effort
                 log.warning("progress checkpoint failed (the fan-out goes on): %s", exc)
 
     workers = [asyncio.create_task(worker()) for _ in range(min(settings.max_concurrency, queue.qsize()))]
     stopping = asyncio.create_task(stop.wait())
-    helpers = [stopping]
+    helpers: list[asyncio.Task[Any]] = [stopping]
     if checkpoint is not None:
-        helpers.append(asyncio.create_task(progress()))
+        helpers.append(asyncio.create_task(progress(checkpoint)))
     all_done = asyncio.gather(*workers)
     try:
         # Slack past the deadline: each call is already bounded by it; this only guards against a stall.
         slack = max(0.0, deadline - time.monotonic()) + 2.0
-        done, _ = await asyncio.wait([stopping, all_done], return_when=asyncio.FIRST_COMPLETED, timeout=slack)
+        first: list[asyncio.Future[Any]] = [stopping, all_done]
+        done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED, timeout=slack)
         if stopping in done:  # shutting down: calls in flight get a bounded grace
             await asyncio.wait(workers, timeout=settings.shutdown_grace_s)
     finally:

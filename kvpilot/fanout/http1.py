@@ -97,6 +97,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's transport is an asyncio.Transport; asyncio.Protocol's signature names the base.
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:

@@ -39,7 +39,7 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import cbor2
 
@@ -94,7 +94,7 @@ class KeyScheme:
         weights named `weight_version` (None: unnamed), under the adapter `lora` (None: the base model)."""
         if self.algo == "kvpilot":
             return _kvpilot_extra(cache_salt, weight_version, lora) or None
-        extra = []
+        extra: list[tuple[str | bytes, ...]] = []
         if lora is not None:
             extra.append(("lora", _text(lora.name), lora.digest))
         if cache_salt:
@@ -120,7 +120,7 @@ class KeyScheme:
             h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
             if extra:
                 h.update(b"\x00extra\x00")
-                h.update(extra)
+                h.update(cast(bytes, extra))  # first_extra's for this algo: _kvpilot_extra's bytes
             return BlockHash(h.digest())
         return BlockHash(hashlib.sha256(_serialize(self.algo, (parent, token_ids, extra))).digest())
 
@@ -185,7 +185,7 @@ class _KeyMemo:
 _MEMO = _KeyMemo()
 
 
-def _serialize(algo: str, value: tuple) -> bytes:
+def _serialize(algo: str, value: object) -> bytes:
     if algo == "sha256_cbor":
         return cbor2.dumps(value, canonical=True)
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -246,7 +246,7 @@ def scheme_from_wire(block_hash: object, hash_seed: object) -> KeyScheme:
     return KeyScheme(block_hash, hash_seed)
 
 
-def truncated(key: BlockHash) -> int:
+def truncated(key: bytes) -> int:
     """A key as vLLM's events carry it by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`): its last 8
     bytes as an unsigned big-endian integer."""
     return int.from_bytes(key[-8:], "big")

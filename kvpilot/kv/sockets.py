@@ -167,7 +167,7 @@ class SubscriberContext(zmq.asyncio.Context):
 
     _options: dict[int, Any]
 
-    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.asyncio.Socket:  # type: ignore[override]
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.asyncio.Socket:
         sock = super().socket(socket_type, *args, **kwargs)
         for opt, value in self._options.items():
             sock.setsockopt(opt, value)

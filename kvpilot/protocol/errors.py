@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from kvpilot.protocol.replies import json_response
 
@@ -70,7 +71,7 @@ def error_response(err: ApiError, extra: dict | None = None) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_middleware(max_body_bytes: int) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def error_middleware(max_body_bytes: int) -> Middleware:
     """The outermost middleware of an application whose bodies may hold `max_body_bytes`."""
 
     @web.middleware

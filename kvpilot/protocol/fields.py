@@ -48,7 +48,7 @@ UNSUPPORTED = {
     "return_tokens_as_token_ids": "'return_tokens_as_token_ids' is not supported",
     **{name: f"constrained decoding ('{name}') is not supported" for name in _CONSTRAINED},
 }
-_ASKS_NOTHING = (None, False, 0, "", [], {})
+_ASKS_NOTHING: tuple[object, ...] = (None, False, 0, "", [], {})
 
 # Names are client input: bounded and reduced to a safe alphabet before they reach a log or a header.
 MAX_NAMES = 16
@@ -61,7 +61,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 def ignored_fields(extra: dict[str, Any]) -> list[str]:
     """The names of `extra` (fields the schema does not model) this server ignores, cleaned and capped;
     a 400 for the first one that asks for a feature this server lacks."""
-    ignored = []
+    ignored: list[str] = []
     for name, value in extra.items():
         if name in UNSUPPORTED:
             if value not in _ASKS_NOTHING:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
 from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ def _kind(value: Any) -> str:
     return "an object"
 
 
-def _validate(model: type, body: dict) -> Any:
+def _validate(model: type[M], body: dict) -> M:
     """The pydantic model of `body`; its first error as a 400 naming the field (`messages[0].role`)."""
     try:
         return model.model_validate(body)

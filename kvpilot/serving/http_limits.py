@@ -206,6 +206,7 @@ async def start_server(
     _raise_fd_limit(limits.max_connections)
     timeout = f"no complete request header within {limits.header_timeout:g} s"
     full = f"the server has {limits.max_connections} connections open; try again"
+    assert runner.server is not None  # made by setup()
     gate = _Gate(
         limits,
         runner.server,

@@ -5,7 +5,6 @@ fleet's Ready condition, never adopted."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,7 @@ from kvpilot.kv import sockets as kv_sockets
 from kvpilot.operator.fleets import builders, network_policy
 from kvpilot.operator.fleets.network_policy import OperatorPeer
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
-from kvpilot.operator.kube.owners import owned_by
+from kvpilot.operator.kube.owners import as_body, owned_by
 from kvpilot.operator.specs import FleetSpec
 
 Problem = tuple[str, str]  # (reason, message) for the fleet's Ready condition
@@ -29,12 +28,12 @@ class PolicyState:
 
 def _taken(owner: dict[str, Any], kind: str, name: str, reason: str, what: str) -> Problem:
     msg = f"{kind} {name} already exists and is not this fleet's: {what}; rename or delete it"
-    kopf.event(owner, type="Warning", reason=reason, message=msg)
+    kopf.event(as_body(owner), type="Warning", reason=reason, message=msg)
     return reason, msg
 
 
 async def ensure_kv_keys(
-    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: logging.Logger
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: kopf.Logger
 ) -> Problem | None:
     """A fleet whose daemons publish KV events gets its key pairs once (never logged, never rewritten:
     running pods keep the keys they started with). A Secret of that name that is not the fleet's is never
@@ -47,7 +46,7 @@ async def ensure_kv_keys(
     if live is None:
         files = kv_sockets.key_files(kv_sockets.SERVER) | kv_sockets.key_files(kv_sockets.CLIENT)
         body = builders.kv_keys_secret(meta["name"], files)
-        kopf.adopt(body, owner=owner)
+        kopf.adopt(body, owner=as_body(owner))
         try:
             await kube.create_secret(ns, body)
             logger.info("created Secret %s/%s with the fleet's KV event keys", ns, name)
@@ -84,7 +83,7 @@ async def reconcile_policy(
             ),
         )
     body = network_policy.network_policy(meta["name"], spec, peer)
-    kopf.adopt(body, owner=owner)
+    kopf.adopt(body, owner=as_body(owner))
     try:
         await kube.apply(ns, body)
     except ApiException as exc:

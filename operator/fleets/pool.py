@@ -14,7 +14,7 @@ import kopf
 from kvpilot.operator.fleets import inference_pool as ip
 from kvpilot.operator.fleets.router_objects import router_name
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
-from kvpilot.operator.kube.owners import holder, owned_by
+from kvpilot.operator.kube.owners import as_body, holder, owned_by
 from kvpilot.operator.specs import FleetSpec
 
 
@@ -46,16 +46,16 @@ async def reconcile_pool(
         live = await kube.read("InferencePool", ns, pname)
         if live is not None and not owned_by(live, uid):
             msg = f"InferencePool {pname} already exists and belongs to {holder(live)}: rename one of them"
-            kopf.event(owner, type="Warning", reason="InferencePoolNameConflict", message=msg)
+            kopf.event(as_body(owner), type="Warning", reason="InferencePoolNameConflict", message=msg)
             return PoolState(None, (False, "InferencePoolNameConflict", msg), retry=True)
         body = ip.inference_pool(name, spec)
-        kopf.adopt(body, owner=owner)
+        kopf.adopt(body, owner=as_body(owner))
         await kube.apply(ns, body)
     except ApiException as exc:
         if namespace_terminating(exc):
             return PoolState(None)
         msg = f"applying the InferencePool failed: HTTP {exc.status} {exc.reason}"
-        kopf.event(owner, type="Warning", reason="InferencePoolFailed", message=msg)
+        kopf.event(as_body(owner), type="Warning", reason="InferencePoolFailed", message=msg)
         return PoolState(status.get("inferencePool"), (False, "InferencePoolFailed", msg), retry=True)
     msg = (
         f"InferencePool {pname}: the fleet's pods on port {spec.port}, endpoint picker Service "

@@ -10,7 +10,6 @@ else: Ready is False with the reason, and the reconcile is retried."""
 from __future__ import annotations
 
 import copy
-import logging
 import secrets
 from typing import Any
 
@@ -26,7 +25,7 @@ from kvpilot.operator.fleets.router import RouterState, reconcile_router
 from kvpilot.operator.fleets.tokens import refusal
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.conditions import fleet_conditions, set_condition
-from kvpilot.operator.kube.owners import holder, owned_by
+from kvpilot.operator.kube.owners import as_body, holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 from kvpilot.operator.specs import FleetSpec
 
@@ -34,7 +33,7 @@ _KEEP_TOKENS = 20
 
 
 async def _ensure_token_secret(
-    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: logging.Logger
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, logger: kopf.Logger
 ) -> None:
     """A fleet without adminTokenSecretRef gets a random token of its own, made once (never logged)."""
     name, ns = owner["metadata"]["name"], owner["metadata"]["namespace"]
@@ -45,7 +44,7 @@ async def _ensure_token_secret(
     if await kube.secret(ns, ref.name) is not None:
         return
     body = builders.generated_token_secret(name, secrets.token_urlsafe(32))
-    kopf.adopt(body, owner=owner)
+    kopf.adopt(body, owner=as_body(owner))
     try:
         await kube.create_secret(ns, body)
         logger.info("created Secret %s/%s with a generated admin token", ns, ref.name)
@@ -82,7 +81,7 @@ async def _name_taken(
 
 
 async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any] | None:
-    kopf.adopt(desired, owner=owner)
+    kopf.adopt(desired, owner=as_body(owner))
     try:
         return await kube.apply(owner["metadata"]["namespace"], desired)
     except ApiException as exc:
@@ -119,7 +118,7 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int,
 async def reconcile(
     kube: Kube,
     body: Any,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     router_role: str = ROUTER_CLUSTER_ROLE,
     peer: OperatorPeer | None = None,
 ) -> None:
@@ -137,7 +136,7 @@ async def reconcile(
     taken = await _name_taken(kube, owner, own)
     problem = taken or await _token_refusal(kube, owner, spec)
     if problem is not None:
-        kopf.event(owner, type="Warning", reason=problem[0], message=problem[1])
+        kopf.event(as_body(owner), type="Warning", reason=problem[0], message=problem[1])
     else:  # KV event keys someone else made are never mounted (ensure_kv_keys posts its own Event)
         problem = await fleet_network.ensure_kv_keys(kube, owner, spec, logger)
     if problem is None:
@@ -153,7 +152,10 @@ async def reconcile(
     policy = await fleet_network.reconcile_policy(kube, owner, spec, status, peer or OperatorPeer())
     if gen is not None and gen != status.get("observedGeneration") and wl is not None:
         kopf.event(
-            owner, type="Normal", reason="Updated", message=f"{kind} {name} applied for spec generation {gen}"
+            as_body(owner),
+            type="Normal",
+            reason="Updated",
+            message=f"{kind} {name} applied for spec generation {gen}",
         )
     # placement changed: the workload of the other kind goes (only if it is ours)
     await kube.delete_owned(other, ns, name, meta["uid"])
@@ -194,11 +196,11 @@ async def reconcile(
     tokens = list(status.get("resetTokens") or [])
     if token and token not in tokens:
         pcr = builders.reset_for_token(name, token)
-        kopf.adopt(pcr, owner=owner)
+        kopf.adopt(pcr, owner=as_body(owner))
         try:
             await kube.create_cr(RESETS, ns, pcr)
             kopf.event(
-                owner,
+                as_body(owner),
                 type="Normal",
                 reason="ResetRequested",
                 message=f"PrefixCacheReset {pcr['metadata']['name']} for annotation token {token!r}",

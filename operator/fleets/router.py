@@ -3,7 +3,6 @@ state, and remove it when it is turned off. Only objects this fleet owns are eve
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +10,7 @@ import kopf
 
 from kvpilot.operator.fleets import builders, router_objects
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
-from kvpilot.operator.kube.owners import holder, owned_by
+from kvpilot.operator.kube.owners import as_body, holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
 from kvpilot.operator.specs import FleetSpec
 
@@ -51,7 +50,7 @@ async def reconcile_router(
     owner: dict[str, Any],
     spec: FleetSpec,
     status: dict[str, Any],
-    logger: logging.Logger,
+    logger: kopf.Logger,
     router_role: str = ROUTER_CLUSTER_ROLE,
 ) -> RouterState:
     meta = owner["metadata"]
@@ -78,7 +77,7 @@ async def reconcile_router(
                 msg = (
                     f"{obj['kind']} {rname} already exists and belongs to {holder(live)}: rename one of them"
                 )
-                kopf.event(owner, type="Warning", reason="RouterNameConflict", message=msg)
+                kopf.event(as_body(owner), type="Warning", reason="RouterNameConflict", message=msg)
                 return RouterState(None, False, "RouterNameConflict", msg, retry=True)
             if live is not None and live.get("roleRef", obj.get("roleRef")) != obj.get("roleRef"):
                 # A binding's roleRef cannot change: ours from an older operator (to a Role of its own) or
@@ -86,25 +85,26 @@ async def reconcile_router(
                 await kube.delete(obj["kind"], ns, rname, live["metadata"]["uid"])
         applied = []
         for obj in objs:
-            kopf.adopt(obj, owner=owner)
+            kopf.adopt(obj, owner=as_body(owner))
             applied.append(await kube.apply(ns, obj))
     except ApiException as exc:
         if namespace_terminating(exc):
             return RouterState(None)
         msg = f"applying the router's objects failed: HTTP {exc.status} {exc.reason}"
-        kopf.event(owner, type="Warning", reason="RouterFailed", message=msg)
+        kopf.event(as_body(owner), type="Warning", reason="RouterFailed", message=msg)
         return RouterState(status.get("router"), False, "RouterFailed", msg, retry=True)
     dep = next(o for o in applied if o["kind"] == "Deployment")
     return deployment_state(name, wanted.replicas, dep)
 
 
-async def _remove(kube: Kube, ns: str, name: str, uid: str, logger: logging.Logger) -> int:
+async def _remove(kube: Kube, ns: str, name: str, uid: str, logger: kopf.Logger) -> int:
     """Remove the fleet's router objects; the router pods still running (0: all is gone). Its RoleBinding and ServiceAccount stay
     while a router pod still runs (it shuts down for up to its --shutdown-timeout and may still read its
     EndpointSlices and the fleet's pods meanwhile: without them those reads would be refused)."""
     rname = router_objects.router_name(name)
     workload = [k for k in router_objects.KINDS if k not in ("RoleBinding", "ServiceAccount")]
     removed = [kind for kind in workload if await kube.delete_owned(kind, ns, rname, uid)]
+    pods: list[dict[str, Any]]
     pods, _ = await kube.list_pods(
         ns, builders.label_selector({"matchLabels": router_objects.router_selector(name)})
     )

@@ -138,7 +138,9 @@ class Kube:
         """(`shape(pod)` of each pod, the list's resourceVersion). Pods are plain dicts: the client's model
         classes cost many times the JSON's decoding (docs/fanout.md, "What bounds it"). Each pod is shaped as soon as the list is
         decoded, so only what `shape` keeps outlives this call."""
-        r = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
+        # Any: with _preload_content=False the client returns the raw HTTP response, not the V1PodList it
+        # is annotated with (likewise below)
+        r: Any = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
         body = json.loads(r.data)
         version = body["metadata"].get("resourceVersion", "")
         return [shape(p) for p in body.pop("items")], version
@@ -164,7 +166,9 @@ class Kube:
 
     async def list_replicasets(self, ns: str, selector: str) -> list[dict[str, Any]]:
         def fetch() -> list[dict[str, Any]]:
-            r = self.apps.list_namespaced_replica_set(ns, label_selector=selector, _preload_content=False)
+            r: Any = self.apps.list_namespaced_replica_set(
+                ns, label_selector=selector, _preload_content=False
+            )
             return json.loads(r.data)["items"]
 
         return await self.call("list", "replicasets", fetch)

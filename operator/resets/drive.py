@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -34,6 +34,7 @@ from kvpilot.operator.fleets.builders import FLEETS, RESETS
 from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet, secret_token
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.resets.podwatch import PodWatch, identity
 from kvpilot.operator.resets.status import pod_status, skipped_note, summarize, verified_condition
@@ -126,7 +127,7 @@ def settings_for(spec: ResetSpec, plan: Plan) -> ResetSettings:
     )
 
 
-def unfinished(status: dict[str, Any], **_: Any) -> bool:
+def unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     """kopf's filter of the reset daemon: a finished reset runs nothing, so kopf keeps no finalizer on it."""
     return (status or {}).get("phase") not in DONE
 
@@ -135,7 +136,7 @@ async def drive(
     kube: Kube,
     ns: str,
     name: str,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     stopped: Any = None,
     limiter: asyncio.Semaphore | None = None,
 ) -> None:
@@ -161,7 +162,7 @@ class _Progress:
     reset's first calls leave while its Running status is on its way. A write is never cancelled halfway
     (its request would still land, maybe after the final status): `settle` waits for them all."""
 
-    def __init__(self, kube: Kube, ns: str, name: str, logger: logging.Logger) -> None:
+    def __init__(self, kube: Kube, ns: str, name: str, logger: kopf.Logger) -> None:
         self.kube, self.ns, self.name, self.logger = kube, ns, name, logger
         self._last: asyncio.Task[None] | None = None
 
@@ -186,7 +187,7 @@ class _Progress:
 
 
 async def _run(
-    kube: Kube, obj: dict[str, Any], logger: logging.Logger, stopped: Any, limiter: asyncio.Semaphore | None
+    kube: Kube, obj: dict[str, Any], logger: kopf.Logger, stopped: Any, limiter: asyncio.Semaphore | None
 ) -> dict[str, Any] | None:
     """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -218,12 +219,14 @@ async def _run(
         while True:
             plan = await resolve(kube, ns, spec, deadline)
             t_list = time.monotonic()
+
             # Each pod is looked at once, as it is decoded: its target, and its identity for the pod watch.
+            def list_pods(plan: Plan = plan) -> Awaitable[Any]:
+                return kube.list_pods(ns, plan.selector, lambda p: (pod_target(p, plan), identity(p)))
+
             pods, version = await with_retries(
                 "list pods",
-                lambda plan=plan: kube.list_pods(
-                    ns, plan.selector, lambda p: (pod_target(p, plan), identity(p))
-                ),
+                list_pods,
                 deadline,
             )
             targets = [t for t, _ in pods]
@@ -252,7 +255,7 @@ async def _run(
         else:  # progress for people only: the calls do not wait for it
             progress.write({**running, **pod_status(before, spec.verify)}, "Running")
         kopf.event(
-            obj,
+            as_body(obj),
             type="Normal",
             reason="Started",
             message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
@@ -286,7 +289,7 @@ async def _run(
     phase, reason, message = outcome(results, spec.min_success_ratio, spec.allow_no_targets, newcomers)
     logger.info("reset %s/%s: %s", ns, name, message)
     for r in [r for r in results if r.result == Outcome.FAILED][:_MAX_FAILURE_EVENTS]:
-        kopf.event(obj, type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
+        kopf.event(as_body(obj), type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
     return await _finish(kube, obj, spec, results, phase, reason, message, start)
 
 
@@ -329,7 +332,9 @@ async def _finish(
     # after Complete/Failed: readers that take the first True condition (kubectl describe, scripts) see the end
     conds = set_condition(conds, "Verified", *verified_condition(records or [], spec.verify), gen)
     end = now_iso()
-    kopf.event(obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message)
+    kopf.event(
+        as_body(obj), type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
+    )
     metrics.RESETS.labels(ns, phase).inc()
     if (t0 := parse_time(start)) is not None:
         metrics.RESET_DURATION.observe(max(0.0, time.time() - t0))

@@ -30,9 +30,12 @@ class AdapterRun(Run):
         listed = await self.call(targets, settings, "GET", "/v1/models")
         health = await self.call(targets, settings, "GET", "/health")
         if unknown := [t.name for t in targets if not (listed[t.name].ok and health[t.name].ok)]:
-            for n in unknown:
-                r = listed[n] if not listed[n].ok else health[n]
-                pods[n].result, pods[n].message = WeightResult.FAILED, redact(f"what it serves: {r.message}")
+            for name in unknown:
+                r = listed[name] if not listed[name].ok else health[name]
+                pods[name].result, pods[name].message = (
+                    WeightResult.FAILED,
+                    redact(f"what it serves: {r.message}"),
+                )
             why = f"{unknown[0]}: {pods[unknown[0]].message}"
             return await self.finish("Failed", "StageFailed", f"no pod changed; {why}")
         before = {

@@ -35,6 +35,7 @@ from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import FLEETS, GROUP, VERSION, WEIGHT_UPDATES
 from kvpilot.operator.fleets.targets import fleet_plan, pod_target
 from kvpilot.operator.kube.api import Kube
+from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure
 from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import fence
@@ -119,6 +120,7 @@ class CatchUps:
             return True  # it ends by its timeout and pokes this loop again; until then, look again later
         deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
         plan = await fleet_plan(self.kube, ns, body["metadata"], spec, deadline)
+        pods: list[dict[str, Any]]
         pods, _ = await self.kube.list_pods(ns, plan.selector)
         pods = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         targets = {p["metadata"]["name"]: pod_target(p, plan) for p in pods}
@@ -164,8 +166,8 @@ class CatchUps:
                 async with window:
                     return await self._catch_up(body, weights, t, settings, backoff)
 
-            back = await asyncio.gather(*(bounded(t) for t in lagging))
-            fenced -= {t.name for t, ok in zip(lagging, back, strict=True) if ok}
+            caught = await asyncio.gather(*(bounded(t) for t in lagging))
+            fenced -= {t.name for t, ok in zip(lagging, caught, strict=True) if ok}
         metrics.FENCED_PODS.labels(ns, fleet).set(len(fenced))
         return more
 
@@ -176,7 +178,7 @@ class CatchUps:
         await self.kube.patch_status(FLEETS, ns, fleet, {"weights": None})
         message = f"spec.model changed since {weights['version']} was recorded: no pod is brought back to it"
         log.info("catch-up of %s/%s: %s", ns, fleet, message)
-        kopf.event(body, type="Normal", reason="WeightsForgotten", message=message)
+        kopf.event(as_body(body), type="Normal", reason="WeightsForgotten", message=message)
 
     async def _update_running(self, ns: str, fleet: str) -> bool:
         updates = await self.kube.list_crs(WEIGHT_UPDATES, ns)
@@ -206,7 +208,7 @@ class CatchUps:
             target_ref=TargetRef(name=fleet),
             model_path=weights.get("modelPath") or "",
             version=weights["version"],
-            timeout_seconds=CATCH_UP_TIMEOUT_S,
+            timeout_seconds=int(CATCH_UP_TIMEOUT_S),  # read as float(timeout_seconds): the same 300.0
         )
         run = CatchUpRun(self.kube, obj, spec, log, self.limiter)
         run.pods = [PodUpdate(t.name)]
@@ -237,7 +239,7 @@ class CatchUps:
         backoff[t.uid] = (failures, time.monotonic() + delay)
         message = f"{t.name}: catch-up to {weights['version']} failed ({p.message}); next try in {delay:.0f}s"
         log.warning("catch-up of %s/%s: %s", ns, fleet, message)
-        kopf.event(obj, type="Warning", reason="CatchUpFailed", message=message)
+        kopf.event(as_body(obj), type="Warning", reason="CatchUpFailed", message=message)
         return False
 
 

@@ -4,8 +4,10 @@ the model's weights (update.py's `Run`) or of one LoRA adapter (adapter.py's `Ad
 from __future__ import annotations
 
 import contextlib
-import logging
+from collections.abc import Mapping
 from typing import Any
+
+import kopf
 
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import WEIGHT_UPDATES
@@ -15,13 +17,13 @@ from kvpilot.operator.weights.adapter import AdapterRun
 from kvpilot.operator.weights.update import DONE, Run
 
 
-def unfinished(status: dict[str, Any], **_: Any) -> bool:
+def unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     """kopf's filter of the update daemon: a finished update runs nothing (no finalizer stays on it)."""
     return (status or {}).get("phase") not in DONE
 
 
 async def drive(
-    kube: Kube, ns: str, name: str, logger: logging.Logger, limiter: Any = None, catchups: Any = None
+    kube: Kube, ns: str, name: str, logger: kopf.Logger, limiter: Any = None, catchups: Any = None
 ) -> None:
     """Run the update unless it is finished. `catchups` (catchup.CatchUps): no catch-up of the fleet runs
     meanwhile, and one looks at the fleet afterwards (the pods this update fenced)."""

@@ -13,6 +13,7 @@ import kopf
 
 from kvpilot.operator.fleets.builders import SERVING_LABEL
 from kvpilot.operator.kube.api import ApiException, Kube
+from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.specs import FleetSpec
 
 log = logging.getLogger(__name__)
@@ -74,5 +75,5 @@ async def set_serving(
     message = f"{name}: {verb} ({why})"
     log.info("pod %s/%s %s (%s)", ns, name, verb, why)
     if event_on is not None:
-        kopf.event(event_on, type="Normal" if on else "Warning", reason=reason, message=message)
+        kopf.event(as_body(event_on), type="Normal" if on else "Warning", reason=reason, message=message)
     return True

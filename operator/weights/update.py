@@ -42,6 +42,7 @@ from kvpilot.operator.fleets.builders import FLEETS, WEIGHT_UPDATES
 from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
+from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpdateSpec
 from kvpilot.operator.weights import fence
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 
 class Run:
     def __init__(
-        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: logging.Logger, limiter: Any
+        self, kube: Kube, obj: dict[str, Any], spec: WeightUpdateSpec, logger: kopf.Logger, limiter: Any
     ) -> None:
         self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
@@ -130,7 +131,7 @@ class Run:
         if self.spec.strategy == "Rolling":
             batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
         kopf.event(
-            self.obj,
+            as_body(self.obj),
             type="Normal",
             reason="Started",
             message=f"updating {len(targets)} pods of {self.target} to {self.spec.version}",
@@ -300,7 +301,10 @@ class Run:
         kind = {"Succeeded": "Complete", "Failed": "Failed", "Degraded": "Degraded"}[phase]
         conds = set_condition(conds, kind, True, reason, message, gen)
         kopf.event(
-            self.obj, type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
+            as_body(self.obj),
+            type="Normal" if phase == "Succeeded" else "Warning",
+            reason=phase,
+            message=message,
         )
         metrics.WEIGHT_UPDATES.labels(self.ns, phase).inc()
         if (t0 := parse_time(self.start)) is not None:

@@ -130,7 +130,11 @@ class EndpointSliceWatch:
         selector = f"{SERVICE_LABEL}={self.name},{MANAGED_BY}"
         while not self._stop.is_set():
             try:
-                listed = self._api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
+                # Any: the client's models type every field Optional; the API server's list and its items
+                # have their metadata
+                listed: Any = self._api.list_namespaced_endpoint_slice(
+                    self.namespace, label_selector=selector
+                )
                 slices = {s.metadata.name: self._plain(s) for s in listed.items}
                 self._publish(slices)
                 w = watch.Watch()

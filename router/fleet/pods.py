@@ -103,6 +103,7 @@ class Pod:
     def rank_versions(self) -> list[str | None] | None:
         """The same, or None when one is unknown (the pod is then routed by load)."""
         versions = self.versions()
+        # without UNKNOWN the items are str | None: mypy does not narrow a list's items by `in`
         return None if UNKNOWN in versions else versions  # type: ignore[return-value]
 
     def synced(self) -> bool:

@@ -37,7 +37,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 from kvpilot.kv.block_keys import truncated
 from kvpilot.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -45,6 +46,7 @@ from kvpilot.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 log = logging.getLogger(__name__)
 
 Holder = Hashable  # (pod name, rank) in the router
+H = TypeVar("H", bound=Hashable)  # a caller's own holder type
 HASH_BYTES = 32  # a block key: a sha256 digest
 KEY_LIMIT = 1 << 64  # vLLM's integer form of a key: its last 8 bytes, unsigned
 # Blocks one holder may hold whatever its pod advertises: a rank with 2M blocks of 16 tokens caches 32M
@@ -208,8 +210,8 @@ class PrefixIndex:
         return self._clears.get(holder, 0)
 
     def matched_blocks(
-        self, hashes: list[bytes], holders: Iterable[Holder], expected: bool = False
-    ) -> dict[Holder, int]:
+        self, hashes: Sequence[bytes], holders: Iterable[H], expected: bool = False
+    ) -> dict[H, int]:
         """For each holder, how many leading block hashes it holds without a gap (the engine stops at its
         first miss too); with `expected`, keys it was sent and has not confirmed yet count as held."""
         out = {h: 0 for h in holders}
@@ -222,6 +224,8 @@ class PrefixIndex:
         alive = [a for a in alive if a[1] or a[2]]
         for i, block_hash in enumerate(hashes):
             k = index_key(block_hash)
+            if k is None:  # a hash of the wrong form: no holder has it (as the filter below finds)
+                break
             alive = [a for a in alive if k in a[1] or a[2].get(k, 0.0) > now]
             if not alive:
                 break

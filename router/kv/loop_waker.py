@@ -6,6 +6,7 @@ stops waking (tests/router/test_kv_events.py)."""
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import zmq
 
@@ -24,7 +25,7 @@ class LoopWaker:
 
     def watch(self, sock: zmq.Socket) -> zmq.Socket:
         """Wake on `sock` from now on; returns it as a plain (blocking-API) socket, read with NOBLOCK."""
-        plain = zmq.Socket.shadow(sock.underlying)
+        plain: zmq.Socket = zmq.Socket.shadow(sock.underlying)
         self._fds.append(plain.FD)
         self._loop.add_reader(plain.FD, self._wake, plain)
         return plain
@@ -54,4 +55,4 @@ class LoopWaker:
 
 
 def has_message(sock: zmq.Socket) -> bool:
-    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
+    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)  # EVENTS is an int option

@@ -53,4 +53,5 @@ def from_health(raw: bytes | None) -> Version:
 
 def describe(version: Version) -> str | None:
     """As the router's /health shows it: the version, null for unnamed weights, "unknown"."""
+    # mypy narrows no `is` test against a sentinel instance: past it, version is str | None
     return "unknown" if version is UNKNOWN else version  # type: ignore[return-value]

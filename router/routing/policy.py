@@ -192,7 +192,7 @@ class PrefixAware(Policy):
         out = []
         for pod, rank, cached in candidates:
             fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
-            if fill is None:
+            if fill is None or not pod.block_size:  # (fill is None without a block size)
                 return [0] * len(candidates)
             out.append(round((n // pod.block_size) * pod.block_size * fill * self.eviction_weight))
         return out

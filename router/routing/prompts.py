@@ -134,8 +134,9 @@ class PromptReader:
         except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
             return None
         prompts = self.read(path, body)
-        for scheme in schemes if prompts is not None else ():
-            prompts.block_keys(scheme)
+        if prompts is not None:
+            for scheme in schemes:
+                prompts.block_keys(scheme)
         return prompts
 
     def read(self, path: str, body: Any) -> Prompts | None:
@@ -148,8 +149,8 @@ class PromptReader:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
                 text = chat.render(tok)
-                ids = self.encoder.encode(text)
-                return Prompts([ids], chat.generate.cache_salt, self.max_model_len, model)
+                chat_ids = self.encoder.encode(text)
+                return Prompts([chat_ids], chat.generate.cache_salt, self.max_model_len, model)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None

@@ -39,7 +39,7 @@ class SegmentTokenizer:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._units = 0
         self._lock = threading.Lock()  # the router's prompt pool encodes from several threads
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)  # a `tokenizers.Tokenizer`
         self._added: dict[str, int] = {}
         self._probe_names: list[str] = []  # added tokens the self-check puts in its probes (special or not)
         self._split: re.Pattern[str] | None = None
@@ -61,6 +61,7 @@ class SegmentTokenizer:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         ids = self._pieces(text)
         if add_special_tokens:
+            assert self._special_ends is not None  # checked above
             before, after = self._special_ends
             return before + ids + after
         return ids
@@ -85,6 +86,7 @@ class SegmentTokenizer:
 
     def _pieces(self, text: str) -> list[int]:
         ids: list[int] = []
+        assert self._split is not None  # only called when caching
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token (the split keeps them at odd places)
                 ids.append(self._added[piece])

@@ -38,6 +38,7 @@ def pod_version(pod: Pod) -> str | None:
         return None
     if v is UNKNOWN:
         return None
+    # v is a str or None here: mypy narrows no `is` test against a sentinel instance (UNKNOWN)
     return UNNAMED if v is None else v  # type: ignore[return-value]
 
 

@@ -50,6 +50,7 @@ class FreeBlockQueue:
         return self._len
 
     def append(self, block: KVBlock) -> None:
+        # The sentinel tail's prev is always a block (the head when empty); no check on this hot path.
         self._insert_after(self._tail.prev, block)  # type: ignore[arg-type]
 
     def appendleft(self, block: KVBlock) -> None:
@@ -219,6 +220,7 @@ class BlockPool:
                 self._free.remove(b)
                 if self.is_cached(b):
                     self._num_cached_free -= 1
+                    # is_cached: the block has its index (not re-checked on this hot path)
                     b.index.cached_free -= 1  # type: ignore[union-attr]
             b.ref_cnt += 1
 
@@ -230,6 +232,7 @@ class BlockPool:
             b = self._free.popleft()
             if b.block_hash is not None:
                 if self.is_cached(b):  # evicting the least recently used cached block
+                    # is_cached: `index` is set (the ignores below; not re-checked on this hot path)
                     index = b.index
                     del index.blocks[b.block_hash]  # type: ignore[union-attr]
                     index.cached_free -= 1  # type: ignore[union-attr]
@@ -255,6 +258,7 @@ class BlockPool:
             if self.is_cached(b):
                 self._free.append(b)
                 self._num_cached_free += 1
+                # is_cached: the block has its index (not re-checked on this hot path)
                 b.index.cached_free += 1  # type: ignore[union-attr]
             else:
                 b.block_hash = b.index = None  # a stale key from a dropped map must never come back

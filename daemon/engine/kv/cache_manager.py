@@ -76,6 +76,7 @@ class KVCacheManager:
         self.offload = offload if enable_prefix_caching else None
         self._transfers = KVTransfers([], [])
         if self.offload is not None:
+            # an evicted block was cached, so it has its index (not re-checked for each eviction)
             self.pool.on_evict = lambda block, key: self._transfers.saves.append(
                 (block.block_id, key, block.index.scope)  # type: ignore[union-attr]
             )
@@ -147,6 +148,7 @@ class KVCacheManager:
         events = self.pool.events
         index = self._indexes[req.request_id]
         for i, (block, t) in enumerate(zip(blocks, loaded), start=first):
+            # blocks come back from the tiers only when there are tiers (self.offload is set)
             self.offload.take(t.tier, t.key)  # type: ignore[union-attr]
             self.pool.cache_block(block, index, t.key)
             self._transfers.loads.append((block.block_id, t.block))
@@ -213,6 +215,7 @@ class KVCacheManager:
         for (_, key, scope), block in zip(saves, blocks):
             if self.pool.lookup(scope, key) is None:
                 block.scope = scope
+                # saves are only collected when there are tiers (on_evict is set with self.offload)
                 self.offload.store(key, block)  # type: ignore[union-attr]
 
     def free(self, req: Request) -> None:

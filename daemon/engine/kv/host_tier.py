@@ -22,12 +22,12 @@ class HostBlock:
     `ready` (a CUDA event) is set once the copy off the GPU has landed; None on the CPU."""
 
     data: torch.Tensor
-    ready: object | None = None
+    ready: torch.cuda.Event | None = None
     scope: CacheScope | None = None  # what it was computed under, for scoped resets
 
     def wait(self) -> None:
         if self.ready is not None:
-            self.ready.synchronize()  # type: ignore[attr-defined]
+            self.ready.synchronize()
 
 
 class HostTier:

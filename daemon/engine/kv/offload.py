@@ -91,6 +91,7 @@ class KVOffload:
     def store(self, key: BlockHash, block: HostBlock) -> None:
         """A block the pool evicted: into the host tier (its overflow to disk), or straight to disk."""
         if self.host is None:
+            # an offload without a host tier has a disk tier (it is made only with one of them)
             self.disk.put(key, block)  # type: ignore[union-attr]
             return
         pushed_out = self.host.put(key, block)

@@ -8,13 +8,14 @@ and nothing here runs.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import zmq
 
@@ -31,7 +32,12 @@ from kvpilot.kv.events import (
 
 log = logging.getLogger(__name__)
 
-_IDLE = object()  # the publisher thread found nothing queued
+
+class _Idle(enum.Enum):
+    IDLE = enum.auto()
+
+
+_IDLE: Final = _Idle.IDLE  # the publisher thread found nothing queued
 
 
 class KVEventPublisher:
@@ -76,7 +82,9 @@ class KVEventPublisher:
             sockets = [self._pub] + ([self._replay] if self._replay else [])
             self._auth = kv_sockets.secure_publisher(self._ctx, sockets, curve_dir)
             self.endpoint = _bind(self._pub, endpoint)
-            self.replay_endpoint = _bind(self._replay, replay_endpoint) if self._replay else None
+            self.replay_endpoint = (
+                _bind(self._replay, replay_endpoint) if self._replay and replay_endpoint else None
+            )
         except ValueError:
             self._close_sockets()
             raise
@@ -115,6 +123,7 @@ class KVEventPublisher:
 
     # ---- publisher thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        batch: EventBatch | _Idle | None
         try:
             while True:
                 try:

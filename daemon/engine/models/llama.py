@@ -18,6 +18,7 @@ from torch import nn
 from kvpilot.kernels import AttentionMetadata, Ops
 
 if TYPE_CHECKING:
+    from kvpilot.daemon.engine.parallel.tp import RowParallelLinear
     from kvpilot.daemon.engine.weights.lora import LoRABatch
 
 
@@ -94,7 +95,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        # tensor parallelism replaces it with its row-parallel one (parallel/tp.py)
+        self.o_proj: nn.Linear | RowParallelLinear = nn.Linear(self.q_size, a.hidden_size, bias=False)
         self.scale = a.head_dim**-0.5
 
     def forward(
@@ -127,7 +129,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_name, self.down_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.down_proj: nn.Linear | RowParallelLinear = nn.Linear(
+            a.intermediate_size, a.hidden_size, bias=False
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ops: Ops) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -189,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, batch, kv, self.rope, self.ops)
         # Only the sampled rows need the final norm and the LM head.
         x = x.index_select(0, batch.logits_indices)
+        assert residual is not None  # set by the first layer
         residual = residual.index_select(0, batch.logits_indices)
         x, _ = self.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

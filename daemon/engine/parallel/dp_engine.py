@@ -26,7 +26,7 @@ import multiprocessing
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvpilot.daemon.engine.admission import QueueFull, RequestRejected
 from kvpilot.daemon.engine.client import (
@@ -100,7 +100,7 @@ class DataParallelEngine:
         except BaseException:
             self.close()
             raise
-        infos = [rank.info for rank in self.ranks]
+        infos = [cast(RankInfo, rank.info) for rank in self.ranks]  # set by _wait_ready
         self.info = EngineInfo(
             model_name=infos[0].model_name,
             max_model_len=min(i.max_model_len for i in infos),
@@ -247,7 +247,9 @@ class DataParallelLoop(WeightOperations):
     async def rank_stats(self) -> list[CacheStats]:
         """Fresh stats of every rank (a dead rank's last known ones)."""
         replies = await asyncio.gather(*(self._call(r, "stats") for r in self._ranks), return_exceptions=True)
-        return [s if isinstance(s, CacheStats) else r.state.stats for s, r in zip(replies, self._ranks)]
+        # a rank's stats are there from its ready message on
+        last = [cast(CacheStats, r.state.stats) for r in self._ranks]
+        return [s if isinstance(s, CacheStats) else old for s, old in zip(replies, last)]
 
     async def reset_ranks(
         self, reset_running_requests: bool, timeout: float, scope: ResetScope | None = None

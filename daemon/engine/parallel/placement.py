@@ -55,4 +55,4 @@ def _placement(config: EngineConfig, size: int) -> tuple[list[EngineConfig], lis
         dataclasses.replace(config, device="cpu", cpu_threads=config.cpu_threads or len(share))
         for share in shares
     ]
-    return configs, shares
+    return configs, [*shares]  # (a copy: the list holds list[int] | None)

@@ -22,6 +22,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
+from kvpilot.daemon.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, size: int) -> None:
 
     qkv_rows = torch.cat([span(0, h * d), span(q_size, kvh * d), span(q_size + kv_size, kvh * d)])
     gate_up_rows = torch.cat([span(0, inter), span(a.intermediate_size, inter)])
-    for layer in model.layers:
+    for layer in cast(Iterable[LlamaDecoderLayer], model.layers):  # a ModuleList of them
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _column(attn.qkv_proj, qkv_rows)
         attn.o_proj = RowParallelLinear(attn.o_proj.weight.data[:, rank * h * d : (rank + 1) * h * d])

@@ -68,8 +68,8 @@ class WeightControl:
                     self.engine.resume()
                     return [], {"status": "resumed"}
                 case ops.Command.IS_PAUSED:
-                    mode = self.engine.paused.mode
-                    return [], {"is_paused": mode is not None, "mode": mode and mode.value}
+                    paused = self.engine.paused.mode
+                    return [], {"is_paused": paused is not None, "mode": paused and paused.value}
                 case ops.AbortRequests(request_ids=ids):
                     return self.abort_requests(ids)
                 case ops.Command.START_UPDATE:

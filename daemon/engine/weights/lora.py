@@ -317,7 +317,7 @@ def lora_batch(
         by_adapter.setdefault(adapter.identity, (adapter, []))[1].append((start, count))
     if not by_adapter:
         return None
-    groups = []
+    groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = []
     for adapter, ranges in by_adapter.values():
         if sum(n for _, n in ranges) == num_rows:
             groups.append((adapter, None))  # every row: no gather

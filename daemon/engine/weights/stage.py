@@ -14,11 +14,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.daemon.engine.memory_budget import host_memory_available
 from kvpilot.daemon.engine.weights.ops import WeightError, WeightErrorKind
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 
 # Host memory left free beyond what the stage takes, for the rest of the process.
 HEADROOM_BYTES = 256 << 20
@@ -56,7 +60,7 @@ class WeightStage:
     live parameters' names, shapes and dtypes (fixed) and copies their values once, when an update first
     touches a fused parameter."""
 
-    def __init__(self, model: torch.nn.Module, max_bytes: int | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_bytes: int | None = None) -> None:
         self.model = model
         self.live = dict(model.named_parameters())
         self.staged: dict[str, torch.Tensor] = {}

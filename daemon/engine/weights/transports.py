@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -54,7 +55,9 @@ class GroupReceiver:
                 f"rank {me} is outside the group of {world} (rank 0 is the trainer)",
             )
         self.device = device if backend == "nccl" else torch.device("cpu")
-        group_class = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+        # Any: torch's stubs lack the (store, rank, size, timeout) constructor and the broadcast that its C++
+        # bindings give both classes.
+        group_class: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
         store = dist.TCPStore(address, port, world, is_master=False, timeout=JOIN_TIMEOUT)
         self.group = group_class(dist.PrefixStore(STORE_PREFIX, store), me, world, JOIN_TIMEOUT)
         self.rank = me

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import cast
 
 from aiohttp import web
 
@@ -97,7 +98,8 @@ async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -
     try:
         if previous is not None:
             ranks = await state.engine.load_lora_adapter(name, previous.path, True, timeout)
-            if all(r.error is None and r.value["digest"] == previous.digest for r in ranks):
+            # a rank without an error has its value
+            if all(r.error is None and cast(dict, r.value)["digest"] == previous.digest for r in ranks):
                 log.warning(
                     "LoRA adapter %s: the failed load is undone, %s serves again", name, previous.path
                 )
