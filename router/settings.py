@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.cli.flags import flag
-from kvpilot.engines import ENGINE_NAMES, ENGINES, traits_of
+from kvpilot.engines import ENGINE_NAMES, ENGINES
 from kvpilot.serving.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where make_policy builds them
@@ -131,7 +131,9 @@ class RouterSettings:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be between 0 and 65535")
-        traits = traits_of(self.engine)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
+        traits = ENGINES[self.engine]
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
         if self.policy == "prefix-aware" and traits.kv_events_path is None:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engines import traits_of
+from kvpilot.engines import ENGINES
 from kvpilot.fanout.results import Verified
 from kvpilot.kv.reset_scope import ResetScope
 
@@ -132,7 +132,9 @@ async def prepare(
     model = scope.lora_name or await _model(ask)
     if model is None:
         return Verification(Verified.UNKNOWN, "GET /v1/models named no model for the canary")
-    salt = scope.cache_salt or (f"kvpilot-canary-{run_id}" if traits_of(engine).cache_salt else None)
+    salt = scope.cache_salt or (
+        f"kvpilot-canary-{run_id}" if (e := ENGINES.get(engine)) is not None and e.cache_salt else None
+    )
     prompt = canary_prompt(run_id, pod)
     hit = MAX_TOKENS
     for rank in range(ranks):

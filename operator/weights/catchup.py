@@ -6,7 +6,7 @@ workload makes a new one (scale-up, a replaced pod), or when its commit failed. 
 (`poke`) by the fleet's reconcile (which every readiness change of its pods sets off, through the workload's
 status) and at the end of every WeightUpdate; each pass asks every pod /weight_info and acts on fence.decide:
 - on the fleet's weights: un-fenced if it was fenced;
-- other weights: fenced, then driven through the WeightUpdate's own stage and commit (weights.Run) alone,
+- other weights: fenced, then driven through the WeightUpdate's own stage and commit (update.py's Run) alone,
   with the recorded modelPath and version; un-fenced when it then serves the recorded digest;
 - not Ready and not answering (restarting, loading): fenced now, caught up once it answers.
 The loop ends once every pod serves the fleet's weights. One catch-up per pod at a time; a pod whose

@@ -77,9 +77,8 @@ class Run:
         self.stage_deadline = self.deadline - min(RESERVE_S, timeout / 4)
         self.pods: list[PodUpdate] = []
         self.target = f"InferenceDeployment/{self.spec.target_ref.name}"
-        self.fenced: set[str] = (
-            set()
-        )  # pods out of the Service (label kvpilot.io/serving "false"), as far as known
+        # pods out of the Service (label kvpilot.io/serving "false"), as far as known
+        self.fenced: set[str] = set()
         self.weights: Any = _KEEP  # the fleet's status.weights once the update ends
 
     # ---- status ------------------------------------------------------------------------------------
