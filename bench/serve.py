@@ -259,7 +259,7 @@ PHASES = (
     ("runner.plan", "step plan"),  # token ids, positions, slots, block tables as lists
     ("runner._batch", "step tensors"),  # ... as tensors, and the attention metadata
     ("runner.run", "model"),  # the forward pass, with "step tensors" and "attention plan" inside it
-    ("_sample", "sampling"),
+    ("sampler.sample_step", "sampling"),
 )
 
 
