@@ -39,7 +39,7 @@ from kvpilot.daemon.server.prepare import (
 from kvpilot.daemon.server.responses import complete, stream
 from kvpilot.daemon.server.tenants import tenant_of, tenant_salt
 from kvpilot.protocol.errors import ApiError, bad, unavailable
-from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, IgnoredFieldLog, header_value
+from kvpilot.protocol.fields import IgnoredFieldLog, ignored_fields_headers
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import GenerateRequest
 from kvpilot.serving.admin_token import authorized, bearer_token
@@ -175,8 +175,7 @@ async def tokenize(request: web.Request) -> web.Response:
     raw = await request.read()
     out: Tokenized = await state.text.prepare(prepare_tokenize, state.rules, raw)
     _IGNORED_LOG.note(out.ignored_fields, request.path)
-    headers = {IGNORED_FIELDS_HEADER: header_value(out.ignored_fields)} if out.ignored_fields else {}
-    return json_response(out.body, headers=headers)
+    return json_response(out.body, headers=ignored_fields_headers(out.ignored_fields))
 
 
 def _caller_tenant(request: web.Request, state: ServerState) -> str | None:

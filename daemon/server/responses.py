@@ -19,9 +19,8 @@ from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.choices import Choice, Delta, PromptEcho, chat_logprobs, completion_logprobs
 from kvpilot.daemon.server.prepare import Prepared
 from kvpilot.protocol.errors import ApiError
-from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER, header_value
+from kvpilot.protocol.fields import ignored_fields_headers
 from kvpilot.protocol.replies import json_response
-from kvpilot.protocol.requests import GenerateRequest
 
 
 def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> dict:
@@ -82,13 +81,8 @@ async def complete(
             "choices": body_choices,
             "usage": usage(state, finals),
         },
-        headers=_note_headers(req),
+        headers=ignored_fields_headers(req.ignored_fields),
     )
-
-
-def _note_headers(req: GenerateRequest) -> dict[str, str]:
-    """The fields this reply ignored, for the client to see (bounded: fields.header_value)."""
-    return {IGNORED_FIELDS_HEADER: header_value(req.ignored_fields)} if req.ignored_fields else {}
 
 
 def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> dict:
@@ -177,7 +171,7 @@ async def stream(
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
-                **_note_headers(prep.req),
+                **ignored_fields_headers(prep.req.ignored_fields),
             }
         )
         try:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engines import KVPILOT, SGLANG, VLLM, EngineTraits
+from kvpilot.engines import KVPILOT, SGLANG, VLLM, EngineTraits, traits_of
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
 from kvpilot.fanout.targets import ResetSettings
@@ -250,7 +250,4 @@ ADAPTERS: dict[str, Engine] = {e.name: e for e in (KvpilotEngine(), VllmEngine()
 
 
 def engine_for(name: str) -> Engine:
-    try:
-        return ADAPTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ADAPTERS)}") from None
+    return ADAPTERS[traits_of(name).name]  # an unknown name is refused as traits_of words it

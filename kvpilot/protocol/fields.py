@@ -76,6 +76,11 @@ def _clean(name: str) -> str:
     return short + ("..." if len(name) > MAX_NAME_CHARS else "")
 
 
+def ignored_fields_headers(names: list[str]) -> dict[str, str]:
+    """The reply's header naming the fields it ignored, for the client to see; none when it ignored none."""
+    return {IGNORED_FIELDS_HEADER: header_value(names)} if names else {}
+
+
 def header_value(names: list[str]) -> str:
     """`a,b,c`, cut at whole names to at most MAX_HEADER_CHARS."""
     out = ""
