@@ -21,12 +21,9 @@ from kvpilot.daemon.engine.kv.cache_manager import KVTransfers
 from kvpilot.daemon.engine.kv.control import CacheControl
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
-from kvpilot.daemon.engine.request import Request, RequestStatus, SamplingParams, new_group
+from kvpilot.daemon.engine.request import Request, RequestGroups, RequestStatus, SamplingParams, new_group
 from kvpilot.daemon.engine.sampler import Sampler
-from kvpilot.daemon.engine.weights.lora import (
-    LoRAAdapter,
-    LoRAError,
-)
+from kvpilot.daemon.engine.weights.lora import LoRAAdapter, LoRAError
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
 from kvpilot.daemon.engine.weights.pause import PauseState, stopped_output
 from kvpilot.kv.reset_scope import ResetScope
@@ -45,15 +42,9 @@ class LLMEngine:
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.loras, self.keys, self.kv_events = parts.loras, parts.keys, parts.kv_events
         self.sampler = Sampler()
-        self.cache = CacheControl(
-            self.kv,
-            self.scheduler,
-            self.kv_events,
-            self.config.block_size,
-            self.config.max_loras if self.config.enable_lora else 0,
-        )
-        self._groups: dict[str, list[Request]] = {}
-        self._added: dict[str, EngineRequest] = {}  # each group as added: what a weight swap restarts
+        max_loras = self.config.max_loras if self.config.enable_lora else 0
+        self.cache = CacheControl(self.kv, self.scheduler, self.kv_events, self.config.block_size, max_loras)
+        self.groups = RequestGroups()
         self.weight_version = self.config.weight_version or INITIAL_VERSION
         self._weight_key = self.config.weight_version  # None: unnamed initial weights add nothing to keys
         self.paused = PauseState()
@@ -85,61 +76,38 @@ class LLMEngine:
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
         (`weights/control.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
         a restart keeps the one it began with, unloaded since or not). While paused it is held, not
-        scheduled, until `resume`."""
+        scheduled, until `resume` (`submit` queues it)."""
         params = params or SamplingParams()
-        params.validate()
-        if request_id in self._groups:
-            raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
-        check_fits(prompt_token_ids, params, self.max_model_len, self.vocab_size)
-        if cache_salt is not None and not isinstance(cache_salt, str):
+        prompt = list(prompt_token_ids)
+        req = EngineRequest(
+            request_id, prompt, params, cache_salt, None, restartable, weight_version, lora_name
+        )
+        return self.submit(req, adapter)
+
+    def submit(self, req: EngineRequest, adapter: LoRAAdapter | None = None) -> list[Request]:
+        """Queue a request as the server hands it over (`client.EngineRequest`); `adapter` as in
+        `add_request`. Checked before anything is queued: a refusal raises `RequestRejected`/`QueueFull`."""
+        req.params.validate()
+        if req.request_id in self.groups:
+            raise RequestRejected(f"request id {req.request_id!r} is already running", "request_id")
+        check_fits(req.prompt_token_ids, req.params, self.max_model_len, self.vocab_size)
+        if req.cache_salt is not None and not isinstance(req.cache_salt, str):
             raise RequestRejected("cache_salt must be a string", "cache_salt")
-        if (lora := adapter) is None and lora_name is not None:
-            lora = adapter_for(self.loras, lora_name)
+        if (lora := adapter) is None and req.lora_name is not None:
+            lora = adapter_for(self.loras, req.lora_name)
         limit = self.config.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFull(f"{limit} requests are already waiting")
-        check_version(weight_version, self.weight_version)
-        seqs = new_group(
-            request_id,
-            prompt_token_ids,
-            params,
-            self.eos_token_ids,
-            cache_salt,
-            weight_key=self._weight_key,
-            keys=self.keys,
-            lora=lora,
-        )
-        self._groups[request_id] = seqs
-        self._added[request_id] = EngineRequest(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            cache_salt,
-            None,
-            restartable,
-            weight_version,
-            lora_name,
-        )
-        if not self.paused.hold(request_id):
+        check_version(req.weight_version, self.weight_version)
+        seqs = new_group(req, self.eos_token_ids, weight_key=self._weight_key, keys=self.keys, lora=lora)
+        self.groups.add(req, seqs)
+        if not self.paused.hold(req.request_id):
             self.scheduler.add(seqs[0])
         return seqs
 
-    def submit(self, req: EngineRequest) -> list[Request]:
-        """`add_request` for a request as the server hands it over (`client.EngineRequest`)."""
-        return self.add_request(
-            req.request_id,
-            req.prompt_token_ids,
-            req.params,
-            req.cache_salt,
-            req.restartable,
-            req.weight_version,
-            req.lora_name,
-        )
-
     def abort_request(self, request_id: str) -> bool:
         """Abort every sequence of the request; False when it is not running."""
-        seqs = self._groups.pop(request_id, None)
-        self._added.pop(request_id, None)
+        seqs = self.groups.pop(request_id)
         self.paused.release(request_id)
         if seqs is None:
             return False
@@ -209,10 +177,7 @@ class LLMEngine:
         )
         if done:
             self.sampler.forget(seq.request_id)
-            group = self._groups.get(seq.group_id, ())
-            if all(s.status is RequestStatus.FINISHED for s in group):
-                self._groups.pop(seq.group_id, None)
-                self._added.pop(seq.group_id, None)
+            self.groups.finished(seq)
         return out
 
     # ---- operations (call between steps) -----------------------------------------------------
@@ -235,18 +200,18 @@ class LLMEngine:
     def resume(self) -> None:
         """Step again; the requests held while paused are scheduled."""
         for gid in self.paused.end():
-            seqs = self._groups.get(gid)
+            seqs = self.groups.get(gid)
             if seqs and seqs[0].status is RequestStatus.WAITING:
                 self.scheduler.add(seqs[0])
 
     def group_ids(self) -> list[str]:
-        return list(self._groups)  # the requests in the engine (running, waiting or held)
+        return self.groups.ids()  # the requests in the engine (running, waiting or held)
 
     def abort_groups(self, ids: list[str]) -> list[RequestOutput]:
         """Abort these requests; each open sequence's last output (finish_reason "abort")."""
         outputs = []
         for gid in ids:
-            open_seqs = [s for s in self._groups.get(gid, ()) if s.status is not RequestStatus.FINISHED]
+            open_seqs = [s for s in self.groups.get(gid) if s.status is not RequestStatus.FINISHED]
             self.abort_request(gid)
             outputs += [stopped_output(s, self.weight_version) for s in open_seqs]
         return outputs
@@ -257,8 +222,9 @@ class LLMEngine:
         tokens, or one pinned to the old version, ends instead. The outputs of those ended or restarted."""
         outputs: list[RequestOutput] = []
         again: list[tuple[EngineRequest, LoRAAdapter | None]] = []
-        for gid, seqs in list(self._groups.items()):
-            added, sent = self._added.get(gid), any(s.output_token_ids for s in seqs)
+        for gid in self.groups.ids():
+            seqs = self.groups.get(gid)
+            added, sent = self.groups.added(gid), any(s.output_token_ids for s in seqs)
             ended = self.abort_groups([gid])
             if added is None or added.weight_version is not None or (sent and not added.restartable):
                 outputs += ended
@@ -289,7 +255,7 @@ class LLMEngine:
         """A new cache generation: nothing indexed before is reachable, every key from now on has it."""
         self.weight_version = self._weight_key = version
         for gid in self.paused.held:
-            for seq in self._groups.get(gid, ()):
+            for seq in self.groups.get(gid):
                 seq.weight_key = version
                 seq.block_hashes.clear()
         if self.kv_events is not None:
@@ -318,7 +284,7 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id in outputs and o.index == 0:  # others' requests may share the batch
                     outputs[o.request_id].extend(o.new_token_ids)
-            pending = {i for i in pending if i in self._groups}
+            pending = {i for i in pending if i in self.groups}
         return [outputs[i] for i in ids]
 
     def close(self) -> None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter
 from kvpilot.kv.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
+
+if TYPE_CHECKING:  # client.py imports this module for SamplingParams
+    from kvpilot.daemon.engine.client import EngineRequest
 
 # Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -167,11 +171,8 @@ class Request:
 
 
 def new_group(
-    request_id: str,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
+    req: EngineRequest,
     eos_token_ids: frozenset[int],
-    cache_salt: str | None,
     *,
     weight_key: str | None,
     keys: KeyScheme,
@@ -179,14 +180,15 @@ def new_group(
 ) -> list[Request]:
     """One API request's `params.n` sequences: they share the prompt (the first one scores its logprobs
     for all) and fork off the first when it samples its first token; each draws with its own seed."""
+    params = req.params
     seqs = [
         Request(
-            request_id if params.n == 1 else f"{request_id}#{i}",
-            list(prompt_token_ids),
+            req.request_id if params.n == 1 else f"{req.request_id}#{i}",
+            list(req.prompt_token_ids),
             dataclasses.replace(params, seed=params.seed_of(i)),
             eos_token_ids,
-            cache_salt,
-            group_id=request_id,
+            req.cache_salt,
+            group_id=req.request_id,
             index=i,
             weight_key=weight_key,
             keys=keys,
@@ -198,3 +200,37 @@ def new_group(
         follower.prompt_logprobs = None  # the first sequence scores the prompt for all
     seqs[0].forks = seqs[1:]
     return seqs
+
+
+class RequestGroups:
+    """The requests in an engine by id (running, waiting or held by a pause alike): each one's sequences,
+    and the request as it was added, which is what a weight swap starts again."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, list[Request]] = {}
+        self._added: dict[str, EngineRequest] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def add(self, req: EngineRequest, seqs: list[Request]) -> None:
+        self._seqs[req.request_id] = seqs
+        self._added[req.request_id] = req
+
+    def get(self, request_id: str) -> list[Request]:
+        return self._seqs.get(request_id, [])
+
+    def added(self, request_id: str) -> EngineRequest | None:
+        return self._added.get(request_id)
+
+    def ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def pop(self, request_id: str) -> list[Request] | None:
+        self._added.pop(request_id, None)
+        return self._seqs.pop(request_id, None)
+
+    def finished(self, seq: Request) -> None:
+        """`seq` has ended: its group leaves once every sequence of it has."""
+        if all(s.status is RequestStatus.FINISHED for s in self.get(seq.group_id)):
+            self.pop(seq.group_id)

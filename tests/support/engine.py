@@ -10,7 +10,7 @@ from kvpilot.daemon.engine.request import Request, SamplingParams
 def request_of(engine: LLMEngine, request_id: str) -> Request | None:
     """The request `request_id` (its group's first sequence) while the engine holds it, else None: finished,
     aborted or never added."""
-    seqs = engine._groups.get(request_id)
+    seqs = engine.groups.get(request_id)
     return seqs[0] if seqs else None
 
 
