@@ -519,24 +519,25 @@ def test_loop_waker_wakes_on_a_message_and_quiets_its_descriptor(
                 got["woken"] = await woken_with_message(waker, plain, pub, b"first", 0.02)
                 if got["woken"]:
                     break
-            while has_message(plain):
-                plain.recv(zmq.NOBLOCK)
-            waker.clear()
-            before = len(wakes)
-            await pub.send(b"second")
-            await waker.wait(2.0)
-            await asyncio.sleep(0.1)  # woken, but busy elsewhere: nothing reads the socket
-            got["wakes while unread"] = len(wakes) - before
+
+            async def wakes_while_unread(payload: bytes, wait_s: float) -> int:
+                """Drain, publish `payload`, and count the wakes while nothing reads it (the task woken,
+                then busy elsewhere)."""
+                while has_message(plain):
+                    plain.recv(zmq.NOBLOCK)
+                waker.clear()
+                before = len(wakes)
+                await pub.send(payload)
+                await waker.wait(wait_s)
+                await asyncio.sleep(0.1)
+                return len(wakes) - before
+
+            got["wakes while unread"] = await wakes_while_unread(b"second", 2.0)
             got["second"] = plain.recv(zmq.NOBLOCK) if has_message(plain) else None
             got["drained"] = not has_message(plain)
             got["woken again"] = await woken_with_message(waker, plain, pub, b"third", 2.0)
-            while has_message(plain):
-                plain.recv(zmq.NOBLOCK)
             waker.close()
-            before = len(wakes)
-            await pub.send(b"fourth")
-            await asyncio.sleep(0.05)
-            got["wakes after close"] = len(wakes) - before
+            got["wakes after close"] = await wakes_while_unread(b"fourth", 0.0)
         finally:
             pub.close(0)
             sub.close(0)
