@@ -14,6 +14,27 @@ Two limits, applied where connections are accepted, before aiohttp parses a byte
   accept, and the header timeout frees the slots slow clients hold.
 
 Both answers are OpenAI error JSON, like every other error of these servers.
+
+Why aiohttp's server is wrapped in a protocol of its own (issue 41), and what of aiohttp that leans on, in
+this module only. Not for speed: for what aiohttp's public API lacks. aiohttp 3.14.5 has no connection cap
+and no header timeout that answers (its keep-alive timer, armed at connect, drops a connection whose header
+never completes without a word), and the limits must act before aiohttp parses a byte. So each accepted
+connection gets a `_Guarded` that hands every event on to the protocol `AppRunner.server` makes (aiohttp's
+`web_protocol.RequestHandler`): one more Python call per event, never measured apart from a request's
+cost. What it buys is measured in tests/router/test_client_limits.py: 100 slowloris connections answered
+408 at the timeout while /health answers, and a connection past the cap answered 503 at once. It leans on:
+- `RequestHandler` being a plain `asyncio.Protocol` whose callbacks are the six `_Guarded` passes on
+  (`connection_made`, `data_received`, `eof_received`, `pause_writing`, `resume_writing`,
+  `connection_lost`): as a `BufferedProtocol` (`get_buffer`, `buffer_updated`) it would get no bytes;
+- aiohttp never asking the transport for its protocol (`get_protocol`, `set_protocol`): it would find the
+  gate, not itself;
+- `RequestHandler.connection_made` registering the connection with its `web.Server`, so that
+  `runner.cleanup()` still ends the connections handed to it;
+- its keep-alive timer (`keepalive_timeout`) closing a kept-alive connection whose next header has not
+  come, which is the header timeout of every request but a connection's first.
+Verified on aiohttp 3.14.5 (asyncio and uvloop 0.23.0, CPython 3.11). The guard,
+tests/test_framework_guards.py (`test_http_limits_*`), fails on a version that changes any of these,
+naming it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,19 @@
 """Waking a task on its ZeroMQ sockets from the event loop's own descriptor watch, instead of pyzmq's
-asyncio poller: kept in this one module because it leans on how libzmq signals (edge-triggered descriptors,
-`EVENTS` read to quiet them), which a pyzmq or libzmq upgrade may change; the KV event tests fail if it
-stops waking (tests/router/test_kv_events.py)."""
+asyncio poller: kept in this one module because it leans on how libzmq signals, which a pyzmq or libzmq
+upgrade may change.
+
+Why it is kept (issue 41): woken here (`LoopWaker` says what pyzmq's asyncio poller costs), a KV event
+batch cost the router 435 µs of CPU instead of 540 (-19%, publisher in another process, on a busy machine:
+docs/performance.md, "Event sockets woken by their descriptors", bench/router_compare.py), more than the
+10% within which the public API would have replaced it. What it leans on: pyzmq's
+`Socket.shadow(sock.underlying)` (a plain socket on the same libzmq socket as the asyncio one, so pyzmq's
+poller never runs for it), `Socket.FD` and `zmq.EVENTS`, all public; and how libzmq signals behind them,
+which its manual describes only loosely: the descriptor turns readable when a socket's state changes
+(edge, not level: a message already waiting signals nothing more), and reading `EVENTS` quiets it, so a
+level-triggered loop (asyncio's and uvloop's `add_reader`) does not call `_wake` again and again.
+Verified on pyzmq 27.3.0 with libzmq 4.3.5 (asyncio and uvloop 0.23.0, CPython 3.11). The guard,
+tests/test_framework_guards.py (`test_loop_waker_*`), fails on a version that changes any of these, naming
+it; tests/router/test_kv_events.py fails too if it stops waking."""
 
 from __future__ import annotations
 
