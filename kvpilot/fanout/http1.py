@@ -2,27 +2,24 @@
 per pod, replies read up to a bound.
 
 Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and aiohttp's per-request
-machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost several
-times this client's CPU per call, which made a fan-out over pods that answer at once slower than a
-sequential loop (measured in docs/fanout.md, "What bounds it"). Only what a reset call needs is here: a
-request prepared once per target, a status line, the headers that frame the body (Content-Length, chunked,
-or to the end of the connection), and the body, read up to `MAX_REPLY_BYTES`.
+machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost ~380 µs of
+CPU a call against ~150 µs here, kernel included (docs/fanout.md, "What bounds it"). With this client (and
+the pod list decoded once, in the same change) the operator's CPU a pod fell from 0.52 to 0.19 ms, and 5,000
+pods that answer at once were reset in 1.31 s (0.60x a sequential loop's time) instead of 4.58 s (1.74x)
+(bench/fanout.py, docs/performance.md, "Fan-out"): far more than the 10% within which aiohttp's public
+client would replace it. Only what a reset call needs is here: a request prepared once per target, a status
+line, the headers that frame the body (Content-Length, chunked, or to the end of the connection), and the
+body, read up to `MAX_REPLY_BYTES`.
 
 Connections are kept alive per pod, never per address alone: a `Pool` files each connection under the
 target's identity (its pod uid, or its name) and address, so a connection opened to one pod never carries
 a request, and its admin token, meant for another pod that has since taken the same IP.
 
-Why it is kept (issue 41): `run_fanout` cost ~380 µs of CPU a call through aiohttp's `ClientSession` and
-~150 µs through this client, kernel included (a bare loop of each: ~330 against ~60 µs of user CPU;
-docs/fanout.md, "What bounds it"); with it (and the pod list decoded once, in the same change) the
-operator's CPU a pod fell from 0.52 to 0.19 ms, and 5,000 pods that answer at once were reset in 1.31 s
-(0.60x a sequential loop's time) instead of 4.58 s (1.74x) (bench/fanout.py, docs/performance.md, "Fan-out",
-2026-12-01): far more than the 10% within which aiohttp's public client would have replaced it. It touches
-no library's private parts: only asyncio's public `Protocol` and `create_connection` (uvloop's in the
-operator), in this module alone. What a library upgrade could break is what it reads: the HTTP/1.1 replies
-of the servers it calls (kvpilot's daemons are aiohttp's server). Verified against aiohttp 3.14.5's server
-(asyncio and uvloop 0.23.0, CPython 3.11): tests/test_framework_guards.py (`test_http1_*`) fails, naming
-aiohttp's version, on one whose replies it no longer reads or keeps alive.
+It touches no library's private parts, only asyncio's public `Protocol` and `create_connection` (uvloop's
+in the operator). What a library upgrade could break is what it reads: the HTTP/1.1 replies of the servers it
+calls (kvpilot's daemons are aiohttp's server). Verified against aiohttp 3.14.5's server (asyncio and uvloop
+0.23.0, CPython 3.11): tests/test_framework_guards.py (`test_http1_*`) fails, naming aiohttp's version, on one
+whose replies it no longer reads or keeps alive.
 """
 
 from __future__ import annotations
