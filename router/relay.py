@@ -12,7 +12,7 @@ A client that reads slowly is not written past: once its transport holds more th
 bytes the pieces go to the reader's buffer instead (which pauses the pod's socket when full), and the
 task writes them with aiohttp's draining writes until it has caught up.
 
-Why it is kept (issue 41), and what of aiohttp it leans on, in this module only. bench/router_cost.py
+Why it is kept, and what of aiohttp it leans on, in this module only. bench/router_cost.py
 (docs/performance.md, "Router", 2026-12-01): the router's CPU per streamed chunk was 28.7 µs read the
 public way (a task woken per chunk, main cbc87b7) against 11.7-22.1 µs relayed here in the same half hour,
 1.57x sglang-router's against 0.90-1.06x: far more than the 10% within which the public API would have

@@ -15,7 +15,7 @@ Two limits, applied where connections are accepted, before aiohttp parses a byte
 
 Both answers are OpenAI error JSON, like every other error of these servers.
 
-Why aiohttp's server is wrapped in a protocol of its own (issue 41), and what of aiohttp that leans on, in
+Why aiohttp's server is wrapped in a protocol of its own, and what of aiohttp that leans on, in
 this module only. Not for speed: for what aiohttp's public API lacks. aiohttp 3.14.5 has no connection cap
 and no header timeout that answers (its keep-alive timer, armed at connect, drops a connection whose header
 never completes without a word), and the limits must act before aiohttp parses a byte. So each accepted

@@ -2,7 +2,7 @@
 asyncio poller: kept in this one module because it leans on how libzmq signals, which a pyzmq or libzmq
 upgrade may change.
 
-Why it is kept (issue 41): woken here (`LoopWaker` says what pyzmq's asyncio poller costs), a KV event
+Why it is kept: woken here (`LoopWaker` says what pyzmq's asyncio poller costs), a KV event
 batch cost the router 435 µs of CPU instead of 540 (-19%, publisher in another process, on a busy machine:
 docs/performance.md, "Event sockets woken by their descriptors", bench/router_compare.py), more than the
 10% within which the public API would have replaced it. What it leans on: pyzmq's
