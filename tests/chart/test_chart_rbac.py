@@ -56,8 +56,9 @@ IMPLIED = {
 }
 # Rights no request of the exercise uses yet (a right that becomes unused fails the test): pods patch fences
 # a fleet pod that is off the fleet's weights, which the stand-ins (no weight routes) never are; it is
-# requested in tests/operator/test_operator_weights.py (a pod killed mid-commit), through real daemons under the same rules. The
-# InferencePool rights need GAIE's CRD, which this exercise does not install: they are requested in
+# requested in tests/operator/test_operator_weights.py (a pod killed mid-commit), through real daemons under
+# the same rules. The InferencePool rights need GAIE's CRD, which this exercise does not install: they are
+# requested in
 # tests/operator/test_operator_inferencepool.py, under the same rules (rbac.cluster_role()).
 AWAITING: dict[str, set[tuple[str, str, str]]] = {
     "operator": {("patch", "", "pods")}
