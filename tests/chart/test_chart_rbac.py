@@ -58,8 +58,7 @@ IMPLIED = {
 # a fleet pod that is off the fleet's weights, which the stand-ins (no weight routes) never are; it is
 # requested in tests/operator/test_operator_weights.py (a pod killed mid-commit), through real daemons under
 # the same rules. The InferencePool rights need GAIE's CRD, which this exercise does not install: they are
-# requested in
-# tests/operator/test_operator_inferencepool.py, under the same rules (rbac.cluster_role()).
+# requested in tests/operator/test_operator_inferencepool.py, under the same rules (rbac.cluster_role()).
 AWAITING: dict[str, set[tuple[str, str, str]]] = {
     "operator": {("patch", "", "pods")}
     | {
