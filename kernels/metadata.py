@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvpilot.kernels.reference_plan import AttentionPlan
 
 
 @dataclass(slots=True)
@@ -28,7 +31,8 @@ class AttentionMetadata:
     block_tables_list: list[list[int]]
     max_query_len: int
     max_seq_len: int
-    reference_plan: Any = field(default=None, repr=False)
+    # ((block_size, device), the plan) once built
+    reference_plan: tuple[tuple[int, torch.device], AttentionPlan] | None = field(default=None, repr=False)
 
     @classmethod
     def build(

@@ -43,10 +43,10 @@ MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 256
 SPLIT_TARGET_WAVES = 2  # split until (sequence, KV head, slice) programs fill this many waves of SMs
 
-TILE_OVERRIDE: dict | None = None  # for experiments: dict(block_n=, num_warps=, num_stages=)
+TILE_OVERRIDE: dict[str, int] | None = None  # for experiments: dict(block_n=, num_warps=, num_stages=)
 
 
-def _tile(head_dim: int, block_m: int, dtype: torch.dtype, capability: tuple[int, int]) -> dict:
+def _tile(head_dim: int, block_m: int, dtype: torch.dtype, capability: tuple[int, int]) -> dict[str, int]:
     """KV tile and launch shape, chosen by compiling for sm_80 and sm_90 without a GPU
     (tests/kernels/native_compile_check.py): no register spills, K/V loads pipelined through shared
     memory, prefill tiles on wgmma on Hopper. Not yet tuned on hardware."""

@@ -15,7 +15,7 @@ from kvpilot.serving.http_limits import ConnectionLimits
 log = logging.getLogger(__name__)
 
 
-def add_router_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(subparsers, "router", run_router)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(

@@ -229,7 +229,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 def _header(headers: base_pb2.HeaderMap, name: str) -> str:
     for h in headers.headers:
         if h.key == name:
-            return h.raw_value.decode("latin-1") if h.raw_value else h.value
+            value: str = h.raw_value.decode("latin-1") if h.raw_value else h.value  # protobuf's Any: no stubs
+            return value
     return ""
 
 

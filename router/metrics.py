@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvpilot.serving.build_info import register_build_info
 
 _P = "kvpilot_router_"
+_Metric = TypeVar("_Metric", Counter, Gauge)
 
 
 class RouterMetrics:
@@ -82,13 +85,13 @@ class RouterMetrics:
         # Each series once looked up: labels() validates and locks on every call, on the proxy's path.
         self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
 
-    def child(self, metric: Counter | Gauge, *labels: str):
+    def child(self, metric: _Metric, *labels: str) -> _Metric:
         """`metric.labels(*labels)`, cached (series are never removed, so a cached one stays valid)."""
         key = (id(metric), labels)
         series = self._children.get(key)
         if series is None:
             series = self._children[key] = metric.labels(*labels)
-        return series
+        return cast(_Metric, series)  # the series cached under this metric's id are its own: of its kind
 
     def add_pod(self, pod: str) -> None:
         """Start a new pod's prediction and KV event counters at 0: a counter series born at its first

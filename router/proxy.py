@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import aiohttp
 from aiohttp import web
 
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
@@ -183,7 +184,7 @@ def _pod_failed(r: Router, pod: Pod, exc: BaseException) -> ApiError:
     return ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway")
 
 
-def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
+def _record_usage(r: Router, decision: Decision, usage: JSONObject | None) -> None:
     """Compare the predicted cached tokens with what the pod reported (when both are known)."""
     if decision.predicted_cached_tokens is None or not isinstance(usage, dict):
         return
@@ -198,7 +199,7 @@ def _record_usage(r: Router, decision: Decision, usage: dict | None) -> None:
         m.child(m.stale, name).inc()
 
 
-def _json_usage(body: bytes) -> dict | None:
+def _json_usage(body: bytes) -> JSONObject | None:
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nested too deep
@@ -206,7 +207,7 @@ def _json_usage(body: bytes) -> dict | None:
     return doc.get("usage") if isinstance(doc, dict) else None
 
 
-def _sse_usage(tail: bytes) -> dict | None:
+def _sse_usage(tail: bytes) -> JSONObject | None:
     """The usage chunk of a stream (sent last, when the client asked for stream_options.include_usage): the
     last `data: {` line that names "usage", found from the end without splitting the tail into lines."""
     at = tail.rfind(b'"usage"')

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
+from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.engine.weights.ops import (
     AbortRequests,
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine has stopped (engine error, a dead rank, or shutdown); it will not answer."""
+
+
+# What `add` returns: the outputs of a request's sequences as they come, and the error if the engine dies.
+OutputQueue = asyncio.Queue[RequestOutput | EngineDeadError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +170,7 @@ class EngineClient(WeightOperations, Protocol):
     def error(self) -> str | None:
         """Why it is not alive, once it died (None while starting or running)."""
 
-    async def add(self, request: EngineRequest) -> asyncio.Queue:
+    async def add(self, request: EngineRequest) -> OutputQueue:
         """Queue a request; returns, once the engine accepted it, the queue that yields the
         `RequestOutput`s of all its sequences (or an `EngineDeadError` if the engine dies meanwhile)."""
 

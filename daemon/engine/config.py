@@ -251,7 +251,9 @@ class EngineConfig:
 
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.dtype)
+        # one of DTYPES (checked in __post_init__): the name of a torch.dtype
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
 
 def _check_rank_ports(events: str | None, replay: str, size: int) -> None:

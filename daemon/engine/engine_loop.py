@@ -29,13 +29,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
     EngineRequest,
     LoopState,
+    OutputQueue,
     WeightOperations,
 )
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
@@ -55,8 +56,8 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class _Add:
     request: EngineRequest
-    sink: asyncio.Queue
-    done: concurrent.futures.Future
+    sink: OutputQueue
+    done: concurrent.futures.Future[None]
 
 
 @dataclass(slots=True)
@@ -65,14 +66,25 @@ class _Abort:
 
 
 @dataclass(slots=True)
-class _Call:
-    fn: Callable[[Any], Any]
-    done: concurrent.futures.Future
+class _Call(Generic[T]):
+    fn: Callable[[Any], T]
+    done: concurrent.futures.Future[T]
 
 
 @dataclass(slots=True)
 class _Stop:
     pass
+
+
+_Command = _Add | _Abort | _Call[Any] | _Stop
+
+
+@dataclass(slots=True)
+class _Open:
+    """A request the engine runs: where its outputs go, and how many of its sequences are not finished."""
+
+    sink: OutputQueue
+    unfinished: int
 
 
 class EngineLoop(WeightOperations):
@@ -96,9 +108,9 @@ class EngineLoop(WeightOperations):
             },
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        # request id -> [its queue, sequences not finished yet]; touched by the engine thread only
-        self._sinks: dict[str, list] = {}
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # request id -> its queue and sequences not finished yet; touched by the engine thread only
+        self._sinks: dict[str, _Open] = {}
         self._lock = threading.Lock()  # orders "dead" against submissions, so no command is stranded
         self._dead = False
         self._error: str | None = None
@@ -130,15 +142,15 @@ class EngineLoop(WeightOperations):
         self.engine.close()
 
     # ---- API for the event loop ----------------------------------------------------------------
-    async def add(self, request: EngineRequest) -> asyncio.Queue:
+    async def add(self, request: EngineRequest) -> OutputQueue:
         """Queue a request; returns its output queue once the engine accepted it.
 
         Raises the engine's ValueError (RequestRejected, SamplingError) for bad input and QueueFull when
         too many requests wait. The queue yields the `RequestOutput`s of all `params.n` sequences, and
         an `EngineDeadError` instance if the engine dies meanwhile.
         """
-        sink: asyncio.Queue = asyncio.Queue()
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        sink: OutputQueue = asyncio.Queue()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(request, sink, done))
         try:
             await asyncio.wrap_future(done)
@@ -156,7 +168,7 @@ class EngineLoop(WeightOperations):
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` on the engine thread between two steps and return its result."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._submit(_Call(fn, done))
         return await asyncio.wrap_future(done)
 
@@ -195,7 +207,7 @@ class EngineLoop(WeightOperations):
             if beside_steps(op):
                 work = asyncio.get_running_loop().run_in_executor(None, weights.run_beside_steps, op)
             else:
-                replied: concurrent.futures.Future = concurrent.futures.Future()
+                replied: concurrent.futures.Future[Reply] = concurrent.futures.Future()
 
                 def run(engine: LLMEngine) -> None:
                     outputs, reply = weights.run(op, replied.set_result)
@@ -215,7 +227,7 @@ class EngineLoop(WeightOperations):
         with self._lock:
             self._dead, self._error = True, reason
 
-    def _submit(self, cmd: object) -> None:
+    def _submit(self, cmd: _Command) -> None:
         with self._lock:
             if self._dead:
                 raise EngineDeadError(self._error or "the engine loop is not running")
@@ -258,7 +270,7 @@ class EngineLoop(WeightOperations):
                 return False
             self._handle(cmd)
 
-    def _handle(self, cmd: object) -> None:
+    def _handle(self, cmd: _Command) -> None:
         if isinstance(cmd, _Add):
             if not cmd.done.set_running_or_notify_cancel():
                 return  # the caller gave up before we got to it
@@ -268,7 +280,7 @@ class EngineLoop(WeightOperations):
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return
-            self._sinks[req.request_id] = [cmd.sink, req.params.n]
+            self._sinks[req.request_id] = _Open(cmd.sink, req.params.n)
             cmd.done.set_result(None)
         elif isinstance(cmd, _Abort):
             if self.engine.abort_request(cmd.request_id):
@@ -289,19 +301,19 @@ class EngineLoop(WeightOperations):
         )
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        batch = []
+        batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]] = []
         for out in outputs:
             entry = self._sinks.get(out.request_id)
             if entry is None:
                 continue
             if out.finished:
-                entry[1] -= 1
-                if entry[1] == 0:
+                entry.unfinished -= 1
+                if entry.unfinished == 0:
                     del self._sinks[out.request_id]
-            batch.append((entry[0], out))
+            batch.append((entry.sink, out))
         self._post(_put_all, batch)
 
-    def _post(self, fn: Callable, arg: Any) -> None:
+    def _post(self, fn: Callable[[T], None], arg: T) -> None:
         assert self._loop is not None  # set by start(), before the thread runs
         try:
             self._loop.call_soon_threadsafe(fn, arg)
@@ -313,7 +325,10 @@ class EngineLoop(WeightOperations):
             self._dead = True
             self._error = reason
         err = EngineDeadError(reason)
-        self._post(_put_all, [(sink, err) for sink, _ in self._sinks.values()])
+        failed: list[tuple[OutputQueue, RequestOutput | EngineDeadError]] = [
+            (entry.sink, err) for entry in self._sinks.values()
+        ]
+        self._post(_put_all, failed)
         self._sinks.clear()
         while True:  # commands that raced in before `_dead` was set
             try:
@@ -325,6 +340,6 @@ class EngineLoop(WeightOperations):
                 done.set_exception(EngineDeadError(reason))
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(batch: list[tuple[OutputQueue, RequestOutput | EngineDeadError]]) -> None:
     for sink, item in batch:
         sink.put_nowait(item)

@@ -104,7 +104,8 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
-        return self.model(self._batch(plan), self.kv_caches)
+        logits: torch.Tensor = self.model(self._batch(plan), self.kv_caches)  # nn.Module's __call__ is Any
+        return logits
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class ResetResult:
     def failed(cls, rank: int, error: str) -> ResetResult:
         return cls(False, -1, 0, 0, 0, 0.0, rank=rank, error=error)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -139,7 +140,7 @@ class CacheStats:
     def usage_ratio(self) -> float:
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         d["usage_ratio"] = self.usage_ratio

@@ -19,14 +19,16 @@ from kvpilot import __version__
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
-from kvpilot.daemon.server.app_state import STATE, ServerSettings, ServerState, running_engine
+from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
+from kvpilot.daemon.server.settings import ServerSettings
 from kvpilot.daemon.server.weights.lora_routes import ROUTES as LORA_ROUTES
 from kvpilot.daemon.server.weights.routes import ROUTES as WEIGHT_ROUTES
-from kvpilot.protocol.errors import ApiError, error_middleware, error_response, unavailable
+from kvpilot.protocol import JSONObject
+from kvpilot.protocol.errors import ApiError, Handler, error_middleware, error_response, unavailable
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_json_object, parse_reset_flag, parse_reset_scope
 from kvpilot.protocol.schema import openapi
@@ -95,7 +97,7 @@ async def _stop_engine(app: web.Application) -> None:
 
 
 @web.middleware
-async def _track_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _track_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count requests in flight for the drain, refuse generations while draining, and word the engine's
     failures as OpenAI errors (error_middleware, outside this one, answers them)."""
     state = request.app[STATE]
@@ -151,7 +153,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
 
-    def entry(name: str, root: str, parent: str | None) -> dict:
+    def entry(name: str, root: str, parent: str | None) -> JSONObject:
         return {
             "id": name,
             "object": "model",

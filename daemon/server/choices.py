@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from kvpilot.daemon.engine.outputs import RequestOutput, TokenLogprob
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
+from kvpilot.protocol import JSONObject
 
 # One logprob as the API shows it: the token's text, its logprob (None for a prompt's first token)
 # and the most likely alternatives.
@@ -97,8 +98,8 @@ def entry(texts: TokenTexts, lp: TokenLogprob) -> LogprobEntry:
     return texts(lp.token_id), lp.logprob, top
 
 
-def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> JSONObject:
+    out: dict[str, list[object]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, logprob, top in entries:
         out["tokens"].append(token)
         out["token_logprobs"].append(logprob)
@@ -108,8 +109,8 @@ def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict:
     return out
 
 
-def chat_logprobs(entries: list[LogprobEntry]) -> dict:
-    def item(token: str, logprob: float | None) -> dict:
+def chat_logprobs(entries: list[LogprobEntry]) -> JSONObject:
+    def item(token: str, logprob: float | None) -> JSONObject:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {

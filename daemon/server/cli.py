@@ -14,7 +14,7 @@ from kvpilot.serving.http_limits import ConnectionLimits
 log = logging.getLogger(__name__)
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(subparsers, "serve", run_serve)
     add_flags(p, EngineConfig, "engine")
     server = add_flags(p, ServerSettings, "server")

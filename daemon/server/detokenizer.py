@@ -43,7 +43,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        # a transformers tokenizer (Any): decode gives the text
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return text
 
 
 class StopStrings:

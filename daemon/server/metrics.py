@@ -106,10 +106,16 @@ class EngineCollector(Collector):
             return
         rank_label = ["rank"] if ranks[0][0] is not None else []
 
-        def family(kind: type, name: str, doc: str, value: Callable[[CacheStats], float]) -> Metric:
+        def family(
+            kind: type[CounterMetricFamily | GaugeMetricFamily],
+            name: str,
+            doc: str,
+            value: Callable[[CacheStats], float],
+        ) -> Metric:
             m = kind(PREFIX + name, doc, labels=rank_label)
             for rank, s in ranks:
-                m.add_metric([rank] if rank_label else [], value(s))
+                named = [cast(str, rank)] if rank_label else []  # with the label every rank is named
+                m.add_metric(named, value(s))
             return m
 
         C, G = CounterMetricFamily, GaugeMetricFamily

@@ -14,12 +14,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
 from kvpilot.daemon.engine.admission import QueueFull, RequestRejected
-from kvpilot.daemon.engine.client import EngineRequest
+from kvpilot.daemon.engine.client import EngineDeadError, EngineRequest, OutputQueue
+from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import (
@@ -110,14 +111,15 @@ async def _generate(
                 engine_open -= item.finished
                 if not seqs[item.index].done:
                     outputs.append(item)
+            received = cast(list[RequestOutput], items)  # all outputs: an error among them raised above
             now = time.monotonic()
             if last == arrival:
                 m.ttft.observe(now - arrival)
-                m.admitted(req.lora_name, items[0].num_prompt_tokens, items[0].num_cached_tokens)
+                m.admitted(req.lora_name, received[0].num_prompt_tokens, received[0].num_cached_tokens)
             else:
                 m.itl.observe(now - last)
             last = now
-            m.generation_tokens.inc(sum(len(o.new_token_ids) for o in items))
+            m.generation_tokens.inc(sum(len(o.new_token_ids) for o in received))
             deltas = await state.text.run(
                 feed, state.token_texts, seqs, outputs, prompt, echo if req.echo else None
             )
@@ -138,7 +140,7 @@ def _fresh_sequence(tok: Any, prompt: list[int], req: GenerateRequest) -> Sequen
     )
 
 
-async def _next(sink: asyncio.Queue, timeout: float | None, arrival: float) -> Any:
+async def _next(sink: OutputQueue, timeout: float | None, arrival: float) -> RequestOutput | EngineDeadError:
     if timeout is None:
         return await sink.get()
     try:

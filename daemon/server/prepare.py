@@ -139,7 +139,8 @@ def _check_chars(rules: PromptRules, text: str, param: str) -> None:
 
 def _decode(tok: Any, ids: list[int]) -> str:
     try:
-        return tok.decode(ids)
+        text: str = tok.decode(ids)  # a transformers tokenizer (Any)
+        return text
     except (OverflowError, IndexError, TypeError, ValueError):
         return ""  # ids outside the vocabulary: the engine refuses the prompt with a 400 right after
 

@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, cast
+from typing import cast
 
 from aiohttp import web
 
@@ -18,17 +18,18 @@ from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.choices import Choice, Delta, PromptEcho, chat_logprobs, completion_logprobs
 from kvpilot.daemon.server.prepare import Prepared
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import ignored_fields_headers
 from kvpilot.protocol.replies import json_response
 
 
-def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> dict:
+def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> JSONObject:
     """OpenAI's usage of a reply; with prefix caching, the prompt tokens served from cache."""
     firsts = [o for (_, j), o in finals.items() if j == 0]  # the prompt counts once per prompt
     prompt = sum(o.num_prompt_tokens for o in firsts)
     completion = sum(o.num_output_tokens for o in finals.values())
-    out: dict[str, Any] = {
+    out: JSONObject = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -85,7 +86,7 @@ async def complete(
     )
 
 
-def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> dict:
+def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> JSONObject:
     wants_logprobs = prep.req.params.logprobs is not None
     if prep.chat:
         return {
@@ -122,14 +123,13 @@ async def _merged(gens: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[Asyn
             await gen.aclose()
         return
 
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()  # None: i is done
 
     async def pump(i: int, gen: AsyncIterator[Delta]) -> None:
         try:
             async for piece in gen:
                 await queue.put((i, piece))
-            await queue.put((i, done))
+            await queue.put((i, None))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             await queue.put((i, exc))
             if isinstance(exc, asyncio.CancelledError):
@@ -141,7 +141,7 @@ async def _merged(gens: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[Asyn
         remaining = len(tasks)
         while remaining:
             i, item = await queue.get()
-            if item is done:
+            if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
@@ -197,7 +197,12 @@ class _EventStream:
         # repeat the last one seen.
         self.fingerprint = state.weights.version
 
-    async def write(self, resp: web.StreamResponse, first: tuple | None, events: AsyncIterator) -> None:
+    async def write(
+        self,
+        resp: web.StreamResponse,
+        first: tuple[int, Delta] | None,
+        events: AsyncIterator[tuple[int, Delta]],
+    ) -> None:
         req = self.req
         finals: dict[tuple[int, int], RequestOutput] = {}
         started: set[int] = set()
@@ -227,8 +232,8 @@ class _EventStream:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
-    def chunk(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> bytes:
-        body: dict[str, Any] = {
+    def chunk(self, choices: list[JSONObject], usage: JSONObject | None = None, final: bool = False) -> bytes:
+        body: JSONObject = {
             "id": self.rid,
             "object": self.object,
             "created": self.created,
@@ -240,11 +245,11 @@ class _EventStream:
             body["usage"] = usage if final else None
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
-    def choice(self, index: int, d: Delta) -> dict:
+    def choice(self, index: int, d: Delta) -> JSONObject:
         entries = d.logprobs
         text = d.text
         if self.chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
+            delta: JSONObject = {"content": text} if text else {}
             lp = chat_logprobs(entries) if self.wants_logprobs and entries else None
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         if d.echo is not None:
@@ -254,7 +259,9 @@ class _EventStream:
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
 
-async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+async def _chain(
+    first: list[tuple[int, Delta]], rest: AsyncIterator[tuple[int, Delta]]
+) -> AsyncIterator[tuple[int, Delta]]:
     for item in first:
         yield item
     async for item in rest:

@@ -40,7 +40,7 @@ class BenchSettings:
             raise ValueError("concurrency, rounds, min_requests and max_tokens must be positive")
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(subparsers, "bench", run_bench)
     add_flags(p, BenchSettings)
 

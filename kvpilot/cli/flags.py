@@ -45,7 +45,9 @@ def flag(
 
 
 def add_command(
-    subparsers: argparse._SubParsersAction, name: str, handler: Callable[[argparse.Namespace], int]
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
 ) -> argparse.ArgumentParser:
     """A subcommand's parser; `kvpilot.cli.main.main` calls `handler(args)`. The first paragraph of the handler's
     docstring is the command's line in `kvpilot --help`, the rest its description. No abbreviated flags:

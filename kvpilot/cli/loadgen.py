@@ -21,6 +21,7 @@ from typing import cast
 import aiohttp
 
 from kvpilot.fanout import ResetSettings, Target, run_fanout
+from kvpilot.protocol import JSONObject
 from kvpilot.serving.http_limits import UPSTREAM_IDLE_S
 
 SYSTEM = (
@@ -70,7 +71,7 @@ class RunResult:
     # The server's reset before the run, as the fan-out reported it: result (Succeeded, Failed,
     # NotSupported), http_status, epoch, cleared, verified (cold, warm, unknown; None: not verified),
     # verify_message, reason (StillWarm), message. None: no reset (--no-reset).
-    reset: dict | None = None
+    reset: JSONObject | None = None
     sample_errors: list[str] = field(default_factory=list)
 
 
@@ -99,7 +100,7 @@ async def one_request(
     ttft: float | None = None
     last = start  # set with ttft, and read only once ttft is
     itls: list[float] = []
-    usage: dict = {}
+    usage: JSONObject = {}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             return RequestResult(0, [], 0, 0, 0, None, f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -130,7 +131,7 @@ async def one_request(
     )
 
 
-async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tuple[int, dict | str]:
+async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tuple[int, JSONObject | str]:
     async with session.request(method, url) as resp:
         text = await resp.text()
         try:
@@ -139,7 +140,7 @@ async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tup
             return resp.status, text[:200]
 
 
-async def reset_server(url: str, headers: dict, engine: str, verify: bool) -> dict:
+async def reset_server(url: str, headers: dict[str, str], engine: str, verify: bool) -> JSONObject:
     """Reset the server's prefix cache as one fan-out target, with the load's own bearer token; its result
     as RunResult.reset holds it."""
     bearer = headers.get("Authorization", "")
@@ -167,7 +168,7 @@ async def run_once(
     concurrency: int,
     n: int,
     max_tokens: int,
-    headers: dict,
+    headers: dict[str, str],
     reset: bool = True,
     engine: str = "kvpilot",
     verify: bool = False,
@@ -179,7 +180,7 @@ async def run_once(
     reset_reply = await reset_server(url, headers, engine, verify) if reset else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
         before = await get_json(session, "GET", url + "/prefix_cache")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(n):
             queue.put_nowait(i)
         results: list[RequestResult] = []
@@ -205,7 +206,7 @@ async def run_once(
         usage_rate = sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
     engine_rate = None
     if before[0] == 200 and after[0] == 200:
-        old, new = cast(dict, before[1]), cast(dict, after[1])  # a 200's body is the JSON object
+        old, new = cast(JSONObject, before[1]), cast(JSONObject, after[1])  # a 200's body is the JSON object
         q = new["query_tokens"] - old["query_tokens"]
         engine_rate = (new["hit_tokens"] - old["hit_tokens"]) / q if q else None
     return RunResult(
@@ -237,7 +238,7 @@ def sweep(
     rounds: int,
     min_requests: int,
     max_tokens: int,
-    headers: dict | None = None,
+    headers: dict[str, str] | None = None,
     reset: bool = True,
     engine: str = "kvpilot",
     verify: bool = False,
@@ -320,7 +321,7 @@ def format_table(runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def _reset_word(reset: dict | None) -> str:
+def _reset_word(reset: JSONObject | None) -> str:
     if reset is None:
         return "-"
     if reset["result"] == "Succeeded":

@@ -23,7 +23,7 @@ from kvpilot.router.cli import add_router_parser
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # name -> function adding the subcommand.
-_COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+_COMMANDS: dict[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = {
     "serve": add_serve_parser,
     "operator": add_operator_parser,
     "reset": add_reset_parser,

@@ -153,6 +153,10 @@ class KeyScheme:
         return hashes
 
 
+# (algo, seed, parent, the block's token ids, first_extra's value): what a block's key is computed from
+_MemoKey = tuple[str, str, BlockHash | None, tuple[int, ...], object]
+
+
 class _KeyMemo:
     """The keys of blocks hashed lately, by (algo, seed, parent, tokens, extra): a prefix many requests
     share (a system prompt, a few-shot preamble, an RL group's prompt, earlier turns of a chat) is hashed
@@ -165,10 +169,10 @@ class _KeyMemo:
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
-        self._young: dict[tuple, BlockHash] = {}
-        self._old: dict[tuple, BlockHash] = {}
+        self._young: dict[_MemoKey, BlockHash] = {}
+        self._old: dict[_MemoKey, BlockHash] = {}
 
-    def get(self, key: tuple) -> BlockHash | None:
+    def get(self, key: _MemoKey) -> BlockHash | None:
         hit = self._young.get(key)
         if hit is None:
             hit = self._old.get(key)
@@ -176,7 +180,7 @@ class _KeyMemo:
                 self.put(key, hit)
         return hit
 
-    def put(self, key: tuple, value: BlockHash) -> None:
+    def put(self, key: _MemoKey, value: BlockHash) -> None:
         if len(self._young) >= self.max_entries:
             self._old, self._young = self._young, {}
         self._young[key] = value

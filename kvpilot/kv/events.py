@@ -47,6 +47,7 @@ unchanged. The wire format is vLLM's (`vllm.distributed.kv_events`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -76,7 +77,7 @@ class BlockStored:
     medium: str = MEDIUM
     lora_name: str | None = None  # the LoRA adapter the blocks were computed under (None: the base model)
 
-    def wire(self) -> dict:
+    def wire(self) -> dict[str, object]:
         # lora_id stays None: vLLM's integer adapter ids are its own process's; the name is what a
         # router matches against a request's model.
         return {
@@ -96,7 +97,7 @@ class BlockRemoved:
     block_hashes: list[BlockHash]
     medium: str = MEDIUM
 
-    def wire(self) -> dict:
+    def wire(self) -> dict[str, object]:
         return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
 
 
@@ -104,7 +105,7 @@ class BlockRemoved:
 class AllBlocksCleared:
     weight_version: str | None = None  # named weights: every later key is hashed with this version
 
-    def wire(self) -> dict:
+    def wire(self) -> dict[str, object]:
         if self.weight_version is None:
             return {"type": "AllBlocksCleared"}
         return {"type": "AllBlocksCleared", "weight_version": self.weight_version}
@@ -121,7 +122,9 @@ class EventBatch:
 
 
 def encode_batch(batch: EventBatch) -> bytes:
-    return msgpack.packb([batch.ts, [e.wire() for e in batch.events], batch.data_parallel_rank])
+    # msgpack has no types (its packb is Any): without a default packer it returns the bytes
+    payload: bytes = msgpack.packb([batch.ts, [e.wire() for e in batch.events], batch.data_parallel_rank])
+    return payload
 
 
 def encode_batches(batch: EventBatch, limit: int = kv_sockets.MAX_BATCH_BYTES) -> list[bytes]:
@@ -156,7 +159,9 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise ValueError(f"not a KV event batch: {exc}") from None
 
 
-def _from_map(ev: dict) -> KVEvent:
+# What msgpack decoded from a publisher is anything a map or an array holds (Any): each field is checked
+# or converted where it is read (int(), _list, _medium, _lora_name).
+def _from_map(ev: dict[Any, Any]) -> KVEvent:
     tag = ev["type"]
     if tag == "BlockStored":
         return BlockStored(
@@ -174,7 +179,7 @@ def _from_map(ev: dict) -> KVEvent:
     raise ValueError(f"unknown KV event {tag!r}")
 
 
-def _from_array(ev: list) -> KVEvent:
+def _from_array(ev: list[Any]) -> KVEvent:
     tag = _list(ev)[0]
     if tag == "BlockStored":
         return BlockStored(
@@ -207,7 +212,7 @@ def _lora_name(value: object) -> str | None:
     return value
 
 
-def _list(value: object) -> list:
+def _list(value: object) -> list[Any]:
     """A msgpack array; anything else (a string, a map, bytes) is no list of hashes, ids or events."""
     if not isinstance(value, list):
         raise TypeError(f"an array expected, not {type(value).__name__}")

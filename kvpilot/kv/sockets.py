@@ -137,7 +137,7 @@ class _AllowedKeys:
 
 
 def secure_publisher(
-    ctx: zmq.Context, sockets: list[zmq.Socket], curve_dir: str | None
+    ctx: zmq.SyncContext, sockets: list[zmq.SyncSocket], curve_dir: str | None
 ) -> ThreadAuthenticator | None:
     """Bound the daemon's sockets and, with a key folder, make them CURVE servers that let in only the
     listed clients. Call before binding. Returns the ZAP handler to stop before the context ends."""
@@ -174,7 +174,7 @@ class SubscriberContext(zmq.asyncio.Context):
         return sock
 
 
-def reconnect(sock: zmq.Socket, endpoint: str) -> None:
+def reconnect(sock: zmq.asyncio.Socket, endpoint: str) -> None:
     """Connect again after the connection dropped. libzmq reconnects by itself after a network error, but
     never after a protocol error, which an oversized frame is: without this the socket would stay alive
     and deaf."""

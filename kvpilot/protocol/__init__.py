@@ -2,3 +2,10 @@
 request bodies (`schema`), the fields they do not model (`fields`), request parsing (`requests`), the error
 shape and middleware (`errors`) and JSON replies (`replies`). Nothing here imports a part of kvpilot, so a
 change to the daemon's insides cannot change what the router accepts."""
+
+from typing import Any
+
+# A JSON object as it crosses the wire, a body read or a reply built: its values are whatever JSON holds
+# (strings, numbers, lists, objects), so they are Any. Where a field's type matters, the code reading it
+# checks it (the pydantic models of `schema`, the `isinstance` checks of `requests`).
+JSONObject = dict[str, Any]

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.replies import json_response
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -63,7 +64,7 @@ def unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def error_response(err: ApiError, extra: dict | None = None) -> web.Response:
+def error_response(err: ApiError, extra: JSONObject | None = None) -> web.Response:
     """`err` as a reply; `extra` adds fields beside "error" (a reset's per-rank results)."""
     return json_response({**(extra or {}), **err.body()}, status=err.status, headers=err.headers)
 

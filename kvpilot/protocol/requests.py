@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
 from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
@@ -69,21 +70,22 @@ class ChatRequest:
     messages: list[dict[str, str]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list | None = None
+    tools: list[Any] | None = None  # as the schema takes them: JSON handed to the chat template
 
     def render(self, tokenizer: Any) -> str:
         """The prompt text, by the model's chat template (the daemon and the router's prediction alike)."""
-        return tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(  # tokenize=False: the rendered text
             self.messages,
             tools=self.tools or None,
             tokenize=False,
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
         )
+        return text
 
 
 # ---- body ----------------------------------------------------------------------------------------
-def parse_json_object(raw: bytes) -> dict:
+def parse_json_object(raw: bytes) -> JSONObject:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -106,7 +108,7 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
-def _reject_lone_surrogates(body: dict) -> None:
+def _reject_lone_surrogates(body: JSONObject) -> None:
     """JSON may escape half a UTF-16 pair (`"\\ud800"`); such a string cannot be encoded, and would
     fail deep inside the tokenizer or the engine's block hashing. Refuse it here, with its field."""
     stack: list[tuple[str, Any]] = [(k, v) for k, v in body.items()]
@@ -144,7 +146,7 @@ def _kind(value: Any) -> str:
     return "an object"
 
 
-def _validate(model: type[M], body: dict) -> M:
+def _validate(model: type[M], body: JSONObject) -> M:
     """The pydantic model of `body`; its first error as a 400 naming the field (`messages[0].role`)."""
     try:
         return model.model_validate(body)
@@ -222,7 +224,7 @@ def _generate_request(
 
 
 # ---- endpoints -----------------------------------------------------------------------------------
-def parse_completion(body: dict, served: list[str], adapters: Collection[str] = ()) -> GenerateRequest:
+def parse_completion(body: JSONObject, served: list[str], adapters: Collection[str] = ()) -> GenerateRequest:
     r: CompletionRequest = _validate(CompletionRequest, body)
     echo_scores = r.echo and (r.logprobs is not None or r.max_tokens == 0)
     prompt_logprobs = (r.logprobs or 0) if echo_scores else None
@@ -238,7 +240,7 @@ def parse_completion(body: dict, served: list[str], adapters: Collection[str] = 
     )
 
 
-def parse_chat(body: dict, served: list[str], adapters: Collection[str] = ()) -> ChatRequest:
+def parse_chat(body: JSONObject, served: list[str], adapters: Collection[str] = ()) -> ChatRequest:
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     params = _sampling(r, max_tokens, r.n or 1, (r.top_logprobs or 0) if r.logprobs else None)
@@ -259,7 +261,9 @@ def parse_chat(body: dict, served: list[str], adapters: Collection[str] = ()) ->
     return ChatRequest(req, messages, r.add_generation_prompt is not False and not cont, cont, r.tools)
 
 
-def parse_reset_flag(name: str, query_value: str | None, body: dict | None, default: bool = False) -> bool:
+def parse_reset_flag(
+    name: str, query_value: str | None, body: JSONObject | None, default: bool = False
+) -> bool:
     """A boolean of POST /reset_prefix_cache (`reset_running_requests`, `reset_external`; the router's
     `verify` too) from the query string (vLLM's way) or a JSON body."""
     if query_value is not None:
@@ -278,7 +282,7 @@ def parse_reset_flag(name: str, query_value: str | None, body: dict | None, defa
 MAX_SCOPE_CHARS = 4096  # a salt is the longest of the three, and requests bound it only by their body
 
 
-def parse_reset_scope(query: Mapping[str, str], body: dict | None) -> ResetScope | None:
+def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> ResetScope | None:
     """The scope of POST /reset_prefix_cache, from the query string or a JSON body; None: everything."""
     given = {}
     for name in RESET_SCOPE_FIELDS:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
@@ -236,9 +237,9 @@ def _prompts(value: Any) -> list[str | list[int]]:
     return prompts
 
 
-def openapi(version: str) -> dict:
+def openapi(version: str) -> JSONObject:
     """A small OpenAPI 3.1 document of the generation routes, from the models above."""
-    schemas: dict[str, Any] = {}
+    schemas: JSONObject = {}
     refs = {}
     for model in (CompletionRequest, ChatCompletionRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -246,7 +247,7 @@ def openapi(version: str) -> dict:
         schemas[model.__name__] = schema
         refs[model.__name__] = {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    def route(summary: str, model: str) -> dict:
+    def route(summary: str, model: str) -> JSONObject:
         return {
             "post": {
                 "summary": summary,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV_VAR = "KVPILOT_ADMIN_TOKEN"
@@ -13,7 +14,9 @@ class AdminTokenError(ValueError):
     """The configured token source is unusable (unreadable or empty file)."""
 
 
-def load_admin_token(token_file: str | os.PathLike | None = None, environ: dict | None = None) -> str | None:
+def load_admin_token(
+    token_file: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
+) -> str | None:
     """The token from `--admin-token-file` (wins) or `$KVPILOT_ADMIN_TOKEN`; None means no auth.
 
     A configured but empty source is an error, never "no auth": a broken Secret mount must not

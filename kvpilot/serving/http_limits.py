@@ -194,7 +194,8 @@ class Served:
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
+        port: int = self._server.sockets[0].getsockname()[1]  # an IP socket's name: (host, port, ...)
+        return port
 
     def stop_listening(self) -> None:
         """No new connections; open ones finish their current request."""

@@ -44,10 +44,12 @@ class FleetMembers:
         self._reported: set[tuple[str, str]] = set()  # (endpoint, why) already logged
 
     def _get(self, read: Any, *args: Any) -> dict[str, Any] | None:
-        from kubernetes.client.rest import ApiException
+        from kubernetes.client.exceptions import ApiException
 
         try:
-            return json.loads(read(*args, _preload_content=False).data)
+            # a read's JSON is the object read
+            obj: dict[str, Any] = json.loads(read(*args, _preload_content=False).data)
+            return obj
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -55,7 +57,8 @@ class FleetMembers:
 
     def _items(self, list_: Any) -> list[dict[str, Any]]:
         r = list_(self.namespace, label_selector=f"{FLEET_LABEL}={self.name}", _preload_content=False)
-        return json.loads(r.data)["items"]
+        items: list[dict[str, Any]] = json.loads(r.data)["items"]  # a list's JSON: its objects
+        return items
 
     def members(self, endpoints: list[Endpoint]) -> list[Endpoint]:
         """The endpoints whose targetRef is a Pod run by the fleet's workload, at the Pod's own address."""
@@ -160,7 +163,8 @@ class EndpointSliceWatch:
                 self._stop.wait(2.0)
 
     def _plain(self, obj: Any) -> dict[str, Any]:
-        return self._client.ApiClient().sanitize_for_serialization(obj)
+        plain: dict[str, Any] = self._client.ApiClient().sanitize_for_serialization(obj)  # a model's JSON
+        return plain
 
     def _publish(self, slices: dict[str, dict[str, Any]]) -> None:
         """The fleet's pods among the slices' ready endpoints, to the event loop (an API error raises: the

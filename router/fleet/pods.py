@@ -189,7 +189,7 @@ class Fleet:
         self._probe_interval_s = probe_interval_s
         # Every KV event socket comes from this context: size-bounded, and CURVE with the fleet's keys.
         self._ctx = subscriber_context(kv_events_curve_dir)
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self.versions = VersionChoice()  # the weight versions in the order they appeared
         self._listed = asyncio.Event()  # set by the first update(): the fleet's first list is known
 
@@ -257,7 +257,7 @@ class Fleet:
         self.metrics.pod_ready.labels(pod.name).set(0)
 
     async def _watch(self, pod: Pod) -> None:
-        streams: list[asyncio.Task] = []
+        streams: list[asyncio.Task[None]] = []
         try:
             while True:
                 try:
@@ -273,7 +273,7 @@ class Fleet:
             for holder in pod.holders():
                 self.index.forget(holder)  # whatever a cancelled stream applied last
 
-    async def _probe_once(self, pod: Pod) -> list[asyncio.Task]:
+    async def _probe_once(self, pod: Pod) -> list[asyncio.Task[None]]:
         """One probe of the pod; returns the event streams it started (the first time events are on)."""
         try:
             pod.ready = await self._healthy(pod)
@@ -329,7 +329,7 @@ class Fleet:
             log.info("%s: load read from its metrics again", pod.name)
         pod.load_error = why
 
-    async def _follow_events(self, pod: Pod) -> list[asyncio.Task]:
+    async def _follow_events(self, pod: Pod) -> list[asyncio.Task[None]]:
         path = self.engine.kv_events_path or ""
         static = self._static_sources.get(pod.name)
         if static is not None:
@@ -366,7 +366,7 @@ class Fleet:
             return []
         return self._subscribe(pod, events)
 
-    def _subscribe(self, pod: Pod, events: PodEvents) -> list[asyncio.Task]:
+    def _subscribe(self, pod: Pod, events: PodEvents) -> list[asyncio.Task[None]]:
         pod.block_size = events.block_size
         pod.keys = events.keys
         pod.streams = [

@@ -135,7 +135,7 @@ def checked_endpoint(value: Any, name: str) -> str:
 _MISSING = object()
 
 
-def _int(obj: dict, name: str, low: int, high: int | None, default: Any = _MISSING) -> Any:
+def _int(obj: dict[str, Any], name: str, low: int, high: int | None, default: Any = _MISSING) -> Any:
     """obj[name] as an int in [low, high]; `default` when absent or null (required without one)."""
     value = obj.get(name)
     if value is None:

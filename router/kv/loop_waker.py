@@ -21,6 +21,7 @@ import asyncio
 from typing import cast
 
 import zmq
+import zmq.asyncio
 
 
 class LoopWaker:
@@ -35,14 +36,14 @@ class LoopWaker:
         self._woken = asyncio.Event()
         self._fds: list[int] = []
 
-    def watch(self, sock: zmq.Socket) -> zmq.Socket:
+    def watch(self, sock: zmq.asyncio.Socket) -> zmq.SyncSocket:
         """Wake on `sock` from now on; returns it as a plain (blocking-API) socket, read with NOBLOCK."""
-        plain: zmq.Socket = zmq.Socket.shadow(sock.underlying)
+        plain: zmq.SyncSocket = zmq.Socket.shadow(sock.underlying)
         self._fds.append(plain.FD)
         self._loop.add_reader(plain.FD, self._wake, plain)
         return plain
 
-    def _wake(self, sock: zmq.Socket) -> None:
+    def _wake(self, sock: zmq.SyncSocket) -> None:
         # Reading EVENTS takes in what libzmq signalled, which quiets the descriptor: without it the
         # loop, level-triggered, would call this again and again while the task awaits something else.
         sock.get(zmq.EVENTS)
@@ -66,5 +67,5 @@ class LoopWaker:
         self._fds.clear()
 
 
-def has_message(sock: zmq.Socket) -> bool:
+def has_message(sock: zmq.SyncSocket) -> bool:
     return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)  # EVENTS is an int option

@@ -82,7 +82,7 @@ class ReplayChannel:
         self.endpoint = endpoint
         self.limits = limits
         self._owned: zmq.asyncio.Socket | None = None  # the socket itself (which closes when collected)
-        self._sock: zmq.Socket | None = None  # the same, read from the loop (LoopWaker)
+        self._sock: zmq.SyncSocket | None = None  # the same, read from the loop (LoopWaker)
         self._waker: LoopWaker | None = None
 
     async def fetch(self, start_seq: int) -> list[tuple[int, bytes]]:
@@ -107,7 +107,7 @@ class ReplayChannel:
         self._owned = self._sock = self._waker = None
 
     async def _read_answer(
-        self, sock: zmq.Socket, waker: LoopWaker, start_seq: int
+        self, sock: zmq.SyncSocket, waker: LoopWaker, start_seq: int
     ) -> list[tuple[int, bytes]]:
         limits = self.limits
         loop = asyncio.get_running_loop()

@@ -114,7 +114,7 @@ class PodEventStream:
         self._replay_error = ""  # the last replay failure, logged once until it changes
         # The run task's own replay connection (`ReplayChannel`); anyone else catching up (a fleet reset)
         # asks over a connection of its own, so two answers never share a socket.
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[object] | None = None  # the task running `run`, whatever it returns
         self._channel: ReplayChannel | None = None
         index.set_capacity(self.key, blocks_total)
 

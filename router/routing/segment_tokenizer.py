@@ -36,7 +36,7 @@ class SegmentTokenizer:
     def __init__(self, tokenizer: Any, max_units: int = MAX_CACHED_UNITS) -> None:
         self.tokenizer = tokenizer
         self._max_units = max_units
-        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._units = 0
         self._lock = threading.Lock()  # the router's prompt pool encodes from several threads
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)  # a `tokenizers.Tokenizer`
@@ -58,7 +58,9 @@ class SegmentTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`tokenizer.encode(text, add_special_tokens=...)`, the same ids."""
         if self._split is None or (add_special_tokens and self._special_ends is None):
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            # a transformers tokenizer (Any): encode gives the ids
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return ids
         ids = self._pieces(text)
         if add_special_tokens:
             assert self._special_ends is not None  # checked above
@@ -97,7 +99,7 @@ class SegmentTokenizer:
                 ids += self._cached(piece)
         return ids
 
-    def _cached(self, piece: str) -> array:
+    def _cached(self, piece: str) -> array[int]:
         with self._lock:
             hit = self._cache.get(piece)
             if hit is not None:

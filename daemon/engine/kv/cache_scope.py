@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.kv.block_keys import LoRAKey
 from kvpilot.kv.reset_scope import ResetScope
@@ -24,13 +25,13 @@ class CacheScope:
     cache_salt: str | None
 
 
-def scope_record(scope: CacheScope) -> dict:
+def scope_record(scope: CacheScope) -> dict[str, object]:
     """The scope as JSON (the disk tier writes it beside its blocks: `kv/offload.py`)."""
     lora = None if scope.lora is None else {"name": scope.lora.name, "digest": scope.lora.digest}
     return {"weight_key": scope.weight_key, "lora": lora, "cache_salt": scope.cache_salt}
 
 
-def scope_from_record(record: dict) -> CacheScope:
+def scope_from_record(record: dict[str, Any]) -> CacheScope:
     """`scope_record`'s JSON read back; TypeError or KeyError for anything else."""
     lora = record["lora"]
     scope = CacheScope(

@@ -10,10 +10,11 @@ import queue
 import shutil
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -46,6 +47,16 @@ class Prefetch:
     future: Future[list[HostBlock]]
 
 
+# The writer thread's work, each (what, generation, key, what it needs): a block to write in its scope's
+# directory, a block's file to remove, a directory to remove, an event to set once what came before landed.
+_Job = (
+    tuple[Literal["write"], int, BlockHash, tuple[str, HostBlock]]
+    | tuple[Literal["unlink"], int, BlockHash, str]
+    | tuple[Literal["rmtree"], int, None, Path]
+    | tuple[Literal["flush"], int, None, threading.Event]
+)
+
+
 class DiskTier:
     """Blocks as files `<dir>/gen-<N>/<scope>/<key hex>.kv`, raw bytes of the block's tensor, one directory per
     cache scope (weights, adapter, salt: `cache_scope.py`) with that scope in its `scope.json`.
@@ -68,7 +79,7 @@ class DiskTier:
         capacity_bytes: int,
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
-        identity: dict,
+        identity: Mapping[str, object],  # what the blocks were computed from, kept in the manifest
     ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
@@ -91,7 +102,7 @@ class DiskTier:
         self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
         root.mkdir(parents=True, exist_ok=True)
         self.generation = self._open()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
@@ -235,18 +246,20 @@ class DiskTier:
     # ---- writer thread -------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while (job := self._queue.get()) is not None:
-            op, gen, key, arg = job
             try:
-                if op == "write":
-                    self._write(gen, key, *arg)
-                elif op == "unlink":
-                    self._path(gen, arg, key).unlink(missing_ok=True)
-                elif op == "flush":
-                    arg.set()
+                if job[0] == "write":
+                    _, gen, key, (scope_dir, block) = job
+                    self._write(gen, key, scope_dir, block)
+                elif job[0] == "unlink":
+                    _, gen, key, scope_dir = job
+                    self._path(gen, scope_dir, key).unlink(missing_ok=True)
+                elif job[0] == "flush":
+                    job[3].set()
                 else:  # rmtree: an old generation, or a scope a scoped reset renamed away
-                    shutil.rmtree(arg, ignore_errors=True)
+                    shutil.rmtree(job[3], ignore_errors=True)
             except OSError as exc:
-                log.warning("disk tier: %s of %s failed: %s", op, key.hex()[:16] if key else arg, exc)
+                what = job[2].hex()[:16] if job[2] else job[3]
+                log.warning("disk tier: %s of %s failed: %s", job[0], what, exc)
 
     def _write(self, gen: int, key: BlockHash, scope_dir: str, block: HostBlock) -> None:
         path = self._path(gen, scope_dir, key)
@@ -369,7 +382,7 @@ class DiskTier:
         os.replace(tmp, self.root / MANIFEST)
 
 
-def checkpoint_files(model_dir: Path) -> list[list]:
+def checkpoint_files(model_dir: Path) -> list[list[str | int]]:
     """What the disk tier's blocks were computed from: each checkpoint file's name, size and mtime (a
     digest of gigabytes would cost a start seconds; a changed file changes its size or mtime)."""
     return [

@@ -243,7 +243,7 @@ def describe_ranks(
     }
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
+def _bind(sock: zmq.SyncSocket, endpoint: str) -> str:
     host = endpoint.partition("://")[2].rpartition(":")[0]
     if ":" in host:
         # An IPv6 address (a pod's own on an IPv6 cluster): ZeroMQ refuses it unless told. Only then, since

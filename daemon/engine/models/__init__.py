@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,8 +26,12 @@ class UnsupportedModelError(ValueError):
 
 
 def load_model(
-    model_dir: Path, hf_config, ops: Ops, dtype: torch.dtype, device: torch.device
-) -> LlamaForCausalLM:  # noqa: ANN001
+    model_dir: Path,
+    hf_config: Any,  # a transformers PretrainedConfig: its fields are the model's own
+    ops: Ops,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
     archs = getattr(hf_config, "architectures", None) or []
     cls = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if cls is None:
@@ -46,7 +52,7 @@ def load_model(
     return model.requires_grad_(False).eval()
 
 
-def _iter_safetensors(files: list[Path], dtype: torch.dtype):  # noqa: ANN202
+def _iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,8 @@ class LlamaArgs:
     qkv_bias: bool
 
     @classmethod
-    def from_hf(cls, cfg) -> LlamaArgs:  # noqa: ANN001 - a transformers PretrainedConfig
+    def from_hf(cls, cfg: Any) -> LlamaArgs:
+        # cfg: a transformers PretrainedConfig, Any: the fields read here are the model's own, not the base class's
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -118,7 +119,7 @@ class LlamaAttention(nn.Module):
         ops.rotary(q, k, batch.positions, rope)
         ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
         o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale).reshape(t, self.q_size)
-        out = self.o_proj(o)
+        out: torch.Tensor = self.o_proj(o)  # nn.Module's __call__ is typed Any: forward's tensor
         if batch.lora is not None:
             batch.lora.add(self.o_name, o, out)
         return out
@@ -136,10 +137,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ops: Ops) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if batch.lora is None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            down: torch.Tensor = self.down_proj(ops.silu_and_mul(gate_up))  # nn.Module's __call__ is Any
+            return down
         batch.lora.add(self.gate_up_name, x, gate_up)
         h = ops.silu_and_mul(gate_up)
-        out = self.down_proj(h)
+        out: torch.Tensor = self.down_proj(h)
         batch.lora.add(self.down_name, h, out)
         return out
 

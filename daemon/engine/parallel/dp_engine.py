@@ -34,6 +34,7 @@ from kvpilot.daemon.engine.client import (
     EngineInfo,
     EngineRequest,
     LoopState,
+    OutputQueue,
     WeightOperations,
 )
 from kvpilot.daemon.engine.config import EngineConfig
@@ -41,7 +42,7 @@ from kvpilot.daemon.engine.kv.publisher import describe_ranks
 from kvpilot.daemon.engine.loader import resolve_model_dir
 from kvpilot.daemon.engine.outputs import CacheStats, ResetResult
 from kvpilot.daemon.engine.parallel.dp_policy import PrefixAwarePolicy
-from kvpilot.daemon.engine.parallel.dp_rank import RankInfo, rank_main
+from kvpilot.daemon.engine.parallel.dp_rank import Message, RankInfo, rank_main
 from kvpilot.daemon.engine.parallel.placement import rank_configs
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weights.lora import parse_lora_modules, served_adapter
@@ -54,6 +55,15 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 900.0  # loading a large checkpoint from a slow disk
 STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class _Open:
+    """An open request: the rank running it, where its outputs go, its sequences not finished yet."""
+
+    rank: int
+    sink: OutputQueue
+    unfinished: int
 
 
 @dataclass(slots=True)
@@ -158,8 +168,9 @@ class DataParallelLoop(WeightOperations):
         self._ranks = engine.ranks
         self._policy = PrefixAwarePolicy(len(self._ranks))
         self._keys = key_scheme(engine.config.prefix_caching_hash_algo)  # the ranks' own, as they derive it
-        self._requests: dict[str, list] = {}  # request id -> [rank, queue, sequences not finished]
-        self._pending: dict[Any, tuple[int, asyncio.Future]] = {}  # add / call id -> (rank, its verdict)
+        self._requests: dict[str, _Open] = {}  # by request id
+        # add's request id / a call's id -> (rank, its verdict: an add's error or None, a call's reply)
+        self._pending: dict[str | int, tuple[int, asyncio.Future[Any]]] = {}
         self._call_ids = itertools.count()
         self._stopping = False
         self._unhealthy: str | None = None  # set when the ranks may hold mixed weights
@@ -196,7 +207,7 @@ class DataParallelLoop(WeightOperations):
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close, timeout)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def add(self, request: EngineRequest) -> asyncio.Queue:
+    async def add(self, request: EngineRequest) -> OutputQueue:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine loop is not running")
         request_id = request.request_id
@@ -216,10 +227,10 @@ class DataParallelLoop(WeightOperations):
         else:
             alive = [r.rank for r in self._ranks if r.dead is None]
             rank = self._ranks[self._policy.choose(keys, [r.load for r in self._ranks], alive)]
-        sink: asyncio.Queue = asyncio.Queue()
+        sink: OutputQueue = asyncio.Queue()
         verdict = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (rank.rank, verdict)
-        self._requests[request_id] = [rank.rank, sink, request.params.n]
+        self._requests[request_id] = _Open(rank.rank, sink, request.params.n)
         rank.load += 1
         self._send(rank, ("add", request))
         try:
@@ -235,12 +246,12 @@ class DataParallelLoop(WeightOperations):
     def abort(self, request_id: str) -> None:
         entry = self._close_request(request_id)
         if entry is not None:
-            self._send(self._ranks[entry[0]], ("abort", request_id))
+            self._send(self._ranks[entry.rank], ("abort", request_id))
 
-    def _close_request(self, request_id: str) -> list | None:
+    def _close_request(self, request_id: str) -> _Open | None:
         entry = self._requests.pop(request_id, None)
         if entry is not None:
-            self._ranks[entry[0]].load -= 1
+            self._ranks[entry.rank].load -= 1
         return entry
 
     # ---- operations ----------------------------------------------------------------------------
@@ -313,7 +324,7 @@ class DataParallelLoop(WeightOperations):
             self._pending.pop(call_id, None)
 
     # ---- the wire ------------------------------------------------------------------------------
-    def _send(self, rank: _Rank, msg: tuple) -> None:
+    def _send(self, rank: _Rank, msg: Message) -> None:
         if rank.dead:
             return
         try:
@@ -339,19 +350,19 @@ class DataParallelLoop(WeightOperations):
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    def _on_message(self, rank: _Rank, msg: tuple) -> None:
+    def _on_message(self, rank: _Rank, msg: Message) -> None:
         kind = msg[0]
         if kind == "step":
             _, outputs, stats, steps, when = msg
             rank.state = LoopState(stats=stats, steps=steps, last_step_time=when)
             for out in outputs:
                 entry = self._requests.get(out.request_id)
-                if entry is None or entry[0] != rank.rank:
+                if entry is None or entry.rank != rank.rank:
                     continue  # aborted meanwhile
-                entry[1].put_nowait(out)
+                entry.sink.put_nowait(out)
                 if out.finished:
-                    entry[2] -= 1
-                    if entry[2] == 0:
+                    entry.unfinished -= 1
+                    if entry.unfinished == 0:
                         self._close_request(out.request_id)
         elif kind == "state":
             _, stats, steps, when = msg
@@ -384,8 +395,8 @@ class DataParallelLoop(WeightOperations):
     def _fail_open(self, err: EngineDeadError, rank: int | None) -> None:
         """Fail the open requests and pending replies of one rank (or all)."""
         for rid, entry in list(self._requests.items()):
-            if rank is None or entry[0] == rank:
-                entry[1].put_nowait(err)
+            if rank is None or entry.rank == rank:
+                entry.sink.put_nowait(err)
                 self._close_request(rid)
         for key, (r, fut) in list(self._pending.items()):
             if (rank is None or r == rank) and not fut.done():

@@ -22,13 +22,21 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import RankEndpoints
 from kvpilot.daemon.engine.weights.control import Reply, WeightControl
 from kvpilot.daemon.engine.weights.ops import WeightError, WeightErrorKind, WeightOp, beside_steps
 
+if TYPE_CHECKING:
+    from kvpilot.daemon.engine.engine import LLMEngine
+
 log = logging.getLogger(__name__)
+
+# A message between the server and a rank: its kind, then the fields that kind carries, as
+# `RankWorker._handle` and `DataParallelLoop._on_message` read them (pickled, so of any type).
+Message = tuple[Any, ...]
 
 STOP = ("stop",)
 
@@ -97,13 +105,13 @@ def rank_main(
 
 
 class RankWorker:
-    def __init__(self, rank: int, engine, inbox: Connection, outbox: Connection) -> None:  # noqa: ANN001
+    def __init__(self, rank: int, engine: LLMEngine, inbox: Connection, outbox: Connection) -> None:
         self.rank = rank
         self.engine = engine
         self.weights = WeightControl(engine)
         self.outbox = outbox
         self.steps = 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
         threading.Thread(target=self._read, args=(inbox,), name="kvpilot-rank-inbox", daemon=True).start()
 
     def _read(self, inbox: Connection) -> None:
@@ -140,7 +148,7 @@ class RankWorker:
             self._handle(msg)
             msg = None
 
-    def _handle(self, msg: tuple) -> None:
+    def _handle(self, msg: Message) -> None:
         kind = msg[0]
         if kind == "add":
             req = msg[1]  # an EngineRequest

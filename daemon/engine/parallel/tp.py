@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kvpilot.daemon.engine.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def check_divisible(args, size: int) -> None:  # noqa: ANN001 - LlamaArgs
+def check_divisible(args: LlamaArgs, size: int) -> None:
     bad = [
         f"{name} ({value})"
         for name, value in (
@@ -108,7 +108,8 @@ def _backend(device: torch.device) -> str:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # an IPv4 socket's name: (host, port)
+        return port
 
 
 class TensorParallel:
@@ -174,7 +175,8 @@ def shard_main(rank: int, config: EngineConfig, port: int, parent_pid: int, log_
     )
     model = load(config.model, select_ops(device, config.kernel_backend), dtype, device).model
     shard_model(model, rank, config.tensor_parallel_size)
-    box: list = [None]
+    # What rank 0 broadcasts, one object at a time: the pool's block count, then each step's plan.
+    box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     runner = ModelRunner(model, box[0], config.block_size, dtype, device)
     log.info("tensor-parallel shard %d ready (pid %d)", rank, os.getpid())

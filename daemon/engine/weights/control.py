@@ -119,7 +119,7 @@ class WeightControl:
         ids = [i for i in request_ids or running if i in running]
         return self.engine.abort_groups(ids), {"aborted": len(ids)}
 
-    def start(self) -> dict:
+    def start(self) -> dict[str, Any]:
         if self.engine.config.tensor_parallel_size > 1:
             raise WeightError(
                 WeightErrorKind.INCOMPATIBLE,
@@ -135,7 +135,7 @@ class WeightControl:
             self._staged_digest = None
         return {"started": True}
 
-    def abort_update(self) -> dict:
+    def abort_update(self) -> dict[str, Any]:
         with self._lock:
             if self._busy:
                 raise WeightError(WeightErrorKind.OUT_OF_ORDER, "an update is still receiving tensors")
@@ -154,14 +154,14 @@ class WeightControl:
         log.info("weights %s swapped in (%d parameters, %.1f ms)", version, applied, _ms(start))
         return outputs, {**self._describe(), "swap_ms": _ms(start), "parameters": applied}
 
-    def shutdown_transfer(self) -> dict:
+    def shutdown_transfer(self) -> dict[str, Any]:
         if self._receiver is not None:
             self._receiver.close()
         self._receiver = None
         return {"shut_down": True}
 
     # ---- operations beside the steps -----------------------------------------------------------
-    def init_transfer(self, init_info: dict) -> dict:
+    def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's group (gloo: blocks until every member has joined)."""
         from kvpilot.daemon.engine.weights.stage import transfer_backend
 
@@ -182,7 +182,7 @@ class WeightControl:
                 ) from None
         return {"backend": backend}
 
-    def update(self, info: dict) -> dict:
+    def update(self, info: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         with self._lock:
             stage = self._open_stage()
@@ -217,7 +217,7 @@ class WeightControl:
                 self._staged_digest = digest
         return {"received": received, "staged_digest": digest, "stage_ms": _ms(start)}
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         with self._lock:
             if self._digest is None:
                 model = self.engine.model
@@ -240,7 +240,7 @@ class WeightControl:
             raise WeightError(WeightErrorKind.OUT_OF_ORDER, "an update is still receiving tensors")
         return self._stage
 
-    def _describe(self) -> dict:
+    def _describe(self) -> dict[str, Any]:
         return {"weight_version": self.engine.weight_version, "digest": self._digest, "updates": self.updates}
 
 

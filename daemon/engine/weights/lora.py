@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -241,7 +242,7 @@ def _digest(raw_config: bytes, weights: bytes) -> str:
     return digest.hexdigest()
 
 
-def _check_config(name: str, cfg: dict, max_rank: int) -> tuple[int, float]:
+def _check_config(name: str, cfg: dict[str, Any], max_rank: int) -> tuple[int, float]:
     """The adapter's rank and scaling, or LoRAError for what the engine does not implement."""
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"adapter {name!r}: peft_type {cfg.get('peft_type')!r}, only LORA is served")

@@ -41,7 +41,8 @@ class WeightError(Exception):
         self.kind = kind
         self.tensor = tensor
 
-    def __reduce__(self) -> tuple:  # it crosses the pipe from a rank process
+    # it crosses the pipe from a rank process
+    def __reduce__(self) -> tuple[type[WeightError], tuple[WeightErrorKind, str, str | None]]:
         return type(self), (self.kind, str(self), self.tensor)
 
 

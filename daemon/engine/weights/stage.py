@@ -154,7 +154,7 @@ def transfer_backend(config_json: str | None, device: str | None = None) -> str:
     except ValueError:
         raise ValueError(f"--weight-transfer-config is not JSON: {config_json!r}") from None
     backend = cfg.get("backend", "checkpoint") if isinstance(cfg, dict) else None
-    if backend not in TRANSFER_BACKENDS:
+    if not isinstance(backend, str) or backend not in TRANSFER_BACKENDS:
         raise ValueError(
             f"--weight-transfer-config backend {backend!r} is not available; this daemon has "
             + ", ".join(TRANSFER_BACKENDS)

@@ -36,7 +36,7 @@ STORE_PREFIX = "kvpilot-weights"
 
 
 class GroupReceiver:
-    def __init__(self, init_info: dict, rank: int, backend: str, device: torch.device) -> None:
+    def __init__(self, init_info: dict[str, Any], rank: int, backend: str, device: torch.device) -> None:
         import torch.distributed as dist
 
         try:
@@ -62,7 +62,7 @@ class GroupReceiver:
         self.group = group_class(dist.PrefixStore(STORE_PREFIX, store), me, world, JOIN_TIMEOUT)
         self.rank = me
 
-    def receive(self, update_info: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, update_info: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         names = update_info.get("names")
         dtypes = update_info.get("dtype_names")
         shapes = update_info.get("shapes")

@@ -12,14 +12,14 @@ the weights they started with, and no block they computed is served to a later r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import cast
 
 from aiohttp import web
 
 from kvpilot.daemon.engine.weights.lora import LoRAError, ServedAdapter, check_name
 from kvpilot.daemon.server.app_state import ServerState
-from kvpilot.daemon.server.weights.routes import WeightFailure, call, rank_timeout, route
+from kvpilot.daemon.server.weights.routes import RouteHandler, WeightFailure, call, rank_timeout, route
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 MAX_PATH_CHARS = 4096
 
 
-async def load_lora_adapter(request: web.Request, state: ServerState, body: dict) -> dict:
+async def load_lora_adapter(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     name = _lora_name(body)
     path = body.get("lora_path")
     if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS:
@@ -73,7 +73,7 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: dict
     }
 
 
-async def unload_lora_adapter(request: web.Request, state: ServerState, body: dict) -> dict:
+async def unload_lora_adapter(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     name = _lora_name(body)
     async with state.lora_lock:
         if name not in state.adapters:
@@ -99,7 +99,7 @@ async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -
         if previous is not None:
             ranks = await state.engine.load_lora_adapter(name, previous.path, True, timeout)
             # a rank without an error has its value
-            if all(r.error is None and cast(dict, r.value)["digest"] == previous.digest for r in ranks):
+            if all(r.error is None and cast(JSONObject, r.value)["digest"] == previous.digest for r in ranks):
                 log.warning(
                     "LoRA adapter %s: the failed load is undone, %s serves again", name, previous.path
                 )
@@ -112,7 +112,7 @@ async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -
         log.exception("LoRA adapter %s: undoing a failed load", name)
 
 
-def _lora_name(body: dict) -> str:
+def _lora_name(body: JSONObject) -> str:
     try:
         return check_name(body.get("lora_name"))
     except LoRAError as exc:
@@ -120,7 +120,7 @@ def _lora_name(body: dict) -> str:
 
 
 # The route table (app.py adds it): (method, path, handler).
-ROUTES: list[tuple[str, str, Callable]] = [
+ROUTES: list[tuple[str, str, RouteHandler]] = [
     ("POST", "/v1/load_lora_adapter", route(load_lora_adapter)),
     ("POST", "/v1/unload_lora_adapter", route(unload_lora_adapter)),
 ]

@@ -33,6 +33,7 @@ from kvpilot.daemon.engine.weights.ops import (
     WeightErrorKind,
 )
 from kvpilot.daemon.server.app_state import STATE, ServerState
+from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import parse_json_object
@@ -40,7 +41,10 @@ from kvpilot.serving.admin_token import authorized
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request, ServerState, dict], Awaitable[dict]]
+# A weight route's own work: the request, its JSON body ({} without one) -> the reply's JSON.
+Handler = Callable[[web.Request, ServerState, JSONObject], Awaitable[JSONObject]]
+# What `route` makes of one: aiohttp's handler, with the admin check and the failure reply around it.
+RouteHandler = Callable[[web.Request], Awaitable[web.Response]]
 HTTP_STATUS = {
     WeightErrorKind.INCOMPATIBLE: 400,
     WeightErrorKind.NOT_FOUND: 404,
@@ -58,7 +62,9 @@ CODES = {400: "incompatible_weights", 404: "no_checkpoint", 409: "out_of_order",
 class WeightFailure(Exception):
     """A weight operation that did not happen everywhere: the status, and every rank's reply."""
 
-    def __init__(self, status: int, message: str, ranks: list[dict] | None = None, tensor: str | None = None):
+    def __init__(
+        self, status: int, message: str, ranks: list[JSONObject] | None = None, tensor: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.ranks, self.tensor = status, message, ranks or [], tensor
         self.code: str | None = None  # the reply's error code when not the status's (CODES)
@@ -74,7 +80,7 @@ class WeightFailure(Exception):
         return json_response(body, status=self.status)
 
 
-def route(handler: Handler, sglang: bool = False) -> Callable[[web.Request], Awaitable[web.Response]]:
+def route(handler: Handler, sglang: bool = False) -> RouteHandler:
     """The admin check, the body, and the failure reply around one weight route."""
 
     async def wrapped(request: web.Request) -> web.Response:
@@ -102,12 +108,12 @@ def route(handler: Handler, sglang: bool = False) -> Callable[[web.Request], Awa
     return wrapped
 
 
-def rank_entry(reply: RankReply) -> dict:
+def rank_entry(reply: RankReply) -> JSONObject:
     """One rank's reply as the routes report it in `ranks`: its fields, or its error and status."""
     err = reply.error
     if err is None:
         return {"rank": reply.rank, **(reply.value or {})}
-    entry: dict[str, Any] = {"rank": reply.rank, "error": str(err), "status": HTTP_STATUS[err.kind]}
+    entry: JSONObject = {"rank": reply.rank, "error": str(err), "status": HTTP_STATUS[err.kind]}
     if err.kind not in NO_ANSWER:
         entry["tensor"] = err.tensor
     return entry
@@ -115,7 +121,7 @@ def rank_entry(reply: RankReply) -> dict:
 
 async def call(
     state: ServerState, operation: Awaitable[list[RankReply]], phase: str | None = None
-) -> list[dict]:
+) -> list[JSONObject]:
     """An engine client's weight operation (not started yet), run on every rank; WeightFailure unless
     every rank succeeded."""
     start = time.monotonic()
@@ -134,25 +140,25 @@ async def call(
 
 
 # ---- vLLM's routes --------------------------------------------------------------------------------
-async def pause(request: web.Request, state: ServerState, body: dict) -> dict:
+async def pause(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     mode = request.query.get("mode", "abort")  # clear_cache, deprecated in vLLM, is accepted and ignored
     await pause_mode(state, mode)
     return {"status": "paused", "mode": mode}
 
 
-async def resume(request: web.Request, state: ServerState, body: dict) -> dict:
+async def resume(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     await call(state, state.engine.resume_generation(rank_timeout(state)), "resume")
     state.weights.paused = None
     state.metrics.weights.paused.set(0)
     return {"status": "resumed"}
 
 
-async def is_paused(request: web.Request, state: ServerState, body: dict) -> dict:
+async def is_paused(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     ranks = await call(state, state.engine.is_paused(rank_timeout(state)))
     return {"is_paused": any(r["is_paused"] for r in ranks), "mode": ranks[0]["mode"], "ranks": ranks}
 
 
-async def abort_requests(request: web.Request, state: ServerState, body: dict) -> dict:
+async def abort_requests(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     ids = body.get("request_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise ApiError(400, "request_ids must be a list of strings", "request_ids")
@@ -160,7 +166,7 @@ async def abort_requests(request: web.Request, state: ServerState, body: dict) -
     return {"status": "aborted", "aborted": sum(r["aborted"] for r in ranks)}
 
 
-async def init_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
+async def init_transfer(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     init_info = body.get("init_info", {})
     if not isinstance(init_info, dict):
         raise ApiError(400, "init_info must be an object", "init_info")
@@ -168,17 +174,17 @@ async def init_transfer(request: web.Request, state: ServerState, body: dict) ->
     return {"message": "Weight transfer initialized", "backend": ranks[0]["backend"], "ranks": ranks}
 
 
-async def shutdown_transfer(request: web.Request, state: ServerState, body: dict) -> dict:
+async def shutdown_transfer(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     await call(state, state.engine.shutdown_weight_transfer(rank_timeout(state)))
     return {"message": "Weight transfer shut down"}
 
 
-async def start_update(request: web.Request, state: ServerState, body: dict) -> dict:
+async def start_update(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     ranks = await call(state, state.engine.start_weight_update(rank_timeout(state)), "start")
     return {"message": "Weight update started", "ranks": ranks}
 
 
-async def update_weights(request: web.Request, state: ServerState, body: dict) -> dict:
+async def update_weights(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     info = body.get("update_info")
     if not isinstance(info, dict):
         raise ApiError(400, "update_info must be an object", "update_info")
@@ -196,7 +202,7 @@ async def update_weights(request: web.Request, state: ServerState, body: dict) -
     return {"message": "Weights updated", "staged_digest": digests.pop(), "ranks": ranks}
 
 
-async def finish_update(request: web.Request, state: ServerState, body: dict) -> dict:
+async def finish_update(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     version = body.get("weight_version")
     if version is not None:
         version = _new_version(version, "weight_version")
@@ -204,19 +210,19 @@ async def finish_update(request: web.Request, state: ServerState, body: dict) ->
     return {"message": "Weight update finished", **_served(state), "ranks": ranks}
 
 
-async def abort_update(request: web.Request, state: ServerState, body: dict) -> dict:
+async def abort_update(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     ranks = await call(state, state.engine.abort_weight_update(rank_timeout(state)))
     return {"message": "Weight update dropped", "dropped": any(r["dropped"] for r in ranks), "ranks": ranks}
 
 
-async def update_version(request: web.Request, state: ServerState, body: dict) -> dict:
+async def update_version(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     version = _new_version(body.get("new_version"), "new_version")
     ranks = await call(state, state.engine.update_weight_version(version, rank_timeout(state)))
     _serving(state, ranks)
     return {"success": True, "new_version": version}
 
 
-async def weight_info(request: web.Request, state: ServerState, body: dict) -> dict:
+async def weight_info(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     ranks = await call(state, state.engine.weight_info(rank_timeout(state)))
     _serving(state, ranks)
     versions = {r["weight_version"] for r in ranks}
@@ -228,13 +234,13 @@ async def weight_info(request: web.Request, state: ServerState, body: dict) -> d
     }
 
 
-async def world_size(request: web.Request, state: ServerState, body: dict) -> dict:
+async def world_size(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     include_dp = request.query.get("include_dp", "true").lower() not in ("false", "0")
     return {"world_size": state.engine.info.num_ranks if include_dp else 1}
 
 
 # ---- SGLang's ------------------------------------------------------------------------------------
-async def update_from_disk(request: web.Request, state: ServerState, body: dict) -> dict:
+async def update_from_disk(request: web.Request, state: ServerState, body: JSONObject) -> JSONObject:
     """SGLang's one-call update (fields of its `UpdateWeightFromDiskReqInput`): stage and swap; with
     `abort_all_requests` running requests are aborted first, and `keep_pause` leaves generation paused."""
     path = body.get("model_path")
@@ -280,7 +286,7 @@ async def pause_mode(state: ServerState, mode: str) -> None:
 
 
 # ---- the commit -----------------------------------------------------------------------------------
-async def _commit(state: ServerState, version: str | None) -> list[dict]:
+async def _commit(state: ServerState, version: str | None) -> list[JSONObject]:
     """Swap on every rank, only once every rank staged the same weights."""
     staged = await call(state, state.engine.weight_info(rank_timeout(state)))
     missing = [r["rank"] for r in staged if not r["staging"]]
@@ -330,18 +336,18 @@ def _new_version(value: object, field: str) -> str:
     return value
 
 
-def _serving(state: ServerState, ranks: list[dict]) -> None:
+def _serving(state: ServerState, ranks: list[JSONObject]) -> None:
     state.weights.version = ranks[0]["weight_version"]
     state.weights.digest = ranks[0].get("digest") or state.weights.digest
     state.metrics.weights.serving(state.weights.version, state.weights.digest)
 
 
-def _served(state: ServerState) -> dict:
+def _served(state: ServerState) -> JSONObject:
     return {"weight_version": state.weights.version, "digest": state.weights.digest}
 
 
 # The route table (app.py adds it): (method, path, handler).
-ROUTES: list[tuple[str, str, Callable]] = [
+ROUTES: list[tuple[str, str, RouteHandler]] = [
     ("POST", "/pause", route(pause)),
     ("POST", "/resume", route(resume)),
     ("GET", "/is_paused", route(is_paused)),
