@@ -18,6 +18,7 @@ from kvpilot.cli.flags import add_command
 from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.cli_follow import Followed, api_error, follow
 from kvpilot.operator.fleets.builders import FLEETS, GROUP, RESETS, VERSION
+from kvpilot.operator.fleets.status import fleet_status
 from kvpilot.operator.specs import ResetSpec
 
 RESET_TIMEOUT_S = ResetSpec.default("timeout_seconds")
@@ -277,7 +278,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     ns = args.namespace or default_ns
     if (obj := _read_fleet(client.CustomObjectsApi(), ns, args.name)) is None:
         return 2
-    endpoint = (obj.get("status") or {}).get("endpoint")
+    endpoint = fleet_status(obj).get("endpoint")
     if not endpoint:
         print(
             f"error: InferenceDeployment {ns}/{args.name} has no status.endpoint yet: is the operator running "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import urllib3
@@ -93,7 +93,10 @@ class Kube:
         )
         return list(r.get("items") or [])
 
-    async def patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    async def patch_status(
+        self, plural: str, ns: str, name: str, status: Mapping[str, object]
+    ) -> dict[str, Any]:
+        """A JSON merge patch of the object's status (each status module's typed shape: ResetStatus, ...)."""
         return await self.call(
             "patch",
             f"{plural}/status",
