@@ -184,6 +184,7 @@ class Run:
 
     async def targets(self, plan: Plan) -> list[Target]:
         """Every pod of the fleet, each callable: an update that cannot reach a pod does not start."""
+        pods: list[dict[str, Any]]
         pods, _ = await with_retries(
             "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
         )
