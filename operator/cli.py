@@ -18,12 +18,13 @@ from kvpilot.cli.flags import add_command
 from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
 from kvpilot.operator.cli_follow import Followed, api_error, follow
 from kvpilot.operator.fleets.builders import FLEETS, GROUP, RESETS, VERSION
+from kvpilot.operator.fleets.status import fleet_status
 from kvpilot.operator.specs import ResetSpec
 
 RESET_TIMEOUT_S = ResetSpec.default("timeout_seconds")
 
 
-def add_operator_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_operator_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from kvpilot.operator.main import add_arguments
 
     p = add_command(subparsers, "operator", _run_operator)
@@ -49,7 +50,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_reset_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_reset_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(subparsers, "reset", _run_reset)
     _add_target(p)
     p.add_argument("--wait", action="store_true", help="follow the reset until Complete or Failed")
@@ -196,7 +197,7 @@ def create_for_fleet(args: argparse.Namespace, body: dict[str, Any], what: Follo
     exit code: 0 created (or Succeeded), 2 an error (said on stderr), else what `follow` returns."""
     import urllib3
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     errors = (ApiException, urllib3.exceptions.HTTPError, OSError)
     try:
@@ -208,7 +209,9 @@ def create_for_fleet(args: argparse.Namespace, body: dict[str, Any], what: Follo
     if _read_fleet(api, ns, args.name) is None:
         return 2
     try:
-        obj = cast(dict, api.create_namespaced_custom_object(GROUP, VERSION, ns, what.plural, body))  # JSON
+        obj = cast(  # the decoded JSON object
+            dict[str, Any], api.create_namespaced_custom_object(GROUP, VERSION, ns, what.plural, body)
+        )
     except errors as exc:
         print(f"error: creating the {body['kind']}: {api_error(exc)}", file=sys.stderr)
         return 2
@@ -222,10 +225,11 @@ def create_for_fleet(args: argparse.Namespace, body: dict[str, Any], what: Follo
 def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
     """The InferenceDeployment; None after saying on stderr why there is none."""
     import urllib3
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     try:
-        return api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, name)
+        fleet = api.get_namespaced_custom_object(GROUP, VERSION, ns, FLEETS, name)
+        return cast(dict[str, Any], fleet)  # the decoded JSON object
     except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
         if isinstance(exc, ApiException) and exc.status == 404:
             print(f"error: InferenceDeployment {ns}/{name} not found", file=sys.stderr)
@@ -234,7 +238,7 @@ def _read_fleet(api: Any, ns: str, name: str) -> dict[str, Any] | None:
         return None
 
 
-def add_endpoint_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_endpoint_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = add_command(subparsers, "endpoint", _run_endpoint)
     _add_target(p)
     where = p.add_mutually_exclusive_group()
@@ -277,7 +281,7 @@ def _run_endpoint(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     ns = args.namespace or default_ns
     if (obj := _read_fleet(client.CustomObjectsApi(), ns, args.name)) is None:
         return 2
-    endpoint = (obj.get("status") or {}).get("endpoint")
+    endpoint = fleet_status(obj).get("endpoint")
     if not endpoint:
         print(
             f"error: InferenceDeployment {ns}/{args.name} has no status.endpoint yet: is the operator running "

@@ -31,7 +31,7 @@ class Followed:
 
 def api_error(exc: Exception) -> str:
     """One line for a failed API call: the API server's own message, or why it could not be reached."""
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     if isinstance(exc, ApiException):
         try:
@@ -52,7 +52,7 @@ def follow(
     errors: tuple[type[Exception], ...],
 ) -> int:
     """Exit code: 0 the success phase, 1 another final phase, 2 the object was deleted, 3 `until` passed."""
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     shown: dict[str, str] = {}
     last = ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kopf
@@ -21,6 +21,7 @@ from kvpilot.operator import metrics
 from kvpilot.operator.fleets import inference_pool
 from kvpilot.operator.fleets import reconcile as fleets
 from kvpilot.operator.fleets.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.fleets.status import fleet_status
 from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.owners import owner_of_kind
 from kvpilot.operator.resets import drive as resets
@@ -86,10 +87,10 @@ async def fleet_changed(body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, *
     _catch_up(memo, body)
 
 
-def _catch_up(memo: kopf.Memo, fleet: Any) -> None:
+def _catch_up(memo: kopf.Memo, fleet: Mapping[str, Any]) -> None:
     # A fleet with recorded weights: its pods are looked at (a readiness change of one of them, a restart,
     # a new pod all reconcile the fleet through its workload's status).
-    if (fleet.get("status") or {}).get("weights"):
+    if fleet_status(fleet).get("weights"):
         memo.catchups.poke(fleet["metadata"]["namespace"], fleet["metadata"]["name"])
 
 

@@ -8,7 +8,7 @@ import gc
 import logging
 import os
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import kopf
 import uvloop
@@ -89,7 +89,7 @@ def ensure_router_role(name: str) -> None:
     with the user's own credentials) nothing else would, and every fleet router would be refused its
     EndpointSlices. The chart ships the role and names it, so this never runs there."""
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     from kvpilot.operator.kube.api import Kube
     from kvpilot.operator.rbac import router_cluster_role
@@ -123,7 +123,7 @@ def ensure_peering(name: str, namespaces: list[str]) -> bool:
     """Make sure the peering object exists (kopf waits silently for a missing one). Returns False, after a
     warning, when the peering CRDs are not installed: the operator then runs standalone."""
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     from kvpilot.operator.kube.api import Kube
 
@@ -180,7 +180,8 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
 
     try:
         obj = cast(  # the decoded JSON object
-            dict, Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name)
+            dict[str, Any],
+            Kube().custom.get_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", name),
         )
     except Exception:  # noqa: BLE001 - namespaced peering, or no access: nothing to say
         return

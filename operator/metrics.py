@@ -4,11 +4,12 @@ docs/metrics.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvpilot.fanout import PodResult
+from kvpilot.operator.resets.status import ResetCounts
 from kvpilot.serving.build_info import register_build_info
 
 REGISTRY = CollectorRegistry()
@@ -108,17 +109,24 @@ STATUS_PATCHES = _metric(Counter, "reset_status_patches_total", "Status patches 
 
 _KEEP_RESETS = 50  # "for the latest resets": bounded label cardinality
 _recent: list[tuple[str, str]] = []
+# reset_pods' result label: the status counts of final results
+_RESET_RESULTS: tuple[Literal["succeeded", "failed", "skipped", "notSupported"], ...] = (
+    "succeeded",
+    "failed",
+    "skipped",
+    "notSupported",
+)
 
 
-def record_reset_pods(namespace: str, reset: str, counts: dict[str, int]) -> None:
+def record_reset_pods(namespace: str, reset: str, counts: ResetCounts) -> None:
     key = (namespace, reset)
     if key not in _recent:
         _recent.append(key)
-    for result in ("succeeded", "failed", "skipped", "notSupported"):
-        RESET_PODS.labels(namespace, reset, result).set(counts.get(result, 0))
+    for result in _RESET_RESULTS:
+        RESET_PODS.labels(namespace, reset, result).set(counts[result])
     while len(_recent) > _KEEP_RESETS:
         ns, name = _recent.pop(0)
-        for result in ("succeeded", "failed", "skipped", "notSupported"):
+        for result in _RESET_RESULTS:
             try:
                 RESET_PODS.remove(ns, name, result)
             except KeyError:

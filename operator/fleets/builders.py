@@ -151,7 +151,9 @@ def kv_keys_secret(name: str, files: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def kv_keys_mount(name: str, spec: FleetSpec, files: tuple[str, ...]) -> tuple[dict, dict] | None:
+def kv_keys_mount(
+    name: str, spec: FleetSpec, files: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(pod volume, container mount) of the fleet's KV event keys for one side (`files`), read-only; None when
     the daemons publish no KV events."""
     if kv_events_ports_by_rank(spec) is None:

@@ -13,6 +13,7 @@ import kopf
 from kvpilot.kv import sockets as kv_sockets
 from kvpilot.operator.fleets import builders, network_policy
 from kvpilot.operator.fleets.network_policy import OperatorPeer
+from kvpilot.operator.fleets.status import FleetStatus
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.owners import as_body, owned_by
 from kvpilot.operator.specs import FleetSpec
@@ -64,7 +65,7 @@ async def ensure_kv_keys(
 
 
 async def reconcile_policy(
-    kube: Kube, owner: dict[str, Any], spec: FleetSpec, status: dict[str, Any], peer: OperatorPeer
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, status: FleetStatus, peer: OperatorPeer
 ) -> PolicyState:
     meta = owner["metadata"]
     ns, uid = meta["namespace"], meta["uid"]

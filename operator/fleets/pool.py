@@ -13,6 +13,7 @@ import kopf
 
 from kvpilot.operator.fleets import inference_pool as ip
 from kvpilot.operator.fleets.router_objects import router_name
+from kvpilot.operator.fleets.status import FleetStatus
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.owners import as_body, holder, owned_by
 from kvpilot.operator.specs import FleetSpec
@@ -26,7 +27,7 @@ class PoolState:
 
 
 async def reconcile_pool(
-    kube: Kube, owner: dict[str, Any], spec: FleetSpec, status: dict[str, Any]
+    kube: Kube, owner: dict[str, Any], spec: FleetSpec, status: FleetStatus
 ) -> PoolState:
     meta = owner["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]

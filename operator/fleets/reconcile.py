@@ -22,6 +22,7 @@ from kvpilot.operator.fleets.builders import FLEETS, RESETS
 from kvpilot.operator.fleets.network_policy import OperatorPeer
 from kvpilot.operator.fleets.pool import PoolState, reconcile_pool
 from kvpilot.operator.fleets.router import RouterState, reconcile_router
+from kvpilot.operator.fleets.status import FleetStatus, fleet_status
 from kvpilot.operator.fleets.tokens import refusal
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.conditions import fleet_conditions, set_condition
@@ -125,7 +126,7 @@ async def reconcile(
     meta, raw_spec = body["metadata"], dict(body.get("spec") or {})
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": dict(meta), "spec": raw_spec}
     spec = FleetSpec.parse(raw_spec)
-    status = dict(body.get("status") or {})
+    status = fleet_status(body)
     ns, name = meta["namespace"], meta["name"]
     kind = spec.placement
     other = "DaemonSet" if kind == "Deployment" else "Deployment"
@@ -161,7 +162,7 @@ async def reconcile(
     await kube.delete_owned(other, ns, name, meta["uid"])
 
     desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
-    new: dict[str, Any] = {
+    new: FleetStatus = {
         "replicas": replicas,
         "readyReplicas": ready,
         "updatedReplicas": updated,

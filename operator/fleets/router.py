@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator.fleets import builders, router_objects
+from kvpilot.operator.fleets.status import FleetStatus, RouterStatus
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.owners import as_body, holder, owned_by
 from kvpilot.operator.rbac import ROUTER_CLUSTER_ROLE
@@ -17,7 +18,7 @@ from kvpilot.operator.specs import FleetSpec
 
 @dataclass(frozen=True, slots=True)
 class RouterState:
-    status: dict[str, Any] | None  # status.router; None: no router
+    status: RouterStatus | None  # status.router; None: no router
     ready: bool = True  # every wanted router pod is ready and runs the current spec
     reason: str = ""  # why not (a CamelCase reason for the Ready condition)
     message: str = ""
@@ -33,7 +34,7 @@ class RouterState:
 def deployment_state(name: str, desired: int, dep: dict[str, Any] | None) -> RouterState:
     st = (dep or {}).get("status") or {}
     ready, updated = st.get("readyReplicas", 0), st.get("updatedReplicas", 0)
-    status = {
+    status: RouterStatus = {
         "replicas": st.get("replicas", 0),
         "readyReplicas": ready,
         "updatedReplicas": updated,
@@ -49,7 +50,7 @@ async def reconcile_router(
     kube: Kube,
     owner: dict[str, Any],
     spec: FleetSpec,
-    status: dict[str, Any],
+    status: FleetStatus,
     logger: kopf.Logger,
     router_role: str = ROUTER_CLUSTER_ROLE,
 ) -> RouterState:
@@ -64,7 +65,7 @@ async def reconcile_router(
             if stopping := await _remove(kube, ns, name, uid, logger):
                 # status.router stays until they are gone, so the next reconcile removes the rest
                 msg = f"router {rname} is stopping: its RoleBinding goes once its {stopping} pods are gone"
-                left = {"replicas": stopping, "readyReplicas": 0}
+                left: RouterStatus = {"replicas": stopping, "readyReplicas": 0}
                 return RouterState(left, message=msg, retry=True, retry_delay_s=5.0)
         return RouterState(None)
     objs = router_objects.objects(name, ns, spec, router_role)

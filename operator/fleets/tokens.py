@@ -9,18 +9,21 @@ the InferenceDeployment that uses it (the token the operator generated for that 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvpilot.operator.fleets.builders import ADMIN_TOKEN_LABEL
 from kvpilot.operator.kube.owners import owned_by
 from kvpilot.operator.specs import SecretKeyRef
+
+if TYPE_CHECKING:  # the type alone: this module makes no API call (no import of the client)
+    from kvpilot.operator.kube.api import SecretView
 
 NOT_ALLOWED = "AdminTokenNotAllowed"
 UNAVAILABLE = "AdminTokenUnavailable"
 
 
 def refusal(
-    secret: dict[str, Any] | None, ns: str, ref: SecretKeyRef, owner_uid: str | None, use: str
+    secret: SecretView | None, ns: str, ref: SecretKeyRef, owner_uid: str | None, use: str
 ) -> tuple[str, str] | None:
     """(reason, message) when the token of `ref` may not be used, else None. `secret` is Kube.secret's
     answer; `owner_uid`, the InferenceDeployment whose own Secret counts as consented (None: only the label

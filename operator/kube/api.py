@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict, TypeVar, cast
 
 import urllib3
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from kvpilot.kube.kubeconfig import load
 from kvpilot.operator import metrics
@@ -24,6 +24,18 @@ __all__ = ["FIELD_MANAGER", "ApiException", "Kube", "is_transient", "namespace_t
 FIELD_MANAGER = "kvpilot-operator"
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
+# A JSON object as the client hands it back: a custom object (its calls are annotated to return `object`)
+# or a model object as sanitize_for_serialization makes it (not annotated)
+_JsonObject = dict[str, Any]
+
+
+class SecretView(TypedDict):
+    """A Secret as Kube.secret reads it: its labels, owners, and data decoded."""
+
+    labels: dict[str, str]
+    ownerReferences: list[dict[str, Any]]
+    data: dict[str, str]
 
 
 def _same(pod: dict[str, Any]) -> Any:
@@ -72,16 +84,17 @@ class Kube:
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.networking = client.NetworkingV1Api(api)
 
-    async def call(self, verb: str, resource: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def call(self, verb: str, resource: str, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
         metrics.API_CALLS.labels(verb, resource).inc()
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     # ---- kvpilot custom resources ---------------------------------------
     async def get_cr(self, plural: str, ns: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self.call(
+            obj = await self.call(
                 "get", plural, self.custom.get_namespaced_custom_object, GROUP, VERSION, ns, plural, name
             )
+            return cast(_JsonObject, obj)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -91,10 +104,13 @@ class Kube:
         r = await self.call(
             "list", plural, self.custom.list_namespaced_custom_object, GROUP, VERSION, ns, plural
         )
-        return list(r.get("items") or [])
+        return list(cast(_JsonObject, r).get("items") or [])
 
-    async def patch_status(self, plural: str, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        return await self.call(
+    async def patch_status(
+        self, plural: str, ns: str, name: str, status: Mapping[str, object]
+    ) -> dict[str, Any]:
+        """A JSON merge patch of the object's status (each status module's typed shape: ResetStatus, ...)."""
+        obj = await self.call(
             "patch",
             f"{plural}/status",
             self.custom.patch_namespaced_custom_object_status,
@@ -106,11 +122,13 @@ class Kube:
             {"status": status},
             _content_type="application/merge-patch+json",
         )
+        return cast(_JsonObject, obj)
 
     async def create_cr(self, plural: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call(
+        obj = await self.call(
             "create", plural, self.custom.create_namespaced_custom_object, GROUP, VERSION, ns, plural, body
         )
+        return cast(_JsonObject, obj)
 
     async def delete_cr(self, plural: str, ns: str, name: str, uid: str) -> None:
         try:
@@ -141,8 +159,8 @@ class Kube:
         # Any: with _preload_content=False the client returns the raw HTTP response, not the V1PodList it
         # is annotated with (likewise below)
         r: Any = self.core.list_namespaced_pod(ns, label_selector=selector, _preload_content=False)
-        body = json.loads(r.data)
-        version = body["metadata"].get("resourceVersion", "")
+        body: dict[str, Any] = json.loads(r.data)
+        version: str = body["metadata"].get("resourceVersion", "")
         return [shape(p) for p in body.pop("items")], version
 
     async def list_pods(
@@ -169,11 +187,12 @@ class Kube:
             r: Any = self.apps.list_namespaced_replica_set(
                 ns, label_selector=selector, _preload_content=False
             )
-            return json.loads(r.data)["items"]
+            items: list[dict[str, Any]] = json.loads(r.data)["items"]
+            return items
 
         return await self.call("list", "replicasets", fetch)
 
-    async def secret(self, ns: str, name: str) -> dict[str, Any] | None:
+    async def secret(self, ns: str, name: str) -> SecretView | None:
         """The Secret as a dict with its data decoded, or None when it does not exist."""
         try:
             s = await self.call("get", "secrets", self.core.read_namespaced_secret, name, ns)
@@ -182,11 +201,9 @@ class Kube:
                 return None
             raise
         data = {k: base64.b64decode(v).decode(errors="replace") for k, v in (s.data or {}).items()}
-        return {
-            "labels": s.metadata.labels or {},
-            "ownerReferences": self.api.sanitize_for_serialization(s.metadata.owner_references or []),
-            "data": data,
-        }
+        meta = s.metadata or client.V1ObjectMeta()  # a Secret read from the API always has its metadata
+        owners = self.api.sanitize_for_serialization(meta.owner_references or [])
+        return {"labels": meta.labels or {}, "ownerReferences": owners, "data": data}
 
     async def create_secret(self, ns: str, body: dict[str, Any]) -> None:
         await self.call("create", "secrets", self.core.create_namespaced_secret, ns, body)
@@ -232,7 +249,7 @@ class Kube:
             force=True,
             _content_type="application/apply-patch+yaml",
         )
-        return self.api.sanitize_for_serialization(obj)
+        return cast(_JsonObject, self.api.sanitize_for_serialization(obj))
 
     async def read(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
         try:
@@ -241,7 +258,7 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
-        return self.api.sanitize_for_serialization(obj)
+        return cast(_JsonObject, self.api.sanitize_for_serialization(obj))
 
     async def delete_owned(self, kind: str, ns: str, name: str, owner_uid: str) -> bool:
         """Delete the object when `owner_uid` owns it, never someone else's of that name (it is read first).

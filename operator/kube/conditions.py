@@ -4,7 +4,21 @@ observedGeneration. lastTransitionTime moves only when the status changes."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from collections.abc import Sequence
+from typing import Literal, TypedDict
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Condition(TypedDict):
+    """One entry of a status's conditions (every CRD of ours: status.conditions[])."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+    observedGeneration: int
+    lastTransitionTime: str
 
 
 def now_iso() -> str:
@@ -19,29 +33,30 @@ def parse_time(s: str | None) -> float | None:
 
 
 def set_condition(
-    conditions: list[dict[str, Any]] | None,
+    conditions: Sequence[Condition] | None,
     type_: str,
-    status: bool | str,
+    status: bool | ConditionStatus,
     reason: str,
     message: str,
     generation: int,
     now: str | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Condition]:
     """A new list with condition `type_` set; others are kept as they are."""
-    status_s = status if isinstance(status, str) else ("True" if status else "False")
-    out = [dict(c) for c in conditions or []]
+    status_s: ConditionStatus = status if isinstance(status, str) else ("True" if status else "False")
+    out = [c.copy() for c in conditions or []]
     old = next((c for c in out if c.get("type") == type_), None)
-    cond = {
+    if old is not None and old.get("status") == status_s and old.get("lastTransitionTime"):
+        since = old["lastTransitionTime"]
+    else:
+        since = now or now_iso()
+    cond: Condition = {
         "type": type_,
         "status": status_s,
         "reason": reason,
         "message": message,
         "observedGeneration": generation,
+        "lastTransitionTime": since,
     }
-    if old is not None and old.get("status") == status_s and old.get("lastTransitionTime"):
-        cond["lastTransitionTime"] = old["lastTransitionTime"]
-    else:
-        cond["lastTransitionTime"] = now or now_iso()
     if old is None:
         out.append(cond)
     else:
@@ -49,12 +64,12 @@ def set_condition(
     return out
 
 
-def get_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+def get_condition(conditions: Sequence[Condition] | None, type_: str) -> Condition | None:
     return next((c for c in conditions or [] if c.get("type") == type_), None)
 
 
 def fleet_conditions(
-    old: list[dict[str, Any]] | None,
+    old: Sequence[Condition] | None,
     desired: int,
     ready: int,
     updated: int,
@@ -62,7 +77,7 @@ def fleet_conditions(
     workload_seen: bool,
     stalled: bool = False,
     router_problem: tuple[str, str] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Condition]:
     """Ready / Available / Progressing / Degraded of an InferenceDeployment from its workload's counts.
 
     Available: some pod serves (or none is wanted). Ready: every wanted pod is ready and runs the current

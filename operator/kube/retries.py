@@ -7,13 +7,14 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.operator.kube.api import ApiException, is_transient
 
 _API_REASONS = {400: "InvalidRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 422: "Invalid"}
 _BACKOFF_BASE_S, _BACKOFF_MAX_S = 0.2, 5.0
+_T = TypeVar("_T")
 
 
 class RunFailure(Exception):
@@ -32,8 +33,8 @@ def _api_message(exc: ApiException) -> str:
 
 
 async def with_retries(
-    what: str, call: Callable[[], Awaitable[Any]], deadline: float, also: tuple[int, ...] = ()
-) -> Any:
+    what: str, call: Callable[[], Awaitable[_T]], deadline: float, also: tuple[int, ...] = ()
+) -> _T:
     """`call()`, retried with backoff on transient API errors (and on the statuses in `also`) until the
     deadline; any other API error (4xx) ends the run with a specific reason."""
     n = 0

@@ -31,16 +31,25 @@ from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets import builders
 from kvpilot.operator.fleets.builders import FLEETS, RESETS
+from kvpilot.operator.fleets.status import FleetStatus
 from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet, secret_token
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.resets.podwatch import PodWatch, identity
-from kvpilot.operator.resets.status import pod_status, skipped_note, summarize, verified_condition
+from kvpilot.operator.resets.status import (
+    ResetPhase,
+    ResetStatus,
+    pod_status,
+    reset_status,
+    skipped_note,
+    summarize,
+    verified_condition,
+)
 from kvpilot.operator.specs import FleetSpec, ResetSpec
 
-DONE = ("Succeeded", "Failed")
+DONE: tuple[ResetPhase, ...] = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
 _FINAL_PATCH_GRACE_S = 30.0  # how long the final status write is retried past the deadline
 
@@ -79,7 +88,7 @@ def outcome(
     min_success_ratio: float = 1.0,
     allow_no_targets: bool = False,
     newcomers: Sequence[str] = (),
-) -> tuple[str, str, str]:
+) -> tuple[ResetPhase, str, str]:
     """(phase, reason, message) once every pod has a final result. Skipped pods serve no traffic and do not
     count; of the pods called, at least min_success_ratio must have been reset (default: all). The message
     names the skipped pods with why, and `newcomers` (pods created during the reset) as their replacements."""
@@ -142,7 +151,7 @@ async def drive(
 ) -> None:
     """Run the reset unless it is finished (its TTL is reset_expiry's)."""
     obj = await kube.get_cr(RESETS, ns, name)
-    if obj is None or not unfinished(obj.get("status") or {}):
+    if obj is None or not unfinished(reset_status(obj)):
         return
     metrics.RESETS_IN_PROGRESS.inc()
     try:
@@ -151,7 +160,7 @@ async def drive(
         metrics.RESETS_IN_PROGRESS.dec()
 
 
-async def _patch(kube: Kube, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+async def _patch(kube: Kube, ns: str, name: str, status: ResetStatus) -> dict[str, Any]:
     metrics.STATUS_PATCHES.inc()
     return await kube.patch_status(RESETS, ns, name, status)
 
@@ -166,7 +175,7 @@ class _Progress:
         self.kube, self.ns, self.name, self.logger = kube, ns, name, logger
         self._last: asyncio.Task[None] | None = None
 
-    def write(self, status: dict[str, Any], what: str) -> asyncio.Task[None]:
+    def write(self, status: ResetStatus, what: str) -> asyncio.Task[None]:
         before = self._last
 
         async def go() -> None:
@@ -191,7 +200,7 @@ async def _run(
 ) -> dict[str, Any] | None:
     """Run the reset to its end; None when the operator stops first (the next one starts it over)."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    spec, status = ResetSpec.parse(obj["spec"]), obj.get("status") or {}
+    spec, status = ResetSpec.parse(obj["spec"]), reset_status(obj)
     start = status.get("startTime") or now_iso()
     started = parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
     deadline = time.monotonic() + spec.timeout_seconds - (time.time() - started if started else 0)
@@ -213,7 +222,12 @@ async def _run(
     progress = _Progress(kube, ns, name, logger)
     if not status.get("phase"):  # first sight: TARGET and PHASE for kubectl get, the deadline's start
         gen = obj["metadata"].get("generation")
-        first = {"phase": "Pending", "target": describe(spec), "startTime": start, "observedGeneration": gen}
+        first: ResetStatus = {
+            "phase": "Pending",
+            "target": describe(spec),
+            "startTime": start,
+            "observedGeneration": gen,
+        }
         progress.write(first, "Pending")  # on its way while the targets are resolved and listed
     try:
         while True:
@@ -239,7 +253,7 @@ async def _run(
             if time.monotonic() >= deadline - 1.0:
                 break  # NoTargets
             await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
-        running = {
+        running: ResetStatus = {
             "phase": "Running",
             "target": plan.description,
             "startTime": start,
@@ -317,7 +331,7 @@ async def _finish(
     obj: dict[str, Any],
     spec: ResetSpec,
     records: list[PodResult] | None,
-    phase: str,
+    phase: ResetPhase,
     reason: str,
     message: str,
     start: str,
@@ -327,7 +341,7 @@ async def _finish(
     the metrics and the target's lastReset come first."""
     ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     gen = obj["metadata"].get("generation") or 1
-    conds = (obj.get("status") or {}).get("conditions")
+    conds = reset_status(obj).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     # after Complete/Failed: readers that take the first True condition (kubectl describe, scripts) see the end
     conds = set_condition(conds, "Verified", *verified_condition(records or [], spec.verify), gen)
@@ -343,22 +357,22 @@ async def _finish(
     if spec.target_ref:
         target = spec.target_ref.name
         try:
-            await kube.patch_status(
-                FLEETS, ns, target, {"lastReset": {"name": name, "time": end, "result": phase}}
-            )
+            last: FleetStatus = {"lastReset": {"name": name, "time": end, "result": phase}}
+            await kube.patch_status(FLEETS, ns, target, last)
         except ApiException as exc:  # the fleet's status is informative; the reset's own status is written
             if exc.status != 404:
                 logging.getLogger(__name__).warning(
                     "lastReset of %s/%s not written: %s", ns, target, exc.reason
                 )
-    body = {
+    body: ResetStatus = {
         "phase": phase,
         "completionTime": end,
         "startTime": start,
         "conditions": conds,
         "observedGeneration": gen,
-        **(pod_status(records, spec.verify) if records is not None else {}),
     }
+    if records is not None:
+        body.update(pod_status(records, spec.verify))
     # 401/403 are retried too: a kube-apiserver that has just restarted answers them until its authenticator
     # and RBAC caches are filled, and giving up here would make kopf run the whole reset again a minute later.
     return await with_retries(

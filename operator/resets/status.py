@@ -1,20 +1,97 @@
 """PrefixCacheReset status from the fan-out's results: exact counts and bounded per-pod entries, under the
-CRD's camelCase names (crds/prefixcachereset.yaml, status.pods)."""
+CRD's camelCase names (crds/prefixcachereset.yaml, status.pods); its shape (`ResetStatus`), and the one place
+it is read back (`reset_status`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Required, TypedDict, cast
 
 from kvpilot.fanout import PodResult, RankResult
 from kvpilot.fanout.results import STILL_WARM, Outcome, Verified
+from kvpilot.operator.kube.conditions import Condition, ConditionStatus
 
 MAX_POD_DETAIL = 100  # status.pods entries at most (not Succeeded first); counts are always exact
 MAX_RANKS = (
     64  # status.pods[].ranks entries at most (the CRD's maxItems): a node has a few dozen accelerators
 )
 
-_COUNT_KEY = {
+ResetPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+CountKey = Literal["succeeded", "failed", "skipped", "notSupported", "pending"]
+
+
+class RankEntry(TypedDict, total=False):
+    """status.pods[].ranks[]: one data-parallel rank's part of a pod's reset reply."""
+
+    rank: Required[int]
+    success: Required[bool]
+    epoch: int
+    evictedBlocks: int
+
+
+class PodEntry(TypedDict, total=False):
+    """status.pods[]: one pod's result; a field with nothing to say is left out."""
+
+    name: Required[str]
+    result: Required[Outcome]
+    attempts: Required[int]
+    node: str
+    ip: str
+    httpStatus: int
+    epoch: int
+    evictedBlocks: int
+    message: str
+    durationSeconds: float
+    ranks: list[RankEntry]
+    reason: str
+    cleared: list[str]
+    verified: Verified
+    verification: str
+
+
+class ResetCounts(TypedDict):
+    """The status counts: targets and how many ended in each result (pending: not final yet)."""
+
+    targets: int
+    succeeded: int
+    failed: int
+    skipped: int
+    notSupported: int
+    pending: int
+
+
+class ResetStatus(TypedDict, total=False):
+    """A PrefixCacheReset's status, or the part of it one write sets (a JSON merge patch)."""
+
+    phase: ResetPhase
+    target: str
+    startTime: str
+    completionTime: str
+    observedGeneration: int | None
+    conditions: list[Condition]
+    targets: int
+    succeeded: int
+    failed: int
+    skipped: int
+    notSupported: int
+    pending: int
+    progress: str
+    verified: str  # "cold/said success", or "off"
+    verifiedCold: int
+    verifiedWarm: int
+    verifiedUnknown: int
+    pods: list[PodEntry]
+    podsOmitted: int
+
+
+def reset_status(obj: Mapping[str, Any]) -> ResetStatus:
+    """The status of a PrefixCacheReset as read from the API; {} when it has none. Not checked field by
+    field: the API server validated every write against the CRD's schema, which types each field (any of
+    them may be absent)."""
+    return cast(ResetStatus, obj.get("status") or {})
+
+
+_COUNT_KEY: dict[Outcome, CountKey] = {
     Outcome.SUCCEEDED: "succeeded",
     Outcome.FAILED: "failed",
     Outcome.SKIPPED: "skipped",
@@ -22,16 +99,23 @@ _COUNT_KEY = {
 }
 
 
-def summarize(results: Sequence[PodResult]) -> dict[str, int]:
+def summarize(results: Sequence[PodResult]) -> ResetCounts:
     """The status counts: targets and how many ended in each result (Pending: not final yet)."""
-    counts = dict.fromkeys(("succeeded", "failed", "skipped", "notSupported", "pending"), 0)
+    counts: ResetCounts = {
+        "targets": len(results),
+        "succeeded": 0,
+        "failed": 0,
+        "skipped": 0,
+        "notSupported": 0,
+        "pending": 0,
+    }
     for r in results:
         counts[_COUNT_KEY.get(r.result, "pending")] += 1
-    return {"targets": len(results), **counts}
+    return counts
 
 
-def rank_entry(rank: RankResult) -> dict[str, Any]:
-    out: dict[str, Any] = {"rank": rank.rank, "success": rank.success}
+def rank_entry(rank: RankResult) -> RankEntry:
+    out: RankEntry = {"rank": rank.rank, "success": rank.success}
     if rank.epoch is not None:
         out["epoch"] = rank.epoch
     if rank.evicted_blocks is not None:
@@ -39,25 +123,33 @@ def rank_entry(rank: RankResult) -> dict[str, Any]:
     return out
 
 
-def pod_entry(result: PodResult) -> dict[str, Any]:
-    """One entry of status.pods (empty fields left out)."""
-    out: dict[str, Any] = {"name": result.name, "result": result.result, "attempts": result.attempts}
-    ranks = None if result.ranks is None else [rank_entry(r) for r in result.ranks[:MAX_RANKS]]
-    optional = {
-        "node": result.node,
-        "ip": result.ip,
-        "httpStatus": result.http_status,
-        "epoch": result.epoch,
-        "evictedBlocks": result.evicted_blocks,
-        "message": result.message,
-        "durationSeconds": result.duration_s,
-        "ranks": ranks,
-        "reason": result.reason,
-        "cleared": result.cleared or None,
-        "verified": result.verified,
-        "verification": result.verify_message,
-    }
-    out.update((key, value) for key, value in optional.items() if value not in (None, ""))
+def pod_entry(result: PodResult) -> PodEntry:
+    """One entry of status.pods (empty fields left out: None, an empty string, no tier cleared)."""
+    out: PodEntry = {"name": result.name, "result": result.result, "attempts": result.attempts}
+    if result.node:
+        out["node"] = result.node
+    if result.ip:
+        out["ip"] = result.ip
+    if result.http_status is not None:
+        out["httpStatus"] = result.http_status
+    if result.epoch is not None:
+        out["epoch"] = result.epoch
+    if result.evicted_blocks is not None:
+        out["evictedBlocks"] = result.evicted_blocks
+    if result.message:
+        out["message"] = result.message
+    if result.duration_s is not None:
+        out["durationSeconds"] = result.duration_s
+    if result.ranks is not None:
+        out["ranks"] = [rank_entry(r) for r in result.ranks[:MAX_RANKS]]
+    if result.reason:
+        out["reason"] = result.reason
+    if result.cleared:
+        out["cleared"] = result.cleared
+    if result.verified is not None:
+        out["verified"] = result.verified
+    if result.verify_message:
+        out["verification"] = result.verify_message
     return out
 
 
@@ -66,7 +158,7 @@ def _said_success(r: PodResult) -> bool:
     return r.result == Outcome.SUCCEEDED or r.reason == STILL_WARM
 
 
-def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str, Any]:
+def verification_counts(results: Sequence[PodResult], verify: bool) -> ResetStatus:
     """status.verified ("cold/said success", or "off") and the verdict counts, for kubectl get."""
     if not verify:
         return {"verified": "off"}
@@ -80,10 +172,10 @@ def verification_counts(results: Sequence[PodResult], verify: bool) -> dict[str,
     }
 
 
-def pod_status(results: Sequence[PodResult], verify: bool = False) -> dict[str, Any]:
+def pod_status(results: Sequence[PodResult], verify: bool = False) -> ResetStatus:
     """Counts and per-pod detail, bounded: pods not Succeeded first, at most MAX_POD_DETAIL entries;
     `verify`: the reset's spec.verify, for the verification counts."""
-    counts = summarize(results)
+    c = summarize(results)
     order = {
         Outcome.FAILED: 0,
         Outcome.NOT_SUPPORTED: 1,
@@ -92,16 +184,22 @@ def pod_status(results: Sequence[PodResult], verify: bool = False) -> dict[str, 
         Outcome.SUCCEEDED: 4,
     }
     shown = sorted(results, key=lambda r: (order.get(r.result, 3), r.name))[:MAX_POD_DETAIL]
-    return {
-        **counts,
-        "progress": f"{counts['succeeded']}/{counts['targets']}",
-        **verification_counts(results, verify),
-        "pods": [pod_entry(r) for r in shown],
-        "podsOmitted": len(results) - len(shown),
+    status: ResetStatus = {
+        "targets": c["targets"],
+        "succeeded": c["succeeded"],
+        "failed": c["failed"],
+        "skipped": c["skipped"],
+        "notSupported": c["notSupported"],
+        "pending": c["pending"],
+        "progress": f"{c['succeeded']}/{c['targets']}",
     }
+    status.update(verification_counts(results, verify))
+    status["pods"] = [pod_entry(r) for r in shown]
+    status["podsOmitted"] = len(results) - len(shown)
+    return status
 
 
-def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[str, str, str]:
+def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[ConditionStatus, str, str]:
     """(status, reason, message) of the Verified condition of a finished reset. Only pods whose reset said
     success count: a pod that failed or was skipped is the Complete/Failed condition's business."""
     if not verify:

@@ -128,8 +128,9 @@ class AdapterRun(Run):
 def _adapter_path(models: dict[str, Any], name: str) -> str | None:
     """The directory a pod serves the adapter `name` from, as its /v1/models lists it (vLLM's `root`)."""
     for m in models.get("data") or []:
-        if isinstance(m, dict) and m.get("id") == name and m.get("parent") and isinstance(m.get("root"), str):
-            return m["root"]
+        if isinstance(m, dict) and m.get("id") == name and m.get("parent"):
+            if isinstance(root := m.get("root"), str):
+                return root
     return None
 
 

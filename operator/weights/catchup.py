@@ -33,6 +33,7 @@ from kvpilot.fanout.phase import run_phase
 from kvpilot.kube.fleet_members import is_member
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import FLEETS, GROUP, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.fleets.status import FleetStatus, FleetWeights, fleet_status
 from kvpilot.operator.fleets.targets import fleet_plan, pod_target
 from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.owners import as_body
@@ -40,7 +41,7 @@ from kvpilot.operator.kube.retries import RunFailure
 from kvpilot.operator.specs import FleetSpec, TargetRef, WeightUpdateSpec
 from kvpilot.operator.weights import fence
 from kvpilot.operator.weights.drive import unfinished
-from kvpilot.operator.weights.status import PodUpdate, WeightResult
+from kvpilot.operator.weights.status import PodUpdate, WeightResult, update_status
 from kvpilot.operator.weights.update import Run
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class CatchUps:
         body = await self.kube.get_cr(FLEETS, ns, fleet)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return False
-        weights = (body.get("status") or {}).get("weights")
+        weights = fleet_status(body).get("weights")
         if not weights or not weights.get("version"):
             return False
         spec = FleetSpec.parse(body.get("spec"))
@@ -171,11 +172,12 @@ class CatchUps:
         metrics.FENCED_PODS.labels(ns, fleet).set(len(fenced))
         return more
 
-    async def _forget(self, body: dict[str, Any], weights: dict[str, Any]) -> None:
+    async def _forget(self, body: dict[str, Any], weights: FleetWeights) -> None:
         """spec.model changed since the weights were recorded: the fleet rolls out on the new model, which is
         its weights from now on; the record goes (a pod fenced before is replaced by the rollout)."""
         ns, fleet = body["metadata"]["namespace"], body["metadata"]["name"]
-        await self.kube.patch_status(FLEETS, ns, fleet, {"weights": None})
+        forget: FleetStatus = {"weights": None}
+        await self.kube.patch_status(FLEETS, ns, fleet, forget)
         message = f"spec.model changed since {weights['version']} was recorded: no pod is brought back to it"
         log.info("catch-up of %s/%s: %s", ns, fleet, message)
         kopf.event(as_body(body), type="Normal", reason="WeightsForgotten", message=message)
@@ -183,15 +185,14 @@ class CatchUps:
     async def _update_running(self, ns: str, fleet: str) -> bool:
         updates = await self.kube.list_crs(WEIGHT_UPDATES, ns)
         return any(
-            WeightUpdateSpec.parse(u.get("spec")).target_ref.name == fleet
-            and unfinished(u.get("status") or {})
+            WeightUpdateSpec.parse(u.get("spec")).target_ref.name == fleet and unfinished(update_status(u))
             for u in updates
         )
 
     async def _catch_up(
         self,
         body: dict[str, Any],
-        weights: dict[str, Any],
+        weights: FleetWeights,
         t: Target,
         settings: Any,
         backoff: dict[str, tuple[int, float]],

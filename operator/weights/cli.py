@@ -20,7 +20,7 @@ DONE = ("Succeeded", "Failed", "Degraded")
 UPDATE_TIMEOUT_S = WeightUpdateSpec.default("timeout_seconds")
 
 
-def add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_weights_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("weights", help="weight updates of an InferenceDeployment (WeightUpdate)")
     sub = p.add_subparsers(dest="weights_command", metavar="ACTION", required=True)
     u = add_command(sub, "update", _run_update)

@@ -14,6 +14,7 @@ from kvpilot.operator.fleets.builders import WEIGHT_UPDATES
 from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.specs import WeightUpdateSpec
 from kvpilot.operator.weights.adapter import AdapterRun
+from kvpilot.operator.weights.status import update_status
 from kvpilot.operator.weights.update import DONE, Run
 
 
@@ -28,7 +29,7 @@ async def drive(
     """Run the update unless it is finished. `catchups` (catchup.CatchUps): no catch-up of the fleet runs
     meanwhile, and one looks at the fleet afterwards (the pods this update fenced)."""
     obj = await kube.get_cr(WEIGHT_UPDATES, ns, name)
-    if obj is None or not unfinished(obj.get("status") or {}):
+    if obj is None or not unfinished(update_status(obj)):
         return
     spec = WeightUpdateSpec.parse(obj["spec"])
     fleet = spec.target_ref.name

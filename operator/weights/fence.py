@@ -12,6 +12,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator.fleets.builders import SERVING_LABEL
+from kvpilot.operator.fleets.status import FleetWeights
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.specs import FleetSpec
@@ -28,7 +29,7 @@ FENCE = (
 WAIT = "wait"  # Ready but did not answer this time: asked again on the next pass
 
 
-def decide(weights: dict[str, Any] | None, answer: dict[str, Any] | None, ready: bool) -> str:
+def decide(weights: FleetWeights | None, answer: dict[str, Any] | None, ready: bool) -> str:
     """The fence decision for one pod. `answer`: its /weight_info reply (None when it could not be asked or
     did not answer), `ready`: its Ready condition."""
     if not weights or not weights.get("version"):
@@ -41,7 +42,7 @@ def decide(weights: dict[str, Any] | None, answer: dict[str, Any] | None, ready:
     return CATCH_UP
 
 
-def recorded_for(weights: dict[str, Any], spec: FleetSpec) -> bool:
+def recorded_for(weights: FleetWeights, spec: FleetSpec) -> bool:
     """Whether the fleet's recorded weights still apply to its spec: they were committed over the model the
     pods load (`spec.model`, "" for the default). Once spec.model changes, the pods roll out on the new
     model and the weights of an update of the old one must not be forced on them."""

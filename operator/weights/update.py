@@ -28,6 +28,7 @@ no one version then).
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from kvpilot.fanout import CallSettings, Target
 from kvpilot.fanout.phase import PhaseReply, Step, run_phase, run_steps
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import FLEETS, WEIGHT_UPDATES
+from kvpilot.operator.fleets.status import FleetWeights, fleet_status
 from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
@@ -48,18 +50,24 @@ from kvpilot.operator.specs import ROLLING_MAX_UNAVAILABLE, FleetSpec, WeightUpd
 from kvpilot.operator.weights import fence
 from kvpilot.operator.weights.status import (
     PodUpdate,
+    WeightPhase,
     WeightResult,
+    WeightUpdateStatus,
     fleet_weight_version,
     pod_status,
     rank_entries,
     redact,
+    update_status,
 )
 
-DONE = ("Succeeded", "Failed", "Degraded")
+DONE: tuple[WeightPhase, ...] = ("Succeeded", "Failed", "Degraded")
 # Of timeoutSeconds, the part kept back from staging for dropping the stage or switching (at most this).
 RESERVE_S = 15.0
-_KEEP = object()  # status.weights left as it is (an update that changed no pod)
 log = logging.getLogger(__name__)
+
+
+class _Keep(enum.Enum):
+    KEEP = "keep"  # status.weights left as it is (an update that changed no pod)
 
 
 class Run:
@@ -68,7 +76,7 @@ class Run:
     ) -> None:
         self.kube, self.obj, self.spec, self.logger, self.limiter = kube, obj, spec, logger, limiter
         self.ns, self.name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        status = obj.get("status") or {}
+        status = update_status(obj)
         self.start = status.get("startTime") or now_iso()
         started = parse_time(status.get("startTime"))
         timeout = float(self.spec.timeout_seconds)
@@ -79,22 +87,26 @@ class Run:
         self.target = f"InferenceDeployment/{self.spec.target_ref.name}"
         # pods out of the Service (label kvpilot.io/serving "false"), as far as known
         self.fenced: set[str] = set()
-        self.weights: Any = _KEEP  # the fleet's status.weights once the update ends
+        # the fleet's status.weights once the update ends (None: removed)
+        self.weights: FleetWeights | None | _Keep = _Keep.KEEP
 
     # ---- status ------------------------------------------------------------------------------------
-    async def patch(self, phase: str, **extra: Any) -> dict[str, Any]:
-        body = {
+    async def patch(self, phase: WeightPhase, end: WeightUpdateStatus | None = None) -> dict[str, Any]:
+        """Write status: the phase, each pod's entry and `end` (what the final write adds)."""
+        body: WeightUpdateStatus = {
             "phase": phase,
             "target": self.target,
             "version": self.spec.version,
             "startTime": self.start,
             "observedGeneration": self.obj["metadata"].get("generation"),
-            **(pod_status(self.pods) if self.pods else {}),
-            **extra,
         }
+        if self.pods:
+            body.update(pod_status(self.pods))
+        if end:
+            body.update(end)
         return await self.kube.patch_status(WEIGHT_UPDATES, self.ns, self.name, body)
 
-    async def progress(self, phase: str) -> None:
+    async def progress(self, phase: WeightPhase) -> None:
         try:
             await self.patch(phase)
         except Exception as exc:  # noqa: BLE001 - progress is for people; the final write is retried
@@ -126,6 +138,8 @@ class Run:
     async def update(self, targets: list[Target], settings: CallSettings) -> None:
         """The model's weights on every pod, Atomic or Rolling (the module docstring); an adapter's are
         adapter.py's `AdapterRun.update`."""
+        model_path = self.spec.model_path
+        assert model_path is not None  # the CRD: modelPath or adapter, and an adapter's run is AdapterRun
         batch = len(targets)
         if self.spec.strategy == "Rolling":
             batch = max(1, self.spec.max_unavailable or ROLLING_MAX_UNAVAILABLE)
@@ -159,7 +173,7 @@ class Run:
             return await self.finish("Degraded", "CommitFailed", msg)
         self.weights = {
             "version": self.spec.version,
-            "modelPath": self.spec.model_path,
+            "modelPath": model_path,
             "digest": digest,
         }
         if fenced:
@@ -170,6 +184,7 @@ class Run:
 
     async def targets(self, plan: Plan) -> list[Target]:
         """Every pod of the fleet, each callable: an update that cannot reach a pod does not start."""
+        pods: list[dict[str, Any]]
         pods, _ = await with_retries(
             "list pods", lambda: self.kube.list_pods(self.ns, plan.selector), self.deadline
         )
@@ -291,12 +306,12 @@ class Run:
         for n, r in replies.items():
             pods[n].version = str(r.body.get("weight_version") or "") if r.ok else ""
 
-    async def finish(self, phase: str, reason: str, message: str, digest: str = "") -> None:
+    async def finish(self, phase: WeightPhase, reason: str, message: str, digest: str = "") -> None:
         """The end: conditions, Event, metrics, the fleet's weightVersion, then the final status write
         (after it lands kopf's filter no longer matches and the daemon and its finalizer go)."""
         self.logger.info("weight update %s/%s: %s: %s", self.ns, self.name, phase, message)
         gen = self.obj["metadata"].get("generation") or 1
-        conds = (self.obj.get("status") or {}).get("conditions")
+        conds = update_status(self.obj).get("conditions")
         kind = {"Succeeded": "Complete", "Failed": "Failed", "Degraded": "Degraded"}[phase]
         conds = set_condition(conds, kind, True, reason, message, gen)
         kopf.event(
@@ -310,26 +325,27 @@ class Run:
             metrics.WEIGHT_UPDATE_DURATION.observe(max(0.0, time.time() - t0))
         if self.pods:
             await self.fleet_version()
-        extra: dict[str, Any] = {"completionTime": now_iso(), "conditions": conds}
+        end: WeightUpdateStatus = {"completionTime": now_iso(), "conditions": conds}
         if digest:
-            extra["digest"] = digest
-        await with_retries("final status", lambda: self.patch(phase, **extra), time.monotonic() + 30)
+            end["digest"] = digest
+        await with_retries("final status", lambda: self.patch(phase, end), time.monotonic() + 30)
 
     async def fleet_version(self) -> None:
         fleet = self.spec.target_ref.name
         versions = [p.version or "unknown" for p in self.pods]
-        body: dict[str, Any] = fleet_weight_version(versions)
+        body = fleet_weight_version(versions)
+        per_version = body["weightVersions"]
         try:
             old = await self.kube.get_cr(FLEETS, self.ns, fleet) or {}
-            if self.weights is not _KEEP:  # with the model they were committed over (fence.recorded_for)
+            if self.weights is not _Keep.KEEP:  # with the model they were committed over (fence.recorded_for)
                 model = FleetSpec.parse(old.get("spec")).model or ""
-                body["weights"] = self.weights and {**self.weights, "model": model}
-            gone = set((old.get("status") or {}).get("weightVersions") or {}) - set(body["weightVersions"])
+                body["weights"] = None if self.weights is None else {**self.weights, "model": model}
+            gone = set(fleet_status(old).get("weightVersions") or {}) - set(per_version)
             for version in gone:  # a merge patch keeps map keys it does not name
-                body["weightVersions"][version] = None
+                per_version[version] = None
                 with contextlib.suppress(KeyError):
                     metrics.FLEET_WEIGHT_PODS.remove(self.ns, fleet, version)
-            for version, n in body["weightVersions"].items():
+            for version, n in per_version.items():
                 if n is not None:
                     metrics.FLEET_WEIGHT_PODS.labels(self.ns, fleet, version).set(n)
             await self.kube.patch_status(FLEETS, self.ns, fleet, body)
