@@ -265,6 +265,7 @@ class DiskTier:
         path = self._path(gen, scope_dir, key)
         try:
             block.wait()
+            # a block reaches the tiers from the pool's index, so it has its scope (not re-checked here)
             self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
