@@ -48,7 +48,7 @@ demo: setup cluster-build
 	bash hack/demo.sh
 
 test: setup-test cluster-build tools vllm-client vllm-server
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40  # the slowest 40: where CI time goes
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
 # interpreter for the whole process it runs in).
