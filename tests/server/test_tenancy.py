@@ -1,7 +1,7 @@
 """Server-set tenancy through a real `kvpilot serve --tenant-tokens-file` and the official openai client: each
 tenant's cache is salted by the server, so no `cache_salt` a tenant sends reaches another's blocks; a request
 without a tenant's token is a 401; the admin resets one tenant's cache by its salt; a bad file stops the
-start with its reason."""
+start with its reason, and so does a tenant whose token is the admin's."""
 
 from __future__ import annotations
 
@@ -93,3 +93,14 @@ def test_a_bad_tenant_file_stops_the_start_with_its_reason(
     env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_a_tenant_token_equal_to_the_admin_token_stops_the_start(tmp_path: Path) -> None:
+    """Such a tenant would hold the admin routes, and the admin's requests would be salted as that tenant."""
+    path = tmp_path / "tenants"
+    path.write_text(f"alice {ALICE}\nmallory {ADMIN_TOKEN}\n")
+    argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
+    env = {**os.environ, "KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "tenant mallory's token in --tenant-tokens-file is the admin token" in done.stderr, done.stderr[-2000:]
