@@ -102,5 +102,5 @@ def test_a_tenant_token_equal_to_the_admin_token_stops_the_start(tmp_path: Path)
     argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
     env = {**os.environ, "KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "tenant mallory's token in --tenant-tokens-file is the admin token" in done.stderr, done.stderr[-2000:]
+    message = "tenant mallory's token in --tenant-tokens-file is the admin token"
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
