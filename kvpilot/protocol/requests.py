@@ -18,6 +18,7 @@ from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
+from kvpilot.protocol.limits import MAX_SCOPE_CHARS
 from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -277,9 +278,6 @@ def parse_reset_flag(
     if value is not None and not isinstance(value, bool):
         raise bad(f"'{name}' must be a boolean, not {_kind(value)}", name)
     return default if value is None else value
-
-
-MAX_SCOPE_CHARS = 4096  # a salt is the longest of the three, and requests bound it only by their body
 
 
 def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> ResetScope | None:
