@@ -19,6 +19,8 @@ import hashlib
 import re
 from pathlib import Path
 
+from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX
+
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 MIN_TOKEN_CHARS = 16
 MAX_FILE_BYTES = 1 << 20
@@ -74,8 +76,10 @@ def tenant_of(token: bytes, tokens: dict[bytes, str]) -> str | None:
 
 
 def tenant_salt(tenant: str, salt: str | None) -> str:
-    """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any."""
-    return f"tenant:{tenant}" if salt is None else f"tenant:{tenant}:{salt}"
+    """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any (a
+    reset of scope `tenant` clears both: `cache_scope.is_tenants_salt`)."""
+    own = TENANT_SALT_PREFIX + tenant
+    return own if salt is None else f"{own}:{salt}"
 
 
 def _digest(token: bytes) -> bytes:

@@ -291,5 +291,7 @@ def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> Rese
             continue
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_SCOPE_CHARS:
             raise bad(f"'{name}' must be a string of 1 to {MAX_SCOPE_CHARS} characters", name)
+        if name == "tenant" and ":" in value:
+            raise bad("'tenant' is a tenant's name, which holds no ':'", name)
         given[name] = value
     return ResetScope(**given) if given else None

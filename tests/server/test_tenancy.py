@@ -1,7 +1,8 @@
 """Server-set tenancy through a real `kvpilot serve --tenant-tokens-file` and the official openai client: each
 tenant's cache is salted by the server, so no `cache_salt` a tenant sends reaches another's blocks; a request
-without a tenant's token is a 401; the admin resets one tenant's cache by its salt; a bad file stops the
-start with its reason, and so does a tenant whose token is the admin's."""
+without a tenant's token is a 401; the admin resets one tenant's cache by its salt, or all of a tenant's
+partitions by its name; a bad file stops the start with its reason, and so does a tenant whose token is the
+admin's."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def test_the_admin_resets_one_tenants_cache_by_its_salt(server: Server) -> None:
     assert reply["scope"] == {"cache_salt": "tenant:alice"} and reply["evicted_blocks"] > 0, reply
     assert cached(server, ALICE) == 0 and cached(server, BOB) >= 32
     assert cached(server, ADMIN_TOKEN, "tenant:bob") >= 32  # the admin's requests keep the salt they name
+
+
+def test_a_tenant_reset_clears_its_blocks_and_its_own_partitions_only(server: Server) -> None:
+    server.reset()
+    for key, salt in [(ALICE, None), (ALICE, "team-1"), (BOB, None), (BOB, "team-1")] * 2:
+        cached(server, key, salt)
+    reply = server.reset(tenant="alice")
+    assert reply["scope"] == {"tenant": "alice"} and reply["evicted_blocks"] > 0, reply
+    assert cached(server, ALICE) == 0 and cached(server, ALICE, "team-1") == 0  # her partitions too
+    assert cached(server, BOB) >= 32 and cached(server, BOB, "team-1") >= 32
+    r = server.request("POST", "/reset_prefix_cache?tenant=alice:team-1", headers=server.admin())
+    assert r.status == 400 and r.json()["error"]["param"] == "tenant", r.body
 
 
 @pytest.mark.parametrize(
