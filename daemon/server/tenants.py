@@ -16,12 +16,12 @@ how much of a presented token matched.
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
-from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX
+from kvpilot.kv.reset_scope import TENANT_NAME, TENANT_SALT_PREFIX
+from kvpilot.protocol.errors import bad
+from kvpilot.protocol.limits import MAX_SCOPE_CHARS
 
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 MIN_TOKEN_CHARS = 16
 MAX_FILE_BYTES = 1 << 20
 MAX_TOKENS = 10_000
@@ -79,6 +79,10 @@ def tenant_salt(tenant: str, salt: str | None) -> str:
     """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any (a
     reset of scope `tenant` clears both: `cache_scope.is_tenants_salt`)."""
     own = TENANT_SALT_PREFIX + tenant
+    if salt is not None and len(own) + 1 + len(salt) > MAX_SCOPE_CHARS:
+        # the salt as keyed must stay within what a scoped reset can name
+        room = MAX_SCOPE_CHARS - len(own) - 1
+        raise bad(f"'cache_salt' may hold at most {room} characters for tenant {tenant}", "cache_salt")
     return own if salt is None else f"{own}:{salt}"
 
 

@@ -3,10 +3,12 @@ engine applies and the fan-out sends, so none of them imports another's module f
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 RESET_SCOPE_FIELDS = ("lora_name", "cache_salt", "weight_version", "tenant")
 TENANT_SALT_PREFIX = "tenant:"  # a tenant's salts: `tenant:<name>`, and `tenant:<name>:<its own salt>`
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # no ':', so no salt reaches another's
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
+from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, TENANT_NAME, ResetScope
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
@@ -291,7 +291,10 @@ def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> Rese
             continue
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_SCOPE_CHARS:
             raise bad(f"'{name}' must be a string of 1 to {MAX_SCOPE_CHARS} characters", name)
-        if name == "tenant" and ":" in value:
-            raise bad("'tenant' is a tenant's name, which holds no ':'", name)
+        if name == "tenant" and not TENANT_NAME.fullmatch(value):
+            raise bad("'tenant' is a tenant's name: 1 to 63 letters, digits, '.', '_' or '-'", name)
         given[name] = value
+    if "tenant" in given and "cache_salt" in given:
+        # a tenant's partition is keyed tenant:<name>:<salt>, never the bare salt: name it so in cache_salt
+        raise bad("give 'tenant' or 'cache_salt', not both ('cache_salt': 'tenant:<name>:<salt>')", "tenant")
     return ResetScope(**given) if given else None

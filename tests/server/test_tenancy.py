@@ -82,8 +82,25 @@ def test_a_tenant_reset_clears_its_blocks_and_its_own_partitions_only(server: Se
     assert reply["scope"] == {"tenant": "alice"} and reply["evicted_blocks"] > 0, reply
     assert cached(server, ALICE) == 0 and cached(server, ALICE, "team-1") == 0  # her partitions too
     assert cached(server, BOB) >= 32 and cached(server, BOB, "team-1") >= 32
-    r = server.request("POST", "/reset_prefix_cache?tenant=alice:team-1", headers=server.admin())
-    assert r.status == 400 and r.json()["error"]["param"] == "tenant", r.body
+    for query in ("tenant=alice:team-1", "tenant=alice*", "tenant=alice&cache_salt=team-1"):
+        r = server.request("POST", f"/reset_prefix_cache?{query}", headers=server.admin())
+        assert r.status == 400 and r.json()["error"]["param"] == "tenant", (query, r.body)
+
+
+def test_a_tenants_salt_stays_within_what_a_reset_can_name(server: Server) -> None:
+    """The salt a tenant's request is keyed by is `tenant:<name>:<its salt>`: that whole must fit the
+    scoped reset's bound, so the body's salt has that much less room."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=ALICE, max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="hi",
+            max_tokens=1,
+            extra_body={"cache_salt": "s" * 4096},
+        )
+    assert "at most 4083 characters for tenant alice" in str(err.value), err.value
 
 
 @pytest.mark.parametrize(

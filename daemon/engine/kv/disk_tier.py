@@ -332,6 +332,7 @@ class DiskTier:
             gen, keep = 0, False
         if not keep:
             gen += 1
+            _remove(self.root / MANIFEST)  # whatever stands there (a directory would refuse the new one)
         for d in self.root.glob("gen-*"):
             if d.name != f"gen-{gen}" or not keep:
                 _remove(d)
@@ -347,7 +348,7 @@ class DiskTier:
                 continue
             self._scopes[d.name] = scope
             for p in d.glob("*.tmp"):
-                p.unlink(missing_ok=True)
+                _remove(p)
             files += [(p.lstat(), d.name, p) for p in d.glob("*.kv")]
         for st, scope_dir, p in sorted(files, key=lambda f: f[0].st_mtime_ns):
             try:
@@ -355,7 +356,7 @@ class DiskTier:
             except ValueError:
                 key = None
             if key is None or not stat.S_ISREG(st.st_mode) or st.st_size != self.block_bytes:
-                p.unlink(missing_ok=True)
+                _remove(p)
                 continue
             self._index[key] = scope_dir
         while len(self._index) * self.block_bytes > self.capacity_bytes:
@@ -399,9 +400,10 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
     device, a directory or larger. Never blocks on a FIFO, never reads past the bound. OSError when it
     cannot be opened: it is gone, or it is a link (ELOOP: a link is never followed)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)  # before fdopen, which refuses a directory and would leave the descriptor open
+        return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         raw = f.read(max_bytes + 1)
     return raw if len(raw) <= max_bytes else None
 
