@@ -19,7 +19,6 @@ import hashlib
 from pathlib import Path
 
 from kvpilot.kv.reset_scope import TENANT_NAME, TENANT_SALT_PREFIX
-from kvpilot.protocol.errors import bad
 from kvpilot.protocol.limits import MAX_SCOPE_CHARS
 
 MIN_TOKEN_CHARS = 16
@@ -79,11 +78,12 @@ def tenant_salt(tenant: str, salt: str | None) -> str:
     """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any (a
     reset of scope `tenant` clears both: `cache_scope.is_tenants_salt`)."""
     own = TENANT_SALT_PREFIX + tenant
-    if salt is not None and len(own) + 1 + len(salt) > MAX_SCOPE_CHARS:
-        # the salt as keyed must stay within what a scoped reset can name
-        room = MAX_SCOPE_CHARS - len(own) - 1
-        raise bad(f"'cache_salt' may hold at most {room} characters for tenant {tenant}", "cache_salt")
     return own if salt is None else f"{own}:{salt}"
+
+
+def salt_room(tenant: str) -> int:
+    """How long a tenant's own salt may be: `tenant:<name>:<salt>` must fit what a scoped reset can name."""
+    return MAX_SCOPE_CHARS - len(TENANT_SALT_PREFIX + tenant) - 1
 
 
 def _digest(token: bytes) -> bytes:
