@@ -47,13 +47,13 @@ serve: setup
 demo: setup cluster-build
 	bash hack/demo.sh
 
-# Test files run side by side in TEST_WORKERS processes (pytest-xdist; a file's tests stay together in one
-# process, so its module fixtures start once): much of the suite waits on servers, pods and the API server,
-# not on the CPU. Each worker starts its own dev cluster and servers when it first needs them (the cluster's
-# network slots and free ports keep them apart). TEST_WORKERS=0 runs everything in this one process.
+# Test files run side by side in TEST_WORKERS processes (pytest-xdist; tests/conftest.py's groups keep a
+# file's tests together, so its module fixtures start once, and every dev-cluster test in one process, in
+# order, since they share the cluster's objects): much of the suite waits on servers, pods and the API
+# server, not on the CPU. TEST_WORKERS=0 runs everything in this one process.
 TEST_WORKERS ?= 2
 test: setup-test cluster-build tools vllm-client vllm-server
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40  # the slowest 40: where CI time goes
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40  # the slowest 40: where CI time goes
 
 # The native triton tests: on a CUDA machine, in their own process (tests/kernels turns on triton's
 # interpreter for the whole process it runs in).

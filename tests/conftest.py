@@ -31,6 +31,18 @@ TINY_MODEL_SHAPE = dict(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
+    one worker, so its module fixtures start once; and every test on the dev cluster runs in one worker, in
+    collection order, on one cluster. Those tests share cluster-wide objects (the CRDs, `kvpilot-system`,
+    the session's operator): the chart's `helm install` must come before the operator fixture's run, as it
+    does in one process."""
+    for item in items:
+        group = "devcluster" if "cluster" in getattr(item, "fixturenames", ()) else item.path.as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_shape() -> dict:
     return dict(TINY_MODEL_SHAPE)
