@@ -166,9 +166,12 @@ async def models(request: web.Request) -> web.Response:
         }
 
     base = state.served[0]
-    # Adapters as vLLM lists them: the adapter's path as its root, the base model as its parent.
+    # Adapters as vLLM lists them: the adapter's path as its root, the base model as its parent. The path
+    # is the host's filesystem, which only the admin (the operator's adapter updates read it) may see;
+    # anyone else reads the adapter's name there.
+    admin = authorized(request.headers.get("Authorization"), state.settings.admin_token)
     data = [entry(name, base, None) for name in state.served]
-    data += [entry(name, adapter.path, base) for name, adapter in state.adapters.items()]
+    data += [entry(name, adapter.path if admin else name, base) for name, adapter in state.adapters.items()]
     return json_response({"object": "list", "data": data})
 
 

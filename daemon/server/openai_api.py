@@ -38,7 +38,7 @@ from kvpilot.daemon.server.prepare import (
     prepare_tokenize,
 )
 from kvpilot.daemon.server.responses import complete, stream
-from kvpilot.daemon.server.tenants import tenant_of, tenant_salt
+from kvpilot.daemon.server.tenants import salt_room, tenant_of, tenant_salt
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IgnoredFieldLog, ignored_fields_headers
 from kvpilot.protocol.replies import json_response
@@ -207,6 +207,8 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
     raw = await request.read()
     prep: Prepared = await state.text.prepare(prepare, state.rules, raw)
     if tenant is not None:  # the server's salt, not the body's (tenants.py)
+        if prep.req.cache_salt is not None and len(prep.req.cache_salt) > (room := salt_room(tenant)):
+            raise bad(f"'cache_salt' may hold at most {room} characters for tenant {tenant}", "cache_salt")
         prep.req.cache_salt = tenant_salt(tenant, prep.req.cache_salt)
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
     rid = f"{prefix}-{uuid.uuid4().hex}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.cli.flags import flag
+from kvpilot.daemon.server.tenants import tenant_of
 from kvpilot.serving.http_limits import ConnectionLimits
 
 
@@ -59,6 +60,14 @@ class ServerSettings:
                 "--tenant-tokens-file needs an admin token (--admin-token-file or $KVPILOT_ADMIN_TOKEN): "
                 "without one the admin routes are open to every tenant"
             )
+        if self.tenant_tokens is not None and self.admin_token is not None:
+            tenant = tenant_of(self.admin_token.encode(), self.tenant_tokens)
+            if tenant is not None:
+                # Such a tenant would hold the admin routes, and the admin's requests would be salted as hers.
+                raise ValueError(
+                    f"tenant {tenant}'s token in --tenant-tokens-file is the admin token: give the tenant a "
+                    "token of its own"
+                )
         if self.reset_timeout <= 0 or self.text_workers < 1 or self.max_pending_prepare < 1:
             raise ValueError("reset_timeout, text_workers and max_pending_prepare must be positive")
         self.limits.validate()

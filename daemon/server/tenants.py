@@ -16,10 +16,11 @@ how much of a presented token matched.
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+from kvpilot.kv.reset_scope import TENANT_NAME, TENANT_SALT_PREFIX
+from kvpilot.protocol.limits import MAX_SCOPE_CHARS
+
 MIN_TOKEN_CHARS = 16
 MAX_FILE_BYTES = 1 << 20
 MAX_TOKENS = 10_000
@@ -74,8 +75,15 @@ def tenant_of(token: bytes, tokens: dict[bytes, str]) -> str | None:
 
 
 def tenant_salt(tenant: str, salt: str | None) -> str:
-    """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any."""
-    return f"tenant:{tenant}" if salt is None else f"tenant:{tenant}:{salt}"
+    """The salt a tenant's request is keyed by: the server's prefix, then the body's own salt if any (a
+    reset of scope `tenant` clears both: `cache_scope.is_tenants_salt`)."""
+    own = TENANT_SALT_PREFIX + tenant
+    return own if salt is None else f"{own}:{salt}"
+
+
+def salt_room(tenant: str) -> int:
+    """How long a tenant's own salt may be: `tenant:<name>:<salt>` must fit what a scoped reset can name."""
+    return MAX_SCOPE_CHARS - len(TENANT_SALT_PREFIX + tenant) - 1
 
 
 def _digest(token: bytes) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpilot.engines import ENGINES
 from kvpilot.fanout.results import Verified
-from kvpilot.kv.reset_scope import ResetScope
+from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
 
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
 # model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
@@ -135,6 +135,8 @@ async def prepare(
     salt = scope.cache_salt or (
         f"kvpilot-canary-{run_id}" if (e := ENGINES.get(engine)) is not None and e.cache_salt else None
     )
+    if scope.tenant is not None:  # a partition of the tenant's, which a reset of it clears
+        salt = f"{TENANT_SALT_PREFIX}{scope.tenant}:kvpilot-canary-{run_id}"
     prompt = canary_prompt(run_id, pod)
     hit = MAX_TOKENS
     for rank in range(ranks):

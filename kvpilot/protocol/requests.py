@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, ResetScope
+from kvpilot.kv.reset_scope import RESET_SCOPE_FIELDS, TENANT_NAME, ResetScope
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
+from kvpilot.protocol.limits import MAX_SCOPE_CHARS
 from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
@@ -279,9 +280,6 @@ def parse_reset_flag(
     return default if value is None else value
 
 
-MAX_SCOPE_CHARS = 4096  # a salt is the longest of the three, and requests bound it only by their body
-
-
 def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> ResetScope | None:
     """The scope of POST /reset_prefix_cache, from the query string or a JSON body; None: everything."""
     given = {}
@@ -293,5 +291,10 @@ def parse_reset_scope(query: Mapping[str, str], body: JSONObject | None) -> Rese
             continue
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_SCOPE_CHARS:
             raise bad(f"'{name}' must be a string of 1 to {MAX_SCOPE_CHARS} characters", name)
+        if name == "tenant" and not TENANT_NAME.fullmatch(value):
+            raise bad("'tenant' is a tenant's name: 1 to 63 letters, digits, '.', '_' or '-'", name)
         given[name] = value
+    if "tenant" in given and "cache_salt" in given:
+        # a tenant's partition is keyed tenant:<name>:<salt>, never the bare salt: name it so in cache_salt
+        raise bad("give 'tenant' or 'cache_salt', not both ('cache_salt': 'tenant:<name>:<salt>')", "tenant")
     return ResetScope(**given) if given else None

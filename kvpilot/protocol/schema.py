@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
-from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
+from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SCOPE_CHARS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -56,10 +56,16 @@ class _Request(BaseModel):
     include_stop_str_in_output: Bool | None = None
     no_stop_trim: Bool | None = Field(None, description="SGLang: include_stop_str_in_output under its name")
     cache_salt: Str | None = Field(
-        None, min_length=1, description="requests with different salts share no KV"
+        None,
+        min_length=1,
+        max_length=MAX_SCOPE_CHARS,
+        description="requests with different salts share no KV",
     )
     weight_version: Str | None = Field(
-        None, min_length=1, description="run only on these weights (409 weight_version_mismatch otherwise)"
+        None,
+        min_length=1,
+        max_length=MAX_SCOPE_CHARS,
+        description="run only on these weights (409 weight_version_mismatch otherwise)",
     )
     stream: Bool | None = None
     stream_options: StreamOptions | None = None

@@ -3,6 +3,8 @@ discard or a reset overtakes, and what a restart keeps."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -182,3 +184,83 @@ def test_a_scope_directory_that_does_not_say_its_scope_is_removed_at_start(
     again = disk_tier(tmp_path)
     assert key(1) not in again and key(2) in again  # never served under a scope it was not computed in
     again.close()
+
+
+# Whoever else can write the tier's directory is not trusted (docs/security.md): each case below was an
+# attack on the old code, reproduced on real files.
+
+
+@pytest.mark.parametrize("manifest", ["missing", "other weights"])
+def test_blocks_found_without_a_matching_manifest_are_never_served(tmp_path: Path, manifest: str) -> None:
+    """Without a manifest (or with another checkpoint's) the generation the tier opens next is predictable:
+    a block planted there under a predictable key must not be served, so the tier empties it first."""
+    disk = disk_tier(tmp_path)
+    disk.put(key(1), block(1))
+    assert disk.flush(10)
+    disk.close()
+    identity = IDENTITY
+    if manifest == "missing":
+        (tmp_path / "manifest.json").unlink()  # the next generation is the first again: this very one
+    else:
+        identity = IDENTITY | {"files": [["model.safetensors", 11, 2]]}
+        planted = tmp_path / f"gen-{disk.generation + 1}"
+        shutil.copytree(tmp_path / f"gen-{disk.generation}", planted)
+    again = disk_tier(tmp_path, identity=identity)
+    assert len(again) == 0 and key(1) not in again and again.get(key(1)) is None
+    assert not any((tmp_path / f"gen-{again.generation}").iterdir())
+    again.close()
+
+
+def test_a_generation_linked_elsewhere_is_unlinked_never_emptied(tmp_path: Path) -> None:
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    disk = disk_tier(root)
+    disk.put(key(1), block(1))
+    assert disk.flush(10)
+    disk.close()
+    outside.mkdir()
+    (outside / "precious.txt").write_text("not the tier's")
+    (outside / "dir").mkdir()
+    current = root / f"gen-{disk.generation}"
+    shutil.rmtree(current)
+    current.symlink_to(outside, target_is_directory=True)
+    again = disk_tier(root)
+    assert (outside / "precious.txt").read_text() == "not the tier's" and (outside / "dir").is_dir()
+    current = root / f"gen-{again.generation}"
+    assert current.is_dir() and not current.is_symlink()
+    again.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("name", ["manifest.json", "scope.json", "block"])
+def test_a_fifo_or_a_directory_in_place_of_a_file_never_stops_the_start(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    """A FIFO would block a plain open() forever, a directory made unlink() raise; the tier opens without
+    blocking, reads regular files only and drops what is not one, so the start finishes and nothing unread
+    is served."""
+    disk = disk_tier(tmp_path)
+    disk.put(key(1), block(1))
+    assert disk.flush(10)
+    disk.close()
+    scope = scope_dir(tmp_path, disk)
+    path = {
+        "manifest.json": tmp_path / "manifest.json",
+        "scope.json": scope / "scope.json",
+        "block": scope / f"{key(1).hex()}.kv",
+    }[name]
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    opened: list[DiskTier] = []
+    start = threading.Thread(target=lambda: opened.append(disk_tier(tmp_path)), daemon=True)
+    start.start()
+    start.join(30)
+    try:
+        assert opened, f"the start blocked on a FIFO as {name}"
+        assert key(1) not in opened[0]
+    finally:
+        if start.is_alive() and kind == "fifo":  # the old code's open() waits for a writer: be it
+            with open(path, "wb"):
+                pass
+            start.join(30)
+        for tier in opened:
+            tier.close()

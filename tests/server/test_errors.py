@@ -85,6 +85,8 @@ CASES = [
     ("echo-string", "POST", C, comp(echo="yes"), 400, "echo"),
     ("logprobs-too-many", "POST", C, comp(logprobs=21), 400, "logprobs"),
     ("cache-salt-number", "POST", C, comp(cache_salt=7), 400, "cache_salt"),
+    ("cache-salt-too-long", "POST", C, comp(cache_salt="s" * 4097), 400, "cache_salt"),
+    ("weight-version-too-long", "POST", CH, chat(weight_version="v" * 4097), 400, "weight_version"),
     ("presence-penalty", "POST", C, comp(presence_penalty=1.0), 400, "presence_penalty"),
     ("chat-missing-messages", "POST", CH, {"model": MODEL}, 400, "messages"),
     ("chat-messages-empty", "POST", CH, chat(messages=[]), 400, "messages"),

@@ -1,6 +1,6 @@
 """LoRA adapters through a real `kvpilot serve` and the official openai client: a request names an adapter as
-its model and gets peft's answer, `/v1/models` lists adapters as vLLM does, an adapter's prompts never
-hit the base model's cache, and a bad adapter stops the start with its reason."""
+its model and gets peft's answer, `/v1/models` lists adapters as vLLM does (their paths to the admin only), an
+adapter's prompts never hit the base model's cache, and a bad adapter stops the start with its reason."""
 
 from __future__ import annotations
 
@@ -81,13 +81,18 @@ def test_an_adapter_named_as_the_model_answers_as_peft_does(lora_server, referen
 
 
 def test_models_lists_the_adapters_with_the_base_as_parent(lora_server, lora_adapters) -> None:  # noqa: ANN001
-    data = lora_server.request("GET", "/v1/models").json()["data"]
-    base = data[0]
-    assert base["parent"] is None
-    listed = {m["id"]: m for m in data[1:]}
-    assert set(listed) == set(lora_adapters)
-    for name, path in lora_adapters.items():
-        assert listed[name]["parent"] == base["id"] and listed[name]["root"] == str(path)
+    """As vLLM lists them, an adapter's root its path: to the admin only. Anyone else (every tenant, a
+    router's client) reads its name there, never the host's filesystem."""
+    for admin in (True, False):
+        headers = lora_server.admin() if admin else None
+        data = lora_server.request("GET", "/v1/models", headers=headers).json()["data"]
+        base = data[0]
+        assert base["parent"] is None
+        listed = {m["id"]: m for m in data[1:]}
+        assert set(listed) == set(lora_adapters)
+        for name, path in lora_adapters.items():
+            root = str(path) if admin else name
+            assert listed[name]["parent"] == base["id"] and listed[name]["root"] == root, (admin, listed)
 
 
 def test_an_adapters_prompts_never_hit_the_base_models_cache(lora_server) -> None:  # noqa: ANN001
@@ -262,6 +267,8 @@ def test_a_bad_runtime_load_is_refused_with_its_reason_and_changes_nothing(lora_
             400,
             "lora_name: an adapter name must be a non-empty string",
         ),
+        ({"lora_name": "x\nforged log line", "lora_path": str(tmp_path)}, 400, "an adapter name must be"),
+        ({"lora_name": "x y", "lora_path": str(tmp_path)}, 400, "an adapter name must be"),
         ({"lora_name": "x", "lora_path": str(tmp_path), "load_inplace": "yes"}, 400, "load_inplace must be"),
         ({"lora_name": before[0]["id"], "lora_path": str(tmp_path)}, 400, "the base model's name"),
     ]

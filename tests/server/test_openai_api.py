@@ -7,6 +7,7 @@ import asyncio
 import openai
 import pytest
 
+from kvpilot.protocol.limits import MAX_SCOPE_CHARS
 from support.servers import MODEL, Server, stream_with_usage
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,3 +134,23 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI, server: Server) -> N
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 0
     assert cached("tenant-b") == 0
+
+
+def test_the_longest_salt_a_request_may_send_can_be_reset_by_name(
+    client: openai.OpenAI, server: Server
+) -> None:
+    """One bound (MAX_SCOPE_CHARS) for a request's salt and a scoped reset's: a salt one character longer is
+    a 400 (test_errors.py), so no request can warm a scope that no reset can name."""
+    salt, prompt = "s" * MAX_SCOPE_CHARS, "Longest salt check: " + "alpha beta gamma delta " * 10
+
+    def cached() -> int:
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    r = server.request("POST", "/reset_prefix_cache", {"cache_salt": salt}, headers=server.admin())
+    assert r.status == 200 and r.json()["evicted_blocks"] > 0, r.body[:500]
+    assert cached() == 0

@@ -1,7 +1,8 @@
 """Server-set tenancy through a real `kvpilot serve --tenant-tokens-file` and the official openai client: each
 tenant's cache is salted by the server, so no `cache_salt` a tenant sends reaches another's blocks; a request
-without a tenant's token is a 401; the admin resets one tenant's cache by its salt; a bad file stops the
-start with its reason."""
+without a tenant's token is a 401; the admin resets one tenant's cache by its salt, or all of a tenant's
+partitions by its name; a bad file stops the start with its reason, and so does a tenant whose token is the
+admin's."""
 
 from __future__ import annotations
 
@@ -73,6 +74,35 @@ def test_the_admin_resets_one_tenants_cache_by_its_salt(server: Server) -> None:
     assert cached(server, ADMIN_TOKEN, "tenant:bob") >= 32  # the admin's requests keep the salt they name
 
 
+def test_a_tenant_reset_clears_its_blocks_and_its_own_partitions_only(server: Server) -> None:
+    server.reset()
+    for key, salt in [(ALICE, None), (ALICE, "team-1"), (BOB, None), (BOB, "team-1")] * 2:
+        cached(server, key, salt)
+    reply = server.reset(tenant="alice")
+    assert reply["scope"] == {"tenant": "alice"} and reply["evicted_blocks"] > 0, reply
+    assert cached(server, ALICE) == 0 and cached(server, ALICE, "team-1") == 0  # her partitions too
+    assert cached(server, BOB) >= 32 and cached(server, BOB, "team-1") >= 32
+    for query in ("tenant=alice:team-1", "tenant=alice*", "tenant=alice&cache_salt=team-1"):
+        r = server.request("POST", f"/reset_prefix_cache?{query}", headers=server.admin())
+        assert r.status == 400 and r.json()["error"]["param"] == "tenant", (query, r.body)
+
+
+def test_a_tenants_salt_stays_within_what_a_reset_can_name(server: Server) -> None:
+    """The salt a tenant's request is keyed by is `tenant:<name>:<its salt>`: that whole must fit the
+    scoped reset's bound, so the body's salt has that much less room."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=ALICE, max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="hi",
+            max_tokens=1,
+            extra_body={"cache_salt": "s" * 4096},
+        )
+    assert "at most 4083 characters for tenant alice" in str(err.value), err.value
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -92,4 +122,15 @@ def test_a_bad_tenant_file_stops_the_start_with_its_reason(
     argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
     env = {k: v for k, v in os.environ.items() if k != "KVPILOT_ADMIN_TOKEN"}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_a_tenant_token_equal_to_the_admin_token_stops_the_start(tmp_path: Path) -> None:
+    """Such a tenant would hold the admin routes, and the admin's requests would be salted as that tenant."""
+    path = tmp_path / "tenants"
+    path.write_text(f"alice {ALICE}\nmallory {ADMIN_TOKEN}\n")
+    argv = [sys.executable, "-m", "kvpilot", "serve", "--port", "0", "--tenant-tokens-file", str(path)]
+    env = {**os.environ, "KVPILOT_ADMIN_TOKEN": ADMIN_TOKEN}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    message = "tenant mallory's token in --tenant-tokens-file is the admin token"
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

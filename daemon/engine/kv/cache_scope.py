@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.kv.block_keys import LoRAKey
-from kvpilot.kv.reset_scope import ResetScope
+from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,14 @@ def scope_filter(reset: ResetScope, initial_version: str) -> Callable[[CacheScop
             return False
         if reset.cache_salt is not None and scope.cache_salt != reset.cache_salt:
             return False
+        if reset.tenant is not None and not is_tenants_salt(scope.cache_salt, reset.tenant):
+            return False
         return reset.weight_version is None or (scope.weight_key or initial_version) == reset.weight_version
 
     return match
+
+
+def is_tenants_salt(salt: str | None, tenant: str) -> bool:
+    """Whether blocks of `salt` are the tenant's: its unsalted ones or one of its own partitions."""
+    own = TENANT_SALT_PREFIX + tenant
+    return salt is not None and (salt == own or salt.startswith(own + ":"))

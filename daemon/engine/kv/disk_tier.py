@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -33,6 +34,8 @@ SCOPE_FILE = "scope.json"
 # A scope.json holds a weight version, an adapter name and digest and a salt, each bounded where the daemon
 # takes it (well under 8 KiB together); a bigger one is not the daemon's and is removed unread.
 MAX_SCOPE_FILE_BYTES = 64 << 10
+# The manifest names the checkpoint's files with their sizes and times: a few KiB.
+MAX_MANIFEST_BYTES = 1 << 20
 # Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
 # instead of spilled (a slow disk must not grow the daemon's memory without bound).
 MAX_PENDING_WRITE_BYTES = 256 << 20
@@ -138,13 +141,11 @@ class DiskTier:
                 return None
             path = self._path(self.generation, scope_dir, key)
         try:
-            raw = path.read_bytes()
+            raw = read_regular_file(path, self.block_bytes)
         except OSError:
             return None  # evicted by the writer meanwhile
-        if len(raw) != self.block_bytes:
-            log.warning(
-                "disk tier: %s has %d bytes, not %d; dropping it", path.name, len(raw), self.block_bytes
-            )
+        if raw is None or len(raw) != self.block_bytes:
+            log.warning("disk tier: %s is not a file of %d bytes; dropping it", path.name, self.block_bytes)
             self.discard(key)
             return None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.dtype).view(self.shape)
@@ -311,39 +312,51 @@ class DiskTier:
 
     def _open(self) -> int:
         """The generation to serve: the manifest's when it matches these weights and shape, with the
-        files it holds; otherwise a new empty one. Other generations, scopes a scoped reset dropped and
-        anything that is not a scope directory with its scope.json are removed."""
-        gen = 0
+        files it holds; otherwise a new one, emptied first. Other generations, scopes a scoped reset
+        dropped and anything that is not a scope directory with its scope.json are removed.
+
+        Whoever else can write the directory is not trusted: links are removed, never followed (a `gen-N`
+        linked elsewhere would have this start delete the target's files), only regular files are read, each
+        within its bound (a FIFO would block the start, /dev/zero fill memory), and without a matching
+        manifest nothing found is kept (a block planted under a predictable key would be served)."""
+        gen, keep = 0, False
         try:
-            manifest = json.loads((self.root / MANIFEST).read_text())
-            gen = int(manifest["generation"])
-            keep = {k: v for k, v in manifest.items() if k != "generation"} == self._identity
-        except (OSError, ValueError, KeyError, TypeError):
+            raw = read_regular_file(self.root / MANIFEST, MAX_MANIFEST_BYTES)
+            if raw is not None:
+                manifest = json.loads(raw)
+                gen = int(manifest["generation"])
+                keep = {k: v for k, v in manifest.items() if k != "generation"} == self._identity
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             keep = False
+        if not 0 <= gen < 1 << 62:
+            gen, keep = 0, False
         if not keep:
             gen += 1
+            _remove(self.root / MANIFEST)  # whatever stands there (a directory would refuse the new one)
         for d in self.root.glob("gen-*"):
-            if d.name != f"gen-{gen}":
-                shutil.rmtree(d, ignore_errors=True)
+            if d.name != f"gen-{gen}" or not keep:
+                _remove(d)
         current = self.root / f"gen-{gen}"
+        if current.is_symlink() or (current.exists() and not current.is_dir()):
+            _remove(current)
         current.mkdir(exist_ok=True)
         files = []
         for d in current.iterdir():
             scope = self._read_scope(d)
             if scope is None:
-                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+                _remove(d)
                 continue
             self._scopes[d.name] = scope
             for p in d.glob("*.tmp"):
-                p.unlink(missing_ok=True)
-            files += [(p.stat().st_mtime_ns, d.name, p) for p in d.glob("*.kv")]
-        for _, scope_dir, p in sorted(files):
+                _remove(p)
+            files += [(p.lstat(), d.name, p) for p in d.glob("*.kv")]
+        for st, scope_dir, p in sorted(files, key=lambda f: f[0].st_mtime_ns):
             try:
                 key = BlockHash(bytes.fromhex(p.stem))
             except ValueError:
                 key = None
-            if key is None or p.stat().st_size != self.block_bytes:
-                p.unlink(missing_ok=True)
+            if key is None or not stat.S_ISREG(st.st_mode) or st.st_size != self.block_bytes:
+                _remove(p)
                 continue
             self._index[key] = scope_dir
         while len(self._index) * self.block_bytes > self.capacity_bytes:
@@ -365,12 +378,11 @@ class DiskTier:
         """A scope directory's scope; None for a `dropped-*` one, a stray file, or a scope.json that does
         not parse or is over MAX_SCOPE_FILE_BYTES (all removed: a block must never be served under a scope
         it was not computed in)."""
-        if not d.is_dir() or d.name.startswith("dropped-"):
+        if d.is_symlink() or not d.is_dir() or d.name.startswith("dropped-"):
             return None
         try:
-            with open(d / SCOPE_FILE, "rb") as f:
-                raw = f.read(MAX_SCOPE_FILE_BYTES + 1)
-            if len(raw) > MAX_SCOPE_FILE_BYTES:
+            raw = read_regular_file(d / SCOPE_FILE, MAX_SCOPE_FILE_BYTES)
+            if raw is None:
                 return None
             scope = scope_from_record(json.loads(raw))
         except (OSError, ValueError, TypeError, KeyError, RecursionError):
@@ -381,6 +393,28 @@ class DiskTier:
         tmp = self.root / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps({**self._identity, "generation": self.generation}))
         os.replace(tmp, self.root / MANIFEST)
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
+    """The bytes of `path` when it is a regular file of at most `max_bytes`; None when it is a FIFO, a
+    device, a directory or larger. Never blocks on a FIFO, never reads past the bound. OSError when it
+    cannot be opened: it is gone, or it is a link (ELOOP: a link is never followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)  # before fdopen, which refuses a directory and would leave the descriptor open
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    return raw if len(raw) <= max_bytes else None
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree; whatever is gone already is
+    fine."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpoint_files(model_dir: Path) -> list[list[str | int]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -42,6 +43,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 # Rank 64 on every projection of a 70B model is about 1.6 GiB; the file is read whole into host memory.
 MAX_WEIGHTS_BYTES = 4 << 30
+LORA_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+-]{{0,{MAX_LORA_NAME_CHARS - 1}}}")
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 # The projections a LoRA pair may target: every linear layer of a decoder layer (not the embeddings or
 # the LM head, which the engine shares between all rows of a batch).
@@ -90,9 +92,12 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_LORA_NAME_CHARS:
+    # A name goes into logs, metrics labels and other tenants' /v1/models: no space, newline or control
+    # character (a forged log line), only what model and Hugging Face repository names are made of.
+    if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
         raise LoRAError(
-            f"an adapter name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters"
+            f"an adapter name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} letters, digits "
+            "and '._:/@+-', starting with a letter or digit"
         )
     return name
 
