@@ -185,6 +185,11 @@ def test_bad_specs_are_refused(cluster: Cluster, ns: str, operator: OperatorProc
             {**adapter_only, "adapter": {"name": "sql", "path": "rel"}},
             "adapter.path must be an absolute path",
         ),
+        # A name goes into the daemons' logs and metrics labels: no forged log line.
+        (
+            {**adapter_only, "adapter": {"name": "sql\nforged", "path": "/a"}},
+            "adapter.name in body should match",
+        ),
     ]
     for i, (spec, why) in enumerate(bad):
         obj = wu(f"bad-{i}", spec)

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from support.procs import free_port
+from support.procs import free_port, wait_for
 from support.servers import (
     ADMIN_TOKEN,
     MODEL,
@@ -179,9 +179,15 @@ def test_a_streamed_replys_usage_is_compared_with_the_prediction(quiet_fleet: Fl
     chunks = stream_with_usage(client(fleet).chat.completions.create, messages=messages)
     cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
     assert cached >= 48, chunks[-1].usage
-    m = fleet.router.metrics()
     key = f'kvpilot_router_predicted_cached_tokens_total{{pod="{first}"}}'
     reported = key.replace("predicted", "reported")
+
+    def counted() -> dict | None:
+        # The router counts the tail after relaying it, so the client may read [DONE] a moment before.
+        m = fleet.router.metrics()
+        return m if m.get(reported, 0) > m0.get(reported, 0) else None
+
+    m = wait_for(counted, 10, "the streamed usage to be counted")
     assert m[key] - m0.get(key, 0) == m[reported] - m0.get(reported, 0) == cached
 
 

@@ -43,7 +43,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 # Rank 64 on every projection of a 70B model is about 1.6 GiB; the file is read whole into host memory.
 MAX_WEIGHTS_BYTES = 4 << 30
-LORA_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+-]{{0,{MAX_LORA_NAME_CHARS - 1}}}")
+LORA_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+=-]{{0,{MAX_LORA_NAME_CHARS - 1}}}")
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 # The projections a LoRA pair may target: every linear layer of a decoder layer (not the embeddings or
 # the LM head, which the engine shares between all rows of a batch).
