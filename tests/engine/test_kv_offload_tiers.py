@@ -230,6 +230,34 @@ def test_a_generation_linked_elsewhere_is_unlinked_never_emptied(tmp_path: Path)
     again.close()
 
 
+def test_the_tiers_own_writes_never_follow_a_link(tmp_path: Path) -> None:
+    """Links planted where the tier writes next (the manifest's and a block's temporary files, a scope's
+    directory) are replaced, never written through: the files they point to keep their bytes."""
+    root, outside = tmp_path / "tier", tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "precious.txt"
+    victim.write_text("not the tier's")
+    disk = disk_tier(root)
+    (root / "manifest.json.tmp").symlink_to(victim)
+    (scope_dir(root, disk, TENANT)).symlink_to(outside, target_is_directory=True)
+    disk.put(key(1), block(1, TENANT))
+    assert disk.flush(10)
+    disk.close()
+    again = disk_tier(root)  # writes its manifest
+    planted = scope_dir(root, again) / f"{key(2).hex()}.tmp"
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.symlink_to(victim)
+    again.put(key(2), block(2))
+    assert again.flush(10)
+    assert key(1) in again and key(2) in again
+    assert victim.read_text() == "not the tier's" and sorted(p.name for p in outside.iterdir()) == [
+        "precious.txt"
+    ]
+    assert not scope_dir(root, again, TENANT).is_symlink()
+    assert (scope_dir(root, again) / f"{key(2).hex()}.kv").stat().st_mode & 0o777 == 0o600
+    again.close()
+
+
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 @pytest.mark.parametrize("name", ["manifest.json", "scope.json", "block"])
 def test_a_fifo_or_a_directory_in_place_of_a_file_never_stops_the_start(

@@ -269,7 +269,7 @@ class DiskTier:
             # a block reaches the tiers from the pool's index, so it has its scope (not re-checked here)
             self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
             tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(block.data.contiguous().view(torch.uint8).numpy().tobytes())
+            write_new_file(tmp, block.data.contiguous().view(torch.uint8).numpy().tobytes())
             os.replace(tmp, path)
         except OSError:
             with self._lock:
@@ -299,11 +299,12 @@ class DiskTier:
 
     def _make_scope_dir(self, directory: Path, scope: CacheScope) -> None:
         """The scope's directory with its scope.json (written before any block, renamed into place)."""
-        if directory.is_dir():
+        if directory.is_dir() and not directory.is_symlink():
             return
+        _remove(directory)  # a link put in its place is never written through
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / (SCOPE_FILE + ".tmp")
-        tmp.write_text(json.dumps(scope_record(scope)))
+        write_new_file(tmp, json.dumps(scope_record(scope)).encode())
         os.replace(tmp, directory / SCOPE_FILE)
 
     # ---- the directory -------------------------------------------------------------------------
@@ -391,7 +392,7 @@ class DiskTier:
 
     def _write_manifest(self) -> None:
         tmp = self.root / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({**self._identity, "generation": self.generation}))
+        write_new_file(tmp, json.dumps({**self._identity, "generation": self.generation}).encode())
         os.replace(tmp, self.root / MANIFEST)
 
 
@@ -406,6 +407,17 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
     with os.fdopen(fd, "rb") as f:
         raw = f.read(max_bytes + 1)
     return raw if len(raw) <= max_bytes else None
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Write `data` as a new file of the daemon's own (mode 0600: KV and scopes are the tenants' data).
+    Whatever stands at `path` goes first; O_EXCL|O_NOFOLLOW then refuse a link put back there meanwhile
+    rather than write through it (the file is a temporary one, renamed into place, which replaces a link
+    and never follows it)."""
+    _remove(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _remove(path: Path) -> None:
