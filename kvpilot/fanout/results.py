@@ -34,7 +34,7 @@ class Outcome(enum.StrEnum):
 class Verified(enum.StrEnum):
     """What a reset's canary proved of a pod (verify.py)."""
 
-    COLD = "cold"  # the canary found nothing cached after the reset
+    COLD = "cold"  # after the reset the canary found no more cached than a control prompt
     WARM = "warm"  # it was still served from cache: the reset did not hold
     UNKNOWN = "unknown"  # the pod could not be verified, and the message says why
 

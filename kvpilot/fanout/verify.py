@@ -4,13 +4,16 @@ and after it, whose `usage.prompt_tokens_details.cached_tokens` says what the ca
 Before the reset the canary goes twice to each data-parallel rank: the first fills its blocks, the second
 must be served from them. A second send with no hit means this probe cannot see the cache (prefix caching
 off, or a vLLM without `--enable-prompt-tokens-details`): the verdict is `unknown`, never a false `cold`.
-After the pod said its reset succeeded the canary goes once more: no cached token is `cold`; any is
+After the pod said its reset succeeded the canary goes once more, and where it still finds tokens cached, a
+control prompt after it: the same template with other unique words, never sent before, so what it finds is
+what any prompt shares with others (a BOS, the template: SGLang caches single tokens). The pod is `cold`
+only when the canary finds no more than the control; a single stale block of the canary's own words is
 `warm`, and the tier that answered is the one the reset missed (vLLM's offload tier without
 reset_external, vLLM 57727; SGLang's HiCache storage, SGLang 9750).
 
-The canary is long enough to fill several KV blocks of any engine (vLLM's CPU block is 128 tokens),
-asks for one token, and carries its own `cache_salt` where the engine has one, so it shares no block with
-any user's prompt and no user's cache is touched. A scoped reset's canary runs inside the scope: under its
+The canary is long enough to fill several KV blocks of its engine (`EngineTraits.canary_words`: vLLM's
+CPU block is 128 tokens, a kvpilot pod's 16), asks for one token, and carries its own `cache_salt` where
+the engine has one, so it shares no block with any user's prompt and no user's cache is touched. A scoped reset's canary runs inside the scope: under its
 adapter (as the model), its salt, pinned to its weight version; a cold one proves that scope cold. What it
 costs is in docs/fanout.md ("Verification").
 """
@@ -28,9 +31,8 @@ from kvpilot.fanout.results import Verified
 from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
 
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
-# model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
-# CPU blocks (128 tokens) and stay under a 512-token context.
-CANARY_WORDS = 300
+# model families, so the canary's length in tokens hardly depends on the model: at most 300 words (two
+# vLLM CPU blocks of 128 tokens) stay under a 512-token context.
 _VOCABULARY = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
@@ -40,6 +42,8 @@ _VOCABULARY = (
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's, which kvpilot's daemon reads too
 MAX_TOKENS = 1 << 20  # a usage count past this is no answer
 MIN_HIT = 16  # tokens served from cache before the reset for the canary to show anything: one small block
+# First in the canary and in its control, so both share equally whatever other prompts share with it.
+TEMPLATE = "kvpilot verification canary:"
 
 # ask(method, path, json body or None, extra header lines) -> (HTTP status or 0, reply text); the caller
 # bounds its time and bytes and turns connection errors into status 0 with the reason as text.
@@ -50,13 +54,20 @@ Ask = Callable[[str, str, dict[str, Any] | None, tuple[str, ...]], Awaitable[tup
 class Canary:
     model: str
     prompt: str
+    control: str  # the control prompt: the canary's template, other words (sent only after the reset)
     salt: str | None
     ranks: int
     hit: int  # the fewest tokens any rank served from cache before the reset
     weight_version: str | None = None  # a scoped reset's: the canary runs on those weights or not at all
 
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "prompt": self.prompt, "max_tokens": 1, "temperature": 0}
+    def body(self, prompt: str | None = None) -> dict[str, Any]:
+        """The completion request of the canary, or of `prompt` (its control) under the same scope."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt or self.prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+        }
         if self.salt is not None:
             body["cache_salt"] = self.salt
         if self.weight_version is not None:
@@ -73,14 +84,11 @@ class Verification:
     message: str = ""
 
 
-def canary_prompt(run_id: str, pod: str) -> str:
-    """A prompt no one else sends: words drawn by a hash of this reset's id and the pod's name, first, so
-    that it shares no more than a token or two (a BOS, a common word) with any other prompt."""
-    stream = b"".join(
-        hashlib.sha256(f"{run_id}/{pod}/{i}".encode()).digest() for i in range(CANARY_WORDS // 32 + 1)
-    )
-    words = (_VOCABULARY[b % len(_VOCABULARY)] for b in stream[:CANARY_WORDS])
-    return " ".join(words) + " (kvpilot verification canary)"
+def canary_prompt(run_id: str, pod: str, words: int) -> str:
+    """A prompt no one else sends: the template, then `words` words drawn by a hash of this reset's id and
+    the pod's name (a control's id differs), so it shares no more than the template with any other."""
+    stream = b"".join(hashlib.sha256(f"{run_id}/{pod}/{i}".encode()).digest() for i in range(words // 32 + 1))
+    return " ".join([TEMPLATE, *(_VOCABULARY[b % len(_VOCABULARY)] for b in stream[:words])])
 
 
 def _count(value: object) -> int | None:
@@ -132,16 +140,18 @@ async def prepare(
     model = scope.lora_name or await _model(ask)
     if model is None:
         return Verification(Verified.UNKNOWN, "GET /v1/models named no model for the canary")
+    traits = ENGINES.get(engine)
     salt = scope.cache_salt or (
-        f"kvpilot-canary-{run_id}" if (e := ENGINES.get(engine)) is not None and e.cache_salt else None
+        f"kvpilot-canary-{run_id}" if traits is not None and traits.cache_salt else None
     )
     if scope.tenant is not None:  # a partition of the tenant's, which a reset of it clears
         salt = f"{TENANT_SALT_PREFIX}{scope.tenant}:kvpilot-canary-{run_id}"
-    prompt = canary_prompt(run_id, pod)
+    words = traits.canary_words if traits is not None else max(e.canary_words for e in ENGINES.values())
+    prompt, control = canary_prompt(run_id, pod, words), canary_prompt(f"{run_id}/control", pod, words)
     hit = MAX_TOKENS
     for rank in range(ranks):
         headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
-        body = Canary(model, prompt, salt, ranks, 0, scope.weight_version).body()
+        body = Canary(model, prompt, control, salt, ranks, 0, scope.weight_version).body()
         for send in ("fill", "hit"):
             cached, tokens, why = _usage(*await ask("POST", "/v1/completions", body, headers))
             if cached is None:
@@ -155,32 +165,40 @@ async def prepare(
                         f"({cached} of {tokens} tokens: prefix caching off, or a block longer than it)",
                     )
                 hit = min(hit, cached)
-    return Canary(model, prompt, salt, ranks, hit, scope.weight_version)
+    return Canary(model, prompt, control, salt, ranks, hit, scope.weight_version)
 
 
 async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verification:
-    """After a successful reset: the canary once more on every rank. Warm when a rank still serves more
-    than half of what it served before the reset (a token or two in common with another prompt, on an
-    engine that caches single tokens as SGLang does, is not the canary's blocks); cold when none does."""
+    """After a successful reset: the canary once more on every rank. Warm when a rank serves more of it from
+    cache than of the control prompt (what any prompt shares with others: a BOS, the template, on an engine
+    that caches single tokens as SGLang does); cold when none does. The control is sent only where the
+    canary found something, so a cold pod costs one request per rank."""
     unknown = ""
-    tokens = 0
+    tokens = shared = 0
     for rank in range(canary.ranks):
         cached, prompt, why = _usage(
             *await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
         )
-        if cached is None:
+        control = 0
+        if cached:
+            control, _, why = _usage(
+                *await ask("POST", "/v1/completions", canary.body(canary.control), canary.headers(rank))
+            )
+        if cached is None or control is None:
             unknown = unknown or why  # the other ranks are still checked: one of them may be warm
             continue
-        tokens = prompt or tokens
-        if cached > canary.hit // 2:
+        tokens, shared = prompt or tokens, max(shared, cached)
+        if cached > control:
             where = f"rank {rank}" if canary.ranks > 1 else "the pod"
             tiers = ", ".join(cleared) or "none named"
             return Verification(
                 Verified.WARM,
                 f"{where} served {cached} of {prompt} canary tokens from cache after its reset said success "
-                f"({canary.hit} before it; tiers cleared: {tiers}; a tier it kept still serves old blocks)",
+                f"(a control prompt {control}, the canary {canary.hit} before the reset; tiers cleared: "
+                f"{tiers}; a tier it kept still serves old blocks)",
             )
     if unknown:
         return Verification(Verified.UNKNOWN, unknown)
     where = f"on all {canary.ranks} ranks" if canary.ranks > 1 else "on the rank the pod chose"
-    return Verification(Verified.COLD, f"the canary ({tokens} tokens) found nothing cached {where}")
+    found = f"no more cached than a control prompt ({shared})" if shared else "nothing cached"
+    return Verification(Verified.COLD, f"the canary ({tokens} tokens) found {found} {where}")

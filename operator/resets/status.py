@@ -224,7 +224,11 @@ def verified_condition(results: Sequence[PodResult], verify: bool) -> tuple[Cond
             f"{len(said) - len(unsure)}/{len(said)} pods verified cold; not verified: "
             f"{_names([r.name for r in unsure])}; {unsure[0].name}: {why}",
         )
-    return "True", "AllCold", f"{len(said)}/{len(said)} pods verified cold: each canary found nothing cached"
+    return (
+        "True",
+        "AllCold",
+        f"{len(said)}/{len(said)} pods verified cold: no canary found more cached than its control",
+    )
 
 
 MAX_NAMED = 5  # pods named in a condition message, per list: the rest are counted (status.pods has them)

@@ -329,9 +329,9 @@ class CanaryPod:
 
 
 def test_a_canary_reply_is_the_pods_word_bounded_and_never_a_false_cold() -> None:
-    """Junk usage, absurd counts and a partial hit of a token or two (SGLang caches single tokens) are
-    unknown or cold, never a crash of the fan-out; a hit of more than half the canary after the reset is
-    warm. A pod's own tier names never reach the result."""
+    """Junk usage, absurd counts and a partial hit of a token or two that a control prompt gets too (SGLang
+    caches single tokens) are unknown or cold, never a crash of the fan-out; any more of the canary than of
+    its control after the reset is warm, half a cache too. A pod's own tier names never reach the result."""
 
     def usage(cached: object, prompt: object = 300) -> dict:
         return {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -340,9 +340,11 @@ def test_a_canary_reply_is_the_pods_word_bounded_and_never_a_false_cold() -> Non
         CanaryPod("junk"),  # usage is not an object
         CanaryPod(usage(0), usage(-1)),  # a negative count before the reset
         CanaryPod(usage(0), usage(256), usage(400)),  # more cached than sent after it
-        CanaryPod(usage(0), usage(256), usage(2)),  # a BOS and a word in common: cold
-        CanaryPod(usage(0), usage(256), usage(200)),  # still serving the canary: warm
+        CanaryPod(usage(0), usage(256), usage(2)),  # a BOS and a word in common, the control's too: cold
+        CanaryPod(usage(0), usage(256), usage(200), usage(2)),  # still serving the canary: warm
         CanaryPod(usage(0), usage(3)),  # no block's worth before the reset: cannot tell
+        CanaryPod(usage(0), usage(256), usage(128), usage(0)),  # half the canary still cached: warm
+        CanaryPod(usage(0), usage(256), usage(16), usage("junk")),  # a block, a control without usage
     ]
     records, _ = run(pods, verify=True)
     got = {r.name: (r.result, r.verified, r.reason) for r in records}
@@ -353,9 +355,14 @@ def test_a_canary_reply_is_the_pods_word_bounded_and_never_a_false_cold() -> Non
         "pod-3": ("Succeeded", "cold", ""),
         "pod-4": ("Failed", "warm", "StillWarm"),
         "pod-5": ("Succeeded", "unknown", ""),
+        "pod-6": ("Failed", "warm", "StillWarm"),
+        "pod-7": ("Succeeded", "unknown", ""),
     }, got
     assert "not a completion" in records[0].verify_message and "out of range" in records[1].verify_message
-    assert "200 of 300" in records[4].message and "256 before it" in records[4].message
+    assert (
+        "200 of 300" in records[4].message and "control prompt 2, the canary 256 before" in records[4].message
+    )
+    assert "no more cached than a control prompt (2)" in records[3].verify_message, records[3].verify_message
     assert all(r.cleared == ["pool"] for r in records), [r.cleared for r in records]
 
 
