@@ -11,12 +11,14 @@ it expects on that pod exactly as for a proxied request), answered as the header
 `x-gateway-destination-endpoint: IP:PORT[,IP:PORT...]` (fallbacks after the pick) and the same value in
 the dynamic metadata namespace `envoy.lb`. A subset hint (`envoy.lb.subset_hint`) limits the pick to the
 pods it names. What cannot be picked is answered with an ImmediateResponse in OpenAI's error shape: 503
-without a ready pod, 400 for a body that is not a JSON object, 413 past the body cap, 408 past the stream's
-deadline. The proxy sheds nothing, so neither does the picker (no 429).
+without a ready pod, 400 for a body that is not a JSON object or a message that is no ext_proc message, 413
+past the body cap, 408 past the stream's deadline, 503 when the bodies all streams hold would pass
+`--endpoint-picker-buffer-bytes`. The proxy sheds no load, so neither does the picker (no 429).
 
 The pod counts the request as in flight (as the proxy does, for the policy's load charge) until the
-gateway closes the stream, which Envoy does when the HTTP request ends. Any later message of the stream
-(response headers, bodies, trailers, when the gateway sends them) is answered unchanged.
+gateway closes the stream, which Envoy does when the HTTP request ends, or for `--endpoint-picker-hold`
+at most, when the picker closes it. Any later message of the stream (response headers, bodies, trailers,
+when the gateway sends them) is answered unchanged.
 
 grpc and Envoy's generated messages are imported only here, when the picker is on."""
 
@@ -32,9 +34,9 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpilot.protocol.errors import ApiError, bad
@@ -51,7 +53,6 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # What one gRPC message may hold beyond a body of max_body_bytes: headers, metadata, framing.
 MESSAGE_SLACK_BYTES = 256 << 10
-MAX_STREAMS = 1024  # concurrent streams per gateway connection: requests being picked or in flight
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -68,6 +69,21 @@ def endpoint(pod: Pod) -> str:
     return f"{host}:{pod.port}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """What the gRPC deserializer hands on for bytes that are no ProcessingRequest (grpc would log a
+    traceback for each one it cannot parse itself)."""
+
+    why: str
+
+
+def _parse(raw: bytes) -> ep.ProcessingRequest | _Malformed:
+    try:
+        return ep.ProcessingRequest.FromString(raw)
+    except DecodeError as exc:
+        return _Malformed(str(exc)[:200])
+
+
 @dataclass(slots=True)
 class _Request:
     """What the stream has told so far of one HTTP request."""
@@ -79,19 +95,29 @@ class _Request:
     subset: frozenset[str] | None = None  # None: no hint, any pod of the fleet
 
 
-class EndpointPicker(ep_grpc.ExternalProcessorServicer):
+class EndpointPicker:
     def __init__(self, router: Router) -> None:
         self.r = router
         self.max_body = router.settings.max_body_bytes
+        self.buffer_left = router.settings.endpoint_picker_buffer_bytes  # over all streams' bodies
+        self.max_streams = router.settings.endpoint_picker_max_streams  # over all gateway connections
+        self.streams = 0
 
     async def Process(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - gRPC's name
         m = self.r.metrics
+        if self.streams >= self.max_streams:  # gRPC's own cap would refuse health checks too
+            m.child(m.picker_requests, "busy").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the endpoint picker has {self.streams} streams open (--endpoint-picker-max-streams)",
+            )
+        self.streams += 1
         picked: Pod | None = None
+        req = _Request()
         try:
             try:
                 async with asyncio.timeout(self.r.settings.endpoint_picker_timeout_s):
-                    req = await self._read_request(context)
-                    if req is None:  # the gateway went away first
+                    if not await self._read_request(context, req):  # the gateway went away first
                         return
                     picked, replies = await self._pick(req)
             except TimeoutError:
@@ -102,21 +128,40 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 replies = [_immediate(err)]
             result = "picked" if picked is not None else _result(replies[0])
             m.child(m.picker_requests, result).inc()
+            self._release(req)
             for reply in replies:
                 await context.write(reply)
-            await self._answer_the_rest(context)
+            if picked is not None:
+                try:
+                    async with asyncio.timeout(self.r.settings.endpoint_picker_hold_s):
+                        await self._answer_the_rest(context)
+                except TimeoutError:  # the stream ends here; the gateway's request goes on unprocessed
+                    log.info("endpoint picker: a stream held past --endpoint-picker-hold, closed")
         finally:
+            self.streams -= 1
+            self._release(req)
             if picked is not None:
                 picked.in_flight -= 1
                 m.child(m.in_flight, picked.name).set(picked.in_flight)
 
-    async def _read_request(self, context: grpc.aio.ServicerContext) -> _Request | None:
-        """Read the request's headers and whole body (answering the headers at once in BUFFERED mode)."""
-        req = _Request()
+    def _release(self, req: _Request) -> None:
+        """The request's body no longer counts against the buffer."""
+        if req.body is not None:
+            self.buffer_left += len(req.body)
+            req.body = None
+
+    async def _read_request(self, context: grpc.aio.ServicerContext, req: _Request) -> bool:
+        """Read the request's headers and whole body into `req` (answering the headers at once in BUFFERED
+        mode); False when the gateway closed the stream first."""
         while True:
             msg = await context.read()
             if msg is grpc.aio.EOF:
-                return None
+                return False
+            if isinstance(msg, _Malformed):
+                log.warning("endpoint picker: a message that is no ext_proc request (%s)", msg.why)
+                raise bad(
+                    "the stream sent a message that is no ext_proc ProcessingRequest", code="bad_stream"
+                )
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 if msg.HasField("protocol_config"):
@@ -133,22 +178,31 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 req.subset = _subset(msg.metadata_context)
                 req.path = _header(msg.request_headers.headers, ":path").partition("?")[0]
                 if msg.request_headers.end_of_stream:
-                    return req
+                    return True
                 req.body = bytearray()
                 if not req.full_duplex:  # the body comes once the headers are answered
                     await context.write(ep.ProcessingResponse(request_headers=ep.HeadersResponse()))
             elif kind == "request_body" and req.body is not None:
-                req.body += msg.request_body.body
-                if len(req.body) > self.max_body:
+                chunk = msg.request_body.body
+                if len(req.body) + len(chunk) > self.max_body:
                     raise ApiError(
                         413, f"the request body exceeds {self.max_body} bytes", code="request_too_large"
                     )
+                if len(chunk) > self.buffer_left:
+                    raise ApiError(
+                        503,
+                        "the endpoint picker holds as many request bodies as it may; retry",
+                        code="picker_busy",
+                        headers={"Retry-After": "1"},
+                    )
+                self.buffer_left -= len(chunk)
+                req.body += chunk
                 # BUFFERED: one message holds the whole body (trailers, if any, come after its answer)
                 if msg.request_body.end_of_stream or not req.full_duplex:
-                    return req
+                    return True
             elif kind == "request_trailers" and req.body is not None and req.full_duplex:
                 req.trailers = True  # they end the body
-                return req
+                return True
             else:
                 raise bad(f"ext_proc message {kind} before the request's headers and body", code="bad_stream")
 
@@ -217,6 +271,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     async def _answer_the_rest(self, context: grpc.aio.ServicerContext) -> None:
         """Until the gateway closes the stream: whatever else it sends goes on unchanged."""
         while (msg := await context.read()) is not grpc.aio.EOF:
+            if isinstance(msg, _Malformed):
+                log.warning(
+                    "endpoint picker: a message that is no ext_proc request (%s); stream closed", msg.why
+                )
+                return
             kind = msg.WhichOneof("request")
             if kind in ("request_headers", "response_headers"):
                 await context.write(ep.ProcessingResponse(**{kind: ep.HeadersResponse()}))
@@ -276,21 +335,27 @@ def _result(reply: ep.ProcessingResponse) -> str:
         408: "timeout",
         409: "bad_request",
         413: "too_large",
-        503: "no_ready_pod",
+        503: "busy" if reply.immediate_response.details == "picker_busy" else "no_ready_pod",
     }.get(reply.immediate_response.status.code, "error")
 
 
 async def start(router: Router, host: str, port: int) -> grpc.aio.Server:
     """The picker and gRPC health on host:port, started."""
     limit = router.settings.max_body_bytes + MESSAGE_SLACK_BYTES
+    streams = router.settings.endpoint_picker_max_streams
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", MAX_STREAMS),
+            ("grpc.max_concurrent_streams", streams),  # per connection; EndpointPicker counts them all
         ]
     )
-    ep_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
+    process = grpc.stream_stream_rpc_method_handler(
+        EndpointPicker(router).Process,
+        request_deserializer=_parse,
+        response_serializer=ep.ProcessingResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Process": process}),))
     checks = health.aio.HealthServicer()
     # GAIE's EPP names liveness, readiness and the ext_proc service; "" is gRPC's whole-server check. One
     # router serves them all (no leader election), from its start.

@@ -59,11 +59,11 @@ class RouterMetrics:
         self.picker_requests = Counter(
             _P + "endpoint_picker_requests_total",
             "Requests the endpoint picker answered for a gateway, by result (picked, no_ready_pod, "
-            "bad_request, too_large, timeout, error)",
+            "bad_request, too_large, timeout, busy: past its streams or buffered bytes, error)",
             ["result"],
             registry=r,
         )
-        for result in ("picked", "no_ready_pod", "bad_request", "too_large", "timeout", "error"):
+        for result in ("picked", "no_ready_pod", "bad_request", "too_large", "timeout", "busy", "error"):
             self.picker_requests.labels(result)
         self.indexed_blocks = Gauge(
             _P + "indexed_blocks", "Prefix blocks the router's index holds per pod", ["pod"], registry=r

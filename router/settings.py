@@ -121,6 +121,28 @@ class RouterSettings:
             "IP:PORT,IP:PORT,...), least loaded first, for gateways that retry down the list"
         ),
     )
+    endpoint_picker_max_streams: int = field(
+        default=1024,
+        metadata=flag(
+            "endpoint picker streams open at once over all gateway connections (requests being picked or "
+            "in flight); more are refused RESOURCE_EXHAUSTED"
+        ),
+    )
+    endpoint_picker_buffer_bytes: int = field(
+        default=64 << 20,
+        metadata=flag(
+            "request body bytes the endpoint picker holds over all its streams; a body that would pass it "
+            "is answered 503 (picker_busy) by the gateway"
+        ),
+    )
+    endpoint_picker_hold_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "seconds a picked request counts as in flight on its pod while the gateway keeps its stream "
+            "open; then the picker closes the stream",
+            name="--endpoint-picker-hold",
+        ),
+    )
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)  # flags of their own (http_limits)
 
     def __post_init__(self) -> None:
@@ -172,6 +194,15 @@ class RouterSettings:
         if self.endpoint_picker_timeout_s <= 0 or self.endpoint_picker_fallbacks < 0:
             raise ValueError(
                 "endpoint_picker_timeout_s must be positive, endpoint_picker_fallbacks not negative"
+            )
+        if (
+            self.endpoint_picker_max_streams < 1
+            or self.endpoint_picker_buffer_bytes < 1
+            or self.endpoint_picker_hold_s <= 0
+        ):
+            raise ValueError(
+                "endpoint_picker_max_streams, endpoint_picker_buffer_bytes and endpoint_picker_hold_s must "
+                "be positive"
             )
         if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
             raise ValueError("proxy_timeout_s and max_reply_bytes must be positive")

@@ -10,6 +10,7 @@ import http.client
 import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -222,6 +223,106 @@ def test_bad_bodies_get_openai_errors(picker: Picker) -> None:
     metrics = picker.router.metrics()
     assert metrics['kvpilot_router_endpoint_picker_requests_total{result="bad_request"}'] >= 2
     assert metrics['kvpilot_router_endpoint_picker_requests_total{result="too_large"}'] >= 1
+
+
+def held(
+    messages: list[ep.ProcessingRequest],
+    release: threading.Event,
+    then: tuple[ep.ProcessingRequest, ...] = (),
+) -> Iterator[ep.ProcessingRequest]:
+    """The messages, then the stream kept open (as a gateway does while the request runs) until `release`,
+    then `then`."""
+    yield from messages
+    release.wait(60)
+    yield from then
+
+
+def test_streams_bodies_and_holds_are_bounded_across_connections(fleet: Fleet, tmp_path: Path) -> None:
+    """A hostile gateway (or anyone who reaches the port) opens streams on many connections, leaves picked
+    streams open and sends bodies it never ends: the picker's bounds are the process's, not a connection's.
+    At most --endpoint-picker-max-streams open (RESOURCE_EXHAUSTED past it, health still served), at most
+    --endpoint-picker-buffer-bytes held over all bodies (503 picker_busy past it), a picked stream closed
+    after --endpoint-picker-hold and its pod's in-flight count given back; bytes that are no ext_proc
+    message are a 400, logged without a traceback (stop_router checks the log)."""
+    port = free_port()
+    router = start_router(
+        tmp_path,
+        [d.url for d in fleet.daemons],
+        "--endpoint-picker-port",
+        str(port),
+        "--endpoint-picker-max-streams",
+        "2",
+        "--endpoint-picker-buffer-bytes",
+        str(1 << 20),
+        "--endpoint-picker-hold",
+        "3",
+    )
+    release = threading.Event()
+    # A connection each (gRPC shares one between channels to a target unless told not to).
+    channels = [
+        grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(4)
+    ]
+    try:
+        stubs = [ep_grpc.ExternalProcessorStub(c) for c in channels]
+        body = json.dumps(chat(SYSTEM, "Held open")).encode()
+        open_streams = [
+            stubs[i].Process(held([headers_msg(), body_msg(body)], release), timeout=60) for i in (0, 1)
+        ]
+        for stream in open_streams:
+            next(stream)  # the headers' answer
+            assert picked(next(stream), "request_body") in endpoints(fleet)
+        in_flight = lambda: sum(  # noqa: E731
+            v for k, v in router.metrics().items() if k.startswith("kvpilot_router_in_flight_requests{")
+        )
+        assert in_flight() == 2
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stubs[2].Process(iter([headers_msg(), body_msg(body)]), timeout=30))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
+        check = health_pb2_grpc.HealthStub(channels[3]).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        for stream in open_streams:  # closed by the picker after the hold, the gateway still holding them
+            assert list(stream) == []
+        assert in_flight() == 0
+
+        # A body never ended holds 700 KiB of the 1 MiB: a second one does not fit until it is gone.
+        padding = b" " * (700 << 10)  # JSON's whitespace: the bodies stay JSON objects
+        last_chunk = threading.Event()
+        streaming = stubs[0].Process(
+            held(
+                [headers_msg(mode=MODES.FULL_DUPLEX_STREAMED), body_msg(padding, end=False)],
+                last_chunk,
+                then=(body_msg(body),),
+            ),
+            timeout=60,
+        )
+
+        def refused() -> tuple[int, dict] | None:
+            replies = list(stubs[1].Process(iter([headers_msg(), body_msg(body + padding)]), timeout=30))
+            kind = replies[-1].WhichOneof("response")
+            return error_of(replies[-1]) if kind == "immediate_response" else None
+
+        status, err = wait_for(refused, 30, "a body past the picker's buffer refused")
+        assert (status, err["code"]) == (503, "picker_busy"), err
+        last_chunk.set()  # the body ends: picked, its bytes are the picker's again
+        assert picked(next(streaming), "request_headers") in endpoints(fleet)
+        assert refused() is None
+
+        raw = channels[2].stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=lambda b: b,
+            response_deserializer=ep.ProcessingResponse.FromString,
+        )
+        status, err = error_of(list(raw(iter([b"\xff\xff\xff\xff"]), timeout=30))[-1])
+        assert (status, err["code"]) == (400, "bad_stream"), err
+        metrics = router.metrics()
+        assert metrics['kvpilot_router_endpoint_picker_requests_total{result="busy"}'] >= 2
+        assert "no ext_proc request" in router.log()
+    finally:
+        release.set()
+        for c in channels:
+            c.close()
+        stop_router(router)
 
 
 def test_no_ready_pod_is_503_and_health_serves(tmp_path: Path) -> None:
