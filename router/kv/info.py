@@ -6,22 +6,26 @@ The reply comes from the pod, so each field is checked for its type and range an
 ValueError naming the field: the pod is then routed by load until a later probe reads a good reply. What
 the pod advertises bounds what the router takes from it later: its replay answers (`buffer_batches`,
 `buffer_bytes`) and each rank's index entry (`blocks_total`), each within a ceiling of the router's own,
-since a pod may advertise anything.
+since a pod may advertise anything. The index's ceiling is the pod's, shared by its ranks: a pod that
+claims 256 ranks costs the router no more than one of a single rank, and two ranks naming one socket (each
+rank publishes on its own) are refused, as every key they sent would be indexed once per rank.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.kv.block_keys import KeyScheme, scheme_from_wire
 from kvpilot.kv.events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
+from kvpilot.router.kv.index import MAX_BLOCKS_PER_HOLDER
 from kvpilot.router.kv.replay import ReplayLimits
 
 MAX_REPLY_BYTES = 1 << 20  # a reply naming 256 ranks is ~40 KiB
 MAX_RANKS = 256
 MAX_BLOCK_SIZE = 1 << 16
+MAX_BLOCKS_PER_POD = MAX_BLOCKS_PER_HOLDER  # indexed keys of one pod, over all its ranks
 # Ceilings on the advertised replay buffer: ten times the daemon's defaults.
 REPLAY_MAX_BATCHES = 10 * DEFAULT_BUFFER_BATCHES
 REPLAY_MAX_BYTES = 4 * DEFAULT_BUFFER_BYTES
@@ -35,7 +39,8 @@ class RankEvents:
     rank: int
     endpoint: str
     replay_endpoint: str | None
-    blocks_total: int | None  # the rank's pool; None when the pod does not say (older daemons)
+    # The rank's pool as the pod says (None: it does not); parsed, within its share of the pod's ceiling.
+    blocks_total: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +59,7 @@ def parse_kv_events(info: Any) -> PodEvents:
     listed = info.get("ranks") or [info]  # a daemon from before data parallelism names rank 0 only
     if not isinstance(listed, list) or len(listed) > MAX_RANKS:
         raise ValueError(f"ranks must be a list of at most {MAX_RANKS}")
-    ranks = [_rank(r) for r in listed]
-    if len({r.rank for r in ranks}) != len(ranks):
-        raise ValueError("ranks names a rank twice")
+    ranks = _pod_shares([_rank(r) for r in listed])
     batches = _int(info, "buffer_batches", 0, None, DEFAULT_BUFFER_BATCHES)
     size = _int(info, "buffer_bytes", 0, None, DEFAULT_BUFFER_BYTES)
     limits = ReplayLimits(batches=min(batches, REPLAY_MAX_BATCHES), bytes=min(size, REPLAY_MAX_BYTES))
@@ -91,7 +94,18 @@ def parse_kv_event_sources(info: Any, pod_host: str, block_size: int, keys: KeyS
     if not ranks:
         return None
     limits = ReplayLimits(batches=DEFAULT_BUFFER_BATCHES, bytes=DEFAULT_BUFFER_BYTES)
-    return PodEvents(block_size, sorted(ranks, key=lambda r: r.rank), limits, keys)
+    return PodEvents(block_size, _pod_shares(sorted(ranks, key=lambda r: r.rank)), limits, keys)
+
+
+def _pod_shares(ranks: list[RankEvents]) -> list[RankEvents]:
+    """The ranks, each with its share of the pod's index ceiling as `blocks_total` (its advertised pool
+    within that share); ValueError when two name one rank or one socket."""
+    if len({r.rank for r in ranks}) != len(ranks):
+        raise ValueError("ranks names a rank twice")
+    if len({r.endpoint for r in ranks}) != len(ranks):
+        raise ValueError("two ranks name one endpoint (each rank publishes on a socket of its own)")
+    share = MAX_BLOCKS_PER_POD // max(1, len(ranks))
+    return [replace(r, blocks_total=min(r.blocks_total or share, share)) for r in ranks]
 
 
 def static_event_source(endpoint: str, block_size: int, keys: KeyScheme) -> PodEvents:

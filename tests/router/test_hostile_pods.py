@@ -237,6 +237,32 @@ def test_the_index_holds_at_most_the_pods_blocks_and_only_block_keys(pod: Hostil
     assert index._capacity["h"] == MAX_BLOCKS_PER_HOLDER
 
 
+def test_a_pod_costs_the_index_one_pods_ceiling_whatever_ranks_it_claims(
+    tmp_path: Path, pod: HostilePod
+) -> None:
+    """A pod listing 16 ranks on its one PUB socket would have each key it sends indexed 16 times (16x the
+    ceiling per pod): refused, and the pod routed by load. Ranks on sockets of their own share the pod's
+    ceiling, whatever pools they advertise."""
+    rank = {"endpoint": pod.endpoint, "blocks_total": 10**9}
+    pod.kv_events_reply = {"block_size": 16, "ranks": [rank | {"rank": i} for i in range(16)]}
+    router = router_for(tmp_path, pod, synced=False)
+    try:
+        status, _ = post(router, "/v1/completions", COMPLETION)
+        assert status == 200  # routed by load
+        wait_for(lambda: "two ranks name one endpoint" in router.log(), 30, "the reply refused")
+        assert router.pod(pod.name)["kv_events"] != "on"
+    finally:
+        stop_router(router)
+    ranks = [{"rank": i, "endpoint": f"tcp://127.0.0.1:{5000 + i}", "blocks_total": 10**9} for i in range(16)]
+    parsed = parse_kv_events({"block_size": 16, "ranks": ranks})
+    assert [r.blocks_total for r in parsed.ranks] == [MAX_BLOCKS_PER_HOLDER // 16] * 16
+    ranks[3]["blocks_total"] = 100  # a smaller pool is its own bound
+    assert parse_kv_events({"block_size": 16, "ranks": ranks}).ranks[3].blocks_total == 100
+    vllm = {str(i): {"endpoint": f"tcp://*:{5557 + i}"} for i in range(4)}
+    shares = [r.blocks_total for r in parse_kv_event_sources(vllm, "10.0.0.7", 16, KeyScheme("sha256")).ranks]
+    assert shares == [MAX_BLOCKS_PER_HOLDER // 4] * 4
+
+
 def test_index_memory_per_block_hash() -> None:
     """Issue 21's bound, at a size a test can afford (bench/index_memory.py measures 1M)."""
     n = 250_000
