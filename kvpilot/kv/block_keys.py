@@ -163,14 +163,15 @@ class _KeyMemo:
     once, not once per request. Under load the hashing (a CBOR encoding and a sha256 per block) cost the
     router ~0.12 ms of a 1 KiB chat; a hit costs the tuple's hash and a lookup (bench/router_compare.py).
 
-    Two generations of at most `max_entries` each, so the memory is bounded (a 128-token block's entry is
-    ~1.3 KB) and no lock is needed: a lookup promotes an old entry, and a full young generation becomes the
-    old one, the older dropped whole."""
+    Two generations of at most `max_bytes` each, so the memory is bounded by what the entries hold, not by
+    their count (a block of a pod's 65,536 tokens, a salt of 4,096 characters), and no lock is needed: a
+    lookup promotes an old entry, and a full young generation becomes the old one, the older dropped whole."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
-        self.max_entries = max_entries
+    def __init__(self, max_bytes: int = 8 << 20) -> None:
+        self.max_bytes = max_bytes
         self._young: dict[_MemoKey, BlockHash] = {}
         self._old: dict[_MemoKey, BlockHash] = {}
+        self._young_bytes = 0
 
     def get(self, key: _MemoKey) -> BlockHash | None:
         hit = self._young.get(key)
@@ -181,9 +182,33 @@ class _KeyMemo:
         return hit
 
     def put(self, key: _MemoKey, value: BlockHash) -> None:
-        if len(self._young) >= self.max_entries:
-            self._old, self._young = self._young, {}
+        size = _entry_bytes(key)
+        if self._young_bytes + size > self.max_bytes:
+            self._old, self._young, self._young_bytes = self._young, {}, 0
         self._young[key] = value
+        self._young_bytes += size
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+
+# What an entry holds besides its key's bytes: the dict slot, the key tuple and the 32-byte value.
+_ENTRY_OVERHEAD_BYTES = 200
+
+
+def _entry_bytes(key: _MemoKey) -> int:
+    """About what one memo entry holds: a pointer per token (the ints are the request's own), the seed and
+    the first block's extra (a salt, a weight version, an adapter's name)."""
+    _, seed, _, tokens, extra = key
+    return _ENTRY_OVERHEAD_BYTES + len(seed) + 8 * len(tokens) + _extra_bytes(extra)
+
+
+def _extra_bytes(extra: object) -> int:
+    if isinstance(extra, (bytes, str)):
+        return len(extra)
+    if isinstance(extra, tuple):
+        return sum(_extra_bytes(x) for x in extra) + 8 * len(extra)
+    return 0  # None
 
 
 _MEMO = _KeyMemo()

@@ -3,7 +3,7 @@ computes, for each scheme, seed and extra key, and the memo's memory stays bound
 
 from __future__ import annotations
 
-from kvpilot.kv.block_keys import _MEMO, HASH_ALGOS, KeyScheme, _KeyMemo
+from kvpilot.kv.block_keys import _MEMO, HASH_ALGOS, KeyScheme, _entry_bytes, _KeyMemo
 
 PROMPT = list(range(500, 500 + 16 * 4))
 
@@ -35,18 +35,35 @@ def test_a_remembered_key_is_the_computed_one() -> None:
     assert len(keys) == 8
 
 
-def test_the_memo_keeps_two_generations_at_most() -> None:
-    memo = _KeyMemo(max_entries=4)
+def memo_key(i: int, tokens: int = 16, salt: str | None = None) -> tuple:
+    return ("sha256", "", None, tuple(range(i, i + tokens)), (("cache_salt", salt),) if salt else None)
+
+
+def test_the_memo_keeps_two_generations_at_most_by_bytes() -> None:
+    entry = _entry_bytes(memo_key(0))
+    memo = _KeyMemo(max_bytes=4 * entry)
     for i in range(20):
-        memo.put((i,), bytes([i]))
-    assert len(memo._young) + len(memo._old) <= 8
-    assert memo.get((19,)) == bytes([19]) and memo.get((0,)) is None
+        memo.put(memo_key(i), bytes([i]))
+    assert len(memo) <= 8
+    assert memo.get(memo_key(19)) == bytes([19]) and memo.get(memo_key(0)) is None
     # an old entry that is asked for again moves to the young generation and outlives the next turnover
-    memo = _KeyMemo(max_entries=2)
-    memo.put(("a",), b"a")
-    memo.put(("b",), b"b")
-    memo.put(("c",), b"c")  # a and b are the old generation now
-    assert memo.get(("a",)) == b"a"  # promoted
-    memo.put(("d",), b"d")  # turnover: b dropped, a kept
-    assert memo.get(("a",)) == b"a" and memo.get(("b",)) is None
-    assert _MEMO.max_entries >= 1024  # the module's memo is sized for shared prefixes, not one request
+    memo = _KeyMemo(max_bytes=2 * entry)
+    for name in "abc":
+        memo.put(memo_key(ord(name)), name.encode())  # a and b are the old generation after c
+    assert memo.get(memo_key(ord("a"))) == b"a"  # promoted
+    memo.put(memo_key(ord("d")), b"d")  # turnover: b dropped, a kept
+    assert memo.get(memo_key(ord("a"))) == b"a" and memo.get(memo_key(ord("b"))) is None
+    assert _MEMO.max_bytes >= 1024 * entry  # the module's memo is sized for shared prefixes, not one request
+
+
+def test_salts_and_long_blocks_count_by_their_bytes() -> None:
+    """Entries of 4 KiB salts or of 64k-token blocks (a pod's block size reaches the router's memo): the
+    memo holds what fits in its bytes, not 4,096 of them (a count bound let ~4 MiB salts take gigabytes)."""
+    memo = _KeyMemo(max_bytes=1 << 20)
+    for i in range(1000):
+        memo.put(memo_key(i, salt=f"{i}" + "s" * 4095), bytes(32))
+    assert len(memo) <= 2 * (1 << 20) // 4096
+    memo = _KeyMemo(max_bytes=1 << 20)
+    for i in range(100):
+        memo.put(memo_key(i, tokens=1 << 16), bytes(32))
+    assert len(memo) <= 2 * ((1 << 20) // (8 << 16) + 1)
