@@ -3,6 +3,7 @@ discard or a reset overtakes, and what a restart keeps."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.daemon.engine.kv.cache_scope import CacheScope, scope_dir_name
+from kvpilot.daemon.engine.kv.cache_scope import CacheScope, scope_dir_name, scope_record
 from kvpilot.daemon.engine.kv.disk_tier import MAX_SCOPE_FILE_BYTES, DiskTier
 from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
 from kvpilot.daemon.engine.kv.offload import KVOffload
@@ -36,8 +37,9 @@ def scope_dir(root: Path, disk: DiskTier, scope: CacheScope = BASE) -> Path:
     return root / f"gen-{disk.generation}" / scope_dir_name(scope)
 
 
-def disk_tier(root: Path, blocks: int = 8, identity: dict = IDENTITY) -> DiskTier:
-    return DiskTier(root, blocks * BLOCK_BYTES, SHAPE, torch.float32, identity)
+def disk_tier(root: Path, blocks: int = 8, identity: dict = IDENTITY, scope_bytes: int = 0) -> DiskTier:
+    """A tier of `blocks` blocks (its scope directories free, unless `scope_bytes` says what each costs)."""
+    return DiskTier(root, blocks * BLOCK_BYTES, SHAPE, torch.float32, identity, scope_bytes)
 
 
 class Gate:
@@ -227,6 +229,30 @@ def test_a_generation_linked_elsewhere_is_unlinked_never_emptied(tmp_path: Path)
     assert (outside / "precious.txt").read_text() == "not the tier's" and (outside / "dir").is_dir()
     current = root / f"gen-{again.generation}"
     assert current.is_dir() and not current.is_symlink()
+    again.close()
+
+
+def test_scope_directories_count_against_the_cap_and_go_with_their_blocks(tmp_path: Path) -> None:
+    """A client sending a new salt per request made a scope directory (and scope.json) per salt, never
+    removed and not counted: 465 MB on disk against a 10 MiB cap. Each directory now costs its share of the
+    capacity and goes, with its memory, when its last block does; a restart keeps only scopes with blocks."""
+    disk = disk_tier(tmp_path, blocks=4, scope_bytes=BLOCK_BYTES)  # room for 2 blocks of 2 scopes, or so
+    salted = [CacheScope(None, None, f"salt-{i}" + "s" * 4000) for i in range(50)]
+    for i, scope in enumerate(salted):
+        assert disk.put(key(i), block(i, scope))
+    assert disk.flush(10) and disk.flush(10)  # the second: after the removals the writes queued
+    gen = tmp_path / f"gen-{disk.generation}"
+    dirs = sorted(d.name for d in gen.iterdir())
+    assert dirs == sorted(scope_dir_name(s) for s in salted[-2:]), dirs
+    assert len(disk._scopes) == 2 and len(disk) == 2 and key(49) in disk
+    disk.discard(key(48))
+    assert disk.flush(10)
+    assert sorted(d.name for d in gen.iterdir()) == [scope_dir_name(salted[49])]
+    disk.close()
+    (gen / scope_dir_name(salted[0])).mkdir()  # a scope without blocks (a crash before its removal)
+    (gen / scope_dir_name(salted[0]) / "scope.json").write_text(json.dumps(scope_record(salted[0])))
+    again = disk_tier(tmp_path, blocks=4, scope_bytes=BLOCK_BYTES)
+    assert sorted(d.name for d in gen.iterdir()) == [scope_dir_name(salted[49])] and key(49) in again
     again.close()
 
 

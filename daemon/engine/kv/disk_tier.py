@@ -10,7 +10,7 @@ import queue
 import shutil
 import stat
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +36,9 @@ SCOPE_FILE = "scope.json"
 MAX_SCOPE_FILE_BYTES = 64 << 10
 # The manifest names the checkpoint's files with their sizes and times: a few KiB.
 MAX_MANIFEST_BYTES = 1 << 20
+# What a scope's directory costs on disk besides its blocks, counted against the tier's capacity: the
+# directory's own block and its scope.json (a salt of up to 4,096 characters and the rest).
+SCOPE_DIR_BYTES = 12 << 10
 # Host memory the disk writer may hold in queued blocks; past it a block the host tier evicts is dropped
 # instead of spilled (a slow disk must not grow the daemon's memory without bound).
 MAX_PENDING_WRITE_BYTES = 256 << 20
@@ -83,8 +86,10 @@ class DiskTier:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         identity: Mapping[str, object],  # what the blocks were computed from, kept in the manifest
+        scope_bytes: int = SCOPE_DIR_BYTES,  # each scope directory's charge against the capacity
     ) -> None:
         self.root = root
+        self.scope_bytes = scope_bytes
         self.capacity_bytes = capacity_bytes
         self.shape = block_shape
         self.dtype = dtype
@@ -98,14 +103,17 @@ class DiskTier:
         self._lock = threading.Lock()  # the index and generation, shared with the writer thread
         self._index: OrderedDict[BlockHash, str] = OrderedDict()  # key -> its scope's directory name
         self._scopes: dict[str, CacheScope] = {}  # directory name -> scope, for scoped resets
+        # Directory name -> its blocks stored or on their way; a scope whose count falls to 0 is forgotten
+        # and its directory removed, so scopes cost memory and disk only while they hold blocks.
+        self._refs: Counter[str] = Counter()
         self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
         self._pending_bytes = 0
         self._writing: dict[BlockHash, str] = {}  # queued writes not discarded since, with their scope
         self._dropped = 0  # scope directories renamed away by scoped resets, for unique names
         self.hit_tokens = self.stored_blocks = self.loaded_blocks = self.dropped_blocks = 0
         root.mkdir(parents=True, exist_ok=True)
-        self.generation = self._open()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
+        self.generation = self._open()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
@@ -160,8 +168,11 @@ class DiskTier:
         scope_dir = scope_dir_name(block.scope)
         with self._lock:
             self._pending_bytes += self.block_bytes
+            if (before := self._writing.get(key)) is not None:  # that write is dropped when it lands
+                self._unref(before)
             self._writing[key] = scope_dir
             self._scopes[scope_dir] = block.scope
+            self._refs[scope_dir] += 1
             gen = self.generation
         self._queue.put(("write", gen, key, (scope_dir, block)))
         return True
@@ -169,11 +180,13 @@ class DiskTier:
     def discard(self, key: BlockHash) -> bool:
         """Forget the block (its file goes on the writer thread); False when it was not here."""
         with self._lock:
-            self._writing.pop(key, None)  # a write on its way is dropped when it lands
+            if (writing := self._writing.pop(key, None)) is not None:  # dropped when it lands
+                self._unref(writing)
             scope_dir = self._index.pop(key, None)
             if scope_dir is None:
                 return False
             self._queue.put(("unlink", self.generation, key, scope_dir))
+            self._unref(scope_dir)
         return True
 
     def reset(self) -> int:
@@ -184,6 +197,7 @@ class DiskTier:
             self._index = OrderedDict()
             self._writing.clear()
             self._scopes.clear()
+            self._refs.clear()
             self._done.clear()
             (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
             self._write_manifest()
@@ -206,6 +220,7 @@ class DiskTier:
             gen_dir = self.root / f"gen-{self.generation}"
             for d in dirs:
                 del self._scopes[d]
+                self._refs.pop(d, None)
                 self._dropped += 1
                 away = gen_dir / f"dropped-{self._dropped}-{d}"
                 try:
@@ -273,7 +288,9 @@ class DiskTier:
             os.replace(tmp, path)
         except OSError:
             with self._lock:
-                self._writing.pop(key, None)
+                if self._writing.get(key) == scope_dir:
+                    del self._writing[key]
+                    self._unref(scope_dir)
             raise
         finally:
             with self._lock:
@@ -285,17 +302,34 @@ class DiskTier:
             if self._writing.get(key) != scope_dir:  # discarded (the pool computed it again) or reset
                 path.unlink(missing_ok=True)
                 return
-            del self._writing[key]
+            del self._writing[key]  # its count goes on as the stored block's
+            if (before := self._index.get(key)) is not None:
+                self._unref(before)
             self._index[key] = scope_dir
             self._index.move_to_end(key)
             self.stored_blocks += 1
             self._done.append(("stored", key))
-            while len(self._index) * self.block_bytes > self.capacity_bytes:
+            while self._index and self._used_bytes() > self.capacity_bytes:
                 old, old_dir = self._index.popitem(last=False)
                 evicted.append((old, old_dir))
                 self._done.append(("removed", old))
+                self._unref(old_dir)
         for old, old_dir in evicted:
             self._path(gen, old_dir, old).unlink(missing_ok=True)
+
+    def _used_bytes(self) -> int:
+        return len(self._index) * self.block_bytes + len(self._refs) * self.scope_bytes
+
+    def _unref(self, scope_dir: str) -> None:
+        """One block of the scope fewer (the lock held); at none, the scope and its directory go."""
+        self._refs[scope_dir] -= 1
+        if self._refs[scope_dir] <= 0:
+            del self._refs[scope_dir]
+            self._scopes.pop(scope_dir, None)
+            # after any job queued for it; a write queued later makes the directory anew
+            self._queue.put(
+                ("rmtree", self.generation, None, self.root / f"gen-{self.generation}" / scope_dir)
+            )
 
     def _make_scope_dir(self, directory: Path, scope: CacheScope) -> None:
         """The scope's directory with its scope.json (written before any block, renamed into place)."""
@@ -360,10 +394,15 @@ class DiskTier:
                 _remove(p)
                 continue
             self._index[key] = scope_dir
-        while len(self._index) * self.block_bytes > self.capacity_bytes:
+        self._refs.update(self._index.values())
+        for d in [d for d in self._scopes if d not in self._refs]:  # no block left in it
+            del self._scopes[d]
+            _remove(current / d)
+        self.generation = gen
+        while self._index and self._used_bytes() > self.capacity_bytes:
             old, old_dir = self._index.popitem(last=False)
             self._path(gen, old_dir, old).unlink(missing_ok=True)
-        self.generation = gen
+            self._unref(old_dir)
         self._write_manifest()
         if self._index:
             log.info(
