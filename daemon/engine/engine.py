@@ -188,7 +188,7 @@ class LLMEngine:
         return self.cache.reset(reset_running_requests, scope)
 
     def stats(self) -> CacheStats:
-        return self.cache.stats()
+        return dataclasses.replace(self.cache.stats(), lora_reloads=self.loras.reloads)
 
     # ---- pause and weight generations (weights/control.py drives them, between two steps) -------------
     def pause(self, mode: PauseMode, on_drained: Callable[[], None]) -> tuple[list[RequestOutput], bool]:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from kvpilot.daemon.engine.admission import adapter_for
 from kvpilot.daemon.engine.client import (
     EngineDeadError,
     EngineInfo,
@@ -41,7 +42,7 @@ from kvpilot.daemon.engine.client import (
 )
 from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.weights.control import Reply, WeightControl
-from kvpilot.daemon.engine.weights.lora import ServedAdapter
+from kvpilot.daemon.engine.weights.lora import LoRAAdapter, ServedAdapter
 from kvpilot.daemon.engine.weights.ops import RankReply, WeightOp, beside_steps
 from kvpilot.kv.reset_scope import ResetScope
 
@@ -58,6 +59,7 @@ class _Add:
     request: EngineRequest
     sink: OutputQueue
     done: concurrent.futures.Future[None]
+    adapter: LoRAAdapter | None  # the adapter it names, with its weights (read off the engine's thread)
 
 
 @dataclass(slots=True)
@@ -149,9 +151,14 @@ class EngineLoop(WeightOperations):
         too many requests wait. The queue yields the `RequestOutput`s of all `params.n` sequences, and
         an `EngineDeadError` instance if the engine dies meanwhile.
         """
+        adapter = None
+        if request.lora_name is not None:
+            # Off the engine's thread: an adapter --max-cpu-loras let go is read, hashed and parsed again
+            # (a 149 MiB one took ~0.5 s), which would stall every stream's step.
+            adapter = await asyncio.to_thread(adapter_for, self.engine.loras, request.lora_name)
         sink: OutputQueue = asyncio.Queue()
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_Add(request, sink, done))
+        self._submit(_Add(request, sink, done, adapter))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -276,7 +283,7 @@ class EngineLoop(WeightOperations):
                 return  # the caller gave up before we got to it
             req = cmd.request
             try:
-                self.engine.submit(req)
+                self.engine.submit(req, cmd.adapter)
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to a status
                 cmd.done.set_exception(exc)
                 return

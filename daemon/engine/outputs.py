@@ -106,6 +106,7 @@ class CacheStats:
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
     lora_running: tuple[str, ...] = ()  # the adapters of the running requests, sorted
     lora_waiting: tuple[str, ...] = ()  # and of the waiting ones
+    lora_reloads: int = 0  # adapters read again from disk after --max-cpu-loras let them go (thrash)
 
     @classmethod
     def total(cls, ranks: list[CacheStats]) -> CacheStats:
@@ -130,6 +131,7 @@ class CacheStats:
             max_loras=ranks[0].max_loras,
             lora_running=tuple(sorted({n for s in ranks for n in s.lora_running})),
             lora_waiting=tuple(sorted({n for s in ranks for n in s.lora_waiting})),
+            lora_reloads=sum(s.lora_reloads for s in ranks),
         )
 
     @property

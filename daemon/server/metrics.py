@@ -176,6 +176,12 @@ class EngineCollector(Collector):
         labels = [str(total.max_loras), ",".join(total.lora_waiting), ",".join(total.lora_running)]
         m.add_metric(labels, time.time())
         yield m
+        yield CounterMetricFamily(
+            PREFIX + "lora_reloads",
+            "LoRA adapters read again from their directory because --max-cpu-loras had let them go: "
+            "growing fast, the adapters in use do not fit (thrash)",
+            value=total.lora_reloads,
+        )
 
     @staticmethod
     def _offload(ranks: list[tuple[str | None, CacheStats]], rank_label: list[str]) -> Iterator[Metric]:

@@ -4,13 +4,20 @@ are refused with their reason."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvpilot.daemon.engine.admission import RequestRejected
+from kvpilot.daemon.engine.client import EngineRequest
+from kvpilot.daemon.engine.engine_loop import EngineLoop
+from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.engine.weights.lora import LoRAError
 from kvpilot.kv.block_keys import HASH_ALGOS, KeyScheme
@@ -86,6 +93,68 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(
         eng.add_request("changed", prompt[0], params, lora_name="attention-only")
     with pytest.raises(ValueError, match="max_cpu_loras must be at least max_loras"):
         make_engine(enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_an_adapter_read_again_never_stalls_the_steps(make_engine, lora_adapters, chat_prompts) -> None:  # noqa: ANN001
+    """--max-cpu-loras 1, two adapters taking turns: each is read, hashed and parsed again when named (a
+    149 MiB adapter took ~0.5 s, inside the engine's thread: every stream stalled). The read runs off the
+    engine's thread now: another stream gets its tokens while one is held, and the reload is counted
+    (kvpilot:lora_reloads_total)."""
+    eng = make_engine(
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+        lora_modules=[f"{n}={lora_adapters[n]}" for n in ("every-layer", "attention-only")],
+    )
+    assert eng.loras.held == ["attention-only"]
+    reading, gate = threading.Event(), threading.Event()
+    read = eng.loras.read
+
+    def held_read(name: str, path: str | Path):  # noqa: ANN202
+        reading.set()
+        assert gate.wait(60), "the test never let the read go on"
+        return read(name, path)
+
+    eng.loras.read = held_read
+    loop = EngineLoop(eng)
+
+    async def tokens(sink: asyncio.Queue, want: int | None = None) -> int:
+        """Tokens from the queue, `want` of them or until the request finishes."""
+        got = 0
+        while want is None or got < want:
+            out = await sink.get()
+            assert isinstance(out, RequestOutput), out
+            got += len(out.new_token_ids)
+            if out.finished:
+                break
+        return got
+
+    async def main() -> None:
+        loop.start()
+        try:
+            long = SamplingParams(max_tokens=400, ignore_eos=True)
+            base = await loop.add(EngineRequest("base", chat_prompts[0], long))
+            adapted = asyncio.create_task(
+                loop.add(
+                    EngineRequest(
+                        "lora", chat_prompts[1], SamplingParams(max_tokens=4), lora_name="every-layer"
+                    )
+                )
+            )
+            assert await asyncio.to_thread(reading.wait, 30)
+            while not base.empty():  # only tokens stepped while the read is held count
+                base.get_nowait()
+            async with asyncio.timeout(60):  # stalled, the old engine thread gave none until the gate opened
+                assert await tokens(base, 8) >= 8 and not gate.is_set()
+            gate.set()
+            assert await asyncio.wait_for(tokens(await adapted), 60) == 4
+            loop.abort("base")
+        finally:
+            gate.set()
+            await loop.stop()
+
+    asyncio.run(main())
+    assert eng.stats().lora_reloads == 1 and eng.loras.held == ["every-layer"]
 
 
 def test_one_adapter_a_step_still_serves_a_mixed_batch(
@@ -178,6 +247,12 @@ def test_bad_adapters_are_refused_with_their_reason(
 
     other = make_adapter(tiny_model_dir, tmp_path / "other-model", seed=4, r=4, targets=["q_proj"])
     assert "an adapter of another model?" in refused(other)
+
+    integers = tmp_path / "integers"  # refused before anything is converted (uint8 as float32: 4x)
+    shutil.copytree(good, integers)
+    weights = integers / "adapter_model.safetensors"
+    save_file({k: v.to(torch.uint8) for k, v in load_file(weights).items()}, weights)
+    assert "torch.uint8, not a floating-point tensor" in refused(integers)
 
     torn = tmp_path / "torn"
     shutil.copytree(good, torn)

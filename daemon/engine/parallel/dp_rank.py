@@ -24,6 +24,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.daemon.engine.admission import RequestRejected, adapter_for
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import RankEndpoints
 from kvpilot.daemon.engine.weights.control import Reply, WeightControl
@@ -117,10 +118,18 @@ class RankWorker:
     def _read(self, inbox: Connection) -> None:
         while True:
             try:
-                self._queue.put(inbox.recv())
+                msg = inbox.recv()
             except (EOFError, OSError):
                 self._queue.put(STOP)
                 return
+            if msg[0] == "add" and msg[1].lora_name is not None:
+                # Its adapter read here, off the engine's thread (as EngineLoop.add does): one let go by
+                # --max-cpu-loras is read, hashed and parsed again, which would stall every stream's step.
+                try:
+                    msg = (*msg, adapter_for(self.engine.loras, msg[1].lora_name))
+                except RequestRejected as exc:
+                    msg = (*msg, exc)
+            self._queue.put(msg)
 
     def run(self) -> None:
         while True:
@@ -152,8 +161,11 @@ class RankWorker:
         kind = msg[0]
         if kind == "add":
             req = msg[1]  # an EngineRequest
+            adapter = msg[2] if len(msg) > 2 else None  # its adapter, or why there is none
             try:
-                self.engine.submit(req)
+                if isinstance(adapter, RequestRejected):
+                    raise adapter
+                self.engine.submit(req, adapter)
             except Exception as exc:  # noqa: BLE001 - handed back; the server maps it to a status
                 self.outbox.send(("added", req.request_id, describe_error(exc)))
             else:

@@ -97,7 +97,7 @@ def check_name(name: object) -> str:
     if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
         raise LoRAError(
             f"an adapter name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} letters, digits "
-            "and '._:/@+-', starting with a letter or digit"
+            "and '._:/@+=-', starting with a letter or digit"
         )
     return name
 
@@ -139,7 +139,9 @@ def _load(
             pair = per_module.setdefault(module, {})
             if part in pair:
                 raise LoRAError(f"adapter {name!r}: {module} has two lora_{part} tensors")
-            pair[part] = tensor.to(torch.float32)
+            if not tensor.is_floating_point():  # checked before anything is converted (uint8: 4x as float32)
+                raise LoRAError(f"adapter {name!r}: {key} is {tensor.dtype}, not a floating-point tensor")
+            pair[part] = tensor  # converted once its shape is known to fit
     except LoRAError:
         raise
     except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
@@ -175,7 +177,9 @@ def _load(
             )
         if a.shape[0] != rank:
             raise LoRAError(f"adapter {name!r}: {module} has rank {a.shape[0]}, its config says r={rank}")
-        fused.setdefault(pname.removesuffix(".weight"), []).append((a, b * scaling, offset, out_rows))
+        fused.setdefault(pname.removesuffix(".weight"), []).append(
+            (a.to(torch.float32), b.to(torch.float32) * scaling, offset, out_rows)
+        )
 
     pairs = {}
     for target, parts in fused.items():
