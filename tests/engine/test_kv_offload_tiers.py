@@ -232,6 +232,23 @@ def test_a_generation_linked_elsewhere_is_unlinked_never_emptied(tmp_path: Path)
     again.close()
 
 
+def test_a_write_a_scoped_reset_overtook_never_reaches_the_disk(tmp_path: Path) -> None:
+    """A block queued for a scope that a scoped reset then dropped: its write lands after the reset, and
+    made the scope's directory and scope.json again with the block in it until the landing removed it (a
+    crash in between left a block a restart served). It never reaches its place now, nor its directory."""
+    disk = disk_tier(tmp_path)
+    gate = Gate()
+    disk.put(key(1), block(1, TENANT, ready=gate))
+    assert disk.reset_scopes(lambda s: s == TENANT) == []  # not stored yet
+    gate.opened.set()
+    assert disk.flush(10) and disk.flush(10)
+    assert not scope_dir(tmp_path, disk, TENANT).exists() and key(1) not in disk
+    disk.close()
+    again = disk_tier(tmp_path)
+    assert key(1) not in again
+    again.close()
+
+
 def test_scope_directories_count_against_the_cap_and_go_with_their_blocks(tmp_path: Path) -> None:
     """A client sending a new salt per request made a scope directory (and scope.json) per salt, never
     removed and not counted: 465 MB on disk against a 10 MiB cap. Each directory now costs its share of the

@@ -279,13 +279,16 @@ class DiskTier:
 
     def _write(self, gen: int, key: BlockHash, scope_dir: str, block: HostBlock) -> None:
         path = self._path(gen, scope_dir, key)
+        tmp = path.with_suffix(".tmp")
         try:
             block.wait()
+            with self._lock:
+                if not self._wanted(gen, key, scope_dir):  # overtaken while queued: the disk is not touched
+                    return
             # a block reaches the tiers from the pool's index, so it has its scope (not re-checked here)
             self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
-            tmp = path.with_suffix(".tmp")
             write_new_file(tmp, block.data.contiguous().view(torch.uint8).numpy().tobytes())
-            os.replace(tmp, path)
+            evicted = self._land(gen, key, scope_dir, tmp, path)
         except OSError:
             with self._lock:
                 if self._writing.get(key) == scope_dir:
@@ -295,13 +298,28 @@ class DiskTier:
         finally:
             with self._lock:
                 self._pending_bytes -= self.block_bytes
-        evicted = []
+        for old, old_dir in evicted:
+            self._path(gen, old_dir, old).unlink(missing_ok=True)
+
+    def _wanted(self, gen: int, key: BlockHash, scope_dir: str) -> bool:
+        """Whether a queued write still stands (the lock held): no reset of its generation or scope, no
+        discard (the pool computed the block again) since it was queued."""
+        return gen == self.generation and self._writing.get(key) == scope_dir
+
+    def _land(
+        self, gen: int, key: BlockHash, scope_dir: str, tmp: Path, path: Path
+    ) -> list[tuple[BlockHash, str]]:
+        """The written block renamed into place and indexed, under the lock a reset takes: a block a reset
+        overtook never reaches its place (a crash leaves a `.tmp`, which a start removes), nor a scope
+        directory made again for it. The blocks evicted to make room, whose files the caller removes."""
+        evicted: list[tuple[BlockHash, str]] = []
         with self._lock:
-            if gen != self.generation:
-                return  # a reset came first: the old generation's directory goes, this file with it
-            if self._writing.get(key) != scope_dir:  # discarded (the pool computed it again) or reset
-                path.unlink(missing_ok=True)
-                return
+            if not self._wanted(gen, key, scope_dir):
+                tmp.unlink(missing_ok=True)
+                if gen == self.generation and scope_dir not in self._refs:  # a scope reset meanwhile
+                    self._queue.put(("rmtree", gen, None, path.parent))
+                return evicted
+            os.replace(tmp, path)
             del self._writing[key]  # its count goes on as the stored block's
             if (before := self._index.get(key)) is not None:
                 self._unref(before)
@@ -314,8 +332,7 @@ class DiskTier:
                 evicted.append((old, old_dir))
                 self._done.append(("removed", old))
                 self._unref(old_dir)
-        for old, old_dir in evicted:
-            self._path(gen, old_dir, old).unlink(missing_ok=True)
+        return evicted
 
     def _used_bytes(self) -> int:
         return len(self._index) * self.block_bytes + len(self._refs) * self.scope_bytes
