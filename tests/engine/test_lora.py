@@ -157,6 +157,40 @@ def test_an_adapter_read_again_never_stalls_the_steps(make_engine, lora_adapters
     assert eng.stats().lora_reloads == 1 and eng.loras.held == ["every-layer"]
 
 
+def test_a_load_the_server_gave_up_on_is_dropped_not_served(make_engine, lora_adapters) -> None:  # noqa: ANN001
+    """A run-time load past the server's timeout goes on reading beside the steps; the server then undoes it
+    (an unload, or the previous files in place). The late read must not land after that undo: the engine
+    would serve an adapter the server does not list, and refuse the next load of its name."""
+    eng = make_engine(enable_lora=True)
+    reading, gate = threading.Event(), threading.Event()
+    read = eng.loras.read
+
+    def held_read(name: str, path: str | Path):  # noqa: ANN202
+        reading.set()
+        assert gate.wait(60)
+        return read(name, path)
+
+    eng.loras.read = held_read
+    outcome: list[object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(eng.loras.load("late", str(lora_adapters["attention-only"]), False))
+        except LoRAError as exc:
+            outcome.append(exc)
+
+    loading = threading.Thread(target=load)
+    loading.start()
+    assert reading.wait(30)
+    assert not eng.loras.remove("late")  # the server's undo: nothing of that name is served yet
+    gate.set()
+    loading.join(60)
+    assert isinstance(outcome[0], LoRAError) and "came first" in str(outcome[0]), outcome
+    assert "late" not in eng.loras.served
+    eng.loras.read = read
+    assert eng.loras.load("late", str(lora_adapters["attention-only"]), False).name == "late"
+
+
 def test_one_adapter_a_step_still_serves_a_mixed_batch(
     make_engine, lora_adapters, references, chat_prompts
 ) -> None:  # noqa: ANN001

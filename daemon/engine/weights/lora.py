@@ -355,6 +355,10 @@ class LoRARegistry:
         self._lock = threading.Lock()
         self.capacity = capacity  # adapters whose weights are held at most (None: every one)
         self.reloads = 0
+        # name -> the number of the last load or unload of it: a load whose read a later operation
+        # overtook (the server gave up on it and undid it) is dropped, not served behind the server's back.
+        self._last_op: dict[str, int] = {}
+        self._ops = 0
 
     def add(self, adapter: LoRAAdapter) -> None:
         with self._lock:
@@ -366,10 +370,18 @@ class LoRARegistry:
         one assignment, and requests already running keep the adapter they started with, whose identity
         keys their blocks, so nothing the old weights computed is served after a reload."""
         check_name(name)
-        if name in self.served and not inplace:
-            raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
+        with self._lock:
+            if name in self.served and not inplace:
+                raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
+            op = self._next_op(name)
         adapter = self.read(name, path)
-        self.add(adapter)
+        with self._lock:
+            if self._last_op[name] != op:
+                raise LoRAError(
+                    f"adapter {name!r}: a later load or unload of it came first; this load is dropped"
+                )
+            self.served[name] = (adapter.path, adapter.identity)
+            self._hold(adapter)
         return adapter
 
     def get(self, name: str) -> LoRAAdapter | None:
@@ -398,6 +410,7 @@ class LoRARegistry:
 
     def remove(self, name: str) -> bool:
         with self._lock:
+            self._next_op(name)
             self._held.pop(name, None)
             return self.served.pop(name, None) is not None
 
@@ -405,6 +418,11 @@ class LoRARegistry:
     def held(self) -> list[str]:
         with self._lock:
             return list(self._held)
+
+    def _next_op(self, name: str) -> int:
+        self._ops += 1
+        self._last_op[name] = self._ops
+        return self._ops
 
     def _hold(self, adapter: LoRAAdapter) -> None:
         self._alive[adapter.identity] = adapter

@@ -18,7 +18,14 @@ from aiohttp import web
 
 from kvpilot.daemon.engine.weights.lora import LoRAError, ServedAdapter, check_name
 from kvpilot.daemon.server.app_state import ServerState
-from kvpilot.daemon.server.weights.routes import RouteHandler, WeightFailure, call, rank_timeout, route
+from kvpilot.daemon.server.weights.routes import (
+    RouteHandler,
+    WeightFailure,
+    call,
+    no_answer,
+    rank_timeout,
+    route,
+)
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 
@@ -52,7 +59,9 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: JSON
             if len({r["digest"] for r in ranks}) != 1:
                 raise WeightFailure(500, "the ranks read different adapter files", ranks)
         except WeightFailure as fail:
-            if any("error" not in r for r in fail.ranks):  # some ranks took it: none may serve it alone
+            # Some ranks took it, or may yet (no answer in time: the read goes on): none may serve it
+            # alone, and a rank's late load is dropped once the undo came after it started.
+            if any("error" not in r or no_answer(r) for r in fail.ranks):
                 await _undo(state, name, previous)
             if fail.status == 400:
                 fail.code = "invalid_lora_adapter"

@@ -119,6 +119,12 @@ def rank_entry(reply: RankReply) -> JSONObject:
     return entry
 
 
+def no_answer(entry: JSONObject) -> bool:
+    """Whether a rank's entry (`rank_entry`) says it did not answer (timed out, died): it may have done the
+    operation, or may yet."""
+    return "error" in entry and "tensor" not in entry
+
+
 async def call(
     state: ServerState, operation: Awaitable[list[RankReply]], phase: str | None = None
 ) -> list[JSONObject]:
