@@ -128,15 +128,17 @@ class EndpointPicker:
                 replies = [_immediate(err)]
             result = "picked" if picked is not None else _result(replies[0])
             m.child(m.picker_requests, result).inc()
-            self._release(req)
-            for reply in replies:
-                await context.write(reply)
-            if picked is not None:
-                try:
-                    async with asyncio.timeout(self.r.settings.endpoint_picker_hold_s):
+            try:
+                # The writes too: a gateway that reads nothing (no HTTP/2 window) must not hold them for good.
+                async with asyncio.timeout(self.r.settings.endpoint_picker_hold_s):
+                    for reply in replies:
+                        await context.write(reply)
+                    del replies  # a streamed body's copy goes with them; then its bytes are counted free
+                    self._release(req)
+                    if picked is not None:
                         await self._answer_the_rest(context)
-                except TimeoutError:  # the stream ends here; the gateway's request goes on unprocessed
-                    log.info("endpoint picker: a stream held past --endpoint-picker-hold, closed")
+            except TimeoutError:  # the stream ends here; the gateway's request goes on unprocessed
+                log.info("endpoint picker: a stream held past --endpoint-picker-hold, closed")
         finally:
             self.streams -= 1
             self._release(req)
@@ -347,7 +349,9 @@ async def start(router: Router, host: str, port: int) -> grpc.aio.Server:
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", streams),  # per connection; EndpointPicker counts them all
+            # Per connection, a few above the picker's own cap over all of them, so a stream past that cap is
+            # refused rather than held back by HTTP/2, and health checks still find a slot.
+            ("grpc.max_concurrent_streams", streams + 8),
         ]
     )
     process = grpc.stream_stream_rpc_method_handler(

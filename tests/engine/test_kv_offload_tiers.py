@@ -249,6 +249,21 @@ def test_a_write_a_scoped_reset_overtook_never_reaches_the_disk(tmp_path: Path) 
     again.close()
 
 
+def test_a_block_put_twice_before_it_lands_is_stored_once_with_its_file(tmp_path: Path) -> None:
+    """The second put of a key replaces the first write's claim on the scope before letting it go: the
+    scope's count never falls to 0 between them (which queued its directory's removal after the first
+    write, taking the stored block's file with it: indexed, announced, and gone)."""
+    disk = disk_tier(tmp_path)
+    gate = Gate()
+    disk.put(key(1), block(1, TENANT, ready=gate))
+    disk.put(key(1), block(1, TENANT))
+    gate.opened.set()
+    assert disk.flush(10) and disk.flush(10)
+    assert key(1) in disk and torch.equal(disk.get(key(1)).data, block(1).data)
+    assert disk.get(key(1)) is not None and len(disk) == 1
+    disk.close()
+
+
 def test_scope_directories_count_against_the_cap_and_go_with_their_blocks(tmp_path: Path) -> None:
     """A client sending a new salt per request made a scope directory (and scope.json) per salt, never
     removed and not counted: 465 MB on disk against a 10 MiB cap. Each directory now costs its share of the

@@ -106,6 +106,9 @@ class DiskTier:
         # Directory name -> its blocks stored or on their way; a scope whose count falls to 0 is forgotten
         # and its directory removed, so scopes cost memory and disk only while they hold blocks.
         self._refs: Counter[str] = Counter()
+        # Directory name -> its blocks stored: the scopes the capacity charges (not those with writes only
+        # on their way, which would evict stored blocks for writes that may never land).
+        self._stored_in: Counter[str] = Counter()
         self._done: list[tuple[str, BlockHash]] = []  # ("stored" | "removed", key) for the engine's events
         self._pending_bytes = 0
         self._writing: dict[BlockHash, str] = {}  # queued writes not discarded since, with their scope
@@ -150,8 +153,11 @@ class DiskTier:
             path = self._path(self.generation, scope_dir, key)
         try:
             raw = read_regular_file(path, self.block_bytes)
+        except FileNotFoundError:
+            self.discard(key)  # evicted by the writer meanwhile (then no longer indexed), or lost
+            return None
         except OSError:
-            return None  # evicted by the writer meanwhile
+            return None
         if raw is None or len(raw) != self.block_bytes:
             log.warning("disk tier: %s is not a file of %d bytes; dropping it", path.name, self.block_bytes)
             self.discard(key)
@@ -168,11 +174,11 @@ class DiskTier:
         scope_dir = scope_dir_name(block.scope)
         with self._lock:
             self._pending_bytes += self.block_bytes
+            self._scopes[scope_dir] = block.scope
+            self._refs[scope_dir] += 1  # before the write it replaces lets go: the scope never falls to 0
             if (before := self._writing.get(key)) is not None:  # that write is dropped when it lands
                 self._unref(before)
             self._writing[key] = scope_dir
-            self._scopes[scope_dir] = block.scope
-            self._refs[scope_dir] += 1
             gen = self.generation
         self._queue.put(("write", gen, key, (scope_dir, block)))
         return True
@@ -182,11 +188,10 @@ class DiskTier:
         with self._lock:
             if (writing := self._writing.pop(key, None)) is not None:  # dropped when it lands
                 self._unref(writing)
-            scope_dir = self._index.pop(key, None)
+            scope_dir = self._unindex(key)
             if scope_dir is None:
                 return False
             self._queue.put(("unlink", self.generation, key, scope_dir))
-            self._unref(scope_dir)
         return True
 
     def reset(self) -> int:
@@ -198,6 +203,7 @@ class DiskTier:
             self._writing.clear()
             self._scopes.clear()
             self._refs.clear()
+            self._stored_in.clear()
             self._done.clear()
             (self.root / f"gen-{self.generation}").mkdir(exist_ok=True)
             self._write_manifest()
@@ -221,6 +227,7 @@ class DiskTier:
             for d in dirs:
                 del self._scopes[d]
                 self._refs.pop(d, None)
+                self._stored_in.pop(d, None)
                 self._dropped += 1
                 away = gen_dir / f"dropped-{self._dropped}-{d}"
                 try:
@@ -276,6 +283,8 @@ class DiskTier:
             except OSError as exc:
                 what = job[2].hex()[:16] if job[2] else job[3]
                 log.warning("disk tier: %s of %s failed: %s", job[0], what, exc)
+            except Exception:  # a bug: the writer goes on, or every later flush would wait for ever
+                log.exception("disk tier: %s failed", job[0])
 
     def _write(self, gen: int, key: BlockHash, scope_dir: str, block: HostBlock) -> None:
         path = self._path(gen, scope_dir, key)
@@ -289,7 +298,7 @@ class DiskTier:
             self._make_scope_dir(path.parent, block.scope)  # type: ignore[arg-type]
             write_new_file(tmp, block.data.contiguous().view(torch.uint8).numpy().tobytes())
             evicted = self._land(gen, key, scope_dir, tmp, path)
-        except OSError:
+        except Exception:
             with self._lock:
                 if self._writing.get(key) == scope_dir:
                     del self._writing[key]
@@ -320,22 +329,32 @@ class DiskTier:
                     self._queue.put(("rmtree", gen, None, path.parent))
                 return evicted
             os.replace(tmp, path)
+            self._unindex(key)  # stored before, maybe in another scope
             del self._writing[key]  # its count goes on as the stored block's
-            if (before := self._index.get(key)) is not None:
-                self._unref(before)
             self._index[key] = scope_dir
-            self._index.move_to_end(key)
+            self._stored_in[scope_dir] += 1
             self.stored_blocks += 1
             self._done.append(("stored", key))
             while self._index and self._used_bytes() > self.capacity_bytes:
-                old, old_dir = self._index.popitem(last=False)
-                evicted.append((old, old_dir))
+                old = next(iter(self._index))
+                if (old_dir := self._unindex(old)) is not None:
+                    evicted.append((old, old_dir))
                 self._done.append(("removed", old))
-                self._unref(old_dir)
         return evicted
 
+    def _unindex(self, key: BlockHash) -> str | None:
+        """Drop a stored block from the index (the lock held); its scope directory's name, None when it was
+        not stored."""
+        scope_dir = self._index.pop(key, None)
+        if scope_dir is not None:
+            self._stored_in[scope_dir] -= 1
+            if self._stored_in[scope_dir] <= 0:
+                del self._stored_in[scope_dir]
+            self._unref(scope_dir)
+        return scope_dir
+
     def _used_bytes(self) -> int:
-        return len(self._index) * self.block_bytes + len(self._refs) * self.scope_bytes
+        return len(self._index) * self.block_bytes + len(self._stored_in) * self.scope_bytes
 
     def _unref(self, scope_dir: str) -> None:
         """One block of the scope fewer (the lock held); at none, the scope and its directory go."""
@@ -412,14 +431,15 @@ class DiskTier:
                 continue
             self._index[key] = scope_dir
         self._refs.update(self._index.values())
+        self._stored_in.update(self._index.values())
         for d in [d for d in self._scopes if d not in self._refs]:  # no block left in it
             del self._scopes[d]
             _remove(current / d)
         self.generation = gen
         while self._index and self._used_bytes() > self.capacity_bytes:
-            old, old_dir = self._index.popitem(last=False)
-            self._path(gen, old_dir, old).unlink(missing_ok=True)
-            self._unref(old_dir)
+            old = next(iter(self._index))
+            if (old_dir := self._unindex(old)) is not None:
+                self._path(gen, old_dir, old).unlink(missing_ok=True)
         self._write_manifest()
         if self._index:
             log.info(
