@@ -37,10 +37,6 @@ class EngineTraits:
     info_paths: tuple[str, ...] = ()
     scoped_resets: bool = False  # resets one adapter's, salt's or weight version's blocks
     cache_salt: bool = False  # its completions take `cache_salt` (a canary salted apart from real traffic)
-    # Words in a reset's verification canary (kvpilot/fanout/verify.py): enough for several of its KV blocks.
-    # 300 fill two of vLLM's 128-token CPU blocks; a kvpilot pod's are 16 tokens (--block-size), and its
-    # canary's cost is mostly its length.
-    canary_words: int = 300
 
 
 KVPILOT = EngineTraits(
@@ -51,7 +47,6 @@ KVPILOT = EngineTraits(
     info_paths=("/prefix_cache",),
     scoped_resets=True,
     cache_salt=True,
-    canary_words=64,
 )
 VLLM = EngineTraits(
     "vllm",

@@ -243,7 +243,13 @@ async def _reset_checked(
         try:
             async with asyncio.timeout(budget):
                 prepared = await verify.prepare(
-                    pod.ask, engine.name, engine.ranks(info), run_id, res.name, settings.scope
+                    pod.ask,
+                    engine.name,
+                    engine.ranks(info),
+                    run_id,
+                    res.name,
+                    settings.scope,
+                    engine.canary_words(info),
                 )
         except TimeoutError:
             prepared = verify.Verification(

@@ -22,6 +22,7 @@ from kvpilot.engines import KVPILOT, SGLANG, VLLM, EngineTraits, traits_of
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import RankResult
 from kvpilot.fanout.targets import ResetSettings
+from kvpilot.fanout.verify import CANARY_WORDS, MIN_CANARY_WORDS
 
 
 class Verdict(enum.Enum):
@@ -110,6 +111,10 @@ class Engine:
     def scoped_resets(self) -> bool:
         return self.traits.scoped_resets
 
+    def canary_words(self, info: dict[str, Any] | None) -> int:
+        """Words in a reset's verification canary (verify.py): enough for several of the engine's blocks."""
+        return CANARY_WORDS
+
     def ranks(self, info: dict[str, Any] | None) -> int:
         """How many data-parallel ranks a canary must reach, each by vLLM's X-data-parallel-rank header;
         1: the engine picks the rank (one canary)."""
@@ -148,6 +153,13 @@ KVPILOT_TIERS = (
 
 class KvpilotEngine(Engine):
     traits = KVPILOT
+
+    def canary_words(self, info: dict[str, Any] | None) -> int:
+        # Four of its blocks (--block-size, 16 tokens by default: 64 words): the canary's cost is its length.
+        block = (info or {}).get("block_size")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            return CANARY_WORDS
+        return max(MIN_CANARY_WORDS, min(4 * block, CANARY_WORDS))
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         listed = (info or {}).get("ranks")

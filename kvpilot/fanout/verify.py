@@ -11,8 +11,8 @@ only when the canary finds no more than the control; a single stale block of the
 `warm`, and the tier that answered is the one the reset missed (vLLM's offload tier without
 reset_external, vLLM 57727; SGLang's HiCache storage, SGLang 9750).
 
-The canary is long enough to fill several KV blocks of its engine (`EngineTraits.canary_words`: vLLM's
-CPU block is 128 tokens, a kvpilot pod's 16), asks for one token, and carries its own `cache_salt` where
+The canary is long enough to fill several KV blocks of its engine (`Engine.canary_words`: vLLM's CPU
+block is 128 tokens, a kvpilot pod's as its /prefix_cache says, 16 by default), asks for one token, and carries its own `cache_salt` where
 the engine has one, so it shares no block with any user's prompt and no user's cache is touched. A scoped reset's canary runs inside the scope: under its
 adapter (as the model), its salt, pinned to its weight version; a cold one proves that scope cold. What it
 costs is in docs/fanout.md ("Verification").
@@ -31,8 +31,11 @@ from kvpilot.fanout.results import Verified
 from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
 
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
-# model families, so the canary's length in tokens hardly depends on the model: at most 300 words (two
-# vLLM CPU blocks of 128 tokens) stay under a 512-token context.
+# model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
+# CPU blocks (128 tokens) and stay under a 512-token context; an engine whose blocks are smaller needs fewer
+# (`fanout.engines.Engine.canary_words`).
+CANARY_WORDS = 300
+MIN_CANARY_WORDS = 64
 _VOCABULARY = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "
@@ -132,7 +135,13 @@ async def _model(ask: Ask) -> str | None:
 
 
 async def prepare(
-    ask: Ask, engine: str, ranks: int, run_id: str, pod: str, scope: ResetScope | None = None
+    ask: Ask,
+    engine: str,
+    ranks: int,
+    run_id: str,
+    pod: str,
+    scope: ResetScope | None = None,
+    words: int = CANARY_WORDS,
 ) -> Canary | Verification:
     """Warm the canary on every rank (inside `scope`, for a scoped reset) and check the pod shows its hit;
     the canary, or an `unknown` verdict that says why this pod cannot be verified."""
@@ -146,7 +155,6 @@ async def prepare(
     )
     if scope.tenant is not None:  # a partition of the tenant's, which a reset of it clears
         salt = f"{TENANT_SALT_PREFIX}{scope.tenant}:kvpilot-canary-{run_id}"
-    words = traits.canary_words if traits is not None else max(e.canary_words for e in ENGINES.values())
     prompt, control = canary_prompt(run_id, pod, words), canary_prompt(f"{run_id}/control", pod, words)
     hit = MAX_TOKENS
     for rank in range(ranks):
