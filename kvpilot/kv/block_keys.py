@@ -167,7 +167,7 @@ class _KeyMemo:
     their count (a block of a pod's 65,536 tokens, a salt of 4,096 characters), and no lock is needed: a
     lookup promotes an old entry, and a full young generation becomes the old one, the older dropped whole."""
 
-    def __init__(self, max_bytes: int = 8 << 20) -> None:
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
         self.max_bytes = max_bytes
         self._young: dict[_MemoKey, BlockHash] = {}
         self._old: dict[_MemoKey, BlockHash] = {}
@@ -197,10 +197,11 @@ _ENTRY_OVERHEAD_BYTES = 200
 
 
 def _entry_bytes(key: _MemoKey) -> int:
-    """About what one memo entry holds: a pointer per token (the ints are the request's own), the seed and
-    the first block's extra (a salt, a weight version, an adapter's name)."""
+    """About what one memo entry holds: a pointer and an int per token (the key keeps the request's ints
+    alive after it ends: 28 bytes each past 256), the seed and the first block's extra (a salt, a weight
+    version, an adapter's name)."""
     _, seed, _, tokens, extra = key
-    return _ENTRY_OVERHEAD_BYTES + len(seed) + 8 * len(tokens) + _extra_bytes(extra)
+    return _ENTRY_OVERHEAD_BYTES + len(seed) + 36 * len(tokens) + _extra_bytes(extra)
 
 
 def _extra_bytes(extra: object) -> int:

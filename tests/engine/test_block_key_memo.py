@@ -66,4 +66,4 @@ def test_salts_and_long_blocks_count_by_their_bytes() -> None:
     memo = _KeyMemo(max_bytes=1 << 20)
     for i in range(100):
         memo.put(memo_key(i, tokens=1 << 16), bytes(32))
-    assert len(memo) <= 2 * ((1 << 20) // (8 << 16) + 1)
+    assert len(memo) <= 2 * ((1 << 20) // (36 << 16) + 1)

@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.daemon.engine.admission import RequestRejected, adapter_for
+from kvpilot.daemon.engine.admission import adapter_for
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import RankEndpoints
 from kvpilot.daemon.engine.weights.control import Reply, WeightControl
@@ -127,7 +127,7 @@ class RankWorker:
                 # --max-cpu-loras is read, hashed and parsed again, which would stall every stream's step.
                 try:
                     msg = (*msg, adapter_for(self.engine.loras, msg[1].lora_name))
-                except RequestRejected as exc:
+                except Exception as exc:  # noqa: BLE001 - handed to _handle, which answers the add with it
                     msg = (*msg, exc)
             self._queue.put(msg)
 
@@ -163,7 +163,7 @@ class RankWorker:
             req = msg[1]  # an EngineRequest
             adapter = msg[2] if len(msg) > 2 else None  # its adapter, or why there is none
             try:
-                if isinstance(adapter, RequestRejected):
+                if isinstance(adapter, Exception):
                     raise adapter
                 self.engine.submit(req, adapter)
             except Exception as exc:  # noqa: BLE001 - handed back; the server maps it to a status

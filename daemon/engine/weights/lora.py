@@ -396,15 +396,24 @@ class LoRARegistry:
                 return adapter
             path, identity = self.served[name]
             adapter = self._alive.get(identity)
-            if adapter is None:
-                adapter = self.read(name, path)
-                self.reloads += 1
-                if adapter.identity != identity:
-                    raise LoRAError(
-                        f"adapter {name!r}: the files in {path} changed since it was loaded (digest "
-                        f"{identity.digest[:12]}, now {adapter.identity.digest[:12]}): load it again with "
-                        "load_inplace"
-                    )
+            if adapter is not None:
+                self._hold(adapter)
+                return adapter
+        # Read outside the lock: an unload (on the engine's thread) or another adapter's read never waits
+        # on this one.
+        adapter = self.read(name, path)
+        if adapter.identity != identity:
+            raise LoRAError(
+                f"adapter {name!r}: the files in {path} changed since it was loaded (digest "
+                f"{identity.digest[:12]}, now {adapter.identity.digest[:12]}): load it again with "
+                "load_inplace"
+            )
+        with self._lock:
+            self.reloads += 1
+            served = self.served.get(name)
+            if served is None or served[1] != identity:  # unloaded, or loaded again in place, meanwhile
+                return self._held.get(name)
+            adapter = self._alive.get(identity) or adapter  # another request's read meanwhile: one in memory
             self._hold(adapter)
             return adapter
 
