@@ -155,11 +155,11 @@ class KvpilotEngine(Engine):
     traits = KVPILOT
 
     def canary_words(self, info: dict[str, Any] | None) -> int:
-        # Four of its blocks (--block-size, 16 tokens by default: 64 words): the canary's cost is its length.
+        # Three of its blocks (--block-size, 16 tokens by default: 48 words): the canary's cost is its length.
         block = (info or {}).get("block_size")
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             return CANARY_WORDS
-        return max(MIN_CANARY_WORDS, min(4 * block, CANARY_WORDS))
+        return max(MIN_CANARY_WORDS, min(3 * block, CANARY_WORDS))
 
     def ranks(self, info: dict[str, Any] | None) -> int:
         listed = (info or {}).get("ranks")

@@ -35,7 +35,7 @@ from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
 # CPU blocks (128 tokens) and stay under a 512-token context; an engine whose blocks are smaller needs fewer
 # (`fanout.engines.Engine.canary_words`).
 CANARY_WORDS = 300
-MIN_CANARY_WORDS = 64
+MIN_CANARY_WORDS = 48
 _VOCABULARY = (
     "time year people way day man thing woman life child world school state family student group country "
     "problem hand part place case week company system program question work government number night point "

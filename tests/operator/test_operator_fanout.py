@@ -366,16 +366,16 @@ def test_a_canary_reply_is_the_pods_word_bounded_and_never_a_false_cold() -> Non
     assert all(r.cleared == ["pool"] for r in records), [r.cleared for r in records]
 
 
-def test_a_kvpilot_pods_canary_fills_four_of_its_blocks() -> None:
+def test_a_kvpilot_pods_canary_fills_three_of_its_blocks() -> None:
     """A kvpilot pod's canary is sized by the block size its /prefix_cache names (a short one costs little),
     within vLLM's 300 words; without a usable block size it is vLLM's length (never too short to fill one)."""
     from kvpilot.fanout.engines import engine_for
 
     kvpilot, vllm = engine_for("kvpilot"), engine_for("vllm")
     assert [kvpilot.canary_words({"block_size": b}) for b in (1, 16, 32, 128, 4096)] == [
-        64,
-        64,
-        128,
+        48,
+        48,
+        96,
         300,
         300,
     ]
