@@ -187,7 +187,7 @@ async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verificat
         cached, prompt, why = _usage(
             *await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
         )
-        control = 0
+        control: int | None = 0
         if cached:
             control, _, why = _usage(
                 *await ask("POST", "/v1/completions", canary.body(canary.control), canary.headers(rank))

@@ -432,9 +432,9 @@ class DiskTier:
             self._index[key] = scope_dir
         self._refs.update(self._index.values())
         self._stored_in.update(self._index.values())
-        for d in [d for d in self._scopes if d not in self._refs]:  # no block left in it
-            del self._scopes[d]
-            _remove(current / d)
+        for empty in [name for name in self._scopes if name not in self._refs]:  # no block left in it
+            del self._scopes[empty]
+            _remove(current / empty)
         self.generation = gen
         while self._index and self._used_bytes() > self.capacity_bytes:
             old = next(iter(self._index))
