@@ -128,9 +128,10 @@ def test_verification_sends_a_canary_to_every_rank(dp_server: Server) -> None:
     assert rec.result == "Succeeded" and rec.verified == "cold", rec
     assert "on all 2 ranks" in rec.verify_message and rec.cleared == ["pool"], rec
     for b, a in zip(before, after, strict=True):
-        # three canaries per rank: fill, hit (before the reset), check (after it, cold)
-        assert a["query_tokens"] - b["query_tokens"] >= 3 * 250, (b, a)
-        assert a["hit_tokens"] - b["hit_tokens"] >= 250, (b, a)
+        # three canaries per rank (48 words, three of its 16-token blocks): fill, hit (before the reset),
+        # check (after it, cold)
+        assert a["query_tokens"] - b["query_tokens"] >= 3 * 48, (b, a)
+        assert a["hit_tokens"] - b["hit_tokens"] >= 48, (b, a)
 
 
 def test_gaie_gauges_have_one_series_per_rank(dp_server: Server) -> None:
