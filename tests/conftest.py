@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the session's operator): the chart's `helm install` must come before the operator fixture's run, as it
     does in one process."""
     for item in items:
-        group = "devcluster" if "cluster" in getattr(item, "fixturenames", ()) else item.path.as_posix()
+        group = "devcluster" if "cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 
