@@ -95,6 +95,21 @@ def test_adapters_beyond_max_cpu_loras_are_read_again_when_named(
         make_engine(enable_lora=True, max_loras=2, max_cpu_loras=1)
 
 
+def hold_reads(registry) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001
+    """Make the registry's adapter reads wait: the first event is set when a read starts, the second lets
+    it go on."""
+    reading, gate = threading.Event(), threading.Event()
+    read = registry.read
+
+    def held_read(name: str, path: str | Path):  # noqa: ANN202
+        reading.set()
+        assert gate.wait(60), "the test never let the read go on"
+        return read(name, path)
+
+    registry.read = held_read
+    return reading, gate
+
+
 def test_an_adapter_read_again_never_stalls_the_steps(make_engine, lora_adapters, chat_prompts) -> None:  # noqa: ANN001
     """--max-cpu-loras 1, two adapters taking turns: each is read, hashed and parsed again when named (a
     149 MiB adapter took ~0.5 s, inside the engine's thread: every stream stalled). The read runs off the
@@ -107,15 +122,7 @@ def test_an_adapter_read_again_never_stalls_the_steps(make_engine, lora_adapters
         lora_modules=[f"{n}={lora_adapters[n]}" for n in ("every-layer", "attention-only")],
     )
     assert eng.loras.held == ["attention-only"]
-    reading, gate = threading.Event(), threading.Event()
-    read = eng.loras.read
-
-    def held_read(name: str, path: str | Path):  # noqa: ANN202
-        reading.set()
-        assert gate.wait(60), "the test never let the read go on"
-        return read(name, path)
-
-    eng.loras.read = held_read
+    reading, gate = hold_reads(eng.loras)
     loop = EngineLoop(eng)
 
     async def tokens(sink: asyncio.Queue, want: int | None = None) -> int:
@@ -162,15 +169,8 @@ def test_a_load_the_server_gave_up_on_is_dropped_not_served(make_engine, lora_ad
     (an unload, or the previous files in place). The late read must not land after that undo: the engine
     would serve an adapter the server does not list, and refuse the next load of its name."""
     eng = make_engine(enable_lora=True)
-    reading, gate = threading.Event(), threading.Event()
     read = eng.loras.read
-
-    def held_read(name: str, path: str | Path):  # noqa: ANN202
-        reading.set()
-        assert gate.wait(60)
-        return read(name, path)
-
-    eng.loras.read = held_read
+    reading, gate = hold_reads(eng.loras)
     outcome: list[object] = []
 
     def load() -> None:
