@@ -24,7 +24,7 @@ from kvpilot.daemon.engine.outputs import CacheStats, RequestOutput, ResetResult
 from kvpilot.daemon.engine.request import Request, RequestGroups, RequestStatus, SamplingParams, new_group
 from kvpilot.daemon.engine.sampler import Sampler
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter, LoRAError
-from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode
+from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode, next_lora_order
 from kvpilot.daemon.engine.weights.pause import PauseState, stopped_output
 from kvpilot.kv.reset_scope import ResetScope
 
@@ -241,15 +241,17 @@ class LLMEngine:
         return outputs
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str, inplace: bool) -> LoRAAdapter:
-        """Read and serve an adapter, beside the steps (`LoRARegistry.load`)."""
+    def load_lora(self, name: str, path: str, inplace: bool, order: int | None = None) -> LoRAAdapter:
+        """Read and serve an adapter, beside the steps (`LoRARegistry.load`); `order`: the operation's number
+        (`ops.LoadLoRA.order`), a new one for a direct call."""
         if not self.config.enable_lora:
             raise LoRAError("LoRA adapters are off: start the daemon with --enable-lora")
-        return self.loras.load(name, path, inplace)
+        return self.loras.load(name, path, inplace, next_lora_order() if order is None else order)
 
-    def unload_lora(self, name: str) -> bool:
-        """Stop serving an adapter (False: none of that name). Its running requests finish with it."""
-        return self.loras.remove(name)
+    def unload_lora(self, name: str, order: int | None = None) -> bool:
+        """Stop serving an adapter (False: none of that name, or a later load of it came first). Its running
+        requests finish with it."""
+        return self.loras.remove(name, next_lora_order() if order is None else order)
 
     def set_weight_version(self, version: str) -> None:
         """A new cache generation: nothing indexed before is reachable, every key from now on has it."""

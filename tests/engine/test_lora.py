@@ -19,7 +19,15 @@ from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.engine_loop import EngineLoop
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.daemon.engine.weights.control import WeightControl
 from kvpilot.daemon.engine.weights.lora import LoRAError
+from kvpilot.daemon.engine.weights.ops import (
+    LoadLoRA,
+    UnloadLoRA,
+    WeightError,
+    WeightErrorKind,
+    next_lora_order,
+)
 from kvpilot.kv.block_keys import HASH_ALGOS, KeyScheme
 from kvpilot.kv.events import BlockStored, decode_batch
 from support.kv_events import BS, kv_events_engine, wait_replayed
@@ -173,22 +181,47 @@ def test_a_load_the_server_gave_up_on_is_dropped_not_served(make_engine, lora_ad
     reading, gate = hold_reads(eng.loras)
     outcome: list[object] = []
 
+    path = str(lora_adapters["attention-only"])
+
     def load() -> None:
         try:
-            outcome.append(eng.loras.load("late", str(lora_adapters["attention-only"]), False))
+            outcome.append(eng.loras.load("late", path, False, next_lora_order()))
         except LoRAError as exc:
             outcome.append(exc)
 
     loading = threading.Thread(target=load)
     loading.start()
     assert reading.wait(30)
-    assert not eng.loras.remove("late")  # the server's undo: nothing of that name is served yet
+    # the server's undo: nothing of that name is served yet
+    assert not eng.loras.remove("late", next_lora_order())
     gate.set()
     loading.join(60)
     assert isinstance(outcome[0], LoRAError) and "came first" in str(outcome[0]), outcome
     assert "late" not in eng.loras.served
     eng.loras.read = read
-    assert eng.loras.load("late", str(lora_adapters["attention-only"]), False).name == "late"
+    assert eng.loras.load("late", path, False, next_lora_order()).name == "late"
+
+
+def test_a_load_still_queued_when_the_server_undid_it_never_lands(make_engine, lora_adapters) -> None:  # noqa: ANN001
+    """The server numbers its loads and unloads as it makes them: a load that waited on a rank (behind
+    another adapter's read) until after the server's undo of it ran there is dropped unread, and a late
+    unload never takes away a load made after it."""
+    eng = make_engine(enable_lora=True)
+    control = WeightControl(eng)
+    read, reads = eng.loras.read, []
+    eng.loras.read = lambda name, path: reads.append(name) or read(name, path)
+    path = str(lora_adapters["attention-only"])
+    queued, undo = LoadLoRA("late", path, False), UnloadLoRA("late")
+    assert queued.order < undo.order
+    assert control.run(undo, lambda reply: None)[1].kind is WeightErrorKind.NOT_FOUND
+    reply = control.run_beside_steps(queued)
+    assert isinstance(reply, WeightError) and "came first" in str(reply), reply
+    assert "late" not in eng.loras.served and reads == []
+
+    stale_unload, load = UnloadLoRA("late"), LoadLoRA("late", path, False)
+    assert control.run_beside_steps(load)["lora_name"] == "late"
+    assert control.run(stale_unload, lambda reply: None)[1].kind is WeightErrorKind.NOT_FOUND
+    assert "late" in eng.loras.served and reads == ["late"]
 
 
 def test_one_adapter_a_step_still_serves_a_mixed_batch(

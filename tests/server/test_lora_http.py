@@ -27,10 +27,14 @@ def _lora_flags(adapters: dict[str, Path]) -> list[str]:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-engine", "two-ranks"])
 def lora_server(request, tmp_path_factory, lora_adapters) -> Iterator[Server]:  # noqa: ANN001
-    """The daemon in-process (one engine) and with two data-parallel ranks, each loading the adapters."""
+    """The daemon in-process (one engine) and with two data-parallel ranks, each loading the adapters; the
+    ranks hold one adapter's weights each (`--max-cpu-loras 1`), so they read the other again (on their
+    inbox thread) whenever a request names it."""
+    held = ["--max-loras", "1", "--max-cpu-loras", "1"] if request.param > 1 else []
     srv = start_server(
         tmp_path_factory.mktemp("lora-serve"),
         *_lora_flags(lora_adapters),
+        *held,
         "-dp",
         str(request.param),
         token=ADMIN_TOKEN,
@@ -168,6 +172,34 @@ def test_requests_and_cache_hits_are_counted_per_adapter(lora_server) -> None:  
     assert grew("requests", "every-layer") == 0  # the base model's and other adapters' requests are not its
 
 
+def test_ranks_read_a_let_go_adapter_again_and_answer_as_peft_does(
+    lora_server, references, prompt_ids
+) -> None:  # noqa: ANN001
+    """Two adapters taking turns on one rank: with --max-cpu-loras 1 each turn reads the adapter again
+    (counted), and every answer is still its adapter's; without the flag nothing is read again."""
+
+    def reloads() -> float:  # over the ranks
+        return sum(v for k, v in lora_server.metrics().items() if k.startswith("kvpilot_lora_reloads_total"))
+
+    before = reloads()
+    names = ["attention-only", "every-layer"] * 2
+    for name in names:
+        resp = lora_server.request(
+            "POST",
+            "/v1/completions",
+            {"model": name, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0},
+            headers={"X-data-parallel-rank": "0"},
+        )
+        assert resp.status == 200, resp.body
+        assert resp.json()["choices"][0]["text"] == references[name], name
+    read_again = reloads() - before
+    # the first turn may name the adapter the rank still holds
+    if "--max-cpu-loras" in lora_server.proc.args:
+        assert len(names) - 1 <= read_again <= len(names), read_again
+    else:
+        assert read_again == 0
+
+
 def test_an_unknown_model_is_a_404(lora_server) -> None:  # noqa: ANN001
     import openai
 
@@ -294,8 +326,9 @@ def _lora_info(server: Server) -> dict[str, str]:
 
 def test_lora_requests_info_names_the_running_adapters_as_vllm_does(lora_server) -> None:  # noqa: ANN001
     """GAIE's pickers read vLLM's gauge for LoRA affinity."""
+    args = lora_server.proc.args
     assert _lora_info(lora_server) == {
-        "max_lora": "4",
+        "max_lora": args[args.index("--max-loras") + 1] if "--max-loras" in args else "4",
         "running_lora_adapters": "",
         "waiting_lora_adapters": "",
     }

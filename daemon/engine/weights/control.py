@@ -83,8 +83,8 @@ class WeightControl:
                     return self.finish(version)
                 case ops.Command.SHUTDOWN_TRANSFER:
                     return [], self.shutdown_transfer()
-                case ops.UnloadLoRA(name=name):
-                    if not self.engine.unload_lora(name):
+                case ops.UnloadLoRA(name=name, order=order):
+                    if not self.engine.unload_lora(name, order):
                         raise WeightError(WeightErrorKind.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
                     return [], {"lora_name": name}
                 case _:
@@ -102,9 +102,9 @@ class WeightControl:
                     return self.info()
                 case ops.InitTransfer(init_info=info):
                     return self.init_transfer(info)
-                case ops.LoadLoRA(name=name, path=path, inplace=inplace):
+                case ops.LoadLoRA(name=name, path=path, inplace=inplace, order=order):
                     try:
-                        adapter = self.engine.load_lora(name, path, inplace)
+                        adapter = self.engine.load_lora(name, path, inplace, order)
                     except LoRAError as exc:
                         raise WeightError(WeightErrorKind.INCOMPATIBLE, str(exc)) from None
                     return {"lora_name": name, "digest": adapter.identity.digest, "lora_rank": adapter.rank}

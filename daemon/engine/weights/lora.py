@@ -355,31 +355,30 @@ class LoRARegistry:
         self._lock = threading.Lock()
         self.capacity = capacity  # adapters whose weights are held at most (None: every one)
         self.reloads = 0
-        # name -> the number of the last load or unload of it: a load whose read a later operation
-        # overtook (the server gave up on it and undid it) is dropped, not served behind the server's back.
+        # name -> the number (`ops.LoadLoRA.order`) of the latest load or unload of it seen: one the server
+        # made earlier (a load it gave up on and undid, whether its read was running or still queued) is
+        # dropped, not served behind the server's back.
         self._last_op: dict[str, int] = {}
-        self._ops = 0
 
     def add(self, adapter: LoRAAdapter) -> None:
         with self._lock:
             self.served[adapter.name] = (adapter.path, adapter.identity)
             self._hold(adapter)
 
-    def load(self, name: str, path: str, inplace: bool) -> LoRAAdapter:
-        """Read and serve an adapter (LoRAError if it cannot be). May run beside the steps: it is taken in
-        one assignment, and requests already running keep the adapter they started with, whose identity
-        keys their blocks, so nothing the old weights computed is served after a reload."""
+    def load(self, name: str, path: str, inplace: bool, order: int) -> LoRAAdapter:
+        """Read and serve an adapter (LoRAError if it cannot be), as operation number `order`. May run
+        beside the steps: it is taken in one assignment, and requests already running keep the adapter
+        they started with, whose identity keys their blocks, so nothing the old weights computed is served
+        after a reload."""
         check_name(name)
         with self._lock:
+            self._overtaken(name, order)
             if name in self.served and not inplace:
                 raise LoRAError(f"adapter {name!r} is already loaded (load_inplace replaces it)")
-            op = self._next_op(name)
+            self._last_op[name] = order
         adapter = self.read(name, path)
         with self._lock:
-            if self._last_op[name] != op:
-                raise LoRAError(
-                    f"adapter {name!r}: a later load or unload of it came first; this load is dropped"
-                )
+            self._overtaken(name, order)
             self.served[name] = (adapter.path, adapter.identity)
             self._hold(adapter)
         return adapter
@@ -417,9 +416,13 @@ class LoRARegistry:
             self._hold(adapter)
             return adapter
 
-    def remove(self, name: str) -> bool:
+    def remove(self, name: str, order: int) -> bool:
+        """Stop serving `name`, as operation number `order`; False: none of that name is served, or a later
+        load of it came first (that load stays)."""
         with self._lock:
-            self._next_op(name)
+            if order < self._last_op.get(name, 0):
+                return False
+            self._last_op[name] = order
             self._held.pop(name, None)
             return self.served.pop(name, None) is not None
 
@@ -428,10 +431,11 @@ class LoRARegistry:
         with self._lock:
             return list(self._held)
 
-    def _next_op(self, name: str) -> int:
-        self._ops += 1
-        self._last_op[name] = self._ops
-        return self._ops
+    def _overtaken(self, name: str, order: int) -> None:
+        if self._last_op.get(name, 0) > order:
+            raise LoRAError(
+                f"adapter {name!r}: a later load or unload of it came first; this load is dropped"
+            )
 
     def _hold(self, adapter: LoRAAdapter) -> None:
         self._alive[adapter.identity] = adapter

@@ -9,7 +9,8 @@ business (`daemon/server/weights/routes.py`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 INITIAL_VERSION = "initial"  # the version of weights loaded without --weight-version
@@ -86,16 +87,28 @@ class SetVersion:
     version: str
 
 
+# Every run-time load and unload is numbered where it is made (the server, under its LoRA lock), so a
+# rank can tell an operation the server has already moved past: a load still queued when the server gave
+# up on it and undid it starts after the undo on the rank, and must not land.
+_lora_orders = itertools.count(1)
+
+
+def next_lora_order() -> int:
+    return next(_lora_orders)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadLoRA:
     name: str
     path: str
     inplace: bool  # replace an adapter of that name (its new identity keys new blocks)
+    order: int = field(default_factory=next_lora_order)
 
 
 @dataclass(frozen=True, slots=True)
 class UnloadLoRA:
     name: str
+    order: int = field(default_factory=next_lora_order)
 
 
 WeightOp = (
