@@ -12,6 +12,9 @@
   start and calls in flight get `shutdown_grace_s` to finish, the others are left Pending (in doubt).
 - The caller's hooks, all optional: `pod_gone(target)` is asked before every call (so a token never goes to
   an address that no longer belongs to the target) and says why the target no longer counts, or None;
+  `pod_starting(target)` says the pod is still loading its model (never Ready since its engine started): it
+  is waited for, before its first call and whenever it cannot be reached, never failed for it, and Skipped
+  (reason Starting) if it still is at the deadline;
   `checkpoint(results)` receives progress at most once per `progress_interval_s`, best effort (its errors
   never stop the fan-out); `on_call(verdict, code)` hears of every call, for the caller's own metrics.
 - A reply is read up to MAX_REPLY_BYTES and judged from that; what of it may be reported is redact.py's rule.
@@ -36,7 +39,7 @@ from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.engines import Engine, Judgement, ResetCall, Verdict, engine_for
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
-from kvpilot.fanout.results import STILL_WARM, Outcome, PodResult, Verified, initial_results
+from kvpilot.fanout.results import STARTING, STILL_WARM, Outcome, PodResult, Verified, initial_results
 from kvpilot.fanout.targets import ResetSettings, Target, address
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,10 @@ log = logging.getLogger(__name__)
 Checkpoint = Callable[[list[PodResult]], Awaitable[None]]
 # pod_gone(target) -> why the target no longer counts (deleted, replaced, new IP), or None while it is there.
 PodGone = Callable[[Target], Awaitable[str | None]]
+# pod_starting(target) -> whether the pod is still starting (it holds nothing yet: waited for, not failed).
+PodStarting = Callable[[Target], Awaitable[bool]]
+# How often a starting pod is looked at again (answered from the caller's memory: its pod watch).
+STARTING_POLL_S = 0.5
 # on_call(verdict, code): one per call made, with its Verdict value and the HTTP status as text ("0": no
 # reply); once more with ("Failed", "deadline") for a target whose deadline passed before its next call.
 OnCall = Callable[[str, str], None]
@@ -79,6 +86,10 @@ class _Gone(Exception):
     """pod_gone said the target no longer counts (deleted, replaced, new IP): it is Skipped."""
 
 
+class _Starting(Exception):
+    """The pod was still starting at the deadline: it is Skipped, reason STARTING."""
+
+
 class _Pod:
     """One target's calls: its address, the fan-out's pool, limiter, deadline and pod_gone check."""
 
@@ -90,10 +101,11 @@ class _Pod:
         deadline: float,
         limiter: asyncio.Semaphore | None,
         pod_gone: PodGone | None,
+        pod_starting: PodStarting | None,
     ) -> None:
         assert res.target is not None
         self.pool, self.settings, self.deadline, self.limiter = pool, settings, deadline, limiter
-        self.target, self.pod_gone = res.target, pod_gone
+        self.target, self.pod_gone, self.pod_starting = res.target, pod_gone, pod_starting
         self.identity = res.target.uid or res.target.name
         self.host, self.port, self.tls, self.prefix = address(res.target, settings)
 
@@ -125,6 +137,23 @@ class _Pod:
             return await _send(
                 self.pool, ep, min(self.settings.request_timeout_s, remaining), self.settings.token
             )
+
+    async def wait_started(self) -> bool:
+        """Wait while the pod is starting; whether it was. Raises _Gone when it goes meanwhile, _Starting
+        when it still starts at the deadline."""
+        if self.pod_starting is None or not await self.pod_starting(self.target):
+            return False
+        while await self.pod_starting(self.target):
+            if self.pod_gone is not None and (reason := await self.pod_gone(self.target)):
+                raise _Gone(reason)
+            left = self.deadline - time.monotonic()
+            if left <= 0.01:
+                raise _Starting(
+                    f"still starting at the deadline (timeoutSeconds {self.settings.timeout_s:g}s): not Ready "
+                    "since its engine container started, so no Service or router has sent it traffic; not called"
+                )
+            await asyncio.sleep(min(STARTING_POLL_S, left))
+        return True
 
     async def ask(
         self, method: str, path: str, body: dict[str, Any] | None, headers: tuple[str, ...]
@@ -190,6 +219,9 @@ async def _reset_call(
             _decide(res, Outcome.FAILED, j.message, started)
             return None
         last = j.message
+        if not status and await pod.wait_started():  # it was starting: not its failure, call it again now
+            transient = 0
+            continue
         if j.verdict is Verdict.TRANSIENT:
             transient += 1
             if transient > settings.retries_per_pod:
@@ -209,6 +241,7 @@ async def _reset_one(
     settings: ResetSettings,
     deadline: float,
     pod_gone: PodGone | None,
+    pod_starting: PodStarting | None,
     limiter: asyncio.Semaphore | None,
     on_call: OnCall,
     run_id: str,
@@ -217,11 +250,15 @@ async def _reset_one(
     final result; `res` is updated in place."""
     engine = engine_for(settings.engine)
     started = time.monotonic()
-    pod = _Pod(pool, res, settings, deadline, limiter, pod_gone)
+    pod = _Pod(pool, res, settings, deadline, limiter, pod_gone, pod_starting)
     try:
+        await pod.wait_started()  # a pod loading its model is reset (and its canary sent) once it is up
         await _reset_checked(pod, res, engine, started, on_call, run_id)
     except _Gone as gone:
         _decide(res, Outcome.SKIPPED, str(gone), started)
+    except _Starting as still:
+        _decide(res, Outcome.SKIPPED, str(still), started)
+        res.reason = STARTING
 
 
 async def _reset_checked(
@@ -291,6 +328,7 @@ async def run_fanout(
     deadline: float | None = None,
     checkpoint: Checkpoint | None = None,
     pod_gone: PodGone | None = None,
+    pod_starting: PodStarting | None = None,
     limiter: asyncio.Semaphore | None = None,
     stop: asyncio.Event | None = None,
     on_call: OnCall | None = None,
@@ -337,7 +375,7 @@ async def run_fanout(
                 res = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            await _reset_one(pool, res, settings, deadline, pod_gone, limiter, on_call, run_id)
+            await _reset_one(pool, res, settings, deadline, pod_gone, pod_starting, limiter, on_call, run_id)
 
     async def progress(checkpoint: Checkpoint) -> None:
         while True:

@@ -41,6 +41,8 @@ class Verified(enum.StrEnum):
 
 # PodResult.reason: the pod said it reset, and its canary was still served from cache
 STILL_WARM = "StillWarm"
+# PodResult.reason of a Skipped pod: still starting at the deadline (never Ready since its engine started)
+STARTING = "Starting"
 
 
 @dataclass(slots=True)
@@ -61,7 +63,7 @@ class PodResult:
     cleared: list[str] = field(default_factory=list)  # the cache tiers its engine says the reset cleared
     verified: Verified | None = None  # None: not asked
     verify_message: str = ""  # how it was verified, or why it could not be
-    reason: str = ""  # a machine-readable cause of a failure (STILL_WARM); empty otherwise
+    reason: str = ""  # a machine-readable cause of a failure (STILL_WARM) or a skip (STARTING); else empty
     target: Target | None = field(default=None, repr=False, compare=False)
 
 

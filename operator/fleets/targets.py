@@ -14,6 +14,7 @@ from kvpilot.kube.fleet_members import is_member, workload_controllers
 from kvpilot.operator.fleets import builders, tokens
 from kvpilot.operator.fleets.builders import FLEETS
 from kvpilot.operator.kube.api import Kube
+from kvpilot.operator.kube.conditions import parse_time
 from kvpilot.operator.kube.owners import controlled_by
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.specs import FleetSpec, SecretKeyRef
@@ -51,6 +52,35 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
     return Target(
         meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
     )
+
+
+# The kubelet reports a restarted container's pod not Ready a status sync after the container started:
+# a Ready=False that follows the start by less than this is the start's own, not a fall from Ready
+# (readiness probes take periodSeconds x failureThreshold, 10 s at least by default, to take a pod out).
+READY_SYNC_SLACK_S = 5.0
+
+
+def starting(pod: dict[str, Any], container: str | None) -> bool:
+    """Whether the pod's engine container runs but the pod has not been Ready since it started: it is
+    still loading its model, no Service or router has sent it traffic, and its process has cached
+    nothing (a disk tier may hold what an earlier container wrote, so a reset waits for it rather than
+    passing it by)."""
+    st = pod.get("status") or {}
+    engines = [
+        c
+        for c in st.get("containerStatuses") or []
+        if "running" in (c.get("state") or {}) and (container is None or c.get("name") == container)
+    ]
+    if not engines or any(c.get("ready") for c in engines):
+        return False
+    ready = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
+    if ready is None:
+        return True
+    if ready.get("status") == "True":
+        return False
+    fell = parse_time(ready.get("lastTransitionTime"))
+    began = max((parse_time(c["state"]["running"].get("startedAt")) or 0.0) for c in engines)
+    return fell is None or fell <= began + READY_SYNC_SLACK_S
 
 
 async def secret_token(

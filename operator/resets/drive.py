@@ -236,7 +236,9 @@ async def _run(
 
             # Each pod is looked at once, as it is decoded: its target, and its identity for the pod watch.
             def list_pods(plan: Plan = plan) -> Awaitable[Any]:
-                return kube.list_pods(ns, plan.selector, lambda p: (pod_target(p, plan), identity(p)))
+                return kube.list_pods(
+                    ns, plan.selector, lambda p: (pod_target(p, plan), identity(p, plan.container))
+                )
 
             pods, version = await with_retries(
                 "list pods",
@@ -275,7 +277,10 @@ async def _run(
             message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
         )
         listed = {t.name: ident for t, ident in pods}
-        async with PodWatch(kube, ns, plan.selector, listed, version) as watch, _stop_flag(stopped) as stop:
+        async with (
+            PodWatch(kube, ns, plan.selector, plan.container, listed, version) as watch,
+            _stop_flag(stopped) as stop,
+        ):
             results = await run_fanout(
                 targets,
                 settings_for(spec, plan),
@@ -285,6 +290,7 @@ async def _run(
                     progress.write({**running, **pod_status(now, spec.verify)}, "progress")
                 ),
                 pod_gone=watch.gone,  # asked before every call
+                pod_starting=watch.starting,  # a pod loading its model is waited for, not failed
                 limiter=limiter,
                 stop=stop,
                 on_call=metrics.count_pod_call,

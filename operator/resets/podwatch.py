@@ -21,30 +21,42 @@ from typing import Any
 from kubernetes.watch.watch import iter_resp_lines
 
 from kvpilot.fanout import Target
+from kvpilot.operator.fleets.targets import starting
 from kvpilot.operator.kube.api import Kube
 
 log = logging.getLogger(__name__)
 
-Identity = tuple[str, str, bool]  # (uid, pod IP, terminating)
+Identity = tuple[str, str, bool, bool]  # (uid, pod IP, terminating, starting)
 
 
-def identity(pod: dict[str, Any]) -> Identity:
-    """(uid, pod IP, terminating) of a pod as a dict."""
+def identity(pod: dict[str, Any], container: str | None) -> Identity:
+    """(uid, pod IP, terminating, starting) of a pod as a dict; `container`: its engine container's name
+    (None: any), for `targets.starting`."""
     meta, st = pod["metadata"], pod.get("status") or {}
-    return meta.get("uid", ""), st.get("podIP") or "", bool(meta.get("deletionTimestamp"))
-
-
-def named_identity(pod: dict[str, Any]) -> tuple[str, Identity]:
-    return pod["metadata"]["name"], identity(pod)
+    return (
+        meta.get("uid", ""),
+        st.get("podIP") or "",
+        bool(meta.get("deletionTimestamp")),
+        starting(pod, container),
+    )
 
 
 class PodWatch:
-    def __init__(self, kube: Kube, ns: str, selector: str, pods: dict[str, Identity], version: str) -> None:
-        """`pods`: each listed pod's identity by name (`named_identity`), `version`: the list's
-        resourceVersion, where the watch starts."""
+    def __init__(
+        self,
+        kube: Kube,
+        ns: str,
+        selector: str,
+        container: str | None,
+        pods: dict[str, Identity],
+        version: str,
+    ) -> None:
+        """`pods`: each listed pod's identity by name, `version`: the list's resourceVersion, where the
+        watch starts."""
         self.kube, self.ns, self.selector, self.version = kube, ns, selector, version
+        self.container = container
         self.pods = dict(pods)
-        self._listed = {uid for uid, _, _ in self.pods.values()}  # the pods the reset started with
+        self._listed = {uid for uid, _, _, _ in self.pods.values()}  # the pods the reset started with
         self._stop = threading.Event()
         self._resp: Any = None
         self._thread: threading.Thread | None = None
@@ -53,7 +65,7 @@ class PodWatch:
         now = self.pods.get(target.name)
         if now is None:
             return "pod deleted (or no longer selected) during the reset"
-        uid, ip, terminating = now
+        uid, ip, terminating, _ = now
         if uid != target.uid:
             return "pod replaced during the reset (new uid); not called"
         if terminating:
@@ -62,11 +74,18 @@ class PodWatch:
             return f"pod IP changed during the reset ({target.ip} -> {ip or 'none'}); not called"
         return None
 
+    async def starting(self, target: Target) -> bool:
+        """Whether the pod is still starting (`targets.starting`): the reset waits for it."""
+        now = self.pods.get(target.name)
+        return now is not None and now[3]
+
     def newcomers(self) -> list[str]:
         """Pods selected now that the reset did not start with (replacements of deleted pods, a scale-up),
         by name: they came up after the reset began, so nothing they cache predates it."""
         return sorted(
-            n for n, (uid, _, terminating) in self.pods.items() if uid not in self._listed and not terminating
+            n
+            for n, (uid, _, terminating, _) in self.pods.items()
+            if uid not in self._listed and not terminating
         )
 
     async def __aenter__(self) -> PodWatch:
@@ -90,6 +109,9 @@ class PodWatch:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
 
+    def _named(self, pod: dict[str, Any]) -> tuple[str, Identity]:
+        return pod["metadata"]["name"], identity(pod, self.container)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -100,7 +122,7 @@ class PodWatch:
                 log.info("pod watch of %s restarts with a fresh list: %s", self.ns, exc)
                 self._stop.wait(0.2)  # a watch the server keeps refusing is not asked again in a tight loop
                 try:
-                    pods, self.version = self.kube.list_pods_sync(self.ns, self.selector, named_identity)
+                    pods, self.version = self.kube.list_pods_sync(self.ns, self.selector, self._named)
                     self.pods = dict(pods)
                 except Exception as exc2:  # noqa: BLE001 - retried after a pause
                     log.warning("pod list of %s failed: %s", self.ns, exc2)
@@ -132,7 +154,7 @@ class PodWatch:
                 if kind == "DELETED":
                     self.pods.pop(meta.get("name", ""), None)
                 elif kind in ("ADDED", "MODIFIED"):
-                    self.pods[meta["name"]] = identity(pod)
+                    self.pods[meta["name"]] = identity(pod, self.container)
         finally:
             self._resp.close()
             self._resp.release_conn()

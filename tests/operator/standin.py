@@ -6,7 +6,8 @@ POST /reset_prefix_cache clears the pool, and the offload tier only with reset_e
 
 Used in-process by the unit tests and as a pod's command by the cluster tests (a daemon where the model
 is not the point): `python standin.py --engine kvpilot --host $(POD_IP) --port 8000 [--reset-status 500]`.
-Every reset call is counted (GET /calls) so tests can prove that no pod was reset twice.
+Every reset call is counted (GET /calls) so tests can prove that no pod was reset twice. STANDIN_LOAD_SECONDS
+makes it wait that long before it listens, as a daemon loading its model does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -188,6 +190,8 @@ def main() -> None:
         offload=os.environ.get("STANDIN_OFFLOAD") == "1",
     )
     print(json.dumps(vars(a)), flush=True)
+    # a daemon loading its model: running, not listening (connections refused) and not Ready meanwhile
+    time.sleep(float(os.environ.get("STANDIN_LOAD_SECONDS", 0)))
     web.run_app(s.app(), host=a.host, port=a.port, print=None, handle_signals=True)
 
 

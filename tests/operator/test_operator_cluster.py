@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.operator import rbac
+from kvpilot.operator.fleets.targets import starting
 from support.cluster import Cluster
 from support.operator import (
     OP_NS,
@@ -249,6 +250,38 @@ def test_failed_skipped_and_not_supported_pods(cluster: Cluster, ns: str) -> Non
         "get", "events", "-n", ns, "--field-selector", "involvedObject.name=mixed"
     ).stdout
     assert "PodResetFailed" in events
+
+
+def test_a_pod_still_loading_its_model_is_waited_for_not_failed(cluster: Cluster, ns: str) -> None:
+    """Issue 42's trip: `kubectl wait` says the fleet is Available while its second pod still loads its
+    model; a reset then got "connection refused" and ended Failed. A pod not Ready since its engine started
+    is waited for and reset once up; one that outlasts the deadline is Skipped (reason Starting)."""
+    ready = standin_pods(cluster, ns, "warm", 1, [])
+    for name, seconds in (("loading", "6"), ("stuck", "600")):
+        apply_ns(
+            cluster,
+            ns,
+            standin_deployment(
+                name, 1, {"fleet": "starting"}, [{"name": "STANDIN_LOAD_SECONDS", "value": seconds}]
+            ),
+        )
+    cluster.kubectl("label", "pod", next(iter(ready)), "fleet=starting", "-n", ns)
+
+    def running_not_ready() -> bool:
+        items = cluster.kubectl_json("get", "pods", "-n", ns, "-l", "fleet=starting")["items"]
+        loading = [p for p in items if p["metadata"]["labels"]["app"] in ("loading", "stuck")]
+        return len(loading) == 2 and all(starting(p, None) for p in loading)
+
+    wait_for(running_not_ready, 60, "the loading pods running, not Ready")
+    spec = {"selector": {"matchLabels": {"fleet": "starting"}}, "timeoutSeconds": 15, "retriesPerPod": 1}
+    apply_ns(cluster, ns, pcr("starting", spec))
+    r = wait_phase(cluster, ns, "starting", 60)
+    pods = {p["name"].rsplit("-", 2)[0]: p for p in r["status"]["pods"]}
+    assert pods["warm"]["result"] == "Succeeded" and pods["loading"]["result"] == "Succeeded", pods
+    assert pods["stuck"]["result"] == "Skipped" and pods["stuck"]["reason"] == "Starting", pods["stuck"]
+    assert (r["status"]["phase"], r["status"]["skipped"]) == ("Succeeded", 1), r["status"]
+    loading_ip = next(iter(pod_ips(cluster, ns, "app=loading").values()))
+    assert http("GET", f"http://{loading_ip}:8000/calls")["resets"] == 1
 
 
 def killed_mid_fanout(cluster: Cluster, ns: str, operator: OperatorProcess, engine: str) -> None:

@@ -175,6 +175,53 @@ def test_unreachable_pod_fails_and_a_gone_or_moved_pod_is_skipped_before_any_cal
     assert r["noip"]["result"] == "Skipped" and r["noip"]["attempts"] == 0 and "noip" not in asked
 
 
+def test_a_starting_pod_is_waited_for_and_reset_once_up_never_failed() -> None:
+    """A pod still loading its model refuses connections: the reset waits for it (no call counted against
+    retriesPerPod) and resets it once it is up; one still starting at the deadline is Skipped, reason
+    Starting, not Failed. A pod that refuses connections and is not starting still fails as before."""
+    port = free_port()
+    late = Standin()
+    up = asyncio.Event()
+    starting = {"late": True, "never": True}
+
+    async def pod_starting(t: Target) -> bool:
+        return starting.get(t.name, False)
+
+    async def go() -> list[PodResult]:
+        async def come_up() -> None:  # the model loads for a while, then the pod listens and turns Ready
+            await asyncio.sleep(1.5)
+            runner = web.AppRunner(late.app())
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.7.1", port).start()
+            starting["late"] = False
+            up.set()
+            await asyncio.sleep(30)
+            await runner.cleanup()
+
+        loading = asyncio.create_task(come_up())
+        try:
+            targets = [
+                Target("late", "127.0.7.1"),
+                Target("never", "127.0.7.202"),
+                Target("down", "127.0.7.203"),
+            ]
+            st = ResetSettings(port=port, retries_per_pod=1, backoff_base_s=0.01, timeout_s=4)
+            return await run_fanout(
+                targets, st, deadline=time.monotonic() + 4, checkpoint=Recorder(), pod_starting=pod_starting
+            )
+        finally:
+            loading.cancel()
+
+    records = asyncio.run(go())
+    r = by_name(records)
+    assert r["late"]["result"] == "Succeeded" and late.resets == 1, r["late"]
+    assert r["never"]["result"] == "Skipped" and r["never"]["reason"] == "Starting", r["never"]
+    assert "still starting" in r["never"]["message"] and r["never"]["attempts"] == 0
+    assert r["down"]["result"] == "Failed" and "cannot connect" in r["down"]["message"]
+    assert outcome(records)[:2] == ("Failed", "PodsFailed")
+    assert outcome([x for x in records if x.name != "down"])[:2] == ("Succeeded", "AllPodsReset")
+
+
 def test_sliding_window_one_slow_pod_does_not_hold_the_others() -> None:
     s = [Standin(delay=1.5)] + [Standin(delay=0.05) for _ in range(24)]
     t0 = time.monotonic()

@@ -10,7 +10,7 @@ from kvpilot.fanout import PodResult
 from kvpilot.fanout.results import STILL_WARM
 from kvpilot.operator import rbac
 from kvpilot.operator.cli import add_operator_parser, add_reset_parser, describe_pod, reset_body
-from kvpilot.operator.fleets.targets import Plan, pod_target
+from kvpilot.operator.fleets.targets import Plan, pod_target, starting
 from kvpilot.operator.resets.drive import outcome
 from kvpilot.operator.resets.status import pod_status, verified_condition
 
@@ -49,6 +49,27 @@ def test_who_is_called_ready_or_not() -> None:
     assert "no running engine container 'kvpilot'" in pod_target(pod(running=False), PLAN).skip_reason
     # a pod that only wears the fleet's labels never gets the fleet's token
     assert "not run by the InferenceDeployment" in pod_target(pod(controller="stranger"), PLAN).skip_reason
+
+
+def test_a_pod_is_starting_until_it_has_been_ready_since_its_engine_started() -> None:
+    def at(started: str, ready: str | None, since: str | None, container_ready: bool = False) -> dict:
+        p = pod()
+        st = p["status"]
+        st["containerStatuses"][0].update(state={"running": {"startedAt": started}}, ready=container_ready)
+        st["conditions"] = (
+            [] if ready is None else [{"type": "Ready", "status": ready, "lastTransitionTime": since}]
+        )
+        return p
+
+    assert starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z"), "kvpilot")  # loading
+    assert starting(at("2026-01-01T00:01:00Z", None, None), "kvpilot")  # no condition reported yet
+    # restarted: the kubelet marked it not Ready a sync after the new container started
+    assert starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:01:03Z"), "kvpilot")
+    # Ready since it started, then failing its probe a minute on: it may hold what it cached
+    assert not starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:02:00Z"), "kvpilot")
+    assert not starting(at("2026-01-01T00:01:00Z", "True", "2026-01-01T00:01:20Z", True), "kvpilot")
+    assert not starting(pod(running=False), "kvpilot")  # not running: Skipped by pod_target instead
+    assert not starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z"), "sidecar")
 
 
 def rec(name: str, result: str, message: str = "") -> PodResult:
