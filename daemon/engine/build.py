@@ -78,7 +78,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len = pool_tokens
 
     offload = _start_offload(config, model, dtype, loaded.model_dir) if config.offloads_kv else None
-    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, offload)
+    pin_cap = int(num_blocks * config.pinned_prefix_cap_ratio) if config.enable_pinned_prefix else 0
+    kv = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        offload,
+        config.prefix_cache_eviction_policy,
+        pin_cap,
+    )
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler.max_loras = config.max_loras if config.enable_lora else None
     loras = _load_loras(config, model, dtype, device)

@@ -83,6 +83,7 @@ class EngineRequest:
     restartable: bool = False  # not streamed: a weight swap may start it again (weights/control.py)
     weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
     lora_name: str | None = None  # the adapter it runs under (--lora-modules); None: the base model
+    pin_prefix: bool = False  # pin its prompt's full blocks when it ends (--enable-pinned-prefix)
 
 
 @dataclass(slots=True)
@@ -188,6 +189,10 @@ class EngineClient(WeightOperations, Protocol):
     ) -> list[ResetResult]:
         """Reset every rank's prefix cache (or `scope`'s part of it) between two of its steps: one
         result per rank, a failed one for a rank that errs or does not answer within `timeout`."""
+
+    async def unpin_ranks(self, timeout: float, scope: ResetScope | None = None) -> list[RankReply]:
+        """Let go of every rank's pinned blocks (or `scope`'s) between two of its steps: one reply per
+        rank, `{"unpinned_blocks": n}` or the error of a rank that errs or does not answer in time."""
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         """Where KV events are published (`GET /kv_events`), None when they are off."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its fla
     import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru", "lfu")  # --prefix-cache-eviction-policy (kv/block_pool.py)
 ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv/publisher.py)
 
 
@@ -109,6 +110,29 @@ class EngineConfig:
     )
     kv_offloading_dir_size: float = field(
         default=16.0, metadata=flag("most GiB the --kv-offloading-dir tier may take", metavar="GiB")
+    )
+    enable_pinned_prefix: bool = field(
+        default=False,
+        metadata=flag(
+            "let a request pin its prompt's full blocks (pin_prefix: true): pinned blocks are never "
+            "evicted until POST /unpin_all_pinned_prefixes or a reset"
+        ),
+    )
+    pinned_prefix_cap_ratio: float = field(
+        default=0.2,
+        metadata=flag(
+            "share of the KV blocks that may be pinned; a pin past it is refused (the request is served, "
+            "its reply says so)",
+            metavar="RATIO",
+        ),
+    )
+    prefix_cache_eviction_policy: str = field(
+        default="lru",
+        metadata=flag(
+            "which cached block a new one evicts: lru (least recently used) or lfu (least often hit, "
+            "least recently used among equals)",
+            choices=list(EVICTION_POLICIES),
+        ),
     )
     data_parallel_size: int = field(
         default=1,
@@ -212,6 +236,14 @@ class EngineConfig:
                     f"weight_version {self.weight_version!r} is reserved (the daemon reports 'initial' for "
                     "weights loaded unnamed, 'mixed' for ranks that differ): name the weights otherwise"
                 )
+        if not 0.0 < self.pinned_prefix_cap_ratio <= 1.0:
+            raise ValueError("pinned_prefix_cap_ratio must be in (0, 1]")
+        if self.prefix_cache_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"prefix_cache_eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.enable_pinned_prefix and not self.enable_prefix_caching:
+            raise ValueError(
+                "enable_pinned_prefix pins prefix-cache blocks: it needs --enable-prefix-caching"
+            )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         if self.enable_lora:

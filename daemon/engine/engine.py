@@ -70,17 +70,19 @@ class LLMEngine:
         lora_name: str | None = None,
         *,
         adapter: LoRAAdapter | None = None,
+        pin_prefix: bool = False,
     ) -> list[Request]:
         """Queue one request: `params.n` sequences sharing the prompt. Their outputs carry
         `request_id` and the sequence's `index`. `restartable`: nothing of it reaches the client before
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
         (`weights/control.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
-        a restart keeps the one it began with, unloaded since or not). While paused it is held, not
+        a restart keeps the one it began with, unloaded since or not); `pin_prefix` pins its prompt's full
+        blocks when it ends (the last output's `pin` says what it got). While paused it is held, not
         scheduled, until `resume` (`submit` queues it)."""
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
         req = EngineRequest(
-            request_id, prompt, params, cache_salt, None, restartable, weight_version, lora_name
+            request_id, prompt, params, cache_salt, None, restartable, weight_version, lora_name, pin_prefix
         )
         return self.submit(req, adapter)
 
@@ -174,6 +176,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=seq.cumulative_logprob,
             weight_version=self.weight_version,
+            pin=seq.pinned if done else None,
         )
         if done:
             self.sampler.forget(seq.request_id)
@@ -186,6 +189,10 @@ class LLMEngine:
     ) -> ResetResult:
         """Make every cached block unreachable now, or those of one scope (`CacheControl.reset`)."""
         return self.cache.reset(reset_running_requests, scope)
+
+    def unpin_prefixes(self, scope: ResetScope | None = None) -> int:
+        """Let go of every pinned block, or those of one scope (`CacheControl.unpin`); how many."""
+        return self.cache.unpin(scope)
 
     def stats(self) -> CacheStats:
         return dataclasses.replace(self.cache.stats(), lora_reloads=self.loras.reloads)
@@ -236,7 +243,13 @@ class LLMEngine:
         self.set_weight_version(version)
         for a, lora in again:  # with the new weights and keys, each under the adapter it began with
             self.add_request(
-                a.request_id, a.prompt_token_ids, a.params, a.cache_salt, restartable=True, adapter=lora
+                a.request_id,
+                a.prompt_token_ids,
+                a.params,
+                a.cache_salt,
+                restartable=True,
+                adapter=lora,
+                pin_prefix=a.pin_prefix,
             )
         return outputs
 

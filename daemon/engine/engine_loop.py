@@ -202,6 +202,15 @@ class EngineLoop(WeightOperations):
             log.exception("prefix cache reset failed")
             return [ResetResult.failed(0, f"reset failed: {type(exc).__name__}")]
 
+    async def unpin_ranks(self, timeout: float, scope: ResetScope | None = None) -> list[RankReply]:
+        try:
+            unpin = self.call(lambda engine: engine.unpin_prefixes(scope))
+            return [RankReply(0, value={"unpinned_blocks": await asyncio.wait_for(unpin, timeout)})]
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported per rank (a timeout as TIMEOUT)
+            return [RankReply.of(0, exc, timeout)]
+
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         publisher = self.engine.kv_events
         return None if publisher is None else publisher.describe(reached_host)

@@ -18,6 +18,21 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PinResult:
+    """What a request's `pin_prefix` got: its prompt's full blocks pinned (`blocks`, those pinned before
+    included), or why none were (`reason`): "disabled" (no --enable-pinned-prefix), "cap" (more than
+    --pinned-prefix-cap-ratio of the pool would be pinned), "not_cached" (no full block of the prompt is in
+    the cache, e.g. a reset came first), "aborted"."""
+
+    pinned: bool
+    blocks: int = 0
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one sequence: the new tokens and, at the end, why it finished.
 
@@ -38,6 +53,7 @@ class RequestOutput:
     weight_version: str | None = None  # the weights that computed these tokens
     # A weight swap starts this sequence again from its prompt: drop what it produced so far.
     restart: bool = False
+    pin: PinResult | None = None  # with the last output of a request that asked `pin_prefix`
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +72,7 @@ class ResetResult:
     # "disk" when those offload tiers are on.
     evicted_by_tier: dict[str, int] = field(default_factory=dict)
     scope: dict[str, str] | None = None  # what a scoped reset named (kvpilot.kv.reset_scope.ResetScope)
+    unpinned_blocks: int = 0  # pinned blocks the reset dropped (cold means cold: pins go too)
 
     @classmethod
     def failed(cls, rank: int, error: str) -> ResetResult:
@@ -107,6 +124,10 @@ class CacheStats:
     lora_running: tuple[str, ...] = ()  # the adapters of the running requests, sorted
     lora_waiting: tuple[str, ...] = ()  # and of the waiting ones
     lora_reloads: int = 0  # adapters read again from disk after --max-cpu-loras let them go (thrash)
+    pinned_blocks: int = 0  # blocks pinned by requests' pin_prefix (never evicted)
+    pinned_blocks_cap: int = 0  # at most this many (0: pinning is off)
+    pins_refused: int = 0  # requests whose pin_prefix was refused (the cap), since start
+    eviction_policy: str = "lru"  # which cached block an allocation evicts first
 
     @classmethod
     def total(cls, ranks: list[CacheStats]) -> CacheStats:
@@ -132,6 +153,10 @@ class CacheStats:
             lora_running=tuple(sorted({n for s in ranks for n in s.lora_running})),
             lora_waiting=tuple(sorted({n for s in ranks for n in s.lora_waiting})),
             lora_reloads=sum(s.lora_reloads for s in ranks),
+            pinned_blocks=sum(s.pinned_blocks for s in ranks),
+            pinned_blocks_cap=sum(s.pinned_blocks_cap for s in ranks),
+            pins_refused=sum(s.pins_refused for s in ranks),
+            eviction_policy=ranks[0].eviction_policy,
         )
 
     @property

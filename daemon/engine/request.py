@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
-from kvpilot.daemon.engine.outputs import TokenLogprob
+from kvpilot.daemon.engine.outputs import PinResult, TokenLogprob
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter
 from kvpilot.kv.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
@@ -118,6 +118,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Logprobs of the tokens sampled since the last output.
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pin_prefix: bool = False  # pin the prompt's full blocks when it ends (one sequence of a group asks)
+    pinned: PinResult | None = None  # what that pin got
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -196,6 +198,7 @@ def new_group(
         )
         for i in range(params.n)
     ]
+    seqs[0].pin_prefix = req.pin_prefix  # the prompt's blocks are shared: the first sequence pins them
     for follower in seqs[1:]:
         follower.prompt_logprobs = None  # the first sequence scores the prompt for all
     seqs[0].forks = seqs[1:]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager, KVTransfers
-from kvpilot.daemon.engine.outputs import TokenLogprob
+from kvpilot.daemon.engine.outputs import PinResult, TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus
 
 # A request that wants prompt logprobs needs the LM head on every prompt position: cap its prefill
@@ -207,6 +207,8 @@ class Scheduler:
         req.finish_reason = reason
         self.running.remove(req)
         req.status = RequestStatus.FINISHED
+        if req.pin_prefix:  # while it still holds its blocks: none can be evicted in between
+            req.pinned = PinResult(False, reason="aborted") if reason == "abort" else self.kv.pin_prompt(req)
         self.kv.free(req)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -78,6 +78,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.router.add_route("GET", "/flush_cache", reset_prefix_cache)
     app.router.add_post("/flush_cache", reset_prefix_cache)
     app.router.add_get("/prefix_cache", prefix_cache)
+    app.router.add_post("/unpin_all_pinned_prefixes", unpin_all_pinned_prefixes)
     app.router.add_get("/openapi.json", openapi_schema)
     app.router.add_get("/kv_events", kv_events)
     for method, path, handler in WEIGHT_ROUTES + LORA_ROUTES:
@@ -200,14 +201,54 @@ async def kv_events(request: web.Request) -> web.Response:
     return json_response(where)
 
 
-async def reset_prefix_cache(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    m = state.metrics.resets
-    if not authorized(request.headers.get("Authorization"), state.settings.admin_token):
-        m.labels("unauthorized").inc()
+def _admin_only(request: web.Request) -> None:
+    if not authorized(request.headers.get("Authorization"), request.app[STATE].settings.admin_token):
         raise ApiError(
             401, "a valid admin token is required: Authorization: Bearer <token>", code="invalid_admin_token"
         )
+
+
+async def unpin_all_pinned_prefixes(request: web.Request) -> web.Response:
+    """vLLM PR 27046's route: every pinned block let go (or, with a scoped reset's parameters, those of one
+    adapter, salt, weight version or tenant), on every rank. The blocks stay cached, evicted in turn."""
+    state = request.app[STATE]
+    _admin_only(request)
+    raw = await request.read()
+    scope = parse_reset_scope(request.query, parse_json_object(raw) if raw.strip() else None)
+    try:
+        ranks = await state.engine.unpin_ranks(state.settings.reset_timeout, scope)
+    except EngineDeadError:
+        raise ApiError(503, "the engine is not running", code="engine_unavailable") from None
+    failed = [r for r in ranks if r.error is not None]
+    if failed:
+        names = ", ".join(f"{r.rank} ({r.error})" for r in failed)
+        err = ApiError(500, f"unpinning failed on rank {names}", code="unpin_failed")
+        return error_response(err, {"success": False})
+    unpinned = sum(int(cast(JSONObject, r.value)["unpinned_blocks"]) for r in ranks)
+    log.info(
+        "unpinned %d blocks%s on %d rank(s)",
+        unpinned,
+        "" if scope is None else f" of {scope.to_dict()}",
+        len(ranks),
+    )
+    return json_response(
+        {
+            "success": True,
+            "scope": None if scope is None else scope.to_dict(),
+            "unpinned_blocks": unpinned,
+            "ranks": [{"rank": r.rank, **cast(JSONObject, r.value)} for r in ranks],
+        }
+    )
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    m = state.metrics.resets
+    try:
+        _admin_only(request)
+    except ApiError:
+        m.labels("unauthorized").inc()
+        raise
     raw = await request.read()
     body = parse_json_object(raw) if raw.strip() else None
     flag = parse_reset_flag("reset_running_requests", request.query.get("reset_running_requests"), body)
@@ -247,6 +288,7 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         "evicted_by_tier": {
             t: sum(r.evicted_by_tier.get(t, 0) for r in ranks) for t in ranks[0].evicted_by_tier
         },
+        "unpinned_blocks": sum(r.unpinned_blocks for r in ranks),
         "ranks": entries,
     }
     log.info(

@@ -157,6 +157,18 @@ class EngineCollector(Collector):
         yield family(
             C, "num_preemptions", "Requests preempted to be recomputed later.", lambda s: s.num_preemptions
         )
+        yield family(
+            G,
+            "prefix_cache_pinned_blocks",
+            "KV blocks pinned by requests' pin_prefix: never evicted until unpinned or reset.",
+            lambda s: s.pinned_blocks,
+        )
+        yield family(
+            C,
+            "prefix_cache_pins_refused",
+            "Requests whose pin_prefix was refused: pinning it would pass --pinned-prefix-cap-ratio.",
+            lambda s: s.pins_refused,
+        )
         yield from self._lora_info([s for _, s in ranks])
         yield from self._offload(ranks, rank_label)
 

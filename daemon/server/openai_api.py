@@ -77,6 +77,7 @@ async def _generate(
                 not req.stream,
                 req.weight_version,
                 req.lora_name,  # as parsed: unloaded since, it is a 404, never the base model
+                req.pin_prefix,
             )
         )
     except QueueFull as exc:

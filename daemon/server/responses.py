@@ -14,7 +14,7 @@ from typing import cast
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineDeadError
-from kvpilot.daemon.engine.outputs import RequestOutput
+from kvpilot.daemon.engine.outputs import PinResult, RequestOutput
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.choices import Choice, Delta, PromptEcho, chat_logprobs, completion_logprobs
 from kvpilot.daemon.server.prepare import Prepared
@@ -37,6 +37,18 @@ def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> J
     if state.engine.info.enable_prefix_caching:
         out["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}
     return out
+
+
+def pinned(finals: dict[tuple[int, int], RequestOutput]) -> JSONObject:
+    """The reply's `pin_prefix` when the request asked for it: whether every prompt's full blocks were
+    pinned, how many blocks, and the first reason one was not (engine/outputs.py `PinResult`)."""
+    pins = [o.pin or PinResult(False, reason="aborted") for (_, j), o in finals.items() if j == 0]
+    pins = pins or [PinResult(False, reason="aborted")]
+    return {
+        "pinned": all(p.pinned for p in pins),
+        "blocks": sum(p.blocks for p in pins),
+        "reason": next((p.reason for p in pins if p.reason), None),
+    }
 
 
 # ---- routes -------------------------------------------------------------------------------------
@@ -72,18 +84,18 @@ async def complete(
             body_choices.append(_final_choice(prep, i * req.n + k, c, echoes.get(i)))
     obj = "chat.completion" if prep.chat else "text_completion"
     versions = {o.weight_version for o in finals.values()} or {state.weights.version}
-    return json_response(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": versions.pop() if len(versions) == 1 else "mixed",
-            "choices": body_choices,
-            "usage": usage(state, finals),
-        },
-        headers=ignored_fields_headers(req.ignored_fields),
-    )
+    body: JSONObject = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "system_fingerprint": versions.pop() if len(versions) == 1 else "mixed",
+        "choices": body_choices,
+        "usage": usage(state, finals),
+    }
+    if req.pin_prefix:
+        body["pin_prefix"] = pinned(finals)
+    return json_response(body, headers=ignored_fields_headers(req.ignored_fields))
 
 
 def _final_choice(prep: Prepared, index: int, c: Choice, echo: PromptEcho | None) -> JSONObject:
@@ -227,12 +239,19 @@ class _EventStream:
                 exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
             )
             await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        if req.include_usage:
-            await resp.write(self.chunk([], usage(self.state, finals), final=True))
+        if req.include_usage or req.pin_prefix:  # the last chunk: usage, and what the pin got
+            pin = pinned(finals) if req.pin_prefix else None
+            await resp.write(self.chunk([], usage(self.state, finals), final=True, pin=pin))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
-    def chunk(self, choices: list[JSONObject], usage: JSONObject | None = None, final: bool = False) -> bytes:
+    def chunk(
+        self,
+        choices: list[JSONObject],
+        usage: JSONObject | None = None,
+        final: bool = False,
+        pin: JSONObject | None = None,
+    ) -> bytes:
         body: JSONObject = {
             "id": self.rid,
             "object": self.object,
@@ -243,6 +262,8 @@ class _EventStream:
         }
         if self.req.include_usage:  # as OpenAI: null on every chunk but the last
             body["usage"] = usage if final else None
+        if pin is not None:
+            body["pin_prefix"] = pin
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     def choice(self, index: int, d: Delta) -> JSONObject:

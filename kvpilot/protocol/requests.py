@@ -56,6 +56,7 @@ class GenerateRequest:
     include_usage: bool = False
     cache_salt: str | None = None
     weight_version: str | None = None  # the weights the request must run on
+    pin_prefix: bool = False  # pin the prompt's full blocks once it is computed
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     n: int = 1  # choices per prompt
@@ -216,6 +217,7 @@ def _generate_request(
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         cache_salt=r.cache_salt,
         weight_version=r.weight_version,
+        pin_prefix=bool(r.pin_prefix),
         n=r.n or 1,
         skip_special_tokens=r.skip_special_tokens is not False,
         include_stop_str_in_output=bool(r.include_stop_str_in_output or r.no_stop_trim),

@@ -67,6 +67,11 @@ class _Request(BaseModel):
         max_length=MAX_SCOPE_CHARS,
         description="run only on these weights (409 weight_version_mismatch otherwise)",
     )
+    pin_prefix: Bool | None = Field(
+        None,
+        description="keep the prompt's full blocks cached, never evicted, until unpinned or reset "
+        "(--enable-pinned-prefix); the reply's pin_prefix says whether they were",
+    )
     stream: Bool | None = None
     stream_options: StreamOptions | None = None
 

@@ -206,3 +206,56 @@ def test_a_scoped_reset_does_not_walk_the_pool(num_blocks: int) -> None:
     assert pool.reset_scopes(lambda s: s == SALTED) == num_blocks // 2
     assert sum(1 for b in pool.blocks if b.block_hash is not None) == num_blocks  # nothing walked
     assert pool.num_cached_blocks == num_blocks // 2
+
+
+def test_pinned_blocks_are_never_evicted_until_unpinned_and_a_reset_drops_them() -> None:
+    pool = BlockPool(8, pin_cap=3)
+    pinned, other = _cache(pool, BASE, 2), _cache(pool, SALTED, 2)
+    assert pool.pin(pinned).pinned and pool.num_pinned_blocks == 2
+    assert pool.pin(pinned).blocks == 2 and pool.num_pinned_blocks == 2  # pinning again takes nothing more
+    refused = pool.pin(other)  # 2 + 2 > 3: all or none
+    assert (refused.pinned, refused.reason, pool.pins_refused) == (False, "cap", 1)
+    pool.free(pinned + other)
+    assert pool.num_free_blocks == 6  # the pins hold theirs
+    pool.allocate(6)  # evicts every cached block but the pinned ones
+    assert [pool.lookup(BASE, hash_block(None, [i], None)) for i in range(2)] == pinned
+    assert pool.lookup(SALTED, hash_block(None, [0], "tenant-a")) is None
+    assert pool.unpin(lambda s: s.cache_salt == "tenant-a") == 0  # a scope without pins
+    assert pool.unpin() == 2 and pool.num_pinned_blocks == 0
+    assert pool.num_cached_blocks == 2  # unpinned: still cached, evicted in turn
+    again = _cache(BlockPool(4, pin_cap=4), BASE, 2)
+    assert not BlockPool(4).pin(again).pinned  # pinning off: pin_cap 0
+
+    reset = BlockPool(4, pin_cap=4)
+    blocks = _cache(reset, BASE, 2)
+    reset.pin(blocks)
+    reset.free(blocks)
+    assert reset.reset() == 2 and reset.unpin() == 2
+    assert reset.num_free_blocks == 4 and reset.num_cached_blocks == 0  # cold means cold
+
+
+def test_lfu_evicts_the_least_hit_block_first_and_dead_blocks_before_live_ones() -> None:
+    pool = BlockPool(4, eviction_policy="lfu")
+    hot, cold = _cache(pool, BASE, 1), _cache(pool, BASE, 1, first=1)
+    pool.free(hot + cold)
+    for _ in range(3):  # the hot block is hit three times (freed after each request)
+        pool.touch(hot)
+        pool.free(hot)
+    got = pool.allocate(3)  # the two plain blocks, then the least hit cached one
+    assert cold[0] in got and hot[0] not in got
+    pool.free(got)
+    # LRU on the same story, the cold block freed last: it keeps the cold block and evicts the hot one
+    lru = BlockPool(4)
+    lhot, lcold = _cache(lru, BASE, 1), _cache(lru, BASE, 1, first=1)
+    lru.free(lhot)
+    lru.touch(lhot)
+    lru.free(lhot)
+    lru.free(lcold)
+    assert lhot[0] in lru.allocate(3)
+
+    # a reset makes every block dead: one hit often before is reused before any block cached after it
+    pool.reset()
+    fresh = _cache(pool, BASE, 1, first=7)
+    pool.free(fresh)
+    got = pool.allocate(3)
+    assert fresh[0] not in got and hot[0] in got

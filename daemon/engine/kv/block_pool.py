@@ -1,9 +1,11 @@
 """The fixed pool of KV blocks, its free list and the prefix index.
 
 Every block is in exactly one state: `used` (ref_cnt > 0), `cached` (free, and reachable through a live
-prefix index) or `free` (free and unreachable). Free and cached blocks both sit in one doubly linked free
-queue: unreachable blocks at the head so they are reused first, cached blocks appended at the tail so the
-least recently used one is evicted first.
+prefix index) or `free` (free and unreachable). Free and cached blocks wait in the eviction order
+(`--prefix-cache-eviction-policy`): unreachable blocks are reused first, then the cached block the policy
+names (LRU: the least recently used; LFU: the least often hit). A pinned block (`pin_prefix`) holds a
+reference of its own, so it is never in the eviction order (never evicted, never offloaded) until it is
+unpinned or a reset drops it.
 
 The prefix index is one map per cache scope (the weights, adapter and salt a block was computed under:
 `cache_scope.py`). `reset()` makes every cached block unreachable in O(1): it drops every scope's map and
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
+from kvpilot.daemon.engine.outputs import PinResult
 from kvpilot.kv.block_keys import BlockHash
 
 if TYPE_CHECKING:
@@ -31,6 +34,9 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     index: ScopeIndex | None = None  # the map that indexed it, while block_hash is set
+    hits: int = 0  # prefix-cache hits since it was allocated (LFU's count)
+    pinned: bool = False  # holds a reference of its pin (BlockPool.pin)
+    queue: FreeBlockQueue | None = field(default=None, repr=False)  # LFU: the queue it waits in
     prev: KVBlock | None = field(default=None, repr=False)
     next: KVBlock | None = field(default=None, repr=False)
 
@@ -84,6 +90,93 @@ class FreeBlockQueue:
         return out
 
 
+class LRUOrder:
+    """One queue: unreachable blocks at the head, reused first; cached ones appended at the tail as they
+    are freed, so the least recently used is evicted first. A reset leaves dead blocks where they are:
+    they are taken as they come up."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._queue = FreeBlockQueue(blocks)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push_free(self, block: KVBlock) -> None:
+        self._queue.appendleft(block)
+
+    def push_cached(self, block: KVBlock) -> None:
+        self._queue.append(block)
+
+    def remove(self, block: KVBlock) -> None:
+        self._queue.remove(block)
+
+    def pop(self) -> KVBlock:
+        return self._queue.popleft()
+
+    def reset(self) -> None:
+        pass  # every cached block sits behind the head's free ones and ahead of what is cached next
+
+    def block_ids(self) -> list[int]:
+        """In eviction order (O(blocks): for tests and checks)."""
+        return self._queue.block_ids()
+
+
+class LFUOrder:
+    """Unreachable blocks first; then cached blocks by how often they were hit, in classes of powers of
+    two (0 hits, 1, 2-3, 4-7, ...: a handful of queues, so an eviction looks at a few queue heads), least
+    recently freed first within a class. A full reset moves every class ahead of the live ones at once:
+    their blocks are dead however often they were hit."""
+
+    CLASSES = 16
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._free = FreeBlockQueue([])
+        self._dead: list[FreeBlockQueue] = []  # the classes of before the last resets, oldest first
+        self._classes = [FreeBlockQueue([]) for _ in range(self.CLASSES)]
+        self._len = 0
+        for b in blocks:
+            self.push_free(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push_free(self, block: KVBlock) -> None:
+        self._free.appendleft(block)
+        block.queue = self._free
+        self._len += 1
+
+    def push_cached(self, block: KVBlock) -> None:
+        queue = self._classes[min(block.hits.bit_length(), self.CLASSES - 1)]
+        queue.append(block)
+        block.queue = queue
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.queue is not None, "block is not in the eviction order"
+        block.queue.remove(block)
+        block.queue = None
+        self._len -= 1
+
+    def pop(self) -> KVBlock:
+        while self._dead and not self._dead[0]:
+            del self._dead[0]
+        queue = next((q for q in (self._free, *self._dead[:1], *self._classes) if q), None)
+        if queue is None:
+            raise IndexError("no free blocks")
+        block = queue.popleft()
+        block.queue = None
+        self._len -= 1
+        return block
+
+    def reset(self) -> None:
+        self._dead.extend(q for q in self._classes if q)
+        self._classes = [FreeBlockQueue([]) for _ in range(self.CLASSES)]
+
+    def block_ids(self) -> list[int]:
+        """In eviction order (O(blocks): for tests and checks)."""
+        return [i for q in (self._free, *self._dead, *self._classes) for i in q.block_ids()]
+
+
 @dataclass(slots=True, eq=False)
 class ScopeIndex:
     """One scope's prefix index. Live while it is its pool's map for the scope (a reset of it, or of
@@ -98,12 +191,17 @@ class ScopeIndex:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, eviction_policy: str = "lru", pin_cap: int = 0) -> None:
+        """`pin_cap`: the most blocks requests may pin (0: pinning is off)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free = FreeBlockQueue(self.blocks)
+        self.eviction_policy = eviction_policy
+        self._free = LFUOrder(self.blocks) if eviction_policy == "lfu" else LRUOrder(self.blocks)
+        self.pin_cap = pin_cap
+        self._pinned: dict[KVBlock, None] = {}  # in pin order
+        self.pins_refused = 0
         self._scopes: dict[CacheScope, ScopeIndex] = {}
         self._num_cached_free = 0
         self._retired: list[dict[BlockHash, KVBlock]] = []  # maps dropped by resets, freed after it answered
@@ -126,6 +224,10 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
 
     def is_cached(self, block: KVBlock) -> bool:
         index = block.index
@@ -183,6 +285,7 @@ class BlockPool:
             self._retire(index)
         self._scopes = {}
         self._num_cached_free = 0
+        self._free.reset()
         self.epoch += 1
         if self.events is not None:
             self.events.all_cleared()
@@ -212,10 +315,38 @@ class BlockPool:
     def release_retired(self) -> None:
         self._retired.clear()
 
+    # ---- pins --------------------------------------------------------------------------------
+    def pin(self, blocks: list[KVBlock]) -> PinResult:
+        """Pin cached blocks a request holds, all or none: none when that would pin more than `pin_cap`
+        blocks. A pinned block keeps a reference of its own until `unpin`."""
+        if not self.pin_cap:
+            return PinResult(False, reason="disabled")
+        new = [b for b in blocks if not b.pinned]
+        if len(self._pinned) + len(new) > self.pin_cap:
+            self.pins_refused += 1
+            return PinResult(False, reason="cap")
+        for b in new:
+            assert b.ref_cnt > 0 and self.is_cached(b), "only cached blocks a request holds are pinned"
+            b.pinned = True
+            b.ref_cnt += 1
+            self._pinned[b] = None
+        return PinResult(True, len(blocks))
+
+    def unpin(self, match: Callable[[CacheScope], bool] | None = None) -> int:
+        """Let go of every pin (or those of the scopes `match` names); how many. An unpinned block that is
+        still cached waits in the eviction order like any other; one a reset dropped is free."""
+        chosen = [b for b in self._pinned if match is None or (b.index is not None and match(b.index.scope))]
+        for b in chosen:
+            del self._pinned[b]
+            b.pinned = False
+            self.free([b])
+        return len(chosen)
+
     # ---- allocation --------------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on prefix-cache hits (a free cached block leaves the free queue)."""
         for b in blocks:
+            b.hits += 1
             if b.ref_cnt == 0:
                 self._free.remove(b)
                 if self.is_cached(b):
@@ -229,7 +360,7 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
-            b = self._free.popleft()
+            b = self._free.pop()
             if b.block_hash is not None:
                 if self.is_cached(b):  # evicting the least recently used cached block
                     # is_cached: `index` is set (the ignores below; not re-checked on this hot path)
@@ -243,7 +374,7 @@ class BlockPool:
                         self.on_evict(b, b.block_hash)
                     self._prune(index)  # type: ignore[arg-type]
                 b.block_hash = b.index = None
-            b.ref_cnt = 1
+            b.ref_cnt, b.hits = 1, 0
             out.append(b)
         return out
 
@@ -256,10 +387,10 @@ class BlockPool:
             if b.ref_cnt > 0:
                 continue
             if self.is_cached(b):
-                self._free.append(b)
+                self._free.push_cached(b)
                 self._num_cached_free += 1
                 # is_cached: the block has its index (not re-checked on this hot path)
                 b.index.cached_free += 1  # type: ignore[union-attr]
             else:
                 b.block_hash = b.index = None  # a stale key from a dropped map must never come back
-                self._free.appendleft(b)
+                self._free.push_free(b)

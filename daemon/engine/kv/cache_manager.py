@@ -14,6 +14,7 @@ from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.kv.disk_tier import DiskTier
 from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
 from kvpilot.daemon.engine.kv.offload import KVOffload
+from kvpilot.daemon.engine.outputs import PinResult
 from kvpilot.daemon.engine.request import Request
 from kvpilot.kv.block_keys import BlockHash
 
@@ -61,10 +62,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         offload: KVOffload | None = None,
+        eviction_policy: str = "lru",
+        pin_cap: int = 0,
     ) -> None:
+        """`pin_cap`: the most blocks requests may pin (0: pinning is off)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction_policy, pin_cap if enable_prefix_caching else 0)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_indexed: dict[str, int] = {}
         # The prefix index each request's KV began in: its blocks are indexed there while it is live.
@@ -228,6 +232,22 @@ class KVCacheManager:
         index = self._indexes.pop(req.request_id, None)
         if index is not None:
             self.pool.close_index(index)
+
+    def pin_prompt(self, req: Request) -> PinResult:
+        """Pin the full blocks of the request's prompt that are cached (a run from its start: a block
+        past a gap could never be hit), while the request still holds them."""
+        held = self._blocks.get(req.request_id, ())
+        prompt_blocks = held[: min(req.num_prompt_tokens // self.block_size, len(held))]
+        cached = []
+        for b in prompt_blocks:
+            if not self.pool.is_cached(b):
+                break
+            cached.append(b)
+        if not self.pool.pin_cap:
+            return PinResult(False, reason="disabled")
+        if not cached:
+            return PinResult(False, reason="not_cached")
+        return self.pool.pin(cached)
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(req.request_id, ())]

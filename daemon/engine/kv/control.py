@@ -42,6 +42,7 @@ class CacheControl:
         if scope is None:
             preempted = self.scheduler.preempt_running() if reset_running_requests else 0
             evicted = self.kv.reset_prefix_cache()  # every tier
+            unpinned = self.kv.pool.unpin()  # cold means cold: the dropped blocks are free now
         else:
             match = scope_filter(scope, INITIAL_VERSION)
             preempted = (
@@ -50,6 +51,7 @@ class CacheControl:
                 else 0
             )
             evicted = self.kv.reset_prefix_cache(match)
+            unpinned = self.kv.pool.unpin(match)
         self.resets += 1
         self.last_reset_time = time.time()
         if self.kv_events is not None:
@@ -63,7 +65,13 @@ class CacheControl:
             duration_ms=(time.perf_counter() - start) * 1e3,
             evicted_by_tier=evicted,
             scope=None if scope is None else scope.to_dict(),
+            unpinned_blocks=unpinned,
         )
+
+    def unpin(self, scope: ResetScope | None = None) -> int:
+        """Let go of every pin, or those of one scope (named as a scoped reset names it); the blocks stay
+        cached, evicted in turn like any other. How many were pinned."""
+        return self.kv.pool.unpin(None if scope is None else scope_filter(scope, INITIAL_VERSION))
 
     def stats(self) -> CacheStats:
         pool = self.kv.pool
@@ -85,6 +93,10 @@ class CacheControl:
             max_loras=self.max_loras,
             lora_running=_adapter_names(self.scheduler.running),
             lora_waiting=_adapter_names(self.scheduler.waiting),
+            pinned_blocks=pool.num_pinned_blocks,
+            pinned_blocks_cap=pool.pin_cap,
+            pins_refused=pool.pins_refused,
+            eviction_policy=pool.eviction_policy,
         )
 
 

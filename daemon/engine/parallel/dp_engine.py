@@ -290,6 +290,19 @@ class DataParallelLoop(WeightOperations):
                 results.append(ResetResult.failed(rank.rank, str(reply)))
         return results
 
+    async def unpin_ranks(self, timeout: float, scope: ResetScope | None = None) -> list[RankReply]:
+        """Unpin on every rank at once; a rank that is dead or does not answer fails it."""
+        if all(r.dead for r in self._ranks):
+            raise EngineDeadError(self.error or "the engine loop is not running")
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(self._call(r, "unpin", scope), timeout) for r in self._ranks),
+            return_exceptions=True,
+        )
+        return [
+            RankReply.of(rank.rank, {"unpinned_blocks": reply} if isinstance(reply, int) else reply, timeout)
+            for rank, reply in zip(self._ranks, replies)
+        ]
+
     async def run_weight_op(self, op: WeightOp, timeout: float) -> list[RankReply]:
         """The operation on every rank at once; a rank that is dead or does not answer fails it."""
         replies = await asyncio.gather(

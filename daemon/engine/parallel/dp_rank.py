@@ -181,6 +181,15 @@ class RankWorker:
                 self.outbox.send(("reply", call_id, None, f"reset failed: {type(exc).__name__}"))
             else:
                 self.outbox.send(("reply", call_id, dataclasses.replace(result, rank=self.rank), None))
+        elif kind == "unpin":
+            _, call_id, scope = msg
+            try:
+                unpinned = self.engine.unpin_prefixes(scope)
+            except Exception as exc:  # noqa: BLE001 - the reply names this rank and the error
+                log.exception("unpinning failed")
+                self.outbox.send(("reply", call_id, None, f"unpin failed: {type(exc).__name__}"))
+            else:
+                self.outbox.send(("reply", call_id, unpinned, None))
         elif kind == "stats":
             self.outbox.send(("reply", msg[1], self.engine.stats(), None))
         elif kind == "weights":
