@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpilot.operator.warmups import prompts
+from support import ROOT
 from support.cluster import Cluster, manifest
 from support.operator import (
     OperatorProcess,
@@ -252,3 +254,8 @@ def test_bad_warmup_specs_are_refused_by_the_api_server(
     )
     assert r.returncode != 0 and "spec is immutable" in r.stderr
     assert "pin_prefix" in cluster.kubectl("explain", "pcw.spec.pin").stdout
+    # the examples are specs the API server takes (and the prompts' ConfigMap a list the operator reads)
+    for example in ("warmup-prompts.yaml", "prefixcachewarmup.yaml"):
+        cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", str(ROOT / "examples" / example))
+    cm = yaml.safe_load((ROOT / "examples" / "warmup-prompts.yaml").read_text())
+    assert len(prompts.parse(cm["data"]["prompts.yaml"])) == 2
