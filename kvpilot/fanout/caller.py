@@ -177,20 +177,18 @@ class Pod:
         return None, why
 
 
-async def _reset_call(
-    pod: Pod,
-    res: PodResult,
-    engine: Engine,
-    call: ResetCall,
-    started: float,
-    on_call: OnCall,
-) -> Judgement | None:
-    """One call of the reset, retried until it is final: its successful judgement, or None once `res`
-    holds the target's final result (Failed, NotSupported); raises Gone."""
+# judge(status, text) -> the verdict on one reply (status 0: no reply, text says why)
+Judge = Callable[[int, str], Judgement]
+
+
+async def call_until_final(
+    pod: Pod, res: PodResult, ep: Endpoint, judge: Judge, started: float, on_call: OnCall, what: str
+) -> tuple[Judgement, str] | None:
+    """One call, retried until it is final: its successful judgement and reply text, or None once `res` holds
+    the target's final result (Failed, NotSupported); raises Gone. Transient verdicts are retried up to
+    retries_per_pod times, busy ones until the deadline, both with backoff; a pod that cannot be reached while
+    it starts is waited for. `what` names the run for the deadline's message ("reset", "warmed")."""
     settings = pod.settings
-    ep = pod.endpoint(
-        call.method, call.path, call.body
-    )  # prepared once; the connection is kept per pod (http1.Pool)
     transient = busy = 0
     last = ""
     while True:
@@ -199,18 +197,18 @@ async def _reset_call(
             decide(
                 res,
                 Outcome.FAILED,
-                f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}",
+                f"not {what} within timeoutSeconds ({settings.timeout_s:g}s){why}",
                 started,
             )
             on_call(Verdict.FAILED.value, "deadline")
             return None
         status, text = await pod.send(ep)  # raises Gone before calling a pod that no longer counts
         res.attempts += 1
-        j = engine.judge(call, status, text, settings.token) if status else Judgement(Verdict.TRANSIENT, text)
+        j = judge(status, text) if status else Judgement(Verdict.TRANSIENT, text)
         res.http_status = status
         on_call(j.verdict.value, str(status))
         if j.verdict is Verdict.SUCCEEDED:
-            return j
+            return j, text
         if j.verdict is Verdict.NOT_SUPPORTED:
             decide(res, Outcome.NOT_SUPPORTED, j.message, started)
             return None
@@ -232,6 +230,26 @@ async def _reset_call(
         n = transient if j.verdict is Verdict.TRANSIENT else busy
         delay = backoff_delay(n, settings.backoff_base_s, settings.backoff_max_s)
         await asyncio.sleep(max(0.0, min(delay, pod.deadline - time.monotonic())))
+
+
+async def _reset_call(
+    pod: Pod,
+    res: PodResult,
+    engine: Engine,
+    call: ResetCall,
+    started: float,
+    on_call: OnCall,
+) -> Judgement | None:
+    """One call of the reset, retried until it is final: its successful judgement, or None once `res`
+    holds the target's final result (Failed, NotSupported); raises Gone."""
+    token = pod.settings.token
+    ep = pod.endpoint(call.method, call.path, call.body)  # prepared once; the connection is kept per pod
+
+    def judge(status: int, text: str) -> Judgement:
+        return engine.judge(call, status, text, token)
+
+    done = await call_until_final(pod, res, ep, judge, started, on_call, "reset")
+    return None if done is None else done[0]
 
 
 # job(pod, res, started): one target's calls until `res` is final (the window catches Gone and StillStarting)

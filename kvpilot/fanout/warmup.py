@@ -18,25 +18,35 @@ when every prompt is warm on every rank, cold when one is cold, else unknown. Th
 own where it names one; vLLM names none over HTTP, so its pods are judged with UNNAMED_BLOCK (docs/warmup.md
 says why that and not 16).
 
-Calls are retried as a reset's are: no reply, 5xx, 408, 429 up to `retries_per_pod` times with backoff (a pod
-still starting is waited for, not counted); any other 4xx fails the pod at once. A pod's reply is read up to
+Calls are retried by the reset's loop (`caller.call_until_final`): no reply, 5xx, 408, 429 up to
+`retries_per_pod` times with backoff (a pod still starting is waited for, not counted); any other status fails
+the pod at once. A pod's reply is read up to
 MAX_REPLY_BYTES (http1.py) and only its counts, its pin object's fields and redacted error messages are kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engines import KVPILOT
 from kvpilot.fanout import verify
-from kvpilot.fanout.backoff import backoff_delay
-from kvpilot.fanout.caller import Checkpoint, OnCall, Pod, PodGone, PodStarting, decide, run_window
-from kvpilot.fanout.engines import Engine, engine_for, error_message
+from kvpilot.fanout.caller import (
+    Checkpoint,
+    Judge,
+    OnCall,
+    Pod,
+    PodGone,
+    PodStarting,
+    call_until_final,
+    decide,
+    run_window,
+)
+from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for, error_message
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import (
     NOT_WARM,
@@ -133,6 +143,21 @@ def _pin_object(text: str) -> dict[str, Any] | None:
     return pin if isinstance(pin, dict) else None
 
 
+def _judge(token: str | None) -> Judge:
+    """A warm-up call's verdict: a 200 is an answer; 5xx, 408, 429 transient (retried); any other status is
+    final (404 and 501 too: an engine without the route will not grow one before the deadline)."""
+
+    def judge(status: int, text: str) -> Judgement:
+        if status == 200:
+            return Judgement(Verdict.SUCCEEDED)
+        message = error_message(status, text, token)
+        if status >= 500 or status in (408, 429):
+            return Judgement(Verdict.TRANSIENT, message)
+        return Judgement(Verdict.FAILED, message)
+
+    return judge
+
+
 async def _call(
     pod: Pod,
     res: PodResult,
@@ -143,46 +168,17 @@ async def _call(
     started: float,
     on_call: OnCall,
 ) -> str | None:
-    """One call, retried until final: the 200 reply's text, or None once `res` holds the pod's Failed result.
-    Raises caller.Gone when the pod no longer counts."""
-    settings = pod.settings
+    """One call, retried until final (caller.call_until_final): the 200 reply's text, or None once `res`
+    holds the pod's Failed result, its message naming the call. Raises caller.Gone."""
+    judge = _judge(pod.settings.token)
+
+    def named(status: int, text: str) -> Judgement:
+        j = judge(status, text)
+        return dataclasses.replace(j, message=f"{method} {path}: {j.message}") if j.message else j
+
     ep = pod.endpoint(method, path, body, headers)
-    transient, last = 0, ""
-    while True:
-        if pod.deadline - time.monotonic() <= 0.01:
-            why = f"; last: {last}" if last else ""
-            decide(
-                res,
-                Outcome.FAILED,
-                f"not warmed within timeoutSeconds ({settings.timeout_s:g}s){why}",
-                started,
-            )
-            on_call(Outcome.FAILED.value, "deadline")
-            return None
-        status, text = await pod.send(ep)
-        res.attempts += 1
-        res.http_status = status
-        ok = status == 200
-        on_call(
-            Outcome.SUCCEEDED.value if ok else "Transient" if not status or status >= 500 else "Failed",
-            str(status),
-        )
-        if ok:
-            return text
-        last = f"{method} {path}: " + (error_message(status, text, settings.token) if status else text)
-        if status and status < 500 and status not in (408, 429):
-            decide(res, Outcome.FAILED, last, started)
-            return None
-        if not status and await pod.wait_started():  # it was starting: not its failure, call it again now
-            transient = 0
-            continue
-        transient += 1
-        if transient > settings.retries_per_pod:
-            gave_up = f"gave up after {res.attempts} attempts, {settings.retries_per_pod} retries"
-            decide(res, Outcome.FAILED, f"{last} ({gave_up})", started)
-            return None
-        delay = backoff_delay(transient, settings.backoff_base_s, settings.backoff_max_s)
-        await asyncio.sleep(max(0.0, min(delay, pod.deadline - time.monotonic())))
+    done = await call_until_final(pod, res, ep, named, started, on_call, "warmed")
+    return None if done is None else done[1]
 
 
 async def _warm_one(pod: Pod, res: PodResult, engine: Engine, started: float, on_call: OnCall) -> None:

@@ -20,7 +20,7 @@ from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.specs import WarmupPrompt, WarmupSpec
 
-# The CRD's bounds on inline prompts, the same here for a ConfigMap's (tests/operator/test_warmup_parts.py
+# The CRD's bounds on inline prompts, the same here for a ConfigMap's (tests/operator/test_operator_warmup_parts.py
 # reads both).
 MAX_PROMPTS = 64
 MAX_MESSAGES = 64  # messages in one chat prompt
