@@ -1,7 +1,8 @@
-"""kopf handlers: doors to fleets.reconcile, resets.drive and reset_expiry, nothing more.
+"""kopf handlers: doors to fleets.reconcile, resets.drive, warmups.drive, weights.drive and the expiries, nothing
+more.
 
 Finalizers: kopf puts `kvpilot.io/operator` only on objects a daemon, a timer or a non-optional delete
-handler serves. That is a PrefixCacheReset while it runs (the daemon's filter drops it once it is finished,
+handler serves. That is a PrefixCacheReset (or a PrefixCacheWarmup, a WeightUpdate) while it runs (the daemon's filter drops it once it is finished,
 and kopf then removes the finalizer), and never an InferenceDeployment: what it owns is garbage-collected
 through ownerReferences, and its delete handler only drops gauges (optional). So once no operator runs,
 only a reset that was running when it went keeps a finalizer (docs/install.md, uninstall).
@@ -20,13 +21,22 @@ import kopf
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets import inference_pool
 from kvpilot.operator.fleets import reconcile as fleets
-from kvpilot.operator.fleets.builders import FLEETS, GROUP, MANAGED_BY, RESETS, VERSION, WEIGHT_UPDATES
+from kvpilot.operator.fleets.builders import (
+    FLEETS,
+    GROUP,
+    MANAGED_BY,
+    RESETS,
+    VERSION,
+    WARMUPS,
+    WEIGHT_UPDATES,
+)
 from kvpilot.operator.fleets.status import fleet_status
 from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.owners import owner_of_kind
 from kvpilot.operator.resets import drive as resets
 from kvpilot.operator.resets.expiry import Expiry
-from kvpilot.operator.specs import FleetSpec, WeightUpdateSpec
+from kvpilot.operator.specs import FleetSpec, WarmupSpec, WeightUpdateSpec
+from kvpilot.operator.warmups import drive as warmups
 from kvpilot.operator.weights import drive as weights
 from kvpilot.operator.weights.catchup import CatchUps
 
@@ -62,6 +72,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube()
     memo.expiry = Expiry(memo.kube)
     memo.weight_expiry = Expiry(memo.kube, WEIGHT_UPDATES, "WeightUpdate", WeightUpdateSpec)
+    memo.warmup_expiry = Expiry(memo.kube, WARMUPS, "PrefixCacheWarmup", WarmupSpec)
     # Calls to pods in flight across all resets of this process: main.run puts the flag's value in the memo.
     memo.limiter = asyncio.Semaphore(memo.max_calls_in_flight)
     memo.catchups = CatchUps(memo.kube, memo.limiter)  # fleets' pods back on their weights (catchup.py)
@@ -158,6 +169,7 @@ def fleet_deleted(namespace: str | None, name: str, **_: Any) -> None:
 async def stop_expiry(memo: kopf.Memo, **_: Any) -> None:
     await memo.expiry.close()
     await memo.weight_expiry.close()
+    await memo.warmup_expiry.close()
     await memo.catchups.close()
 
 
@@ -182,6 +194,27 @@ async def reset_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     # Every event, the initial listing included: a finished reset's TTL, without a daemon (and its finalizer).
     # async: kopf runs sync handlers in threads, and the expiry tasks belong to the event loop.
     memo.expiry.seen(body, deleted=type == "DELETED")
+
+
+@kopf.daemon(GROUP, VERSION, WARMUPS, cancellation_timeout=SHUTDOWN_GRACE_S, when=warmups.unfinished)
+async def warmup_runs(
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    assert namespace is not None  # a namespaced kind
+    # As for resets: a daemon starts for every unfinished PrefixCacheWarmup, also after a restart (it starts
+    # over: a prompt sent twice is harmless); the pod calls share the process's cap (memo.limiter).
+    async with _counted("PrefixCacheWarmup"):
+        await warmups.drive(memo.kube, namespace, name, logger, stopped, memo.limiter)
+
+
+@kopf.on.event(GROUP, VERSION, WARMUPS)
+async def warmup_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+    memo.warmup_expiry.seen(body, deleted=type == "DELETED")
 
 
 @kopf.daemon(GROUP, VERSION, WEIGHT_UPDATES, cancellation_timeout=SHUTDOWN_GRACE_S, when=weights.unfinished)

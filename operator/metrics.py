@@ -87,9 +87,34 @@ FENCED_PODS = _metric(
     "namespace",
     "deployment",
 )
+WARMUPS = _metric(
+    Counter, "warmups_total", "PrefixCacheWarmups finished, by final phase", "namespace", "result"
+)
+WARMUP_DURATION = _metric(
+    Histogram,
+    "warmup_duration_seconds",
+    "Seconds from a PrefixCacheWarmup's start to its completion",
+    buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+WARMUP_PODS = _metric(
+    Counter,
+    "warmup_pods_total",
+    "Pods of finished PrefixCacheWarmups by verdict (warm, cold, unknown; none: not warmed, an error)",
+    "namespace",
+    "verified",
+)
+WARMUP_POD_REQUESTS = _metric(
+    Counter,
+    "warmup_pod_requests_total",
+    "Prompt sends of PrefixCacheWarmups to pods, by result and HTTP code (0: no reply)",
+    "result",
+    "code",
+)
+WARMUPS_IN_PROGRESS = _metric(Gauge, "warmups_in_progress", "PrefixCacheWarmups this operator is running now")
 for _kind in (
     "InferenceDeployment",
     "PrefixCacheReset",
+    "PrefixCacheWarmup",
     "WeightUpdate",
 ):  # 0 from the start: rate() needs the series
     RECONCILE_ERRORS.labels(_kind)
@@ -143,6 +168,18 @@ def count_verifications(namespace: str, records: Sequence[PodResult]) -> None:
 def count_pod_call(verdict: str, code: str) -> None:
     """The fan-out's on_call hook: one reset call to a pod (or a pod's deadline passing before its next)."""
     POD_REQUESTS.labels(verdict, code).inc()
+
+
+def count_warmup_pods(namespace: str, records: Sequence[PodResult]) -> None:
+    """One per pod called, when its warm-up ends (so a restarted warm-up counts once)."""
+    for r in records:
+        if r.result in ("Succeeded", "Failed", "NotSupported"):
+            WARMUP_PODS.labels(namespace, r.verified or "none").inc()
+
+
+def count_warmup_call(result: str, code: str) -> None:
+    """The warm-up fan-out's on_call hook: one prompt send to a pod (or its deadline passing first)."""
+    WARMUP_POD_REQUESTS.labels(result, code).inc()
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

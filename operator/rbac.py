@@ -71,11 +71,25 @@ _NAMESPACED: list[Rule] = [
         "resources": ["weightupdates"],
         "verbs": ["get", "list", "watch", "patch", "delete"],
     },
+    # PrefixCacheWarmups: as WeightUpdates (watched, read by their daemon, kopf's bookkeeping, TTL); made by
+    # people, never by us.
     {
         "apiGroups": ["kvpilot.io"],
-        "resources": ["inferencedeployments/status", "prefixcacheresets/status", "weightupdates/status"],
+        "resources": ["prefixcachewarmups"],
+        "verbs": ["get", "list", "watch", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["kvpilot.io"],
+        "resources": [
+            "inferencedeployments/status",
+            "prefixcacheresets/status",
+            "weightupdates/status",
+            "prefixcachewarmups/status",
+        ],
         "verbs": ["patch"],
     },
+    # A warm-up's prompts from a ConfigMap (spec.promptsFrom), read by the name its spec gives: no list/watch.
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]},
     # Owned workloads (the daemons' Deployment or, with placement DaemonSet, DaemonSet; the router's
     # Deployment): watched (edits and readiness arrive as events; label-selected by the API server, but RBAC
     # cannot be narrowed by label), server-side applied (patch, and create: an apply that creates the object

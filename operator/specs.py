@@ -130,26 +130,69 @@ class ScopeSpec(_Spec):
     weight_version: str | None = None
 
 
-class ResetSpec(_Spec):
-    """PrefixCacheReset spec (crds/prefixcachereset.yaml): exactly one of target_ref and selector."""
+class TargetedSpec(_Spec):
+    """What a run over a fleet's pods aims at, as PrefixCacheReset and PrefixCacheWarmup spell it (their CRDs
+    carry the same fields): exactly one of target_ref and selector (CEL), the engine the pods run, their
+    port, and, for a selector, the Secret whose token goes to them. fleets.targets.resolve reads it."""
 
     target_ref: TargetRef | None = None
     selector: dict[str, Any] | None = None  # a label selector, as builders.label_selector reads it
     engine: Literal["kvpilot", "vllm", "sglang"] = "kvpilot"
     port: int | None = None
+    timeout_seconds: int = 60
+    wait_for_target: bool = False
+    allow_no_targets: bool = False
+    admin_token_secret_ref: SecretKeyRef | None = None
+
+
+class ResetSpec(TargetedSpec):
+    """PrefixCacheReset spec (crds/prefixcachereset.yaml): exactly one of target_ref and selector."""
+
     reset_running_requests: bool = False
     reset_external: bool = True
     scope: ScopeSpec | None = None
     verify: bool = True
-    timeout_seconds: int = 60
     request_timeout_seconds: int | None = None
     max_concurrency: int = 64
     retries_per_pod: int = 3
     min_success_ratio: float = 1.0
-    wait_for_target: bool = False
-    allow_no_targets: bool = False
     ttl_seconds_after_finished: int | None = None
-    admin_token_secret_ref: SecretKeyRef | None = None
+
+
+# ---- PrefixCacheWarmup -----------------------------------------------------------------------------------
+class ChatMessage(_Spec):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class WarmupPrompt(_Spec):
+    """One prompt of a warm-up: a chat (`messages`, sent to /v1/chat/completions) or a plain `prompt` (sent to
+    /v1/completions); exactly one of them (CEL, and warmups.prompts for a ConfigMap's)."""
+
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+
+
+class ConfigMapKeyRef(_Spec):
+    name: str
+    key: str
+
+
+class PromptsFrom(_Spec):
+    config_map_key_ref: ConfigMapKeyRef
+
+
+class WarmupSpec(TargetedSpec):
+    """PrefixCacheWarmup spec (crds/prefixcachewarmup.yaml): the target as a reset's, exactly one of prompts
+    and prompts_from."""
+
+    mode: Literal["Once"] = "Once"
+    prompts: list[WarmupPrompt] | None = None
+    prompts_from: PromptsFrom | None = None
+    pin: bool = False
+    timeout_seconds: int = 300  # every prompt prefilled twice on every pod and rank: longer than a reset
+    max_concurrency: int = 16
+    ttl_seconds_after_finished: int | None = None
 
 
 # ---- WeightUpdate ----------------------------------------------------------------------------------------

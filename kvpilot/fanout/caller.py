@@ -40,7 +40,7 @@ from kvpilot.fanout.engines import Engine, Judgement, ResetCall, Verdict, engine
 from kvpilot.fanout.http1 import Endpoint, Pool, ReplyError, endpoint, header_value_ok
 from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import STARTING, STILL_WARM, Outcome, PodResult, Verified, initial_results
-from kvpilot.fanout.targets import ResetSettings, Target, address
+from kvpilot.fanout.targets import CallSettings, ResetSettings, Target, address
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,7 @@ STARTING_POLL_S = 0.5
 OnCall = Callable[[str, str], None]
 
 
-def _decide(
-    res: PodResult, result: Outcome, message: str, started: float, j: Judgement | None = None
-) -> None:
+def decide(res: PodResult, result: Outcome, message: str, started: float, j: Judgement | None = None) -> None:
     res.result, res.message = result, message
     res.duration_s = round(time.monotonic() - started, 4)
     if j is not None:
@@ -82,22 +80,23 @@ async def _send(pool: Pool, ep: Endpoint, timeout: float, token: str | None) -> 
     return status, body.decode("utf-8", "replace")
 
 
-class _Gone(Exception):
+class Gone(Exception):
     """pod_gone said the target no longer counts (deleted, replaced, new IP): it is Skipped."""
 
 
-class _Starting(Exception):
+class StillStarting(Exception):
     """The pod was still starting at the deadline: it is Skipped, reason STARTING."""
 
 
-class _Pod:
-    """One target's calls: its address, the fan-out's pool, limiter, deadline and pod_gone check."""
+class Pod:
+    """One target's calls: its address, the fan-out's pool, limiter, deadline and pod_gone check (a reset's,
+    here; a warm-up's, warmup.py)."""
 
     def __init__(
         self,
         pool: Pool,
         res: PodResult,
-        settings: ResetSettings,
+        settings: CallSettings,
         deadline: float,
         limiter: asyncio.Semaphore | None,
         pod_gone: PodGone | None,
@@ -127,9 +126,9 @@ class _Pod:
 
     async def send(self, ep: Endpoint) -> tuple[int, str]:
         """One call, after asking pod_gone (so a token never goes to an address the target no longer
-        holds); raises _Gone when it says the target no longer counts."""
+        holds); raises Gone when it says the target no longer counts."""
         if self.pod_gone is not None and (reason := await self.pod_gone(self.target)):
-            raise _Gone(reason)
+            raise Gone(reason)
         remaining = self.deadline - time.monotonic()
         if remaining <= 0.01:
             return 0, f"not called: timeoutSeconds ({self.settings.timeout_s:g}s) passed"
@@ -139,16 +138,16 @@ class _Pod:
             )
 
     async def wait_started(self) -> bool:
-        """Wait while the pod is starting; whether it was. Raises _Gone when it goes meanwhile, _Starting
+        """Wait while the pod is starting; whether it was. Raises Gone when it goes meanwhile, StillStarting
         when it still starts at the deadline."""
         if self.pod_starting is None or not await self.pod_starting(self.target):
             return False
         while await self.pod_starting(self.target):
             if self.pod_gone is not None and (reason := await self.pod_gone(self.target)):
-                raise _Gone(reason)
+                raise Gone(reason)
             left = self.deadline - time.monotonic()
             if left <= 0.01:
-                raise _Starting(
+                raise StillStarting(
                     f"still starting at the deadline (timeoutSeconds {self.settings.timeout_s:g}s): not Ready "
                     "since its engine container started, so no Service or router has sent it traffic; not called"
                 )
@@ -178,45 +177,43 @@ class _Pod:
         return None, why
 
 
-async def _reset_call(
-    pod: _Pod,
-    res: PodResult,
-    engine: Engine,
-    call: ResetCall,
-    started: float,
-    on_call: OnCall,
-) -> Judgement | None:
-    """One call of the reset, retried until it is final: its successful judgement, or None once `res`
-    holds the target's final result (Failed, NotSupported); raises _Gone."""
+# judge(status, text) -> the verdict on one reply (status 0: no reply, text says why)
+Judge = Callable[[int, str], Judgement]
+
+
+async def call_until_final(
+    pod: Pod, res: PodResult, ep: Endpoint, judge: Judge, started: float, on_call: OnCall, what: str
+) -> tuple[Judgement, str] | None:
+    """One call, retried until it is final: its successful judgement and reply text, or None once `res` holds
+    the target's final result (Failed, NotSupported); raises Gone. Transient verdicts are retried up to
+    retries_per_pod times, busy ones until the deadline, both with backoff; a pod that cannot be reached while
+    it starts is waited for. `what` names the run for the deadline's message ("reset", "warmed")."""
     settings = pod.settings
-    ep = pod.endpoint(
-        call.method, call.path, call.body
-    )  # prepared once; the connection is kept per pod (http1.Pool)
     transient = busy = 0
     last = ""
     while True:
         if pod.deadline - time.monotonic() <= 0.01:
             why = f"; last: {last}" if last else ""
-            _decide(
+            decide(
                 res,
                 Outcome.FAILED,
-                f"not reset within timeoutSeconds ({settings.timeout_s:g}s){why}",
+                f"not {what} within timeoutSeconds ({settings.timeout_s:g}s){why}",
                 started,
             )
             on_call(Verdict.FAILED.value, "deadline")
             return None
-        status, text = await pod.send(ep)  # raises _Gone before calling a pod that no longer counts
+        status, text = await pod.send(ep)  # raises Gone before calling a pod that no longer counts
         res.attempts += 1
-        j = engine.judge(call, status, text, settings.token) if status else Judgement(Verdict.TRANSIENT, text)
+        j = judge(status, text) if status else Judgement(Verdict.TRANSIENT, text)
         res.http_status = status
         on_call(j.verdict.value, str(status))
         if j.verdict is Verdict.SUCCEEDED:
-            return j
+            return j, text
         if j.verdict is Verdict.NOT_SUPPORTED:
-            _decide(res, Outcome.NOT_SUPPORTED, j.message, started)
+            decide(res, Outcome.NOT_SUPPORTED, j.message, started)
             return None
         if j.verdict is Verdict.FAILED:
-            _decide(res, Outcome.FAILED, j.message, started)
+            decide(res, Outcome.FAILED, j.message, started)
             return None
         last = j.message
         if not status and await pod.wait_started():  # it was starting: not its failure, call it again now
@@ -226,7 +223,7 @@ async def _reset_call(
             transient += 1
             if transient > settings.retries_per_pod:
                 gave_up = f"gave up after {res.attempts} attempts, retriesPerPod {settings.retries_per_pod}"
-                _decide(res, Outcome.FAILED, f"{last} ({gave_up})", started)
+                decide(res, Outcome.FAILED, f"{last} ({gave_up})", started)
                 return None
         else:
             busy += 1
@@ -235,43 +232,67 @@ async def _reset_call(
         await asyncio.sleep(max(0.0, min(delay, pod.deadline - time.monotonic())))
 
 
-async def _reset_one(
+async def _reset_call(
+    pod: Pod,
+    res: PodResult,
+    engine: Engine,
+    call: ResetCall,
+    started: float,
+    on_call: OnCall,
+) -> Judgement | None:
+    """One call of the reset, retried until it is final: its successful judgement, or None once `res`
+    holds the target's final result (Failed, NotSupported); raises Gone."""
+    token = pod.settings.token
+    ep = pod.endpoint(call.method, call.path, call.body)  # prepared once; the connection is kept per pod
+
+    def judge(status: int, text: str) -> Judgement:
+        return engine.judge(call, status, text, token)
+
+    done = await call_until_final(pod, res, ep, judge, started, on_call, "reset")
+    return None if done is None else done[0]
+
+
+# job(pod, res, started): one target's calls until `res` is final (the window catches Gone and StillStarting)
+Job = Callable[[Pod, PodResult, float], Awaitable[None]]
+
+
+async def _one(
     pool: Pool,
     res: PodResult,
-    settings: ResetSettings,
+    settings: CallSettings,
     deadline: float,
     pod_gone: PodGone | None,
     pod_starting: PodStarting | None,
     limiter: asyncio.Semaphore | None,
-    on_call: OnCall,
-    run_id: str,
+    job: Job,
 ) -> None:
-    """Reset one target (every call its engine needs, then the canary's check when asked) until it has a
-    final result; `res` is updated in place."""
-    engine = engine_for(settings.engine)
+    """One target's job until it has a final result; `res` is updated in place. A pod loading its model is
+    called once it is up."""
     started = time.monotonic()
-    pod = _Pod(pool, res, settings, deadline, limiter, pod_gone, pod_starting)
+    pod = Pod(pool, res, settings, deadline, limiter, pod_gone, pod_starting)
     try:
-        await pod.wait_started()  # a pod loading its model is reset (and its canary sent) once it is up
-        await _reset_checked(pod, res, engine, started, on_call, run_id)
-    except _Gone as gone:
-        _decide(res, Outcome.SKIPPED, str(gone), started)
-    except _Starting as still:
-        _decide(res, Outcome.SKIPPED, str(still), started)
+        await pod.wait_started()
+        await job(pod, res, started)
+    except Gone as gone:
+        decide(res, Outcome.SKIPPED, str(gone), started)
+    except StillStarting as still:
+        decide(res, Outcome.SKIPPED, str(still), started)
         res.reason = STARTING
 
 
 async def _reset_checked(
-    pod: _Pod, res: PodResult, engine: Engine, started: float, on_call: OnCall, run_id: str
+    pod: Pod, res: PodResult, engine: Engine, started: float, on_call: OnCall, run_id: str
 ) -> None:
+    """Reset one target (every call its engine needs, then the canary's check when asked)."""
     settings = pod.settings
+    assert isinstance(settings, ResetSettings)
     # kvpilot's ranks matter only to the canary; SGLang's tiers decide the calls
     info, why = None, ""
     if engine.info_paths and (settings.verify or engine.info_decides_calls):
         info, why = await pod.info(engine)
     if why and engine.info_decides_calls:
         # without it, a tier (SGLang's HiCache storage) could be left warm while the pod reads Succeeded
-        _decide(res, Outcome.FAILED, f"cannot tell which cache tiers the pod runs ({why})", started)
+        decide(res, Outcome.FAILED, f"cannot tell which cache tiers the pod runs ({why})", started)
         return
     canary: verify.Canary | None = None
     if settings.verify:
@@ -311,10 +332,10 @@ async def _reset_checked(
         checked = await verify.check(pod.ask, canary, tuple(res.cleared))
         res.verified, res.verify_message = checked.verdict, checked.message
         if checked.verdict == Verified.WARM:
-            _decide(res, Outcome.FAILED, checked.message, started, judgement)
+            decide(res, Outcome.FAILED, checked.message, started, judgement)
             res.reason = STILL_WARM
             return
-    _decide(res, Outcome.SUCCEEDED, judgement.message, started, judgement)
+    decide(res, Outcome.SUCCEEDED, judgement.message, started, judgement)
 
 
 def _ignore_call(verdict: str, code: str) -> None:
@@ -337,6 +358,57 @@ async def run_fanout(
     targets not decided within the shutdown grace stay Pending). `deadline` is a time.monotonic() value
     (default: now + settings.timeout_s)."""
     results = initial_results(targets)
+    if settings.scope is not None and not engine_for(settings.engine).scoped_resets:
+        why = (
+            f"a scoped reset ({', '.join(settings.scope.to_dict())}) needs kvpilot pods: "
+            f"{settings.engine} resets its whole cache only"
+        )
+        return _refuse(results, Outcome.NOT_SUPPORTED, why)
+    engine = engine_for(settings.engine)
+    on_call = on_call or _ignore_call
+    run_id = secrets.token_hex(6)  # names this fan-out's canaries (verify.py)
+
+    async def job(pod: Pod, res: PodResult, started: float) -> None:
+        await _reset_checked(pod, res, engine, started, on_call, run_id)
+
+    return await run_window(
+        results,
+        settings,
+        job,
+        deadline=deadline,
+        checkpoint=checkpoint,
+        pod_gone=pod_gone,
+        pod_starting=pod_starting,
+        limiter=limiter,
+        stop=stop,
+        unfinished=f"not reset within timeoutSeconds ({settings.timeout_s:g}s)",
+    )
+
+
+def _refuse(results: list[PodResult], result: Outcome, message: str) -> list[PodResult]:
+    for res in results:
+        if res.result == Outcome.PENDING:
+            res.result, res.message = result, message
+    return results
+
+
+async def run_window(
+    results: list[PodResult],
+    settings: CallSettings,
+    job: Job,
+    *,
+    deadline: float | None = None,
+    checkpoint: Checkpoint | None = None,
+    pod_gone: PodGone | None = None,
+    pod_starting: PodStarting | None = None,
+    limiter: asyncio.Semaphore | None = None,
+    stop: asyncio.Event | None = None,
+    unfinished: str = "",
+) -> list[PodResult]:
+    """The sliding window: `job` on every Pending result (a reset's, a warm-up's), `settings.max_concurrency`
+    at a time; `results` updated in place and returned, all final unless `stop` was set (then those not
+    decided within the shutdown grace stay Pending); one left Pending at the deadline is Failed with the
+    message `unfinished`."""
     deadline = deadline if deadline is not None else time.monotonic() + settings.timeout_s
     queue: asyncio.Queue[PodResult] = asyncio.Queue()
     for res in results:
@@ -344,30 +416,12 @@ async def run_fanout(
             queue.put_nowait(res)
     if queue.empty():
         return results
-    refusal = None
     if settings.token and not header_value_ok(settings.token):
-        refusal = (
-            Outcome.FAILED,
-            "the admin token is not a valid HTTP header value (a line break or control character)",
-        )
-    elif settings.scope is not None and not engine_for(settings.engine).scoped_resets:
-        refusal = (
-            Outcome.NOT_SUPPORTED,
-            (
-                f"a scoped reset ({', '.join(settings.scope.to_dict())}) needs kvpilot pods: "
-                f"{settings.engine} resets its whole cache only"
-            ),
-        )
-    if refusal is not None:
-        for res in results:
-            if res.result == Outcome.PENDING:
-                res.result, res.message = refusal
-        return results
+        why = "the admin token is not a valid HTTP header value (a line break or control character)"
+        return _refuse(results, Outcome.FAILED, why)
     stop = stop or asyncio.Event()
-    on_call = on_call or _ignore_call
     # Idle connections for the window's worth of pods: a pod is called again only on a retry.
     pool = Pool(max_idle=settings.max_concurrency)
-    run_id = secrets.token_hex(6)  # names this fan-out's canaries (verify.py)
 
     async def worker() -> None:
         while not stop.is_set():
@@ -375,7 +429,7 @@ async def run_fanout(
                 res = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            await _reset_one(pool, res, settings, deadline, pod_gone, pod_starting, limiter, on_call, run_id)
+            await _one(pool, res, settings, deadline, pod_gone, pod_starting, limiter, job)
 
     async def progress(checkpoint: Checkpoint) -> None:
         while True:
@@ -409,5 +463,5 @@ async def run_fanout(
         for res in results:
             if res.result == Outcome.PENDING:
                 res.result = Outcome.FAILED
-                res.message = f"not reset within timeoutSeconds ({settings.timeout_s:g}s)"
+                res.message = unfinished or f"no result within timeoutSeconds ({settings.timeout_s:g}s)"
     return results

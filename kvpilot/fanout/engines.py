@@ -45,6 +45,17 @@ class Judgement:
     tiers: tuple[str, ...] = ()
 
 
+MAX_BLOCK_SIZE = 4096  # tokens: a block size past it is no answer
+
+
+def _size(value: Any) -> int | None:
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_BLOCK_SIZE
+        else None
+    )
+
+
 def _int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -120,6 +131,10 @@ class Engine:
         1: the engine picks the rank (one canary)."""
         return 1
 
+    def block_size(self, info: dict[str, Any] | None) -> int | None:
+        """Tokens per cached block as the pod's info says (a warm-up's verdict, warmup.py); None: it names none."""
+        return None
+
     def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         """The calls that reset every tier of one pod, in order; each is retried until it is final."""
         raise NotImplementedError
@@ -164,6 +179,9 @@ class KvpilotEngine(Engine):
     def ranks(self, info: dict[str, Any] | None) -> int:
         listed = (info or {}).get("ranks")
         return max(1, min(len(listed), 64)) if isinstance(listed, list) else 1
+
+    def block_size(self, info: dict[str, Any] | None) -> int | None:
+        return _size((info or {}).get("block_size"))  # GET /prefix_cache (--block-size)
 
     def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         # A kvpilot reset always clears every tier (pool, host, disk): reset_external is not needed. The
@@ -235,6 +253,13 @@ class VllmEngine(Engine):
 class SglangEngine(Engine):
     traits = SGLANG
     info_decides_calls = True
+
+    def block_size(self, info: dict[str, Any] | None) -> int | None:
+        # GET /server_info lists the server's arguments; --page-size is 1 unless set (its radix tree caches
+        # single tokens)
+        if info is None:
+            return None
+        return _size(info.get("page_size", 1))
 
     def calls(self, settings: ResetSettings, info: dict[str, Any] | None) -> list[ResetCall]:
         # /flush_cache resets the radix tree, and with HiCache its host pool; the storage tier (L3) needs

@@ -32,17 +32,45 @@ class Outcome(enum.StrEnum):
 
 
 class Verified(enum.StrEnum):
-    """What a reset's canary proved of a pod (verify.py)."""
+    """What a reset's canary proved of a pod (verify.py), or a warm-up's second sends (warmup.py)."""
 
-    COLD = "cold"  # after the reset the canary found no more cached than a control prompt
-    WARM = "warm"  # it was still served from cache: the reset did not hold
+    # a reset: after it the canary found no more cached than a control prompt; a warm-up: a prompt not held
+    COLD = "cold"
+    # a reset: the canary was still served from cache (it did not hold); a warm-up: every prompt was held
+    WARM = "warm"
     UNKNOWN = "unknown"  # the pod could not be verified, and the message says why
 
 
 # PodResult.reason: the pod said it reset, and its canary was still served from cache
 STILL_WARM = "StillWarm"
+# PodResult.reason: a warm-up's prompts were answered, and their second send was not served from cache
+NOT_WARM = "NotWarm"
 # PodResult.reason of a Skipped pod: still starting at the deadline (never Ready since its engine started)
 STARTING = "Starting"
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    """What a kvpilot pod's replies said of the pins a warm-up asked for (their `pin_prefix` objects, summed
+    over its prompts and ranks): pinned when every one was; the first reason one was not."""
+
+    pinned: bool
+    blocks: int
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class WarmDetail:
+    """A warm-up's account of one pod (warmup.py): its prompts, how many were verified warm on every rank,
+    and the second sends' token counts, summed."""
+
+    prompts: int
+    ranks: int = 1
+    warm_prompts: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    block_size: int | None = None  # as the pod named it; None: judged with warmup.UNNAMED_BLOCK
+    pin: PinResult | None = None  # None: no pin asked (or not a kvpilot pod)
 
 
 @dataclass(slots=True)
@@ -63,7 +91,10 @@ class PodResult:
     cleared: list[str] = field(default_factory=list)  # the cache tiers its engine says the reset cleared
     verified: Verified | None = None  # None: not asked
     verify_message: str = ""  # how it was verified, or why it could not be
-    reason: str = ""  # a machine-readable cause of a failure (STILL_WARM) or a skip (STARTING); else empty
+    reason: str = (
+        ""  # a machine-readable cause of a failure (STILL_WARM, NOT_WARM) or a skip (STARTING); else empty
+    )
+    warm: WarmDetail | None = None  # a warm-up's account of the pod (warmup.py); None for a reset
     target: Target | None = field(default=None, repr=False, compare=False)
 
 

@@ -100,18 +100,19 @@ def _count(value: object) -> int | None:
     )
 
 
-def _usage(status: int, text: str) -> tuple[int | None, int | None, str]:
-    """(cached_tokens, prompt_tokens, why not) of a completion reply; a reply is the pod's word, so counts
-    out of range (negative, more cached than sent, past MAX_TOKENS) are no answer."""
+def usage_counts(status: int, text: str, what: str = "the canary") -> tuple[int | None, int | None, str]:
+    """(cached_tokens, prompt_tokens, why not) of a completion reply (`what` was sent: named in the why); a
+    reply is the pod's word, so counts out of range (negative, more cached than sent, past MAX_TOKENS) are no
+    answer. A warm-up's prompts are read by it too (warmup.py)."""
     if status != 200:
-        return None, None, f"the canary got HTTP {status}" if status else f"the canary got no reply: {text}"
+        return None, None, f"{what} got HTTP {status}" if status else f"{what} got no reply: {text}"
     try:
         reply = json.loads(text)
     except ValueError:
         reply = None
     usage = reply.get("usage") if isinstance(reply, dict) else None
     if not isinstance(usage, dict):
-        return None, None, "the canary's reply is not a completion"
+        return None, None, f"the reply to {what} is not a completion"
     prompt = _count(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
     raw = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -120,18 +121,23 @@ def _usage(status: int, text: str) -> tuple[int | None, int | None, str]:
         return None, prompt, why + " (vLLM: start it with --enable-prompt-tokens-details)"
     cached = _count(raw)
     if cached is None or prompt is None or cached > prompt:
-        return None, prompt, "the canary's usage counts are out of range"
+        return None, prompt, f"the usage counts of the reply to {what} are out of range"
     return cached, prompt, ""
 
 
-async def _model(ask: Ask) -> str | None:
-    status, text = await ask("GET", "/v1/models", None, ())
+def model_of(status: int, text: str) -> str | None:
+    """The first model a GET /v1/models reply names (bounded: a name past 512 characters is none)."""
     try:
         data = json.loads(text)["data"] if status == 200 else None
         model = data[0]["id"] if isinstance(data, list) and data else None
     except (ValueError, KeyError, TypeError, IndexError):
         return None
     return model if isinstance(model, str) and 0 < len(model) <= 512 else None
+
+
+async def served_model(ask: Ask) -> str | None:
+    """The first model the pod's GET /v1/models names (what a canary asks for)."""
+    return model_of(*await ask("GET", "/v1/models", None, ()))
 
 
 async def prepare(
@@ -146,7 +152,7 @@ async def prepare(
     """Warm the canary on every rank (inside `scope`, for a scoped reset) and check the pod shows its hit;
     the canary, or an `unknown` verdict that says why this pod cannot be verified."""
     scope = scope or ResetScope()
-    model = scope.lora_name or await _model(ask)
+    model = scope.lora_name or await served_model(ask)
     if model is None:
         return Verification(Verified.UNKNOWN, "GET /v1/models named no model for the canary")
     traits = ENGINES.get(engine)
@@ -161,7 +167,7 @@ async def prepare(
         headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
         body = Canary(model, prompt, control, salt, ranks, 0, scope.weight_version).body()
         for send in ("fill", "hit"):
-            cached, tokens, why = _usage(*await ask("POST", "/v1/completions", body, headers))
+            cached, tokens, why = usage_counts(*await ask("POST", "/v1/completions", body, headers))
             if cached is None:
                 return Verification(Verified.UNKNOWN, why)
             if send == "hit":
@@ -184,12 +190,12 @@ async def check(ask: Ask, canary: Canary, cleared: tuple[str, ...]) -> Verificat
     unknown = ""
     tokens = shared = 0
     for rank in range(canary.ranks):
-        cached, prompt, why = _usage(
+        cached, prompt, why = usage_counts(
             *await ask("POST", "/v1/completions", canary.body(), canary.headers(rank))
         )
         control: int | None = 0
         if cached:
-            control, _, why = _usage(
+            control, _, why = usage_counts(
                 *await ask("POST", "/v1/completions", canary.body(canary.control), canary.headers(rank))
             )
         if cached is None or control is None:

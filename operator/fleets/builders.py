@@ -21,6 +21,7 @@ VERSION = "v1alpha1"
 FLEETS = "inferencedeployments"  # plural names of our resources
 RESETS = "prefixcacheresets"
 WEIGHT_UPDATES = "weightupdates"
+WARMUPS = "prefixcachewarmups"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kvpilot-operator"}
 RESET_ANNOTATION = "kvpilot.io/reset-prefix-cache"
 CONTAINER = "kvpilot"

@@ -1,11 +1,18 @@
-"""The pods of an InferenceDeployment as targets of a run: a PrefixCacheReset, a WeightUpdate, a catch-up.
+"""The pods of an InferenceDeployment as targets of a run: a PrefixCacheReset, a PrefixCacheWarmup, a
+WeightUpdate, a catch-up.
 
 A fleet's pods are called with the fleet's own admin token, and only those its workload runs: a pod that
-merely carries the fleet's labels never sees the token (fleet_members).
+merely carries the fleet's labels never sees the token (fleet_members). A reset and a warm-up aim alike
+(`TargetedSpec`: a targetRef or a selector): `resolve` turns either into a `Plan`, `list_targets` lists its
+pods (waiting for a fleet whose pods are still coming).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +24,9 @@ from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.conditions import parse_time
 from kvpilot.operator.kube.owners import controlled_by
 from kvpilot.operator.kube.retries import RunFailure, with_retries
-from kvpilot.operator.specs import FleetSpec, SecretKeyRef
+from kvpilot.operator.specs import FleetSpec, SecretKeyRef, TargetedSpec
+
+Identity = tuple[str, str, bool, bool]  # (uid, pod IP, terminating, starting): what the pod watch keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,18 @@ def starting(pod: dict[str, Any], container: str | None) -> bool:
     return fell is None or fell <= began + READY_SYNC_SLACK_S
 
 
+def identity(pod: dict[str, Any], container: str | None) -> Identity:
+    """(uid, pod IP, terminating, starting) of a pod as a dict; `container`: its engine container's name
+    (None: any), for `starting`."""
+    meta, st = pod["metadata"], pod.get("status") or {}
+    return (
+        meta.get("uid", ""),
+        st.get("podIP") or "",
+        bool(meta.get("deletionTimestamp")),
+        starting(pod, container),
+    )
+
+
 async def secret_token(
     kube: Kube, ns: str, ref: SecretKeyRef, deadline: float, use: str, owner_uid: str | None
 ) -> str:
@@ -136,3 +157,69 @@ async def fleet_plan(
         controllers,
         wants_pods,
     )
+
+
+def describe(spec: TargetedSpec) -> str:
+    """status.target, from the spec alone: InferenceDeployment/NAME, or the selector."""
+    if spec.target_ref:
+        return f"InferenceDeployment/{spec.target_ref.name}"
+    return builders.label_selector(spec.selector or {})
+
+
+async def resolve(kube: Kube, ns: str, spec: TargetedSpec, deadline: float) -> Plan:
+    """The run's targets and token; raises RunFailure with a reason when it cannot go on."""
+    if not spec.target_ref:
+        sel = builders.label_selector(spec.selector or {})
+        ref = spec.admin_token_secret_ref
+        token = await secret_token(kube, ns, ref, deadline, "adminTokenSecretRef", None) if ref else None
+        # a selector's pods: the port an InferenceDeployment's daemons default to
+        return Plan(sel, sel, spec.port or FleetSpec().port, token, None, None)
+    name = spec.target_ref.name
+    while (fleet := await read_fleet(kube, ns, name, deadline)) is None:
+        if not spec.wait_for_target:
+            hint = "set spec.waitForTarget: true to wait for it until timeoutSeconds"
+            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found ({hint})")
+        if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
+            waited = f"timeoutSeconds ({spec.timeout_seconds}s, waitForTarget)"
+            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found within {waited}")
+        await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
+    return await fleet_plan(
+        kube, ns, fleet["metadata"], FleetSpec.parse(fleet.get("spec")), deadline, spec.port
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """A run's pods as listed once at its start: the plan, each pod's target and identity (for the pod
+    watch), and the list's resourceVersion (where the watch starts)."""
+
+    plan: Plan
+    pods: list[tuple[Target, Identity]]
+    version: str
+
+    @property
+    def targets(self) -> list[Target]:
+        return [t for t, _ in self.pods]
+
+
+async def list_targets(
+    kube: Kube, ns: str, spec: TargetedSpec, deadline: float, log: logging.Logger | logging.LoggerAdapter[Any]
+) -> Listed:
+    """Resolve the spec and list its pods, each looked at once, as it is decoded; a fleet that wants pods but
+    has none to call yet (just created) is listed again each second until one can be called or the deadline
+    is a second away (then what was listed: NoTargets). Raises RunFailure."""
+    while True:
+        plan = await resolve(kube, ns, spec, deadline)
+        t_list = time.monotonic()
+
+        def list_pods(plan: Plan = plan) -> Awaitable[Any]:
+            return kube.list_pods(
+                ns, plan.selector, lambda p: (pod_target(p, plan), identity(p, plan.container))
+            )
+
+        pods, version = await with_retries("list pods", list_pods, deadline)
+        log.info("%s: listed %d pods in %.3fs", plan.description, len(pods), time.monotonic() - t_list)
+        callable_ = any(not t.skip_reason and t.ip for t, _ in pods)
+        if callable_ or not plan.waits_for_pods or time.monotonic() >= deadline - 1.0:
+            return Listed(plan, pods, version)
+        await asyncio.sleep(1.0)  # a fleet just created: its pods are coming

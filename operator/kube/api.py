@@ -205,6 +205,17 @@ class Kube:
         owners = self.api.sanitize_for_serialization(meta.owner_references or [])
         return {"labels": meta.labels or {}, "ownerReferences": owners, "data": data}
 
+    async def config_map(self, ns: str, name: str) -> dict[str, str] | None:
+        """The ConfigMap's `data` (its text keys), or None when it does not exist. The API server caps a
+        ConfigMap at 1 MiB; what a caller may use of it is the caller's bound (warmups/prompts.py)."""
+        try:
+            cm = await self.call("get", "configmaps", self.core.read_namespaced_config_map, name, ns)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(cm.data or {})
+
     async def create_secret(self, ns: str, body: dict[str, Any]) -> None:
         await self.call("create", "secrets", self.core.create_namespaced_secret, ns, body)
 

@@ -18,26 +18,25 @@ without calling anyone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import kopf
 
 from kvpilot.fanout import Outcome, PodResult, ResetSettings, initial_results, run_fanout
 from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.operator import metrics
-from kvpilot.operator.fleets import builders
 from kvpilot.operator.fleets.builders import FLEETS, RESETS
 from kvpilot.operator.fleets.status import FleetStatus
-from kvpilot.operator.fleets.targets import Plan, fleet_plan, pod_target, read_fleet, secret_token
+from kvpilot.operator.fleets.targets import Plan, describe, list_targets
 from kvpilot.operator.kube.api import ApiException, Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube.owners import as_body
+from kvpilot.operator.kube.progress import Progress, stop_flag
 from kvpilot.operator.kube.retries import RunFailure, with_retries
-from kvpilot.operator.resets.podwatch import PodWatch, identity
+from kvpilot.operator.resets.podwatch import PodWatch
 from kvpilot.operator.resets.status import (
     ResetPhase,
     ResetStatus,
@@ -47,40 +46,11 @@ from kvpilot.operator.resets.status import (
     summarize,
     verified_condition,
 )
-from kvpilot.operator.specs import FleetSpec, ResetSpec
+from kvpilot.operator.specs import ResetSpec
 
 DONE: tuple[ResetPhase, ...] = ("Succeeded", "Failed")
 _MAX_FAILURE_EVENTS = 10  # one Event per failed pod, up to this many per reset
 _FINAL_PATCH_GRACE_S = 30.0  # how long the final status write is retried past the deadline
-
-
-def describe(spec: ResetSpec) -> str:
-    """status.target, from the spec alone: InferenceDeployment/NAME, or the selector."""
-    if spec.target_ref:
-        return f"InferenceDeployment/{spec.target_ref.name}"
-    return builders.label_selector(spec.selector or {})
-
-
-async def resolve(kube: Kube, ns: str, spec: ResetSpec, deadline: float) -> Plan:
-    """The reset's targets and token; raises RunFailure with a reason when it cannot go on."""
-    if not spec.target_ref:
-        sel = builders.label_selector(spec.selector or {})
-        ref = spec.admin_token_secret_ref
-        token = await secret_token(kube, ns, ref, deadline, "adminTokenSecretRef", None) if ref else None
-        # a selector's pods: the port an InferenceDeployment's daemons default to
-        return Plan(sel, sel, spec.port or FleetSpec().port, token, None, None)
-    name = spec.target_ref.name
-    while (fleet := await read_fleet(kube, ns, name, deadline)) is None:
-        if not spec.wait_for_target:
-            hint = "set spec.waitForTarget: true to wait for it until timeoutSeconds"
-            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found ({hint})")
-        if time.monotonic() >= deadline - 0.05:  # waited for it to appear until the deadline
-            waited = f"timeoutSeconds ({spec.timeout_seconds}s, waitForTarget)"
-            raise RunFailure("TargetNotFound", f"InferenceDeployment {ns}/{name} not found within {waited}")
-        await asyncio.sleep(max(0.0, min(1.0, deadline - 0.05 - time.monotonic())))
-    return await fleet_plan(
-        kube, ns, fleet["metadata"], FleetSpec.parse(fleet.get("spec")), deadline, spec.port
-    )
 
 
 def outcome(
@@ -165,36 +135,6 @@ async def _patch(kube: Kube, ns: str, name: str, status: ResetStatus) -> dict[st
     return await kube.patch_status(RESETS, ns, name, status)
 
 
-class _Progress:
-    """The status writes for people (Pending at first sight, Running, each checkpoint): best effort, in
-    order (each waits for the one before), and none holds up what it reports (the list, the calls), so a
-    reset's first calls leave while its Running status is on its way. A write is never cancelled halfway
-    (its request would still land, maybe after the final status): `settle` waits for them all."""
-
-    def __init__(self, kube: Kube, ns: str, name: str, logger: kopf.Logger) -> None:
-        self.kube, self.ns, self.name, self.logger = kube, ns, name, logger
-        self._last: asyncio.Task[None] | None = None
-
-    def write(self, status: ResetStatus, what: str) -> asyncio.Task[None]:
-        before = self._last
-
-        async def go() -> None:
-            if before is not None:
-                await asyncio.wait([before])
-            try:
-                await _patch(self.kube, self.ns, self.name, status)
-            except Exception as exc:  # noqa: BLE001 - for people only
-                self.logger.warning("reset %s/%s: %s not written: %s", self.ns, self.name, what, exc)
-
-        self._last = asyncio.create_task(go())
-        return self._last
-
-    async def settle(self) -> None:
-        """Wait for the writes started so far: the next write must land after them."""
-        if self._last is not None:
-            await asyncio.wait([self._last])
-
-
 async def _run(
     kube: Kube, obj: dict[str, Any], logger: kopf.Logger, stopped: Any, limiter: asyncio.Semaphore | None
 ) -> dict[str, Any] | None:
@@ -219,7 +159,9 @@ async def _run(
         )
     if status.get("phase") == "Running":
         logger.info("reset %s/%s: interrupted by an operator restart; calling every pod again", ns, name)
-    progress = _Progress(kube, ns, name, logger)
+    progress = Progress(
+        lambda st: _patch(kube, ns, name, cast(ResetStatus, st)), f"reset {ns}/{name}", logger
+    )
     if not status.get("phase"):  # first sight: TARGET and PHASE for kubectl get, the deadline's start
         gen = obj["metadata"].get("generation")
         first: ResetStatus = {
@@ -230,31 +172,9 @@ async def _run(
         }
         progress.write(first, "Pending")  # on its way while the targets are resolved and listed
     try:
-        while True:
-            plan = await resolve(kube, ns, spec, deadline)
-            t_list = time.monotonic()
-
-            # Each pod is looked at once, as it is decoded: its target, and its identity for the pod watch.
-            def list_pods(plan: Plan = plan) -> Awaitable[Any]:
-                return kube.list_pods(
-                    ns, plan.selector, lambda p: (pod_target(p, plan), identity(p, plan.container))
-                )
-
-            pods, version = await with_retries(
-                "list pods",
-                list_pods,
-                deadline,
-            )
-            targets = [t for t, _ in pods]
-            before = initial_results(targets)  # what status shows until the fan-out's first checkpoint
-            logger.info(
-                "reset %s/%s: listed %d pods in %.3fs", ns, name, len(targets), time.monotonic() - t_list
-            )
-            if any(r.result == Outcome.PENDING for r in before) or not plan.waits_for_pods:
-                break
-            if time.monotonic() >= deadline - 1.0:
-                break  # NoTargets
-            await asyncio.sleep(1.0)  # a fleet just created: its pods are coming
+        listed = await list_targets(kube, ns, spec, deadline, logger)
+        plan, pods, targets = listed.plan, listed.pods, listed.targets
+        before = initial_results(targets)  # what status shows until the fan-out's first checkpoint
         running: ResetStatus = {
             "phase": "Running",
             "target": plan.description,
@@ -276,10 +196,10 @@ async def _run(
             reason="Started",
             message=f"resetting the prefix caches of {len(targets)} pods of {plan.description}",
         )
-        listed = {t.name: ident for t, ident in pods}
+        idents = {t.name: ident for t, ident in pods}
         async with (
-            PodWatch(kube, ns, plan.selector, plan.container, listed, version) as watch,
-            _stop_flag(stopped) as stop,
+            PodWatch(kube, ns, plan.selector, plan.container, idents, listed.version) as watch,
+            stop_flag(stopped) as stop,
         ):
             results = await run_fanout(
                 targets,
@@ -311,25 +231,6 @@ async def _run(
     for r in [r for r in results if r.result == Outcome.FAILED][:_MAX_FAILURE_EVENTS]:
         kopf.event(as_body(obj), type="Warning", reason="PodResetFailed", message=f"{r.name}: {r.message}")
     return await _finish(kube, obj, spec, results, phase, reason, message, start)
-
-
-@contextlib.asynccontextmanager
-async def _stop_flag(stopped: Any) -> AsyncIterator[asyncio.Event]:
-    """An asyncio.Event set when kopf's `stopped` flag is (the operator stops), for the fan-out's `stop`."""
-    stop = asyncio.Event()
-
-    async def bridge() -> None:
-        if stopped is not None:
-            await stopped.wait()
-            stop.set()
-
-    bridging = asyncio.create_task(bridge())
-    try:
-        yield stop
-    finally:
-        bridging.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await bridging
 
 
 async def _finish(

@@ -1,4 +1,5 @@
-"""ttlSecondsAfterFinished: delete a finished PrefixCacheReset (or WeightUpdate) when its time is up, also after a restart.
+"""ttlSecondsAfterFinished: delete a finished PrefixCacheReset (or WeightUpdate, PrefixCacheWarmup) when its time is up,
+also after a restart.
 
 Not a kopf daemon or timer: kopf keeps its finalizer on every object a daemon or timer serves, and a finished
 reset carries none (after `helm uninstall`, `kubectl delete pcr --all` must not hang). An event handler sees
@@ -19,7 +20,7 @@ from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.operator.fleets.builders import RESETS
 from kvpilot.operator.kube.api import Kube, is_transient
 from kvpilot.operator.kube.conditions import parse_time
-from kvpilot.operator.specs import ResetSpec, WeightUpdateSpec
+from kvpilot.operator.specs import ResetSpec, WarmupSpec, WeightUpdateSpec
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Expiry:
         kube: Kube,
         plural: str = RESETS,
         kind: str = "PrefixCacheReset",
-        spec_type: type[ResetSpec | WeightUpdateSpec] = ResetSpec,
+        spec_type: type[ResetSpec | WarmupSpec | WeightUpdateSpec] = ResetSpec,
     ) -> None:
         self.kube, self.plural, self.kind, self.spec_type = kube, plural, kind, spec_type
         self.tasks: dict[str, asyncio.Task[None]] = {}  # by uid

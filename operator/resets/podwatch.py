@@ -1,4 +1,5 @@
-"""Who the reset's pods are right now: one list, then a watch keeps it current (an informer for one reset).
+"""Who the reset's pods are right now: one list, then a watch keeps it current (an informer for one reset, or
+one warm-up: warmups/drive.py watches its pods with it too).
 
 The fan-out asks before every call whether the pod it resolved at the start is still that pod at that
 address (`gone`), so a token is never sent to an IP that a deleted pod left behind. Answers come from memory;
@@ -21,24 +22,12 @@ from typing import Any
 from kubernetes.watch.watch import iter_resp_lines
 
 from kvpilot.fanout import Target
-from kvpilot.operator.fleets.targets import starting
+from kvpilot.operator.fleets.targets import Identity, identity
 from kvpilot.operator.kube.api import Kube
 
 log = logging.getLogger(__name__)
 
-Identity = tuple[str, str, bool, bool]  # (uid, pod IP, terminating, starting)
-
-
-def identity(pod: dict[str, Any], container: str | None) -> Identity:
-    """(uid, pod IP, terminating, starting) of a pod as a dict; `container`: its engine container's name
-    (None: any), for `targets.starting`."""
-    meta, st = pod["metadata"], pod.get("status") or {}
-    return (
-        meta.get("uid", ""),
-        st.get("podIP") or "",
-        bool(meta.get("deletionTimestamp")),
-        starting(pod, container),
-    )
+__all__ = ["Identity", "PodWatch", "identity"]
 
 
 class PodWatch:
@@ -50,10 +39,12 @@ class PodWatch:
         container: str | None,
         pods: dict[str, Identity],
         version: str,
+        run: str = "reset",
     ) -> None:
         """`pods`: each listed pod's identity by name, `version`: the list's resourceVersion, where the
-        watch starts."""
+        watch starts; `run`: what the pods are watched for ("reset", "warm-up"), for the reasons it gives."""
         self.kube, self.ns, self.selector, self.version = kube, ns, selector, version
+        self.run = run
         self.container = container
         self.pods = dict(pods)
         self._listed = {uid for uid, _, _, _ in self.pods.values()}  # the pods the reset started with
@@ -64,14 +55,14 @@ class PodWatch:
     async def gone(self, target: Target) -> str | None:
         now = self.pods.get(target.name)
         if now is None:
-            return "pod deleted (or no longer selected) during the reset"
+            return f"pod deleted (or no longer selected) during the {self.run}"
         uid, ip, terminating, _ = now
         if uid != target.uid:
-            return "pod replaced during the reset (new uid); not called"
+            return f"pod replaced during the {self.run} (new uid); not called"
         if terminating:
-            return "pod terminating during the reset"
+            return f"pod terminating during the {self.run}"
         if ip != target.ip:
-            return f"pod IP changed during the reset ({target.ip} -> {ip or 'none'}); not called"
+            return f"pod IP changed during the {self.run} ({target.ip} -> {ip or 'none'}); not called"
         return None
 
     async def starting(self, target: Target) -> bool:

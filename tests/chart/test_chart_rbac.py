@@ -2,7 +2,8 @@
 (cluster-wide, and operator.watchNamespaces) the real operator runs under exactly the rendered ServiceAccount,
 ClusterRoles, Roles and bindings (a token of that ServiceAccount, the Deployment's own flags) through every
 feature that needs a right: a fleet with its real router, whose RoleBinding from an older operator (to a Role)
-is replaced, a generated token, a targetRef reset and one that expires, a WeightUpdate that expires, the annotation trigger, placement
+is replaced, a generated token, a targetRef reset and one that expires, a WeightUpdate that expires, a warm-up
+from a ConfigMap that expires, the annotation trigger, placement
 DaemonSet and back, the router turned off. Then none of the operator's or the router's requests was Forbidden, and every
 (verb, resource) granted to them was requested at least once.
 
@@ -232,6 +233,22 @@ def exercise(cluster: Cluster, ns: str) -> None:
     wu = {"targetRef": {"name": "f"}, "modelPath": "/ckpt", "version": "v2", "ttlSecondsAfterFinished": 0}
     apply_ns(cluster, ns, manifest("kvpilot.io/v1alpha1", "WeightUpdate", "wu", wu))
     wait_for(lambda: gone(cluster, ns, "wu", "wu"), 90, "the finished WeightUpdate to expire")
+    # A warm-up from a ConfigMap that expires right after it ends (the stand-in serves no completions: it
+    # ends Failed after its pod was called), so its prompts' ConfigMap is read and its TTL deletes it.
+    prompts = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "prompts"},
+        "data": {"p": "[{prompt: hi}]"},
+    }
+    apply_ns(cluster, ns, prompts)
+    warm = {
+        "targetRef": {"name": "f"},
+        "promptsFrom": {"configMapKeyRef": {"name": "prompts", "key": "p"}},
+        "ttlSecondsAfterFinished": 0,
+    }
+    apply_ns(cluster, ns, manifest("kvpilot.io/v1alpha1", "PrefixCacheWarmup", "warm", warm))
+    wait_for(lambda: gone(cluster, ns, "pcw", "warm"), 90, "the finished warm-up to expire")
     annotate(cluster, ns, "f", "t1")
     wait_for(lambda: "t1" in (infd(cluster, ns, "f").get("status") or {}).get("resetTokens", []), 60, "token")
     # The router runs: its EndpointSlice watch and its check that each endpoint is a pod of the fleet.

@@ -3,6 +3,11 @@
 With `offload` (STANDIN_OFFLOAD=1) a stand-in also serves completions whose usage counts the prompt as cached
 when it was seen since the cache was last cleared, from a pool and a CPU offload tier, as vLLM 0.32 does: its
 POST /reset_prefix_cache clears the pool, and the offload tier only with reset_external=true (vLLM 57727).
+With `block_size` set (a warm-up's tests) it serves chat completions too, names that block size and its
+`ranks` in GET /prefix_cache, counts a seen prompt's full blocks as cached (short of its last token, as an
+engine does), records each request's X-data-parallel-rank header, answers `pin_prefix` as a kvpilot daemon
+does (pinned with `pins`, else reason "disabled"), and with `forget` caches nothing, with `no_details` leaves
+`prompt_tokens_details` out of its usage.
 
 Used in-process by the unit tests and as a pod's command by the cluster tests (a daemon where the model
 is not the point): `python standin.py --engine kvpilot --host $(POD_IP) --port 8000 [--reset-status 500]`.
@@ -39,6 +44,16 @@ class Standin:
     # answers as the engine does.
     reply: str = ""
     offload: bool = False  # serve completions from a pool and an offload tier (the module's docstring)
+    block_size: int | None = None  # a warm-up's stand-in (the module's docstring); None: whole prompts
+    ranks: int = 1  # data-parallel ranks named in GET /prefix_cache
+    pins: bool = False  # pin_prefix requests are pinned (else "disabled", as a daemon without pinning)
+    forget: bool = False  # cache nothing: every prompt cold
+    no_details: bool = (
+        False  # usage without prompt_tokens_details (vLLM without --enable-prompt-tokens-details)
+    )
+    rank_headers: list[str | None] = field(default_factory=list, init=False)  # per completion request
+    completions: int = field(default=0, init=False)  # completion and chat requests received
+    pinned: int = field(default=0, init=False)  # requests whose blocks were pinned
     pool: set[str] = field(default_factory=set, init=False)  # (cache_salt, prompt) keys the pool holds
     offloaded: set[str] = field(default_factory=set, init=False)  # and the offload tier
     epoch: int = field(default=0, init=False)
@@ -130,17 +145,41 @@ class Standin:
 
     async def completion(self, request: web.Request) -> web.Response:
         body = await request.json()
-        key = json.dumps([body.get("cache_salt"), body["prompt"]])
-        tokens = len(body["prompt"].split())
-        cached = tokens if key in self.pool or key in self.offloaded else 0
+        self.completions += 1
+        self.rank_headers.append(request.headers.get("X-data-parallel-rank"))
+        if "messages" in body:  # a chat: its template adds two tokens a message
+            text = json.dumps(body["messages"])
+            tokens = sum(len(m["content"].split()) + 2 for m in body["messages"])
+        else:
+            text, tokens = body["prompt"], len(body["prompt"].split())
+        key = json.dumps([body.get("cache_salt"), body.get("model"), text])
+        seen = (key in self.pool or key in self.offloaded) and not self.forget
+        if self.block_size is None:
+            cached = tokens if seen else 0
+        else:
+            cached = (tokens - 1) // self.block_size * self.block_size if seen else 0
         self.pool.add(key)
         self.offloaded.add(key)
-        usage = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        return web.json_response({"object": "text_completion", "choices": [{"text": " x"}], "usage": usage})
+        usage: dict = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
+        if not self.no_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        reply = {"object": "text_completion", "choices": [{"text": " x"}], "usage": usage}
+        if body.get("pin_prefix") is True:
+            self.pinned += self.pins
+            blocks = tokens // (self.block_size or 16) if self.pins else 0
+            reply["pin_prefix"] = {
+                "pinned": self.pins,
+                "blocks": blocks,
+                "reason": None if self.pins else "disabled",
+            }
+        return web.json_response(reply)
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"epoch": self.epoch, "blocks_total": 64})
+        stats: dict = {"epoch": self.epoch, "blocks_total": 64}
+        if self.block_size is not None:
+            stats["block_size"] = self.block_size
+            stats["ranks"] = [{"rank": r} for r in range(self.ranks)]
+        return web.json_response(stats)
 
     async def calls_(self, request: web.Request) -> web.Response:
         counts = {"calls": self.calls, "resets": self.resets, "epoch": self.epoch}
@@ -162,9 +201,11 @@ class Standin:
         app.router.add_get("/prefix_cache", self.stats)
         app.router.add_get("/calls", self.calls_)
         app.router.add_get("/health", self.health)
-        if self.offload:
+        if self.offload or self.block_size is not None:
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/completions", self.completion)
+        if self.block_size is not None:
+            app.router.add_post("/v1/chat/completions", self.completion)
         return app
 
 
@@ -188,6 +229,8 @@ def main() -> None:
         token,
         reply=os.environ.get("STANDIN_REPLY", ""),
         offload=os.environ.get("STANDIN_OFFLOAD") == "1",
+        block_size=int(os.environ["STANDIN_BLOCK_SIZE"]) if os.environ.get("STANDIN_BLOCK_SIZE") else None,
+        forget=os.environ.get("STANDIN_FORGET") == "1",
     )
     print(json.dumps(vars(a)), flush=True)
     # a daemon loading its model: running, not listening (connections refused) and not Ready meanwhile

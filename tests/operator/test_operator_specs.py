@@ -13,13 +13,14 @@ import yaml
 from pydantic import BaseModel
 
 from kvpilot.operator.cli import RESET_TIMEOUT_S
-from kvpilot.operator.specs import FleetSpec, ResetSpec, WeightUpdateSpec
+from kvpilot.operator.specs import FleetSpec, ResetSpec, WarmupSpec, WeightUpdateSpec
 from kvpilot.operator.weights.cli import UPDATE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = {
     "inferencedeployments.yaml": FleetSpec,
     "prefixcachereset.yaml": ResetSpec,
+    "prefixcachewarmup.yaml": WarmupSpec,
     "weightupdates.yaml": WeightUpdateSpec,
 }
 

@@ -246,6 +246,7 @@ def install_crds(cluster: Cluster) -> None:
     for crd in (
         "inferencedeployments.kvpilot.io",
         "prefixcacheresets.kvpilot.io",
+        "prefixcachewarmups.kvpilot.io",
         "weightupdates.kvpilot.io",
         "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev",

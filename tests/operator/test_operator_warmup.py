@@ -1,0 +1,261 @@
+"""PrefixCacheWarmup on the dev cluster: the operator (RBAC-limited, as a subprocess) warms a fleet of two real
+`kvpilot serve` daemons from a ConfigMap's prompts, verifies each pod warm, and the pods' caches really hold
+the prompts; a PrefixCacheReset empties them and a new warm-up proves them warm again. Then what must fail
+does, with its reason: a fleet of stand-ins that cache nothing (NotWarm), a missing or broken ConfigMap
+(PromptsNotFound, InvalidPrompts), no pods (NoTargets), and specs the API server refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.operator.warmups import prompts
+from support import ROOT
+from support.cluster import Cluster, manifest
+from support.operator import (
+    OperatorProcess,
+    apply_ns,
+    fleet,
+    fleet_pods,
+    http,
+    pcr,
+    ready_replicas,
+    standin_fleet,
+)
+from support.procs import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+SYSTEM = (
+    "You are the support assistant of the kvpilot fleet. Answer in one short sentence, cite the manual "
+    "section you used, and never invent a section number. "
+) * 3
+DOCUMENT = "Release notes, version 7. " + "The operator warms every pod before a benchmark starts. " * 6
+PROMPTS = [
+    {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do I reset?"}]},
+    {"prompt": DOCUMENT},
+]
+
+
+def pcw(name: str, spec: dict) -> dict:
+    return manifest("kvpilot.io/v1alpha1", "PrefixCacheWarmup", name, spec)
+
+
+def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict:
+    def done() -> dict | None:
+        obj = cluster.kubectl_json("get", "pcw", name, "-n", ns)
+        return obj if (obj.get("status") or {}).get("completionTime") else None
+
+    return wait_for(done, timeout, f"PrefixCacheWarmup {ns}/{name} to finish")  # type: ignore[return-value]
+
+
+def condition(obj: dict, type_: str) -> tuple[str, str, str]:
+    c = next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+    return c["status"], c["reason"], c["message"]
+
+
+def cached(ip: str, prompt: dict) -> int:
+    """The pod's cached tokens of one of PROMPTS, sent as the warm-up sends it (the served model)."""
+    model = http("GET", f"http://{ip}:8000/v1/models")["data"][0]["id"]
+    path = "chat/completions" if "messages" in prompt else "completions"
+    body = {"model": model, **prompt, "max_tokens": 1, "temperature": 0}
+    return http("POST", f"http://{ip}:8000/v1/{path}", body)["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
+
+
+def prompts_config_map(cluster: Cluster, ns: str, name: str, text: str) -> None:
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"prompts.yaml": text}}
+    apply_ns(cluster, ns, cm)
+
+
+# --------------------------------------------------------------------------------------------------------
+def test_warm_two_real_daemons_reset_them_and_warm_them_again(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    engine = {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512}
+    cache = {"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}
+    apply_ns(cluster, ns, fleet("llm", {"replicas": 2, "engine": engine, "env": [cache]}))
+    prompts_config_map(cluster, ns, "prompts", yaml.safe_dump(PROMPTS))
+    wait_for(lambda: ready_replicas(cluster, ns, "llm", 2), 300, "2 ready kvpilot daemons", interval=1)
+    pods = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
+    runs = operator.metric("kvpilot_operator_warmups_total", namespace=ns, result="Succeeded")
+    warm_pods = operator.metric("kvpilot_operator_warmup_pods_total", namespace=ns, verified="warm")
+
+    spec = {
+        "targetRef": {"name": "llm"},
+        "promptsFrom": {"configMapKeyRef": {"name": "prompts", "key": "prompts.yaml"}},
+        "pin": True,
+    }
+    apply_ns(cluster, ns, pcw("warm", spec))
+    obj = wait_done(cluster, ns, "warm")
+    st = obj["status"]
+    assert (st["phase"], st["targets"], st["succeeded"], st["warm"], st["prompts"]) == (
+        "Succeeded",
+        2,
+        2,
+        "2/2",
+        2,
+    ), st
+    assert condition(obj, "Complete")[:2] == ("True", "AllPodsWarmed")
+    assert condition(obj, "Warm")[:2] == ("True", "AllWarm"), condition(obj, "Warm")
+    for entry in st["pods"]:
+        assert entry["name"] in pods and entry["verified"] == "warm", entry
+        assert (entry["promptsWarm"], entry["ranks"], entry["blockSize"]) == (2, 1, 16), entry
+        assert 0 < entry["cachedTokens"] < entry["promptTokens"], entry
+        # the daemon's answer to pin_prefix, whatever it is (pins are the daemon's own tests' business)
+        assert set(entry["pin"]) >= {"pinned", "blocks"}, entry
+    # the caches really hold the prompts: the same requests are served from cache on every pod
+    for name, ip in pods.items():
+        for prompt in PROMPTS:
+            assert cached(ip, prompt) > 0, f"{name}: {prompt}"
+    out = cluster.kubectl("get", "pcw", "warm", "-n", ns).stdout.splitlines()
+    assert out[0].split()[:4] == ["NAME", "TARGET", "PHASE", "WARM"], out
+    assert out[1].split()[1:4] == ["InferenceDeployment/llm", "Succeeded", "2/2"], out
+    assert operator.metric("kvpilot_operator_warmups_total", namespace=ns, result="Succeeded") == runs + 1
+    assert (
+        operator.metric("kvpilot_operator_warmup_pods_total", namespace=ns, verified="warm") == warm_pods + 2
+    )
+    events = cluster.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=warm").stdout
+    assert "Started" in events and "Succeeded" in events
+
+    # A reset empties the caches (proven cold by its canary; the document, asked once, is not served from
+    # cache on the first pod) and a new warm-up fills them again.
+    apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "llm"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", ns, "--timeout=120s")
+    flushed = cluster.kubectl_json("get", "pcr", "flush", "-n", ns)
+    assert flushed["status"]["verified"] == "2/2", flushed["status"]
+    first = sorted(pods)[0]
+    assert cached(pods[first], PROMPTS[1]) == 0
+    apply_ns(cluster, ns, pcw("warm-again", spec))
+    again = wait_done(cluster, ns, "warm-again")
+    assert (again["status"]["phase"], again["status"]["warm"]) == ("Succeeded", "2/2"), again["status"]
+    assert condition(again, "Warm")[0] == "True"
+    for name, ip in pods.items():
+        assert cached(ip, PROMPTS[0]) > 0, name
+
+
+def test_a_fleet_that_caches_nothing_is_not_warm(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_FORGET", "value": "1"}]
+    standin_fleet(cluster, ns, "forgetful", replicas=2, env=env)
+    cold_before = operator.metric("kvpilot_operator_warmup_pods_total", namespace=ns, verified="cold")
+    apply_ns(cluster, ns, pcw("cold", {"targetRef": {"name": "forgetful"}, "prompts": PROMPTS}))
+    obj = wait_done(cluster, ns, "cold", 90)
+    st = obj["status"]
+    assert (st["phase"], st["failed"], st["warm"], st["coldPods"]) == ("Failed", 2, "0/2", 2), st
+    assert condition(obj, "Failed")[:2] == ("True", "NotWarm")
+    status, reason, message = condition(obj, "Warm")
+    assert (status, reason) == ("False", "NotWarm") and "2/2 pods not warm" in message, message
+    assert all(p["reason"] == "NotWarm" and "0 of" in p["verification"] for p in st["pods"]), st["pods"]
+    assert (
+        operator.metric("kvpilot_operator_warmup_pods_total", namespace=ns, verified="cold")
+        == cold_before + 2
+    )
+
+
+def test_prompts_that_cannot_be_read_and_no_pods_fail_with_a_reason(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    ref = {"configMapKeyRef": {"name": "nope", "key": "prompts.yaml"}}
+    apply_ns(cluster, ns, pcw("missing", {"selector": {"matchLabels": {"app": "x"}}, "promptsFrom": ref}))
+    prompts_config_map(cluster, ns, "broken", "- &a {prompt: x}\n- *a\n")
+    broken = {"configMapKeyRef": {"name": "broken", "key": "prompts.yaml"}}
+    apply_ns(cluster, ns, pcw("broken", {"selector": {"matchLabels": {"app": "x"}}, "promptsFrom": broken}))
+    none = {"selector": {"matchLabels": {"app": "x"}}, "prompts": PROMPTS}
+    apply_ns(cluster, ns, pcw("none", none))
+    apply_ns(cluster, ns, pcw("expires", {**none, "allowNoTargets": True, "ttlSecondsAfterFinished": 0}))
+    for name, reason, words in (
+        ("missing", "PromptsNotFound", f"ConfigMap {ns}/nope (spec.promptsFrom) not found"),
+        ("broken", "InvalidPrompts", "aliases"),
+        ("none", "NoTargets", "no pod matched"),
+    ):
+        obj = wait_done(cluster, ns, name, 60)
+        assert obj["status"]["phase"] == "Failed", obj["status"]
+        status, got, message = condition(obj, "Failed")
+        assert (status, got) == ("True", reason) and words in message, (name, message)
+    wait_for(
+        lambda: cluster.kubectl("get", "pcw", "expires", "-n", ns, check=False).returncode != 0,
+        60,
+        "the finished warm-up to expire",
+    )
+
+
+BAD_SPECS = [
+    (
+        {"targetRef": {"name": "a"}, "selector": {"matchLabels": {"a": "b"}}, "prompts": PROMPTS},
+        "exactly one of targetRef",
+    ),
+    ({"targetRef": {"name": "a"}}, "exactly one of prompts and promptsFrom"),
+    (
+        {
+            "targetRef": {"name": "a"},
+            "prompts": PROMPTS,
+            "promptsFrom": {"configMapKeyRef": {"name": "c", "key": "k"}},
+        },
+        "exactly one of prompts and promptsFrom",
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous"},
+        'Unsupported value: "Continuous"',
+    ),
+    ({"targetRef": {"name": "a"}, "prompts": [{}]}, "each prompt is either messages"),
+    (
+        {"targetRef": {"name": "a"}, "prompts": [{"prompt": "x", "messages": PROMPTS[0]["messages"]}]},
+        "each prompt",
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": [{"messages": [{"role": "robot", "content": "x"}]}]},
+        'Unsupported value: "robot"',
+    ),
+    ({"targetRef": {"name": "a"}, "prompts": []}, "spec.prompts"),
+    ({"targetRef": {"name": "a"}, "prompts": [{"prompt": "x"}] * 65}, "spec.prompts: Too many"),
+    ({"targetRef": {"name": "a"}, "prompts": [{"prompt": "x" * 65537}]}, "spec.prompts[0].prompt: Too long"),
+    (
+        {"selector": {"matchLabels": {"a": "b"}}, "engine": "vllm", "pin": True, "prompts": PROMPTS},
+        "pin is for kvpilot pods",
+    ),
+    (
+        {"selector": {"matchLabels": {"a": "b"}}, "waitForTarget": True, "prompts": PROMPTS},
+        "waitForTarget is for targetRef",
+    ),
+    (
+        {"targetRef": {"name": "a"}, "adminTokenSecretRef": {"name": "s"}, "prompts": PROMPTS},
+        "adminTokenSecretRef is for selector warm-ups only",
+    ),
+    (
+        {"targetRef": {"name": "a"}, "promptsFrom": {"configMapKeyRef": {"name": "c"}}},
+        "spec.promptsFrom.configMapKeyRef.key",
+    ),
+    ({"selector": {}, "prompts": PROMPTS}, "selector must not be empty"),
+    ({"targetRef": {"name": "a"}, "prompts": PROMPTS, "timeoutSeconds": 0}, "spec.timeoutSeconds"),
+]
+
+
+def test_bad_warmup_specs_are_refused_by_the_api_server(
+    cluster: Cluster, namespace: str, operator_kubeconfig
+) -> None:
+    ns = namespace
+    for i, (spec, message) in enumerate(BAD_SPECS):
+        obj = pcw(f"bad-{i}", spec)
+        obj["metadata"]["namespace"] = ns
+        r = cluster.kubectl("apply", "-f", "-", input=json.dumps(obj), check=False)
+        assert r.returncode != 0, f"case {i} was accepted: {spec}"
+        assert message in r.stderr, f"case {i}: {r.stderr}"
+    apply_ns(cluster, ns, pcw("fixed", {"selector": {"matchLabels": {"none": "x"}}, "prompts": PROMPTS}))
+    got = cluster.kubectl_json("get", "pcw", "fixed", "-n", ns)["spec"]
+    assert (got["mode"], got["pin"], got["timeoutSeconds"], got["engine"]) == ("Once", False, 300, "kvpilot")
+    r = cluster.kubectl(
+        "patch", "pcw", "fixed", "-n", ns, "--type=merge", "-p", '{"spec":{"maxConcurrency":2}}', check=False
+    )
+    assert r.returncode != 0 and "spec is immutable" in r.stderr
+    assert "pin_prefix" in cluster.kubectl("explain", "pcw.spec.pin").stdout
+    # the examples are specs the API server takes (and the prompts' ConfigMap a list the operator reads)
+    for example in ("warmup-prompts.yaml", "prefixcachewarmup.yaml"):
+        cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", str(ROOT / "examples" / example))
+    cm = yaml.safe_load((ROOT / "examples" / "warmup-prompts.yaml").read_text())
+    assert len(prompts.parse(cm["data"]["prompts.yaml"])) == 2
