@@ -211,6 +211,8 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
         if prep.req.cache_salt is not None and len(prep.req.cache_salt) > (room := salt_room(tenant)):
             raise bad(f"'cache_salt' may hold at most {room} characters for tenant {tenant}", "cache_salt")
         prep.req.cache_salt = tenant_salt(tenant, prep.req.cache_salt)
+        if prep.req.pin_prefix:  # pins share one cap: a tenant could hold it all (docs/security.md)
+            prep.req.pin_prefix, prep.req.pin_refused = False, "tenant"
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]

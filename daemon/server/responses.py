@@ -22,6 +22,7 @@ from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import ignored_fields_headers
 from kvpilot.protocol.replies import json_response
+from kvpilot.protocol.requests import GenerateRequest
 
 
 def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> JSONObject:
@@ -39,9 +40,14 @@ def usage(state: ServerState, finals: dict[tuple[int, int], RequestOutput]) -> J
     return out
 
 
-def pinned(finals: dict[tuple[int, int], RequestOutput]) -> JSONObject:
-    """The reply's `pin_prefix` when the request asked for it: whether every prompt's full blocks were
-    pinned, how many blocks, and the first reason one was not (engine/outputs.py `PinResult`)."""
+def pinned(req: GenerateRequest, finals: dict[tuple[int, int], RequestOutput]) -> JSONObject | None:
+    """The reply's `pin_prefix` when the request asked for it (None when not): whether every prompt's full
+    blocks were pinned, how many blocks, and the first reason one was not (engine/outputs.py `PinResult`,
+    or the server's own refusal)."""
+    if req.pin_refused is not None:
+        return {"pinned": False, "blocks": 0, "reason": req.pin_refused}
+    if not req.pin_prefix:
+        return None
     pins = [o.pin or PinResult(False, reason="aborted") for (_, j), o in finals.items() if j == 0]
     pins = pins or [PinResult(False, reason="aborted")]
     return {
@@ -93,8 +99,8 @@ async def complete(
         "choices": body_choices,
         "usage": usage(state, finals),
     }
-    if req.pin_prefix:
-        body["pin_prefix"] = pinned(finals)
+    if (pin := pinned(req, finals)) is not None:
+        body["pin_prefix"] = pin
     return json_response(body, headers=ignored_fields_headers(req.ignored_fields))
 
 
@@ -239,8 +245,8 @@ class _EventStream:
                 exc if isinstance(exc, ApiError) else ApiError(500, "the engine failed", code="engine_error")
             )
             await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        if req.include_usage or req.pin_prefix:  # the last chunk: usage, and what the pin got
-            pin = pinned(finals) if req.pin_prefix else None
+        pin = pinned(req, finals)
+        if req.include_usage or pin is not None:  # the last chunk: usage, and what the pin got
             await resp.write(self.chunk([], usage(self.state, finals), final=True, pin=pin))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

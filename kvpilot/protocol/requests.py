@@ -57,6 +57,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     weight_version: str | None = None  # the weights the request must run on
     pin_prefix: bool = False  # pin the prompt's full blocks once it is computed
+    pin_refused: str | None = None  # why the server did not pass pin_prefix on (the reply's reason)
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     n: int = 1  # choices per prompt

@@ -25,7 +25,7 @@ def server(tmp_path_factory) -> Iterator[Server]:  # noqa: ANN001
     tmp = tmp_path_factory.mktemp("tenancy")
     tokens = tmp / "tenants"
     tokens.write_text(f"# tenant token\nalice {ALICE}\nbob {BOB}\n")
-    srv = start_server(tmp, "--tenant-tokens-file", str(tokens), token=ADMIN_TOKEN)
+    srv = start_server(tmp, "--tenant-tokens-file", str(tokens), "--enable-pinned-prefix", token=ADMIN_TOKEN)
     yield srv
     stop_server(srv)
     assert "Traceback" not in srv.log(), srv.log()[-4000:]
@@ -62,6 +62,24 @@ def test_no_salt_a_tenant_sends_reaches_another_tenants_blocks(server: Server) -
         assert cached(server, BOB, spelled) == 0, spelled  # not even by spelling alice's salt
     cached(server, BOB, "team-1")
     assert cached(server, BOB, "team-1") >= 32  # a tenant's own salts partition its own cache
+
+
+def test_a_tenant_cannot_pin_only_the_admin_can(server: Server) -> None:
+    """Pins share one cap per rank: a tenant's pins could hold all of it, and what they hold is kept from
+    every other tenant. A tenant's pin_prefix is served unpinned, saying why; the admin (the operator's
+    PrefixCacheWarmup) pins."""
+    server.reset()
+    body = {"messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 1, "pin_prefix": True}
+    alice = server.request("POST", "/v1/chat/completions", body, headers={"Authorization": f"Bearer {ALICE}"})
+    assert alice.status == 200 and alice.json()["pin_prefix"] == {
+        "pinned": False,
+        "blocks": 0,
+        "reason": "tenant",
+    }
+    assert server.cache()["pinned_blocks"] == 0
+    admin = server.request("POST", "/v1/chat/completions", body, headers=server.admin())
+    assert admin.status == 200 and admin.json()["pin_prefix"]["pinned"] is True, admin.body
+    assert server.reset()["unpinned_blocks"] == admin.json()["pin_prefix"]["blocks"] > 0
 
 
 def test_the_admin_resets_one_tenants_cache_by_its_salt(server: Server) -> None:
