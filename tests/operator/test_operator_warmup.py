@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.operator.warmups import prompts
+from kvpilot.fanout import warm_prompts
 from support import ROOT
 from support.cluster import Cluster, manifest
 from support.operator import (
@@ -258,4 +258,4 @@ def test_bad_warmup_specs_are_refused_by_the_api_server(
     for example in ("warmup-prompts.yaml", "prefixcachewarmup.yaml"):
         cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", str(ROOT / "examples" / example))
     cm = yaml.safe_load((ROOT / "examples" / "warmup-prompts.yaml").read_text())
-    assert len(prompts.parse(cm["data"]["prompts.yaml"])) == 2
+    assert len(warm_prompts.parse(cm["data"]["prompts.yaml"])) == 2

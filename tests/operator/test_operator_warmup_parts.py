@@ -15,7 +15,7 @@ import yaml
 from standin import Standin
 from test_operator_fanout import serving
 
-from kvpilot.fanout import PodResult, Target, Verified
+from kvpilot.fanout import PodResult, Target, Verified, warm_prompts
 from kvpilot.fanout.results import NOT_WARM, Outcome, PinResult, WarmDetail
 from kvpilot.fanout.warmup import (
     UNNAMED_BLOCK,
@@ -77,8 +77,8 @@ def test_pins_are_summed_and_the_first_reason_kept() -> None:
 def test_prompts_from_json_and_yaml() -> None:
     items = [{"messages": [{"role": "system", "content": "be brief"}]}, {"prompt": "Once upon a time"}]
     assert (
-        prompts.parse(json.dumps(items))
-        == prompts.parse(yaml.safe_dump(items))
+        warm_prompts.parse(json.dumps(items))
+        == warm_prompts.parse(yaml.safe_dump(items))
         == (
             WarmPrompt(messages=(("system", "be brief"),)),
             WarmPrompt(text="Once upon a time"),
@@ -110,7 +110,7 @@ def test_prompts_from_json_and_yaml() -> None:
 )
 def test_a_bad_prompt_list_is_refused_with_a_reason(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
-        prompts.parse(text)
+        warm_prompts.parse(text)
     assert why in str(e.value), e.value
 
 
@@ -121,10 +121,10 @@ def test_inline_prompts_and_the_bounds_are_the_crds() -> None:
     crd = yaml.safe_load((ROOT / "crds" / "prefixcachewarmup.yaml").read_text())
     props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     item = props["prompts"]["items"]["properties"]
-    assert props["prompts"]["maxItems"] == prompts.MAX_PROMPTS
-    assert item["messages"]["maxItems"] == prompts.MAX_MESSAGES
+    assert props["prompts"]["maxItems"] == warm_prompts.MAX_PROMPTS
+    assert item["messages"]["maxItems"] == warm_prompts.MAX_MESSAGES
     assert item["prompt"]["maxLength"] == item["messages"]["items"]["properties"]["content"]["maxLength"]
-    assert item["prompt"]["maxLength"] == prompts.MAX_PROMPT_CHARS
+    assert item["prompt"]["maxLength"] == warm_prompts.MAX_PROMPT_CHARS
     assert props["mode"]["enum"] == ["Once"]  # Continuous comes with its controller, not before
     with pytest.raises(ValueError):
         WarmPrompt()
