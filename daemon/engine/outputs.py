@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvpilot.protocol.pins import PinResult
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -15,21 +17,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    """What a request's `pin_prefix` got: its prompt's full blocks pinned (`blocks`, those pinned before
-    included), or why none were (`reason`): "disabled" (no --enable-pinned-prefix), "cap" (more than
-    --pinned-prefix-cap-ratio of the pool would be pinned), "not_cached" (no full block of the prompt is in
-    the cache, e.g. a reset came first), "aborted"."""
-
-    pinned: bool
-    blocks: int = 0
-    reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

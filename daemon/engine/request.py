@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
-from kvpilot.daemon.engine.outputs import PinResult, TokenLogprob
+from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter
 from kvpilot.kv.block_keys import DEFAULT_KEYS, BlockHash, KeyScheme
 from kvpilot.protocol.limits import MAX_LOGPROBS, MAX_SEQUENCES, MAX_STOP_TOKEN_IDS
+from kvpilot.protocol.pins import PinResult
 
 if TYPE_CHECKING:  # client.py imports this module for SamplingParams
     from kvpilot.daemon.engine.client import EngineRequest

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpilot.daemon.engine.kv.cache_manager import KVCacheManager, KVTransfers
-from kvpilot.daemon.engine.outputs import PinResult, TokenLogprob
+from kvpilot.daemon.engine.outputs import TokenLogprob
 from kvpilot.daemon.engine.request import Request, RequestStatus
+from kvpilot.protocol.pins import PinResult
 
 # A request that wants prompt logprobs needs the LM head on every prompt position: cap its prefill
 # chunks so one step's [tokens, vocab] fp32 logits stay small (256 x 49k x 4 B = 48 MiB).

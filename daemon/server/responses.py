@@ -14,13 +14,14 @@ from typing import cast
 from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineDeadError
-from kvpilot.daemon.engine.outputs import PinResult, RequestOutput
+from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.choices import Choice, Delta, PromptEcho, chat_logprobs, completion_logprobs
 from kvpilot.daemon.server.prepare import Prepared
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import ignored_fields_headers
+from kvpilot.protocol.pins import PinResult
 from kvpilot.protocol.replies import json_response
 from kvpilot.protocol.requests import GenerateRequest
 

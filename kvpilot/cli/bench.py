@@ -33,11 +33,27 @@ class BenchSettings:
         default="kvpilot",
         metadata=flag("what the server runs, so that its reset is called its own way", choices=ENGINE_NAMES),
     )
+    warm: str | None = field(
+        default=None,
+        metadata=flag(
+            "after each reset, warm the server with these prompts (a JSON or YAML list, as a PrefixCacheWarmup's: "
+            "messages or prompt items) and prove it warm before the run",
+            metavar="FILE",
+            unset="none: every run starts cold",
+        ),
+    )
+    warm_pin: bool = field(
+        default=False, metadata=flag("pin the --warm prompts (a kvpilot server with --enable-pinned-prefix)")
+    )
     output: str | None = field(default=None, metadata=flag("write the runs as JSON to this file"))
 
     def validate(self) -> None:
         if min(self.concurrency) < 1 or min(self.rounds, self.min_requests, self.max_tokens) < 1:
             raise ValueError("concurrency, rounds, min_requests and max_tokens must be positive")
+        if self.warm is not None and not self.reset:
+            raise ValueError("warm needs reset: a warm set on a cache left warm is not a known state")
+        if self.warm_pin and self.warm is None:
+            raise ValueError("warm_pin needs warm")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,14 +67,18 @@ def run_bench(args: argparse.Namespace) -> int:
     Sweep a shared-prefix chat load over concurrency levels against any OpenAI-compatible server (kvpilot,
     vLLM, SGLang, a kvpilot router). Each run starts with a prefix-cache reset, called as --engine's (POST
     /reset_prefix_cache; SGLang's /flush_cache), and proven cold by a canary prompt before and after it
-    (--no-verify: not proven); --no-reset shows how much a warm cache skews the numbers.
+    (--no-verify: not proven); --no-reset shows how much a warm cache skews the numbers. With --warm FILE each
+    reset is followed by a warm-up of those prompts, proven warm (each sent twice, its full blocks served
+    from cache the second time), and each run reports the share of its prompt tokens that warm set covers
+    beside the hit rate it got: reset, warm, measure.
     """
     import json
     import os
     import urllib.request
     from dataclasses import asdict
 
-    from kvpilot.cli.loadgen import LEGEND, describe_load, format_table, sweep
+    from kvpilot.cli.loadgen import LEGEND, Warm, describe_load, format_table, sweep
+    from kvpilot.fanout import warm_prompts
 
     bench = from_flags(BenchSettings, args)
     try:
@@ -67,6 +87,14 @@ def run_bench(args: argparse.Namespace) -> int:
         log.error("%s", flag_message(exc, BenchSettings))
         return 2
     url = bench.url.rstrip("/")
+    warm = None
+    if bench.warm is not None:
+        try:
+            with open(bench.warm, encoding="utf-8") as f:
+                warm = Warm(warm_prompts.parse(f.read(warm_prompts.MAX_PROMPTS_BYTES + 1)), bench.warm_pin)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            log.error("--warm %s: %s", bench.warm, exc)
+            return 2
     token = os.environ.get("KVPILOT_ADMIN_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     model = bench.model
@@ -87,6 +115,7 @@ def run_bench(args: argparse.Namespace) -> int:
             bench.max_tokens,
             bench.reset,
             bench.verify,
+            warm,
         ),
         LEGEND,
         "",
@@ -105,10 +134,15 @@ def run_bench(args: argparse.Namespace) -> int:
         reset=bench.reset,
         engine=bench.engine,
         verify=bench.verify,
+        warm=warm,
     )
     print("\nall runs:", format_table(runs), sep="\n", flush=True)
     if any(r.reset is not None and r.reset["result"] != "Succeeded" for r in runs):
         log.warning("the reset failed (see `reset` in the runs): runs may have started warm")
+    if any(r.warm is not None and r.warm["verified"] != "warm" for r in runs):
+        log.warning(
+            "a warm-up was not proven warm (see `warm` in the runs): runs did not start as --warm says"
+        )
     if bench.output:
         with open(bench.output, "w") as f:
             json.dump({"url": url, "model": model, "runs": [asdict(r) for r in runs]}, f, indent=2)

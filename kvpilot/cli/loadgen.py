@@ -3,7 +3,10 @@
 Each run can start with a prefix-cache reset (the use case of kvpilot: every run starts cold, then its
 requests share a long system prompt), made through `kvpilot.fanout` as a PrefixCacheReset makes it, so
 vLLM's and SGLang's resets are called their own way, and, with `verify`, proven cold by a canary
-(kvpilot/fanout/verify.py). Per run: TTFT p50/p99, inter-token latency p50/p99,
+(kvpilot/fanout/verify.py). With a warm set (`Warm`), the reset is followed by a warm-up of those prompts
+as a PrefixCacheWarmup makes it (kvpilot/fanout/warmup.py: sent, sent again, verified warm): a run then
+starts from a known warm state, and reports beside its hit rate the share of its prompt tokens the warm set
+alone covers (its full blocks; the run's own repeats add to it). Per run: TTFT p50/p99, inter-token latency p50/p99,
 output tokens/s, requests/s and the prefix-cache hit rate (from `usage.cached_tokens` and, on a
 kvpilot daemon, from `/prefix_cache`). Used by `kvpilot bench` (cli/bench.py, which holds the defaults) and by bench/serve.py; it talks to any
 OpenAI-compatible server, so the same sweep runs against vLLM, SGLang or transformers.
@@ -21,6 +24,7 @@ from typing import cast
 import aiohttp
 
 from kvpilot.fanout import ResetSettings, Target, run_fanout
+from kvpilot.fanout.warmup import WarmPrompt, WarmSettings, expected_hit, run_warmup
 from kvpilot.protocol import JSONObject
 from kvpilot.serving.http_limits import UPSTREAM_IDLE_S
 
@@ -73,6 +77,19 @@ class RunResult:
     # verify_message, reason (StillWarm), message. None: no reset (--no-reset).
     reset: JSONObject | None = None
     sample_errors: list[str] = field(default_factory=list)
+    # The warm-up after the reset (--warm): result, verified (warm, cold, unknown), message, pin. None: none.
+    warm: JSONObject | None = None
+    # Share of the run's prompt tokens the warm set's full blocks cover; None: no warm set, or not known
+    # (a server without /tokenize or a block size).
+    warm_predicted_hit_rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """A warm set: prompts sent after each reset, before the run, and whether kvpilot pins them."""
+
+    prompts: tuple[WarmPrompt, ...]
+    pin: bool = False
 
 
 def pct(values: list[float], q: float) -> float:
@@ -82,15 +99,20 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
+def _messages(i: int) -> list[JSONObject]:
+    """Request i's chat: the shared system prompt and one of the questions, in turn."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+    ]
+
+
 async def one_request(
     session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int
 ) -> RequestResult:
     body = {
         "model": model,
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
-        ],
+        "messages": _messages(i),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -161,6 +183,68 @@ async def reset_server(url: str, headers: dict[str, str], engine: str, verify: b
     }
 
 
+async def warm_server(url: str, headers: dict[str, str], engine: str, warm: Warm) -> JSONObject:
+    """Warm the server with the warm set as one fan-out target, with the load's own bearer token; its result
+    as RunResult.warm holds it."""
+    bearer = headers.get("Authorization", "")
+    token = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else None
+    settings = WarmSettings(engine=engine, token=token, prompts=warm.prompts, pin=warm.pin, timeout_s=300.0)
+    (res,) = await run_warmup([Target(name=url, url=url)], settings)
+    return {
+        "result": res.result,
+        "verified": res.verified,
+        "message": res.verify_message or res.message,
+        "pin": None if res.warm is None or res.warm.pin is None else res.warm.pin.to_dict(),
+        "duration_s": res.duration_s,
+    }
+
+
+async def warm_prediction(
+    session: aiohttp.ClientSession, url: str, model: str, warm: Warm, n: int
+) -> float | None:
+    """The share of a run's prompt tokens (its `n` requests) that the warm set's full blocks cover: each
+    request's longest token prefix shared with a warm prompt, in whole blocks short of its last token
+    (warmup.expected_hit), over all its prompt tokens. None without a block size (kvpilot's /prefix_cache)
+    or token ids (POST /tokenize)."""
+    status, info = await get_json(session, "GET", url + "/prefix_cache")
+    block = info.get("block_size") if status == 200 and isinstance(info, dict) else None
+    if not isinstance(block, int) or block < 1:
+        return None
+
+    async def tokens(body: JSONObject) -> list[int] | None:
+        async with session.post(url + "/tokenize", json={"model": model, **body}) as resp:
+            reply = await resp.json(content_type=None) if resp.status == 200 else None
+        ids = reply.get("tokens") if isinstance(reply, dict) else None
+        return ids if isinstance(ids, list) else None
+
+    warmed = []
+    for p in warm.prompts:
+        body = p.body(model, False)
+        ids = await tokens({k: v for k, v in body.items() if k in ("messages", "prompt")})
+        if ids is None:
+            return None
+        warmed.append(ids)
+    covered = total = 0
+    for q in range(min(n, len(QUESTIONS))):
+        ids = await tokens({"messages": _messages(q)})
+        if ids is None:
+            return None
+        shared = max((_common_prefix(ids, w) for w in warmed), default=0)
+        times = len(range(q, n, len(QUESTIONS)))  # the load sends question q this many times
+        covered += times * min(expected_hit(len(ids), block), shared // block * block)
+        total += times * len(ids)
+    return covered / total if total else None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 async def run_once(
     url: str,
     model: str,
@@ -172,13 +256,16 @@ async def run_once(
     reset: bool = True,
     engine: str = "kvpilot",
     verify: bool = False,
+    warm: Warm | None = None,
 ) -> RunResult:
     timeout = aiohttp.ClientTimeout(total=1800)
     # Idle connections are dropped before the server's own idle close, so no request goes out on a
     # connection the server is closing.
     connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_IDLE_S)
     reset_reply = await reset_server(url, headers, engine, verify) if reset else None
+    warm_reply = await warm_server(url, headers, engine, warm) if warm is not None else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
+        predicted = await warm_prediction(session, url, model, warm, n) if warm is not None else None
         before = await get_json(session, "GET", url + "/prefix_cache")
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(n):
@@ -226,6 +313,8 @@ async def run_once(
         cache_hit_rate_engine=engine_rate,
         reset=reset_reply,
         sample_errors=[r.error for r in results if r.error][:3],
+        warm=warm_reply,
+        warm_predicted_hit_rate=predicted,
     )
 
 
@@ -242,16 +331,17 @@ def sweep(
     reset: bool = True,
     engine: str = "kvpilot",
     verify: bool = False,
+    warm: Warm | None = None,
 ) -> list[RunResult]:
     """Warm-up (first-call costs: allocator, lazy init), then one run per concurrency level, each
     after a prefix-cache reset of the server (which runs `engine`) unless `reset` is False; with `verify`,
-    each reset is proven cold by a canary."""
+    each reset is proven cold by a canary; with `warm`, each reset is followed by that warm set."""
     headers = headers or {}
     asyncio.run(run_once(url, model, server, 1, 1, 2, headers, reset, engine, verify))
     runs = []
     for c in concurrency:
         n = max(min_requests, c * rounds)
-        r = asyncio.run(run_once(url, model, server, c, n, max_tokens, headers, reset, engine, verify))
+        r = asyncio.run(run_once(url, model, server, c, n, max_tokens, headers, reset, engine, verify, warm))
         print(format_row(r), flush=True)
         runs.append(r)
     return runs
@@ -266,6 +356,7 @@ def describe_load(
     max_tokens: int,
     reset: bool,
     verify: bool = False,
+    warm: Warm | None = None,
 ) -> str:
     """What a sweep is about to do, for the lines above its rows."""
     levels = " ".join(map(str, concurrency))
@@ -278,6 +369,11 @@ def describe_load(
         )
     else:
         cache = "prefix cache reset before each run (not verified, --no-verify): every run starts cold"
+    if warm is not None:
+        cache += (
+            f", then warmed with {len(warm.prompts)} prompts{' (pinned)' if warm.pin else ''}, each proven "
+            "warm: every run starts from that warm state"
+        )
     return "\n".join(
         [
             f"server {url}, model {model}",
@@ -298,6 +394,9 @@ LEGEND = """columns (each run's line as it ends starts with the model's name):
   tok/s, req/s   output tokens and finished requests per second over the run
   hit            share of the prompt tokens served from the prefix cache (usage.cached_tokens / prompt_tokens;
                  - when the server does not report them); the shared system prompt makes it high once cached
+  warm, pred     with --warm: the warm-up's proof (warm, cold, unknown) and the share of the run's prompt
+                 tokens the warm set's full blocks cover, which the hit rate should reach (the run's own
+                 repeats add to it); - without --warm, or when the server names no block size or tokens
   verified       the reset's canary: cold (nothing served from cache after the reset), warm (still served:
                  the reset failed, StillWarm), unknown (the server reports no cached tokens), - when not asked
   reset          the reset before the run: epoch N (kvpilot), ok, refused (HTTP status), failed (why), - when
@@ -308,15 +407,17 @@ def format_table(runs: list[RunResult]) -> str:
     """All runs of a sweep, one line each under a header (the final summary of `kvpilot bench`)."""
     lines = [
         f"{'c':>4} {'n':>4} {'err':>4} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>6} "
-        f"{'tok/s':>8} {'req/s':>6} {'hit':>5} {'verified':>8}  reset",
+        f"{'tok/s':>8} {'req/s':>6} {'hit':>5} {'warm':>7} {'pred':>5} {'verified':>8}  reset",
         f"{'':>4} {'':>4} {'':>4} {'ms':>9} {'ms':>7} {'ms':>8} {'ms':>6}",
     ]
     for r in runs:
         hit = "-" if r.cache_hit_rate_usage is None else f"{r.cache_hit_rate_usage:.2f}"
+        pred = "-" if r.warm_predicted_hit_rate is None else f"{r.warm_predicted_hit_rate:.2f}"
         lines.append(
             f"{r.concurrency:>4d} {r.requests:>4d} {r.errors:>4d} {r.ttft_p50_ms:>9.0f} {r.ttft_p99_ms:>7.0f} "
             f"{r.itl_p50_ms:>8.0f} {r.itl_p99_ms:>6.0f} {r.output_tokens_per_s:>8.1f} {r.requests_per_s:>6.2f} "
-            f"{hit:>5} {(r.reset or {}).get('verified') or '-':>8}  {_reset_word(r.reset)}"
+            f"{hit:>5} {(r.warm or {}).get('verified') or '-':>7} {pred:>5} "
+            f"{(r.reset or {}).get('verified') or '-':>8}  {_reset_word(r.reset)}"
         )
     return "\n".join(lines)
 

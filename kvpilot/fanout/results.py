@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpilot.fanout.targets import Target
+from kvpilot.protocol.pins import PinResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +48,6 @@ STILL_WARM = "StillWarm"
 NOT_WARM = "NotWarm"
 # PodResult.reason of a Skipped pod: still starting at the deadline (never Ready since its engine started)
 STARTING = "Starting"
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    """What a kvpilot pod's replies said of the pins a warm-up asked for (their `pin_prefix` objects, summed
-    over its prompts and ranks): pinned when every one was; the first reason one was not."""
-
-    pinned: bool
-    blocks: int
-    reason: str | None = None
 
 
 @dataclass(slots=True)

@@ -51,13 +51,13 @@ from kvpilot.fanout.redact import reported
 from kvpilot.fanout.results import (
     NOT_WARM,
     Outcome,
-    PinResult,
     PodResult,
     Verified,
     WarmDetail,
     initial_results,
 )
 from kvpilot.fanout.targets import CallSettings, Target
+from kvpilot.protocol.pins import PinResult
 
 # vLLM names no block size over HTTP: its CPU backend's default (128 tokens) is the largest it uses, so a
 # prompt is called warm there when all but its last 128 tokens were served from cache (docs/warmup.md).

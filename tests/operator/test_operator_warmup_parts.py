@@ -16,7 +16,7 @@ from standin import Standin
 from test_operator_fanout import serving
 
 from kvpilot.fanout import PodResult, Target, Verified, warm_prompts
-from kvpilot.fanout.results import NOT_WARM, Outcome, PinResult, WarmDetail
+from kvpilot.fanout.results import NOT_WARM, Outcome, WarmDetail
 from kvpilot.fanout.warmup import (
     UNNAMED_BLOCK,
     WarmPrompt,
@@ -29,6 +29,7 @@ from kvpilot.fanout.warmup import (
 from kvpilot.operator.specs import WarmupSpec
 from kvpilot.operator.warmups import prompts
 from kvpilot.operator.warmups.status import outcome, pod_entry, pod_status, warm_condition
+from kvpilot.protocol.pins import PinResult
 from support import ROOT
 from support.procs import free_port
 

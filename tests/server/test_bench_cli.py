@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support import ROOT
 from support.servers import ADMIN_TOKEN, Server
 
 
@@ -46,8 +47,10 @@ def run_bench(
 def final_table(stdout: str) -> list[list[str]]:
     """The rows of the table after "all runs:", split into columns (its two header lines left out)."""
     table = stdout.split("\nall runs:\n", 1)[1].splitlines()
-    assert table[0].split()[:3] == ["c", "n", "err"] and table[0].split()[-3:] == [
+    assert table[0].split()[:3] == ["c", "n", "err"] and table[0].split()[-5:] == [
         "hit",
+        "warm",
+        "pred",
         "verified",
         "reset",
     ], table
@@ -90,7 +93,32 @@ def test_bench_resets_before_each_run(server: Server, tmp_path: Path) -> None:
         ["cold", "epoch", str(epoch + 2)],
         ["cold", "epoch", str(epoch + 3)],
     ], rows
-    assert [float(row[-4]) for row in rows] == [round(r["cache_hit_rate_usage"], 2) for r in runs], rows
+    assert [float(row[-6]) for row in rows] == [round(r["cache_hit_rate_usage"], 2) for r in runs], rows
+    assert [row[-5:-3] for row in rows] == [["-", "-"]] * 2  # no --warm: no warm-up, no prediction
+
+
+def test_bench_warm_resets_warms_proves_and_predicts(server: Server, tmp_path: Path) -> None:
+    """--warm FILE: reset, then the warm set sent twice and proven warm, then the run; the run reports the
+    share of its prompt tokens the warm set covers, and its hit rate reaches it."""
+    warm = ROOT / "examples" / "bench-warm.yaml"  # docs/warmup.md's command, as written
+    epoch = server.cache()["epoch"]
+    rc, report, stdout = run_bench(server.url, tmp_path, "--warm", str(warm))
+    assert rc == 0, stdout
+    runs = report["runs"]
+    assert [r["reset"]["epoch"] for r in runs] == [epoch + 2, epoch + 3]  # still reset before each
+    assert [r["warm"]["verified"] for r in runs] == ["warm", "warm"], runs
+    for r in runs:
+        # the system prompt's full blocks: most of each prompt, not all of it (the question differs)
+        assert 0.5 < r["warm_predicted_hit_rate"] < 1, r
+        assert r["cache_hit_rate_usage"] >= r["warm_predicted_hit_rate"] - 0.01, r
+    assert "then warmed with 1 prompts, each proven warm" in stdout, stdout
+    assert [row[-5] for row in final_table(stdout)] == ["warm", "warm"], stdout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("[{prompt: ''}]")
+    for extra in (("--warm", str(bad)), ("--warm", str(warm), "--no-reset"), ("--warm-pin",)):
+        proc_rc, _, _ = run_bench(server.url, tmp_path, *extra)
+        assert proc_rc == 2, extra
 
 
 def test_bench_without_the_admin_token_says_the_reset_was_refused(server: Server, tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.daemon.engine.kv.cache_scope import CacheScope
-from kvpilot.daemon.engine.outputs import PinResult
 from kvpilot.kv.block_keys import BlockHash
+from kvpilot.protocol.pins import PinResult
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.kv.recorder import KVEventRecorder

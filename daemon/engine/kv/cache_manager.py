@@ -14,9 +14,9 @@ from kvpilot.daemon.engine.kv.cache_scope import CacheScope
 from kvpilot.daemon.engine.kv.disk_tier import DiskTier
 from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
 from kvpilot.daemon.engine.kv.offload import KVOffload
-from kvpilot.daemon.engine.outputs import PinResult
 from kvpilot.daemon.engine.request import Request
 from kvpilot.kv.block_keys import BlockHash
+from kvpilot.protocol.pins import PinResult
 
 
 @dataclass(frozen=True, slots=True)
