@@ -71,14 +71,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, model, dtype, device)
     if tp is not None:
         tp.share_num_blocks(num_blocks)
-    pool_tokens = num_blocks * config.block_size
+    # Pinned blocks are never there for a request: a prompt that needs more than the rest would wait at the
+    # head of the queue for blocks no eviction frees, and every request behind it with it.
+    pin_cap = int(num_blocks * config.pinned_prefix_cap_ratio) if config.enable_pinned_prefix else 0
+    pool_tokens = (num_blocks - pin_cap) * config.block_size
     max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
     if pool_tokens < max_model_len:
-        log.warning("KV pool holds %d tokens: max_model_len lowered from %d", pool_tokens, max_model_len)
+        pinned = f" besides the {pin_cap} blocks pins may hold" if pin_cap else ""
+        log.warning(
+            "KV pool holds %d tokens%s: max_model_len lowered from %d", pool_tokens, pinned, max_model_len
+        )
         max_model_len = pool_tokens
 
     offload = _start_offload(config, model, dtype, loaded.model_dir) if config.offloads_kv else None
-    pin_cap = int(num_blocks * config.pinned_prefix_cap_ratio) if config.enable_pinned_prefix else 0
     kv = KVCacheManager(
         num_blocks,
         config.block_size,

@@ -83,7 +83,7 @@ class EngineRequest:
     restartable: bool = False  # not streamed: a weight swap may start it again (weights/control.py)
     weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
     lora_name: str | None = None  # the adapter it runs under (--lora-modules); None: the base model
-    pin_prefix: bool = False  # pin its prompt's full blocks when it ends (--enable-pinned-prefix)
+    pin_prefix: bool = False  # pin its prompt's full blocks once computed (--enable-pinned-prefix)
 
 
 @dataclass(slots=True)

@@ -236,8 +236,8 @@ class EngineConfig:
                     f"weight_version {self.weight_version!r} is reserved (the daemon reports 'initial' for "
                     "weights loaded unnamed, 'mixed' for ranks that differ): name the weights otherwise"
                 )
-        if not 0.0 < self.pinned_prefix_cap_ratio <= 1.0:
-            raise ValueError("pinned_prefix_cap_ratio must be in (0, 1]")
+        if not 0.0 < self.pinned_prefix_cap_ratio < 1.0:
+            raise ValueError("pinned_prefix_cap_ratio must be in (0, 1): requests need unpinned blocks")
         if self.prefix_cache_eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"prefix_cache_eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
         if self.enable_pinned_prefix and not self.enable_prefix_caching:

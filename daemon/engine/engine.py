@@ -77,7 +77,7 @@ class LLMEngine:
         it ends, so a weight swap may start it again; `weight_version` pins the weights it must run on
         (`weights/control.py`); `lora_name` names the adapter it runs under (`adapter`: that adapter itself, as
         a restart keeps the one it began with, unloaded since or not); `pin_prefix` pins its prompt's full
-        blocks when it ends (the last output's `pin` says what it got). While paused it is held, not
+        blocks at its first token (its outputs' `pin` say what it got from then on). While paused it is held, not
         scheduled, until `resume` (`submit` queues it)."""
         params = params or SamplingParams()
         prompt = list(prompt_token_ids)
@@ -176,7 +176,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=seq.cumulative_logprob,
             weight_version=self.weight_version,
-            pin=seq.pinned if done else None,
+            pin=seq.pinned,
         )
         if done:
             self.sampler.forget(seq.request_id)

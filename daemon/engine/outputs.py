@@ -40,7 +40,7 @@ class RequestOutput:
     weight_version: str | None = None  # the weights that computed these tokens
     # A weight swap starts this sequence again from its prompt: drop what it produced so far.
     restart: bool = False
-    pin: PinResult | None = None  # with the last output of a request that asked `pin_prefix`
+    pin: PinResult | None = None  # a request that asked `pin_prefix`: what it got, from its first token on
 
 
 @dataclass(frozen=True, slots=True)

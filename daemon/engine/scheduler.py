@@ -165,6 +165,10 @@ class Scheduler:
 
     def _advance(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
         req.append_token(token_id)
+        if req.pin_prefix and req.pinned is None:
+            # At its first token the prompt is computed and indexed: pinned now, while the request holds its
+            # blocks, and said in every output from here on (a stream the server ends at a stop string too).
+            req.pinned = self.kv.pin_prompt(req)
         if logprob is not None:
             req.cumulative_logprob += logprob.logprob
             if req.params.logprobs is not None:
@@ -208,7 +212,7 @@ class Scheduler:
         req.finish_reason = reason
         self.running.remove(req)
         req.status = RequestStatus.FINISHED
-        if req.pin_prefix:  # while it still holds its blocks: none can be evicted in between
+        if req.pin_prefix and req.pinned is None:  # ended before its first token (scored prompt, abort)
             req.pinned = PinResult(False, reason="aborted") if reason == "abort" else self.kv.pin_prompt(req)
         self.kv.free(req)
 

@@ -317,8 +317,8 @@ class BlockPool:
 
     # ---- pins --------------------------------------------------------------------------------
     def pin(self, blocks: list[KVBlock]) -> PinResult:
-        """Pin cached blocks a request holds, all or none: none when that would pin more than `pin_cap`
-        blocks. A pinned block keeps a reference of its own until `unpin`."""
+        """Pin cached blocks, all or none: none when that would pin more than `pin_cap` blocks. A pinned
+        block keeps a reference of its own until `unpin` (one that waited in the eviction order leaves it)."""
         if not self.pin_cap:
             return PinResult(False, reason="disabled")
         new = [b for b in blocks if not b.pinned]
@@ -326,9 +326,9 @@ class BlockPool:
             self.pins_refused += 1
             return PinResult(False, reason="cap")
         for b in new:
-            assert b.ref_cnt > 0 and self.is_cached(b), "only cached blocks a request holds are pinned"
+            assert self.is_cached(b), "only cached blocks are pinned"
+            self.touch([b], hit=False)
             b.pinned = True
-            b.ref_cnt += 1
             self._pinned[b] = None
         return PinResult(True, len(blocks))
 
@@ -343,10 +343,12 @@ class BlockPool:
         return len(chosen)
 
     # ---- allocation --------------------------------------------------------------------------
-    def touch(self, blocks: list[KVBlock]) -> None:
-        """Take a reference on prefix-cache hits (a free cached block leaves the free queue)."""
+    def touch(self, blocks: list[KVBlock], hit: bool = True) -> None:
+        """Take a reference on prefix-cache hits (a free cached block leaves the free queue); `hit` False
+        for a reference that is no hit (a fork sharing its parent's blocks, a pin), which LFU must not
+        count."""
         for b in blocks:
-            b.hits += 1
+            b.hits += hit
             if b.ref_cnt == 0:
                 self._free.remove(b)
                 if self.is_cached(b):

@@ -197,7 +197,7 @@ class KVCacheManager:
         """`child` continues from `parent`'s tokens: it shares all of parent's blocks (a reference
         each); the last one, if partly filled, is copied when either of them first writes to it."""
         blocks = self._blocks[parent.request_id]
-        self.pool.touch(blocks)
+        self.pool.touch(blocks, hit=False)
         self._blocks[child.request_id] = list(blocks)
         self._num_indexed[child.request_id] = self._num_indexed[parent.request_id]
         index = self._indexes[child.request_id] = self._indexes[parent.request_id]
@@ -234,17 +234,18 @@ class KVCacheManager:
             self.pool.close_index(index)
 
     def pin_prompt(self, req: Request) -> PinResult:
-        """Pin the full blocks of the request's prompt that are cached (a run from its start: a block
-        past a gap could never be hit), while the request still holds them."""
-        held = self._blocks.get(req.request_id, ())
-        prompt_blocks = held[: min(req.num_prompt_tokens // self.block_size, len(held))]
-        cached = []
-        for b in prompt_blocks:
-            if not self.pool.is_cached(b):
-                break
-            cached.append(b)
+        """Pin the blocks the prefix index holds for the request's prompt, full blocks from its start (a
+        block past a gap could never be hit): the ones a later request finds, which need not be those
+        this request computed (its last block, recomputed for its last token, is a copy never indexed)."""
         if not self.pool.pin_cap:
             return PinResult(False, reason="disabled")
+        req.update_block_hashes(self.block_size)
+        cached = []
+        for key in req.block_hashes[: req.num_prompt_tokens // self.block_size]:
+            block = self.pool.lookup(req.cache_scope, key)
+            if block is None:
+                break
+            cached.append(block)
         if not cached:
             return PinResult(False, reason="not_cached")
         return self.pool.pin(cached)
