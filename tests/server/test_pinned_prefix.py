@@ -110,7 +110,7 @@ def test_a_pin_past_the_cap_is_served_not_pinned_and_counted(pinned_server: Serv
         return sum(v for k, v in srv.metrics().items() if k.startswith(metric))
 
     before = refused()
-    long = chat(srv, "A very long tool schema. " * 60, pin_prefix=True)  # about 20 blocks: over 8
+    long = chat(srv, "A very long tool schema. " * 45, pin_prefix=True)  # about 18 blocks: over 8
     assert long["pin_prefix"] == {"pinned": False, "blocks": 0, "reason": "cap"}
     assert long["choices"][0]["message"]["content"]  # served all the same
     assert refused() == before + 1
