@@ -429,6 +429,17 @@ async def run_window(
                 res = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
+            if (
+                pod_starting is not None
+                and res.target is not None
+                and deadline - time.monotonic() > STARTING_POLL_S
+                and await pod_starting(res.target)
+            ):
+                # A pod loading its model waits at the back of the queue, not in a slot of the window the
+                # pods that are up need (a window of one would spend the whole deadline on it).
+                queue.put_nowait(res)
+                await asyncio.sleep(STARTING_POLL_S)
+                continue
             await _one(pool, res, settings, deadline, pod_gone, pod_starting, limiter, job)
 
     async def progress(checkpoint: Checkpoint) -> None:

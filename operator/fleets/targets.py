@@ -80,7 +80,8 @@ def starting(pod: dict[str, Any], container: str | None) -> bool:
         for c in st.get("containerStatuses") or []
         if "running" in (c.get("state") or {}) and (container is None or c.get("name") == container)
     ]
-    if not engines or any(c.get("ready") for c in engines):
+    # every one ready: with no container named (a selector), a ready sidecar says nothing of the engine
+    if not engines or all(c.get("ready") for c in engines):
         return False
     ready = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None:

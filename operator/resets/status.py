@@ -240,7 +240,13 @@ def _names(names: Sequence[str], limit: int = MAX_NAMED) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
-def skipped_note(results: Sequence[PodResult], newcomers: Sequence[str] = ()) -> str:
+# What a reset says of pods created while it ran
+NEWCOMERS_WHY = "created during the reset: nothing they cache predates it, not called"
+
+
+def skipped_note(
+    results: Sequence[PodResult], newcomers: Sequence[str] = (), newcomers_why: str = NEWCOMERS_WHY
+) -> str:
     """The pods skipped and why, grouped by reason, and the pods created during the reset (what replaced
     the deleted ones): a suffix for the Complete or Failed message, at most MAX_NAMED names per list, so a
     reset with skipped pods never reads as a plain success. Empty when there is nothing to say."""
@@ -261,7 +267,7 @@ def skipped_note(results: Sequence[PodResult], newcomers: Sequence[str] = ()) ->
         left = len(skipped) - named
         note = "; skipped " + "; ".join(parts) + (f"; {left} more skipped (status.pods)" if left else "")
     if newcomers:
-        why = "created during the reset: nothing they cache predates it, not called"
+        why = newcomers_why
         note += (
             f"; replaced by {_names(newcomers)} ({why})"
             if skipped

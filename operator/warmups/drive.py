@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import kopf
@@ -154,7 +154,7 @@ async def _run(
     logger.info("warm-up %s/%s: %s", ns, name, message)
     for r in [r for r in results if r.result == Outcome.FAILED][:_MAX_FAILURE_EVENTS]:
         kopf.event(as_body(obj), type="Warning", reason="PodNotWarmed", message=f"{r.name}: {r.message}")
-    return await _finish(kube, obj, results, phase, reason, message, start)
+    return await _finish(kube, obj, results, phase, reason, message, start, newcomers)
 
 
 async def _finish(
@@ -165,6 +165,7 @@ async def _finish(
     reason: str,
     message: str,
     start: str,
+    newcomers: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The warm-up's end: Event and metrics first, the final status write last (once it lands, the daemon's
     filter no longer matches and kopf stops the daemon)."""
@@ -173,7 +174,7 @@ async def _finish(
     conds = warmup_status(obj).get("conditions")
     conds = set_condition(conds, "Complete" if phase == "Succeeded" else "Failed", True, reason, message, gen)
     # after Complete/Failed: readers that take the first True condition see the end
-    conds = set_condition(conds, "Warm", *warm_condition(records or []), gen)
+    conds = set_condition(conds, "Warm", *warm_condition(records or [], newcomers), gen)
     kopf.event(
         as_body(obj), type="Normal" if phase == "Succeeded" else "Warning", reason=phase, message=message
     )

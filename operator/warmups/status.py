@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Required, TypedDict, cast
 
 from kvpilot.fanout import PodResult
-from kvpilot.fanout.results import NOT_WARM, Outcome, Verified
+from kvpilot.fanout.results import NOT_WARM, STARTING, Outcome, Verified
 from kvpilot.operator.kube.conditions import Condition, ConditionStatus
 from kvpilot.operator.resets.status import MAX_NAMED, MAX_POD_DETAIL, skipped_note, summarize
 
@@ -130,6 +130,10 @@ def pod_status(results: Sequence[PodResult]) -> WarmupStatus:
     }
 
 
+# A warm-up's word on pods created while it ran (the reset's says they cache nothing from before it)
+NEWCOMERS_WHY = "created during the warm-up: not warmed, they serve cold until a warm-up reaches them"
+
+
 def _names(rs: Sequence[PodResult]) -> str:
     more = len(rs) - MAX_NAMED
     return ", ".join(r.name for r in rs[:MAX_NAMED]) + (f" and {more} more" if more > 0 else "")
@@ -144,7 +148,7 @@ def outcome(
     called = _called(results)
     warm = sum(1 for r in called if r.verified == Verified.WARM)
     detail = f"{warm}/{len(called)} pods verified warm, {c['failed']} failed, {c['skipped']} skipped"
-    note = skipped_note(results, newcomers)
+    note = skipped_note(results, newcomers, NEWCOMERS_WHY)
     if not called:
         if allow_no_targets:
             return "Succeeded", "NoTargets", f"no pod to warm ({detail}){note}"
@@ -158,11 +162,23 @@ def outcome(
     return "Failed", "PodsFailed", detail + first + note
 
 
-def warm_condition(results: Sequence[PodResult]) -> tuple[ConditionStatus, str, str]:
+def warm_condition(
+    results: Sequence[PodResult], newcomers: Sequence[str] = ()
+) -> tuple[ConditionStatus, str, str]:
     """(status, reason, message) of the Warm condition of a finished warm-up: True when every pod called was
-    verified warm; False when one is cold or was not warmed (an error); Unknown when none of those, but some
-    could not be verified, or no pod was called."""
+    verified warm and no pod of the fleet was left out cold (one still starting at the deadline, one created
+    during the warm-up); False when one is cold or was not warmed (an error); Unknown when none of those,
+    but some could not be verified, or no pod was called."""
     called = _called(results)
+    starting = [r.name for r in results if r.result == Outcome.SKIPPED and r.reason == STARTING]
+    if starting or newcomers:
+        left = [*starting, *newcomers]
+        more = f" and {len(left) - MAX_NAMED} more" if len(left) > MAX_NAMED else ""
+        return (
+            "False",
+            "PodsNotWarmed",
+            f"not warmed, they will serve cold: {', '.join(left[:MAX_NAMED])}{more}",
+        )
     if not called:
         return "Unknown", "NothingWarmed", "no pod was called"
     not_warm = [r for r in called if r.verified == Verified.COLD or r.result != Outcome.SUCCEEDED]

@@ -222,6 +222,26 @@ def test_a_starting_pod_is_waited_for_and_reset_once_up_never_failed() -> None:
     assert outcome([x for x in records if x.name != "down"])[:2] == ("Succeeded", "AllPodsReset")
 
 
+def test_a_starting_pod_holds_no_slot_of_the_window() -> None:
+    """A window of one, the first pod still loading its model until the deadline: the pod that is up is
+    reset all the same (the starting one waits at the back of the queue, not in the slot)."""
+    up = Standin()
+    port = free_port()
+
+    async def pod_starting(t: Target) -> bool:
+        return t.name == "a-loading"
+
+    async def go() -> list[PodResult]:
+        async with serving([up], port):
+            targets = [Target("a-loading", "127.0.7.203"), Target("b-up", "127.0.7.1")]
+            st = ResetSettings(port=port, max_concurrency=1, timeout_s=3)
+            return await run_fanout(targets, st, deadline=time.monotonic() + 3, pod_starting=pod_starting)
+
+    r = by_name(asyncio.run(go()))
+    assert r["b-up"]["result"] == "Succeeded" and up.resets == 1, r
+    assert r["a-loading"]["result"] == "Skipped" and r["a-loading"]["reason"] == "Starting", r
+
+
 def test_sliding_window_one_slow_pod_does_not_hold_the_others() -> None:
     s = [Standin(delay=1.5)] + [Standin(delay=0.05) for _ in range(24)]
     t0 = time.monotonic()

@@ -70,6 +70,12 @@ def test_a_pod_is_starting_until_it_has_been_ready_since_its_engine_started() ->
     assert not starting(at("2026-01-01T00:01:00Z", "True", "2026-01-01T00:01:20Z", True), "kvpilot")
     assert not starting(pod(running=False), "kvpilot")  # not running: Skipped by pod_target instead
     assert not starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z"), "sidecar")
+    # a selector names no container: a ready sidecar beside the loading engine says nothing of it
+    sidecar = at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z")
+    sidecar["status"]["containerStatuses"].append(
+        {"name": "istio-proxy", "ready": True, "state": {"running": {"startedAt": "2026-01-01T00:00:50Z"}}}
+    )
+    assert starting(sidecar, None) and starting(sidecar, "kvpilot")
 
 
 def rec(name: str, result: str, message: str = "") -> PodResult:

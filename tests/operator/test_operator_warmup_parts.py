@@ -16,7 +16,7 @@ from standin import Standin
 from test_operator_fanout import serving
 
 from kvpilot.fanout import PodResult, Target, Verified, warm_prompts
-from kvpilot.fanout.results import NOT_WARM, Outcome, WarmDetail
+from kvpilot.fanout.results import NOT_WARM, STARTING, Outcome, WarmDetail
 from kvpilot.fanout.warmup import (
     UNNAMED_BLOCK,
     WarmPrompt,
@@ -157,6 +157,13 @@ def test_outcome_and_the_warm_condition() -> None:
     assert outcome(skipped, allow_no_targets=True)[:2] == ("Succeeded", "NoTargets")
     assert warm_condition(skipped)[:2] == ("Unknown", "NothingWarmed")
     assert pod_status(cold)["pods"][0]["name"] == "b"  # not Succeeded first
+    # a pod of the fleet left out cold (still starting at the deadline, or created meanwhile): not Warm
+    loading = _res("c", Outcome.SKIPPED)
+    loading.reason = STARTING
+    status, reason, message = warm_condition([*warm, loading])
+    assert (status, reason) == ("False", "PodsNotWarmed") and "c" in message, message
+    assert warm_condition(warm, newcomers=["d"])[:2] == ("False", "PodsNotWarmed")
+    assert "created during the warm-up: not warmed" in outcome(warm, newcomers=["d"])[2]
 
 
 # ---- the fan-out against stand-ins ---------------------------------------------------------------------
