@@ -35,6 +35,7 @@ def lora_server(request, tmp_path_factory, lora_adapters) -> Iterator[Server]:  
         tmp_path_factory.mktemp("lora-serve"),
         *_lora_flags(lora_adapters),
         *held,
+        "--enable-pinned-prefix",
         "-dp",
         str(request.param),
         token=ADMIN_TOKEN,
@@ -221,6 +222,28 @@ def test_a_bad_adapter_stops_the_start_with_its_reason(tmp_path) -> None:  # noq
 
 def _admin_post(server: Server, path: str, body: dict, token: bool = True):  # noqa: ANN202
     return server.request("POST", path, body, headers=server.admin() if token else None)
+
+
+def test_an_adapters_pins_go_when_it_is_unloaded(lora_server, lora_adapters) -> None:  # noqa: ANN001
+    """Its identity keyed the pinned blocks: unloaded (or loaded again in place) no request can hit them, so
+    they would hold their share of the pin cap for nothing."""
+    lora_server.reset()
+    path = str(lora_adapters["attention-only"])
+    assert (
+        _admin_post(lora_server, "/v1/load_lora_adapter", {"lora_name": "pinner", "lora_path": path}).status
+        == 200
+    )
+    body = {"model": "pinner", "prompt": SYSTEM, "max_tokens": 1, "pin_prefix": True}
+    pin = lora_server.request("POST", "/v1/completions", body, headers={"X-data-parallel-rank": "0"}).json()
+    assert pin["pin_prefix"]["pinned"] is True, pin
+    assert lora_server.cache()["pinned_blocks"] == pin["pin_prefix"]["blocks"] > 0
+    reload = {"lora_name": "pinner", "lora_path": path, "load_inplace": True}
+    assert _admin_post(lora_server, "/v1/load_lora_adapter", reload).status == 200
+    assert lora_server.cache()["pinned_blocks"] == 0
+    lora_server.request("POST", "/v1/completions", body, headers={"X-data-parallel-rank": "0"})
+    assert lora_server.cache()["pinned_blocks"] > 0
+    assert _admin_post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "pinner"}).status == 200
+    assert lora_server.cache()["pinned_blocks"] == 0
 
 
 def test_an_adapter_loaded_reloaded_in_place_and_unloaded_at_run_time(

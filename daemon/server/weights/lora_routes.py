@@ -26,6 +26,7 @@ from kvpilot.daemon.server.weights.routes import (
     rank_timeout,
     route,
 )
+from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 
@@ -67,6 +68,8 @@ async def load_lora_adapter(request: web.Request, state: ServerState, body: JSON
                 fail.code = "invalid_lora_adapter"
             raise
         state.set_adapter(name, ServedAdapter(path, ranks[0]["digest"]))
+        if previous is not None:
+            await _unpin(state, name)
     log.info(
         "LoRA adapter %s %s from %s (digest %s)",
         name,
@@ -92,6 +95,7 @@ async def unload_lora_adapter(request: web.Request, state: ServerState, body: JS
         state.set_adapter(name, None)  # no new request names it from here on
         ranks = await call(state, state.engine.unload_lora_adapter(name, rank_timeout(state)))
         state.metrics.forget_adapter(name)
+        await _unpin(state, name)
     log.info("LoRA adapter %s unloaded", name)
     return {
         "message": f"Success: LoRA adapter '{name}' removed successfully.",
@@ -119,6 +123,17 @@ async def _undo(state: ServerState, name: str, previous: ServedAdapter | None) -
     except Exception:  # noqa: BLE001 - the load's own failure is what the caller must hear
         state.set_adapter(name, None)
         log.exception("LoRA adapter %s: undoing a failed load", name)
+
+
+async def _unpin(state: ServerState, name: str) -> None:
+    """Let go of the pins of an adapter unloaded or loaded again in place: its old identity keyed those
+    blocks, so no request can hit them again, and they would hold their share of the pin cap until an admin
+    unpinned or reset. Best effort: a rank that fails keeps them until then (logged)."""
+    if not state.engine.info.enable_prefix_caching:
+        return
+    for r in await state.engine.unpin_ranks(rank_timeout(state), ResetScope(lora_name=name)):
+        if r.error is not None:
+            log.warning("LoRA adapter %s: its pins stay on rank %d: %s", name, r.rank, r.error)
 
 
 def _lora_name(body: JSONObject) -> str:
