@@ -29,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engines import KVPILOT
 from kvpilot.fanout import verify
+from kvpilot.fanout.backoff import backoff_delay
 from kvpilot.fanout.caller import (
     Checkpoint,
     Judge,
@@ -193,7 +195,7 @@ async def _warm_one(pod: Pod, res: PodResult, engine: Engine, started: float, on
     if model is None:
         decide(res, Outcome.FAILED, "GET /v1/models named no model to warm", started)
         return
-    info, why_info = await pod.info(engine) if engine.info_paths else (None, "")
+    info, why_info = await _info(pod, engine)
     ranks = engine.ranks(info)
     named = engine.block_size(info)
     block = named or UNNAMED_BLOCK
@@ -238,6 +240,22 @@ async def _warm_one(pod: Pod, res: PodResult, engine: Engine, started: float, on
         decide(res, Outcome.SUCCEEDED, "", started)
 
 
+async def _info(pod: Pod, engine: Engine) -> tuple[dict[str, Any] | None, str]:
+    """The pod's info (`Pod.info`), asked again like any call (a timeout, a 503) up to `retries_per_pod`
+    times within the deadline: its ranks and block size decide what is sent and how it is judged."""
+    if not engine.info_paths:
+        return None, ""
+    settings = pod.settings
+    for attempt in range(settings.retries_per_pod + 1):
+        info, why = await pod.info(engine)
+        if not why or pod.deadline - time.monotonic() <= 0.01:
+            return info, why
+        if attempt < settings.retries_per_pod:
+            delay = backoff_delay(attempt + 1, settings.backoff_base_s, settings.backoff_max_s)
+            await asyncio.sleep(max(0.0, min(delay, pod.deadline - time.monotonic())))
+    return info, why
+
+
 def _pod_verdict(
     verdicts: Sequence[tuple[Verified, str]], detail: WarmDetail, why_info: str, info: dict[str, Any] | None
 ) -> tuple[Verified, str]:
@@ -249,6 +267,12 @@ def _pod_verdict(
     if why_info:
         block += f"; its info: {why_info}"
     cold = [note for v, note in verdicts if v == Verified.COLD]
+    if why_info and not cold:
+        # without its info a pod's ranks and block size are guesses: a rank never sent to may be cold
+        return (
+            Verified.UNKNOWN,
+            f"its info could not be read, so its ranks and blocks are not known: {why_info}",
+        )
     if cold:
         off = " (its prefix caching is off)" if (info or {}).get("enable_prefix_caching") is False else ""
         return Verified.COLD, f"{len(cold)} of {len(verdicts)} prompt sends not held{off}: {cold[0]}; {block}"

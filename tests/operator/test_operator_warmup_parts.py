@@ -242,6 +242,34 @@ def test_transient_failures_are_retried_and_a_refusal_fails_at_once() -> None:
     assert refusing.completions == 2  # the refused send was not retried, and nothing after it was sent
 
 
+def info_failing(standin: Standin, times: int) -> Standin:
+    """The stand-in, its first `times` GET /prefix_cache answered 503."""
+    from aiohttp import web
+
+    seen = {"n": 0}
+    real = standin.stats
+
+    async def stats(request: web.Request) -> web.Response:
+        seen["n"] += 1
+        if seen["n"] <= times:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
+        return await real(request)
+
+    standin.stats = stats  # type: ignore[method-assign]
+    return standin
+
+
+def test_a_pods_info_is_asked_again_and_without_it_no_pod_is_called_warm() -> None:
+    """Its ranks and block size decide what is sent and how it is judged: a 503 is asked again; a pod whose
+    info never comes cannot be called warm (a rank never sent to may be cold)."""
+    once = info_failing(Standin(block_size=16, ranks=2), 1)
+    never = info_failing(Standin(block_size=16, ranks=2), 1000)
+    ok, blind = warm([once, never], retries_per_pod=2, backoff_base_s=0.01)
+    assert (ok.result, ok.verified) == ("Succeeded", "warm") and once.completions == 8, ok
+    assert (blind.result, blind.verified) == ("Succeeded", "unknown"), blind
+    assert "its info could not be read" in blind.verify_message, blind.verify_message
+
+
 def test_a_silent_pod_fails_by_the_deadline_and_a_bad_token_is_never_sent() -> None:
     port = free_port()
     settings = WarmSettings(prompts=(TEXT,), port=port, timeout_s=1.0, request_timeout_s=0.5)
