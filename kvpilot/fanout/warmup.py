@@ -46,6 +46,7 @@ from kvpilot.fanout.caller import (
     PodStarting,
     call_until_final,
     decide,
+    ignore_call,
     run_window,
 )
 from kvpilot.fanout.engines import Engine, Judgement, Verdict, engine_for, error_message
@@ -287,10 +288,6 @@ def _pod_verdict(
     )
 
 
-def _ignore_call(verdict: str, code: str) -> None:
-    pass
-
-
 async def run_warmup(
     targets: Sequence[Target],
     settings: WarmSettings,
@@ -309,7 +306,7 @@ async def run_warmup(
     if not settings.prompts:
         raise ValueError("a warm-up needs at least one prompt")
     engine = engine_for(settings.engine)
-    on_call = on_call or _ignore_call
+    on_call = on_call or ignore_call
 
     async def job(pod: Pod, res: PodResult, started: float) -> None:
         await _warm_one(pod, res, engine, started, on_call)
