@@ -158,6 +158,105 @@ def test_a_fleet_that_caches_nothing_is_not_warm(
     )
 
 
+def wait_status(cluster: Cluster, ns: str, name: str, what: str, test, timeout: float = 90) -> dict:
+    def ok() -> dict | None:
+        obj = cluster.kubectl_json("get", "pcw", name, "-n", ns)
+        return obj if test(obj.get("status") or {}) else None
+
+    return wait_for(ok, timeout, f"PrefixCacheWarmup {ns}/{name}: {what}", interval=0.5)  # type: ignore[return-value]
+
+
+def test_a_continuous_warmup_warms_a_pod_that_joins_and_every_pod_again_after_a_reset(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    # stand-ins that cache what they are sent (full blocks of 16) until a reset, and take 2 s to start
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_LOAD_SECONDS", "value": "2"}]
+    standin_fleet(cluster, ns, "keep", replicas=2, env=env)
+    joined = operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="podJoined")
+    after_reset = operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="reset")
+    apply_ns(
+        cluster, ns, pcw("keep", {"targetRef": {"name": "keep"}, "prompts": PROMPTS, "mode": "Continuous"})
+    )
+    st = wait_status(
+        cluster, ns, "keep", "2/2 warm", lambda st: st.get("phase") == "Watching" and st.get("warm") == "2/2"
+    )["status"]
+    assert (st["targets"], st["passes"], st["lastTrigger"]) == (2, 1, "podJoined"), st
+    assert "completionTime" not in st, st
+    two = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "keep")}
+    assert {e["name"] for e in st["pods"]} == set(two) and all(e["verified"] == "warm" for e in st["pods"])
+    out = cluster.kubectl("get", "pcw", "keep", "-n", ns).stdout.splitlines()
+    assert out[1].split()[1:4] == ["InferenceDeployment/keep", "Watching", "2/2"], out
+
+    # scaled from 2 to 3: the new pod is warmed once it is up, by the warm-up that is still watching
+    cluster.kubectl("patch", "infd", "keep", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+    obj = wait_status(cluster, ns, "keep", "3/3 warm", lambda st: st.get("warm") == "3/3")
+    st = obj["status"]
+    three = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "keep")}
+    (new,) = set(three) - set(two)
+    assert (st["targets"], st["passes"], st["lastTrigger"]) == (3, 2, "podJoined"), st
+    entry = next(e for e in st["pods"] if e["name"] == new)
+    assert (entry["verified"], entry["promptsWarm"]) == ("warm", 2), entry
+    assert condition(obj, "Warm")[:2] == ("True", "AllWarm")
+    assert cached(three[new], PROMPTS[1]) > 0  # the new pod's cache really holds the prompts
+    assert (
+        operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="podJoined")
+        == joined + 3
+    )
+
+    # a reset of the fleet empties every pod (its canary proves each cold); the warm-up then re-applies
+    apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "keep"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", ns, "--timeout=120s")
+    assert cluster.kubectl_json("get", "pcr", "flush", "-n", ns)["status"]["verified"] == "3/3"
+    obj = wait_status(
+        cluster,
+        ns,
+        "keep",
+        "warmed after the reset",
+        lambda st: st.get("passes") == 3 and st.get("warm") == "3/3",
+    )
+    assert obj["status"]["lastTrigger"] == "reset", obj["status"]
+    assert condition(obj, "Warm")[:2] == ("True", "AllWarm")
+    for name, ip in three.items():
+        assert cached(ip, PROMPTS[1]) > 0, name
+    assert (
+        operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="reset")
+        == after_reset + 3
+    )
+    assert (
+        operator.metric("kvpilot_operator_warmup_oldest_cold_pod_seconds", namespace=ns, warmup="keep") == 0
+    )
+    assert 'warmup="keep"' in operator.metrics()
+
+    # deleting it stops it: the operator lets go (its finalizer), and its gauge goes
+    cluster.kubectl("delete", "pcw", "keep", "-n", ns, "--timeout=30s")
+    wait_for(lambda: 'warmup="keep"' not in operator.metrics(), 30, "the warm-up's gauge to go")
+
+
+def test_a_continuous_warmup_that_cannot_keep_a_pod_warm_says_so_and_counts_its_cold_time(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_FORGET", "value": "1"}]
+    standin_fleet(cluster, ns, "numb", replicas=1, env=env)
+    apply_ns(
+        cluster, ns, pcw("numb", {"targetRef": {"name": "numb"}, "prompts": PROMPTS, "mode": "Continuous"})
+    )
+    obj = wait_status(cluster, ns, "numb", "a pass", lambda st: st.get("passes") == 1)
+    assert (obj["status"]["phase"], obj["status"]["warm"], obj["status"]["coldPods"]) == (
+        "Watching",
+        "0/1",
+        1,
+    )
+    assert condition(obj, "Warm")[:2] == ("False", "NotWarm")
+    wait_for(
+        lambda: (
+            operator.metric("kvpilot_operator_warmup_oldest_cold_pod_seconds", namespace=ns, warmup="numb")
+            >= 3
+        ),
+        30,
+        "the cold pod's time to count",
+    )
+
+
 def test_prompts_that_cannot_be_read_and_no_pods_fail_with_a_reason(
     cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
@@ -200,8 +299,12 @@ BAD_SPECS = [
         "exactly one of prompts and promptsFrom",
     ),
     (
-        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous"},
-        'Unsupported value: "Continuous"',
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Always"},
+        'Unsupported value: "Always"',
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous", "ttlSecondsAfterFinished": 5},
+        "ttlSecondsAfterFinished is for mode Once",
     ),
     ({"targetRef": {"name": "a"}, "prompts": [{}]}, "each prompt is either messages"),
     (
