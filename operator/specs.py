@@ -187,6 +187,7 @@ class WarmupSpec(TargetedSpec):
     and prompts_from."""
 
     mode: Literal["Once", "Continuous"] = "Once"
+    gate_readiness: bool = False  # Continuous, targetRef: a pod Ready only once warm (continuous.py)
     prompts: list[WarmupPrompt] | None = None
     prompts_from: PromptsFrom | None = None
     pin: bool = False

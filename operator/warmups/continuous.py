@@ -34,10 +34,10 @@ from kvpilot.fanout import Outcome, PodResult, Target
 from kvpilot.fanout.results import Verified
 from kvpilot.fanout.warmup import WarmPrompt, run_warmup
 from kvpilot.operator import metrics
-from kvpilot.operator.fleets.builders import FLEETS, RESETS, WARMUPS
+from kvpilot.operator.fleets.builders import FLEETS, RESETS, WARM_GATE, WARMUPS
 from kvpilot.operator.fleets.targets import Plan, identity, pod_target, resolve
 from kvpilot.operator.kube.api import Kube
-from kvpilot.operator.kube.conditions import Condition, now_iso, set_condition
+from kvpilot.operator.kube.conditions import Condition, now_iso, parse_time, set_condition
 from kvpilot.operator.kube.owners import as_body
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.resets.podwatch import PodWatch
@@ -92,6 +92,7 @@ class Kept:
     result: PodResult | None = None
     tried: float | None = None
     cold_since: float | None = None
+    gate_open: bool = False  # gateReadiness: warmed since it joined (or its engine last restarted)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Tracker:
                 kept = self.pods[name] = Kept(s.key)
             elif kept.key != s.key:
                 kept.key, kept.owed, kept.result, kept.cold_since = s.key, RESTARTED, None, None
+                kept.gate_open = False  # a restarted engine cached nothing: out until warmed again
             elif reapply:
                 kept.owed = reapply
             elif kept.owed is None and not _warm(kept.result) and now - (kept.tried or 0.0) >= self.retry_s:
@@ -134,6 +136,12 @@ class Tracker:
             kept.result, kept.tried, kept.owed = r, now, None
             if _warm(r):
                 kept.cold_since = None
+                kept.gate_open = True  # once open, a later pass (a reset's) never shuts it: no outage
+
+    def gate(self, name: str) -> bool:
+        """gateReadiness: whether the pod's kvpilot.io/warm condition should be True."""
+        kept = self.pods.get(name)
+        return kept is not None and kept.gate_open
 
     def results(self, look: Mapping[str, Seen]) -> list[PodResult]:
         """The latest result of each pod kept; a pod not warmed yet is Pending (waiting for it to start)."""
@@ -157,6 +165,42 @@ class Tracker:
             if k.cold_since is not None and look.get(n, Seen(k.key, False)).ready
         ]
         return max(owed, default=0.0)
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod carries the readiness gate kvpilot.io/warm (its template had it when it was made)."""
+    return any(
+        g.get("conditionType") == WARM_GATE for g in (pod.get("spec") or {}).get("readinessGates") or []
+    )
+
+
+def gate_status(pod: Mapping[str, Any]) -> str | None:
+    """The pod's kvpilot.io/warm condition status ("True", "False"), None when it has none."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return next((c.get("status") for c in conds if c.get("type") == WARM_GATE), None)
+
+
+def gate_change(pod: Mapping[str, Any], warmed: bool, container: str | None) -> bool | None:
+    """What to set the pod's kvpilot.io/warm condition to, None: leave it. True once `warmed` (this warm-up
+    warmed it since its engine started); False when it has none yet, or when it was opened before the
+    engine container last started (a restart: its process cached nothing). A True set since the engine
+    started is left as it is, whoever set it (another gating warm-up of the fleet): no tug of war."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    cur = next((c for c in conds if c.get("type") == WARM_GATE), None)
+    if warmed:
+        return True if (cur or {}).get("status") != "True" else None
+    if cur is None:
+        return False
+    if cur.get("status") != "True":
+        return None
+    opened = parse_time(cur.get("lastTransitionTime"))
+    started = [
+        parse_time(((c.get("state") or {}).get("running") or {}).get("startedAt"))
+        for c in (pod.get("status") or {}).get("containerStatuses") or []
+        if container is None or c.get("name") == container
+    ]
+    last = max((t for t in started if t is not None), default=None)
+    return False if opened is not None and last is not None and opened < last else None
 
 
 def _warm(r: PodResult | None) -> bool:
@@ -227,6 +271,7 @@ class Loop:
         self.last_pass = st.get("lastPassTime")
         self.problem = ""
         self._look: Mapping[str, Seen] = {}
+        self.container: str | None = None  # the engine container, from the plan (gate_change)
 
     async def run(self, plan: Plan) -> None:
         """`plan`: resolved once by the caller (a failure there fails the warm-up, as in mode Once)."""
@@ -254,6 +299,8 @@ class Loop:
                     gauge.set(self.tracker.oldest_cold_s(self._look, time.monotonic()))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), pause)
+            if self.spec.gate_readiness and await self.deleted():
+                await self.release(plan)
         finally:
             with contextlib.suppress(KeyError):
                 metrics.WARMUP_OLDEST_COLD.remove(self.ns, self.name)
@@ -290,6 +337,7 @@ class Loop:
                 MAX_PODS,
             )
         by_name = {p["metadata"]["name"]: p for p in pods}
+        self.container = plan.container
         self._look = {n: seen(p, plan) for n, p in by_name.items()}
         due = self.tracker.due(self._look, time.monotonic(), reapply)
         self.markers = markers
@@ -297,7 +345,62 @@ class Loop:
             plan = await resolve(self.kube, self.ns, self.spec, deadline)  # fresh token, fresh workload
             await self.warm(plan, [pod_target(by_name[n], plan) for n in sorted(due)], due, version, deadline)
         await self.write(self._status(), force=bool(due))
+        if self.spec.gate_readiness:
+            await self.open_gates(pods)
         return plan
+
+    async def open_gates(self, pods: Sequence[Mapping[str, Any]], release: bool = False) -> None:
+        """gateReadiness: each gated pod's kvpilot.io/warm condition as the tracker says (True once warmed;
+        `release`: True for every pod, the warm-up going away), patched where the listing differs."""
+        for pod in pods:
+            meta = pod["metadata"]
+            if not gated(pod) or meta.get("deletionTimestamp"):
+                continue
+            change = (
+                (gate_status(pod) != "True" or None)
+                if release
+                else gate_change(pod, self.tracker.gate(meta["name"]), self.container)
+            )
+            if change is None:
+                continue
+            want = change
+            reason, message = (
+                ("Released", f"PrefixCacheWarmup {self.name} deleted: the gate no longer holds")
+                if release
+                else ("Warm", f"warmed by PrefixCacheWarmup {self.name}")
+                if want
+                else ("NotWarm", f"not warmed yet by PrefixCacheWarmup {self.name}")
+            )
+            cond = {
+                "type": WARM_GATE,
+                "status": "True" if want else "False",
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": now_iso(),
+            }
+            try:
+                await self.kube.patch_pod_condition(self.ns, meta["name"], meta["uid"], cond)
+            except ApiException as exc:
+                if exc.status not in (404, 409):  # gone, or another pod of the name now: the next look
+                    self.logger.warning(
+                        "warm-up %s/%s: gate of %s not set: %s", self.ns, self.name, meta["name"], exc.reason
+                    )
+
+    async def release(self, plan: Plan) -> None:
+        """The warm-up is being deleted: open the gate of every pod (they would never be Ready otherwise);
+        the fleet's template loses the gate meanwhile (handlers.py, a rollout)."""
+        try:
+            pods: list[dict[str, Any]] = (await self.kube.list_pods(self.ns, plan.selector))[0]
+            await self.open_gates(pods, release=True)
+        except ApiException as exc:
+            self.logger.warning("warm-up %s/%s: gates not released: %s", self.ns, self.name, exc.reason)
+
+    async def deleted(self) -> bool:
+        try:
+            obj = await self.kube.get_cr(WARMUPS, self.ns, self.name)
+        except ApiException:
+            return False
+        return obj is None or bool(obj["metadata"].get("deletionTimestamp"))
 
     async def warm(
         self, plan: Plan, targets: list[Target], due: Mapping[str, str], version: str, deadline: float

@@ -7,6 +7,7 @@ does, with its reason: a fleet of stand-ins that cache nothing (NotWarm), a miss
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from support.operator import (
     http,
     pcr,
     ready_replicas,
+    service_endpoints,
     standin_fleet,
 )
 from support.procs import wait_for
@@ -257,6 +259,79 @@ def test_a_continuous_warmup_that_cannot_keep_a_pod_warm_says_so_and_counts_its_
     )
 
 
+def _cond(pod: dict, type_: str) -> dict:
+    return next((c for c in pod["status"].get("conditions") or [] if c["type"] == type_), {})
+
+
+def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_LOAD_SECONDS", "value": "2"}]
+    standin_fleet(cluster, ns, "gated", replicas=2, env=env)
+    spec = {"targetRef": {"name": "gated"}, "prompts": PROMPTS, "mode": "Continuous", "gateReadiness": True}
+    apply_ns(cluster, ns, pcw("gate", spec))
+
+    # the fleet's pod template gains the readiness gate (a rollout): its new pods are Ready once warmed
+    def gated_and_ready() -> bool:
+        pods = fleet_pods(cluster, ns, "gated")
+        return len(pods) == 2 and all(
+            p["spec"].get("readinessGates") == [{"conditionType": "kvpilot.io/warm"}]
+            and _cond(p, "Ready").get("status") == "True"
+            for p in pods
+        )
+
+    wait_for(
+        gated_and_ready, 120, "the fleet rolled out with the gate, its pods warmed and Ready", interval=1
+    )
+    two = {p["metadata"]["name"] for p in fleet_pods(cluster, ns, "gated")}
+    for p in fleet_pods(cluster, ns, "gated"):
+        assert (_cond(p, "kvpilot.io/warm")["status"], _cond(p, "kvpilot.io/warm")["reason"]) == (
+            "True",
+            "Warm",
+        )
+
+    # scaled to 3: the new pod runs, but is neither Ready nor a ready endpoint of the Service until warm
+    cluster.kubectl("patch", "infd", "gated", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+    held = 0
+    new = ""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        pods = {p["metadata"]["name"]: p for p in fleet_pods(cluster, ns, "gated")}
+        fresh = [n for n in pods if n not in two]
+        if not fresh:
+            time.sleep(0.2)
+            continue
+        new = fresh[0]
+        endpoints = service_endpoints(cluster, ns, "gated")
+        pod = pods[new]
+        if _cond(pod, "kvpilot.io/warm").get("status") == "True":
+            break
+        running = any("running" in c["state"] for c in pod["status"].get("containerStatuses") or [])
+        assert _cond(pod, "Ready").get("status") != "True", pod["status"]
+        assert not endpoints.get(new), endpoints
+        held += running and bool(_cond(pod, "ContainersReady").get("status") == "True")
+        time.sleep(0.2)
+    assert new, "no new pod"
+    # seen with its containers ready yet not Ready: the gate held it (a gate-blind node would have let it in)
+    assert held > 0
+    wait_for(lambda: service_endpoints(cluster, ns, "gated").get(new), 30, "the warm pod in the Service")
+    pod = next(p for p in fleet_pods(cluster, ns, "gated") if p["metadata"]["name"] == new)
+    assert _cond(pod, "Ready")["lastTransitionTime"] >= _cond(pod, "kvpilot.io/warm")["lastTransitionTime"]
+    st = cluster.kubectl_json("get", "pcw", "gate", "-n", ns)["status"]
+    assert next(e for e in st["pods"] if e["name"] == new)["verified"] == "warm", st
+
+    # deleting it opens every gate, and the template loses the gate (pods without it roll out)
+    cluster.kubectl("delete", "pcw", "gate", "-n", ns, "--timeout=30s")
+
+    def ungated() -> bool:
+        pods = fleet_pods(cluster, ns, "gated")
+        return ready_replicas(cluster, ns, "gated", 3) and all(
+            not p["spec"].get("readinessGates") for p in pods
+        )
+
+    wait_for(ungated, 120, "the fleet rolled out without the gate", interval=1)
+
+
 def test_prompts_that_cannot_be_read_and_no_pods_fail_with_a_reason(
     cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
@@ -301,6 +376,19 @@ BAD_SPECS = [
     (
         {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Always"},
         'Unsupported value: "Always"',
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "gateReadiness": True},
+        "gateReadiness is for mode Continuous",
+    ),
+    (
+        {
+            "selector": {"matchLabels": {"a": "b"}},
+            "prompts": PROMPTS,
+            "mode": "Continuous",
+            "gateReadiness": True,
+        },
+        "gateReadiness is for mode Continuous",
     ),
     (
         {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous", "ttlSecondsAfterFinished": 5},

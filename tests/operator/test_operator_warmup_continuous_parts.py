@@ -8,8 +8,10 @@ import pytest
 
 from kvpilot.fanout import PodResult, Verified
 from kvpilot.fanout.results import NOT_WARM, Outcome
+from kvpilot.operator.fleets import builders
+from kvpilot.operator.fleets.reconcile import gates
 from kvpilot.operator.fleets.targets import Plan
-from kvpilot.operator.specs import WarmupSpec
+from kvpilot.operator.specs import FleetSpec, WarmupSpec
 from kvpilot.operator.warmups.continuous import (
     JOINED,
     RESET,
@@ -19,6 +21,9 @@ from kvpilot.operator.warmups.continuous import (
     Seen,
     Tracker,
     fleet_marker,
+    gate_change,
+    gate_status,
+    gated,
     pod_key,
     reapply_reason,
     seen,
@@ -158,3 +163,80 @@ def test_the_spec_takes_mode_continuous() -> None:
     assert spec.mode == "Continuous"
     with pytest.raises(ValueError):
         WarmupSpec.parse({"targetRef": {"name": "a"}, "prompts": [{"prompt": "x"}], "mode": "Always"})
+
+
+# ---- gateReadiness ---------------------------------------------------------------------------------------
+def test_the_gate_opens_once_warmed_stays_open_through_a_reset_and_shuts_on_a_restart() -> None:
+    t = Tracker()
+    pods = look(a=("u1", 0, True))
+    t.due(pods, 0.0)
+    assert t.gate("a") is False
+    t.record([cold("a")], 1.0)
+    assert t.gate("a") is False  # cold: still out
+    t.due(pods, 40.0)
+    t.record([warm("a")], 41.0)
+    assert t.gate("a") is True
+    t.due(pods, 42.0, RESET)
+    t.record([cold("a")], 43.0)
+    assert t.gate("a") is True  # a pass after a reset never takes a serving pod out
+    t.due(look(a=("u1", 1, True)), 44.0)
+    assert t.gate("a") is False  # its engine restarted: out until warmed again
+    assert t.gate("nobody") is False
+
+
+def test_gated_pods_and_their_condition() -> None:
+    pod = {"metadata": {"name": "p"}, "spec": {"readinessGates": [{"conditionType": "kvpilot.io/warm"}]}}
+    assert gated(pod) and gate_status(pod) is None
+    pod["status"] = {"conditions": [{"type": "kvpilot.io/warm", "status": "False"}]}
+    assert gate_status(pod) == "False"
+    assert not gated({"metadata": {"name": "q"}, "spec": {"readinessGates": [{"conditionType": "other"}]}})
+
+
+def test_the_fleet_template_carries_the_gate_only_while_a_gating_warmup_targets_it() -> None:
+    spec = FleetSpec.parse({"replicas": 2})
+    assert "readinessGates" not in builders.workload("llm", spec)["spec"]["template"]["spec"]
+    tpl = builders.workload("llm", spec, gated=True)["spec"]["template"]["spec"]
+    assert tpl["readinessGates"] == [{"conditionType": "kvpilot.io/warm"}]
+    w = {
+        "metadata": {"name": "w"},
+        "spec": {"mode": "Continuous", "gateReadiness": True, "targetRef": {"name": "llm"}},
+        "status": {"phase": "Watching"},
+    }
+    assert gates(w, "llm") and not gates(w, "other")
+    assert not gates({**w, "spec": {**w["spec"], "gateReadiness": False}}, "llm")
+    assert not gates({**w, "spec": {**w["spec"], "mode": "Once"}}, "llm")
+    assert not gates({**w, "status": {"phase": "Failed"}}, "llm")
+    assert not gates({**w, "metadata": {"name": "w", "deletionTimestamp": "2026-01-01T00:00:00Z"}}, "llm")
+
+
+def test_the_dev_cluster_node_computes_ready_with_readiness_gates_as_the_kubelet_does() -> None:
+    from devcluster.nodeagent import readiness_gates
+
+    pod = {"spec": {"readinessGates": [{"conditionType": "kvpilot.io/warm"}]}}
+    ok, why = readiness_gates(pod, {})
+    assert not ok and 'readiness gate "kvpilot.io/warm" does not exist' in why
+    assert readiness_gates(pod, {"kvpilot.io/warm": {"status": "False"}})[0] is False
+    assert readiness_gates(pod, {"kvpilot.io/warm": {"status": "True"}}) == (True, "")
+    assert readiness_gates({"spec": {}}, {}) == (True, "")
+
+
+def test_gate_change_opens_shuts_on_a_restart_and_leaves_another_warmups_open_gate() -> None:
+    def pod(cond: dict | None, started: str = "2026-01-01T00:01:00Z") -> dict:
+        running = {"name": "daemon", "state": {"running": {"startedAt": started}}}
+        return {
+            "metadata": {"name": "p"},
+            "status": {"conditions": [cond] if cond else [], "containerStatuses": [running]},
+        }
+
+    def warm_cond(status: str, at: str) -> dict:
+        return {"type": "kvpilot.io/warm", "status": status, "lastTransitionTime": at}
+
+    assert gate_change(pod(None), False, "daemon") is False  # joined: shut, visibly
+    assert gate_change(pod(None), True, "daemon") is True
+    assert gate_change(pod(warm_cond("False", "2026-01-01T00:01:05Z")), True, "daemon") is True
+    assert gate_change(pod(warm_cond("True", "2026-01-01T00:01:05Z")), True, "daemon") is None
+    assert gate_change(pod(warm_cond("False", "2026-01-01T00:01:05Z")), False, "daemon") is None
+    # opened since the engine started, by another warm-up: left open
+    assert gate_change(pod(warm_cond("True", "2026-01-01T00:01:05Z")), False, "daemon") is None
+    # opened before the engine's last start (it restarted): shut until warmed again
+    assert gate_change(pod(warm_cond("True", "2026-01-01T00:00:30Z")), False, "daemon") is False
