@@ -312,11 +312,18 @@ def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
         held += running and bool(_cond(pod, "ContainersReady").get("status") == "True")
         time.sleep(0.2)
     assert new, "no new pod"
-    # seen with its containers ready yet not Ready: the gate held it (a gate-blind node would have let it in)
-    assert held > 0
     wait_for(lambda: service_endpoints(cluster, ns, "gated").get(new), 30, "the warm pod in the Service")
     pod = next(p for p in fleet_pods(cluster, ns, "gated") if p["metadata"]["name"] == new)
-    assert _cond(pod, "Ready")["lastTransitionTime"] >= _cond(pod, "kvpilot.io/warm")["lastTransitionTime"]
+    ready, warmed = (
+        _cond(pod, "Ready")["lastTransitionTime"],
+        _cond(pod, "kvpilot.io/warm")["lastTransitionTime"],
+    )
+    assert ready >= warmed, pod["status"]["conditions"]
+    # the gate held it: seen with its containers ready yet not Ready, or Ready only after ContainersReady (a
+    # gate-blind node makes both true at once); times are to the second, so either proves it
+    assert held > 0 or ready > _cond(pod, "ContainersReady")["lastTransitionTime"], pod["status"][
+        "conditions"
+    ]
     st = cluster.kubectl_json("get", "pcw", "gate", "-n", ns)["status"]
     assert next(e for e in st["pods"] if e["name"] == new)["verified"] == "warm", st
 
