@@ -213,8 +213,31 @@ async def warmup_runs(
 
 
 @kopf.on.event(GROUP, VERSION, WARMUPS)
-async def warmup_seen(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+async def warmup_seen(
+    type: str | None,  # noqa: A002 - kopf's name
+    body: kopf.Body,
+    logger: kopf.Logger,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
     memo.warmup_expiry.seen(body, deleted=type == "DELETED")
+    spec, st = body.get("spec") or {}, body.get("status") or {}
+    target = (spec.get("targetRef") or {}).get("name")
+    if not (spec.get("mode") == "Continuous" and spec.get("gateReadiness") and target):
+        return
+    # A gating warm-up came, went (or is going), or failed at its start: its fleet's pod template gains or
+    # loses the readiness gate (fleets/reconcile.py `gating_warmup`).
+    if (
+        type in ("ADDED", "DELETED")
+        or body["metadata"].get("deletionTimestamp")
+        or st.get("phase") == "Failed"
+    ):
+        ns = body["metadata"]["namespace"]
+        fleet = await memo.kube.get_cr(FLEETS, ns, target)
+        if fleet is None or fleet["metadata"].get("deletionTimestamp"):
+            return
+        async with _counted("InferenceDeployment"):
+            await fleets.reconcile(memo.kube, fleet, logger, memo.router_cluster_role, memo.operator_peer)
 
 
 @kopf.daemon(GROUP, VERSION, WEIGHT_UPDATES, cancellation_timeout=SHUTDOWN_GRACE_S, when=weights.unfinished)

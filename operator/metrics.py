@@ -110,6 +110,20 @@ WARMUP_POD_REQUESTS = _metric(
     "result",
     "code",
 )
+WARMUP_REAPPLIES = _metric(
+    Counter,
+    "warmup_reapplies_total",
+    "Pods warmed by Continuous PrefixCacheWarmups, by why (podJoined, podRestarted, reset, weightUpdate, retry)",
+    "namespace",
+    "trigger",
+)
+WARMUP_OLDEST_COLD = _metric(
+    Gauge,
+    "warmup_oldest_cold_pod_seconds",
+    "Continuous PrefixCacheWarmups: seconds the pod owed warmth longest has been running and not verified warm (0: all warm)",
+    "namespace",
+    "warmup",
+)
 WARMUPS_IN_PROGRESS = _metric(Gauge, "warmups_in_progress", "PrefixCacheWarmups this operator is running now")
 for _kind in (
     "InferenceDeployment",

@@ -88,6 +88,9 @@ _NAMESPACED: list[Rule] = [
         ],
         "verbs": ["patch"],
     },
+    # A Continuous warm-up with gateReadiness: the kvpilot.io/warm condition of the fleet's pods (their
+    # readiness gate), set True once a pod is warmed, False while it is not.
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     # A warm-up's prompts from a ConfigMap (spec.promptsFrom), read by the name its spec gives: no list/watch.
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]},
     # Owned workloads (the daemons' Deployment or, with placement DaemonSet, DaemonSet; the router's

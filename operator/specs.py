@@ -186,7 +186,8 @@ class WarmupSpec(TargetedSpec):
     """PrefixCacheWarmup spec (crds/prefixcachewarmup.yaml): the target as a reset's, exactly one of prompts
     and prompts_from."""
 
-    mode: Literal["Once"] = "Once"
+    mode: Literal["Once", "Continuous"] = "Once"
+    gate_readiness: bool = False  # Continuous, targetRef: a pod Ready only once warm (continuous.py)
     prompts: list[WarmupPrompt] | None = None
     prompts_from: PromptsFrom | None = None
     pin: bool = False

@@ -341,7 +341,11 @@ def _gpus_per_pod(resources: dict[str, Any], engine: EngineSpec) -> None:
             resources[kind][GPU_RESOURCE] = gpus
 
 
-def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
+# The readiness gate a Continuous PrefixCacheWarmup with gateReadiness holds shut until it warmed the pod.
+WARM_GATE = "kvpilot.io/warm"
+
+
+def pod_template(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "containers": [container(name, spec)],
         # The daemon drains in-flight requests on SIGTERM (its --shutdown-timeout is 30 s).
@@ -356,6 +360,8 @@ def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
         pod_spec["securityContext"] = copy.deepcopy(spec.pod_security_context)
     if keys := kv_keys_mount(name, spec, DAEMON_KEY_FILES):
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), keys[0]]
+    if gated:  # a warm-up with gateReadiness targets the fleet: Ready only once warm
+        pod_spec["readinessGates"] = [{"conditionType": WARM_GATE}]
     return {
         "metadata": {
             "labels": {**pod_labels(name), SERVING_LABEL: "true"},  # a new pod serves until fenced
@@ -369,8 +375,9 @@ def pod_template(name: str, spec: FleetSpec) -> dict[str, Any]:
     }
 
 
-def workload(name: str, spec: FleetSpec) -> dict[str, Any]:
-    """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons."""
+def workload(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, Any]:
+    """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons; `gated`: its pods carry
+    the readiness gate WARM_GATE (a PrefixCacheWarmup with gateReadiness targets the fleet)."""
     kind = spec.placement
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
@@ -378,7 +385,7 @@ def workload(name: str, spec: FleetSpec) -> dict[str, Any]:
         "metadata": {"name": name, "labels": pod_labels(name)},
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
-            "template": pod_template(name, spec),
+            "template": pod_template(name, spec, gated),
         },
     }
     if kind == "Deployment":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -116,6 +117,27 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int,
     )
 
 
+def gates(warmup: Mapping[str, Any], fleet: str) -> bool:
+    """Whether a PrefixCacheWarmup holds the readiness gate of the fleet's pods: Continuous, gateReadiness,
+    aimed at it, not being deleted nor Failed (one that failed at its start warms nothing)."""
+    spec, st = warmup.get("spec") or {}, warmup.get("status") or {}
+    return (
+        spec.get("mode") == "Continuous"
+        and bool(spec.get("gateReadiness"))
+        and (spec.get("targetRef") or {}).get("name") == fleet
+        and not warmup["metadata"].get("deletionTimestamp")
+        and st.get("phase") != "Failed"
+    )
+
+
+async def gating_warmup(kube: Kube, ns: str, fleet: str) -> str | None:
+    """The name of a PrefixCacheWarmup that gates the fleet's pods' readiness, None when none does."""
+    names = sorted(
+        w["metadata"]["name"] for w in await kube.list_crs(builders.WARMUPS, ns) if gates(w, fleet)
+    )
+    return names[0] if names else None
+
+
 async def reconcile(
     kube: Kube,
     body: Any,
@@ -133,7 +155,8 @@ async def reconcile(
     gen = meta.get("generation")
 
     await _ensure_token_secret(kube, owner, spec, logger)
-    own = [builders.workload(name, spec), builders.service(name, spec)]
+    gated = await gating_warmup(kube, ns, name) is not None
+    own = [builders.workload(name, spec, gated), builders.service(name, spec)]
     taken = await _name_taken(kube, owner, own)
     problem = taken or await _token_refusal(kube, owner, spec)
     if problem is not None:

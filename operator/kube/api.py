@@ -182,6 +182,20 @@ class Kube:
             _content_type="application/merge-patch+json",
         )
 
+    async def patch_pod_condition(self, ns: str, name: str, uid: str, condition: dict[str, Any]) -> None:
+        """Set one condition of one pod's status (a readiness gate's), that pod only (the uid a precondition):
+        a strategic merge patch, merged by type, so the kubelet's own conditions are left as they are."""
+        body = {"metadata": {"uid": uid}, "status": {"conditions": [condition]}}
+        await self.call(
+            "patch",
+            "pods/status",
+            self.core.patch_namespaced_pod_status,
+            name,
+            ns,
+            body,
+            _content_type="application/strategic-merge-patch+json",
+        )
+
     async def list_replicasets(self, ns: str, selector: str) -> list[dict[str, Any]]:
         def fetch() -> list[dict[str, Any]]:
             r: Any = self.apps.list_namespaced_replica_set(

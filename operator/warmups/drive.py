@@ -1,4 +1,5 @@
-"""A PrefixCacheWarmup (mode Once) from start to finish: load its prompts, resolve and list its pods as a
+"""A PrefixCacheWarmup from start to finish (mode Once; mode Continuous hands over to continuous.py once its
+prompts are read and its target resolved): load its prompts, resolve and list its pods as a
 reset does (fleets/targets.py), send every prompt to every pod and rank and verify each pod warm
 (kvpilot.fanout.warmup), write status, report.
 
@@ -21,7 +22,7 @@ from kvpilot.fanout import Outcome, PodResult, initial_results
 from kvpilot.fanout.warmup import WarmPrompt, WarmSettings, run_warmup
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets.builders import WARMUPS
-from kvpilot.operator.fleets.targets import Plan, describe, list_targets
+from kvpilot.operator.fleets.targets import Plan, describe, list_targets, resolve
 from kvpilot.operator.kube.api import Kube
 from kvpilot.operator.kube.conditions import now_iso, parse_time, set_condition
 from kvpilot.operator.kube.owners import as_body
@@ -29,7 +30,7 @@ from kvpilot.operator.kube.progress import Progress, stop_flag
 from kvpilot.operator.kube.retries import RunFailure, with_retries
 from kvpilot.operator.resets.podwatch import PodWatch
 from kvpilot.operator.specs import WarmupSpec
-from kvpilot.operator.warmups import prompts
+from kvpilot.operator.warmups import continuous, prompts
 from kvpilot.operator.warmups.status import (
     WarmupPhase,
     WarmupStatus,
@@ -95,7 +96,9 @@ async def _run(
     start = status.get("startTime") or now_iso()
     started = parse_time(status.get("startTime"))  # a restart keeps the first run's deadline
     deadline = time.monotonic() + spec.timeout_seconds - (time.time() - started if started else 0)
-    if status.get("phase") == "Running":
+    if spec.mode == "Continuous":  # timeoutSeconds bounds each pass, not the warm-up
+        deadline = time.monotonic() + spec.timeout_seconds
+    if status.get("phase") in ("Running", "Watching"):
         logger.info("warm-up %s/%s: interrupted by an operator restart; warming every pod again", ns, name)
     progress = Progress(lambda st: _patch(kube, ns, name, st), f"warm-up {ns}/{name}", logger)
     gen = obj["metadata"].get("generation")
@@ -104,6 +107,19 @@ async def _run(
         progress.write({**first, "observedGeneration": gen}, "Pending")
     try:
         sends = await prompts.load(kube, ns, spec, deadline)
+        if spec.mode == "Continuous":
+            plan = await resolve(kube, ns, spec, deadline)  # a target that cannot be resolved fails it
+            kopf.event(
+                as_body(obj),
+                type="Normal",
+                reason="Started",
+                message=f"keeping the pods of {plan.description} warm with {len(sends)} prompts",
+            )
+            await progress.settle()  # the first-sight write lands before the loop's
+            async with stop_flag(stopped) as stop:
+                loop = continuous.Loop(kube, obj, spec, sends, logger, stop, limiter, start)
+                await loop.run(plan)
+            return None  # it ends only when the operator stops or the warm-up is deleted
         listed = await list_targets(kube, ns, spec, deadline, logger)
         plan, targets = listed.plan, listed.targets
         running: WarmupStatus = {

@@ -13,7 +13,7 @@ from kvpilot.fanout.results import NOT_WARM, STARTING, Outcome, Verified
 from kvpilot.operator.kube.conditions import Condition, ConditionStatus
 from kvpilot.operator.resets.status import MAX_NAMED, MAX_POD_DETAIL, skipped_note, summarize
 
-WarmupPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+WarmupPhase = Literal["Pending", "Running", "Watching", "Succeeded", "Failed"]
 
 
 class PinEntry(TypedDict, total=False):
@@ -67,6 +67,9 @@ class WarmupStatus(TypedDict, total=False):
     unknownPods: int
     pods: list[WarmPodEntry]
     podsOmitted: int
+    passes: int  # mode Continuous: passes over the pods due since the warm-up started
+    lastPassTime: str
+    lastTrigger: str  # why the last pass warmed its pods (continuous.py: podJoined, reset, ...)
 
 
 def warmup_status(obj: Mapping[str, Any]) -> WarmupStatus:

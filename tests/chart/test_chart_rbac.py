@@ -61,7 +61,8 @@ IMPLIED = {
 # the same rules. The InferencePool rights need GAIE's CRD, which this exercise does not install: they are
 # requested in tests/operator/test_operator_inferencepool.py, under the same rules (rbac.cluster_role()).
 AWAITING: dict[str, set[tuple[str, str, str]]] = {
-    "operator": {("patch", "", "pods")}
+    # pods/status patch: a gating warm-up's readiness gate, requested in tests/operator/test_operator_warmup.py
+    "operator": {("patch", "", "pods"), ("patch", "", "pods/status")}
     | {
         (verb, "inference.networking.k8s.io", "inferencepools")
         for verb in ("get", "create", "patch", "delete")

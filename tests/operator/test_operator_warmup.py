@@ -7,6 +7,7 @@ does, with its reason: a fleet of stand-ins that cache nothing (NotWarm), a miss
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from support.operator import (
     http,
     pcr,
     ready_replicas,
+    service_endpoints,
     standin_fleet,
 )
 from support.procs import wait_for
@@ -158,6 +160,185 @@ def test_a_fleet_that_caches_nothing_is_not_warm(
     )
 
 
+def wait_status(cluster: Cluster, ns: str, name: str, what: str, test, timeout: float = 90) -> dict:
+    def ok() -> dict | None:
+        obj = cluster.kubectl_json("get", "pcw", name, "-n", ns)
+        return obj if test(obj.get("status") or {}) else None
+
+    return wait_for(ok, timeout, f"PrefixCacheWarmup {ns}/{name}: {what}", interval=0.5)  # type: ignore[return-value]
+
+
+def test_a_continuous_warmup_warms_a_pod_that_joins_and_every_pod_again_after_a_reset(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    # stand-ins that cache what they are sent (full blocks of 16) until a reset, and take 2 s to start
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_LOAD_SECONDS", "value": "2"}]
+    standin_fleet(cluster, ns, "keep", replicas=2, env=env)
+    joined = operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="podJoined")
+    after_reset = operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="reset")
+    apply_ns(
+        cluster, ns, pcw("keep", {"targetRef": {"name": "keep"}, "prompts": PROMPTS, "mode": "Continuous"})
+    )
+    st = wait_status(
+        cluster, ns, "keep", "2/2 warm", lambda st: st.get("phase") == "Watching" and st.get("warm") == "2/2"
+    )["status"]
+    assert (st["targets"], st["passes"], st["lastTrigger"]) == (2, 1, "podJoined"), st
+    assert "completionTime" not in st, st
+    two = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "keep")}
+    assert {e["name"] for e in st["pods"]} == set(two) and all(e["verified"] == "warm" for e in st["pods"])
+    out = cluster.kubectl("get", "pcw", "keep", "-n", ns).stdout.splitlines()
+    assert out[1].split()[1:4] == ["InferenceDeployment/keep", "Watching", "2/2"], out
+
+    # scaled from 2 to 3: the new pod is warmed once it is up, by the warm-up that is still watching
+    cluster.kubectl("patch", "infd", "keep", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+    obj = wait_status(cluster, ns, "keep", "3/3 warm", lambda st: st.get("warm") == "3/3")
+    st = obj["status"]
+    three = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "keep")}
+    (new,) = set(three) - set(two)
+    assert (st["targets"], st["passes"], st["lastTrigger"]) == (3, 2, "podJoined"), st
+    entry = next(e for e in st["pods"] if e["name"] == new)
+    assert (entry["verified"], entry["promptsWarm"]) == ("warm", 2), entry
+    assert condition(obj, "Warm")[:2] == ("True", "AllWarm")
+    assert cached(three[new], PROMPTS[1]) > 0  # the new pod's cache really holds the prompts
+    assert (
+        operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="podJoined")
+        == joined + 3
+    )
+
+    # a reset of the fleet empties every pod (its canary proves each cold); the warm-up then re-applies
+    apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "keep"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", ns, "--timeout=120s")
+    assert cluster.kubectl_json("get", "pcr", "flush", "-n", ns)["status"]["verified"] == "3/3"
+    obj = wait_status(
+        cluster,
+        ns,
+        "keep",
+        "warmed after the reset",
+        lambda st: st.get("passes") == 3 and st.get("warm") == "3/3",
+    )
+    assert obj["status"]["lastTrigger"] == "reset", obj["status"]
+    assert condition(obj, "Warm")[:2] == ("True", "AllWarm")
+    for name, ip in three.items():
+        assert cached(ip, PROMPTS[1]) > 0, name
+    assert (
+        operator.metric("kvpilot_operator_warmup_reapplies_total", namespace=ns, trigger="reset")
+        == after_reset + 3
+    )
+    assert (
+        operator.metric("kvpilot_operator_warmup_oldest_cold_pod_seconds", namespace=ns, warmup="keep") == 0
+    )
+    assert 'warmup="keep"' in operator.metrics()
+
+    # deleting it stops it: the operator lets go (its finalizer), and its gauge goes
+    cluster.kubectl("delete", "pcw", "keep", "-n", ns, "--timeout=30s")
+    wait_for(lambda: 'warmup="keep"' not in operator.metrics(), 30, "the warm-up's gauge to go")
+
+
+def test_a_continuous_warmup_that_cannot_keep_a_pod_warm_says_so_and_counts_its_cold_time(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_FORGET", "value": "1"}]
+    standin_fleet(cluster, ns, "numb", replicas=1, env=env)
+    apply_ns(
+        cluster, ns, pcw("numb", {"targetRef": {"name": "numb"}, "prompts": PROMPTS, "mode": "Continuous"})
+    )
+    obj = wait_status(cluster, ns, "numb", "a pass", lambda st: st.get("passes") == 1)
+    assert (obj["status"]["phase"], obj["status"]["warm"], obj["status"]["coldPods"]) == (
+        "Watching",
+        "0/1",
+        1,
+    )
+    assert condition(obj, "Warm")[:2] == ("False", "NotWarm")
+    wait_for(
+        lambda: (
+            operator.metric("kvpilot_operator_warmup_oldest_cold_pod_seconds", namespace=ns, warmup="numb")
+            >= 3
+        ),
+        30,
+        "the cold pod's time to count",
+    )
+
+
+def _cond(pod: dict, type_: str) -> dict:
+    return next((c for c in pod["status"].get("conditions") or [] if c["type"] == type_), {})
+
+
+def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_LOAD_SECONDS", "value": "2"}]
+    standin_fleet(cluster, ns, "gated", replicas=2, env=env)
+    spec = {"targetRef": {"name": "gated"}, "prompts": PROMPTS, "mode": "Continuous", "gateReadiness": True}
+    apply_ns(cluster, ns, pcw("gate", spec))
+
+    # the fleet's pod template gains the readiness gate (a rollout): its new pods are Ready once warmed
+    def gated_and_ready() -> bool:
+        pods = fleet_pods(cluster, ns, "gated")
+        return len(pods) == 2 and all(
+            p["spec"].get("readinessGates") == [{"conditionType": "kvpilot.io/warm"}]
+            and _cond(p, "Ready").get("status") == "True"
+            for p in pods
+        )
+
+    wait_for(
+        gated_and_ready, 120, "the fleet rolled out with the gate, its pods warmed and Ready", interval=1
+    )
+    two = {p["metadata"]["name"] for p in fleet_pods(cluster, ns, "gated")}
+    for p in fleet_pods(cluster, ns, "gated"):
+        assert (_cond(p, "kvpilot.io/warm")["status"], _cond(p, "kvpilot.io/warm")["reason"]) == (
+            "True",
+            "Warm",
+        )
+
+    # scaled to 3: the new pod runs, but is neither Ready nor a ready endpoint of the Service until warm
+    cluster.kubectl("patch", "infd", "gated", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+    held = 0
+    new = ""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        pods = {p["metadata"]["name"]: p for p in fleet_pods(cluster, ns, "gated")}
+        fresh = [n for n in pods if n not in two]
+        if not fresh:
+            time.sleep(0.2)
+            continue
+        new = fresh[0]
+        endpoints = service_endpoints(cluster, ns, "gated")
+        pod = pods[new]
+        if _cond(pod, "kvpilot.io/warm").get("status") == "True":
+            break
+        running = any("running" in c["state"] for c in pod["status"].get("containerStatuses") or [])
+        assert _cond(pod, "Ready").get("status") != "True", pod["status"]
+        assert not endpoints.get(new), endpoints
+        held += running and bool(_cond(pod, "ContainersReady").get("status") == "True")
+        time.sleep(0.2)
+    assert new, "no new pod"
+    wait_for(lambda: service_endpoints(cluster, ns, "gated").get(new), 30, "the warm pod in the Service")
+    pod = next(p for p in fleet_pods(cluster, ns, "gated") if p["metadata"]["name"] == new)
+    ready, warmed = (
+        _cond(pod, "Ready")["lastTransitionTime"],
+        _cond(pod, "kvpilot.io/warm")["lastTransitionTime"],
+    )
+    assert ready >= warmed, pod["status"]["conditions"]
+    # the gate held it: seen with its containers ready yet not Ready, or Ready only after ContainersReady (a
+    # gate-blind node makes both true at once); times are to the second, so either proves it
+    assert held > 0 or ready > _cond(pod, "ContainersReady")["lastTransitionTime"], pod["status"][
+        "conditions"
+    ]
+    st = cluster.kubectl_json("get", "pcw", "gate", "-n", ns)["status"]
+    assert next(e for e in st["pods"] if e["name"] == new)["verified"] == "warm", st
+
+    # deleting it opens every gate, and the template loses the gate (pods without it roll out)
+    cluster.kubectl("delete", "pcw", "gate", "-n", ns, "--timeout=30s")
+
+    def ungated() -> bool:
+        pods = fleet_pods(cluster, ns, "gated")
+        return ready_replicas(cluster, ns, "gated", 3) and all(
+            not p["spec"].get("readinessGates") for p in pods
+        )
+
+    wait_for(ungated, 120, "the fleet rolled out without the gate", interval=1)
+
+
 def test_prompts_that_cannot_be_read_and_no_pods_fail_with_a_reason(
     cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
@@ -200,8 +381,25 @@ BAD_SPECS = [
         "exactly one of prompts and promptsFrom",
     ),
     (
-        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous"},
-        'Unsupported value: "Continuous"',
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Always"},
+        'Unsupported value: "Always"',
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "gateReadiness": True},
+        "gateReadiness is for mode Continuous",
+    ),
+    (
+        {
+            "selector": {"matchLabels": {"a": "b"}},
+            "prompts": PROMPTS,
+            "mode": "Continuous",
+            "gateReadiness": True,
+        },
+        "gateReadiness is for mode Continuous",
+    ),
+    (
+        {"targetRef": {"name": "a"}, "prompts": PROMPTS, "mode": "Continuous", "ttlSecondsAfterFinished": 5},
+        "ttlSecondsAfterFinished is for mode Once",
     ),
     ({"targetRef": {"name": "a"}, "prompts": [{}]}, "each prompt is either messages"),
     (

@@ -126,7 +126,7 @@ def test_inline_prompts_and_the_bounds_are_the_crds() -> None:
     assert item["messages"]["maxItems"] == warm_prompts.MAX_MESSAGES
     assert item["prompt"]["maxLength"] == item["messages"]["items"]["properties"]["content"]["maxLength"]
     assert item["prompt"]["maxLength"] == warm_prompts.MAX_PROMPT_CHARS
-    assert props["mode"]["enum"] == ["Once"]  # Continuous comes with its controller, not before
+    assert props["mode"]["enum"] == ["Once", "Continuous"]  # WarmupSpec.mode's Literal, both served
     with pytest.raises(ValueError):
         WarmPrompt()
 

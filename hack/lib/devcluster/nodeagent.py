@@ -329,6 +329,15 @@ class NodeAgent:
             c["lastTransitionTime"] = prev.get("lastTransitionTime") if same else now()
             c["lastProbeTime"] = None
             conds.append(c)
+        gates_ok, why = readiness_gates(pod, old)
+        for c in conds:  # Ready needs the containers ready AND every readiness gate's condition True
+            if c["type"] == "Ready" and c["status"] == "True" and not gates_ok:
+                c["status"], c["reason"], c["message"] = "False", "ReadinessGatesNotReady", why
+                prev = old.get("Ready") or {}
+                same = prev.get("status") == "False"
+                c["lastTransitionTime"] = prev.get("lastTransitionTime") if same else now()
+            c.setdefault("reason", None)  # null: a strategic merge removes what an earlier patch set
+            c.setdefault("message", None)
         status["conditions"] = conds
         key = json.dumps({**status, "conditions": [(c["type"], c["status"]) for c in conds]}, sort_keys=True)
         uid = pod["metadata"]["uid"]
@@ -340,7 +349,9 @@ class NodeAgent:
                 pod["metadata"]["namespace"],
                 {"status": status},
                 _preload_content=False,
-                _content_type=MERGE,
+                # strategic merge, as the kubelet's status manager patches: conditions merge by type, so
+                # a condition the agent does not own (a readiness gate's, set by a controller) is kept
+                _content_type=STRATEGIC,
             )
             self.sent[uid] = key
         except client.ApiException as e:
@@ -386,3 +397,20 @@ class NodeAgent:
             fn(*args)
         except Exception as e:  # noqa: BLE001
             log.warning("%s failed: %s", getattr(fn, "__name__", fn), e)
+
+
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+def readiness_gates(pod: dict, conditions: dict[str, dict]) -> tuple[bool, str]:
+    """Whether every readiness gate of the pod (spec.readinessGates) has its condition True, as the kubelet
+    computes Ready (pkg/kubelet/status/generate.go): (True, "") or (False, its message for the first that
+    is not)."""
+    for gate in (pod.get("spec") or {}).get("readinessGates") or []:
+        t = gate.get("conditionType", "")
+        c = conditions.get(t)
+        if c is None:
+            return False, f'corresponding condition of pod readiness gate "{t}" does not exist.'
+        if c.get("status") != "True":
+            return False, f'the status of pod readiness gate "{t}" is not "True", but {c.get("status")}'
+    return True, ""
