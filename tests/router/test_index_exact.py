@@ -21,6 +21,7 @@ from kvpilot.kv.events import (
     decode_batch,
     encode_batch,
 )
+from kvpilot.kv.reset_scope import ResetScope
 from kvpilot.router.fleet.pods import Pod, parse_endpoints
 from kvpilot.router.kv import index as index_module
 from kvpilot.router.kv.index import PrefixIndex
@@ -39,6 +40,8 @@ def engine(tiny_model_dir) -> LLMEngine:  # noqa: ANN001
             num_kv_blocks=24,
             max_num_batched_tokens=32,
             max_num_seqs=6,
+            enable_pinned_prefix=True,  # pinned blocks stay indexed: the router must keep seeing them
+            pinned_prefix_cap_ratio=0.25,
         )
     )
     eng.kv.pool.events = KVEventRecorder(BS)  # the publisher's recorder, without the sockets
@@ -63,7 +66,7 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
     added: list[str] = []
     for op in ops:
         if op[0] == "add":
-            _, n, max_tokens, prefix, salt, seqs = op  # seqs > 1: forks sharing the prompt's blocks
+            _, n, max_tokens, prefix, salt, seqs, pin = op  # seqs > 1: forks sharing the prompt's blocks
             prompt = SHARED_PREFIXES[prefix] + [3000 + (7 * len(added) + i) % 500 for i in range(n)]
             # What the router predicts must be what the engine finds when it looks the prompt up.
             usable = (len(prompt) - 1) // BS
@@ -71,7 +74,7 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
             predicted = index.matched_blocks(keys, ["pod"])["pod"] * BS
             rid = f"q{len(added)}-{id(ops)}"
             req = engine.add_request(
-                rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt
+                rid, prompt, SamplingParams(max_tokens=max_tokens, n=seqs), cache_salt=salt, pin_prefix=pin
             )[0]
             assert engine.kv.find_prefix(req).num_tokens == predicted
             added.append(rid)
@@ -83,6 +86,8 @@ def test_index_from_events_equals_the_engine_index(engine: LLMEngine, ops: list)
                     engine.step()
         elif op[0] == "reset":
             engine.reset_prefix_cache(reset_running_requests=op[1])
+        elif op[0] == "unpin":
+            engine.unpin_prefixes(None if op[1] is None else ResetScope(cache_salt=op[1]))
         sync(engine, index)
     for rid in added:
         engine.abort_request(rid)
