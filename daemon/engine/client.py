@@ -67,6 +67,8 @@ class EngineInfo:
     weight_version: str = "initial"  # the weights loaded at start (`--weight-version`)
     enable_lora: bool = False  # --enable-lora: adapters may be named, loaded and unloaded
     lora_adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the adapters served at start
+    eviction_policy: str = "lru"  # --prefix-cache-eviction-policy
+    pinned_prefix_cap_ratio: float | None = None  # --pinned-prefix-cap-ratio; None: pinning is off
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,10 @@ class EngineLoop(WeightOperations):
             lora_adapters={
                 n: ServedAdapter(str(path), key.digest) for n, (path, key) in engine.loras.served.items()
             },
+            eviction_policy=engine.config.prefix_cache_eviction_policy,
+            pinned_prefix_cap_ratio=engine.config.pinned_prefix_cap_ratio
+            if engine.config.enable_pinned_prefix
+            else None,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()

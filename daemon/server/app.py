@@ -21,7 +21,7 @@ from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
-from kvpilot.daemon.server.metrics import DaemonMetrics
+from kvpilot.daemon.server.metrics import DaemonMetrics, cache_config_labels
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
 from kvpilot.daemon.server.settings import ServerSettings
@@ -53,7 +53,12 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         engine,
         settings,
         served,
-        metrics=DaemonMetrics(lambda: _rank_snapshots(engine), served[0], engine.info.weight_version),
+        metrics=DaemonMetrics(
+            lambda: _rank_snapshots(engine),
+            served[0],
+            engine.info.weight_version,
+            cache_config_labels(engine.info),
+        ),
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
         token_texts=TokenTexts(engine.info.tokenizer),

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpilot.daemon.engine.client import EngineInfo
 from kvpilot.daemon.engine.outputs import CacheStats
 from kvpilot.daemon.server.weights.metrics import WeightMetrics
 from kvpilot.serving.build_info import register_build_info
@@ -210,15 +211,34 @@ class EngineCollector(Collector):
             yield m
 
 
+def cache_config_labels(info: EngineInfo) -> dict[str, str]:
+    """The prefix cache's settings, as `kvpilot_cache_config_info`'s labels (vLLM's `cache_config_info`
+    does the same): what a dashboard shows as the policy each pod runs."""
+    cap = info.pinned_prefix_cap_ratio
+    return {
+        "block_size": str(info.block_size),
+        "enable_prefix_caching": str(info.enable_prefix_caching).lower(),
+        "eviction_policy": info.eviction_policy,
+        "pinned_prefix_cap_ratio": "off" if cap is None else f"{cap:g}",
+    }
+
+
 class DaemonMetrics:
     def __init__(
         self,
         snapshot: Callable[[], list[tuple[str | None, CacheStats]]],
         model_name: str,
-        weight_version: str = "initial",
+        weight_version: str,
+        cache_config: dict[str, str],
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        Gauge(
+            PREFIX + "cache_config_info",
+            "The prefix cache's settings as labels (always 1).",
+            list(cache_config),
+            registry=r,
+        ).labels(**cache_config).set(1)
         self.weights = WeightMetrics(r, weight_version)
         self.resets = Counter(
             PREFIX + "prefix_cache_resets",

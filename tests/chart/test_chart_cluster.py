@@ -298,6 +298,18 @@ def test_reset_by_the_in_cluster_operator(
         http("POST", f"http://{next(iter(fleet.values()))}:8000/reset_prefix_cache", token="wrong")
     assert e.value.code == 401
 
+    # Warm-ups, so the operator dashboard's warm-up panels have series: one Once (it finishes), one Continuous
+    # (it watches: the reset and the weight update below re-warm the fleet).
+    for name, mode in (("prime", "Once"), ("keep", "Continuous")):
+        pcw = {
+            "apiVersion": "kvpilot.io/v1alpha1",
+            "kind": "PrefixCacheWarmup",
+            "metadata": {"name": name, "namespace": FLEET_NS},
+            "spec": {"targetRef": {"name": "llm"}, "prompts": [{"prompt": PROMPT}], "mode": mode},
+        }
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pcw))
+        cluster.kubectl("wait", "--for=condition=Warm", f"pcw/{name}", "-n", FLEET_NS, "--timeout=120s")
+
     reset = {
         "apiVersion": "kvpilot.io/v1alpha1",
         "kind": "PrefixCacheReset",
@@ -474,8 +486,9 @@ def test_upgrade_with_a_changed_value_rolls_the_operator(
 
 
 def test_uninstall_leaves_only_the_crds(cluster: Cluster, kube_helm: Helm, release: None) -> None:
-    # Resets first, while the operator runs: only a running reset has a finalizer, the operator's to remove.
-    cluster.kubectl("delete", "pcr,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
+    # Resets and warm-ups first, while the operator runs: a running reset and a Continuous warm-up have a
+    # finalizer, the operator's to remove.
+    cluster.kubectl("delete", "pcr,pcw,infd", "--all", "-n", FLEET_NS, "--timeout=120s")
     peering_uid = peering(cluster)["metadata"]["uid"]
     kube_helm("uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=3m", timeout=240)
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"

@@ -35,7 +35,8 @@ def daemon_metric_names() -> set[str]:
     # with both offload tiers on: their families exist only then (--kv-offloading-size, --kv-offloading-dir)
     tiers = tuple(TierStats(tier, 0, 0, 0, 0, 0, 0) for tier in ("host", "disk"))
     stats = CacheStats(**{f.name: 0 for f in required}, offload=tiers)
-    metrics = DaemonMetrics(lambda: [(None, stats)], "model")  # one rank, unlabelled
+    config = {"block_size": "16", "enable_prefix_caching": "true", "eviction_policy": "lru"}
+    metrics = DaemonMetrics(lambda: [(None, stats)], "model", "initial", config)  # one rank, unlabelled
     return _sample_names(metrics.registry.collect())
 
 

@@ -127,6 +127,8 @@ class DataParallelEngine:
                     parse_lora_modules(config.lora_modules) if config.enable_lora else {}
                 ).items()
             },
+            eviction_policy=config.prefix_cache_eviction_policy,
+            pinned_prefix_cap_ratio=config.pinned_prefix_cap_ratio if config.enable_pinned_prefix else None,
         )
 
     def _wait_ready(self, rank: _Rank) -> None:
