@@ -24,12 +24,12 @@ from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.fleet.load import read_capped
 from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.relay import relay_stream
 from kvpilot.router.routing.policy import Decision, hash_schemes
 from kvpilot.router.routing.prompts import Prompts
 from kvpilot.router.routing.version_choice import pinned_version
+from kvpilot.serving.capped_read import read_capped
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,12 @@ import aiohttp
 from kvpilot.fanout import ResetSettings, Target, run_fanout
 from kvpilot.fanout.warmup import WarmPrompt, WarmSettings, expected_hit, run_warmup
 from kvpilot.protocol import JSONObject
+from kvpilot.serving.capped_read import read_capped
 from kvpilot.serving.http_limits import UPSTREAM_IDLE_S
+
+# /prefix_cache and /tokenize of the warm set's prompts (at most 256 KiB of text: ~64k token ids) fit well
+# within this; a server past it is broken, not big.
+SERVER_REPLY_BYTES = 4 << 20
 
 SYSTEM = (
     "You are the support assistant of a bicycle shop. The shop sells road bikes, mountain bikes, "
@@ -153,9 +158,16 @@ async def one_request(
     )
 
 
-async def get_json(session: aiohttp.ClientSession, method: str, url: str) -> tuple[int, JSONObject | str]:
-    async with session.request(method, url) as resp:
-        text = await resp.text()
+async def get_json(
+    session: aiohttp.ClientSession, method: str, url: str, body: JSONObject | None = None
+) -> tuple[int, JSONObject | str]:
+    """(status, the reply's JSON) or (status, the start of its text) when it is not JSON or passes
+    SERVER_REPLY_BYTES: the server under test is not trusted to answer a bounded body."""
+    async with session.request(method, url, json=body) as resp:
+        raw = await read_capped(resp, SERVER_REPLY_BYTES)
+        if raw is None:
+            return resp.status, f"a reply over {SERVER_REPLY_BYTES} bytes"
+        text = raw.decode("utf-8", "replace")
         try:
             return resp.status, json.loads(text)
         except ValueError:
@@ -212,9 +224,8 @@ async def warm_prediction(
         return None
 
     async def tokens(body: JSONObject) -> list[int] | None:
-        async with session.post(url + "/tokenize", json={"model": model, **body}) as resp:
-            reply = await resp.json(content_type=None) if resp.status == 200 else None
-        ids = reply.get("tokens") if isinstance(reply, dict) else None
+        status, reply = await get_json(session, "POST", url + "/tokenize", {"model": model, **body})
+        ids = reply.get("tokens") if status == 200 and isinstance(reply, dict) else None
         return ids if isinstance(ids, list) else None
 
     warmed = []

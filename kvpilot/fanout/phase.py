@@ -20,6 +20,7 @@ import aiohttp
 from kvpilot.fanout.engines import error_message
 from kvpilot.fanout.redact import MAX_REPLY_BYTES
 from kvpilot.fanout.targets import CallSettings, Target, address
+from kvpilot.serving.capped_read import read_capped
 
 
 def _url(target: Target, settings: CallSettings) -> str:
@@ -69,16 +70,18 @@ async def _one(
             ) as resp,
         ):
             # Bounded like every pod reply the fan-out reads: a pod may answer an endless body.
-            raw = await resp.content.read(MAX_REPLY_BYTES + 1)
-            text = raw.decode("utf-8", "replace")
+            raw = await read_capped(resp, MAX_REPLY_BYTES)
+            text = "" if raw is None else raw.decode("utf-8", "replace")
             reply.status = resp.status
             try:
-                parsed = json.loads(text) if text.strip() and len(raw) <= MAX_REPLY_BYTES else None
+                parsed = json.loads(text) if text.strip() else None
             except ValueError:
                 parsed = None
             reply.body = parsed if isinstance(parsed, dict) else {}
             reply.ok = 200 <= resp.status < 300 and isinstance(parsed, dict)
-            if not reply.ok:
+            if raw is None:
+                reply.message = f"HTTP {resp.status}: a reply over {MAX_REPLY_BYTES} bytes"
+            elif not reply.ok:
                 reply.message = error_message(resp.status, text, settings.token)
     except TimeoutError:
         reply.message = f"no reply within {timeout:.1f}s"

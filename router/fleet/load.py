@@ -14,6 +14,7 @@ import math
 import aiohttp
 
 from kvpilot.engines import EngineTraits
+from kvpilot.serving.capped_read import read_capped
 
 METRICS_MAX_BYTES = 4 << 20  # a vLLM pod with histograms for a few models sends ~100 KiB
 METRICS_TIMEOUT_S = 2.0  # the whole read; the probe loop comes back every 2 s anyway
@@ -73,21 +74,6 @@ def _labels_end(text: str) -> int:
         elif ch == "}" and not quoted:
             return i
     return -1
-
-
-async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:
-    """A pod's reply body (decompressed, if it gzips), or None once it passes `max_bytes`."""
-    length = response.content_length
-    if length is not None and length > max_bytes:
-        return None
-    if length is not None and "Content-Encoding" not in response.headers:
-        return await response.read()  # exactly `length` bytes, joined once
-    body = bytearray()  # chunked, or compressed: what it inflates to is counted as it comes
-    async for chunk in response.content.iter_any():
-        body += chunk
-        if len(body) > max_bytes:
-            return None
-    return bytes(body)
 
 
 async def read_load(

@@ -28,7 +28,7 @@ from yarl import URL
 from kvpilot.engines import KVPILOT, EngineTraits
 from kvpilot.kv.block_keys import DEFAULT_KEYS, KeyScheme, LoRAKey
 from kvpilot.kv.sockets import subscriber_context
-from kvpilot.router.fleet.load import read_capped, read_load
+from kvpilot.router.fleet.load import read_load
 from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.kv.info import (
     MAX_REPLY_BYTES,
@@ -43,6 +43,7 @@ from kvpilot.router.kv.stream import PodEventStream
 from kvpilot.router.kv.weight_versions import MAX_HEALTH_BYTES, UNKNOWN, Version, from_health
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.routing.version_choice import VersionChoice
+from kvpilot.serving.capped_read import read_capped
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvpilot.fanout import ResetSettings, Target
 from kvpilot.fanout.phase import Step, run_phase, run_steps
+from kvpilot.fanout.redact import MAX_REPLY_BYTES
 from kvpilot.operator.specs import FleetSpec
 from kvpilot.operator.weights.cli import describe_pod, update_body
 from kvpilot.operator.weights.status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
@@ -125,6 +126,54 @@ def test_run_phase_replies_refusals_and_silence() -> None:
     assert replies["pod-1"].message == "HTTP 404: no checkpoint at /nope"
     assert not replies["pod-2"].ok and replies["pod-2"].status == 0 and "no reply" in replies["pod-2"].message
     assert took < 6  # bounded by the deadline (1.5 s), not by the silent pod or the request timeout
+
+
+def test_run_phase_reads_a_reply_sent_in_pieces_whole_and_refuses_one_past_the_cap() -> None:
+    """A reply that comes in several network reads is judged whole (a plain `content.read(n)` stops at the
+    first one); one past MAX_REPLY_BYTES is not read on and fails with that said."""
+    port = free_port()
+
+    async def pieces(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"staged_digest": "sha256:')
+        await asyncio.sleep(0.2)  # the client has read the first piece by now
+        await resp.write(b'x", "ranks": [{"rank": 0}]}')
+        await resp.write_eof()
+        return resp
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"staged_digest": "')
+        while True:
+            await resp.write(b"x" * 65536)
+
+    async def go() -> dict:
+        runners = []
+        for i, handler in enumerate((pieces, endless)):
+            app = web.Application()
+            app.router.add_post("/update_weights", handler)
+            r = web.AppRunner(app)
+            await r.setup()
+            await web.TCPSite(r, f"127.0.9.{i + 1}", port).start()
+            runners.append(r)
+        try:
+            targets = [Target(f"pod-{i}", f"127.0.9.{i + 1}") for i in range(2)]
+            settings = ResetSettings(port=port, request_timeout_s=30)
+            deadline = time.monotonic() + 30
+            return await run_phase(targets, settings, "POST", "/update_weights", {}, deadline=deadline)
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    replies = asyncio.run(go())
+    assert replies["pod-0"].ok and replies["pod-0"].body == {
+        "staged_digest": "sha256:x",
+        "ranks": [{"rank": 0}],
+    }
+    assert not replies["pod-1"].ok and replies["pod-1"].status == 200, replies["pod-1"]
+    assert f"a reply over {MAX_REPLY_BYTES} bytes" in replies["pod-1"].message, replies["pod-1"].message
 
 
 def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:

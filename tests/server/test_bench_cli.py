@@ -168,3 +168,38 @@ def test_bench_resets_a_vllm_server_its_own_way_and_verifies_it(tmp_path: Path) 
         assert vllm.state()["resets"] == 3  # the warm-up's and each run's
     finally:
         stop(vllm.proc, grace=5)
+
+
+def test_bench_reads_a_servers_replies_with_a_cap() -> None:
+    """The server under test is not trusted: an endless /prefix_cache or /tokenize body is read up to
+    SERVER_REPLY_BYTES, then the reply is a short error, not a process that grows until it is killed."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvpilot.cli.loadgen import SERVER_REPLY_BYTES, get_json
+    from support.procs import free_port
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"tokens": [')
+        while True:
+            await resp.write(b"1, " * 65536)
+
+    async def go() -> tuple[int, object]:
+        app = web.Application()
+        app.router.add_post("/tokenize", endless)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://127.0.0.1:{port}/tokenize"
+                return await asyncio.wait_for(get_json(session, "POST", url, {"prompt": "x"}), 30)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == (200, f"a reply over {SERVER_REPLY_BYTES} bytes")
