@@ -7,6 +7,9 @@ does, with its reason: a fleet of stand-ins that cache nothing (NotWarm), a miss
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -76,7 +79,7 @@ def prompts_config_map(cluster: Cluster, ns: str, name: str, text: str) -> None:
 
 # --------------------------------------------------------------------------------------------------------
 def test_warm_two_real_daemons_reset_them_and_warm_them_again(
-    cluster: Cluster, ns: str, operator: OperatorProcess
+    cluster: Cluster, ns: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
     engine = {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512}
     cache = {"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}
@@ -138,6 +141,32 @@ def test_warm_two_real_daemons_reset_them_and_warm_them_again(
     assert condition(again, "Warm")[0] == "True"
     for name, ip in pods.items():
         assert cached(ip, PROMPTS[0]) > 0, name
+
+    # docs/warmup.md's script, as written, with kubectl's namespace the test's and a short benchmark: a verified
+    # reset, a verified warm-up of examples/warmup-prompts.yaml, then `kvpilot bench --no-reset` on the fleet.
+    kubeconfig = tmp_path / "kubeconfig"
+    shutil.copy(cluster.kubeconfig, kubeconfig)
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    cluster.kubectl("config", f"--kubeconfig={kubeconfig}", "set-context", "--current", f"--namespace={ns}")
+    short = ["--concurrency", "1", "--rounds", "1", "--min-requests", "2", "--max-tokens", "2"]
+    r = subprocess.run(
+        ["bash", "examples/warmup-before-benchmark.sh", *short],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    resets = [
+        p for p in cluster.kubectl_json("get", "pcr", "-n", ns)["items"] if p["metadata"]["name"] != "flush"
+    ]
+    assert [(p["status"]["phase"], p["status"]["verified"]) for p in resets] == [("Succeeded", "2/2")], resets
+    (made,) = [
+        w for w in cluster.kubectl_json("get", "pcw", "-n", ns)["items"] if w["metadata"].get("generateName")
+    ]
+    assert (made["status"]["phase"], made["status"]["warm"]) == ("Succeeded", "2/2"), made["status"]
+    assert "prefix cache not reset (--no-reset)" in r.stdout and "\nall runs:\n" in r.stdout, r.stdout
 
 
 def test_a_fleet_that_caches_nothing_is_not_warm(
