@@ -81,7 +81,8 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", ns, "--timeout=300s")
     st = infd(cluster, ns, "llm")["status"]
     assert st["endpoint"] == f"http://llm-router.{ns}.svc:8080"
-    assert st["router"] == {"replicas": 1, "readyReplicas": 1, "service": "llm-router"}
+    # updatedReplicas kept: the CRD's schema names it (a field it did not name was pruned by the API server)
+    assert st["router"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "service": "llm-router"}
     daemons = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
     assert len(daemons) == 2
     # The router pod is not a daemon: the fleet Service (and so resets and the router itself) never sees it.
