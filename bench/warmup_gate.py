@@ -118,9 +118,11 @@ def first_request(ip: str) -> dict:
             ttft = time.perf_counter() - t0
         usage = chunk.get("usage") or usage
     conn.close()
+    if ttft is None:
+        raise RuntimeError(f"{ip}: the stream ended without a token")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
-        "ttft_s": round(ttft or 0.0, 3),
+        "ttft_s": round(ttft, 3),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": cached,
     }
@@ -194,9 +196,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvpilot-warmup-gate-"))
     cluster = work / "cluster"
     devcluster = [sys.executable, str(ROOT / "hack" / "cluster" / "devcluster.py")]
-    subprocess.run([*devcluster, "up", "--dir", str(cluster)], check=True)
     operator = None
     try:
+        subprocess.run([*devcluster, "up", "--dir", str(cluster)], check=True)
         kube = Kube(cluster / "kubeconfig")
         kube("apply", "-f", str(ROOT / "crds"))
         kube("wait", "--for=condition=Established", "crd", "--all")

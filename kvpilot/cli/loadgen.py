@@ -303,8 +303,14 @@ async def run_once(
     if ok and all(r.cached_tokens is not None for r in ok):
         usage_rate = sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
     engine_rate = None
-    if before[0] == 200 and after[0] == 200:
-        old, new = cast(JSONObject, before[1]), cast(JSONObject, after[1])  # a 200's body is the JSON object
+    old, new = before[1], after[1]
+    counters = ("query_tokens", "hit_tokens")
+    if all(
+        status == 200 and isinstance(d, dict) and all(isinstance(d.get(c), int) for c in counters)
+        for status, d in (before, after)
+    ):
+        # kvpilot's /prefix_cache counters (another server's reply, or a broken one, gives no engine rate)
+        old, new = cast(JSONObject, old), cast(JSONObject, new)
         q = new["query_tokens"] - old["query_tokens"]
         engine_rate = (new["hit_tokens"] - old["hit_tokens"]) / q if q else None
     return RunResult(

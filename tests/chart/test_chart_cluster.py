@@ -184,7 +184,7 @@ def prometheus(
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> dict[str, str]:
+def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> Iterator[dict[str, str]]:
     """An InferenceDeployment of 2 real daemons (the embedded model and a LoRA adapter, so the dashboards'
     adapter panels have series) with an admin token and a fleet router; daemon pod name -> IP."""
     cluster.kubectl("create", "namespace", FLEET_NS)
@@ -224,7 +224,10 @@ def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> di
         ready = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods["items"] if is_ready(p)}
         return ready if len(ready) == 2 else {}
 
-    return wait_for(ready_pods, 300, "2 ready daemon pods", interval=1)  # type: ignore[return-value]
+    yield wait_for(ready_pods, 300, "2 ready daemon pods", interval=1)  # type: ignore[misc]
+    # While the operator still runs (the release outlives this fixture): the Continuous warm-up's finalizer is
+    # the operator's to remove; left behind, a later operator in this session's cluster would take it up.
+    cluster.kubectl("delete", "pcw", "--all", "-n", FLEET_NS, "--timeout=60s", check=False)
 
 
 def wait_scraped(cluster: Cluster, prometheus: Prometheus, fleet: dict[str, str]) -> None:

@@ -78,6 +78,7 @@ def prompts_config_map(cluster: Cluster, ns: str, name: str, text: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(900)  # two daemons to load, two warm-ups, a reset, then the docs' script and its bench
 def test_warm_two_real_daemons_reset_them_and_warm_them_again(
     cluster: Cluster, ns: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
