@@ -369,6 +369,62 @@ def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
     wait_for(ungated, 120, "the fleet rolled out without the gate", interval=1)
 
 
+@pytest.mark.timeout(900)  # three real daemons to load
+def test_real_daemons_scaled_from_2_to_3_are_routed_to_only_warm_and_warmed_again_after_a_reset(
+    cluster: Cluster, ns: str, operator: OperatorProcess
+) -> None:
+    """Issue 45's case through real daemons: a gating Continuous warm-up made before its fleet (so the fleet's
+    first pods carry the gate: no rollout), the fleet scaled from 2 to 3. The new pod's first request, sent the
+    moment it is a ready endpoint of the Service (what the fleet router and kube-proxy route by), is served from
+    cache: only the warm-up can have sent it those prompts, so it was warm before it was routed to. A reset of
+    the fleet then empties every pod and the warm-up re-applies."""
+    spec = {
+        "targetRef": {"name": "real"},
+        "prompts": PROMPTS,
+        "mode": "Continuous",
+        "gateReadiness": True,
+        "waitForTarget": True,
+    }
+    apply_ns(cluster, ns, pcw("gate", spec))
+    engine = {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512}
+    cache = {"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}
+    apply_ns(cluster, ns, fleet("real", {"replicas": 2, "engine": engine, "env": [cache]}))
+    wait_for(lambda: ready_replicas(cluster, ns, "real", 2), 400, "2 warm, Ready daemons", interval=1)
+    two = {p["metadata"]["name"] for p in fleet_pods(cluster, ns, "real")}
+    assert all(
+        p["spec"].get("readinessGates") == [{"conditionType": "kvpilot.io/warm"}]
+        for p in fleet_pods(cluster, ns, "real")
+    )
+
+    cluster.kubectl("patch", "infd", "real", "-n", ns, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+
+    def routed_new_pod() -> dict | None:
+        ready = {n for n, ok in service_endpoints(cluster, ns, "real").items() if ok}
+        fresh = [p for p in fleet_pods(cluster, ns, "real") if p["metadata"]["name"] not in two]
+        return fresh[0] if fresh and fresh[0]["metadata"]["name"] in ready else None
+
+    new = wait_for(routed_new_pod, 400, "the new pod a ready endpoint", interval=0.2)
+    first = cached(new["status"]["podIP"], PROMPTS[1])  # type: ignore[index]
+    assert first > 0, "the new pod's first routed request found nothing cached: it was routed to cold"
+    st = cluster.kubectl_json("get", "pcw", "gate", "-n", ns)["status"]
+    entry = next(e for e in st["pods"] if e["name"] == new["metadata"]["name"])  # type: ignore[index]
+    assert entry["verified"] == "warm", entry
+
+    apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "real"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", ns, "--timeout=120s")
+    assert cluster.kubectl_json("get", "pcr", "flush", "-n", ns)["status"]["verified"] == "3/3"
+    wait_status(
+        cluster,
+        ns,
+        "gate",
+        "re-warmed after the reset",
+        lambda st: "reset" in (st.get("lastTrigger") or "") and st.get("warm") == "3/3",
+        timeout=120,
+    )
+    for p in fleet_pods(cluster, ns, "real"):
+        assert cached(p["status"]["podIP"], PROMPTS[0]) > 0, p["metadata"]["name"]
+
+
 def test_prompts_that_cannot_be_read_and_no_pods_fail_with_a_reason(
     cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
