@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -16,6 +18,7 @@ from kvpilot.fanout.redact import MAX_REPLY_BYTES
 from kvpilot.operator.specs import FleetSpec
 from kvpilot.operator.weights.cli import describe_pod, update_body
 from kvpilot.operator.weights.status import PodUpdate, fleet_weight_version, pod_status, rank_entries, redact
+from support.hostile_pod import endless_json
 from support.procs import free_port
 
 
@@ -84,6 +87,29 @@ def test_cli_body_and_pod_line() -> None:
     assert "Failed" in line and "HTTP 404" in line
 
 
+@contextlib.asynccontextmanager
+async def pods_on(net: str, port: int, apps: list[web.Application]) -> AsyncIterator[list[Target]]:
+    """Each app served on `port` of its own loopback address (NET.1, NET.2, ...): a fleet of pods, named
+    pod-0, pod-1, ..."""
+    runners = []
+    try:
+        for i, a in enumerate(apps):
+            r = web.AppRunner(a)
+            runners.append(r)
+            await r.setup()
+            await web.TCPSite(r, f"{net}.{i + 1}", port).start()
+        yield [Target(f"pod-{i}", f"{net}.{i + 1}") for i in range(len(apps))]
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+def update_weights_app(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
+    a = web.Application()
+    a.router.add_post("/update_weights", handler)
+    return a
+
+
 def test_run_phase_replies_refusals_and_silence() -> None:
     port = free_port()
     seen: list[tuple[str, dict, str]] = []
@@ -100,24 +126,12 @@ def test_run_phase_replies_refusals_and_silence() -> None:
         return web.json_response({})
 
     async def go() -> tuple[dict, float]:
-        runners = []
-        for i, handler in enumerate((ok, refuse, silent)):
-            app = web.Application()
-            app.router.add_post("/update_weights", handler)
-            r = web.AppRunner(app)
-            await r.setup()
-            await web.TCPSite(r, f"127.0.8.{i + 1}", port).start()
-            runners.append(r)
-        try:
-            targets = [Target(f"pod-{i}", f"127.0.8.{i + 1}") for i in range(3)]
+        async with pods_on("127.0.8", port, [update_weights_app(h) for h in (ok, refuse, silent)]) as targets:
             settings = ResetSettings(port=port, token="t0k", request_timeout_s=60)
             t0 = time.monotonic()
             body = {"update_info": {"model_path": "/ckpt"}}
             replies = await run_phase(targets, settings, "POST", "/update_weights", body, deadline=t0 + 1.5)
             return replies, time.monotonic() - t0
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     replies, took = asyncio.run(go())
     assert replies["pod-0"].ok and replies["pod-0"].body["staged_digest"] == "sha256:x"
@@ -142,30 +156,13 @@ def test_run_phase_reads_a_reply_sent_in_pieces_whole_and_refuses_one_past_the_c
         await resp.write_eof()
         return resp
 
-    async def endless(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        await resp.write(b'{"staged_digest": "')
-        while True:
-            await resp.write(b"x" * 65536)
-
     async def go() -> dict:
-        runners = []
-        for i, handler in enumerate((pieces, endless)):
-            app = web.Application()
-            app.router.add_post("/update_weights", handler)
-            r = web.AppRunner(app)
-            await r.setup()
-            await web.TCPSite(r, f"127.0.9.{i + 1}", port).start()
-            runners.append(r)
-        try:
-            targets = [Target(f"pod-{i}", f"127.0.9.{i + 1}") for i in range(2)]
+        async with pods_on(
+            "127.0.9", port, [update_weights_app(h) for h in (pieces, endless_json(b'{"ranks": ['))]
+        ) as targets:
             settings = ResetSettings(port=port, request_timeout_s=30)
             deadline = time.monotonic() + 30
             return await run_phase(targets, settings, "POST", "/update_weights", {}, deadline=deadline)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     replies = asyncio.run(go())
     assert replies["pod-0"].ok and replies["pod-0"].body == {
@@ -193,24 +190,15 @@ def test_run_steps_stop_at_a_failed_step_per_target_only() -> None:
         return a
 
     async def go() -> dict:
-        runners = []
-        for i, status in enumerate((200, 500)):
-            r = web.AppRunner(app(status))
-            await r.setup()
-            await web.TCPSite(r, f"127.0.8.{i + 1}", port).start()
-            runners.append(r)
-        try:
+        async with pods_on("127.0.8", port, [app(200), app(500)]) as (good, bad):
             steps = [
                 Step("POST", "/abort_weight_update", must_succeed=False),
                 Step("POST", "/start_weight_update"),
                 Step("POST", "/update_weights"),
             ]
-            targets = [Target("good", "127.0.8.1"), Target("bad", "127.0.8.2")]
+            targets = [Target("good", good.ip), Target("bad", bad.ip)]
             settings = ResetSettings(port=port)
             return await run_steps(targets, settings, steps, deadline=time.monotonic() + 30)
-        finally:
-            for r in runners:
-                await r.cleanup()
 
     replies = asyncio.run(go())
     assert [r.status for r in replies["good"]] == [409, 200, 200]  # a refused optional step goes on

@@ -179,18 +179,12 @@ def test_bench_reads_a_servers_replies_with_a_cap() -> None:
     from aiohttp import web
 
     from kvpilot.cli.loadgen import SERVER_REPLY_BYTES, get_json
+    from support.hostile_pod import endless_json
     from support.procs import free_port
-
-    async def endless(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        await resp.write(b'{"tokens": [')
-        while True:
-            await resp.write(b"1, " * 65536)
 
     async def go() -> tuple[int, object]:
         app = web.Application()
-        app.router.add_post("/tokenize", endless)
+        app.router.add_post("/tokenize", endless_json(b'{"tokens": ['))
         runner = web.AppRunner(app)
         await runner.setup()
         port = free_port()

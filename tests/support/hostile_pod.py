@@ -17,6 +17,7 @@ import asyncio
 import gzip
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -25,6 +26,19 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvpilot.kv.events import END_OF_REPLAY, AllBlocksCleared, BlockStored, EventBatch, encode_batch
+
+
+def endless_json(start: bytes) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An aiohttp handler whose JSON reply begins with `start` and never ends: for a reader's byte cap."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(start)
+        while True:
+            await resp.write(b"1, " * 65536)
+
+    return handler
 
 
 def seq_frame(seq: int) -> bytes:
