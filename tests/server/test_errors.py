@@ -11,6 +11,21 @@ pytestmark = pytest.mark.timeout(300)
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+PD_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# what a vLLM prefill pod answers, handed on to the decode pod
+PD_DECODE = {
+    "do_remote_prefill": True,
+    "remote_block_ids": [1, 2],
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+}
 
 
 def comp(**fields: object) -> dict:
@@ -146,6 +161,9 @@ CASES = [
     ("logit-bias", "POST", C, comp(logit_bias={"1": 5}), 400, "logit_bias"),
     ("chat-hidden-states", "POST", CH, chat(return_hidden_states=True), 400, "return_hidden_states"),
     ("beam-search", "POST", C, comp(use_beam_search=True), 400, "use_beam_search"),
+    # what vllm-router 0.1.17's --vllm-pd-disaggregation adds to the prefill request (its vllm_pd_router.rs)
+    ("pd-prefill", "POST", CH, chat(kv_transfer_params=PD_PREFILL), 400, "kv_transfer_params"),
+    ("pd-decode", "POST", C, comp(kv_transfer_params=PD_DECODE), 400, "kv_transfer_params"),
     (
         "chat-continue-and-prompt",
         "POST",

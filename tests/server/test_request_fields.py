@@ -72,6 +72,7 @@ def test_fields_that_ask_for_nothing_pass_unnamed(server: Server) -> None:
         {"tools": [tool], "tool_choice": "auto"},
         {"tools": [tool], "tool_choice": "none"},
         {"tools": [], "user": "u1", "metadata": {"a": "b"}, "store": True, "parallel_tool_calls": True},
+        {"kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": False, "remote_host": None}},
     ):
         r = server.request("POST", CH, {**SGLANG_CHAT, **extra})
         assert r.status == 200, (extra, r.body)
