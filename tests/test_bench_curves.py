@@ -18,7 +18,8 @@ CURVES = benchkit.bench_module(ROOT / "bench" / "curves.py")
 
 
 def run_quick(out: Path, *only: str) -> dict[str, dict]:
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    # TMPDIR: the work folders the bench and the benches it runs keep (logs) go with the test's tmp_path
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TMPDIR": str(out)}
     argv = [
         sys.executable,
         str(ROOT / "bench" / "curves.py"),

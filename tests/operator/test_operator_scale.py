@@ -4,6 +4,7 @@ small. Runs bench/fanout.py (its own control plane) and checks what it reports, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,10 @@ def test_reset_of_5000_pods_succeeds_with_a_bounded_status(tmp_path: Path) -> No
         capture_output=True,
         text=True,
         timeout=850,
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+        },  # the bench's work folder (its control plane) goes with it
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (round_,) = json.loads(out.read_text())["rounds"]

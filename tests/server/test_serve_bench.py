@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def test_vs_bound_smoke(tmp_path: Path) -> None:
     out = tmp_path / "vs-bound.json"
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    # TMPDIR: the bench's log folder goes with the test's tmp_path
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TMPDIR": str(tmp_path)}
     argv = [sys.executable, str(ROOT / "bench" / "serve.py"), "--vs-bound", "--requests", "4"]
     argv += ["--max-tokens", "6", "--rounds", "1", "--cpu-threads", "1", "--output", str(out)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=850, cwd=ROOT, env=env)
