@@ -31,6 +31,13 @@ TINY_MODEL_SHAPE = dict(
 )
 
 
+# Tests that each run many model processes at once (a dev cluster of their own with a fleet, a router and
+# `make serve`; a two-rank daemon swapping its weights): one after the other, in one worker. Two of them side
+# by side, beside the session's servers, took this 24 GB machine into reclaim (no swap): the API server took
+# over 60 s to answer a TLS handshake, and both timed out.
+WHOLE_STACK = {"tests/test_readme.py", "tests/operator/test_demo.py", "tests/weights/test_weight_dp.py"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
@@ -39,7 +46,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the session's operator): the chart's `helm install` must come before the operator fixture's run, as it
     does in one process."""
     for item in items:
-        group = "devcluster" if "cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        path = item.nodeid.split("::")[0]
+        if "cluster" in getattr(item, "fixturenames", ()):
+            group = "devcluster"
+        elif path in WHOLE_STACK:
+            group = "whole-stack"
+        else:
+            group = path
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -284,8 +284,10 @@ class Fleet:
         return next(d for d in self.daemons if f"127.0.0.1:{d.port}" == name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two daemons and their router, per module: its three users are each in a group of their own (so on any
+    worker), and a session's fleet stayed up (~3 GB) on each worker until the run ended."""
     tmp = tmp_path_factory.mktemp("fleet")
     daemons = [start_daemon(tmp), start_daemon(tmp)]
     router = None
