@@ -91,6 +91,18 @@ class NetworkPolicySpec(_Spec):
     allow_from_namespaces: list[str] | None = None
 
 
+class RoleSpec(_Spec):
+    replicas: int = 1
+
+
+class DisaggregationSpec(_Spec):
+    """Prefill/decode disaggregation (docs/disaggregation.md): a set of prefill pods and a set of decode pods
+    in place of `replicas` colocated ones (the CRD requires both roles)."""
+
+    prefill: RoleSpec
+    decode: RoleSpec
+
+
 class FleetSpec(_Spec):
     """InferenceDeployment spec (crds/inferencedeployments.yaml)."""
 
@@ -116,6 +128,7 @@ class FleetSpec(_Spec):
     startup_probe: dict[str, Any] | None = None
     engine: EngineSpec = Field(default_factory=EngineSpec)
     router: RouterSpec | None = None
+    disaggregation: DisaggregationSpec | None = None
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     disable_admin_token: bool = False
     admin_token_secret_ref: SecretKeyRef | None = None

@@ -12,6 +12,15 @@ from collections.abc import Iterable
 from typing import Any
 
 FLEET_LABEL = "kvpilot.io/inference-deployment"  # on a fleet's pods and ReplicaSets; value: the fleet's name
+# A fleet with spec.disaggregation runs one workload per role, NAME-prefill and NAME-decode, whose pods carry
+# ROLE_LABEL (value: the role); a colocated fleet runs one workload, NAME, whose pods carry no role.
+ROLE_LABEL = "kvpilot.io/role"
+ROLES = ("prefill", "decode")
+
+
+def workload_names(name: str, disaggregated: bool) -> tuple[str, ...]:
+    """The names of the workloads that run fleet `name`'s pods."""
+    return tuple(f"{name}-{role}" for role in ROLES) if disaggregated else (name,)
 
 
 def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:

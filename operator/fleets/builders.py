@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvpilot.kube.fleet_members import FLEET_LABEL
+from kvpilot.kube.fleet_members import FLEET_LABEL, ROLE_LABEL, ROLES
 from kvpilot.operator.specs import EngineSpec, FleetSpec, LoRASpec, RouterSpec, SecretKeyRef
 
 GROUP = "kvpilot.io"
@@ -72,6 +72,11 @@ KV_KEYS_VOLUME = "kvpilot-kv-events-curve"
 KV_KEYS_DIR = "/etc/kvpilot/kv-events-curve"
 DAEMON_KEY_FILES = ("server.key_secret", "client.key")  # its pair; the one client it lets in
 ROUTER_KEY_FILES = ("client.key_secret", "server.key")  # its pair; the daemons' public key
+# With spec.disaggregation (docs/disaggregation.md): each role's `kv_role`, and the port a prefill pod serves
+# its held KV on (the connector's default, vLLM's kv_port); decode pods pull, they listen on nothing more.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_TRANSFER_PORT = 14579
+KV_TRANSFER_PORT_NAME = "kv-transfer"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -97,6 +102,28 @@ def label_selector(sel: dict[str, Any]) -> str:
 
 def selector_string(name: str) -> str:
     return label_selector({"matchLabels": selector_labels(name)})
+
+
+def roles(spec: FleetSpec) -> tuple[str | None, ...]:
+    """The roles of the fleet's workloads: prefill and decode with spec.disaggregation, else one (None)."""
+    return ROLES if spec.disaggregation else (None,)
+
+
+def workload_name(name: str, role: str | None) -> str:
+    """A role's workload (fleet_members.workload_names names them all)."""
+    return f"{name}-{role}" if role else name
+
+
+def role_labels(name: str, role: str | None) -> dict[str, str]:
+    """The labels that select one role's pods (a colocated fleet's: all of them)."""
+    return {**selector_labels(name), ROLE_LABEL: role} if role else selector_labels(name)
+
+
+def role_replicas(spec: FleetSpec, role: str | None) -> int:
+    d = spec.disaggregation
+    if role is None or d is None:
+        return spec.replicas
+    return (d.prefill if role == "prefill" else d.decode).replicas
 
 
 def serving_selector(name: str) -> dict[str, str]:
@@ -179,9 +206,9 @@ def cpu_threads(spec: FleetSpec) -> int | None:
     return max(1, math.ceil(cores))
 
 
-def serve_args(spec: FleetSpec) -> list[str]:
-    """Arguments of `kvpilot serve` for this spec. The daemon binds the pod IP (a pod's own address; on the
-    dev cluster's loopback network two pods must not both bind 0.0.0.0:port)."""
+def serve_args(spec: FleetSpec, role: str | None = None) -> list[str]:
+    """Arguments of `kvpilot serve` for this spec and role. The daemon binds the pod IP (a pod's own address;
+    on the dev cluster's loopback network two pods must not both bind 0.0.0.0:port)."""
     args = ["serve", "--host", "$(POD_IP)", "--port", str(spec.port)]
     if spec.model:
         args += ["--model", spec.model]
@@ -197,7 +224,18 @@ def serve_args(spec: FleetSpec) -> list[str]:
         args += lora_args(engine.lora)
     if (threads := cpu_threads(spec)) is not None:
         args += ["--cpu-threads", str(threads)]  # torch threads follow the CPU limit, not the node's cores
-    return args + kv_events_args(spec)
+    return args + kv_events_args(spec) + kv_transfer_args(role)
+
+
+def kv_transfer_args(role: str | None) -> list[str]:
+    """`--kv-transfer-config` of a disaggregated fleet's role (none for a colocated pod). A prefill pod serves
+    pulls on the pod's own IP, as it does HTTP."""
+    if role is None:
+        return []
+    config: dict[str, Any] = {"kv_connector": "KvpilotConnector", "kv_role": KV_ROLES[role]}
+    if role == "prefill":
+        config["kv_connector_extra_config"] = {"host": "$(POD_IP)", "port": KV_TRANSFER_PORT}
+    return ["--kv-transfer-config", json.dumps(config)]
 
 
 def lora_args(lora: LoRASpec) -> list[str]:
@@ -301,14 +339,17 @@ def kvpilot_container(
     }
 
 
-def container(name: str, spec: FleetSpec) -> dict[str, Any]:
+def container(name: str, spec: FleetSpec, role: str | None = None) -> dict[str, Any]:
     env = fleet_env(name, spec, {"POD_IP": "status.podIP", "POD_NAME": "metadata.name"})
+    ports = [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *kv_events_ports(spec)]
+    if role == "prefill":
+        ports.append({"name": KV_TRANSFER_PORT_NAME, "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
     c = kvpilot_container(
         CONTAINER,
         spec,
-        serve_args(spec),
+        serve_args(spec, role),
         env,
-        [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}, *kv_events_ports(spec)],
+        ports,
         # Generous: loading a model can take minutes; a liveness kill mid-load would loop forever.
         {
             "httpGet": {"path": "/health", "port": "http"},
@@ -345,9 +386,9 @@ def _gpus_per_pod(resources: dict[str, Any], engine: EngineSpec) -> None:
 WARM_GATE = "kvpilot.io/warm"
 
 
-def pod_template(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, Any]:
+def pod_template(name: str, spec: FleetSpec, gated: bool = False, role: str | None = None) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
-        "containers": [container(name, spec)],
+        "containers": [container(name, spec, role)],
         # The daemon drains in-flight requests on SIGTERM (its --shutdown-timeout is 30 s).
         "terminationGracePeriodSeconds": 35,
         "enableServiceLinks": False,
@@ -364,7 +405,8 @@ def pod_template(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, A
         pod_spec["readinessGates"] = [{"conditionType": WARM_GATE}]
     return {
         "metadata": {
-            "labels": {**pod_labels(name), SERVING_LABEL: "true"},  # a new pod serves until fenced
+            # a new pod serves until fenced
+            "labels": {**pod_labels(name), **role_labels(name, role), SERVING_LABEL: "true"},
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(spec.port),
@@ -375,22 +417,30 @@ def pod_template(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, A
     }
 
 
-def workload(name: str, spec: FleetSpec, gated: bool = False) -> dict[str, Any]:
-    """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons; `gated`: its pods carry
-    the readiness gate WARM_GATE (a PrefixCacheWarmup with gateReadiness targets the fleet)."""
+def workload(name: str, spec: FleetSpec, gated: bool = False, role: str | None = None) -> dict[str, Any]:
+    """The Deployment (or DaemonSet for placement DaemonSet) that runs the daemons of `role` (None: a
+    colocated fleet's); `gated`: its pods carry the readiness gate WARM_GATE (a PrefixCacheWarmup with
+    gateReadiness targets the fleet)."""
     kind = spec.placement
+    labels = {**pod_labels(name), **role_labels(name, role)}
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": kind,
-        "metadata": {"name": name, "labels": pod_labels(name)},
+        "metadata": {"name": workload_name(name, role), "labels": labels},
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
-            "template": pod_template(name, spec, gated),
+            # one role's pods: the two Deployments of a disaggregated fleet never claim each other's
+            "selector": {"matchLabels": role_labels(name, role)},
+            "template": pod_template(name, spec, gated, role),
         },
     }
     if kind == "Deployment":
-        body["spec"]["replicas"] = spec.replicas
+        body["spec"]["replicas"] = role_replicas(spec, role)
     return body
+
+
+def workloads(name: str, spec: FleetSpec, gated: bool = False) -> list[dict[str, Any]]:
+    """Every workload of the fleet: one per role (`roles`)."""
+    return [workload(name, spec, gated, role) for role in roles(spec)]
 
 
 def service(name: str, spec: FleetSpec) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Ingress to the daemon pods is allowed only:
   operator's pods (which reset them and read /prefix_cache), and from every namespace listed in
   `allowFromNamespaces` (clients of a fleet without a router, Prometheus);
 - on the KV event ports (each rank's events and replay, when the router routes prefix-aware): from the
-  fleet's router pods only.
+  fleet's router pods only;
+- on the KV-transfer port (spec.disaggregation): from the fleet's decode pods only. The rule is on every pod
+  of the fleet, but only prefill pods listen there, so it opens the prefill pods' port to the decode pods.
 Egress is not restricted. The policy only holds where a network plugin enforces NetworkPolicies.
 """
 
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.operator.fleets.builders import (
+    KV_TRANSFER_PORT,
     MANAGED_BY,
     kv_events_ports_by_rank,
     pod_labels,
+    role_labels,
     router_spec,
     selector_labels,
 )
@@ -75,6 +79,9 @@ def network_policy(name: str, spec: FleetSpec, operator: OperatorPeer) -> dict[s
     if events:
         ports = [{"protocol": "TCP", "port": p} for pair in events for p in pair]
         ingress.append({"from": [_router_peer(name)], "ports": ports})
+    if spec.disaggregation:
+        decode = {"podSelector": {"matchLabels": role_labels(name, "decode")}}
+        ingress.append({"from": [decode], "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]})
     labels = {k: v for k, v in pod_labels(name).items() if k != "app.kubernetes.io/component"}
     spec_: dict[str, Any] = {
         "podSelector": {"matchLabels": selector_labels(name)},

@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from kvpilot.kube.fleet_members import workload_names
 from kvpilot.operator import metrics
 from kvpilot.operator.fleets import builders, inference_pool, router_objects
 from kvpilot.operator.fleets import network as fleet_network
@@ -23,7 +24,7 @@ from kvpilot.operator.fleets.builders import FLEETS, RESETS
 from kvpilot.operator.fleets.network_policy import OperatorPeer
 from kvpilot.operator.fleets.pool import PoolState, reconcile_pool
 from kvpilot.operator.fleets.router import RouterState, reconcile_router
-from kvpilot.operator.fleets.status import FleetStatus, fleet_status
+from kvpilot.operator.fleets.status import FleetStatus, RoleStatus, fleet_status
 from kvpilot.operator.fleets.tokens import refusal
 from kvpilot.operator.kube.api import ApiException, Kube, namespace_terminating
 from kvpilot.operator.kube.conditions import fleet_conditions, set_condition
@@ -92,10 +93,13 @@ async def _apply(kube: Kube, owner: dict[str, Any], desired: dict[str, Any]) -> 
         raise
 
 
-def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int, int, int, int, bool]:
-    """(desired, replicas, ready, updated, stalled) of the workload."""
+Counts = tuple[int, int, int, int, bool]  # (desired, replicas, ready, updated, stalled)
+
+
+def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec, role: str | None) -> Counts:
+    """(desired, replicas, ready, updated, stalled) of the workload of `role`."""
     if wl is None:
-        return spec.replicas if kind == "Deployment" else 0, 0, 0, 0, False
+        return builders.role_replicas(spec, role) if kind == "Deployment" else 0, 0, 0, 0, False
     st = wl.get("status") or {}
     if kind == "Deployment":
         stalled = any(
@@ -115,6 +119,19 @@ def _counts(kind: str, wl: dict[str, Any] | None, spec: FleetSpec) -> tuple[int,
         st.get("updatedNumberScheduled", 0),
         False,
     )
+
+
+def _role_status(counts: Counts) -> RoleStatus:
+    _, replicas, ready, updated, _ = counts
+    return {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated}
+
+
+def _stale_workloads(name: str, spec: FleetSpec) -> list[tuple[str, str]]:
+    """(kind, name) of the workloads the fleet may have run before its placement or disaggregation
+    changed, and runs no more."""
+    wanted = {(spec.placement, builders.workload_name(name, role)) for role in builders.roles(spec)}
+    names = workload_names(name, False) + workload_names(name, True)
+    return [(k, n) for k in ("Deployment", "DaemonSet") for n in names if (k, n) not in wanted]
 
 
 def gates(warmup: Mapping[str, Any], fleet: str) -> bool:
@@ -151,47 +168,61 @@ async def reconcile(
     status = fleet_status(body)
     ns, name = meta["namespace"], meta["name"]
     kind = spec.placement
-    other = "DaemonSet" if kind == "Deployment" else "Deployment"
+    roles = builders.roles(spec)
     gen = meta.get("generation")
 
     await _ensure_token_secret(kube, owner, spec, logger)
     gated = await gating_warmup(kube, ns, name) is not None
-    own = [builders.workload(name, spec, gated), builders.service(name, spec)]
+    workloads = builders.workloads(name, spec, gated)  # one per role
+    own = [*workloads, builders.service(name, spec)]
     taken = await _name_taken(kube, owner, own)
     problem = taken or await _token_refusal(kube, owner, spec)
     if problem is not None:
         kopf.event(as_body(owner), type="Warning", reason=problem[0], message=problem[1])
     else:  # KV event keys someone else made are never mounted (ensure_kv_keys posts its own Event)
         problem = await fleet_network.ensure_kv_keys(kube, owner, spec, logger)
+    wls: list[dict[str, Any] | None]  # each role's workload as applied or read
     if problem is None:
-        wl = await _apply(kube, owner, own[0])
-        await _apply(kube, owner, own[1])
+        wls = [await _apply(kube, owner, obj) for obj in workloads]
+        await _apply(kube, owner, own[-1])
         router = await reconcile_router(kube, owner, spec, status, logger, router_role)
     else:  # nothing that would mount the token or the keys, or write over another's object, is applied
-        wl = None if taken else await kube.read(kind, ns, name)
+        wls = [None if taken else await kube.read(kind, ns, w["metadata"]["name"]) for w in workloads]
         router = RouterState(status.get("router"))
+    workload = ",".join(f"{kind}/{w['metadata']['name']}" for w in workloads)
     pool: PoolState | None = None  # None: the pool and its condition are left as they are
     if problem is None and router.reason != "RouterNameConflict":  # never a pool naming another's Service
         pool = await reconcile_pool(kube, owner, spec, status)
     policy = await fleet_network.reconcile_policy(kube, owner, spec, status, peer or OperatorPeer())
-    if gen is not None and gen != status.get("observedGeneration") and wl is not None:
-        kopf.event(
-            as_body(owner),
-            type="Normal",
-            reason="Updated",
-            message=f"{kind} {name} applied for spec generation {gen}",
-        )
-    # placement changed: the workload of the other kind goes (only if it is ours)
-    await kube.delete_owned(other, ns, name, meta["uid"])
+    seen = all(wl is not None for wl in wls)
+    if gen is not None and gen != status.get("observedGeneration"):
+        if seen:
+            kopf.event(
+                as_body(owner),
+                type="Normal",
+                reason="Updated",
+                message=f"{workload.replace('/', ' ')} applied for spec generation {gen}",
+            )
+        # placement or disaggregation changed: the workloads it no longer runs go (only those that are ours);
+        # status.observedGeneration is written after, so a reconcile that fails before does this again
+        for stale_kind, stale_name in _stale_workloads(name, spec):
+            await kube.delete_owned(stale_kind, ns, stale_name, meta["uid"])
 
-    desired, replicas, ready, updated, stalled = _counts(kind, wl, spec)
+    by_role = [_counts(kind, wl, spec, role) for role, wl in zip(roles, wls, strict=True)]
+    desired, replicas, ready, updated = (sum(c[i] for c in by_role) for i in range(4))
+    stalled = any(c[4] for c in by_role)
     new: FleetStatus = {
         "replicas": replicas,
         "readyReplicas": ready,
         "updatedReplicas": updated,
         "selector": builders.selector_string(name),
         "observedGeneration": gen,
-        "workload": f"{kind}/{name}",
+        "workload": workload,
+        "disaggregation": (
+            {role: _role_status(c) for role, c in zip(roles, by_role, strict=True) if role}
+            if spec.disaggregation
+            else None
+        ),
         "endpoint": router_objects.endpoint(name, ns, spec),
         "router": router.status,
         "inferencePool": pool.name if pool else status.get("inferencePool"),
@@ -202,7 +233,7 @@ async def reconcile(
             ready,
             updated,
             gen or 0,
-            wl is not None,
+            seen,
             stalled,
             router.problem or policy.problem,
         ),

@@ -23,6 +23,14 @@ class RouterStatus(TypedDict, total=False):
     service: str
 
 
+class RoleStatus(TypedDict):
+    """status.disaggregation.prefill and .decode: one role's workload (spec.disaggregation)."""
+
+    replicas: int
+    readyReplicas: int
+    updatedReplicas: int
+
+
 class LastReset(TypedDict):
     """status.lastReset: the latest PrefixCacheReset of the fleet to end."""
 
@@ -52,6 +60,7 @@ class FleetStatus(TypedDict, total=False):
     workload: str
     endpoint: str
     router: RouterStatus | None
+    disaggregation: dict[str, RoleStatus] | None  # by role; None removes it (the fleet is colocated again)
     inferencePool: str | None
     networkPolicy: str | None
     conditions: list[Condition]

@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvpilot.fanout import Target
-from kvpilot.kube.fleet_members import is_member, workload_controllers
+from kvpilot.kube.fleet_members import ROLE_LABEL, is_member, workload_controllers
 from kvpilot.operator.fleets import builders, tokens
 from kvpilot.operator.fleets.builders import FLEETS
 from kvpilot.operator.kube.api import Kube
@@ -42,6 +43,14 @@ class Plan:
     waits_for_pods: bool = False  # a fleet that wants pods but has none to call yet is waited for
 
 
+@dataclass(frozen=True, slots=True)
+class PodTarget(Target):
+    """A pod as a target, with its role in a disaggregated fleet (label kvpilot.io/role; "" for a colocated
+    pod or a selector's), which its entry in a run's status names."""
+
+    role: str = ""
+
+
 def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
     """A candidate pod as a target: called when it has an IP and a running engine container (Ready or not:
     a pod that is briefly not Ready rejoins the Service later with whatever it cached)."""
@@ -58,8 +67,15 @@ def pod_target(pod: dict[str, Any], plan: Plan) -> Target:
         skip = f"pod has no IP (phase {st.get('phase')})"
     elif (plan.container not in running) if plan.container else not running:
         skip = f"no running engine container{f' {plan.container!r}' if plan.container else ''} (phase {st.get('phase')})"
-    return Target(
-        meta["name"], st.get("podIP") or "", spec.get("nodeName", ""), meta.get("uid", ""), skip_reason=skip
+    # a fleet's pods only: a selector's pods may wear the label for reasons of their own
+    role = (meta.get("labels") or {}).get(ROLE_LABEL, "") if plan.controllers is not None else ""
+    return PodTarget(
+        meta["name"],
+        st.get("podIP") or "",
+        spec.get("nodeName", ""),
+        meta.get("uid", ""),
+        skip_reason=skip,
+        role=role,
     )
 
 
@@ -127,15 +143,19 @@ async def read_fleet(kube: Kube, ns: str, name: str, deadline: float) -> dict[st
 async def _fleet_controllers(
     kube: Kube, ns: str, meta: dict[str, Any], spec: FleetSpec, deadline: float
 ) -> frozenset[str]:
-    """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers)."""
-    name, uid = meta["name"], meta["uid"]
-    kind = spec.placement
-    wl = await with_retries(f"{kind} {ns}/{name}", lambda: kube.read(kind, ns, name), deadline)
-    if wl is None or not controlled_by(wl, uid) or kind == "DaemonSet":
-        return workload_controllers(uid, wl, ())
-    sel = builders.selector_string(name)
-    rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
-    return workload_controllers(uid, wl, rsets)
+    """uids of the objects that directly control the fleet's pods (fleet_members.workload_controllers), of
+    every role's workload."""
+    uid, kind = meta["uid"], spec.placement
+    sel = builders.selector_string(meta["name"])
+    controllers: frozenset[str] = frozenset()
+    rsets: list[dict[str, Any]] | None = None  # listed once, for the first Deployment that is the fleet's
+    for role in builders.roles(spec):
+        name = builders.workload_name(meta["name"], role)
+        wl = await with_retries(f"{kind} {ns}/{name}", partial(kube.read, kind, ns, name), deadline)
+        if rsets is None and kind == "Deployment" and wl is not None and controlled_by(wl, uid):
+            rsets = await with_retries("list ReplicaSets", lambda: kube.list_replicasets(ns, sel), deadline)
+        controllers |= workload_controllers(uid, wl, rsets or ())
+    return controllers
 
 
 async def fleet_plan(
@@ -148,7 +168,9 @@ async def fleet_plan(
     use = f"the admin token of {name}"
     token = await secret_token(kube, ns, ref, deadline, use, meta["uid"]) if ref else None
     controllers = await _fleet_controllers(kube, ns, meta, spec, deadline)
-    wants_pods = spec.placement == "DaemonSet" or spec.replicas > 0
+    wants_pods = spec.placement == "DaemonSet" or any(
+        builders.role_replicas(spec, r) > 0 for r in builders.roles(spec)
+    )
     return Plan(
         f"InferenceDeployment/{name}",
         builders.selector_string(name),

@@ -37,6 +37,7 @@ class PodEntry(TypedDict, total=False):
     attempts: Required[int]
     node: str
     ip: str
+    role: str  # prefill or decode, in a disaggregated fleet
     httpStatus: int
     epoch: int
     evictedBlocks: int
@@ -130,6 +131,9 @@ def pod_entry(result: PodResult) -> PodEntry:
         out["node"] = result.node
     if result.ip:
         out["ip"] = result.ip
+    # a fleet pod's target is a fleets.targets.PodTarget, which names its role (not imported: a cycle via kube.api)
+    if role := getattr(result.target, "role", ""):
+        out["role"] = role
     if result.http_status is not None:
         out["httpStatus"] = result.http_status
     if result.epoch is not None:
