@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = {
     "daemon/engine": "docs/engine.md",
     "daemon/server": "docs/server.md",
+    "daemon/kv_transfer": "docs/disaggregation.md",
     "kernels": "docs/kernels.md",
     "router": "docs/router.md",
     "operator": "docs/operator.md",

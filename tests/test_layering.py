@@ -20,6 +20,8 @@ RULES = {
     "daemon": ("kvpilot.daemon", ("kvpilot.router", "kvpilot.operator")),
     # the engine speaks no HTTP: the server maps its errors to statuses
     "daemon/engine": ("kvpilot.daemon.engine", ("kvpilot.daemon.server", "aiohttp")),
+    # the engine imports the KV connector's holds and landings: they, too, speak no HTTP
+    "daemon/kv_transfer": ("kvpilot.daemon.kv_transfer", ("kvpilot.daemon.server", "aiohttp")),
     "kernels": ("kvpilot.kernels", ("kvpilot.daemon", "kvpilot.router", "kvpilot.operator")),
     "router": ("kvpilot.router", ("kvpilot.operator", "kvpilot.daemon")),
     "operator": ("kvpilot.operator", ("kvpilot.router",)),

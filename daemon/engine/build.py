@@ -21,6 +21,7 @@ from kvpilot.daemon.engine.loader import load
 from kvpilot.daemon.engine.model_runner import ModelRunner, kv_block_shape, kv_bytes_per_block
 from kvpilot.daemon.engine.scheduler import Scheduler
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter, LoRARegistry, load_adapter, parse_lora_modules
+from kvpilot.daemon.kv_transfer.connector import KVConnector
 from kvpilot.kernels import Ops, select_ops
 from kvpilot.kv.block_keys import KeyScheme, key_scheme
 
@@ -49,6 +50,7 @@ class EngineParts:
     runner: ModelRunner
     keys: KeyScheme
     kv_events: KVEventPublisher | None  # None when off: nothing is recorded
+    connector: KVConnector | None  # prefill/decode disaggregation (--kv-transfer-config); None when off
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -103,6 +105,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if offload is not None and kv_events is not None:
         offload.on_stored = kv_events.recorder.block_offloaded
         offload.on_removed = kv_events.recorder.block_removed
+    transfer = config.kv_transfer
+    connector = None
+    if transfer is not None:
+        connector = KVConnector.of(transfer, kv.remote, kv_block_shape(model, config.block_size), dtype)
     log.info(
         "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
         loaded.name,
@@ -134,6 +140,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         runner,
         keys,
         kv_events,
+        connector,
     )
 
 

@@ -35,12 +35,15 @@ from kvpilot.daemon.engine.weights.ops import (
     UpdateWeights,
     WeightOp,
 )
+from kvpilot.kv.block_keys import BlockHash
 from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from kvpilot.daemon.engine.weights.lora import ServedAdapter
+    from kvpilot.daemon.kv_transfer.connector import KVConnector
+    from kvpilot.daemon.kv_transfer.remote import PullPlan, RemoteBlocks
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,10 @@ class EngineRequest:
     weight_version: str | None = None  # the weights it must run on (409 weight_version_mismatch)
     lora_name: str | None = None  # the adapter it runs under (--lora-modules); None: the base model
     pin_prefix: bool = False  # pin its prompt's full blocks once computed (--enable-pinned-prefix)
+    # Disaggregation (kv_transfer/): hold the prompt's KV under this id for a remote decode (a producer's
+    # prefill); blocks pulled from a prefill pod to land before computing (a consumer's decode).
+    kv_hold: str | None = None
+    remote_kv: RemoteBlocks | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +205,14 @@ class EngineClient(WeightOperations, Protocol):
 
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         """Where KV events are published (`GET /kv_events`), None when they are off."""
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        """Prefill/decode disaggregation's side of the engine (--kv-transfer-config), None when off."""
+
+    async def plan_pull(self, request: EngineRequest, remote_keys: list[BlockHash]) -> PullPlan:
+        """Which of a prefill pod's held blocks (`remote_keys`, the prompt's order) the request should
+        pull: those past what this engine's pool holds, read between two steps. Only with a connector."""
 
     def mark_unhealthy(self, reason: str) -> None:
         """Stop serving for good (not `alive`, `error` = reason): the ranks may hold mixed weights."""

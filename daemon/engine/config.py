@@ -12,6 +12,8 @@ from kvpilot.kv.block_keys import DEFAULT_HASH_ALGO, HASH_ALGOS
 if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its flags from this class
     import torch
 
+    from kvpilot.daemon.kv_transfer.config import KVTransferConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")  # --prefix-cache-eviction-policy (kv/block_pool.py)
 ZMQ_ADDRESS = {"metavar": "tcp://HOST:PORT", "unset": "off"}  # the KV events sockets (kv/publisher.py)
@@ -188,6 +190,15 @@ class EngineConfig:
             unset="all of them",
         ),
     )
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata=flag(
+            'prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "KvpilotConnector", "kv_role": '
+            '"kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {"port": 14579, ...}} '
+            "(docs/disaggregation.md)",
+            unset="off: every request is prefilled and decoded here",
+        ),
+    )
     data_parallel_rank: int = 0  # which rank this engine is (set per rank process by dp_engine.py)
     tensor_parallel_size: int = field(
         default=1,
@@ -262,10 +273,26 @@ class EngineConfig:
             from kvpilot.daemon.engine.weights.stage import transfer_backend
 
             transfer_backend(self.weight_transfer_config, str(self.torch_device()))
+        if (transfer := self.kv_transfer) is not None:
+            if self.data_parallel_size > 1 or self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "kv_transfer_config and data_parallel_size or tensor_parallel_size > 1 cannot be combined yet"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    f"a {transfer.role} moves blocks by their prefix-cache keys: it needs --enable-prefix-caching"
+                )
         if self.data_parallel_size > 1 and self.kv_events_replay_endpoint:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size
             )
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """--kv-transfer-config parsed (None: off); ValueError when it is malformed."""
+        from kvpilot.daemon.kv_transfer.config import parse_kv_transfer_config
+
+        return parse_kv_transfer_config(self.kv_transfer_config)
 
     @property
     def offloads_kv(self) -> bool:

@@ -26,6 +26,9 @@ from kvpilot.daemon.engine.sampler import Sampler
 from kvpilot.daemon.engine.weights.lora import LoRAAdapter, LoRAError
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, PauseMode, next_lora_order
 from kvpilot.daemon.engine.weights.pause import PauseState, stopped_output
+from kvpilot.daemon.kv_transfer.held import HeldSummary
+from kvpilot.daemon.kv_transfer.remote import PullPlan
+from kvpilot.kv.block_keys import BlockHash
 from kvpilot.kv.reset_scope import ResetScope
 
 log = logging.getLogger(__name__)
@@ -41,9 +44,13 @@ class LLMEngine:
         self.num_blocks, self.max_model_len = parts.num_blocks, parts.max_model_len
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.loras, self.keys, self.kv_events = parts.loras, parts.keys, parts.kv_events
+        self.connector = parts.connector
         self.sampler = Sampler()
         max_loras = self.config.max_loras if self.config.enable_lora else 0
-        self.cache = CacheControl(self.kv, self.scheduler, self.kv_events, self.config.block_size, max_loras)
+        held = self.connector.held if self.connector is not None else None
+        self.cache = CacheControl(
+            self.kv, self.scheduler, self.kv_events, self.config.block_size, max_loras, held
+        )
         self.groups = RequestGroups()
         self.weight_version = self.config.weight_version or INITIAL_VERSION
         self._weight_key = self.config.weight_version  # None: unnamed initial weights add nothing to keys
@@ -141,6 +148,8 @@ class LLMEngine:
         logits = self.runner.execute(out)
         sampled = self.sampler.sample_step(out, logits)
         advanced = self.scheduler.update(out, sampled)
+        for req in self.scheduler.take_handoffs():
+            self._hold(req)
         self._flush_kv_events()
         outputs = [self._output(seq) for seq in advanced]
         self.paused.after_step(self.scheduler.has_unfinished())
@@ -153,6 +162,30 @@ class LLMEngine:
             self.kv.store_offloaded(t.saves, self.runner.read_blocks([b for b, _, _ in t.saves]))
         if t.loads:
             self.runner.write_blocks([b for b, _ in t.loads], [data for _, data in t.loads])
+
+    def _hold(self, req: Request) -> None:
+        """A prefill for a remote decode ended: its prompt's full blocks (all but a last one the decode
+        side computes anyway, for its last token) are copied off the pool and held for one pull, then the
+        request lets its blocks go. Nothing is held when a reset came while it ran: its KV began before."""
+        held = self.connector.held if self.connector is not None else None
+        n = (req.num_prompt_tokens - 1) // self.config.block_size
+        if held is not None and req.kv_hold is not None and n > 0 and self.kv.began_in_live_index(req):
+            req.update_block_hashes(self.config.block_size)
+            data, ready = self.runner.gather_blocks(self.kv.block_ids(req)[:n])
+            req.held = held.hold(req.kv_hold, tuple(req.block_hashes[:n]), data, ready, req.cache_scope)
+        elif held is not None:
+            req.held = HeldSummary((), held.epoch)
+        self.kv.free(req)
+
+    def plan_pull(self, request: EngineRequest, remote_keys: list[BlockHash]) -> PullPlan:
+        """Which of a prefill pod's held blocks the request should pull (`KVCacheManager.plan_pull`), and
+        the reset generation the plan was made in."""
+        lora = adapter_for(self.loras, request.lora_name) if request.lora_name is not None else None
+        (seq, *_) = new_group(
+            request, self.eos_token_ids, weight_key=self._weight_key, keys=self.keys, lora=lora
+        )
+        first, count = self.kv.plan_pull(seq, remote_keys)
+        return PullPlan(first, count, self.kv.generation)
 
     def _flush_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -177,6 +210,7 @@ class LLMEngine:
             cumulative_logprob=seq.cumulative_logprob,
             weight_version=self.weight_version,
             pin=seq.pinned,
+            held=seq.held if done else None,
         )
         if done:
             self.sampler.forget(seq.request_id)

@@ -48,6 +48,9 @@ from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.engine import LLMEngine
+    from kvpilot.daemon.kv_transfer.connector import KVConnector
+    from kvpilot.daemon.kv_transfer.remote import PullPlan
+    from kvpilot.kv.block_keys import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +221,13 @@ class EngineLoop(WeightOperations):
     def describe_kv_events(self, reached_host: str | None) -> dict[str, Any] | None:
         publisher = self.engine.kv_events
         return None if publisher is None else publisher.describe(reached_host)
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        return self.engine.connector
+
+    async def plan_pull(self, request: EngineRequest, remote_keys: list[BlockHash]) -> PullPlan:
+        return await self.call(lambda engine: engine.plan_pull(request, remote_keys))
 
     async def run_weight_op(self, op: WeightOp, timeout: float) -> list[RankReply]:
         """A weight operation: reading, hashing and joining beside the steps, the others between two."""

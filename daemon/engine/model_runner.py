@@ -57,15 +57,9 @@ class ModelRunner:
         """Copy these pool blocks to host memory, one tensor each. Call before anything writes to them;
         on a GPU the copy to (pinned) host memory runs on a side stream and each block's `ready` event
         says when it has landed, so the step goes on without it."""
-        idx = torch.tensor(block_ids, device=self.device)
-        staged = torch.empty(
-            (len(block_ids), *self.block_shape), dtype=self.kv_caches[0][0].dtype, device=self.device
-        )
-        for layer, (k, v) in enumerate(self.kv_caches):
-            staged[:, layer, 0] = k.index_select(0, idx)
-            staged[:, layer, 1] = v.index_select(0, idx)
+        staged = self._stage(block_ids)
         if self._copy_stream is None:
-            return [HostBlock(b.clone()) for b in staged.unbind(0)]
+            return [HostBlock(b.clone()) for b in staged.unbind(0)]  # each its own memory, freed on its own
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             host = [torch.empty(self.block_shape, dtype=staged.dtype, pin_memory=True) for _ in block_ids]
@@ -75,6 +69,33 @@ class ModelRunner:
             ready.record(self._copy_stream)
         staged.record_stream(self._copy_stream)  # not reused before the side stream is done with it
         return [HostBlock(h, ready) for h in host]
+
+    def gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """These pool blocks as one host tensor, [blocks, *block_shape] (a prefill held for a remote decode:
+        kv_transfer/held.py), and on a GPU the event that says it has landed: the copy to pinned memory runs
+        on the side stream, as `read_blocks`' does. Call before anything writes to them."""
+        staged = self._stage(block_ids)
+        if self._copy_stream is None:
+            return staged, None  # on the CPU the gather is the copy
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        staged.record_stream(self._copy_stream)
+        return host, ready
+
+    def _stage(self, block_ids: list[int]) -> torch.Tensor:
+        """These pool blocks gathered into one tensor on the pool's device, every layer's K and V."""
+        idx = torch.tensor(block_ids, device=self.device)
+        staged = torch.empty(
+            (len(block_ids), *self.block_shape), dtype=self.kv_caches[0][0].dtype, device=self.device
+        )
+        for layer, (k, v) in enumerate(self.kv_caches):
+            staged[:, layer, 0] = k.index_select(0, idx)
+            staged[:, layer, 1] = v.index_select(0, idx)
+        return staged
 
     def write_blocks(self, block_ids: list[int], blocks: list[HostBlock]) -> None:
         """Copy blocks from the offload tiers into these pool blocks, before the step's forward pass. On a

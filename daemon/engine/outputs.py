@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.protocol.pins import PinResult
+
+if TYPE_CHECKING:
+    from kvpilot.daemon.kv_transfer.held import HeldSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,7 @@ class RequestOutput:
     # A weight swap starts this sequence again from its prompt: drop what it produced so far.
     restart: bool = False
     pin: PinResult | None = None  # a request that asked `pin_prefix`: what it got, from its first token on
+    held: HeldSummary | None = None  # a prefill for a remote decode: what its last output left held
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,9 @@ class ResetResult:
     evicted_by_tier: dict[str, int] = field(default_factory=dict)
     scope: dict[str, str] | None = None  # what a scoped reset named (kvpilot.kv.reset_scope.ResetScope)
     unpinned_blocks: int = 0  # pinned blocks the reset dropped (cold means cold: pins go too)
+    dropped_holds: int | None = (
+        None  # a producer's prefills held for remote decodes it dropped (None: no holds)
+    )
 
     @classmethod
     def failed(cls, rank: int, error: str) -> ResetResult:

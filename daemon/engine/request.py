@@ -21,6 +21,8 @@ from kvpilot.protocol.pins import PinResult
 
 if TYPE_CHECKING:  # client.py imports this module for SamplingParams
     from kvpilot.daemon.engine.client import EngineRequest
+    from kvpilot.daemon.kv_transfer.held import HeldSummary
+    from kvpilot.daemon.kv_transfer.remote import RemoteBlocks
 
 # Below this temperature the scaled logits overflow; such a temperature means greedy anyway (as in vLLM).
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -121,6 +123,11 @@ class Request:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     pin_prefix: bool = False  # pin the prompt's full blocks when it ends (one sequence of a group asks)
     pinned: PinResult | None = None  # what that pin got
+    # Prefill/decode disaggregation (kv_transfer/): the id to hold the prompt's KV under for a remote
+    # decode when it ends, what that hold holds, and the blocks pulled from a prefill pod to land.
+    kv_hold: str | None = None
+    held: HeldSummary | None = None
+    remote_kv: RemoteBlocks | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -200,6 +207,7 @@ def new_group(
         for i in range(params.n)
     ]
     seqs[0].pin_prefix = req.pin_prefix  # the prompt's blocks are shared: the first sequence pins them
+    seqs[0].kv_hold, seqs[0].remote_kv = req.kv_hold, req.remote_kv  # one sequence (the server checks n)
     for follower in seqs[1:]:
         follower.prompt_logprobs = None  # the first sequence scores the prompt for all
     seqs[0].forks = seqs[1:]

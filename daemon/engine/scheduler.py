@@ -65,6 +65,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_loras: int | None = None  # distinct LoRA adapters in one step (None: LoRA is off)
+        # Prefills for a remote decode that ended this step, still holding their blocks: the engine copies
+        # their KV off the pool (`take_handoffs`), then frees them.
+        self._handoffs: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -214,7 +217,16 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         if req.pin_prefix and req.pinned is None:  # ended before its first token (scored prompt, abort)
             req.pinned = PinResult(False, reason="aborted") if reason == "abort" else self.kv.pin_prompt(req)
+        if req.kv_hold is not None and reason != "abort":
+            self._handoffs.append(req)
+            return
         self.kv.free(req)
+
+    def take_handoffs(self) -> list[Request]:
+        """The ended prefills whose KV a remote decode will pull, their blocks still held: the caller
+        copies them off the pool before the next step and frees them (`kv.free`)."""
+        out, self._handoffs = self._handoffs, []
+        return out
 
 
 def _chunk_cap(req: Request) -> int:

@@ -18,6 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvpilot import __version__
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.outputs import CacheStats
+from kvpilot.daemon.kv_transfer.pull import REASONS as PULL_FAILURES
+from kvpilot.daemon.kv_transfer.remote import LANDING_REFUSALS
+from kvpilot.daemon.kv_transfer.server import TransferServer
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
@@ -38,6 +41,8 @@ from kvpilot.serving.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
+TRANSFER_FAILURES = (*PULL_FAILURES, *LANDING_REFUSALS)
+
 __all__ = ["ServerSettings", "create_app", "serve"]
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -49,6 +54,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     served = list(settings.served_model_names) or [engine.info.model_name]
     if clash := set(served) & set(engine.info.lora_adapters):
         raise ValueError(f"--lora-modules names {', '.join(sorted(clash))}: the base model's name")
+    connector = engine.kv_connector
     state = ServerState(
         engine,
         settings,
@@ -58,6 +64,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
             served[0],
             engine.info.weight_version,
             cache_config_labels(engine.info),
+            TRANSFER_FAILURES if connector is not None else (),
         ),
         text=TextPool(settings.text_workers, settings.max_pending_prepare),
         rules=PromptRules.of(engine.info, served),
@@ -66,6 +73,8 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     )
     state.idle.set()
     state.weights.version = engine.info.weight_version
+    if connector is not None and state.metrics.transfer is not None:
+        connector.remote.on_refused = state.metrics.transfer.failed
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[error_middleware(settings.max_body_bytes), _track_requests],
@@ -94,12 +103,23 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
 
 
 async def _start_engine(app: web.Application) -> None:
-    app[STATE].engine.start()
+    state = app[STATE]
+    state.engine.start()
+    connector = state.engine.kv_connector
+    if connector is not None and connector.held is not None and state.metrics.transfer is not None:
+        cfg = connector.config
+        state.transfer_server = TransferServer(
+            connector.held, cfg.host, cfg.port, cfg.pull_timeout_s, state.metrics.transfer.sent
+        )
+        connector.port = await state.transfer_server.start()
 
 
 async def _stop_engine(app: web.Application) -> None:
-    await app[STATE].engine.stop()
-    app[STATE].text.shutdown()
+    state = app[STATE]
+    if state.transfer_server is not None:
+        await state.transfer_server.stop()
+    await state.engine.stop()
+    state.text.shutdown()
 
 
 @web.middleware
@@ -193,6 +213,8 @@ async def prefix_cache(request: web.Request) -> web.Response:
     body["engine_steps"] = sum(s.steps for s in engine.rank_states())
     body["ranks"] = [{"rank": r, **s.to_dict()} for r, s in enumerate(ranks)]
     body["weight_version"] = request.app[STATE].weights.version
+    if (connector := engine.kv_connector) is not None:
+        body["kv_transfer"] = connector.describe()
     return json_response(body)
 
 
@@ -296,6 +318,8 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         "unpinned_blocks": sum(r.unpinned_blocks for r in ranks),
         "ranks": entries,
     }
+    if dropped := [r.dropped_holds for r in ranks if r.dropped_holds is not None]:
+        result["dropped_holds"] = sum(dropped)  # prefills held for remote decodes (docs/disaggregation.md)
     log.info(
         "prefix cache reset%s on %d rank(s): epoch %d, %d blocks evicted, %d in flight, %d preempted, %.2f ms",
         "" if scope is None else f" of {scope.to_dict()}",

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvpilot.daemon.engine.client import EngineClient, EngineDeadError
 from kvpilot.daemon.engine.weights.lora import ServedAdapter
+from kvpilot.daemon.kv_transfer.server import TransferServer
 from kvpilot.daemon.server.choices import TokenTexts
 from kvpilot.daemon.server.metrics import DaemonMetrics
 from kvpilot.daemon.server.prepare import PromptRules
@@ -44,6 +45,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     weights: WeightStatus = field(default_factory=WeightStatus)
     adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the LoRA adapters served, by name
+    transfer_server: TransferServer | None = None  # a KV producer's pull server (kv_transfer/server.py)
     lora_lock: asyncio.Lock = field(
         default_factory=asyncio.Lock
     )  # weights/lora_routes.py's loads and unloads

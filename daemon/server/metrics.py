@@ -223,6 +223,60 @@ def cache_config_labels(info: EngineInfo) -> dict[str, str]:
     }
 
 
+# A pull's whole time, connect to last byte: loopback moves a 1k-token prompt in milliseconds, a slow
+# network or a large context in seconds.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TransferMetrics:
+    """Prefill/decode disaggregation's KV transfers (docs/disaggregation.md): blocks and bytes each way,
+    pulls that failed by reason (the decode pod computed the prompt instead), and the pulls' time. Every
+    series exists at 0 from the start, so rate() and alerts work from the first scrape."""
+
+    def __init__(self, r: CollectorRegistry, reasons: tuple[str, ...]) -> None:
+        self.blocks = Counter(
+            PREFIX + "kv_transfer_blocks",
+            "KV blocks moved between prefill and decode pods.",
+            ["direction"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            PREFIX + "kv_transfer_bytes",
+            "KV bytes moved between prefill and decode pods.",
+            ["direction"],
+            registry=r,
+        )
+        self.failures = Counter(
+            PREFIX + "kv_transfer_failures",
+            "KV pulls not landed, by reason (the decode pod computed the prompt instead).",
+            ["reason"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            PREFIX + "kv_transfer_seconds",
+            "Time of a decode pod's pull of a prefill's KV, connect to last byte.",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        for direction in ("sent", "received"):
+            self.blocks.labels(direction)
+            self.bytes.labels(direction)
+        for reason in reasons:
+            self.failures.labels(reason)
+
+    def sent(self, blocks: int, nbytes: int) -> None:
+        self.blocks.labels("sent").inc(blocks)
+        self.bytes.labels("sent").inc(nbytes)
+
+    def received(self, blocks: int, nbytes: int, seconds: float) -> None:
+        self.blocks.labels("received").inc(blocks)
+        self.bytes.labels("received").inc(nbytes)
+        self.seconds.observe(seconds)
+
+    def failed(self, reason: str) -> None:
+        self.failures.labels(reason).inc()
+
+
 class DaemonMetrics:
     def __init__(
         self,
@@ -230,7 +284,10 @@ class DaemonMetrics:
         model_name: str,
         weight_version: str,
         cache_config: dict[str, str],
+        transfer_reasons: tuple[str, ...] = (),
     ) -> None:
+        """`transfer_reasons`: the failure reasons of KV transfers, when this daemon has a KV connector
+        (none: it has no transfer metrics)."""
         self.registry = CollectorRegistry()
         r = self.registry
         Gauge(
@@ -294,6 +351,7 @@ class DaemonMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.transfer = TransferMetrics(r, transfer_reasons) if transfer_reasons else None
         register_build_info(r)
         r.register(EngineCollector(snapshot, model_name))
 

@@ -11,6 +11,7 @@ blocks. Tokens come back through the engine client, are detokenized and cut at s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -30,6 +31,7 @@ from kvpilot.daemon.server.choices import (
     feed,
 )
 from kvpilot.daemon.server.detokenizer import IncrementalDetokenizer, StopStrings
+from kvpilot.daemon.server.disagg import HoldReply, TransferAsk, parse_ask, pull_prefix
 from kvpilot.daemon.server.prepare import (
     Prepared,
     Tokenized,
@@ -61,25 +63,29 @@ async def _generate(
     prompt_text: str,
     arrival: float,
     dp_rank: int | None,
+    transfer: TransferAsk | None,
 ) -> AsyncGenerator[Delta, None]:
     """One prompt's deltas, for all its sequences; aborts the engine request if the consumer goes
     away early or every choice ended at a stop string."""
     engine = running_engine(state)
     req = prep.req
+    engine_req = EngineRequest(
+        request_id,
+        prompt,
+        params,
+        req.cache_salt,
+        dp_rank,
+        not req.stream,
+        req.weight_version,
+        req.lora_name,  # as parsed: unloaded since, it is a 404, never the base model
+        req.pin_prefix,
+        kv_hold=transfer.hold_id if transfer is not None else None,
+    )
+    if transfer is not None and transfer.remote is not None and state.metrics.transfer is not None:
+        remote_kv = await pull_prefix(engine, state.metrics.transfer, engine_req, transfer.remote)
+        engine_req = dataclasses.replace(engine_req, remote_kv=remote_kv)
     try:
-        sink = await engine.add(
-            EngineRequest(
-                request_id,
-                prompt,
-                params,
-                req.cache_salt,
-                dp_rank,
-                not req.stream,
-                req.weight_version,
-                req.lora_name,  # as parsed: unloaded since, it is a 404, never the base model
-                req.pin_prefix,
-            )
-        )
+        sink = await engine.add(engine_req)
     except QueueFull as exc:
         raise unavailable(str(exc), "queue_full") from None
     except RequestRejected as exc:
@@ -214,15 +220,25 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
         if prep.req.pin_prefix:  # pins share one cap: a tenant could hold it all (docs/security.md)
             prep.req.pin_prefix, prep.req.pin_refused = False, "tenant"
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
+    transfer = parse_ask(prep.req, state.engine.kv_connector, len(prep.prompts))
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [
-        _generate(state, ids[i], p, prep.params[i], prep, prep.prompt_texts[i], arrival, dp_rank)
+        _generate(state, ids[i], p, prep.params[i], prep, prep.prompt_texts[i], arrival, dp_rank, transfer)
         for i, p in enumerate(prep.prompts)
     ]
     if prep.req.stream:
         return await stream(request, state, prep, rid, gens)
-    return await complete(state, prep, rid, gens)
+    held = None
+    if transfer is not None and transfer.hold_id is not None:
+        held = HoldReply(transfer.hold_id, request.url.host or _reached_address(request))
+    return await complete(state, prep, rid, gens, held)
+
+
+def _reached_address(request: web.Request) -> str:
+    """The address this connection reached (a request without a Host header)."""
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return str(sock[0]) if isinstance(sock, tuple) else "localhost"
 
 
 def _requested_rank(value: str | None, num_ranks: int) -> int | None:

@@ -17,6 +17,7 @@ from kvpilot.daemon.engine.client import EngineDeadError
 from kvpilot.daemon.engine.outputs import RequestOutput
 from kvpilot.daemon.server.app_state import ServerState
 from kvpilot.daemon.server.choices import Choice, Delta, PromptEcho, chat_logprobs, completion_logprobs
+from kvpilot.daemon.server.disagg import HoldReply, reply_params
 from kvpilot.daemon.server.prepare import Prepared
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
@@ -62,8 +63,14 @@ def pinned(req: GenerateRequest, finals: dict[tuple[int, int], RequestOutput]) -
 
 
 async def complete(
-    state: ServerState, prep: Prepared, rid: str, gens: list[AsyncGenerator[Delta, None]]
+    state: ServerState,
+    prep: Prepared,
+    rid: str,
+    gens: list[AsyncGenerator[Delta, None]],
+    hold: HoldReply | None = None,
 ) -> web.Response:
+    """The reply as one JSON body; `hold`: a prefill for a remote decode, whose reply carries the
+    `kv_transfer_params` the decode pod pulls with (vLLM's place: the top level)."""
     req = prep.req
     created = int(time.time())
     choices: dict[tuple[int, int], Choice] = {}
@@ -102,6 +109,8 @@ async def complete(
     }
     if (pin := pinned(req, finals)) is not None:
         body["pin_prefix"] = pin
+    if hold is not None and (connector := state.engine.kv_connector) is not None:
+        body["kv_transfer_params"] = reply_params(connector, hold, list(finals.values()))
     return json_response(body, headers=ignored_fields_headers(req.ignored_fields))
 
 

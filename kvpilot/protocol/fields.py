@@ -49,16 +49,6 @@ UNSUPPORTED = {
     **{name: f"constrained decoding ('{name}') is not supported" for name in _CONSTRAINED},
 }
 _ASKS_NOTHING: tuple[object, ...] = (None, False, 0, "", [], {})
-# vLLM's prefill/decode disaggregation: vllm-router's P/D mode sends every prefill request this object with
-# `do_remote_decode` true (and the decode request the prefill's reply's copy, `do_remote_prefill` true); with
-# both false it asks nothing. A server without a KV connector refuses the ask at once rather than answer a
-# prefill that no decode pod can pull.
-KV_TRANSFER = "kv_transfer_params"
-KV_TRANSFER_ASKS = ("do_remote_decode", "do_remote_prefill")
-UNSUPPORTED[KV_TRANSFER] = (
-    "'kv_transfer_params' asks for prefill/decode disaggregation (do_remote_decode, do_remote_prefill): "
-    "this server has no KV connector"
-)
 
 # Names are client input: bounded and reduced to a safe alphabet before they reach a log or a header.
 MAX_NAMES = 16
@@ -82,8 +72,6 @@ def ignored_fields(extra: dict[str, Any]) -> list[str]:
 
 
 def _asks(name: str, value: Any) -> bool:
-    if name == KV_TRANSFER and isinstance(value, dict):
-        return any(value.get(k) not in _ASKS_NOTHING for k in KV_TRANSFER_ASKS)
     return value not in _ASKS_NOTHING
 
 

@@ -58,6 +58,7 @@ class GenerateRequest:
     weight_version: str | None = None  # the weights the request must run on
     pin_prefix: bool = False  # pin the prompt's full blocks once it is computed
     pin_refused: str | None = None  # why the server did not pass pin_prefix on (the reply's reason)
+    kv_transfer_params: dict[str, Any] | None = None  # P/D disaggregation, as sent (daemon/server/disagg.py)
     max_tokens_given: bool = False
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     n: int = 1  # choices per prompt
@@ -219,6 +220,7 @@ def _generate_request(
         cache_salt=r.cache_salt,
         weight_version=r.weight_version,
         pin_prefix=bool(r.pin_prefix),
+        kv_transfer_params=r.kv_transfer_params,
         n=r.n or 1,
         skip_special_tokens=r.skip_special_tokens is not False,
         include_stop_str_in_output=bool(r.include_stop_str_in_output or r.no_stop_trim),

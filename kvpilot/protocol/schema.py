@@ -72,6 +72,12 @@ class _Request(BaseModel):
         description="keep the prompt's full blocks cached, never evicted, until unpinned or reset "
         "(--enable-pinned-prefix); the reply's pin_prefix says whether they were",
     )
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's prefill/decode disaggregation: do_remote_decode (hold the prompt's KV for a "
+        "decode pod; the reply's kv_transfer_params say where) or do_remote_prefill (pull it from there); "
+        "needs --kv-transfer-config",
+    )
     stream: Bool | None = None
     stream_options: StreamOptions | None = None
 

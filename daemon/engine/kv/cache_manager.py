@@ -15,15 +15,16 @@ from kvpilot.daemon.engine.kv.disk_tier import DiskTier
 from kvpilot.daemon.engine.kv.host_tier import HostBlock, HostTier
 from kvpilot.daemon.engine.kv.offload import KVOffload
 from kvpilot.daemon.engine.request import Request
+from kvpilot.daemon.kv_transfer.remote import RemoteSource
 from kvpilot.kv.block_keys import BlockHash
 from kvpilot.protocol.pins import PinResult
 
 
 @dataclass(frozen=True, slots=True)
 class TierHit:
-    """A block found in an offload tier, to be copied back into the pool."""
+    """A block found in an offload tier, or pulled from a prefill pod, to be copied into the pool."""
 
-    tier: HostTier | DiskTier
+    tier: HostTier | DiskTier | RemoteSource
     key: BlockHash
     block: HostBlock
 
@@ -31,7 +32,7 @@ class TierHit:
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks found for a waiting request, to pass back into `allocate_slots`: `blocks` in the
-    pool, then `loaded` from the offload tiers; `num_tokens` counts both."""
+    pool, then `loaded` (pulled from a prefill pod, then from the offload tiers); `num_tokens` counts both."""
 
     blocks: tuple[KVBlock, ...]
     num_tokens: int
@@ -75,6 +76,8 @@ class KVCacheManager:
         self._indexes: dict[str, ScopeIndex] = {}
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.generation = 0  # resets made, of any scope: a pull planned before one never lands after it
+        self.remote = RemoteSource()  # blocks pulled from prefill pods (kv_transfer/remote.py)
         # (source, destination) block copies the model runner must make before the next forward pass.
         self.pending_copies: list[tuple[int, int]] = []
         self.offload = offload if enable_prefix_caching else None
@@ -106,13 +109,49 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        loaded: tuple[TierHit, ...] = ()
+        loaded = self._remote_hits(req, len(hits), max_blocks) if req.remote_kv is not None else []
         if self.offload is not None:  # the prefix goes on in the tiers below the pool
-            found = self.offload.find(req.request_id, req.block_hashes[len(hits) : max_blocks])
+            found = self.offload.find(req.request_id, req.block_hashes[len(hits) + len(loaded) : max_blocks])
             if found is None:
                 return PrefixHit(tuple(hits), len(hits) * self.block_size, pending=True)
-            loaded = tuple(TierHit(*f) for f in found)
-        return PrefixHit(tuple(hits), (len(hits) + len(loaded)) * self.block_size, loaded)
+            loaded += [TierHit(*f) for f in found]
+        return PrefixHit(tuple(hits), (len(hits) + len(loaded)) * self.block_size, tuple(loaded))
+
+    def _remote_hits(self, req: Request, have: int, max_blocks: int) -> list[TierHit]:
+        """The pulled blocks that go on from the pool's `have` hits, while their keys are the prompt's
+        own (kv_transfer/remote.py: a reset since the pull was planned, or a gap, lands none)."""
+        remote = req.remote_kv
+        assert remote is not None
+        refused = None
+        if remote.generation != self.generation:
+            refused = "local_reset"
+        elif have < remote.first:
+            refused = "gap"
+        if refused is not None:
+            self.remote.refuse(refused)
+            req.remote_kv = None
+            return []
+        out = []
+        for i in range(have, min(max_blocks, remote.first + len(remote.keys))):
+            key = remote.keys[i - remote.first]
+            if key != req.block_hashes[i]:
+                break
+            out.append(TierHit(self.remote, key, HostBlock(remote.data[i - remote.first])))
+        return out
+
+    def plan_pull(self, req: Request, remote_keys: list[BlockHash]) -> tuple[int, int]:
+        """(first, count) of the prefill pod's held blocks `remote_keys` this request should pull: those
+        after the run the pool already holds, up to where the keys stop being the prompt's own (another
+        salt, adapter, weights or hash seed: none of them)."""
+        req.update_block_hashes(self.block_size)
+        own = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+        same = 0
+        while same < min(len(own), len(remote_keys)) and own[same] == remote_keys[same]:
+            same += 1
+        have = 0
+        while have < same and self.pool.lookup(req.cache_scope, own[have]) is not None:
+            have += 1
+        return have, same - have
 
     def record_query(self, num_tokens: int, hit: PrefixHit) -> None:
         self.query_tokens += num_tokens
@@ -143,6 +182,7 @@ class KVCacheManager:
             new = self.pool.allocate(need)
             self._load(req, len(held), new, hit.loaded)
             held.extend(new)
+        req.remote_kv = None  # admitted: what it pulled is landed (or was not needed)
         return True
 
     def _load(self, req: Request, first: int, blocks: list[KVBlock], loaded: tuple[TierHit, ...]) -> None:
@@ -152,8 +192,12 @@ class KVCacheManager:
         events = self.pool.events
         index = self._indexes[req.request_id]
         for i, (block, t) in enumerate(zip(blocks, loaded), start=first):
-            # blocks come back from the tiers only when there are tiers (self.offload is set)
-            self.offload.take(t.tier, t.key)  # type: ignore[union-attr]
+            if isinstance(t.tier, RemoteSource):
+                t.tier.landed_blocks += 1
+                if self.offload is not None:
+                    self.offload.discard(t.key)  # no tier keeps a second copy
+            else:  # blocks come back from the tiers only when there are tiers (self.offload is set)
+                self.offload.take(t.tier, t.key)  # type: ignore[union-attr]
             self.pool.cache_block(block, index, t.key)
             self._transfers.loads.append((block.block_id, t.block))
             if events is not None:
@@ -192,6 +236,11 @@ class KVCacheManager:
             if self.offload is not None:
                 self.offload.discard(req.block_hashes[i])  # computed again: no tier keeps a second copy
         self._num_indexed[req.request_id] = num_full
+
+    def began_in_live_index(self, req: Request) -> bool:
+        """No reset of the request's scope (or of all) since its KV began: what it computed may be kept."""
+        index = self._indexes.get(req.request_id)
+        return index is not None and self.pool.is_live(index)
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` continues from `parent`'s tokens: it shares all of parent's blocks (a reference
@@ -256,6 +305,7 @@ class KVCacheManager:
     def reset_prefix_cache(self, match: Callable[[CacheScope], bool] | None = None) -> dict[str, int]:
         """Every tier at once; the blocks each made unreachable, by tier ("pool", "host", "disk"). With
         `match`, only the blocks of the scopes it names, in every tier."""
+        self.generation += 1
         if match is None:
             evicted = {"pool": self.pool.reset()}
             if self.offload is not None:

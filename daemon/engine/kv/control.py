@@ -17,6 +17,7 @@ from kvpilot.kv.reset_scope import ResetScope
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
+    from kvpilot.daemon.kv_transfer.held import HeldKV
 
 
 class CacheControl:
@@ -27,8 +28,10 @@ class CacheControl:
         kv_events: KVEventPublisher | None,
         block_size: int,
         max_loras: int,
+        held: HeldKV | None = None,
     ) -> None:
-        self.kv, self.scheduler, self.kv_events = kv, scheduler, kv_events
+        """`held`: a producer's holds for remote decodes (kv_transfer/held.py), which every reset covers."""
+        self.kv, self.scheduler, self.kv_events, self.held = kv, scheduler, kv_events, held
         self.block_size, self.max_loras = block_size, max_loras
         self.resets = 0
         self.last_reset_time: float | None = None
@@ -43,6 +46,7 @@ class CacheControl:
             preempted = self.scheduler.preempt_running() if reset_running_requests else 0
             evicted = self.kv.reset_prefix_cache()  # every tier
             unpinned = self.kv.pool.unpin()  # cold means cold: the dropped blocks are free now
+            dropped = self.held.drop() if self.held is not None else None  # never waits for a pull
         else:
             match = scope_filter(scope, INITIAL_VERSION)
             preempted = (
@@ -52,6 +56,7 @@ class CacheControl:
             )
             evicted = self.kv.reset_prefix_cache(match)
             unpinned = self.kv.pool.unpin(match)
+            dropped = self.held.drop(match) if self.held is not None else None
         self.resets += 1
         self.last_reset_time = time.time()
         if self.kv_events is not None:
@@ -66,6 +71,7 @@ class CacheControl:
             evicted_by_tier=evicted,
             scope=None if scope is None else scope.to_dict(),
             unpinned_blocks=unpinned,
+            dropped_holds=dropped,
         )
 
     def unpin(self, scope: ResetScope | None = None) -> int:

@@ -47,7 +47,8 @@ from kvpilot.daemon.engine.parallel.placement import rank_configs
 from kvpilot.daemon.engine.request import SamplingError
 from kvpilot.daemon.engine.weights.lora import parse_lora_modules, served_adapter
 from kvpilot.daemon.engine.weights.ops import INITIAL_VERSION, FinishUpdate, RankReply, SetVersion, WeightOp
-from kvpilot.kv.block_keys import LoRAKey, key_scheme
+from kvpilot.daemon.kv_transfer.remote import PullPlan
+from kvpilot.kv.block_keys import BlockHash, LoRAKey, key_scheme
 from kvpilot.kv.events import DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES
 from kvpilot.kv.reset_scope import ResetScope
 
@@ -325,6 +326,13 @@ class DataParallelLoop(WeightOperations):
         return describe_ranks(
             ranks, reached_host, "", cfg.block_size, DEFAULT_BUFFER_BATCHES, DEFAULT_BUFFER_BYTES, self._keys
         )
+
+    @property
+    def kv_connector(self) -> None:
+        return None  # config.py refuses --kv-transfer-config with data parallelism
+
+    async def plan_pull(self, request: EngineRequest, remote_keys: list[BlockHash]) -> PullPlan:
+        raise RuntimeError("no KV connector with data parallelism")
 
     async def _call(self, rank: _Rank, kind: str, *args: Any) -> Any:
         if rank.dead:

@@ -1,0 +1,80 @@
+"""The decode side of a transfer: pull a run of held blocks from a prefill pod, bounded in bytes and time.
+
+The reply must describe exactly the blocks asked for, in this pod's own KV dtype and block shape (a pod of
+another model or dtype is refused, not reinterpreted), and its closing epoch must equal the one the prefill's
+reply gave: a prefill pod reset after it made the hold sent KV from before its reset, which is refused.
+Whatever goes wrong is a `PullFailed` with a reason (a metric label); the caller computes the prompt instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.daemon.kv_transfer.wire import DTYPES, MAGIC, WireError, frame, read_frame
+
+# kvpilot_kv_transfer_failures_total's reasons, decode side (the engine adds local_reset and gap).
+REASONS = ("gone", "remote_reset", "timeout", "unreachable", "protocol", "incompatible")
+
+
+class PullFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    host: str
+    port: int
+    hold_id: str
+    first: int  # the first held block wanted
+    count: int
+    epoch: int  # the prefill pod's epoch when it made the hold (its reply's remote_epoch)
+
+
+async def pull(
+    ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float
+) -> torch.Tensor:
+    """The blocks, [count, *block_shape] in host memory; PullFailed when they cannot be had whole."""
+    try:
+        return await asyncio.wait_for(_pull(ask, block_shape, dtype), timeout_s)
+    except TimeoutError:
+        raise PullFailed("timeout", f"no whole reply within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise PullFailed("unreachable", f"{ask.host}:{ask.port}: {exc.strerror or exc}") from None
+    except (WireError, asyncio.IncompleteReadError) as exc:
+        raise PullFailed("protocol", str(exc) or type(exc).__name__) from None
+
+
+async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    reader, writer = await asyncio.open_connection(ask.host, ask.port)
+    try:
+        writer.write(MAGIC + frame({"hold": ask.hold_id, "first": ask.first, "count": ask.count}))
+        await writer.drain()
+        head = await read_frame(reader)
+        if head.get("ok") is not True:
+            reason = head.get("reason")
+            raise PullFailed("gone" if reason == "gone" else "protocol", f"the prefill pod said {reason!r}")
+        if (
+            DTYPES.get(str(head.get("dtype"))) != dtype
+            or head.get("block_shape") != list(block_shape)
+            or head.get("count") != ask.count
+        ):
+            raise PullFailed(
+                "incompatible",
+                f"blocks of {head.get('dtype')} {head.get('block_shape')} x {head.get('count')}, this pod "
+                f"needs {dtype} {list(block_shape)} x {ask.count}",
+            )
+        if head.get("epoch") != ask.epoch:
+            raise PullFailed("remote_reset", "the prefill pod reset after it held these blocks")
+        size = ask.count * torch.Size(block_shape).numel() * torch.finfo(dtype).bits // 8
+        data = bytearray(await reader.readexactly(size))
+        tail = await read_frame(reader)
+        if tail.get("epoch") != ask.epoch:
+            raise PullFailed("remote_reset", "the prefill pod reset while it sent these blocks")
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(ask.count, *block_shape)
+    finally:
+        writer.close()

@@ -1,0 +1,105 @@
+"""The prefill side of a transfer: a TCP server on the KV-transfer port that hands each hold to one pull.
+
+Every connection is bounded: one request frame of at most a few KiB, read within `timeout_s`; the whole
+send within the same time (a decode pod that stops reading is dropped, not waited on); at most
+`MAX_CONNECTIONS` at once. A hold id is 128 random bits given only in the prefill's reply, and one pull
+spends it: another pod cannot guess one, nor pull a prompt twice (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvpilot.daemon.kv_transfer.held import HeldKV
+from kvpilot.daemon.kv_transfer.wire import DTYPE_NAMES, MAGIC, WireError, as_bytes, frame, read_frame
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 64
+MAX_HOLD_ID_CHARS = 64
+
+# Told of each pull served: (blocks, bytes).
+OnSent = Callable[[int, int], None]
+
+
+class TransferServer:
+    def __init__(self, held: HeldKV, host: str, port: int, timeout_s: float, on_sent: OnSent) -> None:
+        self.held, self.host, self.port = held, host, port
+        self.timeout_s = timeout_s
+        self.on_sent = on_sent
+        self._server: asyncio.Server | None = None
+        self._open = 0
+
+    async def start(self) -> int:
+        """Listen; returns the port (the one the OS chose for port 0)."""
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("KV transfer: serving pulls of held prefills on %s:%d", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._open += 1
+        try:
+            await asyncio.wait_for(self._pull(reader, writer), self.timeout_s)
+        except (TimeoutError, WireError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            log.warning("KV transfer: a pull from %s ended early: %s", _peer(writer), type(exc).__name__)
+        finally:
+            self._open -= 1
+            writer.close()
+
+    async def _pull(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if await reader.readexactly(len(MAGIC)) != MAGIC:
+            raise WireError("not a KV-transfer client")
+        ask = await read_frame(reader)
+        hold_id, run = ask.get("hold"), _run(ask.get("first"), ask.get("count"))
+        if not (isinstance(hold_id, str) and len(hold_id) <= MAX_HOLD_ID_CHARS) or run is None:
+            writer.write(frame({"ok": False, "reason": "bad_request"}))
+            await writer.drain()
+            return
+        first, count = run
+        held = self.held.take(hold_id)
+        if held is None or first + count > len(held.keys):
+            writer.write(frame({"ok": False, "reason": "gone"}))
+            await writer.drain()
+            return
+        if held.ready is not None:  # the copy off the GPU is on a side stream: wait for it off the loop
+            await asyncio.to_thread(held.ready.synchronize)
+        blocks = held.data[first : first + count]
+        header = {
+            "ok": True,
+            "epoch": held.epoch,
+            "dtype": DTYPE_NAMES[blocks.dtype],
+            "block_shape": list(blocks.shape[1:]),
+            "count": count,
+        }
+        writer.write(frame(header))
+        payload = as_bytes(blocks)
+        writer.write(payload)
+        await writer.drain()
+        # After the last byte: a reset since the hold was made shows as a newer epoch here.
+        writer.write(frame({"epoch": self.held.epoch}))
+        await writer.drain()
+        self.on_sent(count, payload.nbytes)
+
+
+def _run(first: object, count: object) -> tuple[int, int] | None:
+    """A run of blocks as asked: its first index and length, plain integers (JSON true is no number)."""
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in (first, count)):
+        return None
+    assert isinstance(first, int) and isinstance(count, int)
+    return (first, count) if first >= 0 and count >= 1 else None
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "?"
