@@ -31,6 +31,23 @@ def panels(dashboard: dict) -> Iterator[dict]:
             yield p
 
 
+# The fleet dashboard's row for disaggregated fleets: its metrics exist only on pods with a KV connector, so
+# Prometheus answers those panels only where a fleet runs spec.disaggregation.
+DISAGGREGATION_ROW = "Prefill/decode disaggregation"
+
+
+def row_panels(dashboard: dict, row: str) -> list[dict]:
+    """The panels under the (expanded) row titled `row`: those after it, up to the next row."""
+    out: list[dict] = []
+    inside = False
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            inside = p["title"] == row
+        elif inside:
+            out.append(p)
+    return out
+
+
 def queries(dashboard: dict) -> Iterator[tuple[str, str]]:
     """(where, PromQL) for every panel target and annotation; Grafana variables left in."""
     for p in panels(dashboard):

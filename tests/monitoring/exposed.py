@@ -36,7 +36,8 @@ def daemon_metric_names() -> set[str]:
     tiers = tuple(TierStats(tier, 0, 0, 0, 0, 0, 0) for tier in ("host", "disk"))
     stats = CacheStats(**{f.name: 0 for f in required}, offload=tiers)
     config = {"block_size": "16", "enable_prefix_caching": "true", "eviction_policy": "lru"}
-    metrics = DaemonMetrics(lambda: [(None, stats)], "model", "initial", config)  # one rank, unlabelled
+    # one rank, unlabelled; with a KV connector (--kv-transfer-config): its transfer families exist only then
+    metrics = DaemonMetrics(lambda: [(None, stats)], "model", "initial", config, transfer_reasons=("gone",))
     return _sample_names(metrics.registry.collect())
 
 

@@ -72,6 +72,9 @@ def test_fleet_cache_panels() -> None:
         "Tokens per second",
         "Requests running and waiting",
         "Preemptions",
+        "KV transfer blocks per second",
+        "KV transfer bytes per second",
+        "KV transfer failures by reason",
     }
 
 
