@@ -17,8 +17,9 @@ from kvpilot.engines import traits_of
 from kvpilot.kv.block_keys import key_scheme
 from kvpilot.protocol.errors import error_middleware
 from kvpilot.protocol.replies import json_response
+from kvpilot.router import disaggregation
 from kvpilot.router.app_state import ROUTER, Router
-from kvpilot.router.fleet.pods import Fleet, Pod, parse_static_sources
+from kvpilot.router.fleet.pods import PREFILL, Fleet, Pod, parse_static_sources
 from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.kv.weight_versions import describe
 from kvpilot.router.metrics import RouterMetrics
@@ -39,8 +40,10 @@ def create_app(router: Router) -> web.Application:
     limit = router.settings.max_body_bytes
     app = web.Application(client_max_size=limit, middlewares=[error_middleware(limit)])
     app[ROUTER] = router
-    app.router.add_post("/v1/completions", generate)
-    app.router.add_post("/v1/chat/completions", generate)
+    # a disaggregated fleet runs each request on two pods, prefill then decode
+    handler = disaggregation.generate if router.settings.disaggregated else generate
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/chat/completions", handler)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/health", health)
@@ -54,6 +57,7 @@ async def health(request: web.Request) -> web.Response:
         {
             "pod": p.name,
             "url": p.url,
+            "role": p.role,
             "ready": p.ready,
             "in_flight": p.in_flight,
             "load": p.engine_load,
@@ -66,7 +70,8 @@ async def health(request: web.Request) -> web.Response:
         }
         for p in r.fleet.pods
     ]
-    ok = any(p.ready for p in r.fleet.pods)
+    # A disaggregated fleet serves while a decode pod is ready (without a prefill pod it computes prompts).
+    ok = any(p.ready and (p.role != PREFILL) for p in r.fleet.pods)
     body = {"status": "ok" if ok else "no_ready_pod", "engine": r.settings.engine, "policy": r.policy.name}
     return json_response({**body, "pods": pods}, status=200 if ok else 503)
 
@@ -87,8 +92,9 @@ async def serve(
 ) -> int:
     """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
     index = PrefixIndex()
-    metrics_ = RouterMetrics()
+    metrics_ = RouterMetrics(settings.disaggregated)
     policy = make_policy(cast(str, settings.policy), index)  # set by RouterSettings.__post_init__
+    decode_policy = make_policy(policy.name, index) if settings.disaggregated else None
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     # Idle pod connections are dropped before a pod's header timeout would close them under a request.
@@ -106,7 +112,7 @@ async def serve(
             ),
             static_sources=parse_static_sources(settings.kv_event_source or []),
         )
-        router = Router(settings, fleet, index, policy, reader, metrics_, session)
+        router = Router(settings, fleet, index, policy, reader, metrics_, session, decode_policy)
         app = create_app(router)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -135,7 +141,7 @@ async def serve(
         where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name
-            else ", ".join(p.name for p in pods or [])
+            else ", ".join(p.name + (f" ({p.role})" if p.role else "") for p in pods or [])
         )
         log.info(
             "routing %s (%s pods) on http://%s:%d to %s",

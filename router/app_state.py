@@ -1,4 +1,4 @@
-"""What the router's handlers share (settings, fleet, index, policy, prompt reader, metrics, the client
+"""What the router's handlers share (settings, fleet, index, policies, prompt reader, metrics, the client
 session), held by the aiohttp app under one key."""
 
 from __future__ import annotations
@@ -25,12 +25,17 @@ class Router:
     reader: PromptReader | None
     metrics: RouterMetrics
     session: aiohttp.ClientSession
+    # Disaggregated (--prefill, --decode): the decode pool's own instance of the policy (its own tie-break
+    # turn); `policy` picks among the prefill pool.
+    decode_policy: Policy | None = None
     proxy_timeout: aiohttp.ClientTimeout = field(init=False)  # of every proxied request: made once
+    prefill_timeout: aiohttp.ClientTimeout = field(init=False)  # of a disaggregated request's prefill
 
     def __post_init__(self) -> None:
         self.proxy_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=5, sock_read=self.settings.proxy_timeout_s
         )
+        self.prefill_timeout = aiohttp.ClientTimeout(total=self.settings.prefill_timeout_s, sock_connect=5)
 
     @property
     def parse_limit(self) -> int:

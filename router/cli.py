@@ -29,6 +29,22 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="route to the ready pods of InferenceDeployment NAME, from its Service's EndpointSlices, each "
         "checked to be a pod of the fleet (in-cluster, or the current kubeconfig)",
     )
+    # vllm-router's and sglang-router's names; each flag repeated or given several URLs (or comma lists)
+    where.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="prefill/decode disaggregation (with --decode): the prefill pods' HTTP addresses; each request "
+        "is prefilled on one, chosen by its cache, and decoded on a --decode pod (docs/disaggregation.md)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help="with --prefill: the decode pods' HTTP addresses, which pull the prefill's KV and generate",
+    )
     p.add_argument(
         "-n",
         "--namespace",
@@ -55,17 +71,32 @@ def run_router(args: argparse.Namespace) -> int:
     Route OpenAI requests to the fleet's pods by what their KV caches hold (from the pods' KV events), and
     reset every pod's prefix cache with one POST /reset_prefix_cache. With --engine vllm or sglang it fronts
     vLLM or SGLang pods: their own health endpoints and resets; vLLM pods routed by their own KV events
-    (GET /kv_event_sources), and both by the load their metrics report.
+    (GET /kv_event_sources), and both by the load their metrics report. With --prefill and --decode each
+    request is prefilled on one pod and decoded on another, its KV handed over (docs/disaggregation.md).
     """
     from kvpilot.router.app import serve
-    from kvpilot.router.fleet.pods import parse_endpoints
+    from kvpilot.router.fleet.pods import parse_endpoints, parse_pools
     from kvpilot.serving.admin_token import AdminTokenError, load_admin_token
 
+    if args.decode and not args.prefill:
+        log.error(
+            "--decode needs --prefill: a disaggregated fleet is named by both, not by --endpoints or --fleet"
+        )
+        return 2
+    if args.prefill and not args.decode:
+        log.error("--prefill needs --decode: a disaggregated fleet needs pods of both roles")
+        return 2
     try:
         token = load_admin_token(args.admin_token_file)
-        pods = parse_endpoints(args.endpoints) if args.endpoints else None
+        pods = None
+        if args.endpoints:
+            pods = parse_endpoints(args.endpoints)
+        elif args.prefill:
+            pods = parse_pools(args.prefill, args.decode)
         limits = from_flags(ConnectionLimits, args)
-        settings = from_flags(RouterSettings, args, admin_token=token, limits=limits)
+        settings = from_flags(
+            RouterSettings, args, admin_token=token, limits=limits, disaggregated=bool(args.prefill)
+        )
         settings.validate()
     except (AdminTokenError, ValueError) as exc:
         log.error("%s", flag_message(exc, RouterSettings, ConnectionLimits))

@@ -10,10 +10,13 @@ from kvpilot.serving.build_info import register_build_info
 
 _P = "kvpilot_router_"
 _Metric = TypeVar("_Metric", Counter, Gauge)
+# How a disaggregated request went (router/disaggregation.py): only `transferred` gave the decode pod the
+# prefill's KV; in every other the decode pod computed the prompt itself.
+PD_OUTCOMES = ("transferred", "prefill_failed", "no_kv_transfer_params", "no_prefill_pod", "unparsed")
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, disaggregated: bool = False) -> None:
         r = self.registry = CollectorRegistry()
         register_build_info(r)
         self.requests = Counter(
@@ -82,6 +85,19 @@ class RouterMetrics:
         )
         for result in ("success", "failed", "no_pods", "unauthorized"):
             self.resets.labels(result)
+        self.pd_requests = Counter(
+            _P + "pd_requests_total",
+            "Requests prefilled on one pod and decoded on another (--prefill, --decode), by outcome: "
+            "transferred (the decode pod got the prefill's kv_transfer_params), prefill_failed, "
+            "no_kv_transfer_params (the prefill's reply had none), no_prefill_pod (none ready on the decode "
+            "pod's weights), unparsed (no JSON object the router reads); all but transferred were decoded "
+            "without, the prompt computed on the decode pod",
+            ["outcome"],
+            registry=r,
+        )
+        if disaggregated:  # a fleet of whole-request pods has no such requests: no series to show
+            for outcome in PD_OUTCOMES:
+                self.pd_requests.labels(outcome)
         # Each series once looked up: labels() validates and locks on every call, on the proxy's path.
         self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -26,7 +28,7 @@ from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.relay import relay_stream
-from kvpilot.router.routing.policy import Decision, hash_schemes
+from kvpilot.router.routing.policy import Decision, Policy, hash_schemes
 from kvpilot.router.routing.prompts import Prompts
 from kvpilot.router.routing.version_choice import pinned_version
 from kvpilot.serving.capped_read import read_capped
@@ -42,7 +44,7 @@ UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 SSE_TAIL_BYTES = 16384  # of a stream, kept for its usage event (sent last)
 
 
-def _no_pod() -> ApiError:
+def no_pod() -> ApiError:
     return ApiError(503, "no pod of the fleet is ready", code="no_ready_pod")
 
 
@@ -50,14 +52,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
     r = request.app[ROUTER]
     raw = await request.read()
     prompts, pinned = await routing_inputs(r, request.path, raw)
+    return await proxy_to(request, r, r.fleet.pods, r.policy, prompts, pinned, raw)
+
+
+async def proxy_to(
+    request: web.Request,
+    r: Router,
+    pool: list[Pod],
+    policy: Policy,
+    prompts: Prompts | None,
+    pinned: str | None,
+    body: bytes,
+) -> web.StreamResponse:
+    """Send `body` to the pod of `pool` that `policy` chooses and its reply back to the client; a pod
+    that cannot be reached is marked not ready and the next choice tried."""
     tried: set[str] = set()
     while True:
-        pods = [p for p in r.fleet.pods if p.ready and p.name not in tried]
+        pods = [p for p in pool if p.ready and p.name not in tried]
         if not pods:
-            raise _no_pod()
-        decision = decide(r, pods, prompts, pinned)
+            raise no_pod()
+        decision = decide(r, pods, prompts, pinned, policy)
         try:
-            return await _proxy(request, r, decision, raw)
+            return await _proxy(request, r, decision, body)
         except UNREACHED:
             # Never reached the pod, so nothing ran there: safe to send elsewhere.
             log.warning("%s is unreachable; trying another pod", decision.pod.name)
@@ -77,64 +93,88 @@ async def routing_inputs(r: Router, path: str, raw: bytes) -> tuple[Prompts | No
     return prompts, pinned_version(raw)
 
 
-def decide(r: Router, pods: list[Pod], prompts: Prompts | None, pinned: str | None) -> Decision:
-    """The policy's decision among `pods` (ready, not empty) of the weight version the request may run on,
-    counted; the proxy and the endpoint picker both route with it, so both fill the index alike."""
-    decision = r.policy.choose(r.fleet.versions.eligible(pods, pinned), prompts)
+def decide(
+    r: Router, pods: list[Pod], prompts: Prompts | None, pinned: str | None, policy: Policy | None = None
+) -> Decision:
+    """The decision of `policy` (the router's by default) among `pods` (ready, not empty) of the weight
+    version the request may run on, counted; the proxy and the endpoint picker both route with it, so both
+    fill the index alike."""
+    policy = policy or r.policy
+    decision = policy.choose(r.fleet.versions.eligible(pods, pinned), prompts)
     m = r.metrics
-    m.child(m.decisions, decision.pod.name, r.policy.name, decision.reason).inc()
+    m.child(m.decisions, decision.pod.name, policy.name, decision.reason).inc()
     return decision
 
 
-async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
+@dataclass(slots=True)
+class Sent:
+    """A request on its way to a pod: the headers to send it with, and the status the pod answered."""
+
+    headers: dict[str, str]
+    status: int = 0  # 0: no reply
+
+
+@contextmanager
+def sending(request: web.Request, r: Router, decision: Decision) -> Iterator[Sent]:
+    """Count a request to the decided pod (and rank) as in flight while it runs, the policy's load
+    charge, and in `requests_total` by the status it got; yields the headers it goes with: the client's
+    that pass, and the rank's."""
     pod = decision.pod
     m = r.metrics
-    headers = _forwarded(request.headers, FORWARD_REQUEST_HEADERS, {})
+    sent = Sent(_forwarded(request.headers, FORWARD_REQUEST_HEADERS, {}))
     if decision.rank is not None:
-        headers[DP_RANK_HEADER] = str(decision.rank)
+        sent.headers[DP_RANK_HEADER] = str(decision.rank)
         pod.rank_in_flight[decision.rank] = pod.rank_in_flight.get(decision.rank, 0) + 1
     in_flight = m.child(m.in_flight, pod.name)
     pod.in_flight += 1
     in_flight.set(pod.in_flight)
-    status = 0
-    # Usage is read (a JSON parse) only where it is compared with a prediction.
-    wants_usage = decision.predicted_cached_tokens is not None
     try:
-        async with r.session.post(
-            pod.target(request.path_qs), data=raw, headers=headers, timeout=r.proxy_timeout
-        ) as up:
-            status = up.status
-            up_headers = up.headers
-            out_headers = _forwarded(up_headers, FORWARD_RESPONSE_HEADERS, {POD_HEADER: pod.name})
-            if decision.rank is not None:
-                out_headers[DP_RANK_HEADER] = str(decision.rank)
-            try:
-                if up_headers.get("Content-Type", "").startswith("text/event-stream"):
-                    return await _relay_stream(request, r, decision, up, out_headers, wants_usage)
-                body = await read_capped(up, r.settings.max_reply_bytes)
-                if body is None:
-                    log.warning("%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes)
-                    raise ApiError(
-                        502,
-                        f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
-                        code="reply_too_large",
-                    )
-                if wants_usage:
-                    _record_usage(r, decision, _json_usage(body))
-                return web.Response(body=body, status=status, headers=out_headers)
-            except BaseException:
-                up.close()  # drop the connection: the pod sees the client leave and aborts
-                raise
-    except UNREACHED:
-        raise
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _pod_failed(r, pod, exc) from None
+        yield sent
     finally:
         pod.in_flight -= 1
         if decision.rank is not None:
             pod.rank_in_flight[decision.rank] -= 1
         in_flight.set(pod.in_flight)
-        m.child(m.requests, pod.name, r.policy.name, str(status)).inc()
+        m.child(m.requests, pod.name, r.policy.name, str(sent.status)).inc()
+
+
+async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
+    pod = decision.pod
+    # Usage is read (a JSON parse) only where it is compared with a prediction.
+    wants_usage = decision.predicted_cached_tokens is not None
+    with sending(request, r, decision) as sent:
+        try:
+            async with r.session.post(
+                pod.target(request.path_qs), data=raw, headers=sent.headers, timeout=r.proxy_timeout
+            ) as up:
+                sent.status = up.status
+                up_headers = up.headers
+                out_headers = _forwarded(up_headers, FORWARD_RESPONSE_HEADERS, {POD_HEADER: pod.name})
+                if decision.rank is not None:
+                    out_headers[DP_RANK_HEADER] = str(decision.rank)
+                try:
+                    if up_headers.get("Content-Type", "").startswith("text/event-stream"):
+                        return await _relay_stream(request, r, decision, up, out_headers, wants_usage)
+                    body = await read_capped(up, r.settings.max_reply_bytes)
+                    if body is None:
+                        log.warning(
+                            "%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes
+                        )
+                        raise ApiError(
+                            502,
+                            f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
+                            code="reply_too_large",
+                        )
+                    if wants_usage:
+                        record_usage(r, decision, _json_usage(body))
+                    return web.Response(body=body, status=sent.status, headers=out_headers)
+                except BaseException:
+                    up.close()  # drop the connection: the pod sees the client leave and aborts
+                    raise
+        except UNREACHED:
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _pod_failed(r, pod, exc) from None
 
 
 def _forwarded(headers: Mapping[str, str], names: tuple[str, ...], into: dict[str, str]) -> dict[str, str]:
@@ -167,7 +207,7 @@ async def _relay_stream(
         await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
     await resp.write_eof()
     if wants_usage:
-        _record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
+        record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
     return resp
 
 
@@ -184,7 +224,7 @@ def _pod_failed(r: Router, pod: Pod, exc: BaseException) -> ApiError:
     return ApiError(502, f"pod {pod.name} failed: {type(exc).__name__}", code="bad_gateway")
 
 
-def _record_usage(r: Router, decision: Decision, usage: JSONObject | None) -> None:
+def record_usage(r: Router, decision: Decision, usage: JSONObject | None) -> None:
     """Compare the predicted cached tokens with what the pod reported (when both are known)."""
     if decision.predicted_cached_tokens is None or not isinstance(usage, dict):
         return
@@ -232,4 +272,4 @@ async def models(request: web.Request) -> web.Response:
                 return web.Response(body=await up.read(), status=up.status, content_type="application/json")
         except (TimeoutError, aiohttp.ClientError):
             r.fleet.mark_unready(pod)
-    raise _no_pod()
+    raise no_pod()

@@ -82,7 +82,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     index_state = dict(zip(reset, states))
     failed = [res.pod for res in results if not res.success]
     r.metrics.resets.labels("failed" if failed else "success").inc()
-    pods_out = [{**res.to_dict(), "index": index_state.get(res.pod)} for res in results]
+    pods_out = [
+        {**res.to_dict(), "role": by_name[res.pod].role, "index": index_state.get(res.pod)} for res in results
+    ]
     body_out: dict[str, Any] = {
         "success": not failed,
         "scope": None if scope is None else scope.to_dict(),

@@ -11,6 +11,8 @@ from kvpilot.serving.http_limits import ConnectionLimits
 
 POLICIES = ("prefix-aware", "round-robin", "least-load")  # policy.py, where make_policy builds them
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's cryptographic --prefix-caching-hash-algo names
+# The engines whose pods speak vLLM's kv_transfer_params (docs/disaggregation.md); SGLang's P/D has its own.
+PD_ENGINES = ("kvpilot", "vllm")
 
 
 @dataclass(slots=True)
@@ -93,6 +95,17 @@ class RouterSettings:
             name="--proxy-timeout",
         ),
     )
+    prefill_timeout_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "with --prefill and --decode: seconds a prefill pod's reply may take, connect to last byte; a "
+            "slower prefill is given up and the decode pod computes the prompt itself",
+            name="--prefill-timeout",
+        ),
+    )
+    # --prefill and --decode given (cli.py): each request is prefilled on one pod and decoded on another
+    # (router/disaggregation.py).
+    disaggregated: bool = False
     max_reply_bytes: int = field(
         default=64 << 20,
         metadata=flag("bytes of a pod's non-streamed reply the router passes on; a longer one is a 502"),
@@ -204,6 +217,17 @@ class RouterSettings:
                 "endpoint_picker_max_streams, endpoint_picker_buffer_bytes and endpoint_picker_hold_s must "
                 "be positive"
             )
-        if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1:
-            raise ValueError("proxy_timeout_s and max_reply_bytes must be positive")
+        if self.proxy_timeout_s <= 0 or self.max_reply_bytes < 1 or self.prefill_timeout_s <= 0:
+            raise ValueError("proxy_timeout_s, prefill_timeout_s and max_reply_bytes must be positive")
+        if self.disaggregated:
+            if self.engine not in PD_ENGINES:
+                raise ValueError(
+                    f"--prefill and --decode hand vLLM's kv_transfer_params from one pod to the other: pods "
+                    f"of --engine {' or '.join(PD_ENGINES)}; {self.engine} pods disaggregate another way"
+                )
+            if self.endpoint_picker_port is not None:
+                raise ValueError(
+                    "endpoint_picker_port picks one pod per request; with --prefill and --decode the router "
+                    "sends each request to two: leave one of them out"
+                )
         self.limits.validate()

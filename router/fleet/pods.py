@@ -47,12 +47,17 @@ from kvpilot.serving.capped_read import read_capped
 
 log = logging.getLogger(__name__)
 
+# A disaggregated fleet's roles (--prefill, --decode): what the router sends each pod (router/disaggregation.py).
+PREFILL = "prefill"
+DECODE = "decode"
+
 
 @dataclass(eq=False)
 class Pod:
     name: str
     url: str  # http://host:port, no trailing slash
     ready: bool = False
+    role: str | None = None  # PREFILL or DECODE in a disaggregated fleet; None: the pod serves whole requests
     in_flight: int = 0
     kv_events: str = "pending"  # pending (not asked yet) | off (the pod publishes none) | on
     block_size: int | None = None  # of the pod's KV events; None while they are not followed
@@ -131,19 +136,39 @@ def _address(item: str, flag: str) -> tuple[str, str]:
     return f"{parts.hostname}:{port or 80}", f"{parts.scheme}://{parts.netloc}"
 
 
-def parse_endpoints(text: str) -> list[Pod]:
-    """`--endpoints http://a:8000,http://b:8000` -> pods named host:port."""
+def parse_endpoints(text: str, flag: str = "--endpoints", role: str | None = None) -> list[Pod]:
+    """`--endpoints http://a:8000,http://b:8000` -> pods named host:port (of `role`)."""
     pods, seen = [], set()
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        name, url = _address(item, "--endpoints")
+        name, url = _address(item, flag)
         if name in seen:
-            raise ValueError(f"--endpoints: {name} is listed twice")
+            raise ValueError(f"{flag}: {name} is listed twice")
         seen.add(name)
-        pods.append(Pod(name, url))
+        pods.append(Pod(name, url, role=role))
     if not pods:
-        raise ValueError("--endpoints: no address given")
+        raise ValueError(f"{flag}: no address given")
+    return pods
+
+
+def parse_pools(prefill: list[str], decode: list[str]) -> list[Pod]:
+    """`--prefill URL... --decode URL...` (each flag repeated or given several URLs, each value a URL or
+    a comma list, as --endpoints takes them) -> the pods, each with its role; a pod has one role."""
+    for flag, values in (("--prefill", prefill), ("--decode", decode)):
+        for value in values:
+            if value.isdigit() or value.lower() == "none":
+                # vllm-router's and sglang-router's `--prefill URL BOOTSTRAP_PORT`: their connectors' rendezvous
+                raise ValueError(
+                    f"{flag} {value}: a bootstrap port is for other KV connectors; kvpilot pods need only "
+                    "their URL (docs/disaggregation.md)"
+                )
+    pods = parse_endpoints(",".join(prefill), "--prefill", PREFILL)
+    pods += parse_endpoints(",".join(decode), "--decode", DECODE)
+    names = [p.name for p in pods]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{twice} is named by both --prefill and --decode: a pod has one role")
     return pods
 
 
