@@ -49,6 +49,22 @@ async def pull(
         raise PullFailed("protocol", str(exc) or type(exc).__name__) from None
 
 
+async def release(host: str, port: int, hold_id: str, timeout_s: float) -> None:
+    """Let the prefill pod drop a hold this pod needs nothing of (its pool holds the whole prefix), rather
+    than keep it until its timeout. Best effort: a failure leaves the hold to expire."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(MAGIC + frame({"hold": hold_id, "first": 0, "count": 0}))
+                await writer.drain()
+                await read_frame(reader)
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, WireError, asyncio.IncompleteReadError):
+        pass
+
+
 async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     reader, writer = await asyncio.open_connection(ask.host, ask.port)
     try:

@@ -3,7 +3,7 @@
 Every connection is bounded: one request frame of at most a few KiB, read within `timeout_s`; the whole
 send within the same time (a decode pod that stops reading is dropped, not waited on); at most
 `MAX_CONNECTIONS` at once. A hold id is 128 random bits given only in the prefill's reply, and one pull
-spends it: another pod cannot guess one, nor pull a prompt twice (docs/security.md).
+(or a release: a pull of no blocks, from a decode pod whose pool holds the whole prefix already) spends it: another pod cannot guess one, nor pull a prompt twice (docs/security.md).
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class TransferServer:
             return
         first, count = run
         held = self.held.take(hold_id)
+        if held is not None and count == 0:  # a release: the decode pod holds the whole prefix already
+            writer.write(frame({"ok": True, "epoch": held.epoch, "count": 0}))
+            await writer.drain()
+            return
         if held is None or first + count > len(held.keys):
             writer.write(frame({"ok": False, "reason": "gone"}))
             await writer.drain()
@@ -97,7 +101,7 @@ def _run(first: object, count: object) -> tuple[int, int] | None:
     if any(not isinstance(v, int) or isinstance(v, bool) for v in (first, count)):
         return None
     assert isinstance(first, int) and isinstance(count, int)
-    return (first, count) if first >= 0 and count >= 1 else None
+    return (first, count) if first >= 0 and count >= 0 else None
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:

@@ -1,6 +1,7 @@
 """The KV-transfer protocol on the wire, both ends: length-prefixed JSON frames around the raw blocks.
 
-    decode -> prefill   b"KVP1", frame {"hold": id, "first": i, "count": n}
+    decode -> prefill   b"KVP1", frame {"hold": id, "first": i, "count": n}    (n 0: a release, answered
+                        by a header alone)
     prefill -> decode   frame {"ok": true, "epoch": e, "dtype": "float32", "block_shape": [...], "count": n}
                         n blocks' bytes, as the prefill pod's KV dtype lays them out
                         frame {"epoch": e'}     (the prefill pod's epoch once the last byte is sent)

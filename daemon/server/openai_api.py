@@ -220,7 +220,10 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
         if prep.req.pin_prefix:  # pins share one cap: a tenant could hold it all (docs/security.md)
             prep.req.pin_prefix, prep.req.pin_refused = False, "tenant"
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
-    transfer = parse_ask(prep.req, state.engine.kv_connector, len(prep.prompts))
+    info = state.engine.info
+    transfer = parse_ask(
+        prep.req, state.engine.kv_connector, len(prep.prompts), info.max_model_len // info.block_size
+    )
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]
     gens = [

@@ -162,6 +162,22 @@ def start_daemon(tmp: Path, *extra: str, token: str | None = ADMIN_TOKEN, host: 
     )
 
 
+def transfer_config(role: str, port: int = 0) -> str:
+    """`--kv-transfer-config` of a daemon in `role` (a producer serves pulls on `port`)."""
+    extra = {"port": port} if role != "kv_consumer" else {}
+    return json.dumps(
+        {"kv_connector": "KvpilotConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    )
+
+
+def start_pd_pair(tmp: Path) -> tuple[Server, Server]:
+    """A prefill daemon (kv_producer, its transfer port free) and a decode daemon (kv_consumer), both
+    publishing KV events (docs/disaggregation.md)."""
+    prefill = start_daemon(tmp, "--kv-transfer-config", transfer_config("kv_producer", free_port()))
+    decode = start_daemon(tmp, "--kv-transfer-config", transfer_config("kv_consumer"))
+    return prefill, decode
+
+
 def start_router(
     tmp: Path,
     endpoints: list[str] | None,
