@@ -12,7 +12,7 @@ import pytest
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.daemon.kv_transfer.remote import RemoteBlocks
-from support.engine import run_alone
+from support.engine import run_alone, run_request
 
 BS = 16
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -59,14 +59,7 @@ def pull_from(producer, consumer, hold_id: str, prompt: list[int], keys) -> Remo
 
 
 def decode(consumer, rid: str, prompt: list[int], remote: RemoteBlocks | None) -> tuple[list[int], int]:  # noqa: ANN001
-    consumer.submit(EngineRequest(rid, prompt, PARAMS, remote_kv=remote))
-    tokens, cached = [], -1
-    while consumer.has_unfinished_requests():
-        for o in consumer.step():
-            if o.request_id == rid:
-                tokens += o.new_token_ids
-                cached = o.num_cached_tokens
-    return tokens, cached
+    return run_request(consumer, EngineRequest(rid, prompt, PARAMS, remote_kv=remote))
 
 
 def test_a_decode_lands_the_prefill_blocks_and_answers_as_one_engine(
@@ -148,11 +141,12 @@ def test_a_prefill_reset_drops_its_holds_at_once(producer, shared_prefix_prompts
 def test_a_prefill_that_a_reset_crossed_holds_nothing(producer, shared_prefix_prompts) -> None:  # noqa: ANN001
     """Its KV began before the reset: held, it would reach a decode pod after it."""
     prompt = shared_prefix_prompts[1]
+    producer.reset_prefix_cache()  # nothing of the prompt cached: its prefill takes several steps
     producer.submit(EngineRequest("h7", prompt, SamplingParams(max_tokens=1), kv_hold="h7"))
     producer.config.max_num_batched_tokens, budget = 32, producer.config.max_num_batched_tokens
     producer.scheduler.max_num_batched_tokens = 32  # prefill in chunks: the reset lands between two
     try:
-        producer.step()
+        assert producer.step() == []  # the first chunk: no token yet
         producer.reset_prefix_cache()
         last = None
         while producer.has_unfinished_requests():
