@@ -71,7 +71,7 @@ async def health(request: web.Request) -> web.Response:
         for p in r.fleet.pods
     ]
     # A disaggregated fleet serves while a decode pod is ready (without a prefill pod it computes prompts).
-    ok = any(p.ready and (p.role != PREFILL) for p in r.fleet.pods)
+    ok = any(p.ready and p.role != PREFILL for p in r.fleet.pods)
     body = {"status": "ok" if ok else "no_ready_pod", "engine": r.settings.engine, "policy": r.policy.name}
     return json_response({**body, "pods": pods}, status=200 if ok else 503)
 

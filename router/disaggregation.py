@@ -57,8 +57,8 @@ NOT_PREFILLED = ("stream_options", "min_tokens")
 _T = TypeVar("_T")
 
 
-def client_body(raw: bytes) -> JSONObject | None:
-    """The client's body as a JSON object; None if it is none (the decode pod answers it)."""
+def json_object(raw: bytes) -> JSONObject | None:
+    """`raw` (a client's body, a prefill's reply) as a JSON object; None if it is none."""
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nested too deep
@@ -88,7 +88,7 @@ def decode_body(doc: JSONObject, params: JSONObject | None) -> bytes:
 
 def transfer_params(reply: bytes) -> tuple[JSONObject | None, JSONObject | None]:
     """A prefill reply's `kv_transfer_params` (None: it has no object of that name) and its usage."""
-    doc = client_body(reply)
+    doc = json_object(reply)
     if doc is None:
         return None, None
     params, usage = doc.get(KV_TRANSFER), doc.get("usage")
@@ -109,7 +109,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ready = [p for p in decoders if p.ready]
     if not ready:
         raise no_pod()  # before any prefill: its KV would have no taker
-    doc = await _json_work(len(raw), client_body, raw) if len(raw) <= r.parse_limit else None
+    doc = await _json_work(len(raw), json_object, raw) if len(raw) <= r.parse_limit else None
     if doc is None:
         outcome, body = "unparsed", raw
     else:
