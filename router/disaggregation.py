@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpilot.protocol import JSONObject
+from kvpilot.protocol.kv_transfer import KV_TRANSFER, PREFILL_ASK
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.fleet.pods import DECODE, PREFILL, Pod
 from kvpilot.router.proxy import UNREACHED, decide, no_pod, proxy_to, record_usage, routing_inputs, sending
@@ -38,18 +39,6 @@ from kvpilot.serving.capped_read import read_capped
 
 log = logging.getLogger(__name__)
 
-KV_TRANSFER = "kv_transfer_params"  # vLLM's request and reply field (docs/disaggregation.md)
-
-# What a prefill asks for: compute the prompt and hold its KV for a decode elsewhere (vLLM's fields, as
-# vllm-router sends them; the prefill pod's reply fills in the rest).
-PREFILL_PARAMS: JSONObject = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 # Dropped from a prefill's body: stream_options is refused on a request that does not stream, and
 # min_tokens above the prefill's one token is refused too, where the decode honours both.
 NOT_PREFILLED = ("stream_options", "min_tokens")
@@ -72,7 +61,7 @@ def prefill_body(doc: JSONObject) -> bytes:
     body.update(max_tokens=1, stream=False)
     if "max_completion_tokens" in body:  # chat's newer name wins over max_tokens where both are set
         body["max_completion_tokens"] = 1
-    body[KV_TRANSFER] = PREFILL_PARAMS
+    body[KV_TRANSFER] = PREFILL_ASK
     return json.dumps(body).encode()
 
 

@@ -21,13 +21,12 @@ from kvpilot.daemon.kv_transfer.remote import RemoteBlocks
 from kvpilot.daemon.server.metrics import TransferMetrics
 from kvpilot.kv.block_keys import BlockHash
 from kvpilot.protocol.errors import bad
+from kvpilot.protocol.kv_transfer import KV_TRANSFER, asks
 from kvpilot.protocol.requests import GenerateRequest
 
 log = logging.getLogger(__name__)
 
-FIELD = "kv_transfer_params"
-_ASKS = ("do_remote_decode", "do_remote_prefill")
-_NOTHING: tuple[object, ...] = (None, False, 0, "", [], {})
+FIELD = KV_TRANSFER
 MAX_HOST_CHARS = 253  # a DNS name's most
 MAX_ID_CHARS = 64
 MAX_KEY_HEX = 128  # a block key is a 32-byte digest (64 hex digits); room for wider schemes
@@ -59,7 +58,7 @@ def parse_ask(
     """The request's ask, checked against this pod's role (None: it asks nothing); a 400 naming the field
     for what cannot be served. `max_blocks`: the most full blocks a prompt of this pod's context has."""
     params = req.kv_transfer_params
-    if params is None or not any(params.get(k) not in _NOTHING for k in _ASKS):
+    if params is None or not asks(params):
         return None
     if connector is None:
         raise bad(
@@ -70,7 +69,7 @@ def parse_ask(
     if prompts != 1 or req.params.n != 1:
         raise bad(f"'{FIELD}' is served for one prompt and one sequence (n, best_of 1)", FIELD)
     role = connector.config.role
-    if params.get("do_remote_decode") not in _NOTHING:
+    if asks(params, "do_remote_decode"):
         if not connector.config.produces:
             raise bad(f"'{FIELD}': do_remote_decode asks for a prefill; this pod is a {role}", FIELD)
         if req.stream:

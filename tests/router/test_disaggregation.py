@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvpilot.router.disaggregation import PREFILL_PARAMS, decode_body, prefill_body, transfer_params
+from kvpilot.protocol.kv_transfer import PREFILL_ASK
+from kvpilot.router.disaggregation import decode_body, prefill_body, transfer_params
 from kvpilot.router.fleet.pods import DECODE, PREFILL, parse_pools
 from support.procs import wait_for
 from support.servers import ADMIN_TOKEN, RouterProc, start_router, stop_router
@@ -59,10 +60,10 @@ def test_a_prefill_is_the_clients_body_for_one_token_not_streamed_asking_for_a_r
         "max_completion_tokens": 1,
         "stream": False,
         "temperature": 0,
-        "kv_transfer_params": PREFILL_PARAMS,
+        "kv_transfer_params": PREFILL_ASK,
     }
     # vllm-router's exact fields
-    assert PREFILL_PARAMS == {
+    assert PREFILL_ASK == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -76,7 +77,7 @@ def test_a_prefill_is_the_clients_body_for_one_token_not_streamed_asking_for_a_r
         "prompt": "Hi",
         "max_tokens": 1,
         "stream": False,
-        "kv_transfer_params": PREFILL_PARAMS,
+        "kv_transfer_params": PREFILL_ASK,
     }
 
 

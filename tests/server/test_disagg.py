@@ -16,18 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpilot.protocol.kv_transfer import PREFILL_ASK
 from support.procs import free_port
 from support.servers import Server, start_pd_pair, stop_server
 
 BS = 16
-PREFILL_ASK = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 TOPICS = ["tides", "volcanoes", "glaciers", "comets", "coral reefs", "deserts", "auroras", "monsoons"]
 
 

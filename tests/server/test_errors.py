@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.protocol.kv_transfer import PREFILL_ASK
 from support.servers import MODEL, Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -11,14 +12,7 @@ pytestmark = pytest.mark.timeout(300)
 C, CH = "/v1/completions", "/v1/chat/completions"
 OK_MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-PD_PREFILL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PD_PREFILL = PREFILL_ASK
 # what a vLLM prefill pod answers, handed on to the decode pod
 PD_DECODE = {
     "do_remote_prefill": True,
