@@ -184,8 +184,8 @@ class LLMEngine:
         (seq, *_) = new_group(
             request, self.eos_token_ids, weight_key=self._weight_key, keys=self.keys, lora=lora
         )
-        first, count = self.kv.plan_pull(seq, remote_keys)
-        return PullPlan(first, count, self.kv.generation)
+        first, count, matched = self.kv.plan_pull(seq, remote_keys)
+        return PullPlan(first, count, self.kv.generation, matched)
 
     def _flush_kv_events(self) -> None:
         if self.kv_events is not None:

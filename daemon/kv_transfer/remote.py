@@ -26,11 +26,14 @@ LANDING_REFUSALS = ("local_reset", "gap")
 class PullPlan:
     """What a decode request should pull: held blocks `first` to `first + count` (by the prefill's order,
     which is the prompt's), planned at the engine's reset `generation`. The blocks before `first` this
-    pod's pool holds already; `count` 0: nothing worth pulling."""
+    pod's pool holds already; `count` 0: nothing worth pulling. `matched`: the held blocks whose keys are
+    the prompt's own here (0 of some: the prefill pod keyed them under other weights, salt, adapter or hash
+    seed, and none may be used)."""
 
     first: int
     count: int
     generation: int
+    matched: int
 
 
 @dataclass(frozen=True, slots=True)

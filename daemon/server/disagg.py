@@ -121,7 +121,7 @@ async def pull_prefix(
         return None  # nothing was held
     plan = await engine.plan_pull(request, keys) if remote.block_size == engine.info.block_size else None
     if plan is None or plan.count == 0:
-        if plan is None:
+        if plan is None or plan.matched == 0:  # another block size, or keys of other weights, salt or seed
             metrics.failed("incompatible")
         await release(remote.host, remote.port, remote.hold_id, connector.config.pull_timeout_s)
         return None

@@ -172,6 +172,22 @@ def test_an_unreachable_prefill_pod_costs_a_recompute_not_an_error(pd) -> None: 
     assert prefill.reset()["dropped_holds"] == 1  # the hold nobody could pull
 
 
+def test_kv_of_another_salt_is_never_landed_and_its_hold_is_released(pd) -> None:  # noqa: ANN001
+    """The decode request's salt differs from the prefill's: no held key is its own, so nothing is pulled
+    (counted incompatible), and the hold is let go at once rather than kept until its timeout."""
+    prefill, decode = pd
+    body = chat_body("coral reefs")
+    pre = post(
+        prefill, {**body, "cache_salt": "tenant-a", "max_tokens": 1, "kv_transfer_params": PREFILL_ASK}
+    )
+    assert prefill.cache()["kv_transfer"]["held"]["transfers"] == 1
+    before = failures(decode, "incompatible")
+    dec = post(decode, {**body, "cache_salt": "tenant-b", "kv_transfer_params": pre["kv_transfer_params"]})
+    assert cached(dec) == 0
+    assert failures(decode, "incompatible") == before + 1
+    assert prefill.cache()["kv_transfer"]["held"]["transfers"] == 0
+
+
 def keys(n: int = 2) -> list[str]:
     return ["ab" * 32] * n
 

@@ -139,10 +139,10 @@ class KVCacheManager:
             out.append(TierHit(self.remote, key, HostBlock(remote.data[i - remote.first])))
         return out
 
-    def plan_pull(self, req: Request, remote_keys: list[BlockHash]) -> tuple[int, int]:
-        """(first, count) of the prefill pod's held blocks `remote_keys` this request should pull: those
-        after the run the pool already holds, up to where the keys stop being the prompt's own (another
-        salt, adapter, weights or hash seed: none of them)."""
+    def plan_pull(self, req: Request, remote_keys: list[BlockHash]) -> tuple[int, int, int]:
+        """(first, count, matched) of the prefill pod's held blocks `remote_keys`: the request should pull
+        `count` from `first`, those after the run the pool already holds, up to where the keys stop being the
+        prompt's own (`matched`; another salt, adapter, weights or hash seed: none of them)."""
         req.update_block_hashes(self.block_size)
         own = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
         same = 0
@@ -151,7 +151,7 @@ class KVCacheManager:
         have = 0
         while have < same and self.pool.lookup(req.cache_scope, own[have]) is not None:
             have += 1
-        return have, same - have
+        return have, same - have, same
 
     def record_query(self, num_tokens: int, hit: PrefixHit) -> None:
         self.query_tokens += num_tokens
