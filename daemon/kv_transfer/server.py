@@ -24,6 +24,10 @@ MAX_HOLD_ID_CHARS = 64
 OnSent = Callable[[int, int], None]
 
 
+class TransferPortError(OSError):
+    """The transfer port cannot be listened on (most often: taken), named as such at startup."""
+
+
 class TransferServer:
     def __init__(self, held: HeldKV, host: str, port: int, timeout_s: float, on_sent: OnSent) -> None:
         self.held, self.host, self.port = held, host, port
@@ -34,7 +38,14 @@ class TransferServer:
 
     async def start(self) -> int:
         """Listen; returns the port (the one the OS chose for port 0)."""
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as exc:
+            raise TransferPortError(
+                exc.errno,
+                f"cannot listen on the KV transfer port {self.host}:{self.port} (--kv-transfer-config "
+                f"kv_connector_extra_config.port): {exc.strerror or exc}",
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("KV transfer: serving pulls of held prefills on %s:%d", self.host, self.port)
         return self.port

@@ -69,8 +69,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("cannot start the engine: %s", exc)
         return 2
+    from kvpilot.daemon.kv_transfer.server import TransferPortError
+
     try:
         return asyncio.run(serve(engine, settings))
+    except TransferPortError as exc:
+        log.error("%s", exc.strerror)
+        return 1
     except OSError as exc:  # most often: the port is taken
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
         return 1

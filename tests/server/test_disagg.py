@@ -10,6 +10,8 @@ import json
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 
 from kvpilot.protocol.kv_transfer import PREFILL_ASK
 from support.procs import free_port
-from support.servers import Server, start_pd_pair, stop_server
+from support.servers import Server, start_pd_pair, stop_server, transfer_config
 
 BS = 16
 TOPICS = ["tides", "volcanoes", "glaciers", "comets", "coral reefs", "deserts", "auroras", "monsoons"]
@@ -234,6 +236,26 @@ def test_a_prefill_for_a_remote_decode_is_one_whole_reply(pd, extra: dict) -> No
     )
     assert r.status == 400, r.body
     assert r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_a_taken_transfer_port_is_a_startup_error_naming_it(pd, tmp_path) -> None:  # noqa: ANN001
+    """The producer's transfer port is taken (here by the fixture's producer): the daemon says which port
+    and exits 1, rather than blame its HTTP port or serve prefills nobody can pull."""
+    taken = transfer_port(pd[0])
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpilot",
+        "serve",
+        "--port",
+        str(free_port()),
+        "--num-gpu-blocks-override",
+        "64",
+    ]
+    argv += ["--kv-transfer-config", transfer_config("kv_producer", taken)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"cannot listen on the KV transfer port 0.0.0.0:{taken}" in done.stderr
 
 
 def transfer_port(prefill: Server) -> int:
