@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.daemon.kv_transfer.wire import DTYPES, MAGIC, WireError, frame, read_frame
+from kvpilot.daemon.kv_transfer.wire import DTYPES, MAGIC, Connection, WireError, as_bytes, frame
 
 # kvpilot_kv_transfer_failures_total's reasons, decode side (the engine adds local_reset and gap).
 REASONS = ("gone", "remote_reset", "timeout", "unreachable", "protocol", "incompatible")
@@ -54,23 +54,21 @@ async def release(host: str, port: int, hold_id: str, timeout_s: float) -> None:
     than keep it until its timeout. Best effort: a failure leaves the hold to expire."""
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
+            conn = await Connection.open(host, port)
             try:
-                writer.write(MAGIC + frame({"hold": hold_id, "first": 0, "count": 0}))
-                await writer.drain()
-                await read_frame(reader)
+                await conn.send(MAGIC + frame({"hold": hold_id, "first": 0, "count": 0}))
+                await conn.read_frame()
             finally:
-                writer.close()
+                conn.close()
     except (OSError, TimeoutError, WireError, asyncio.IncompleteReadError):
         pass
 
 
 async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    reader, writer = await asyncio.open_connection(ask.host, ask.port)
+    conn = await Connection.open(ask.host, ask.port)
     try:
-        writer.write(MAGIC + frame({"hold": ask.hold_id, "first": ask.first, "count": ask.count}))
-        await writer.drain()
-        head = await read_frame(reader)
+        await conn.send(MAGIC + frame({"hold": ask.hold_id, "first": ask.first, "count": ask.count}))
+        head = await conn.read_frame()
         if head.get("ok") is not True:
             reason = head.get("reason")
             raise PullFailed("gone" if reason == "gone" else "protocol", f"the prefill pod said {reason!r}")
@@ -86,11 +84,11 @@ async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dty
             )
         if head.get("epoch") != ask.epoch:
             raise PullFailed("remote_reset", "the prefill pod reset after it held these blocks")
-        size = ask.count * torch.Size(block_shape).numel() * torch.finfo(dtype).bits // 8
-        data = bytearray(await reader.readexactly(size))
-        tail = await read_frame(reader)
+        data = torch.empty((ask.count, *block_shape), dtype=dtype)
+        await conn.receive_into(as_bytes(data))
+        tail = await conn.read_frame()
         if tail.get("epoch") != ask.epoch:
             raise PullFailed("remote_reset", "the prefill pod reset while it sent these blocks")
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(ask.count, *block_shape)
+        return data
     finally:
-        writer.close()
+        conn.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 from typing import Any, cast
 
@@ -38,11 +39,66 @@ def frame(obj: dict[str, Any]) -> bytes:
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (n,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    """A frame off a stream (the producer's side)."""
+    n = _frame_length(await reader.readexactly(_LENGTH.size))
+    return _frame_object(await reader.readexactly(n))
+
+
+class Connection:
+    """The consumer's side of one transfer, on a plain non-blocking socket: the blocks are received straight
+    into the buffer they stay in (a stream reader would copy them through its own buffer twice, which made a
+    pull 5x slower than the socket)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        info = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = info[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    async def send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Fill `view` exactly; IncompleteReadError if the peer closes first."""
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
+            got += n
+
+    async def read_frame(self) -> dict[str, Any]:
+        head = bytearray(_LENGTH.size)
+        await self.receive_into(memoryview(head))
+        body = bytearray(_frame_length(bytes(head)))
+        await self.receive_into(memoryview(body))
+        return _frame_object(bytes(body))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _frame_length(head: bytes) -> int:
+    (n,) = _LENGTH.unpack(head)
     if n > MAX_FRAME_BYTES:
         raise WireError(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+    return int(n)
+
+
+def _frame_object(body: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(await reader.readexactly(n))
+        obj = json.loads(body)
     except ValueError:
         raise WireError("a frame that is not JSON") from None
     if not isinstance(obj, dict):
