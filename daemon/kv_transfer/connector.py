@@ -24,6 +24,7 @@ class KVConnector:
     dtype: torch.dtype
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # vLLM's remote_engine_id
     port: int | None = None  # the transfer port, once the server listens (a producer)
+    pulls_in_flight: int = 0  # a consumer's pulls under way (counted on the server's event loop)
 
     @classmethod
     def of(
@@ -41,6 +42,7 @@ class KVConnector:
             out["held"] = {"transfers": h.transfers, "blocks": h.blocks, "bytes": h.bytes, "epoch": h.epoch}
             out["held_dropped"] = h.dropped
         if self.config.consumes:
+            out["pulls_in_flight"] = self.pulls_in_flight
             out["landed_blocks"] = self.remote.landed_blocks
             out["refused"] = dict(self.remote.refused)
         return out

@@ -50,6 +50,11 @@ class TransferServer:
         log.info("KV transfer: serving pulls of held prefills on %s:%d", self.host, self.port)
         return self.port
 
+    @property
+    def sending(self) -> int:
+        """Connections open now (pulls being served)."""
+        return self._open
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()

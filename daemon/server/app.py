@@ -215,6 +215,8 @@ async def prefix_cache(request: web.Request) -> web.Response:
     body["weight_version"] = request.app[STATE].weights.version
     if (connector := engine.kv_connector) is not None:
         body["kv_transfer"] = connector.describe()
+        if (server := request.app[STATE].transfer_server) is not None:
+            body["kv_transfer"]["sending"] = server.sending
     return json_response(body)
 
 

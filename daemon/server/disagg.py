@@ -127,6 +127,7 @@ async def pull_prefix(
         return None
     ask = PullRequest(remote.host, remote.port, remote.hold_id, plan.first, plan.count, remote.epoch)
     start = time.perf_counter()
+    connector.pulls_in_flight += 1
     try:
         data = await pull(ask, connector.block_shape, connector.dtype, connector.config.pull_timeout_s)
     except PullFailed as exc:
@@ -139,6 +140,8 @@ async def pull_prefix(
             exc,
         )
         return None
+    finally:
+        connector.pulls_in_flight -= 1  # a client gone mid-pull cancels it: counted out all the same
     metrics.received(plan.count, data.numel() * data.element_size(), time.perf_counter() - start)
     keys_pulled = tuple(keys[plan.first : plan.first + plan.count])
     return RemoteBlocks(plan.first, keys_pulled, data, plan.generation)

@@ -94,8 +94,12 @@ def test_a_chat_prefilled_on_one_pod_is_decoded_on_the_other_token_identical(pd)
     key = 'kvpilot_kv_transfer_blocks_total{direction="%s"}'
     assert after_sent[key % "sent"] - sent[key % "sent"] == n
     assert after_received[key % "received"] - received[key % "received"] == n
-    assert prefill.cache()["kv_transfer"]["held"]["transfers"] == 0  # the pull spent the hold
-    assert decode.cache()["kv_transfer"]["landed_blocks"] >= n
+    producer_side, consumer_side = prefill.cache()["kv_transfer"], decode.cache()["kv_transfer"]
+    assert producer_side["role"] == "kv_producer" and consumer_side["role"] == "kv_consumer"
+    assert (
+        producer_side["held"]["transfers"] == 0 and producer_side["sending"] == 0
+    )  # the pull spent the hold
+    assert consumer_side["landed_blocks"] >= n and consumer_side["pulls_in_flight"] == 0
 
 
 def test_a_streamed_completion_decodes_from_the_pulled_blocks(pd) -> None:  # noqa: ANN001
