@@ -45,7 +45,7 @@ SYSTEM = (
     "model servers on Kubernetes: prefix caches, KV blocks, readiness gates, rollouts, autoscaling, and the "
     "operator that resets and warms a fleet. Answer in one short sentence, cite the manual section you used, "
     "and never invent a section number. "
-) * 6  # ~600 tokens: a cold prefill of it is what the first client of a cold pod waits for
+) * 6  # 463 tokens as a chat: a cold prefill of it is what the first client of a cold pod waits for
 QUESTION = "How do I scale the fleet without cold starts?"
 
 

@@ -75,7 +75,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         tp.share_num_blocks(num_blocks)
     # Pinned blocks are never there for a request: a prompt that needs more than the rest would wait at the
     # head of the queue for blocks no eviction frees, and every request behind it with it.
-    pin_cap = int(num_blocks * config.pinned_prefix_cap_ratio) if config.enable_pinned_prefix else 0
+    pin_cap = int(num_blocks * (config.pin_ratio or 0))
     pool_tokens = (num_blocks - pin_cap) * config.block_size
     max_model_len = min(config.max_model_len or model.args.max_position, model.args.max_position)
     if pool_tokens < max_model_len:

@@ -295,6 +295,11 @@ class EngineConfig:
         return parse_kv_transfer_config(self.kv_transfer_config)
 
     @property
+    def pin_ratio(self) -> float | None:
+        """The share of blocks pins may hold; None when pinning is off (`--enable-pinned-prefix`)."""
+        return self.pinned_prefix_cap_ratio if self.enable_pinned_prefix else None
+
+    @property
     def offloads_kv(self) -> bool:
         return self.kv_offloading_size is not None or self.kv_offloading_dir is not None
 

@@ -112,9 +112,7 @@ class EngineLoop(WeightOperations):
                 n: ServedAdapter(str(path), key.digest) for n, (path, key) in engine.loras.served.items()
             },
             eviction_policy=engine.config.prefix_cache_eviction_policy,
-            pinned_prefix_cap_ratio=engine.config.pinned_prefix_cap_ratio
-            if engine.config.enable_pinned_prefix
-            else None,
+            pinned_prefix_cap_ratio=engine.config.pin_ratio,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop outputs go to, once started
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()

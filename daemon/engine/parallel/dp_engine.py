@@ -129,7 +129,7 @@ class DataParallelEngine:
                 ).items()
             },
             eviction_policy=config.prefix_cache_eviction_policy,
-            pinned_prefix_cap_ratio=config.pinned_prefix_cap_ratio if config.enable_pinned_prefix else None,
+            pinned_prefix_cap_ratio=config.pin_ratio,
         )
 
     def _wait_ready(self, rank: _Rank) -> None:
