@@ -40,15 +40,22 @@ def create_app(router: Router) -> web.Application:
     limit = router.settings.max_body_bytes
     app = web.Application(client_max_size=limit, middlewares=[error_middleware(limit)])
     app[ROUTER] = router
-    # a disaggregated fleet runs each request on two pods, prefill then decode
-    handler = disaggregation.generate if router.settings.disaggregated else generate
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_post("/v1/completions", generate_any)
+    app.router.add_post("/v1/chat/completions", generate_any)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def generate_any(request: web.Request) -> web.StreamResponse:
+    """A generation request as the fleet's pods run it now: on two pods, prefill then decode, while they have
+    roles (--prefill/--decode, or a disaggregated InferenceDeployment's pods under --fleet), else on one.
+    Asked per request, so a --fleet router follows its fleet between the two shapes without a restart."""
+    if request.app[ROUTER].fleet.disaggregated:
+        return await disaggregation.generate(request)
+    return await generate(request)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -92,9 +99,9 @@ async def serve(
 ) -> int:
     """Serve until SIGTERM/SIGINT; the pods are `pods` (static) or the Service `fleet_name`'s endpoints."""
     index = PrefixIndex()
-    metrics_ = RouterMetrics(settings.disaggregated)
+    metrics_ = RouterMetrics()
     policy = make_policy(cast(str, settings.policy), index)  # set by RouterSettings.__post_init__
-    decode_policy = make_policy(policy.name, index) if settings.disaggregated else None
+    decode_policy = make_policy(policy.name, index)
     reader = await asyncio.to_thread(PromptReader, model) if policy.needs_prompts else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     # Idle pod connections are dropped before a pod's header timeout would close them under a request.
@@ -141,7 +148,7 @@ async def serve(
         where = (
             f"the endpoints of {namespace}/{fleet_name}"
             if fleet_name
-            else ", ".join(p.name + (f" ({p.role})" if p.role else "") for p in pods or [])
+            else ", ".join(p.described() for p in pods or [])
         )
         log.info(
             "routing %s (%s pods) on http://%s:%d to %s",

@@ -25,9 +25,10 @@ class Router:
     reader: PromptReader | None
     metrics: RouterMetrics
     session: aiohttp.ClientSession
-    # Disaggregated (--prefill, --decode): the decode pool's own instance of the policy (its own tie-break
-    # turn); `policy` picks among the prefill pool.
-    decode_policy: Policy | None = None
+    # While the fleet is disaggregated (its pods have roles): the decode pool's own instance of the policy
+    # (its own tie-break turn); `policy` picks among the prefill pool. Made whatever the fleet is now: a
+    # --fleet router's pods may take roles at any list.
+    decode_policy: Policy
     proxy_timeout: aiohttp.ClientTimeout = field(init=False)  # of every proxied request: made once
     prefill_timeout: aiohttp.ClientTimeout = field(init=False)  # of a disaggregated request's prefill
 

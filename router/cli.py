@@ -27,7 +27,8 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--fleet",
         metavar="NAME",
         help="route to the ready pods of InferenceDeployment NAME, from its Service's EndpointSlices, each "
-        "checked to be a pod of the fleet (in-cluster, or the current kubeconfig)",
+        "checked to be a pod of the fleet (in-cluster, or the current kubeconfig); a fleet with "
+        "spec.disaggregation runs as --prefill/--decode do, each pod's role its kvpilot.io/role label",
     )
     # vllm-router's and sglang-router's names; each flag repeated or given several URLs (or comma lists)
     where.add_argument(
@@ -72,7 +73,8 @@ def run_router(args: argparse.Namespace) -> int:
     reset every pod's prefix cache with one POST /reset_prefix_cache. With --engine vllm or sglang it fronts
     vLLM or SGLang pods: their own health endpoints and resets; vLLM pods routed by their own KV events
     (GET /kv_event_sources), and both by the load their metrics report. With --prefill and --decode each
-    request is prefilled on one pod and decoded on another, its KV handed over (docs/disaggregation.md).
+    request is prefilled on one pod and decoded on another, its KV handed over (docs/disaggregation.md), as
+    it is with --fleet when the InferenceDeployment has spec.disaggregation.
     """
     from kvpilot.router.app import serve
     from kvpilot.router.fleet.pods import parse_endpoints, parse_pools
@@ -80,7 +82,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     if args.decode and not args.prefill:
         log.error(
-            "--decode needs --prefill: a disaggregated fleet is named by both, not by --endpoints or --fleet"
+            "--decode needs --prefill: a disaggregated fleet's pods are named by both (or by its "
+            "InferenceDeployment, with --fleet alone)"
         )
         return 2
     if args.prefill and not args.decode:

@@ -119,7 +119,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         changed = params is not None or KV_TRANSFER in doc
         body = await _json_work(len(raw), decode_body, doc, params) if changed else raw
     r.metrics.child(r.metrics.pd_requests, outcome).inc()
-    assert r.decode_policy is not None  # set with the decode pool (app.serve)
     return await proxy_to(request, r, decoders, r.decode_policy, prompts, pinned, body)
 
 

@@ -16,7 +16,7 @@ PD_OUTCOMES = ("transferred", "prefill_failed", "no_kv_transfer_params", "no_pre
 
 
 class RouterMetrics:
-    def __init__(self, disaggregated: bool = False) -> None:
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         register_build_info(r)
         self.requests = Counter(
@@ -87,7 +87,8 @@ class RouterMetrics:
             self.resets.labels(result)
         self.pd_requests = Counter(
             _P + "pd_requests_total",
-            "Requests prefilled on one pod and decoded on another (--prefill, --decode), by outcome: "
+            "Requests prefilled on one pod and decoded on another (--prefill, --decode, a disaggregated "
+            "--fleet), by outcome: "
             "transferred (the decode pod got the prefill's kv_transfer_params), prefill_failed, "
             "no_kv_transfer_params (the prefill's reply had none), no_prefill_pod (none ready on the decode "
             "pod's weights), unparsed (no JSON object the router reads); all but transferred were decoded "
@@ -95,11 +96,14 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
-        if disaggregated:  # a fleet of whole-request pods has no such requests: no series to show
-            for outcome in PD_OUTCOMES:
-                self.pd_requests.labels(outcome)
         # Each series once looked up: labels() validates and locks on every call, on the proxy's path.
         self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge] = {}
+
+    def pd_mode(self) -> None:
+        """The fleet's pods have roles (Fleet.disaggregated): each P/D outcome's series starts at 0 (a fleet of
+        whole-request pods has no such requests, and shows none)."""
+        for outcome in PD_OUTCOMES:
+            self.pd_requests.labels(outcome)
 
     def child(self, metric: _Metric, *labels: str) -> _Metric:
         """`metric.labels(*labels)`, cached (series are never removed, so a cached one stays valid)."""

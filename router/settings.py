@@ -98,13 +98,14 @@ class RouterSettings:
     prefill_timeout_s: float = field(
         default=60.0,
         metadata=flag(
-            "with --prefill and --decode: seconds a prefill pod's reply may take, connect to last byte; a "
-            "slower prefill is given up and the decode pod computes the prompt itself",
+            "with --prefill and --decode (or a disaggregated --fleet): seconds a prefill pod's reply may take, "
+            "connect to last byte; a slower prefill is given up and the decode pod computes the prompt itself",
             name="--prefill-timeout",
         ),
     )
-    # --prefill and --decode given (cli.py): each request is prefilled on one pod and decoded on another
-    # (router/disaggregation.py).
+    # --prefill and --decode given (cli.py): validate() refuses what P/D cannot run with. Whether a request is
+    # prefilled on one pod and decoded on another follows the pods' roles (Fleet.disaggregated), which a
+    # --fleet router learns from its InferenceDeployment.
     disaggregated: bool = False
     max_reply_bytes: int = field(
         default=64 << 20,

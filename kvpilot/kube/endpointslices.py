@@ -22,6 +22,9 @@ class Endpoint:
     url: str  # http://IP:PORT (IPv6 in brackets)
     ip: str = ""
     pod: str = ""  # the name of the Pod its targetRef names; "" when it names none
+    # The Pod's role in a disaggregated fleet (prefill, decode), set by the router's FleetMembers from the Pod
+    # itself; a slice never says it.
+    role: str | None = None
 
 
 def ready_endpoints(slices: list[dict[str, Any]], port_name: str = "http") -> list[Endpoint]:

@@ -23,6 +23,21 @@ def workload_names(name: str, disaggregated: bool) -> tuple[str, ...]:
     return tuple(f"{name}-{role}" for role in ROLES) if disaggregated else (name,)
 
 
+def is_disaggregated(fleet: dict[str, Any]) -> bool:
+    """Whether the InferenceDeployment (as read) runs prefill and decode pods (spec.disaggregation)."""
+    return bool((fleet.get("spec") or {}).get("disaggregation"))
+
+
+def pod_role(pod: dict[str, Any], disaggregated: bool) -> str | None:
+    """A member pod's role: in a disaggregated fleet its ROLE_LABEL (None where that names no role); a
+    colocated fleet's pods have none, whatever labels they wear (a user's own label of that name on a
+    colocated fleet's template must not split it into pools)."""
+    if not disaggregated:
+        return None
+    role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL)
+    return role if role in ROLES else None
+
+
 def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The owner reference that controls the object (controller: true), if any."""
     return next((r for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)

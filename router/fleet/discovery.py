@@ -9,6 +9,10 @@ Users' prompts and the fleet's admin token go to these pods, and anyone who may 
 namespace (or run a pod with the fleet's labels) could list an address of their choosing. So an endpoint counts
 only when its targetRef is a Pod of the fleet with that address (`FleetMembers`: the check the operator's
 reset path makes, from kvpilot.kube.fleet_members).
+
+A disaggregated fleet (spec.disaggregation) runs its pods in two workloads, NAME-prefill and NAME-decode: both
+are the fleet's, and each pod's role is its label kvpilot.io/role, which makes the router run each request on
+one pod of each role (router/disaggregation.py). A colocated fleet's pods have no role, whatever they wear.
 """
 
 from __future__ import annotations
@@ -18,10 +22,21 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kvpilot.kube.endpointslices import MANAGED_BY, SERVICE_LABEL, Endpoint, dedup, slice_endpoints
-from kvpilot.kube.fleet_members import FLEET_LABEL, is_member, pod_ips, workload_controllers
+from kvpilot.kube.fleet_members import (
+    FLEET_LABEL,
+    ROLE_LABEL,
+    ROLES,
+    is_disaggregated,
+    is_member,
+    pod_ips,
+    pod_role,
+    workload_controllers,
+    workload_names,
+)
 from kvpilot.router.fleet.pods import Pod
 
 log = logging.getLogger(__name__)
@@ -30,10 +45,29 @@ GROUP, VERSION, PLURAL = "kvpilot.io", "v1alpha1", "inferencedeployments"
 _MAX_REPORTED = 1024  # refused endpoints remembered so that each is logged once
 
 
+def vet(
+    e: Endpoint, pod: dict[str, Any] | None, controllers: frozenset[str], disaggregated: bool, fleet: str
+) -> tuple[Endpoint | None, str]:
+    """(the endpoint as a member of InferenceDeployment `fleet`, with its Pod's role; or None and why it is
+    not one). `pod`: the Pod its targetRef names, as listed (None: no such pod of the fleet's label);
+    `controllers`: uids that directly control the fleet's pods (fleet_members.workload_controllers)."""
+    if not e.pod:
+        return None, "its targetRef is not a Pod"
+    if pod is None or not is_member(pod, controllers):
+        return None, f"Pod {e.pod} is not run by InferenceDeployment {fleet}'s workload"
+    if e.ip not in pod_ips(pod):
+        return None, f"{e.ip} is not the address of Pod {e.pod}"
+    role = pod_role(pod, disaggregated)
+    if disaggregated and role is None:
+        # a pod of neither pool: the router would not know what to send it
+        return None, f"Pod {e.pod} of a disaggregated fleet has no {ROLE_LABEL} label of {' or '.join(ROLES)}"
+    return replace(e, role=role), ""
+
+
 class FleetMembers:
     """Which endpoints are pods of InferenceDeployment `name`, read from the API at each call: the fleet, its
-    workload, the ReplicaSets and the pods of the fleet's label (the router's Role allows exactly these
-    reads)."""
+    workloads (one, or NAME-prefill and NAME-decode with spec.disaggregation), the ReplicaSets and the pods
+    of the fleet's label (the router's Role allows exactly these reads)."""
 
     def __init__(self, api: Any, name: str, namespace: str) -> None:
         from kubernetes import client
@@ -60,21 +94,31 @@ class FleetMembers:
         items: list[dict[str, Any]] = json.loads(r.data)["items"]  # a list's JSON: its objects
         return items
 
+    def _controllers(self, fleet_uid: str, disaggregated: bool) -> frozenset[str]:
+        """uids of the objects that directly control the fleet's pods, of every one of its workloads."""
+        controllers: frozenset[str] = frozenset()
+        replicasets: list[dict[str, Any]] | None = None  # listed once, for the first Deployment found
+        for name in workload_names(self.name, disaggregated):
+            wl = self._get(self._apps.read_namespaced_deployment, name, self.namespace)
+            if wl is None:  # placement DaemonSet (never disaggregated: the API server refuses it)
+                wl = self._get(self._apps.read_namespaced_daemon_set, name, self.namespace)
+                controllers |= workload_controllers(fleet_uid, wl, ())
+                continue
+            if replicasets is None:
+                replicasets = self._items(self._apps.list_namespaced_replica_set)
+            controllers |= workload_controllers(fleet_uid, wl, replicasets)
+        return controllers
+
     def members(self, endpoints: list[Endpoint]) -> list[Endpoint]:
-        """The endpoints whose targetRef is a Pod run by the fleet's workload, at the Pod's own address."""
+        """The endpoints whose targetRef is a Pod run by the fleet's workloads, at the Pod's own address, each
+        with the Pod's role."""
         read_fleet = self._custom.get_namespaced_custom_object
         fleet = self._get(read_fleet, GROUP, VERSION, self.namespace, PLURAL, self.name)
         controllers: frozenset[str] = frozenset()
+        disaggregated = False
         if fleet is not None:
-            uid = fleet["metadata"]["uid"]
-            wl = self._get(self._apps.read_namespaced_deployment, self.name, self.namespace)
-            if wl is not None:
-                controllers = workload_controllers(
-                    uid, wl, self._items(self._apps.list_namespaced_replica_set)
-                )
-            else:
-                wl = self._get(self._apps.read_namespaced_daemon_set, self.name, self.namespace)
-                controllers = workload_controllers(uid, wl, ())
+            disaggregated = is_disaggregated(fleet)
+            controllers = self._controllers(fleet["metadata"]["uid"], disaggregated)
         pods = (
             {p["metadata"]["name"]: p for p in self._items(self._core.list_namespaced_pod)}
             if controllers
@@ -82,15 +126,9 @@ class FleetMembers:
         )
         out = []
         for e in endpoints:
-            pod = pods.get(e.pod)
-            if not e.pod:
-                why = "its targetRef is not a Pod"
-            elif pod is None or not is_member(pod, controllers):
-                why = f"Pod {e.pod} is not run by InferenceDeployment {self.name}'s workload"
-            elif e.ip not in pod_ips(pod):
-                why = f"{e.ip} is not the address of Pod {e.pod}"
-            else:
-                out.append(e)
+            member, why = vet(e, pods.get(e.pod), controllers, disaggregated, self.name)
+            if member is not None:
+                out.append(member)
                 continue
             if (e.url, why) not in self._reported:
                 if len(self._reported) >= _MAX_REPORTED:
@@ -170,7 +208,7 @@ class EndpointSliceWatch:
         """The fleet's pods among the slices' ready endpoints, to the event loop (an API error raises: the
         watch starts over and the pods known so far stay)."""
         endpoints = self._members.members(slice_endpoints(list(slices.values())))
-        pods = [Pod(e.name, e.url) for e in dedup(endpoints)]
+        pods = [Pod(e.name, e.url, role=e.role) for e in dedup(endpoints)]
         try:
             self._loop.call_soon_threadsafe(self._on_change, pods)
         except RuntimeError:

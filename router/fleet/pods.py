@@ -73,6 +73,10 @@ class Pod:
     probed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set by its first health probe
     _targets: dict[str, URL] = field(default_factory=dict, repr=False)  # path -> its URL on the pod
 
+    def described(self) -> str:
+        """Its name, and its role where it has one (the router's log lines)."""
+        return f"{self.name} ({self.role})" if self.role else self.name
+
     def target(self, path_qs: str) -> URL:
         """The pod's URL for a request to `path_qs`, parsed once per path (the router's few routes);
         a path with a query string is parsed each time, so clients cannot grow the cache."""
@@ -218,6 +222,10 @@ class Fleet:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.versions = VersionChoice()  # the weight versions in the order they appeared
         self._listed = asyncio.Event()  # set by the first update(): the fleet's first list is known
+        # Whether the pods have roles: then each request is prefilled on one and decoded on another
+        # (router/disaggregation.py). Static with --prefill/--decode; with --fleet, whatever the
+        # InferenceDeployment runs now (discovery.py), so a fleet switched either way is followed.
+        self.disaggregated = False
 
     def ready_pods(self) -> list[Pod]:
         return [p for p in self.pods if p.ready]
@@ -234,6 +242,7 @@ class Fleet:
         for p in pods:
             current = old.pop(p.name, None)
             if current is not None and current.url == p.url:
+                current.role = p.role  # its cache and streams stay valid whichever pool it is in
                 keep.append(current)
                 continue
             if current is not None:
@@ -249,8 +258,19 @@ class Fleet:
                 self.index.forget(holder)
             self.metrics.pod_ready.labels(gone.name).set(0)
         if old or len(keep) != len(self.pods):
-            log.info("fleet: %s", ", ".join(p.name for p in keep) or "no pods")
+            log.info("fleet: %s", ", ".join(p.described() for p in keep) or "no pods")
         self.pods = keep
+        # An empty list says nothing of the fleet's shape: the mode stays until pods say otherwise.
+        if keep and any(p.role for p in keep) != self.disaggregated:
+            self.disaggregated = not self.disaggregated
+            if self.disaggregated:
+                self.metrics.pd_mode()
+            log.info(
+                "fleet: %s",
+                "prefill/decode disaggregated: each request prefilled on a prefill pod, decoded on a decode pod"
+                if self.disaggregated
+                else "colocated: each request runs on one pod",
+            )
         self._listed.set()
 
     async def first_probes(self, timeout_s: float) -> None:

@@ -1,11 +1,16 @@
 """A disaggregated InferenceDeployment (spec.disaggregation, docs/disaggregation.md) on the dev cluster: the
 API server refuses what cannot run, and real `kvpilot serve` daemons in both roles, as the operator starts
-them, hand a prompt's KV from the prefill pod to the decode pod; a PrefixCacheReset reports every pod with
-its role and proves both cold. The pure parts are in test_operator_disaggregation_parts.py."""
+them, hand a prompt's KV from the prefill pod to the decode pod, by hand and through the fleet's router
+(`kvpilot router --fleet`, which learns the roles from the fleet); a PrefixCacheReset reports every pod with
+its role and proves both cold. The pure parts are in test_operator_disaggregation_parts.py and
+tests/router/test_fleet_roles.py."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 import uuid
 from pathlib import Path
@@ -66,8 +71,8 @@ def _completion(ip: str, prompt: str, max_tokens: int, params: dict) -> dict:
     return http("POST", f"http://{ip}:8000/v1/completions", body)
 
 
-def _metrics(ip: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as r:
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -76,11 +81,25 @@ def _metrics(ip: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def _router_url(cluster: Cluster, ns: str, name: str) -> str:
+    """The fleet router's URL from this host, as `kvpilot endpoint` prints it (the dev cluster has no DNS)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "kvpilot", "endpoint", name, "-n", ns],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "router pod" in r.stderr, r.stderr
+    return r.stdout.strip()
+
+
 def test_real_daemons_in_both_roles_hand_over_kv_and_reset_with_their_roles(
     cluster: Cluster, ns: str
 ) -> None:
     spec = {
         "disaggregation": ROLES,
+        "router": {"enabled": True},
         "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
         "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
     }
@@ -113,7 +132,7 @@ def test_real_daemons_in_both_roles_hand_over_kv_and_reset_with_their_roles(
     assert held["remote_port"] == 14579 and held["remote_block_keys"], held
     decoded = _completion(ips["decode"], prompt, 4, held)
     assert decoded["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * len(held["remote_block_keys"])
-    sent, received = _metrics(ips["prefill"]), _metrics(ips["decode"])
+    sent, received = _metrics(f"http://{ips['prefill']}:8000"), _metrics(f"http://{ips['decode']}:8000")
     assert sent[("kvpilot_kv_transfer_blocks_total", (("direction", "sent"),))] > 0
     assert received[("kvpilot_kv_transfer_blocks_total", (("direction", "received"),))] > 0
     # every metric of the fleet dashboard's disaggregation row is served (the chart's Prometheus test has
@@ -126,6 +145,26 @@ def test_real_daemons_in_both_roles_hand_over_kv_and_reset_with_their_roles(
         for m in METRIC_NAME.findall(t["expr"])
     }
     assert used and used <= {name for name, _ in received}, used
+
+    # The fleet's router (`kvpilot router --fleet pd`, no flag naming roles) found both pods with their roles
+    # and runs each chat as P/D: prefilled on the prefill pod, decoded on the decode pod, which pulled the
+    # prompt (its cached tokens, on a prompt neither pod had seen).
+    router = _router_url(cluster, ns, "pd")
+    assert {p["pod"]: p["role"] for p in http("GET", f"{router}/health")["pods"]} == names
+    chat = {
+        "messages": [{"role": "user", "content": prompt.replace("Harbour", "Lighthouse")}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        f"{router}/v1/chat/completions", json.dumps(chat).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert names[r.headers["X-Kvpilot-Pod"]] == "decode"
+        usage = json.loads(r.read())["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
+    transferred = ("kvpilot_router_pd_requests_total", (("outcome", "transferred"),))
+    assert _metrics(router)[transferred] == 1
 
     # A reset reaches both roles, names each pod's role and proves each cold.
     apply_ns(cluster, ns, pcr("flush", {"targetRef": {"name": "pd"}}))
@@ -157,4 +196,11 @@ def test_real_daemons_in_both_roles_hand_over_kv_and_reset_with_their_roles(
     deployments = {
         d["metadata"]["name"] for d in cluster.kubectl_json("get", "deployments", "-n", ns)["items"]
     }
-    assert deployments == {"pd"}, deployments
+    assert deployments == {"pd", "pd-router"}, deployments
+    # ...and the same router follows: the colocated pod, without a role (whole requests again).
+    wait_for(
+        lambda: [p["role"] for p in http("GET", f"{router}/health")["pods"] if p["ready"]] == [None],
+        240,
+        "the router to follow the colocated pod",
+        interval=1,
+    )

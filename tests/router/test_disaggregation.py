@@ -13,12 +13,20 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from kvpilot.protocol.kv_transfer import PREFILL_ASK
+from kvpilot.router.app import create_app
+from kvpilot.router.app_state import Router
 from kvpilot.router.disaggregation import decode_body, prefill_body, transfer_params
-from kvpilot.router.fleet.pods import DECODE, PREFILL, parse_pools
+from kvpilot.router.fleet.pods import DECODE, PREFILL, Fleet, Pod, parse_pools
+from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.routing.policy import make_policy
+from kvpilot.router.settings import RouterSettings
 from support.procs import wait_for
 from support.servers import ADMIN_TOKEN, RouterProc, start_router, stop_router
 
@@ -377,3 +385,75 @@ def test_the_decode_pool_is_what_serves(tmp_path: Path) -> None:
             stop_router(router)
     finally:
         prefill.stop()
+
+
+# ---- the mode follows the pods' roles --------------------------------------------------------------
+def test_the_mode_follows_the_pods_roles_without_a_restart() -> None:
+    """A --fleet router's pods take or lose roles when its InferenceDeployment is switched (discovery.py):
+    the same router, in-process, runs a chat as P/D while the pods have roles and whole on one pod once
+    they have none, each P/D outcome's series shown from the first list with roles."""
+    prefill, decode = StandinPod(), StandinPod()
+
+    def listed(roles: bool) -> list[Pod]:
+        return [
+            Pod(p.name, p.url, role=r if roles else None) for p, r in ((prefill, PREFILL), (decode, DECODE))
+        ]
+
+    async def run() -> None:
+        index, metrics = PrefixIndex(), RouterMetrics()
+        async with aiohttp.ClientSession() as session:
+            fleet = Fleet(index, metrics, session, probe_interval_s=0.2)
+            # as `kvpilot router --fleet` makes it: settings.disaggregated is --prefill/--decode's alone
+            router = Router(
+                RouterSettings(policy="round-robin", prefill_timeout_s=2),
+                fleet,
+                index,
+                make_policy("round-robin", index),
+                None,
+                metrics,
+                session,
+                make_policy("round-robin", index),
+            )
+            client = TestClient(TestServer(create_app(router)))
+            await client.start_server()
+            try:
+                fleet.update(listed(roles=False))
+                await fleet.first_probes(10)
+                assert not fleet.disaggregated
+                assert "pd_requests_total{" not in metrics.render().decode()
+
+                async def chat() -> tuple[str, str]:
+                    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": False})
+                    assert r.status == 200, await r.text()
+                    return r.headers["X-Kvpilot-Pod"], (await r.json())["choices"][0]["text"]
+
+                # colocated: whole on one pod, no prefill anywhere
+                assert await chat() in {(prefill.name, "computed here"), (decode.name, "computed here")}
+                fleet.update(listed(roles=True))
+                assert fleet.disaggregated
+                assert 'pd_requests_total{outcome="transferred"} 0.0' in metrics.render().decode()
+                prefill.bodies.clear()
+                decode.bodies.clear()
+                assert await chat() == (decode.name, "with params")
+                assert [b["kv_transfer_params"] for _, b in prefill.bodies] == [PREFILL_ASK]
+                assert 'pd_requests_total{outcome="transferred"} 1.0' in metrics.render().decode()
+                # an empty list (a fleet scaled to zero) keeps the mode; pods without roles end it
+                fleet.update([])
+                assert fleet.disaggregated
+                fleet.update(listed(roles=False))
+                await fleet.first_probes(10)
+                assert not fleet.disaggregated
+                prefill.bodies.clear()
+                decode.bodies.clear()
+                await chat()
+                assert all("kv_transfer_params" not in b for _, b in prefill.bodies + decode.bodies)
+                assert len(prefill.bodies + decode.bodies) == 1
+            finally:
+                await client.close()
+                await fleet.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        prefill.stop()
+        decode.stop()
