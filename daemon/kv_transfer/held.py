@@ -3,10 +3,11 @@ ended, kept under a random id until one pull takes it, its time runs out, the by
 one, or a reset drops it.
 
 Held KV lives off the pool (host memory; on a GPU pinned memory filled on a side stream), so a hold never
-pins pool blocks: requests never wait for a decode pod to pull, and a reset drops holds in O(1) (a map
-swapped for an empty one) without waiting for a pull in flight. A pull in flight when a reset lands is told
-apart by the epoch: every reset bumps it, each hold records the epoch it was made in, and the sender sends
-the epoch again after the last byte, so the decode side refuses what crossed a reset.
+pins pool blocks: requests never wait for a decode pod to pull, and a full reset drops holds in O(1) (a map
+swapped for an empty one) without waiting for a pull in flight. A hold being sent when a reset of its scope
+lands is marked crossed: the sender closes the send with the producer's current epoch instead of the hold's
+own (every reset moves the epoch on), and the decode side refuses what crossed a reset. A reset of another
+scope leaves holds and sends of this one whole.
 
 The engine thread makes holds and resets; the transfer server's event loop takes them: one lock orders them.
 """
@@ -63,7 +64,9 @@ class HeldKV:
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
         self._lock = threading.Lock()
         self._held: OrderedDict[str, Held] = OrderedDict()  # oldest first
-        self._bytes = 0
+        self._sending: dict[str, Held] = {}  # taken by a pull whose send has not ended
+        self._crossed: set[str] = set()  # of those, the ones a reset of their scope came during
+        self._bytes = 0  # of the holds waiting and those being sent
         self.epoch = 0
         self._dropped: Counter[str] = Counter()
 
@@ -88,23 +91,33 @@ class HeldKV:
             return HeldSummary(keys, self.epoch)
 
     def take(self, hold_id: str) -> Held | None:
-        """The hold, for its one pull (it leaves the store); None when there is none (never made, pulled,
-        expired, dropped)."""
+        """The hold, for its one pull (no other pull finds it again); None when there is none (never made,
+        pulled, expired, dropped). Its bytes count until `sent`."""
         with self._lock:
             self._expire(time.monotonic())
             held = self._held.pop(hold_id, None)
             if held is not None:
-                self._bytes -= held.nbytes
+                self._sending[hold_id] = held
             return held
 
+    def sent(self, hold_id: str) -> None:
+        """The send of a taken hold ended, whole or not: its bytes are free."""
+        with self._lock:
+            held = self._sending.pop(hold_id, None)
+            if held is not None:
+                self._bytes -= held.nbytes
+            self._crossed.discard(hold_id)
+
     def drop(self, match: Callable[[CacheScope], bool] | None = None) -> int:
-        """A reset: every hold (or those of the scopes `match` names) goes, and the epoch moves on, so a
-        pull already sending is refused at its end. How many holds went."""
+        """A reset: every hold (or those of the scopes `match` names) goes, the epoch moves on, and a send of
+        one of them under way is marked crossed (refused at its end). How many waiting holds went."""
         with self._lock:
             self.epoch += 1
+            self._crossed.update(h for h, held in self._sending.items() if match is None or match(held.scope))
             if match is None:
                 n = len(self._held)
-                self._held, self._bytes = OrderedDict(), 0
+                self._held = OrderedDict()
+                self._bytes = sum(held.nbytes for held in self._sending.values())
                 self._dropped["reset"] += n
                 return n
             gone = [h for h, held in self._held.items() if match(held.scope)]
@@ -117,6 +130,13 @@ class HeldKV:
             self._expire(time.monotonic())
             blocks = sum(len(h.keys) for h in self._held.values())
             return HeldStats(len(self._held), blocks, self._bytes, self.epoch, dict(self._dropped))
+
+    def closing_epoch(self, hold_id: str, held: Held) -> int:
+        """What a send of a taken hold closes with, after its last byte: the hold's own epoch, or, when a
+        reset of its scope has come since it was taken, the producer's current one (newer: every reset moves
+        it on)."""
+        with self._lock:
+            return self.epoch if hold_id in self._crossed else held.epoch
 
     def _expire(self, now: float) -> None:
         # holds expire in the order they were made (one timeout for all): the oldest first

@@ -12,12 +12,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvpilot.daemon.kv_transfer.held import HeldKV
+from kvpilot.daemon.kv_transfer.held import Held, HeldKV
 from kvpilot.daemon.kv_transfer.wire import DTYPE_NAMES, MAGIC, WireError, as_bytes, frame, read_frame
 
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
+SEND_CHUNK_BYTES = 1 << 20
 MAX_HOLD_ID_CHARS = 64
 
 # Told of each pull served: (blocks, bytes).
@@ -84,11 +85,23 @@ class TransferServer:
             return
         first, count = run
         held = self.held.take(hold_id)
-        if held is not None and count == 0:  # a release: the decode pod holds the whole prefix already
+        if held is None:
+            writer.write(frame({"ok": False, "reason": "gone"}))
+            await writer.drain()
+            return
+        try:
+            await self._send(writer, hold_id, held, first, count)
+        finally:
+            self.held.sent(hold_id)
+
+    async def _send(
+        self, writer: asyncio.StreamWriter, hold_id: str, held: Held, first: int, count: int
+    ) -> None:
+        if count == 0:  # a release: the decode pod holds the whole prefix already
             writer.write(frame({"ok": True, "epoch": held.epoch, "count": 0}))
             await writer.drain()
             return
-        if held is None or first + count > len(held.keys):
+        if first + count > len(held.keys):
             writer.write(frame({"ok": False, "reason": "gone"}))
             await writer.drain()
             return
@@ -104,10 +117,13 @@ class TransferServer:
         }
         writer.write(frame(header))
         payload = as_bytes(blocks)
-        writer.write(payload)
-        await writer.drain()
-        # After the last byte: a reset since the hold was made shows as a newer epoch here.
-        writer.write(frame({"epoch": self.held.epoch}))
+        # In pieces: the transport copies what the socket does not take at once, and a whole context's KV
+        # queued at once would be a second copy of it per pull.
+        for start in range(0, payload.nbytes, SEND_CHUNK_BYTES):
+            writer.write(payload[start : start + SEND_CHUNK_BYTES])
+            await writer.drain()
+        # After the last byte: a reset of the hold's scope during the send closes it with a newer epoch.
+        writer.write(frame({"epoch": self.held.closing_epoch(hold_id, held)}))
         await writer.drain()
         self.on_sent(count, payload.nbytes)
 

@@ -359,6 +359,55 @@ def test_a_pull_whose_send_crosses_a_prefill_reset_is_refused() -> None:
     assert outcome == "remote_reset"
 
 
+def test_a_scoped_reset_drops_and_refuses_only_its_own_scope() -> None:
+    """A reset of one salt drops that salt's hold and refuses a send of it under way, while another salt's
+    hold, waiting or being sent, is pulled whole (in process: the real server and client)."""
+    import torch
+
+    from kvpilot.daemon.engine.kv.cache_scope import CacheScope
+    from kvpilot.daemon.kv_transfer.held import HeldKV
+    from kvpilot.daemon.kv_transfer.pull import PullFailed, PullRequest, pull
+    from kvpilot.daemon.kv_transfer.server import TransferServer
+
+    shape = (2, 2, 16, 3, 64)
+    alice, bob = CacheScope(None, None, "alice"), CacheScope(None, None, "bob")
+    keys = tuple(bytes([i]) * 32 for i in range(4))
+
+    async def run() -> list[str]:
+        held = HeldKV(60, 1 << 30)
+        server = TransferServer(held, "127.0.0.1", 0, 30, lambda blocks, nbytes: None)
+        port = await server.start()
+        take = held.take
+
+        def take_then_reset_alice(hold_id: str):  # noqa: ANN202
+            taken = take(hold_id)
+            held.drop(lambda scope: scope == alice)  # lands while the taken hold is being sent
+            return taken
+
+        held.take = take_then_reset_alice  # type: ignore[method-assign]
+        outcomes = []
+        try:
+            for name, scope in (("a", alice), ("b", bob)):
+                made = held.hold(name, keys, torch.randn(4, *shape), None, scope)
+                try:
+                    await pull(
+                        PullRequest("127.0.0.1", port, name, 0, 4, made.epoch), shape, torch.float32, 30
+                    )
+                    outcomes.append("landed")
+                except PullFailed as exc:
+                    outcomes.append(exc.reason)
+            left = held.hold("b2", keys, torch.randn(4, *shape), None, bob)
+            held.take = take  # type: ignore[method-assign]
+            held.drop(lambda scope: scope == alice)
+            await pull(PullRequest("127.0.0.1", port, "b2", 0, 4, left.epoch), shape, torch.float32, 30)
+            outcomes.append("landed")
+        finally:
+            await server.stop()
+        return outcomes
+
+    assert asyncio.run(run()) == ["remote_reset", "landed", "landed"]
+
+
 def test_resets_at_random_moments_of_a_pd_load_change_no_output_and_leave_nothing(pd) -> None:  # noqa: ANN001
     """Prefills held, pulls in flight, decodes running, and resets of either pod at random moments between:
     every answer is the one pod's answer, and afterwards no hold is left and neither pod serves a stale hit."""
