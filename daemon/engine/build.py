@@ -108,7 +108,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     transfer = config.kv_transfer
     connector = None
     if transfer is not None:
-        connector = KVConnector.of(transfer, kv.remote, kv_block_shape(model, config.block_size), dtype)
+        connector = KVConnector.of(
+            transfer, kv.remote, kv_block_shape(model, config.block_size), dtype, device
+        )
     log.info(
         "engine ready: model %s (%s) on %s/%s x %d shard(s), ops=%s, %d torch threads, %d KV blocks x %d tokens (%.0f MiB), max_model_len %d",
         loaded.name,

@@ -109,7 +109,8 @@ class LLMEngine:
             raise QueueFull(f"{limit} requests are already waiting")
         check_version(req.weight_version, self.weight_version)
         seqs = new_group(req, self.eos_token_ids, weight_key=self._weight_key, keys=self.keys, lora=lora)
-        self.groups.add(req, seqs)
+        # What a restart needs of it, without pulled KV: that is landed once, and not held for the request's life
+        self.groups.add(dataclasses.replace(req, remote_kv=None) if req.remote_kv is not None else req, seqs)
         if not self.paused.hold(req.request_id):
             self.scheduler.add(seqs[0])
         return seqs
@@ -276,15 +277,8 @@ class LLMEngine:
         apply()
         self.set_weight_version(version)
         for a, lora in again:  # with the new weights and keys, each under the adapter it began with
-            self.add_request(
-                a.request_id,
-                a.prompt_token_ids,
-                a.params,
-                a.cache_salt,
-                restartable=True,
-                adapter=lora,
-                pin_prefix=a.pin_prefix,
-            )
+            # KV pulled before the swap is of the old weights: it never lands (the swap's reset refuses it too)
+            self.submit(dataclasses.replace(a, restartable=True, remote_kv=None), lora)
         return outputs
 
     # ---- LoRA adapters -----------------------------------------------------------------------------

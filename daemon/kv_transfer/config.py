@@ -22,6 +22,9 @@ class KVTransferConfig:
     hold_timeout_s: float = 120.0
     max_held_mib: float = 1024.0  # past it, the oldest holds are dropped
     pull_timeout_s: float = 30.0  # a consumer's whole pull, connect to the last byte
+    # A consumer's pulls at once; past it a decode computes its prompt (each pull holds up to a whole
+    # context's KV in memory while it lands).
+    max_pulls: int = 16
 
     @property
     def produces(self) -> bool:
@@ -42,6 +45,7 @@ _SETTINGS: dict[str, type] = {
     "hold_timeout_s": float,
     "max_held_mib": float,
     "pull_timeout_s": float,
+    "max_pulls": int,
 }
 
 
@@ -78,7 +82,7 @@ def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:
     config = KVTransferConfig(role, **settings)
     if not 0 <= config.port <= 65535:
         raise ValueError('--kv-transfer-config: "port" must be 0-65535')
-    for name in ("hold_timeout_s", "max_held_mib", "pull_timeout_s"):
+    for name in ("hold_timeout_s", "max_held_mib", "pull_timeout_s", "max_pulls"):
         if not getattr(config, name) > 0:
             raise ValueError(f'--kv-transfer-config: "{name}" must be positive')
     return config

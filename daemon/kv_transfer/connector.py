@@ -22,16 +22,22 @@ class KVConnector:
     remote: RemoteSource  # a consumer's landings (the cache manager counts them)
     block_shape: tuple[int, ...]  # one block of every layer: [layers, K/V, block_size, kv_heads, head_dim]
     dtype: torch.dtype
+    pinned: bool  # pulls land in pinned host memory (a CUDA pool: its copies in queue on the step's stream)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # vLLM's remote_engine_id
     port: int | None = None  # the transfer port, once the server listens (a producer)
     pulls_in_flight: int = 0  # a consumer's pulls under way (counted on the server's event loop)
 
     @classmethod
     def of(
-        cls, config: KVTransferConfig, remote: RemoteSource, block_shape: tuple[int, ...], dtype: torch.dtype
+        cls,
+        config: KVTransferConfig,
+        remote: RemoteSource,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> KVConnector:
         held = HeldKV(config.hold_timeout_s, config.max_held_bytes) if config.produces else None
-        return cls(config, held, remote, block_shape, dtype)
+        return cls(config, held, remote, block_shape, dtype, pinned=device.type == "cuda")
 
     def describe(self) -> dict[str, Any]:
         """`/prefix_cache`'s `kv_transfer`: the role, the holds waiting for a pull, what landed."""

@@ -36,17 +36,20 @@ class PullRequest:
 
 
 async def pull(
-    ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float
+    ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float, pinned: bool = False
 ) -> torch.Tensor:
-    """The blocks, [count, *block_shape] in host memory; PullFailed when they cannot be had whole."""
+    """The blocks, [count, *block_shape] in host memory (`pinned`: page-locked, for a CUDA pool to copy from
+    on its stream); PullFailed when they cannot be had whole."""
     try:
-        return await asyncio.wait_for(_pull(ask, block_shape, dtype), timeout_s)
+        return await asyncio.wait_for(_pull(ask, block_shape, dtype, pinned), timeout_s)
     except TimeoutError:
         raise PullFailed("timeout", f"no whole reply within {timeout_s:g} s") from None
     except OSError as exc:
         raise PullFailed("unreachable", f"{ask.host}:{ask.port}: {exc.strerror or exc}") from None
     except (WireError, asyncio.IncompleteReadError) as exc:
         raise PullFailed("protocol", str(exc) or type(exc).__name__) from None
+    except ValueError as exc:  # the resolver's UnicodeError for a name it cannot encode
+        raise PullFailed("unreachable", f"{ask.host}: {exc}") from None
 
 
 async def release(host: str, port: int, hold_id: str, timeout_s: float) -> None:
@@ -60,11 +63,13 @@ async def release(host: str, port: int, hold_id: str, timeout_s: float) -> None:
                 await conn.read_frame()
             finally:
                 conn.close()
-    except (OSError, TimeoutError, WireError, asyncio.IncompleteReadError):
+    except (OSError, TimeoutError, ValueError, WireError, asyncio.IncompleteReadError):
         pass
 
 
-async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+async def _pull(
+    ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dtype, pinned: bool
+) -> torch.Tensor:
     conn = await Connection.open(ask.host, ask.port)
     try:
         await conn.send(MAGIC + frame({"hold": ask.hold_id, "first": ask.first, "count": ask.count}))
@@ -84,7 +89,7 @@ async def _pull(ask: PullRequest, block_shape: tuple[int, ...], dtype: torch.dty
             )
         if head.get("epoch") != ask.epoch:
             raise PullFailed("remote_reset", "the prefill pod reset after it held these blocks")
-        data = torch.empty((ask.count, *block_shape), dtype=dtype)
+        data = torch.empty((ask.count, *block_shape), dtype=dtype, pin_memory=pinned)
         await conn.receive_into(as_bytes(data))
         tail = await conn.read_frame()
         if tail.get("epoch") != ask.epoch:

@@ -99,7 +99,7 @@ def _frame_length(head: bytes) -> int:
 def _frame_object(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
         raise WireError("a frame that is not JSON") from None
     if not isinstance(obj, dict):
         raise WireError("a frame that is not a JSON object")

@@ -24,6 +24,7 @@ from kvpilot.daemon.kv_transfer.server import TransferServer
 from kvpilot.daemon.server import http_log
 from kvpilot.daemon.server.app_state import STATE, ServerState, running_engine
 from kvpilot.daemon.server.choices import TokenTexts
+from kvpilot.daemon.server.disagg import PLAN_REFUSALS, transfer_key
 from kvpilot.daemon.server.metrics import DaemonMetrics, cache_config_labels
 from kvpilot.daemon.server.openai_api import chat_completions, completions, tokenize
 from kvpilot.daemon.server.prepare import PromptRules
@@ -41,7 +42,7 @@ from kvpilot.serving.text_pool import Busy, TextPool
 
 log = logging.getLogger(__name__)
 
-TRANSFER_FAILURES = (*PULL_FAILURES, *LANDING_REFUSALS)
+TRANSFER_FAILURES = (*PULL_FAILURES, *LANDING_REFUSALS, *PLAN_REFUSALS)
 
 __all__ = ["ServerSettings", "create_app", "serve"]
 
@@ -75,6 +76,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     state.weights.version = engine.info.weight_version
     if connector is not None and state.metrics.transfer is not None:
         connector.remote.on_refused = state.metrics.transfer.failed
+        state.transfer_key = transfer_key(settings.admin_token)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[error_middleware(settings.max_body_bytes), _track_requests],

@@ -46,6 +46,7 @@ class ServerState:
     weights: WeightStatus = field(default_factory=WeightStatus)
     adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # the LoRA adapters served, by name
     transfer_server: TransferServer | None = None  # a KV producer's pull server (kv_transfer/server.py)
+    transfer_key: bytes | None = None  # what prefill replies are signed with (server/disagg.py transfer_key)
     lora_lock: asyncio.Lock = field(
         default_factory=asyncio.Lock
     )  # weights/lora_routes.py's loads and unloads

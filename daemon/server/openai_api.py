@@ -81,11 +81,12 @@ async def _generate(
         req.pin_prefix,
         kv_hold=transfer.hold_id if transfer is not None else None,
     )
-    if transfer is not None and transfer.remote is not None and state.metrics.transfer is not None:
-        remote_kv = await pull_prefix(engine, state.metrics.transfer, engine_req, transfer.remote)
+    if transfer is not None and transfer.remote is not None:
+        remote_kv = await pull_prefix(state, engine_req, transfer.remote)
         engine_req = dataclasses.replace(engine_req, remote_kv=remote_kv)
     try:
         sink = await engine.add(engine_req)
+        del engine_req  # its pulled KV, landed or not, is the engine's now: not kept for the whole decode
     except QueueFull as exc:
         raise unavailable(str(exc), "queue_full") from None
     except RequestRejected as exc:
@@ -220,9 +221,9 @@ async def _serve(request: web.Request, prepare: Any, prefix: str) -> web.StreamR
         if prep.req.pin_prefix:  # pins share one cap: a tenant could hold it all (docs/security.md)
             prep.req.pin_prefix, prep.req.pin_refused = False, "tenant"
     _IGNORED_LOG.note(prep.req.ignored_fields, request.path)
-    info = state.engine.info
+    max_blocks = state.engine.info.max_model_len // state.engine.info.block_size
     transfer = parse_ask(
-        prep.req, state.engine.kv_connector, len(prep.prompts), info.max_model_len // info.block_size
+        prep.req, state.engine.kv_connector, len(prep.prompts), max_blocks, state.transfer_key
     )
     rid = f"{prefix}-{uuid.uuid4().hex}"
     ids = [rid if len(prep.prompts) == 1 else f"{rid}-{i}" for i in range(len(prep.prompts))]

@@ -109,8 +109,8 @@ async def complete(
     }
     if (pin := pinned(req, finals)) is not None:
         body["pin_prefix"] = pin
-    if hold is not None and (connector := state.engine.kv_connector) is not None:
-        body["kv_transfer_params"] = reply_params(connector, hold, list(finals.values()))
+    if hold is not None:
+        body["kv_transfer_params"] = reply_params(state, hold, list(finals.values()))
     return json_response(body, headers=ignored_fields_headers(req.ignored_fields))
 
 

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpilot.daemon.server.disagg import SIGNATURE, signature, transfer_key
 from kvpilot.protocol.kv_transfer import PREFILL_ASK
-from support.procs import free_port
-from support.servers import Server, start_pd_pair, stop_server, transfer_config
+from support.procs import free_port, wait_for
+from support.servers import ADMIN_TOKEN, Server, start_pd_pair, stop_server, transfer_config
 
 BS = 16
 TOPICS = ["tides", "volcanoes", "glaciers", "comets", "coral reefs", "deserts", "auroras", "monsoons"]
@@ -171,11 +172,36 @@ def test_an_unreachable_prefill_pod_costs_a_recompute_not_an_error(pd) -> None: 
     body = chat_body("deserts")
     pre = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_ASK})
     params = {**pre["kv_transfer_params"], "remote_port": free_port()}  # nothing listens there
+    params[SIGNATURE] = signature(transfer_key(ADMIN_TOKEN), params)  # as the fleet would sign it
     before = failures(decode, "unreachable")
     dec = post(decode, {**body, "kv_transfer_params": params})
     assert dec["choices"][0]["finish_reason"] and cached(dec) < held_blocks(pre) * BS  # its own hits only
     assert failures(decode, "unreachable") == before + 1
     assert prefill.reset()["dropped_holds"] == 1  # the hold nobody could pull
+
+
+def test_params_the_fleet_did_not_sign_make_no_connection(pd) -> None:  # noqa: ANN001
+    """A client that writes its own params (where to connect, what to land under which keys) gets its answer
+    computed on the decode pod: no connection is made, nothing is landed, the refusal is counted."""
+    prefill, decode = pd
+    body = chat_body("the tides of Fundy")
+    pre = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_ASK})
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.settimeout(0.5)
+    forged = {**pre["kv_transfer_params"], "remote_port": trap.getsockname()[1]}  # signature now wrong
+    before = failures(decode, "untrusted")
+    try:
+        dec = post(decode, {**body, "kv_transfer_params": forged})
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    finally:
+        trap.close()
+    assert failures(decode, "untrusted") == before + 1
+    assert cached(dec) < held_blocks(pre) * BS
+    unsigned = {k: v for k, v in pre["kv_transfer_params"].items() if k != SIGNATURE}
+    post(decode, {**body, "kv_transfer_params": unsigned})
+    assert failures(decode, "untrusted") == before + 2
+    assert prefill.reset()["dropped_holds"] == 1  # never pulled
 
 
 def test_kv_of_another_salt_is_never_landed_and_its_hold_is_released(pd) -> None:  # noqa: ANN001
@@ -191,7 +217,7 @@ def test_kv_of_another_salt_is_never_landed_and_its_hold_is_released(pd) -> None
     dec = post(decode, {**body, "cache_salt": "tenant-b", "kv_transfer_params": pre["kv_transfer_params"]})
     assert cached(dec) == 0
     assert failures(decode, "incompatible") == before + 1
-    assert prefill.cache()["kv_transfer"]["held"]["transfers"] == 0
+    wait_for(lambda: prefill.cache()["kv_transfer"]["held"]["transfers"] == 0, 10, "the release")
 
 
 def keys(n: int = 2) -> list[str]:
@@ -219,6 +245,12 @@ BAD = [
     # more blocks than the context (512 tokens) holds
     ("decode", {**DECODE_PARAMS, "remote_block_keys": keys(40)}, "kv_transfer_params.remote_block_keys"),
     ("decode", {**DECODE_PARAMS, "remote_host": "h" * 300}, "kv_transfer_params.remote_host"),
+    (
+        "decode",
+        {**DECODE_PARAMS, "remote_host": "x..y"},
+        "kv_transfer_params.remote_host",
+    ),  # no resolver takes it
+    ("decode", {**DECODE_PARAMS, "remote_host": "a" * 64 + ".svc"}, "kv_transfer_params.remote_host"),
     ("decode", {**DECODE_PARAMS, "remote_epoch": True}, "kv_transfer_params.remote_epoch"),
     ("decode", PREFILL_ASK, "kv_transfer_params"),  # a consumer does not prefill for others
     ("prefill", DECODE_PARAMS, "kv_transfer_params"),  # a producer does not decode remote prefills
