@@ -148,18 +148,6 @@ def start_router(pods: list[str], tmp: Path, name: str):  # noqa: ANN201
     return start([*cmd, *pods], tmp / f"router-{name}.log", url, ready), url
 
 
-def metrics(url: str) -> dict[str, float]:
-    """A daemon's or router's /metrics samples, `name{labels}` -> value."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def fleet_reset(url: str) -> None:
     req = urllib.request.Request(
         url + "/reset_prefix_cache", method="POST", headers={"Authorization": f"Bearer {TOKEN}"}
@@ -307,11 +295,11 @@ def run_mode(mode: str, work: list[dict], args: argparse.Namespace, tmp: Path) -
         warm_up(router)
         fleet_reset(router)  # cold caches: the load starts as each mode's first traffic
         time.sleep(1)  # the resets' KV events reach the router
-        before = [metrics(d) for d in daemons]
-        router_before = metrics(router)
+        before = [benchkit.metrics(d) for d in daemons]
+        router_before = benchkit.metrics(router)
         results = asyncio.run(open_loop(router, work, args.max_tokens))
-        after = [metrics(d) for d in daemons]
-        router_after = metrics(router)
+        after = [benchkit.metrics(d) for d in daemons]
+        router_after = benchkit.metrics(router)
         run = {"mode": mode, "pinned_cores": cores} | summarize(results)
         if mode == "pd":
             run["kv_transfer"] = transfer_figures(results, before, after)

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -123,14 +122,7 @@ async def fleet_reset(url: str) -> dict:
 
 
 def router_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvpilot_router_"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return {k: v for k, v in benchkit.metrics(url).items() if k.startswith("kvpilot_router_")}
 
 
 def total(metrics: dict[str, float], name: str, label: str = "") -> float:

@@ -43,6 +43,22 @@ def health(url: str) -> dict:
     return body if isinstance(body, dict) else {}
 
 
+def samples(text: str) -> dict[str, float]:
+    """Prometheus text as `name{labels}` -> value (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metrics(url: str) -> dict[str, float]:
+    """A daemon's or router's GET URL/metrics, as `samples`."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return samples(r.read().decode())
+
+
 def launch(
     argv: Sequence[str],
     log: Path,

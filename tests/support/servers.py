@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from benchkit import samples
 from support.procs import free_port, spawn, stop, wait_ready
 
 ADMIN_TOKEN = "test-admin-token-4d1f"
@@ -82,13 +83,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics as {'name{labels}': value}."""
-        text = self.request("GET", "/metrics").body.decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return samples(self.request("GET", "/metrics").body.decode())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
