@@ -25,6 +25,7 @@ from kvpilot.daemon.kv_transfer.held import HeldSummary
 from kvpilot.daemon.kv_transfer.pull import PullFailed, PullRequest, pull, release
 from kvpilot.daemon.kv_transfer.remote import RemoteBlocks
 from kvpilot.daemon.server.app_state import ServerState
+from kvpilot.daemon.server.metrics import TransferMetrics
 from kvpilot.kv.block_keys import BlockHash
 from kvpilot.protocol.errors import bad
 from kvpilot.protocol.kv_transfer import KV_TRANSFER, asks
@@ -183,26 +184,18 @@ async def pull_prefix(
         log.warning("KV transfer: params not signed by this fleet (another admin token?); computing here")
         return None
     cfg = connector.config
-    plan = None
-    why = "incompatible"
-    if remote.block_size == engine.info.block_size and remote.model in (None, model_identity(state)):
-        try:
-            plan = await engine.plan_pull(request, keys)
-        except ValueError:  # RequestRejected (an adapter gone since parsing): the engine's add says so
-            plan, why = None, ""
-    if plan is None or plan.count == 0 or request.params.prompt_logprobs is not None:
-        if plan is not None and plan.matched == 0:  # keys of other weights, salt, adapter or hash seed
-            why = "incompatible"
-        elif plan is not None:
-            why = ""
-        if why:
-            metrics.failed(why)
-        _release_later(remote, cfg.pull_timeout_s)
-        return None
+    if remote.block_size != engine.info.block_size or remote.model not in (None, model_identity(state)):
+        return _skip(remote, cfg.pull_timeout_s, metrics, "incompatible")
+    try:
+        plan = await engine.plan_pull(request, keys)
+    except ValueError:  # RequestRejected (an adapter gone since parsing): the engine's add says so
+        return _skip(remote, cfg.pull_timeout_s, metrics, None)
+    if plan.matched == 0:  # keys of other weights, salt, adapter or hash seed
+        return _skip(remote, cfg.pull_timeout_s, metrics, "incompatible")
+    if plan.count == 0 or request.params.prompt_logprobs is not None:  # nothing it would land
+        return _skip(remote, cfg.pull_timeout_s, metrics, None)
     if connector.pulls_in_flight >= cfg.max_pulls:
-        metrics.failed("busy")
-        _release_later(remote, cfg.pull_timeout_s)
-        return None
+        return _skip(remote, cfg.pull_timeout_s, metrics, "busy")
     ask = PullRequest(remote.host, remote.port, remote.hold_id, plan.first, plan.count, remote.epoch)
     start = time.perf_counter()
     connector.pulls_in_flight += 1
@@ -228,14 +221,20 @@ async def pull_prefix(
 _RELEASES: set[asyncio.Task[None]] = set()  # kept until done: the loop holds tasks only weakly
 
 
-def _release_later(remote: RemotePrefill, timeout_s: float) -> None:
-    """Let the prefill pod drop a hold this pod pulls nothing of, beside the request: a slow or silent
-    producer must not hold the client's answer up."""
+def _skip(
+    remote: RemotePrefill, timeout_s: float, metrics: TransferMetrics, reason: str | None
+) -> RemoteBlocks | None:
+    """`pull_prefix`'s answer when it pulls nothing (None; `reason`, when it is a failure, counted): the
+    prefill pod is let drop the hold beside the request, so a slow or silent producer never holds the
+    client's answer up."""
+    if reason is not None:
+        metrics.failed(reason)
     task = asyncio.get_running_loop().create_task(
         release(remote.host, remote.port, remote.hold_id, timeout_s)
     )
     _RELEASES.add(task)
     task.add_done_callback(_RELEASES.discard)
+    return None
 
 
 def model_identity(state: ServerState) -> str:
