@@ -1,17 +1,26 @@
 """Router CPU cost: kvpilot's router against the real `sglang-router` (PyPI), on the same stub workers.
 
 `--workers` stub workers (2 by default; this file run with --worker: a raw asyncio HTTP/1.1 server,
-keep-alive, up to 8 ports in one process) answer OpenAI
-chat completions at once: a JSON reply with usage, or, for `"stream": true`, `--chunks` server-sent
-events sent one per write a little apart (as an engine emits tokens), then the usage event and [DONE].
-Each router in turn fronts all of them, round-robin (`kvpilot router --policy round-robin`, `sglang-router
-launch --policy round_robin`), and gets the same load from this process: N chats at concurrency C, then
-S streams of K chunks. What a router costs is the CPU seconds of its process over each phase (its
-CPU-time clock, benchkit.cpu_s: all its threads): CPU per chat, and per streamed chunk (a
-stream's CPU over its chunks). The routers run one after the other, `--repeats` times alternating, on
-the same machine state; the load average is written beside the figures.
+keep-alive, up to 8 ports in one process) answer OpenAI chat completions and completions at once: a JSON
+reply with usage, or, for `"stream": true`, `--chunks` server-sent events sent one per write a little apart
+(as an engine emits tokens), then the usage event and [DONE]. Each stub port also publishes KV events as a
+kvpilot daemon does (`GET /kv_events`, a PUB and a replay socket, the daemon's own publisher): a
+BlockStored for each full block of a prompt it had not stored yet (keyed as the daemon keys it), and the
+reply's `cached_tokens` for the blocks it had. So a prefix-aware kvpilot router is fed by KV events, as in a
+real fleet.
 
-    .venv/bin/python bench/router_cost.py                      # 1500 chats at 32; 120 streams of 64
+Each router in turn fronts all of them and gets the same load from this process, first round-robin
+(`kvpilot router --policy round-robin`, `sglang-router launch --policy round_robin`): N short chats at
+concurrency C, N short completions, then S streams of K chunks; then by prefix (`kvpilot router --policy
+prefix-aware`, `sglang-router --policy cache_aware`): the same chats and completions, and S/2 streams
+(`--no-prefix` leaves these out). The chats and completions are short (one of 8 system prompts of ~60 tokens,
+cycled, then a user line never sent before: ~80 tokens, under 1 KiB of JSON). What a router costs is the CPU
+seconds of its process over each phase (its CPU-time clock, benchkit.cpu_s: all its threads): CPU per
+request, and per streamed chunk (a stream's CPU over its chunks). The routers run one after the other,
+`--repeats` times alternating, on the same machine state; the load average is written beside the figures,
+and each kvpilot/sglang-router ratio in `summary`.
+
+    .venv/bin/python bench/router_cost.py                      # 1500 chats and completions at 32; 120 streams of 64
     .venv/bin/python bench/router_cost.py --chats 300 --streams 20 --repeats 1   # a quick look
 
 `sglang-router` comes from `make sglang-router` (~/.cache/kvpilot/tools/bin). Results go to
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -29,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import OrderedDict
 from pathlib import Path
 
 import aiohttp
@@ -43,28 +54,88 @@ MODEL = "stub"
 
 
 # ---- the stub worker -----------------------------------------------------------------------------
-def _chat_reply() -> bytes:
-    usage = {"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16}
-    usage["prompt_tokens_details"] = {"cached_tokens": 0}
-    doc = {
-        "id": "chatcmpl-stub",
-        "object": "chat.completion",
-        "created": 0,
-        "model": MODEL,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "Hi there!"}, "finish_reason": "stop"}
-        ],
-        "usage": usage,
+def _usage(cached: int) -> dict:
+    return {
+        "prompt_tokens": 100,
+        "completion_tokens": 4,
+        "total_tokens": 104,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
-    return json.dumps(doc).encode()
+
+
+def _reply(path: str, cached: int) -> bytes:
+    if path.startswith("/v1/completions"):
+        choice: dict = {"index": 0, "text": " Hi there!", "logprobs": None, "finish_reason": "stop"}
+        doc = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": MODEL}
+    else:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi there!"},
+            "finish_reason": "stop",
+        }
+        doc = {"id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": MODEL}
+    return json.dumps(doc | {"choices": [choice], "usage": _usage(cached)}).encode()
 
 
 def _event(doc: dict) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
-async def _serve_worker(ports: list[int], gap_s: float, chunks: int) -> None:
-    reply = _chat_reply()
+class _Cache:
+    """One stub port's KV cache as a kvpilot daemon would publish it: the daemon's own publisher (PUB and
+    replay sockets), a BlockStored for each full block of a prompt not stored before, keyed as the daemon
+    keys it (the router's prompt reader, which is the daemon's tokenizer, template and key function), and a
+    BlockRemoved for the least recently used block past the pool's BLOCKS."""
+
+    BLOCK_SIZE = 16
+    BLOCKS = 2048
+
+    def __init__(self, reader: object) -> None:
+        from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
+
+        self.reader = reader
+        self.pub = KVEventPublisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", block_size=self.BLOCK_SIZE, blocks_total=self.BLOCKS
+        )
+        self.info = json.dumps(self.pub.describe("127.0.0.1")).encode()
+        self.stored: OrderedDict = OrderedDict()
+
+    def serve(self, path: str, body: bytes) -> int:
+        """Store the prompt's blocks (publishing the new ones); the tokens it found cached."""
+        scheme = (self.BLOCK_SIZE, None, self.pub.keys, None)
+        prompts = self.reader._prepare(path, body, {scheme})  # type: ignore[attr-defined]
+        if prompts is None:
+            return 0
+        chain, ids = prompts.block_keys(scheme)[0], prompts.token_ids[0]
+        cached = 0
+        while cached < len(chain) and chain[cached] in self.stored:
+            self.stored.move_to_end(chain[cached])
+            cached += 1
+        rec = self.pub.recorder
+        for i in range(cached, len(chain)):
+            rec.block_stored(chain, i, ids)
+            self.stored[chain[i]] = None
+        while len(self.stored) > self.BLOCKS:
+            rec.block_removed(self.stored.popitem(last=False)[0])
+        self.pub.flush()
+        return cached * self.BLOCK_SIZE
+
+    def clear(self) -> None:
+        """Empty the cache, as a reset does (an AllBlocksCleared): each router starts on cold pods."""
+        self.stored.clear()
+        self.pub.recorder.all_cleared()
+        self.pub.flush()
+
+
+async def _serve_worker(ports: list[int], gap_s: float, chunks: int, kv_events: bool) -> None:
+    reader = None
+    if kv_events:
+        # the checkout's root (put on the path by hack/lib's helpers) holds a `kernels` folder that would
+        # shadow the package of that name transformers imports
+        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != ROOT]
+        from kvpilot.router.routing.prompts import PromptReader
+
+        reader = PromptReader(None, workers=1)
     delta = _event(
         {
             "id": "chatcmpl-stub",
@@ -78,55 +149,73 @@ async def _serve_worker(ports: list[int], gap_s: float, chunks: int) -> None:
     def chunk(data: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(data), data)
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                length = 0
-                for line in lines[1:]:
-                    if line[:15].lower() == "content-length:":
-                        length = int(line[15:])
-                body = await reader.readexactly(length) if length else b""
-                if method == "POST" and path.startswith("/v1/chat/completions"):
-                    req = json.loads(body)
-                    if req.get("stream"):
-                        writer.write(
-                            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                            b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
-                        )
-                        n = chunks  # not the body's max_tokens: sglang-router rewrites that field
-                        for _ in range(n):
-                            writer.write(chunk(delta))
+    def handler(cache: _Cache | None):  # noqa: ANN202
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    lines = head.decode("latin-1").split("\r\n")
+                    method, path, _ = lines[0].split(" ", 2)
+                    length = 0
+                    for line in lines[1:]:
+                        if line[:15].lower() == "content-length:":
+                            length = int(line[15:])
+                    body = await reader.readexactly(length) if length else b""
+                    if method == "POST" and path.startswith(("/v1/chat/completions", "/v1/completions")):
+                        cached = cache.serve(path, body) if cache is not None else 0
+                        req = json.loads(body)
+                        if req.get("stream"):
+                            writer.write(
+                                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            )
+                            n = chunks  # not the body's max_tokens: sglang-router rewrites that field
+                            for _ in range(n):
+                                writer.write(chunk(delta))
+                                await writer.drain()
+                                await asyncio.sleep(gap_s)
+                            done = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": MODEL}
+                            details = {"cached_tokens": cached}
+                            done |= {"choices": [], "usage": {**usage, "completion_tokens": n}}
+                            done["usage"]["prompt_tokens_details"] = details
+                            writer.write(chunk(_event(done) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
                             await writer.drain()
-                            await asyncio.sleep(gap_s)
-                        done = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": MODEL}
-                        done |= {"choices": [], "usage": {**usage, "completion_tokens": n}}
-                        writer.write(chunk(_event(done) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
-                        await writer.drain()
-                        continue
-                    status, out = b"200 OK", reply
-                elif method == "GET" and path.startswith("/kv_events"):
-                    status, out = b"404 Not Found", b'{"error": "no kv events"}'
-                elif method == "GET" and path.startswith("/v1/models"):
-                    status, out = (
-                        b"200 OK",
-                        b'{"object": "list", "data": [{"id": "stub", "object": "model"}]}',
+                            continue
+                        status, out = b"200 OK", _reply(path, cached)
+                    elif method == "POST" and path.startswith("/reset_prefix_cache"):
+                        if cache is not None:
+                            cache.clear()
+                        status, out = b"200 OK", b'{"success": true}'
+                    elif method == "GET" and path.startswith("/kv_events"):
+                        if cache is not None:
+                            status, out = b"200 OK", cache.info
+                        else:
+                            status, out = b"404 Not Found", b'{"error": "no kv events"}'
+                    elif method == "GET" and path.startswith("/v1/models"):
+                        status, out = (
+                            b"200 OK",
+                            b'{"object": "list", "data": [{"id": "stub", "object": "model"}]}',
+                        )
+                    else:  # /health, /health_generate, /get_model_info, /get_server_info, ...
+                        status, out = b"200 OK", b'{"status": "ok", "model_path": "stub"}'
+                    writer.write(
+                        b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                        % (status, len(out), out)
                     )
-                else:  # /health, /health_generate, /get_model_info, /get_server_info, ...
-                    status, out = b"200 OK", b'{"status": "ok", "model_path": "stub"}'
-                writer.write(
-                    b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                    % (status, len(out), out)
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass
-        finally:
-            writer.close()
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                pass
+            finally:
+                writer.close()
 
-    servers = [await asyncio.start_server(handle, "127.0.0.1", p, backlog=1024) for p in ports]
+        return handle
+
+    servers = [
+        await asyncio.start_server(
+            handler(_Cache(reader) if reader is not None else None), "127.0.0.1", p, backlog=1024
+        )
+        for p in ports
+    ]
     await asyncio.gather(*(s.serve_forever() for s in servers))
 
 
@@ -136,19 +225,26 @@ def _ready_json(url: str, path: str, check) -> bool:
         return check(json.loads(r.read()))
 
 
-def start_kvpilot(workers: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_kvpilot(workers: list[str], tmp: Path, policy: str = "round-robin") -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "kvpilot", "router", "--policy", "round-robin"]
+    # -P: the checkout (the cwd) not on the path: its kernels/ would shadow the package transformers imports
+    argv = [sys.executable, "-P", "-m", "kvpilot", "router", "--policy", policy]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--endpoints", ",".join(workers)]
 
     def ready(health: dict) -> bool:
-        return sum(bool(p.get("ready")) for p in health.get("pods", [])) == len(workers)
+        pods = health.get("pods", [])
+        # every pod ready, and its KV events followed where it publishes them
+        return sum(bool(p.get("ready")) and p.get("kv_events") != "pending" for p in pods) == len(
+            workers
+        ) and all(p.get("synced") for p in pods if p.get("kv_events") == "on")
 
     return benchkit.launch(argv, tmp / "kvpilot-router.log", url, 120, ready=ready), url
 
 
-def start_sglang(binary: str, workers: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_sglang(
+    binary: str, workers: list[str], tmp: Path, policy: str = "round_robin"
+) -> tuple[subprocess.Popen, str]:
     from devcluster.procs import spawn, wait_ready
 
     port = free_port()
@@ -156,7 +252,7 @@ def start_sglang(binary: str, workers: list[str], tmp: Path) -> tuple[subprocess
     argv = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers]
     argv += [
         "--policy",
-        "round_robin",
+        policy,
         "--prometheus-host",
         "127.0.0.1",
         "--prometheus-port",
@@ -170,21 +266,43 @@ def start_sglang(binary: str, workers: list[str], tmp: Path) -> tuple[subprocess
 
 
 # ---- load ----------------------------------------------------------------------------------------
-def _body(stream: bool, max_tokens: int) -> bytes:
-    doc = {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-    }
+SYSTEMS = [
+    f"You are assistant number {i}, a terse helper for the {topic} team. Answer in one short sentence, "
+    "name no sources, never apologise, keep numbers exact, and say so when a question is outside what "
+    f"the {topic} team handles."
+    for i, topic in enumerate(
+        ("billing", "search", "storage", "network", "kernel", "mobile", "data", "infra")
+    )
+]
+CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
+
+
+def _request(path: str, stream: bool, max_tokens: int, i: int) -> bytes:
+    """Request `i` of a phase: one of 8 system prompts (cycled), then a user line of its own (each
+    request's differs: no cache keyed on a whole text, the router's or a tokenizer's, serves it)."""
+    system, user = (
+        SYSTEMS[i % len(SYSTEMS)],
+        f"Question {i}: what does step {i % 7} of the runbook do, in brief?",
+    )
+    doc: dict = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
+    if path == CHAT_PATH:
+        doc["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    else:
+        doc["prompt"] = f"{system}\n\n{user}"
     if stream:
         doc |= {"stream": True, "stream_options": {"include_usage": True}}
     return json.dumps(doc).encode()
 
 
-async def _load(url: str, n: int, concurrency: int, stream: bool, chunks: int) -> tuple[int, int]:
-    """Send n requests with `concurrency` in flight; (failures, data events received)."""
-    body = _body(stream, chunks)
+def _body(stream: bool, max_tokens: int) -> bytes:
+    return _request(CHAT_PATH, stream, max_tokens, 0)
+
+
+async def _load(
+    url: str, n: int, concurrency: int, stream: bool, chunks: int, path: str = CHAT_PATH
+) -> tuple[int, int]:
+    """Send n requests to `path` with `concurrency` in flight; (failures, data events received)."""
+    bodies = [_request(path, stream, chunks if stream else 8, next(_numbers)) for _ in range(n)]
     headers = {"Content-Type": "application/json"}
     left, failures, events = [n], [0], [0]
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -193,7 +311,8 @@ async def _load(url: str, n: int, concurrency: int, stream: bool, chunks: int) -
         async def client() -> None:
             while left[0] > 0:
                 left[0] -= 1
-                async with s.post(url + "/v1/chat/completions", data=body, headers=headers) as r:
+                body = bodies[left[0]]
+                async with s.post(url + path, data=body, headers=headers) as r:
                     raw = await r.read()
                     if r.status != 200:
                         failures[0] += 1
@@ -204,16 +323,31 @@ async def _load(url: str, n: int, concurrency: int, stream: bool, chunks: int) -
     return failures[0], events[0]
 
 
-def measure(name: str, proc: subprocess.Popen, url: str, args: argparse.Namespace) -> dict:
-    asyncio.run(_load(url, 100, args.concurrency, False, 0))  # warm up: connections, caches
+_numbers = itertools.count()  # over the whole run: no user line is sent twice
+
+
+# (phase, path, streamed): what each router gets, in order (`--completions 0` and `--streams 0` drop theirs)
+PHASES = (("chats", CHAT_PATH, False), ("completions", COMPLETION_PATH, False), ("streams", CHAT_PATH, True))
+
+
+def measure(
+    name: str, proc: subprocess.Popen, url: str, args: argparse.Namespace, streams: int | None = None
+) -> dict:
+    asyncio.run(_load(url, 100, args.concurrency, False, 0))  # warm up: connections, caches, the index
+    asyncio.run(_load(url, 100, args.concurrency, False, 0, COMPLETION_PATH))
     asyncio.run(_load(url, 8, 8, True, args.chunks))
     out: dict = {"router": name}
-    for phase, n, conc, stream in (
-        ("chats", args.chats, args.concurrency, False),
-        ("streams", args.streams, args.stream_concurrency, True),
-    ):
+    counts = {
+        "chats": args.chats,
+        "completions": getattr(args, "completions", 0),
+        "streams": args.streams if streams is None else streams,
+    }
+    for phase, path, stream in PHASES:
+        n, conc = counts[phase], args.stream_concurrency if stream else args.concurrency
+        if n <= 0:
+            continue
         cpu0, t0 = benchkit.cpu_s(proc.pid), time.perf_counter()
-        failures, events = asyncio.run(_load(url, n, conc, stream, args.chunks))
+        failures, events = asyncio.run(_load(url, n, conc, stream, args.chunks, path))
         wall, cpu = time.perf_counter() - t0, benchkit.cpu_s(proc.pid) - cpu0
         row = {"requests": n, "concurrency": conc, "failures": failures, "wall_s": round(wall, 3)}
         row["cpu_s"] = round(cpu, 3)
@@ -223,8 +357,28 @@ def measure(name: str, proc: subprocess.Popen, url: str, args: argparse.Namespac
         else:
             row["cpu_per_request_ms"] = round(cpu / n * 1e3, 4)
         out[phase] = row
-        print(f"{name:14s} {phase:8s} {json.dumps(row)}", flush=True)
+        print(f"{name:14s} {phase:11s} {json.dumps(row)}", flush=True)
+    if name == "kvpilot":
+        out["routing"] = _routing(url)
     return out
+
+
+def _routing(url: str) -> dict:
+    """How kvpilot's router routed the run (warm-up included): its decisions by reason, and the cached
+    tokens it predicted against those the stubs reported (the prefix rounds: the KV events were followed)."""
+    got: dict = {}
+    for key, value in benchkit.metrics(url).items():
+        name = key.partition("{")[0]
+        if name == "kvpilot_router_routing_decisions_total":
+            reason = key.partition('reason="')[2].partition('"')[0]
+            got[f"decisions_{reason}"] = got.get(f"decisions_{reason}", 0) + int(value)
+        elif name in (
+            "kvpilot_router_predicted_cached_tokens_total",
+            "kvpilot_router_reported_cached_tokens_total",
+        ):
+            short = name.removeprefix("kvpilot_router_").removesuffix("_total")
+            got[short] = got.get(short, 0) + int(value)
+    return got
 
 
 def start_workers(n: int, args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
@@ -233,28 +387,44 @@ def start_workers(n: int, args: argparse.Namespace, tmp: Path) -> tuple[list[sub
     procs = []
     for i in range(0, n, 8):
         group = ports[i : i + 8]
-        argv = [sys.executable, __file__, "--worker", ",".join(map(str, group))]
+        # -P: bench/ not first on the path, whose kernels.py would shadow the package transformers imports
+        argv = [sys.executable, "-P", __file__, "--worker", ",".join(map(str, group))]
         argv += ["--chunk-gap-ms", str(args.chunk_gap_ms), "--chunks", str(args.chunks)]
+        if getattr(args, "prefix", False):
+            argv.append("--kv-events")
         log = tmp / f"worker-{group[0]}.log"
-        procs.append(benchkit.launch(argv, log, f"http://127.0.0.1:{group[-1]}", 60))
+        procs.append(benchkit.launch(argv, log, f"http://127.0.0.1:{group[-1]}", 120))
     return procs, [f"http://127.0.0.1:{p}" for p in ports]
 
 
+# (label, kvpilot's --policy, sglang-router's --policy)
+POLICIES = (("round_robin", "round-robin", "round_robin"), ("prefix", "prefix-aware", "cache_aware"))
+
+
 def both_routers(args: argparse.Namespace, binary: str, tmp: Path) -> list[dict]:
-    """`args.repeats` rounds of kvpilot's router then sglang-router, each fronting `args.workers` stubs."""
+    """`args.repeats` rounds of kvpilot's router then sglang-router, each fronting `args.workers` stubs:
+    round-robin, then (with `args.prefix`) by prefix, kvpilot's fed by the stubs' KV events."""
     worker_procs, workers = start_workers(args.workers, args, tmp)
+    policies = POLICIES if getattr(args, "prefix", False) else POLICIES[:1]
     runs = []
     try:
         for _ in range(args.repeats):
-            for name, start in (
-                ("kvpilot", lambda: start_kvpilot(workers, tmp)),
-                ("sglang-router", lambda: start_sglang(binary, workers, tmp)),
-            ):
-                proc, url = start()
-                try:
-                    runs.append(measure(name, proc, url, args) | {"workers": args.workers})
-                finally:
-                    benchkit.shutdown(proc)
+            for label, ours, theirs in policies:
+                streams = args.streams if label == "round_robin" else args.streams // 2
+                for name, start in (
+                    ("kvpilot", lambda ours=ours: start_kvpilot(workers, tmp, ours)),
+                    ("sglang-router", lambda theirs=theirs: start_sglang(binary, workers, tmp, theirs)),
+                ):
+                    for w in workers:  # cold caches for each router: what it knows of them is exact
+                        urllib.request.urlopen(
+                            urllib.request.Request(w + "/reset_prefix_cache", method="POST")
+                        )
+                    proc, url = start()
+                    try:
+                        run = measure(name, proc, url, args, streams)
+                        runs.append(run | {"workers": args.workers, "policy": label})
+                    finally:
+                        benchkit.shutdown(proc)
     finally:
         for p in worker_procs:
             benchkit.shutdown(p)
@@ -266,34 +436,54 @@ def main() -> None:
     ap.add_argument("--worker", metavar="PORT[,PORT...]", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2, help="stub workers behind each router (default 2)")
     ap.add_argument("--chats", type=int, default=1500)
+    ap.add_argument(
+        "--completions", type=int, default=None, help="non-streamed completions (default: --chats)"
+    )
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--streams", type=int, default=120)
     ap.add_argument("--stream-concurrency", type=int, default=8)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-gap-ms", type=float, default=1.0, help="the stub's pause between events")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of both routers, alternating")
+    ap.add_argument(
+        "--no-prefix",
+        dest="prefix",
+        action="store_false",
+        help="round-robin only (no prefix-aware/cache_aware rounds, no KV events from the stubs)",
+    )
+    ap.add_argument("--kv-events", action="store_true", help=argparse.SUPPRESS)  # a worker's
     ap.add_argument("--sglang-router", default=None, help="its binary (default: make tools-bindir's)")
     ap.add_argument("--label", default="", help="a note kept in the JSON (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.worker:
         ports = [int(p) for p in args.worker.split(",")]
-        asyncio.run(_serve_worker(ports, args.chunk_gap_ms / 1000, args.chunks))
+        asyncio.run(_serve_worker(ports, args.chunk_gap_ms / 1000, args.chunks, args.kv_events))
         return
+    if args.completions is None:
+        args.completions = args.chats
 
     load_before = os.getloadavg()
     binary = args.sglang_router or benchkit.tools_bin("sglang-router")
     tmp = Path(tempfile.mkdtemp(prefix="router-cost-"))
     runs = both_routers(args, binary, tmp)
 
-    def best(name: str, phase: str, key: str) -> float:
-        return min(r[phase][key] for r in runs if r["router"] == name)  # the least noisy run
+    def best(name: str, policy: str, phase: str, key: str) -> float | None:
+        got = [r[phase][key] for r in runs if r["router"] == name and r["policy"] == policy and phase in r]
+        return min(got) if got else None  # the least noisy run
 
-    summary = {}
-    for phase, key in (("chats", "cpu_per_request_ms"), ("streams", "cpu_per_chunk_us")):
-        k, s = best("kvpilot", phase, key), best("sglang-router", phase, key)
-        summary[phase] = {"kvpilot": k, "sglang_router": s, "ratio": round(k / s, 2)}
-    summary["targets"] = {"chats_ratio_max": 2.0, "streams_ratio_max": 1.25}
+    summary: dict = {}
+    for label, _, _ in POLICIES if args.prefix else POLICIES[:1]:
+        by_phase = {}
+        for phase, _, stream in PHASES:
+            key = "cpu_per_chunk_us" if stream else "cpu_per_request_ms"
+            k, s = best("kvpilot", label, phase, key), best("sglang-router", label, phase, key)
+            if k is not None and s is not None:
+                by_phase[phase] = {"kvpilot": k, "sglang_router": s, "ratio": round(k / s, 2) if s else None}
+        summary[label] = by_phase
+    # as before the prefix rounds: the round-robin figures at the top too
+    summary |= {p: v for p, v in summary["round_robin"].items() if p in ("chats", "streams")}
+    summary["targets"] = {"chats_ratio_max": 2.0, "completions_ratio_max": 2.0, "streams_ratio_max": 1.25}
     doc = benchkit.header("router_cost", load_before)
     doc |= {
         "label": args.label,
