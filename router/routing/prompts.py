@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ FALLBACK_CONTEXT = 131072
 PARSE_BYTES_PER_TOKEN = 16
 # A chat this small is read on the event loop, not in a prompt thread: handing it to a thread and back
 # wakes two threads and the loop, which on a busy machine cost more CPU than the work (bench/router_compare.py).
-# Its worst case, 4 KiB of text never seen before, is about 2 ms of tokenizing: under /health's 100 ms. Not
-# a completion: its 4 KiB may be a thousand one-character prompts, each tokenized and keyed on its own.
+# Its worst case, 4 KiB of text never seen before, is about 2 ms of tokenizing: under /health's 100 ms. A
+# completion of one prompt too (its JSON parsed first, on the loop: ~3 us), but not one of several: its 4 KiB
+# may be a thousand one-character prompts, each tokenized and keyed on its own.
 INLINE_BYTES = 4096
 MIN_PARSE_LIMIT = 1 << 20  # bytes: the bound for a router that reads no prompts (its weight-version pin)
 
@@ -117,10 +119,18 @@ class PromptReader:
         """The request's prompts, tokenised once, with their keys for each of `schemes` computed, from a
         worker thread (a small body on the event loop); None when the body does not parse, or the pool is
         too busy to predict."""
-        if len(raw) <= INLINE_BYTES and path.endswith("/chat/completions"):
-            return self._prepare(path, raw, schemes)
+        job: Callable[[str, Any, set[Scheme]], Prompts | None] = self._prepare
+        arg: Any = raw
+        if len(raw) <= INLINE_BYTES:
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
+                return None
+            if path.endswith("/chat/completions") or _one_prompt(body):
+                return self._keyed(self.read(path, body), schemes)
+            job, arg = self._prepare_body, body  # parsed once
         try:
-            return await self._pool.prepare(self._prepare, path, raw, schemes)
+            return await self._pool.prepare(job, path, arg, schemes)
         except Busy:
             log.debug("prompt pool busy: %s routed by load", path)
             return None
@@ -133,7 +143,14 @@ class PromptReader:
             body = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
             return None
-        prompts = self.read(path, body)
+        return self._prepare_body(path, body, schemes)
+
+    def _prepare_body(self, path: str, body: Any, schemes: set[Scheme]) -> Prompts | None:
+        return self._keyed(self.read(path, body), schemes)
+
+    @staticmethod
+    def _keyed(prompts: Prompts | None, schemes: set[Scheme]) -> Prompts | None:
+        """`prompts` with their block keys computed for each of `schemes`."""
         if prompts is not None:
             for scheme in schemes:
                 prompts.block_keys(scheme)
@@ -164,3 +181,14 @@ class PromptReader:
             p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in req.prompts
         ]
         return Prompts(ids, req.cache_salt, self.max_model_len, model)
+
+
+def _one_prompt(body: Any) -> bool:
+    """A completion body naming one prompt (a string, a list of token ids, or a list of one string), which
+    costs what a chat of its size does; anything else (several prompts, a malformed body) is not."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list):
+        return False
+    return len(prompt) == 1 and isinstance(prompt[0], str) or all(type(t) is int for t in prompt)
