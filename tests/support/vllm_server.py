@@ -44,10 +44,10 @@ STREAMS = 4  # completions running at once while a reset is asked
 STREAM_TOKENS = 200
 
 
-def start_streams(host: str, port: int) -> list[socket.socket]:
-    """STREAMS greedy streamed completions of STREAM_TOKENS tokens each, returned once all decode: the
-    requests that make vLLM refuse a reset ({"success": false}) until they finish."""
-    socks = [send_completion(port, STREAM_TOKENS, stream=True, host=host) for _ in range(STREAMS)]
+def start_streams(host: str, port: int, max_tokens: int = STREAM_TOKENS) -> list[socket.socket]:
+    """STREAMS greedy streamed completions of `max_tokens` tokens each, returned once all decode: the
+    requests that make vLLM refuse a reset ({"success": false}) until they finish or their client hangs up."""
+    socks = [send_completion(port, max_tokens, stream=True, host=host) for _ in range(STREAMS)]
     for sock in socks:
         read_until_decoding(sock)
     return socks
