@@ -12,6 +12,8 @@
 #                HBM bandwidth a step reaches
 #   kv-tiers     bench/kv_tiers.py --device cuda: TTFT from the offload tiers; read_blocks/write_blocks GB/s
 #                against a pinned copy (the PCIe bound as this machine reaches it)
+#   compile      bench/compile.py: decode tokens/s at batch 1, 16, 64, -O2 (torch.compile and CUDA graphs)
+#                against eager, and the first step's compile time with an empty and a warm cache
 #   tests-gpu    pytest tests/gpu (what `make test-gpu` runs): native triton kernels, the engine on CUDA,
 #                the nccl weight transport (that one needs 2 GPUs and says so when it skips)
 set -uo pipefail
@@ -50,6 +52,7 @@ TOTAL=470 # seconds, all steps; under make's 8 minutes with the checks above
 step kernels 90 "$PY" bench/kernels.py --quick --out "$out/kernels.json"
 step decode 80 "$PY" bench/decode_bandwidth.py --output "$out/decode-bandwidth.json"
 step kv-tiers 110 "$PY" bench/kv_tiers.py --device cuda --output "$out/kv-tiers.json"
+step compile 90 "$PY" bench/compile.py --device cuda --tokens 16 --repeats 1 --out "$out/compile.json"
 step tests-gpu $((TOTAL - SECONDS)) "$PY" -m pytest -q tests/gpu --junitxml="$out/tests-gpu.xml"
 
 (

@@ -226,14 +226,18 @@ _rotary_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | No
 def _rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each token's position, [T, 1, D] each, both halves repeated as HF lays them out."""
     global _rotary_step
+    # Traced by torch.compile: no module state (its identity test would recompile every step); the
+    # compiler computes the tables once for all layers by itself.
+    compiling = torch.compiler.is_compiling()
     step = _rotary_step
-    if step is not None and step[0] is positions and step[1] is cos_sin_cache:
+    if not compiling and step is not None and step[0] is positions and step[1] is cos_sin_cache:
         return step[2], step[3]
     half = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache.index_select(0, positions)
     cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :]
     sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :]
-    _rotary_step = (positions, cos_sin_cache, cos, sin)
+    if not compiling:
+        _rotary_step = (positions, cos_sin_cache, cos, sin)
     return cos, sin
 
 

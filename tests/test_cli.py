@@ -42,8 +42,12 @@ def test_vllm_flag_names_and_aliases_set_their_fields() -> None:
         "b",
         "--max-request-body-bytes",
         "9",
+        "-O3",
+        "--enforce-eager",
     )
     config, settings = from_flags(EngineConfig, args), from_flags(ServerSettings, args)
+    assert (config.compilation_config, config.enforce_eager) == ("3", True)
+    assert config.compilation("cuda").level == 0  # --enforce-eager wins, as vLLM's does
     assert (config.num_kv_blocks, config.data_parallel_size, config.tensor_parallel_size) == (7, 2, 3)
     assert config.enable_prefix_caching is False
     assert settings.served_model_names == ["a", "b"] and settings.max_body_bytes == 9
@@ -78,6 +82,9 @@ def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFi
         (["-dp", "2", "-tp", "2"], "--data-parallel-size and --tensor-parallel-size cannot be combined yet"),
         (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override must be positive"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "a KV events replay endpoint needs"),
+        (["-O7"], "compilation level must be one of 0, 1, 2, 3, not 7"),
+        (["--compilation-config", '{"levle": 1}'], "unknown keys ['levle']"),
+        (["-O", "1", "-tp", "2"], "a compiled step and --tensor-parallel-size > 1 cannot be combined yet"),
     ],
 )
 def test_serve_refuses_bad_flags_in_one_line_before_loading_anything(

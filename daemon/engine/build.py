@@ -97,7 +97,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler.max_loras = config.max_loras if config.enable_lora else None
     loras = _load_loras(config, model, dtype, device)
-    runner = ModelRunner(model, num_blocks, config.block_size, dtype, device)
+    compilation = config.compilation(device.type)
+    log.info("engine step: %s", compilation.describe())
+    runner = ModelRunner(model, num_blocks, config.block_size, dtype, device, compilation)
     if tp is not None:
         runner.on_step = tp.send_step
     keys = key_scheme(config.prefix_caching_hash_algo)

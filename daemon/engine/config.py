@@ -12,6 +12,7 @@ from kvpilot.kv.block_keys import DEFAULT_HASH_ALGO, HASH_ALGOS
 if TYPE_CHECKING:  # torch loads in the methods: `kvpilot --help` builds its flags from this class
     import torch
 
+    from kvpilot.daemon.engine.compile.config import CompilationConfig
     from kvpilot.daemon.kv_transfer.config import KVTransferConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -66,6 +67,20 @@ class EngineConfig:
         ),
     )
     kernel_backend: str | None = None  # None: triton on CUDA, torch elsewhere ($KVPILOT_KERNELS)
+    compilation_config: str | None = field(
+        default=None,
+        metadata=flag(
+            "how the step runs, as vLLM takes it: a level (-O0 eager; -O1 torch.compile; -O2, -O3 also CUDA "
+            'graphs on CUDA) or JSON {"level": 2, "cudagraph_capture_sizes": [1, 2, 4, 8], '
+            '"max_cudagraph_capture_size": 64, "cache_dir": DIR} (docs/engine.md)',
+            aliases=["-O"],
+            metavar="LEVEL|JSON",
+            unset="2 on CUDA, 0 on the CPU (docs/performance.md says why)",
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=flag("run every step eagerly: no torch.compile, no CUDA graphs (-O0)")
+    )
     kv_events_endpoint: str | None = field(
         default=None, metadata=flag("publish KV cache events (vLLM's format, ZeroMQ PUB) here", **ZMQ_ADDRESS)
     )
@@ -273,6 +288,7 @@ class EngineConfig:
             from kvpilot.daemon.engine.weights.stage import transfer_backend
 
             transfer_backend(self.weight_transfer_config, str(self.torch_device()))
+        self.compilation(self.torch_device().type)  # a malformed level or JSON is a startup error
         if (transfer := self.kv_transfer) is not None:
             if self.data_parallel_size > 1 or self.tensor_parallel_size > 1:
                 raise ValueError(
@@ -286,6 +302,18 @@ class EngineConfig:
             _check_rank_ports(
                 self.kv_events_endpoint, self.kv_events_replay_endpoint, self.data_parallel_size
             )
+
+    def compilation(self, device_type: str) -> CompilationConfig:
+        """--compilation-config and --enforce-eager read for this device; ValueError when malformed."""
+        from kvpilot.daemon.engine.compile.config import parse_compilation_config
+
+        return parse_compilation_config(
+            self.compilation_config,
+            self.enforce_eager,
+            device_type,
+            self.max_num_seqs,
+            self.tensor_parallel_size,
+        )
 
     @property
     def kv_transfer(self) -> KVTransferConfig | None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpilot.daemon.engine.compile.config import EAGER, CompilationConfig
+from kvpilot.daemon.engine.compile.forward import CompiledForward
 from kvpilot.daemon.engine.kv.host_tier import HostBlock
 from kvpilot.daemon.engine.models import ForwardBatch
 from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
@@ -37,7 +39,9 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        compilation: CompilationConfig | None = None,
     ) -> None:
+        """`compilation`: how the forward runs (compile/config.py); None: eager."""
         self.model = model
         self.block_size = block_size
         # Called with each step's plan before it runs: tensor parallelism sends it to the other shards.
@@ -50,6 +54,7 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.block_shape = kv_block_shape(model, block_size)
+        self.forward = CompiledForward(model, compilation or EAGER, self.kv_caches)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ---- offload tiers (kv/offload.py) ---------------------------------------------------------
@@ -125,8 +130,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
-        logits: torch.Tensor = self.model(self._batch(plan), self.kv_caches)  # nn.Module's __call__ is Any
-        return logits
+        return self.forward(self._batch(plan), self.kv_caches)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)

@@ -7,7 +7,7 @@ is a large share of a small model's decode step on the CPU).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,11 @@ class LlamaArgs:
         )
 
 
+# attend(q, k, v, k_cache, v_cache, scale) -> [T, H, D]: writes the step's K/V into the paged cache and
+# attends over it; q [T, H, D], k and v [T, Hkv, D] (strided views of the fused projection).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 def rope_cache(head_dim: int, max_position: int, theta: float) -> torch.Tensor:
     """[max_position, head_dim] float32: cat(cos, sin) of each position's head_dim/2 angles."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -103,25 +108,26 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        batch: ForwardBatch,
+        positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         rope: torch.Tensor,
         ops: Ops,
+        attend: Attend,
+        lora: LoRABatch | None,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if batch.lora is not None:
-            batch.lora.add(self.qkv_name, x, qkv)
+        if lora is not None:
+            lora.add(self.qkv_name, x, qkv)
         # Strided views of the fused projection: every op takes them (unit stride along the head size).
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        ops.rotary(q, k, batch.positions, rope)
-        ops.write_kv(k, v, kv[0], kv[1], batch.slot_mapping)
-        o = ops.paged_attention(q, kv[0], kv[1], batch.attn, self.scale).reshape(t, self.q_size)
+        ops.rotary(q, k, positions, rope)
+        o = attend(q, k, v, kv[0], kv[1], self.scale).reshape(t, self.q_size)
         out: torch.Tensor = self.o_proj(o)  # nn.Module's __call__ is typed Any: forward's tensor
-        if batch.lora is not None:
-            batch.lora.add(self.o_name, o, out)
+        if lora is not None:
+            lora.add(self.o_name, o, out)
         return out
 
 
@@ -134,15 +140,15 @@ class LlamaMLP(nn.Module):
             a.intermediate_size, a.hidden_size, bias=False
         )
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ops: Ops) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops, lora: LoRABatch | None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if batch.lora is None:
+        if lora is None:
             down: torch.Tensor = self.down_proj(ops.silu_and_mul(gate_up))  # nn.Module's __call__ is Any
             return down
-        batch.lora.add(self.gate_up_name, x, gate_up)
+        lora.add(self.gate_up_name, x, gate_up)
         h = ops.silu_and_mul(gate_up)
         out: torch.Tensor = self.down_proj(h)
-        batch.lora.add(self.down_name, h, out)
+        lora.add(self.down_name, h, out)
         return out
 
 
@@ -159,15 +165,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        batch: ForwardBatch,
+        positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         rope: torch.Tensor,
         ops: Ops,
+        attend: Attend,
+        lora: LoRABatch | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
-        x = self.self_attn(x, batch, kv, rope, ops)
+        x = self.self_attn(x, positions, kv, rope, ops, attend, lora)
         x, residual = ops.rms_norm(x, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(x, batch, ops), residual
+        return self.mlp(x, ops, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -189,15 +197,45 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        """The eager step: the model's ops, attention through `batch`'s metadata."""
+        ops = self.ops
+
+        def attend(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+            scale: float,
+        ) -> torch.Tensor:
+            ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            return ops.paged_attention(q, k_cache, v_cache, batch.attn, scale)
+
+        return self.compute(
+            batch.input_ids, batch.positions, batch.logits_indices, kv_caches, ops, attend, batch.lora
+        )
+
+    def compute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ops: Ops,
+        attend: Attend,
+        lora: LoRABatch | None = None,
+    ) -> torch.Tensor:
+        """The logits of rows `logits_indices`: the layers with `ops`, their attention (the KV write
+        included) through `attend`. The eager step and the compiled one (compile/forward.py) both run it."""
+        x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, batch, kv, self.rope, self.ops)
+            x, residual = layer(x, residual, positions, kv, self.rope, ops, attend, lora)
         # Only the sampled rows need the final norm and the LM head.
-        x = x.index_select(0, batch.logits_indices)
+        x = x.index_select(0, logits_indices)
         assert residual is not None  # set by the first layer
-        residual = residual.index_select(0, batch.logits_indices)
-        x, _ = self.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
+        residual = residual.index_select(0, logits_indices)
+        x, _ = ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head)
 

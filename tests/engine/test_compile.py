@@ -1,0 +1,129 @@
+"""The compiled step (`-O1`: torch.compile of the forward, daemon/engine/compile/) on the real default model,
+against the eager one (`-O0`) side by side: the same greedy tokens, across prefix hits, a reset between
+compiled steps and a weight update that changes the parameters in place; and how the flags are read.
+CUDA graphs (`-O2` on CUDA) have their twin in tests/gpu/test_compile_cuda.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvpilot.daemon.engine.compile.config import parse_compilation_config
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.request import SamplingParams
+from support.engine import run_alone
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """(eager, compiled), each with its own small pool; the compiled one compiles on its first step
+    (about a minute with an empty compile cache on this machine, seconds with the cache)."""
+    eager = LLMEngine(EngineConfig(num_kv_blocks=256, compilation_config="0"))
+    compiled = LLMEngine(EngineConfig(num_kv_blocks=256, compilation_config="1"))
+    assert compiled.runner.forward.config.level == 1 and eager.runner.forward.config.level == 0
+    yield eager, compiled
+
+
+def test_the_compiled_step_gives_the_eager_steps_tokens_through_hits_and_resets(
+    engines: tuple[LLMEngine, LLMEngine],
+    chat_prompts: list[list[int]],
+    shared_prefix_prompts: list[list[int]],
+) -> None:
+    eager, compiled = engines
+    batch = [eager.generate(chat_prompts, GREEDY), compiled.generate(chat_prompts, GREEDY)]
+    assert batch[0] == batch[1]
+    # one request alone: a step of one token, padded to two rows in the compiled graph
+    assert (
+        run_alone(eager, "alone", chat_prompts[0], GREEDY)[0]
+        == run_alone(compiled, "alone", chat_prompts[0], GREEDY)[0]
+    )
+    for e in engines:
+        e.reset_prefix_cache()
+    first = [run_alone(e, "p0", shared_prefix_prompts[0], GREEDY) for e in engines]
+    # the others hit the shared system prompt: the attention op reads it from the pool
+    again = [e.generate(shared_prefix_prompts[1:], GREEDY) for e in engines]
+    hits = [e.stats().hit_tokens for e in engines]
+    assert first[0] == first[1] and again[0] == again[1]
+    assert hits[0] == hits[1] > 0
+    for e in engines:  # a reset between compiled steps: the next prompt is computed again, the same
+        e.reset_prefix_cache()
+    after = [run_alone(e, "p0-again", shared_prefix_prompts[0], GREEDY) for e in engines]
+    assert after[0] == after[1] == (first[0][0], 0)
+
+
+def test_a_weight_update_in_place_reaches_the_compiled_step(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+) -> None:
+    """An update copies into the parameters' own storage (weights/stage.py): the compiled step must read
+    the new values, not what it saw when it compiled."""
+    prompt = chat_prompts[2]
+    before = run_alone(engines[1], "before", prompt, GREEDY)[0]
+    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
+    for e in engines:
+        layers = e.runner.model.layers
+        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
+    try:
+        changed = [run_alone(e, "changed", prompt, GREEDY)[0] for e in engines]
+        assert changed[0] == changed[1] != before
+    finally:
+        for e in engines:
+            layers = e.runner.model.layers
+            e.swap_weights(
+                "v1",
+                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
+            )
+    assert run_alone(engines[1], "restored", prompt, GREEDY)[0] == before
+
+
+@pytest.mark.parametrize(
+    "text, eager, device, want",
+    [
+        (None, False, "cpu", (0, ())),  # the CPU's default: eager (docs/performance.md says why)
+        (None, False, "cuda", (2, (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64))),  # up to max_num_seqs
+        ("1", False, "cuda", (1, ())),
+        ("3", False, "cpu", (3, ())),  # no CUDA graphs on the CPU
+        ("3", True, "cuda", (0, ())),  # --enforce-eager wins
+        ('{"level": 2, "cudagraph_capture_sizes": [8, 1, 4, 4]}', False, "cuda", (2, (1, 4, 8))),
+        ('{"level": 2, "max_cudagraph_capture_size": 8}', False, "cuda", (2, (1, 2, 4, 8))),
+    ],
+)
+def test_levels_and_capture_sizes(text: str | None, eager: bool, device: str, want: tuple) -> None:
+    c = parse_compilation_config(text, eager, device, max_num_seqs=64)
+    assert (c.level, c.cudagraph_capture_sizes) == want
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("4", "compilation level must be one of 0, 1, 2, 3"),
+        ('{"level": true}', "compilation level must be one of"),
+        ("[1]", "a level (0-3) or a JSON object"),
+        ("{", "a level (0-3) or a JSON object"),
+        (
+            '{"cudagraph_capture_sizes": [0]}',
+            "cudagraph_capture_sizes must be a list of integers in [1, 512]",
+        ),
+        ('{"max_cudagraph_capture_size": 4096}', "max_cudagraph_capture_size must be an integer in [0, 512]"),
+        ('{"cache_dir": ""}', "cache_dir must be a directory path"),
+    ],
+)
+def test_bad_configs_are_refused_with_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        parse_compilation_config(text, False, "cuda", max_num_seqs=64)
+
+
+def test_the_graph_pads_no_row_into_the_pool(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Padding rows (a one-token step runs as two rows) never write KV: the pool's other blocks are
+    untouched by a compiled step."""
+    compiled = engines[1]
+    compiled.reset_prefix_cache()
+    k = compiled.runner.kv_caches[0][0]
+    k.fill_(7.0)
+    run_alone(compiled, "pad", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    untouched = (k == 7.0).flatten(1).all(1)
+    assert int((~untouched).sum()) == 1  # one block written: the request's own
+    compiled.reset_prefix_cache()
