@@ -1,5 +1,7 @@
 """The engine on CUDA: the triton path gives the torch reference path's greedy tokens (fp32, where both
-paths run IEEE matmuls, so greedy choices do not flip on rounding)."""
+paths run IEEE matmuls, so greedy choices do not flip on rounding). Eager (--enforce-eager): a compiled
+step runs inductor's kernels for all but the attention, and these tests are of the triton ones; the
+compiled step has its own, tests/gpu/test_compile_cuda.py."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def _generate(model_dir, backend, **kw):
             num_kv_blocks=256,
             block_size=16,
             kernel_backend=backend,
+            enforce_eager=True,
             **kw,
         )
     )
