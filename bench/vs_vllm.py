@@ -191,45 +191,6 @@ def workload(args: argparse.Namespace) -> tuple[str, list[str]]:
     return engine.SYSTEM, questions
 
 
-async def stream_chat(
-    session: aiohttp.ClientSession, url: str, system: str, user: str, max_tokens: int
-) -> dict:
-    """One streamed greedy chat of exactly `max_tokens` tokens: TTFT (first content chunk), end, usage."""
-    body = {
-        "model": MODEL,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-    }
-    start = time.perf_counter()
-    ttft, usage = None, {}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if ttft is None and any(
-                (c.get("delta") or {}).get("content") for c in event.get("choices") or []
-            ):
-                ttft = time.perf_counter() - start
-    e2e = time.perf_counter() - start
-    return {
-        "ttft": ttft if ttft is not None else e2e,
-        "e2e": e2e,
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "completion_tokens": usage.get("completion_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-    }
-
-
 def reset(server: Server) -> None:
     req = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -240,30 +201,22 @@ def reset(server: Server) -> None:
 
 def chats(server: Server, system: str, questions: list[str], concurrency: int, max_tokens: int) -> list[dict]:
     async def ask(session: aiohttp.ClientSession, q: object) -> dict:
-        return await stream_chat(session, server.url, system, str(q), max_tokens)
+        return await benchkit.stream_chat(
+            session, server.url, MODEL, system, str(q), max_tokens, ignore_eos=True
+        )
 
     return asyncio.run(benchkit.run_load(questions, concurrency, ask))
 
 
 def processes(pid: int) -> dict[str, float]:
     """CPU seconds of each live process of the tree at `pid`, by name (`comm`, e.g. vLLM's VLLM::Worker)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
     out: dict[str, float] = {}
-    tree = [pid]
-    while tree:
-        p = tree.pop()
+    for p in benchkit.tree_pids(pid):
         try:
             name = Path(f"/proc/{p}/comm").read_text().strip()
             out[name] = out.get(name, 0.0) + time.clock_gettime((~p << 3) | 2)  # its CPU-time clock
         except OSError:
             pass
-        tree += [c for c, parent in parents.items() if parent == p]
     return out
 
 

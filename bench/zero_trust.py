@@ -108,25 +108,9 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-def tree_pids(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
-    tree, out = [pid], []
-    while tree:
-        p = tree.pop()
-        out.append(p)
-        tree += [c for c, parent in parents.items() if parent == p]
-    return out
-
-
 def rss_mb(pid: int) -> float:
     """Resident memory of `pid` and every live process below it, in MB (10^6 bytes)."""
-    return round(sum(proc_status(p).get("VmRSS", 0) for p in tree_pids(pid)) * 1024 / 1e6, 1)
+    return round(sum(proc_status(p).get("VmRSS", 0) for p in benchkit.tree_pids(pid)) * 1024 / 1e6, 1)
 
 
 def hwm_mb(pid: int) -> float:

@@ -110,6 +110,23 @@ def cpu_s(pid: int) -> float:
     return total
 
 
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and every live process below it (from /proc's parent links), parents before children."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+    tree, out = [pid], []
+    while tree:
+        p = tree.pop()
+        out.append(p)
+        tree += [c for c, parent in parents.items() if parent == p]
+    return out
+
+
 def _process_cpu_clock(pid: int) -> int:
     """The clock id clock_getcpuclockid(3) gives for `pid` (the kernel's encoding: ~pid << 3 | CPUCLOCK_SCHED),
     which Python's time module does not expose."""
@@ -194,15 +211,17 @@ async def stream_chat(
     user: str,
     max_tokens: int,
     headers: dict[str, str] | None = None,
+    ignore_eos: bool = False,
 ) -> dict:
     """One streamed chat completion as its client sees it: the pod that answered (kvpilot's router names it
     in X-Kvpilot-Pod, Envoy in x-upstream-host), the time to its first content token (`ttft`; the whole
-    reply when none came) and to its end (`e2e`), its prompt and cached tokens. `{"error": ...}` for a
-    reply other than 200."""
+    reply when none came) and to its end (`e2e`), its prompt, cached and completion tokens. `{"error":
+    ...}` for a reply other than 200. `ignore_eos`: exactly `max_tokens` tokens (vLLM's and kvpilot's field)."""
     body = {
         "model": model,
         "max_tokens": max_tokens,
         "temperature": 0,
+        **({"ignore_eos": True} if ignore_eos else {}),
         "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -230,7 +249,8 @@ async def stream_chat(
         "ttft": ttft if ttft is not None else e2e,
         "e2e": e2e,
         "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
     }
 
 
