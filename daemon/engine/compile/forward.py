@@ -93,8 +93,8 @@ class CompiledForward:
 
     def __init__(self, model: LlamaForCausalLM, config: CompilationConfig, kv_caches: KVCaches) -> None:
         self.model, self.config = model, config
-        if config.cache_dir:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", config.cache_dir)
+        if config.cache_dir:  # read by inductor at each lookup; the flag wins over the environment
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.cache_dir
         self._sizes = list(config.cudagraph_capture_sizes)
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._graphed: Callable[..., torch.Tensor] | None = None
