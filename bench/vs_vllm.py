@@ -149,7 +149,7 @@ def start_kvpilot(
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", dtype]
-    argv += ["--cpu-threads", str(threads), "--max-num-seqs", str(args.concurrency)]
+    argv += ["--cpu-threads", str(threads), "--max-num-seqs", str(args.concurrency), *args.kvpilot_flag]
     return _start("kvpilot", dtype, pinned(argv, cpus), _base_env(), tmp, url)
 
 
@@ -424,6 +424,13 @@ def main() -> int:
         nargs="+",
         default=["bfloat16", "float32"],
         help="dtypes kvpilot runs; one vLLM has not is held against vLLM's first (default bfloat16 float32)",
+    )
+    p.add_argument(
+        "--kvpilot-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more `kvpilot serve` argument, e.g. --kvpilot-flag=--engine-process (repeat for more)",
     )
     p.add_argument("--cpus", help="CPU list both servers are pinned to, e.g. 0,1 (default: this process's)")
     p.add_argument("--threads", type=int, help="torch threads of both (default: the CPUs but one)")

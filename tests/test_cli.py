@@ -85,6 +85,10 @@ def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFi
         (["-O7"], "compilation level must be one of 0, 1, 2, 3, not 7"),
         (["--compilation-config", '{"levle": 1}'], "unknown keys ['levle']"),
         (["-O", "1", "-tp", "2"], "a compiled step and --tensor-parallel-size > 1 cannot be combined yet"),
+        (
+            ["--engine-process", "-tp", "3"],
+            "--engine-process and --tensor-parallel-size > 1 cannot be combined yet",
+        ),
     ],
 )
 def test_serve_refuses_bad_flags_in_one_line_before_loading_anything(

@@ -219,11 +219,11 @@ class EngineClient(WeightOperations, Protocol):
 
 
 def start_engine(config: EngineConfig) -> EngineClient:
-    """Load the model (on `config.data_parallel_size` rank processes when above 1) and return its client,
-    not started yet. Raises ValueError, FileNotFoundError or RuntimeError when the engine cannot start."""
+    """Load the model (on `config.data_parallel_size` rank processes when above 1 or with
+    `config.engine_process`) and return its client, not started yet. Raises ValueError, FileNotFoundError or RuntimeError when the engine cannot start."""
     # Imported here: both implementations import this module for the contract's types.
     client: EngineClient
-    if config.data_parallel_size > 1:
+    if config.data_parallel_size > 1 or config.engine_process:
         from kvpilot.daemon.engine.parallel.dp_engine import DataParallelEngine, DataParallelLoop
 
         client = DataParallelLoop(DataParallelEngine(config, config.data_parallel_size))

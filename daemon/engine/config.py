@@ -159,6 +159,14 @@ class EngineConfig:
             aliases=["-dp"],
         ),
     )
+    engine_process: bool = field(
+        default=False,
+        metadata=flag(
+            "run the engine in a process of its own, as vLLM's V1 engine core runs, not in a thread of the "
+            "server's: the two no longer take turns on one interpreter lock (docs/engine.md has the figures); "
+            "data parallel ranks always do",
+        ),
+    )
     weight_version: str | None = field(
         default=None,
         metadata=flag(
@@ -245,6 +253,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size and tensor_parallel_size must be at least 1")
         if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size and tensor_parallel_size cannot be combined yet")
+        if self.engine_process and self.tensor_parallel_size > 1:
+            raise ValueError("engine_process and tensor_parallel_size > 1 cannot be combined yet")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError("kv_offloading_size must be a positive number of GiB")
         if not self.kv_offloading_dir_size > 0:
@@ -294,6 +304,8 @@ class EngineConfig:
                 raise ValueError(
                     "kv_transfer_config and data_parallel_size or tensor_parallel_size > 1 cannot be combined yet"
                 )
+            if self.engine_process:
+                raise ValueError("kv_transfer_config and engine_process cannot be combined yet")
             if not self.enable_prefix_caching:
                 raise ValueError(
                     f"a {transfer.role} moves blocks by their prefix-cache keys: it needs --enable-prefix-caching"

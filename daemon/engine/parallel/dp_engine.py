@@ -83,7 +83,7 @@ class DataParallelEngine:
     """The ranks, started and loaded, and what the server needs to know about them (`info`)."""
 
     def __init__(self, config: EngineConfig, size: int) -> None:
-        if size < 2:
+        if size < 2 and not config.engine_process:
             raise ValueError("data parallelism needs at least 2 ranks; 1 runs in the server's process")
         config.validate()
         self.config = config
