@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from support.servers import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
+from support.servers import ADMIN_TOKEN, Server, greedy_chat, start_server, stop_server
 
 CHATS = ["What does a compiler do?", "Name three colours of the sea."]
 
@@ -20,25 +20,12 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert "Traceback" not in srv.log(), srv.log()[-4000:]
 
 
-def chat(srv: Server, text: str) -> tuple[str, int]:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 16,
-        "temperature": 0,
-    }
-    r = srv.request("POST", "/v1/chat/completions", body, timeout=300)
-    assert r.status == 200, r.body
-    doc = r.json()
-    return doc["choices"][0]["message"]["content"], doc["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
 def test_a_compiled_daemon_answers_as_the_eager_one(compiled: Server, server: Server) -> None:
     assert "engine step: torch.compile (-O1)" in compiled.log()
-    eager = [chat(server, c)[0] for c in CHATS]
-    assert [chat(compiled, c)[0] for c in CHATS] == eager
+    eager = [greedy_chat(server, c)[0] for c in CHATS]
+    assert [greedy_chat(compiled, c)[0] for c in CHATS] == eager
     assert "the step compiled in" in compiled.log()
-    assert chat(compiled, CHATS[0])[1] > 0  # the prompt again: served from the cache
+    assert greedy_chat(compiled, CHATS[0])[1] > 0  # the prompt again: served from the cache
     r = compiled.request("POST", "/reset_prefix_cache", headers=compiled.admin())
     assert r.status == 200, r.body
-    assert chat(compiled, CHATS[0]) == (eager[0], 0)
+    assert greedy_chat(compiled, CHATS[0]) == (eager[0], 0)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from support.servers import ADMIN_TOKEN, MODEL, Server, start_server, stop_server
+from support.servers import ADMIN_TOKEN, Server, greedy_chat, start_server, stop_server
 
 CHATS = ["What does a scheduler do?", "Name two kinds of tea."]
 
@@ -23,28 +23,15 @@ def own_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert "Traceback" not in srv.log(), srv.log()[-4000:]
 
 
-def chat(srv: Server, text: str) -> tuple[str, int]:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 16,
-        "temperature": 0,
-    }
-    r = srv.request("POST", "/v1/chat/completions", body, timeout=300)
-    assert r.status == 200, r.body
-    doc = r.json()
-    return doc["choices"][0]["message"]["content"], doc["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
 def test_an_engine_in_its_own_process_answers_as_the_threaded_one(
     own_process: Server, server: Server
 ) -> None:
     m = re.search(r"rank 0 ready \(pid (\d+)", own_process.log())
     assert m and int(m.group(1)) != own_process.proc.pid, own_process.log()[-3000:]
-    eager = [chat(server, c)[0] for c in CHATS]
-    assert [chat(own_process, c)[0] for c in CHATS] == eager
-    assert chat(own_process, CHATS[0])[1] > 0  # the prompt again: served from the cache
+    eager = [greedy_chat(server, c)[0] for c in CHATS]
+    assert [greedy_chat(own_process, c)[0] for c in CHATS] == eager
+    assert greedy_chat(own_process, CHATS[0])[1] > 0  # the prompt again: served from the cache
     r = own_process.request("POST", "/reset_prefix_cache", headers=own_process.admin())
     assert r.status == 200, r.body
-    assert chat(own_process, CHATS[0]) == (eager[0], 0)
+    assert greedy_chat(own_process, CHATS[0]) == (eager[0], 0)
     assert own_process.request("GET", "/health").status == 200

@@ -213,6 +213,20 @@ def stop_fleet(router: RouterProc | None, daemons: list[Server]) -> None:
             stop_server(d)
 
 
+def greedy_chat(srv: Server, text: str) -> tuple[str, int]:
+    """One greedy 16-token chat of a user message: its text and its cached prompt tokens."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    r = srv.request("POST", "/v1/chat/completions", body, timeout=300)
+    assert r.status == 200, r.body
+    doc = r.json()
+    return doc["choices"][0]["message"]["content"], doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def wait_idle(*servers: Server) -> None:
     """Wait until no request an earlier test started is running or waiting on any of `servers`."""
     deadline = time.monotonic() + 60
