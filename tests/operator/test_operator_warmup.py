@@ -332,8 +332,11 @@ def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
             time.sleep(0.2)
             continue
         new = fresh[0]
+        # the Service's endpoints read before the pod: a pod seen not warm was not warm when they were read
         endpoints = service_endpoints(cluster, ns, "gated")
-        pod = pods[new]
+        pod = {p["metadata"]["name"]: p for p in fleet_pods(cluster, ns, "gated")}.get(new)
+        if pod is None:
+            continue
         if _cond(pod, "kvpilot.io/warm").get("status") == "True":
             break
         running = any("running" in c["state"] for c in pod["status"].get("containerStatuses") or [])
