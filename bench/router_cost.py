@@ -1,13 +1,10 @@
 """Router CPU cost: kvpilot's router against the real `sglang-router` (PyPI), on the same stub workers.
 
-`--workers` stub workers (2 by default; this file run with --worker: a raw asyncio HTTP/1.1 server,
-keep-alive, up to 8 ports in one process) answer OpenAI chat completions and completions at once: a JSON
-reply with usage, or, for `"stream": true`, `--chunks` server-sent events sent one per write a little apart
-(as an engine emits tokens), then the usage event and [DONE]. Each stub port also publishes KV events as a
-kvpilot daemon does (`GET /kv_events`, a PUB and a replay socket, the daemon's own publisher): a
-BlockStored for each full block of a prompt it had not stored yet (keyed as the daemon keys it), and the
-reply's `cached_tokens` for the blocks it had. So a prefix-aware kvpilot router is fed by KV events, as in a
-real fleet.
+`--workers` stub pods (2 by default; bench/stub_pods.py) answer OpenAI chat completions and completions at
+once: a JSON reply with usage, or, for `"stream": true`, `--chunks` server-sent events sent one per write a
+little apart (as an engine emits tokens), then the usage event and [DONE]. For the prefix rounds each stub
+also keeps a prefix cache and publishes KV events as a kvpilot daemon does, so a prefix-aware kvpilot router
+is fed by KV events, as in a real fleet.
 
 Each router in turn fronts all of them and gets the same load from this process, first round-robin
 (`kvpilot router --policy round-robin`, `sglang-router launch --policy round_robin`): N short chats at
@@ -39,184 +36,19 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import OrderedDict
 from pathlib import Path
 
 import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
+sys.path.append(str(Path(__file__).resolve().parent))  # stub_pods (after site-packages: bench/kernels.py)
+
+from stub_pods import MODEL, start_stub_pods
 
 import benchkit
 from devcluster.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "stub"
-
-
-# ---- the stub worker -----------------------------------------------------------------------------
-def _usage(cached: int) -> dict:
-    return {
-        "prompt_tokens": 100,
-        "completion_tokens": 4,
-        "total_tokens": 104,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _reply(path: str, cached: int) -> bytes:
-    if path.startswith("/v1/completions"):
-        choice: dict = {"index": 0, "text": " Hi there!", "logprobs": None, "finish_reason": "stop"}
-        doc = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": MODEL}
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "Hi there!"},
-            "finish_reason": "stop",
-        }
-        doc = {"id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": MODEL}
-    return json.dumps(doc | {"choices": [choice], "usage": _usage(cached)}).encode()
-
-
-def _event(doc: dict) -> bytes:
-    return b"data: " + json.dumps(doc).encode() + b"\n\n"
-
-
-class _Cache:
-    """One stub port's KV cache as a kvpilot daemon would publish it: the daemon's own publisher (PUB and
-    replay sockets), a BlockStored for each full block of a prompt not stored before, keyed as the daemon
-    keys it (the router's prompt reader, which is the daemon's tokenizer, template and key function), and a
-    BlockRemoved for the least recently used block past the pool's BLOCKS."""
-
-    BLOCK_SIZE = 16
-    BLOCKS = 2048
-
-    def __init__(self, reader: object) -> None:
-        from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
-
-        self.reader = reader
-        self.pub = KVEventPublisher(
-            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", block_size=self.BLOCK_SIZE, blocks_total=self.BLOCKS
-        )
-        self.info = json.dumps(self.pub.describe("127.0.0.1")).encode()
-        self.stored: OrderedDict = OrderedDict()
-
-    def serve(self, path: str, body: bytes) -> int:
-        """Store the prompt's blocks (publishing the new ones); the tokens it found cached."""
-        scheme = (self.BLOCK_SIZE, None, self.pub.keys, None)
-        prompts = self.reader._prepare(path, body, {scheme})  # type: ignore[attr-defined]
-        if prompts is None:
-            return 0
-        chain, ids = prompts.block_keys(scheme)[0], prompts.token_ids[0]
-        cached = 0
-        while cached < len(chain) and chain[cached] in self.stored:
-            self.stored.move_to_end(chain[cached])
-            cached += 1
-        rec = self.pub.recorder
-        for i in range(cached, len(chain)):
-            rec.block_stored(chain, i, ids)
-            self.stored[chain[i]] = None
-        while len(self.stored) > self.BLOCKS:
-            rec.block_removed(self.stored.popitem(last=False)[0])
-        self.pub.flush()
-        return cached * self.BLOCK_SIZE
-
-    def clear(self) -> None:
-        """Empty the cache, as a reset does (an AllBlocksCleared): each router starts on cold pods."""
-        self.stored.clear()
-        self.pub.recorder.all_cleared()
-        self.pub.flush()
-
-
-async def _serve_worker(ports: list[int], gap_s: float, chunks: int, kv_events: bool) -> None:
-    reader = None
-    if kv_events:
-        # the checkout's root (put on the path by hack/lib's helpers) holds a `kernels` folder that would
-        # shadow the package of that name transformers imports
-        sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != ROOT]
-        from kvpilot.router.routing.prompts import PromptReader
-
-        reader = PromptReader(None, workers=1)
-    delta = _event(
-        {
-            "id": "chatcmpl-stub",
-            "object": "chat.completion.chunk",
-            "model": MODEL,
-            "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}],
-        }
-    )
-    usage = {"prompt_tokens": 12, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
-
-    def chunk(data: bytes) -> bytes:
-        return b"%x\r\n%s\r\n" % (len(data), data)
-
-    def handler(cache: _Cache | None):  # noqa: ANN202
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    lines = head.decode("latin-1").split("\r\n")
-                    method, path, _ = lines[0].split(" ", 2)
-                    length = 0
-                    for line in lines[1:]:
-                        if line[:15].lower() == "content-length:":
-                            length = int(line[15:])
-                    body = await reader.readexactly(length) if length else b""
-                    if method == "POST" and path.startswith(("/v1/chat/completions", "/v1/completions")):
-                        cached = cache.serve(path, body) if cache is not None else 0
-                        req = json.loads(body)
-                        if req.get("stream"):
-                            writer.write(
-                                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
-                            )
-                            n = chunks  # not the body's max_tokens: sglang-router rewrites that field
-                            for _ in range(n):
-                                writer.write(chunk(delta))
-                                await writer.drain()
-                                await asyncio.sleep(gap_s)
-                            done = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": MODEL}
-                            details = {"cached_tokens": cached}
-                            done |= {"choices": [], "usage": {**usage, "completion_tokens": n}}
-                            done["usage"]["prompt_tokens_details"] = details
-                            writer.write(chunk(_event(done) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
-                            await writer.drain()
-                            continue
-                        status, out = b"200 OK", _reply(path, cached)
-                    elif method == "POST" and path.startswith("/reset_prefix_cache"):
-                        if cache is not None:
-                            cache.clear()
-                        status, out = b"200 OK", b'{"success": true}'
-                    elif method == "GET" and path.startswith("/kv_events"):
-                        if cache is not None:
-                            status, out = b"200 OK", cache.info
-                        else:
-                            status, out = b"404 Not Found", b'{"error": "no kv events"}'
-                    elif method == "GET" and path.startswith("/v1/models"):
-                        status, out = (
-                            b"200 OK",
-                            b'{"object": "list", "data": [{"id": "stub", "object": "model"}]}',
-                        )
-                    else:  # /health, /health_generate, /get_model_info, /get_server_info, ...
-                        status, out = b"200 OK", b'{"status": "ok", "model_path": "stub"}'
-                    writer.write(
-                        b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                        % (status, len(out), out)
-                    )
-                    await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-                pass
-            finally:
-                writer.close()
-
-        return handle
-
-    servers = [
-        await asyncio.start_server(
-            handler(_Cache(reader) if reader is not None else None), "127.0.0.1", p, backlog=1024
-        )
-        for p in ports
-    ]
-    await asyncio.gather(*(s.serve_forever() for s in servers))
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -381,22 +213,6 @@ def _routing(url: str) -> dict:
     return got
 
 
-def start_workers(n: int, args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """n stub workers, 8 ports to a process (a process each would cost 64 interpreters at 64 pods)."""
-    ports = [free_port() for _ in range(n)]
-    procs = []
-    for i in range(0, n, 8):
-        group = ports[i : i + 8]
-        # -P: bench/ not first on the path, whose kernels.py would shadow the package transformers imports
-        argv = [sys.executable, "-P", __file__, "--worker", ",".join(map(str, group))]
-        argv += ["--chunk-gap-ms", str(args.chunk_gap_ms), "--chunks", str(args.chunks)]
-        if getattr(args, "prefix", False):
-            argv.append("--kv-events")
-        log = tmp / f"worker-{group[0]}.log"
-        procs.append(benchkit.launch(argv, log, f"http://127.0.0.1:{group[-1]}", 120))
-    return procs, [f"http://127.0.0.1:{p}" for p in ports]
-
-
 # (label, kvpilot's --policy, sglang-router's --policy)
 POLICIES = (("round_robin", "round-robin", "round_robin"), ("prefix", "prefix-aware", "cache_aware"))
 
@@ -404,7 +220,13 @@ POLICIES = (("round_robin", "round-robin", "round_robin"), ("prefix", "prefix-aw
 def both_routers(args: argparse.Namespace, binary: str, tmp: Path) -> list[dict]:
     """`args.repeats` rounds of kvpilot's router then sglang-router, each fronting `args.workers` stubs:
     round-robin, then (with `args.prefix`) by prefix, kvpilot's fed by the stubs' KV events."""
-    worker_procs, workers = start_workers(args.workers, args, tmp)
+    worker_procs, workers = start_stub_pods(
+        args.workers,
+        tmp,
+        chunks=args.chunks,
+        chunk_gap_ms=args.chunk_gap_ms,
+        kv_events=getattr(args, "prefix", False),
+    )
     policies = POLICIES if getattr(args, "prefix", False) else POLICIES[:1]
     runs = []
     try:
@@ -433,7 +255,6 @@ def both_routers(args: argparse.Namespace, binary: str, tmp: Path) -> list[dict]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", metavar="PORT[,PORT...]", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2, help="stub workers behind each router (default 2)")
     ap.add_argument("--chats", type=int, default=1500)
     ap.add_argument(
@@ -451,15 +272,10 @@ def main() -> None:
         action="store_false",
         help="round-robin only (no prefix-aware/cache_aware rounds, no KV events from the stubs)",
     )
-    ap.add_argument("--kv-events", action="store_true", help=argparse.SUPPRESS)  # a worker's
     ap.add_argument("--sglang-router", default=None, help="its binary (default: make tools-bindir's)")
     ap.add_argument("--label", default="", help="a note kept in the JSON (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if args.worker:
-        ports = [int(p) for p in args.worker.split(",")]
-        asyncio.run(_serve_worker(ports, args.chunk_gap_ms / 1000, args.chunks, args.kv_events))
-        return
     if args.completions is None:
         args.completions = args.chats
 

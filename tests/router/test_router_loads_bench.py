@@ -1,0 +1,36 @@
+"""bench/router_loads.py, run small: kvpilot's prefix-aware router and the real sglang-router's cache_aware
+on two generated loads over the same stub pods (KV events, LRU pools, a modelled prefill), each request
+answered, both routers given the same prompts, and the comparison written to its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.vllm_client import tools_bin
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_router_loads_quick(tmp_path: Path) -> None:
+    out = tmp_path / "router-loads.json"
+    argv = [sys.executable, str(ROOT / "bench" / "router_loads.py"), "--members", "2", "--requests", "60"]
+    argv += ["--seed", "7", "--out", str(out), "--sglang-router", tools_bin("sglang-router")]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["members"] == len(doc["members"]) == 2
+    for member in doc["members"]:
+        ours, theirs = member["kvpilot"][0], member["sglang-router"][0]
+        assert ours["failures"] == theirs["failures"] == 0, member
+        # the same prompts through each router, cached where the pods said so
+        assert ours["prompt_tokens"] == theirs["prompt_tokens"] > 0, member
+        assert 0 <= ours["hit_share"] <= 1 and 0 <= theirs["hit_share"] <= 1, member
+        assert member["hit_share_ratio"] is not None and member["ttft_p50_ratio"] > 0, member
+        assert 2 <= member["member"]["pods"] <= 4, member["member"]
