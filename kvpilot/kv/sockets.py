@@ -13,7 +13,7 @@ One folder made with `zmq.auth.create_certificates(DIR, "server")` and `create_c
 serves both ends; the operator mounts only each end's part (docs/security.md).
 
 Every socket also gets `MAXMSGSIZE`: a peer that sends a bigger frame is disconnected by ZeroMQ before the
-frame is buffered (the socket itself lives on and reconnects). Daemons never publish a frame above
+frame is buffered (the router then opens a new socket and connects again: router/kv/stream.py). Daemons never publish a frame above
 `MAX_BATCH_BYTES` (events.py splits a step's events to fit), so the router's bound drops only dishonest
 frames; the daemon receives only subscriptions and 8-byte replay requests, so its bound is small.
 """
@@ -172,17 +172,6 @@ class SubscriberContext(zmq.asyncio.Context):
         for opt, value in self._options.items():
             sock.setsockopt(opt, value)
         return sock
-
-
-def reconnect(sock: zmq.asyncio.Socket, endpoint: str) -> None:
-    """Connect again after the connection dropped. libzmq reconnects by itself after a network error, but
-    never after a protocol error, which an oversized frame is: without this the socket would stay alive
-    and deaf."""
-    try:
-        sock.disconnect(endpoint)
-    except zmq.ZMQError:
-        pass  # the session is gone already (a protocol error ended it)
-    sock.connect(endpoint)
 
 
 def subscriber_context(curve_dir: str | None) -> SubscriberContext:

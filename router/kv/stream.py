@@ -35,7 +35,6 @@ from kvpilot.kv.events import (
     BlockStored,
     decode_batch,
 )
-from kvpilot.kv.sockets import reconnect
 from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.kv.loop_waker import LoopWaker, has_message
 from kvpilot.router.kv.replay import (
@@ -131,14 +130,25 @@ class PodEventStream:
             self._on_version(version)
         self._weight_version = version
 
-    async def run(self) -> None:
+    def _subscribe(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, LoopWaker]:
+        """A new SUB socket connected to the pod, its monitor (disconnections), and their waker."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        waker = LoopWaker()
+        return sub, monitor, LoopWaker()
+
+    @staticmethod
+    def _unsubscribe(sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, waker: LoopWaker) -> None:
+        waker.close()
+        sub.disable_monitor()
+        monitor.close()
+        sub.close()
+
+    async def run(self) -> None:
+        sub, monitor, waker = self._subscribe()
         live, events_of_monitor = waker.watch(sub), waker.watch(monitor)
         if self.replay_endpoint is not None:
             self._runner = asyncio.current_task()
@@ -153,7 +163,13 @@ class PodEventStream:
                 if has_message(events_of_monitor):
                     parse_monitor_message(events_of_monitor.recv_multipart(zmq.NOBLOCK))
                     self.restart("connection to the pod dropped")
-                    reconnect(sub, self.endpoint)  # also after an oversized frame (MAXMSGSIZE)
+                    # A new socket, not disconnect() and connect() on this one: libzmq 4.3.5 then aborts
+                    # the whole process (fq.cpp "!_more") when the pod restarts under load
+                    # (tests/router/test_kv_events.py). Also after an oversized frame (MAXMSGSIZE), a
+                    # protocol error after which libzmq never reconnects by itself.
+                    self._unsubscribe(sub, monitor, waker)
+                    sub, monitor, waker = self._subscribe()
+                    live, events_of_monitor = waker.watch(sub), waker.watch(monitor)
                     continue
                 if has_message(live):
                     frames = live.recv_multipart(zmq.NOBLOCK)
@@ -180,10 +196,7 @@ class PodEventStream:
             if self._channel is not None:
                 self._channel.close()
             self._runner = self._channel = None
-            waker.close()
-            sub.disable_monitor()
-            monitor.close()
-            sub.close()
+            self._unsubscribe(sub, monitor, waker)
 
     async def _quiet_check(self) -> None:
         armed = self._armed

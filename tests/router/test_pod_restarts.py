@@ -1,0 +1,80 @@
+"""A router following pods whose KV event publishers restart again and again under traffic: it lives on,
+and follows each restarted stream from its start.
+
+The pods are bench/stub_pods.py's (each port keeps a prefix cache and publishes it with the daemon's own
+KVEventPublisher; `POST /stub/restart` closes that publisher and binds a new one on the same endpoints,
+as a restarted daemon does, its sequence from 0), so a restart takes milliseconds, not a model load: the
+router's subscriber sees its connection drop while batches are in flight. Before the router opened a new
+socket on each drop, libzmq aborted its process within a few such restarts ("Assertion failed: !_more
+(src/fq.cpp:80)", libzmq 4.3.5)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+from support.procs import free_port, spawn, stop, wait_for, wait_ready
+from support.servers import MODEL, start_router, stop_router
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "You are the help desk of a bicycle shop. " * 12  # ~110 tokens: several blocks of 16
+
+
+def _post(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _chat(router_url: str, i: int) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": f"{SYSTEM} Desk {i % 4}."},
+            {"role": "user", "content": f"Question {i}: do you fix brakes?"},
+        ],
+        "max_tokens": 4,
+    }
+    return _post(router_url + "/v1/chat/completions", body)
+
+
+def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    argv = [sys.executable, "-P", str(ROOT / "bench" / "stub_pods.py"), "--worker", ",".join(map(str, ports))]
+    argv += ["--kv-events", "--blocks", "64"]
+    log = tmp_path / "stub-pods.log"
+    pods = spawn(argv, log_path=log, cwd=tmp_path)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    router = None
+    try:
+        wait_ready(pods, lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5), 120, "stub pods", log)
+        router = start_router(tmp_path, urls)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for round_ in range(30):
+                chats = [pool.submit(_chat, router.url, round_ * 8 + k) for k in range(8)]
+                _post(urls[round_ % 2] + "/stub/restart")
+                concurrent.futures.wait(chats, timeout=60)
+                assert router.proc.poll() is None, router.log()[-3000:]
+                for c in chats:
+                    assert c.result()["usage"]["prompt_tokens"] > 0
+        assert router.log().count("starting over (connection to the pod dropped)") >= 3, router.log()[-3000:]
+
+        # the restarted streams are followed again from their start: a new prompt's blocks are indexed
+        for url in urls:
+            _post(url + "/stub/restart")
+        wait_for(lambda: all(p["synced"] for p in router.health()["pods"]), 30, "both streams followed again")
+        reply = _chat(router.url, 1000)
+        assert reply["usage"]["prompt_tokens"] > 100
+        wait_for(
+            lambda: sum(p["indexed_blocks"] for p in router.health()["pods"]) > 0,
+            30,
+            "the new prompt's blocks indexed",
+        )
+    finally:
+        if router is not None:
+            stop_router(router)
+        stop(pods)
