@@ -95,11 +95,14 @@ class _Cache:
             self.stored.move_to_end(chain[cached])
             cached += 1
         rec = self.pub.recorder
-        for i in range(cached, len(chain)):
+        # room first, as an engine frees blocks before it fills them: the pool never holds more than its
+        # size, nor do its events say so (a router empties the entry of a rank past its blocks_total)
+        end = max(min(len(chain), self.blocks), cached)  # a prompt past the pool keeps its first blocks
+        while len(self.stored) > self.blocks - (end - cached):  # (its own cached blocks are the newest)
+            rec.block_removed(self.stored.popitem(last=False)[0])
+        for i in range(cached, end):
             rec.block_stored(chain, i, ids)
             self.stored[chain[i]] = None
-        while len(self.stored) > self.blocks:
-            rec.block_removed(self.stored.popitem(last=False)[0])
         self.pub.flush()
         return len(ids), cached * BLOCK_SIZE
 
