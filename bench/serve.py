@@ -13,6 +13,7 @@ skipped is recorded. Results go to `bench/results/serve-<time>.json`.
     .venv/bin/python bench/serve.py --url http://host:8000 # an already running daemon
     .venv/bin/python bench/serve.py --vs-generate-batch    # bench/engine.py's load over HTTP, see below
     .venv/bin/python bench/serve.py --vs-bound             # the same load against the torch decode bound
+    .venv/bin/python bench/serve.py --vs-bound --compiled  # ... every side compiled (-O1)
 
 `--vs-generate-batch`: bench/engine.py's shared-prefix load (16 chat requests sharing a ~295-token system
 prompt) sent at once as chat completions that stop at EOS (`--max-tokens` caps them, 64 by default here),
@@ -29,6 +30,9 @@ its step timed by phase (scheduler, step inputs, attention plan, model, sampling
 between the three (`--rounds` each). The bound's tokens are checked against both (same token ids as the
 engine, same texts and token counts as the daemon). `--profile` adds one more daemon run under py-spy
 (shares of its samples per thread and function). Results go to `bench/results/serve-vs-bound-<time>.json`.
+`--compiled`: the daemon and the engine in process at `-O1` and the bound under torch.compile the same way
+(inductor, dynamic shapes); a first, untimed round of each side compiles every graph the timed rounds
+run. Results go to `bench/results/serve-vs-bound-compiled-<time>.json`.
 """
 
 from __future__ import annotations
@@ -388,25 +392,40 @@ def vs_bound(args: argparse.Namespace, logdir: Path) -> dict:
     bench = _bench("engine")  # its load
     questions = [bench.QUESTIONS[i % len(bench.QUESTIONS)] for i in range(args.requests)]
     threads = _threads(args)
+    level = "1" if args.compiled else None  # None: the device's default (eager on the CPU)
     flags = ["--max-num-seqs", str(args.requests), "--cpu-threads", str(threads), *args.kvpilot_args]
+    if level:
+        flags += ["-O", level]
     # The in-process engine's pool only needs to hold the load; the daemon's is its default size.
-    engine = LLMEngine(EngineConfig(max_num_seqs=args.requests, cpu_threads=threads, num_kv_blocks=1024))
+    engine = LLMEngine(
+        EngineConfig(
+            max_num_seqs=args.requests, cpu_threads=threads, num_kv_blocks=1024, compilation_config=level
+        )
+    )
     spent = _time_phases(engine)
-    bound = _bench("torch_bound").TorchBound(engine.runner.model, engine.eos_token_ids)
+    bound = _bench("torch_bound").TorchBound(engine.runner.model, engine.eos_token_ids, args.compiled)
     prompts = [bench.chat(engine.tokenizer, q) for q in questions]
     runs: dict[str, list[dict]] = {"kvpilot_http": [], "engine_in_process": [], "torch_bound": []}
+    warmup: dict[str, float] = {}
     profile = None
     with benchkit.kvpilot_serve(logdir / "kvpilot.log", 600, *flags) as url:
         asyncio.run(_chat_load(url, MODEL, questions[:1], bench.SYSTEM, 2))  # warm-up
         daemon = _daemon_pid()
+        sides = {
+            "kvpilot_http": lambda: asyncio.run(
+                _chat_load(url, MODEL, questions, bench.SYSTEM, args.max_tokens)
+            ),
+            "engine_in_process": lambda: _engine_load(engine, spent, prompts, args.max_tokens),
+            "torch_bound": lambda: bound.generate(prompts, args.max_tokens),
+        }
+        if args.compiled:  # the load's own shapes (a batch of one row is one) compile here, untimed
+            for name, run in sides.items():
+                started = time.perf_counter()
+                run()
+                warmup[name] = time.perf_counter() - started
+                print(f"{name:18}: compiled and ran once in {warmup[name]:.1f} s", flush=True)
+        graphs = _graphs_compiled()
         for _ in range(args.rounds):
-            sides = {
-                "kvpilot_http": lambda: asyncio.run(
-                    _chat_load(url, MODEL, questions, bench.SYSTEM, args.max_tokens)
-                ),
-                "engine_in_process": lambda: _engine_load(engine, spent, prompts, args.max_tokens),
-                "torch_bound": lambda: bound.generate(prompts, args.max_tokens),
-            }
             for name, run in sides.items():
                 r = _measured(run, daemon if name == "kvpilot_http" else None)
                 runs[name].append(r)
@@ -416,6 +435,7 @@ def vs_bound(args: argparse.Namespace, logdir: Path) -> dict:
                     f"load {r['load_average_before'][0]:.2f}",
                     flush=True,
                 )
+        graphs = _graphs_compiled() - graphs
         if args.profile:
             profile = _profiled_load(url, questions, bench.SYSTEM, args.max_tokens, logdir)
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
@@ -435,7 +455,11 @@ def vs_bound(args: argparse.Namespace, logdir: Path) -> dict:
             "stop": "EOS",
             "threads": threads,
             "torch": torch.__version__,
+            "compiled": args.compiled,
         },
+        "warmup_seconds": warmup,
+        # the engine in process's and the bound's; 0 unless a timed round met a shape the warm-up did not
+        "graphs_compiled_in_timed_rounds": graphs,
         "runs": runs,
         "median_tokens_per_s": med,
         "ratio_kvpilot_http_vs_bound": med["kvpilot_http"] / med["torch_bound"],
@@ -449,6 +473,13 @@ def vs_bound(args: argparse.Namespace, logdir: Path) -> dict:
         "bound_same_texts_as_daemon": http["texts"] == _texts(engine.tokenizer, theirs["token_ids"], eos),
         "daemon_profile": profile,
     }
+
+
+def _graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def run_vs_bound(args: argparse.Namespace) -> int:
@@ -467,7 +498,8 @@ def run_vs_bound(args: argparse.Namespace) -> int:
         f"{report['bound_same_token_ids_as_engine']} (engine's ids), "
         f"{report['bound_same_texts_as_daemon']} (daemon's texts)"
     )
-    out = args.output or benchkit.default_path(ROOT / "bench" / "results", "serve-vs-bound")
+    name = "serve-vs-bound-compiled" if args.compiled else "serve-vs-bound"
+    out = args.output or benchkit.default_path(ROOT / "bench" / "results", name)
     benchkit.write(out, report, f" (server log in {logdir})")
     return 0
 
@@ -499,6 +531,11 @@ def main() -> int:
         help="that load against the torch decode bound (bench/torch_bound.py) and the engine in process",
     )
     p.add_argument("--profile", action="store_true", help="--vs-bound: one more daemon run under py-spy")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="--vs-bound: the daemon and the engine in process at -O1, the bound under torch.compile",
+    )
     p.add_argument("--requests", type=int, default=16, help="requests of the --vs-generate-batch load")
     p.add_argument("--cpu-threads", type=int, help="torch threads of both sides (default: all cores but one)")
     p.add_argument("--output", type=Path, default=None)

@@ -11,7 +11,14 @@ read by every row's queries in one matmul; the rows' own suffixes are prefilled 
 their K/V, with the decoded tokens', go to a static tail cache [B, Hkv, T, D]. Each decode step runs the rows still
 unfinished as one batch; a row that stops (EOS or max_tokens) is dropped from the batch.
 
+`compiled=True` (`bench/serve.py --vs-bound --compiled`) runs that forward, prefix, suffixes and decode
+steps alike, under torch.compile as the daemon's `-O1` runs its step (daemon/engine/compile/forward.py:
+inductor, dynamic shapes). Unlike the daemon's step, the attention and the KV write are in the graph
+too: nothing in them is opaque here. A shape torch.compile has not seen compiles on first use (a batch
+of one row is a shape of its own): warm it up on the same load before timing it.
+
     .venv/bin/python bench/torch_bound.py          # the load of bench/serve.py --vs-bound, once
+    .venv/bin/python bench/torch_bound.py --compiled   # compiled: once untimed, then once timed
 """
 
 from __future__ import annotations
@@ -39,7 +46,12 @@ class _Layer:
 class TorchBound:
     """`generate(prompts, max_tokens)` with the weights of kvpilot's `LlamaForCausalLM` `model`."""
 
-    def __init__(self, model, eos_token_ids: frozenset[int]) -> None:  # noqa: ANN001 - LlamaForCausalLM
+    def __init__(
+        self,
+        model,  # noqa: ANN001 - LlamaForCausalLM
+        eos_token_ids: frozenset[int],
+        compiled: bool = False,
+    ) -> None:
         a = model.args
         self.heads, self.kv_heads, self.dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.eps = a.rms_norm_eps
@@ -60,6 +72,8 @@ class TorchBound:
             )
             for layer in model.layers
         ]
+        # -O1's settings: torch.compile's default backend (inductor), one graph for every size but 0 and 1
+        self._step = torch.compile(self._forward, dynamic=True) if compiled else self._forward
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -73,14 +87,15 @@ class TorchBound:
         # zeros: a slot not written yet is masked, and must not be a NaN that the mask cannot hide.
         prefix: list[tuple[torch.Tensor, torch.Tensor]] = []
         tail = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
-        self._forward(torch.tensor([prompts[0][:p]]), torch.arange(p)[None], prefix, None, None, None)
+        self._step(torch.tensor([prompts[0][:p]]), torch.arange(p)[None], prefix, None, None, 0, None)
         lens = [len(x) - p for x in prompts]  # each row's tokens in the tail cache
         # The suffixes as one batch, padded on the right to the longest: a padding token's K/V land past
         # its row's suffix, where no real query looks (causal) and the row's decoded tokens overwrite them.
         width = max(lens)
         ids = torch.tensor([x[p:] + [x[-1]] * (width - n) for x, n in zip(prompts, lens)])
         pos = torch.arange(p, p + width).expand(rows, width)
-        first = self._forward(ids, pos, prefix, tail, torch.zeros(rows, dtype=torch.int64), lens)
+        start_at = torch.zeros(rows, dtype=torch.int64)
+        first = self._step(ids, pos, prefix, tail, start_at, width, torch.tensor(lens) - 1)
         out: list[list[int]] = [[t] for t in first.max(-1).indices.tolist()]
         active = [r for r in range(rows) if not self._done(out[r], max_tokens)]
         prefill_s = time.perf_counter() - start
@@ -89,9 +104,9 @@ class TorchBound:
             t0 = time.perf_counter()
             ids = torch.tensor([[out[r][-1]] for r in active])
             pos = torch.tensor([[p + lens[r]] for r in active])
-            logits = self._forward(
-                ids, pos, prefix, tail, torch.tensor([lens[r] for r in active]), [1] * len(active)
-            )
+            start_at = torch.tensor([lens[r] for r in active])
+            last = torch.zeros(len(active), dtype=torch.int64)  # one token a row: the one sampled
+            logits = self._step(ids, pos, prefix, tail, start_at, max(lens[r] for r in active) + 1, last)
             for r, t in zip(active, logits.max(-1).indices.tolist()):  # greedy: argmax, at less CPU
                 out[r].append(t)
                 lens[r] += 1
@@ -119,7 +134,8 @@ class TorchBound:
         prefix: list[tuple[torch.Tensor, torch.Tensor]],
         tail: list[tuple[torch.Tensor, torch.Tensor]] | None,
         tail_start: torch.Tensor | None,  # [b]: where each row's n new tokens go in the tail cache
-        real: list[int] | None,  # [b]: each row's real tokens (the rest is padding)
+        width: int,  # tail tokens attended: max(tail_start) + n, passed in so no graph reads a tensor's value
+        last: torch.Tensor | None,  # [b]: each row's last real token (the rest is padding)
     ) -> torch.Tensor | None:
         """The logits of each row's last real token, [b, vocab]. Without `tail`, the tokens are the
         prefix: its K/V are appended to `prefix`, no logits. With it, they follow the prefix and each
@@ -129,7 +145,7 @@ class TorchBound:
         half = self.dim // 2
         cos = torch.cat((cs[..., :half], cs[..., :half]), -1)[:, :, None]
         sin = torch.cat((cs[..., half:], cs[..., half:]), -1)[:, :, None]
-        mask = None if tail is None else self._mask(n, tail_start, prefix[0][0].shape[1])
+        mask = None if tail is None else self._mask(n, tail_start, width, prefix[0][0].shape[1])
         h = F.embedding(ids, self.embed)
         for i, w in enumerate(self.layers):
             x = _rms(h, w.in_norm, self.eps)
@@ -144,14 +160,14 @@ class TorchBound:
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
                 ).transpose(1, 2)
             else:
-                o = self._attend(q, k, v, prefix[i], tail[i], tail_start, mask)
+                o = self._attend(q, k, v, prefix[i], tail[i], tail_start, width, mask)
             h = h + F.linear(o.reshape(b, n, q_size), w.o)
             x = _rms(h, w.post_norm, self.eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, w.down)
         if tail is None:
             return None
-        h = h[torch.arange(b), torch.tensor(real) - 1]  # only the sampled rows need the LM head
+        h = h[torch.arange(b), last]  # only the sampled rows need the LM head
         return F.linear(_rms(h, self.norm, self.eps), self.head)
 
     def _attend(
@@ -162,6 +178,7 @@ class TorchBound:
         prefix: tuple[torch.Tensor, torch.Tensor],  # [Hkv, P, D] each
         tail: tuple[torch.Tensor, torch.Tensor],  # [b, Hkv, T, D] each
         tail_start: torch.Tensor,
+        width: int,
         mask: torch.Tensor,  # [b, n, 1, P + L]
     ) -> torch.Tensor:
         """Attention of the new tokens over the shared prefix and their row's tail, after writing
@@ -172,7 +189,6 @@ class TorchBound:
         at = tail_start[:, None] + torch.arange(n)[None]  # [b, n]
         tail[0][rows, :, at] = k  # advanced indexing puts the [b, n] index first: [b, n, Hkv, D]
         tail[1][rows, :, at] = v
-        width = int(tail_start.max()) + n
         kt, vt = tail[0][:, :, :width], tail[1][:, :, :width]
         q = q.float() * d**-0.5
         qp = q.view(b, n, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, b * n * g, d)
@@ -188,10 +204,9 @@ class TorchBound:
         return out.reshape(b, n, self.heads, d)
 
     @staticmethod
-    def _mask(n: int, tail_start: torch.Tensor, plen: int) -> torch.Tensor:
+    def _mask(n: int, tail_start: torch.Tensor, width: int, plen: int) -> torch.Tensor:
         """[b, n, 1, P + L] additive: the prefix is seen by all; query j of a row sees its tail up to
         its own position tail_start + j (causal), nothing beyond (another row's longer tail)."""
-        width = int(tail_start.max()) + n
         seen = torch.arange(width)[None, None] <= (tail_start[:, None] + torch.arange(n)[None])[..., None]
         bias = torch.zeros(seen.shape[0], n, 1, plen + width)
         bias[..., plen:].masked_fill_(~seen[:, :, None], float("-inf"))
@@ -229,18 +244,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def main() -> int:
+    import argparse
     import importlib.util
     from pathlib import Path
 
     from kvpilot.daemon.engine.loader import load
     from kvpilot.kernels import select_ops
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compiled", action="store_true", help="the forward under torch.compile, as -O1 runs it")
+    args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).with_name("engine.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     loaded = load(None, select_ops("cpu"), torch.float32, torch.device("cpu"))
     prompts = [bench.chat(loaded.tokenizer, q) for q in bench.QUESTIONS]
-    r = TorchBound(loaded.model, loaded.eos_token_ids).generate(prompts, 64)
+    bound = TorchBound(loaded.model, loaded.eos_token_ids, compiled=args.compiled)
+    if args.compiled:  # compiles every graph the timed run takes
+        started = time.perf_counter()
+        bound.generate(prompts, 64)
+        print(f"compiled (and ran once) in {time.perf_counter() - started:.1f} s")
+    r = bound.generate(prompts, 64)
     print(
         f"bound: {r['tokens_per_s']:.1f} tok/s ({r['output_tokens']} tokens in {r['seconds']:.1f} s, "
         f"prefill {r['prefill_seconds']:.2f} s, decode step {r['decode_step_ms']:.0f} ms, "
