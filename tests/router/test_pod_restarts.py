@@ -51,7 +51,9 @@ def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> No
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     router = None
     try:
-        wait_ready(pods, lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5), 120, "stub pods", log)
+        wait_ready(
+            pods, lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5), 120, "stub pods", log
+        )
         router = start_router(tmp_path, urls)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for round_ in range(30):
