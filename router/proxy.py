@@ -205,9 +205,11 @@ async def _relay_stream(
         # Headers are sent: end the stream with an error event.
         err = _pod_failed(r, decision.pod, exc)
         await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-    await resp.write_eof()
+    # Counted before the stream's end is written: a client may hang up as soon as it reads [DONE] (openai's
+    # Python client closes the response there), and writing to it then raises.
     if wants_usage:
         record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
+    await resp.write_eof()
     return resp
 
 

@@ -183,7 +183,8 @@ def test_a_streamed_replys_usage_is_compared_with_the_prediction(quiet_fleet: Fl
     reported = key.replace("predicted", "reported")
 
     def counted() -> dict | None:
-        # The router counts the tail after relaying it, so the client may read [DONE] a moment before.
+        # The router counts the tail once relayed (before the end of the stream, which openai's client does
+        # not wait for: it hangs up after [DONE]), so the client may read [DONE] a moment before.
         m = fleet.router.metrics()
         return m if m.get(reported, 0) > m0.get(reported, 0) else None
 
