@@ -13,9 +13,9 @@ One folder made with `zmq.auth.create_certificates(DIR, "server")` and `create_c
 serves both ends; the operator mounts only each end's part (docs/security.md).
 
 Every socket also gets `MAXMSGSIZE`: a peer that sends a bigger frame is disconnected by ZeroMQ before the
-frame is buffered (the router then opens a new socket and connects again: router/kv/stream.py). Daemons never publish a frame above
-`MAX_BATCH_BYTES` (events.py splits a step's events to fit), so the router's bound drops only dishonest
-frames; the daemon receives only subscriptions and 8-byte replay requests, so its bound is small.
+frame is buffered (the router then opens a new socket and connects again: router/kv/stream.py). Daemons
+never publish a frame above `MAX_BATCH_BYTES` (events.py splits a step's events to fit), so the router's
+bound drops only dishonest frames; the daemon receives only subscriptions and 8-byte replay requests, so its bound is small.
 """
 
 from __future__ import annotations

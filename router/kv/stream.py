@@ -165,7 +165,7 @@ class PodEventStream:
                     self.restart("connection to the pod dropped")
                     # A new socket, not disconnect() and connect() on this one: libzmq 4.3.5 then aborts
                     # the whole process (fq.cpp "!_more") when the pod restarts under load
-                    # (tests/router/test_kv_events.py). Also after an oversized frame (MAXMSGSIZE), a
+                    # (tests/router/test_pod_restarts.py). Also after an oversized frame (MAXMSGSIZE), a
                     # protocol error after which libzmq never reconnects by itself.
                     self._unsubscribe(sub, monitor, waker)
                     sub, monitor, waker = self._subscribe()
