@@ -35,6 +35,7 @@ from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.kv.block_keys import BlockHash, KeyScheme, LoRAKey
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.router.routing.chat_template import ChatTemplate
 from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
 from kvpilot.serving.text_pool import Busy, TextPool
 
@@ -111,6 +112,7 @@ class PromptReader:
         path = tokenizer_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.encoder = SegmentTokenizer(self.tokenizer)
+        self.template = ChatTemplate(self.tokenizer)
         self.max_model_len = model_context(path)
         self.parse_limit = max(MIN_PARSE_LIMIT, PARSE_BYTES_PER_TOKEN * self.max_model_len)
         self._pool = TextPool(workers, max_pending)
@@ -161,11 +163,13 @@ class PromptReader:
             return None
         model = body.get("model") if isinstance(body.get("model"), str) else None
         served = [model] if model is not None else []
-        tok = self.tokenizer
         try:
             if path.endswith("/chat/completions"):
                 chat = parse_chat(body, served)
-                text = chat.render(tok)
+                # chat.render(tokenizer), the daemon's, rendered from the template compiled once (chat_template.py)
+                text = self.template.render(
+                    chat.messages, chat.add_generation_prompt, chat.tools, chat.continue_final_message
+                )
                 chat_ids = self.encoder.encode(text)
                 return Prompts([chat_ids], chat.generate.cache_salt, self.max_model_len, model)
             req = parse_completion(body, served)
