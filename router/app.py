@@ -5,6 +5,7 @@ prompt reader together and runs until SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import cast
@@ -158,6 +159,10 @@ async def serve(
             settings.port,
             where,
         )
+        # What start-up built (transformers and the tokenizer: ~350,000 objects with the prompt reader) lives
+        # as long as the router: out of the collector's sight, a full collection costs ~2 ms, not ~170 ms of
+        # CPU and of the event loop's time (once in a few thousand requests; ~0.05 ms a request averaged).
+        gc.freeze()
         await stop.wait()
         log.info("shutting down")
         if watch is not None:
