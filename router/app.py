@@ -171,6 +171,7 @@ async def serve(
             # Streams open are requests in flight through the gateway: they get the same grace.
             await picker.stop(settings.shutdown_timeout_s)
         await served.cleanup()
+        router.pool.close()
         await fleet.stop()
         if reader is not None:
             reader.close()

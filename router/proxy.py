@@ -3,6 +3,10 @@ ready pod.
 
 A generation request is read once (to tokenize it for the policy), then its raw body goes unchanged to
 the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
+A request whose body never names "stream" cannot be streamed (OpenAI's default is false): it goes through
+the pods' keep-alive pool of the project's own HTTP/1.1 client (kvpilot/fanout/http1.py), a few tens of
+microseconds of CPU a request against aiohttp's ClientSession's ~70-100 (docs/performance.md, "Router");
+a stream, or a body that might ask for one, goes through aiohttp's client and router/relay.py.
 A client that hangs up cancels its handler, which closes the upstream connection, so the pod aborts the
 request within one engine step, as if the client had called the pod directly.
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from kvpilot.fanout.http1 import Endpoint, Reply, ReplyError, header_value_ok
 from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
@@ -39,8 +45,14 @@ FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
+
+
+class PodUnreached(Exception):
+    """No connection to the pod could be opened (the pool's OSError): the request never left."""
+
+
 # The request never reached the pod (refused, or no connection within sock_connect): nothing ran there.
-UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, PodUnreached)
 SSE_TAIL_BYTES = 16384  # of a stream, kept for its usage event (sent last)
 
 
@@ -142,6 +154,10 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     pod = decision.pod
     # Usage is read (a JSON parse) only where it is compared with a prediction.
     wants_usage = decision.predicted_cached_tokens is not None
+    if b'"stream"' not in raw:
+        ep = _pooled(request, pod, raw, decision.rank)
+        if ep is not None:
+            return await _proxy_pooled(request, r, decision, ep, wants_usage)
     with sending(request, r, decision) as sent:
         try:
             async with r.session.post(
@@ -175,6 +191,83 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _pod_failed(r, pod, exc) from None
+
+
+def _pooled(request: web.Request, pod: Pod, raw: bytes, rank: int | None) -> Endpoint | None:
+    """The request to the pod as the pool sends it, or None where it cannot be written as it came (a target
+    or a header value that is not printable ASCII): aiohttp's client sends those."""
+    path = request.path_qs
+    if not header_value_ok(path) or " " in path:
+        return None
+    host, port, tls = pod.address
+    netloc = f"[{host}]" if ":" in host else host
+    # identity: what the pod sends back is relayed as it comes, and the client's Accept-Encoding is not
+    # forwarded, so a compressed reply would reach it undeclared.
+    head = f"POST {path} HTTP/1.1\r\nHost: {netloc}:{port}\r\nAccept-Encoding: identity\r\nContent-Length: {len(raw)}\r\n"
+    headers = request.headers
+    for h in FORWARD_REQUEST_HEADERS:
+        v = headers.get(h)
+        if v is not None:
+            if not header_value_ok(v):
+                return None
+            head += f"{h}: {v}\r\n"
+    if rank is not None:
+        head += f"{DP_RANK_HEADER}: {rank}\r\n"
+    return Endpoint((pod.name, host, port, tls), host, port, tls, (head + "\r\n").encode("ascii") + raw)
+
+
+async def _proxy_pooled(
+    request: web.Request, r: Router, decision: Decision, ep: Endpoint, wants_usage: bool
+) -> web.Response:
+    """`_proxy` for a request that is not streamed, through the pool: the whole reply, bounded, then to
+    the client."""
+    pod = decision.pod
+    limit = r.settings.max_reply_bytes
+    with sending(request, r, decision) as sent:
+        try:
+            reply = await r.pool.call(ep, limit, r.settings.proxy_timeout_s)
+        except TimeoutError as exc:  # before OSError: a TimeoutError is one
+            raise _pod_failed(r, pod, exc) from None
+        except OSError as exc:
+            raise PodUnreached(str(exc)) from None
+        except ReplyError as exc:
+            raise _pod_failed(r, pod, exc) from None
+        sent.status = reply.status
+        body = _decoded(reply, limit)
+        if body is None:
+            log.warning("%s sent a reply of more than %d bytes", pod.name, limit)
+            raise ApiError(
+                502, f"pod {pod.name} sent a reply of more than {limit} bytes", code="reply_too_large"
+            )
+        out_headers = {POD_HEADER: pod.name}
+        for h in FORWARD_RESPONSE_HEADERS:
+            v = reply.headers.get(h.lower())
+            if v is not None:
+                out_headers[h] = v
+        if decision.rank is not None:
+            out_headers[DP_RANK_HEADER] = str(decision.rank)
+        if wants_usage:
+            record_usage(r, decision, _json_usage(body))
+        return web.Response(body=body, status=reply.status, headers=out_headers)
+
+
+def _decoded(reply: Reply, limit: int) -> bytes | None:
+    """The reply's body as the client gets it, or None past `limit` bytes. A pod asked for `identity` may
+    compress anyway: gzip and deflate are inflated as aiohttp's client would (its Content-Encoding is not
+    forwarded), and what they inflate to counts against the limit, not their few compressed bytes."""
+    if not reply.complete:
+        return None
+    coding = reply.headers.get("content-encoding", "identity").strip().lower()
+    if coding in ("", "identity"):
+        return reply.body
+    if coding not in ("gzip", "x-gzip", "deflate"):
+        raise ApiError(502, f"the pod sent a reply in the {coding[:40]!r} coding", code="bad_gateway")
+    inflate = zlib.decompressobj(zlib.MAX_WBITS | 32 if coding != "deflate" else zlib.MAX_WBITS)
+    try:
+        body = inflate.decompress(reply.body, limit + 1)
+    except zlib.error:
+        raise ApiError(502, "the pod sent a reply that does not inflate", code="bad_gateway") from None
+    return None if len(body) > limit or inflate.unconsumed_tail else body
 
 
 def _forwarded(headers: Mapping[str, str], names: tuple[str, ...], into: dict[str, str]) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """The fan-out's HTTP/1.1 client: one small request per call (a reset, or a canary's JSON body), keep-alive
-per pod, replies read up to a bound.
+per pod, replies read up to a bound. The router sends its non-streamed generation requests through it too
+(router/proxy.py, `Pool.call`: the reply's headers, a bound of its own, a silence timer).
 
 Why not aiohttp's ClientSession: a reset call is a few hundred bytes each way, and aiohttp's per-request
 machinery (URL and header objects, the timer, the connector's bookkeeping, happy eyeballs) cost ~380 µs of
@@ -34,6 +35,14 @@ from kvpilot.fanout.redact import MAX_REPLY_BYTES  # past it the rest is not rea
 
 MAX_HEAD_BYTES = 16 * 1024  # status line and headers; a longer head is a broken reply
 IDLE_S = 4.0  # how long an idle connection is reused: under uvicorn's 5 s keep-alive (vLLM, SGLang)
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    body: bytes  # at most the call's bound
+    headers: dict[str, str]  # by lower-case name (the last of a repeated one)
+    complete: bool  # False: the body ran past the bound and was cut there (the connection closed)
 
 
 class ReplyError(Exception):
@@ -96,8 +105,14 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._buf = bytearray()
-        self._reply: asyncio.Future[tuple[int, bytes, bool]] | None = None
+        self._reply: asyncio.Future[tuple[Reply, bool]] | None = None
         self._status = 0
+        self._headers: dict[str, str] = {}
+        self._max_body = MAX_REPLY_BYTES
+        self._silence_s: float | None = None
+        self._last_data = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop = asyncio.get_running_loop()  # made by create_connection, on its loop
         self._keep = True
         self._mode = ""  # "" (reading the head), "length", "chunked" or "close"
         self._left = 0  # length: body bytes still to come
@@ -114,6 +129,8 @@ class _Connection(asyncio.Protocol):
             self._abort()  # bytes nobody asked for: this connection cannot be trusted to frame a reply
             return
         self._buf += data
+        if self._timer is not None:
+            self._last_data = self._timer_loop.time()
         try:
             self._parse()
         except ReplyError as exc:
@@ -132,23 +149,53 @@ class _Connection(asyncio.Protocol):
         )
 
     # -- one exchange --------------------------------------------------------------------------------
-    def send(self, request: bytes) -> asyncio.Future[tuple[int, bytes, bool]]:
-        """Write the request; the future gives (status, body up to MAX_REPLY_BYTES, reusable)."""
+    def send(
+        self, request: bytes, max_body: int = MAX_REPLY_BYTES, silence_s: float | None = None
+    ) -> asyncio.Future[tuple[Reply, bool]]:
+        """Write the request; the future gives (the reply, its body up to `max_body`; reusable), or raises
+        TimeoutError once the server has sent nothing for `silence_s` (None: the caller bounds the time)."""
         assert self.transport is not None
-        self._reply = asyncio.get_running_loop().create_future()
+        loop = self._timer_loop
+        self._reply = loop.create_future()
         self._buf.clear()
         self._body = bytearray()
+        self._headers = {}
         self._status, self._keep, self._mode, self._chunk = 0, True, "", -1
+        self._max_body, self._silence_s = max_body, silence_s
+        if silence_s is not None:
+            self._last_data = loop.time()
+            self._timer = loop.call_at(self._last_data + silence_s, self._check_silence)
         self.transport.write(request)
         return self._reply
 
+    def _check_silence(self) -> None:
+        """The silence timer: fail the call if nothing came for `silence_s`, else look again when it could
+        have (one timer a call, moved only when it fires, not rearmed on every read)."""
+        assert self._silence_s is not None
+        loop = self._timer_loop
+        due = self._last_data + self._silence_s
+        if loop.time() < due:
+            self._timer = loop.call_at(due, self._check_silence)
+            return
+        self._timer = None
+        self._abort()
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_exception(TimeoutError(f"nothing for {self._silence_s:g} s"))
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def close(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
     def _abort(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
@@ -157,13 +204,15 @@ class _Connection(asyncio.Protocol):
         if self._reply is not None and not self._reply.done():
             self._reply.set_exception(exc)
 
-    def _done(self, keep: bool) -> None:
-        keep = keep and self._keep and not self._buf  # bytes past the reply: do not reuse
+    def _done(self, keep: bool, complete: bool = True) -> None:
+        self._stop_timer()
+        keep = keep and complete and self._keep and not self._buf  # bytes past the reply: do not reuse
         if not keep:
             self.close()
         assert self._reply is not None
         if not self._reply.done():
-            self._reply.set_result((self._status, bytes(self._body), keep))
+            reply = Reply(self._status, bytes(self._body), self._headers, complete)
+            self._reply.set_result((reply, keep))
 
     # -- parsing -------------------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -178,22 +227,23 @@ class _Connection(asyncio.Protocol):
             if not self._head(head):
                 continue  # an interim 1xx reply: the real one follows
         if self._mode == "length":
-            take = min(self._left, len(self._buf), MAX_REPLY_BYTES - len(self._body))
+            take = min(self._left, len(self._buf), self._max_body - len(self._body))
             self._body += self._buf[:take]
             del self._buf[:take]
             self._left -= take
             if self._left == 0:
                 self._done(keep=True)
-            elif len(self._body) >= MAX_REPLY_BYTES:
-                self._done(keep=False)
+            elif len(self._body) >= self._max_body:
+                self._done(keep=False, complete=False)
         elif self._mode == "chunked":
             self._chunks()
         else:  # "close": read until the server closes, up to the bound
-            take = min(len(self._buf), MAX_REPLY_BYTES - len(self._body))
+            take = min(len(self._buf), self._max_body - len(self._body))
             self._body += self._buf[:take]
+            if len(self._buf) > take:
+                self._buf.clear()
+                self._done(keep=False, complete=False)
             self._buf.clear()
-            if len(self._body) >= MAX_REPLY_BYTES:
-                self._done(keep=False)
 
     def _head(self, head: str) -> bool:
         """Read the status line and framing headers; False for an interim (1xx) reply."""
@@ -208,9 +258,12 @@ class _Connection(asyncio.Protocol):
         length: int | None = None
         chunked = False
         keep = version != "HTTP/1.0"
+        headers: dict[str, str] = {}
         for line in lines:
-            name, _, value = line.partition(":")
-            name, value = name.strip().lower(), value.strip().lower()
+            name, _, raw_value = line.partition(":")
+            name, raw_value = name.strip().lower(), raw_value.strip()
+            headers[name] = raw_value
+            value = raw_value.lower()
             if name == "content-length":
                 if not value.isdigit():
                     raise ReplyError(f"bad Content-Length {value[:20]!r}", replied=True)
@@ -219,7 +272,7 @@ class _Connection(asyncio.Protocol):
                 chunked = value.endswith("chunked")
             elif name == "connection":
                 keep = "close" not in value if keep else "keep-alive" in value
-        self._status, self._keep = status, keep
+        self._status, self._keep, self._headers = status, keep, headers
         if status in (204, 304):
             self._mode, self._left = "length", 0
         elif chunked:
@@ -257,11 +310,12 @@ class _Connection(asyncio.Protocol):
                 self._chunk = -1
             else:
                 take = min(self._chunk, len(self._buf))
-                self._body += self._buf[: min(take, MAX_REPLY_BYTES - len(self._body))]
+                room = self._max_body - len(self._body)
+                self._body += self._buf[: min(take, room)]
                 del self._buf[:take]
                 self._chunk -= take
-                if len(self._body) >= MAX_REPLY_BYTES:
-                    self._done(keep=False)
+                if take > room:
+                    self._done(keep=False, complete=False)
                     return
                 if self._chunk > 0:
                     return
@@ -269,13 +323,19 @@ class _Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Keep-alive connections for one fan-out (or several: a caller may share one), at most one idle
-    connection per pod and `max_idle` in all (the least recently used closed first), each reused for at most
-    `idle_s`. A pod's key is its identity and address: see the module's docstring."""
+    """Keep-alive connections for one fan-out (or several: a caller may share one), at most `per_key` idle
+    connections per pod (the fan-out: one; the router: as many as it has requests in flight to the pod) and
+    `max_idle` in all (the least recently used pod's oldest closed first), each reused for at most `idle_s`.
+    A pod's key is its identity and address: see the module's docstring. `connect_s` bounds a connection's
+    opening (None: the caller bounds the whole call)."""
 
-    def __init__(self, max_idle: int = 64, idle_s: float = IDLE_S) -> None:
-        self.max_idle, self.idle_s = max_idle, idle_s
-        self._idle: OrderedDict[tuple[str, str, int, bool], _Connection] = OrderedDict()
+    def __init__(
+        self, max_idle: int = 64, idle_s: float = IDLE_S, per_key: int = 1, connect_s: float | None = None
+    ) -> None:
+        self.max_idle, self.idle_s, self.per_key, self.connect_s = max_idle, idle_s, per_key, connect_s
+        # by pod, the most recently idled last (taken first: the least likely to have been closed by the pod)
+        self._idle: OrderedDict[tuple[str, str, int, bool], list[_Connection]] = OrderedDict()
+        self._idle_count = 0
         self._open: set[_Connection] = set()
         self._tls: ssl_module.SSLContext | None = None
 
@@ -283,20 +343,31 @@ class Pool:
         """Send the endpoint's request and read the reply: (status, body up to MAX_REPLY_BYTES). Raises
         OSError (no connection) or ReplyError (a broken reply). The caller bounds the time (asyncio.timeout);
         a cancelled call closes its connection."""
+        reply = await self.call(ep)
+        return reply.status, reply.body
+
+    async def call(
+        self, ep: Endpoint, max_body: int = MAX_REPLY_BYTES, silence_s: float | None = None
+    ) -> Reply:
+        """`request`'s call, with the reply's headers, a bound of its own and, with `silence_s`, a
+        TimeoutError once the pod has sent nothing for that long. Raises OSError where no connection could
+        be opened (the request never left: nothing ran on the pod), ReplyError or TimeoutError after."""
         conn = self._take(ep.key)
         if conn is not None:
             try:
-                return await self._exchange(conn, ep)
+                return await self._exchange(conn, ep, max_body, silence_s)
             except ReplyError as exc:
                 if exc.replied:
                     raise
                 # The server closed the idle connection as the request left (its keep-alive ran out): it
                 # read nothing, so the request goes once more, on a connection of its own.
-        return await self._exchange(await self._connect(ep), ep)
+        return await self._exchange(await self._connect(ep), ep, max_body, silence_s)
 
-    async def _exchange(self, conn: _Connection, ep: Endpoint) -> tuple[int, bytes]:
+    async def _exchange(
+        self, conn: _Connection, ep: Endpoint, max_body: int, silence_s: float | None
+    ) -> Reply:
         try:
-            status, body, keep = await conn.send(ep.request)
+            reply, keep = await conn.send(ep.request, max_body, silence_s)
         except BaseException:
             self._drop(conn)
             raise
@@ -304,7 +375,7 @@ class Pool:
             self._put(ep.key, conn)
         else:
             self._drop(conn)
-        return status, body
+        return reply
 
     async def _connect(self, ep: Endpoint) -> _Connection:
         tls = None
@@ -312,26 +383,47 @@ class Pool:
             self._tls = self._tls or ssl_module.create_default_context()
             tls = self._tls
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Connection, ep.host, ep.port, ssl=tls)
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, conn = await loop.create_connection(_Connection, ep.host, ep.port, ssl=tls)
+        except TimeoutError:
+            # An OSError, as a refused connection is: the request never left. (TimeoutError is one too,
+            # but callers read a TimeoutError as a silent pod after the request was sent.)
+            raise ConnectionError(f"no connection within {self.connect_s:g} s") from None
         self._open.add(conn)
         return conn
 
     def _take(self, key: tuple[str, str, int, bool]) -> _Connection | None:
-        conn = self._idle.pop(key, None)
-        if conn is None:
-            return None
-        if conn.closed or time.monotonic() - conn.idle_since >= self.idle_s:
+        conns = self._idle.get(key)
+        while conns:
+            conn = conns.pop()
+            self._idle_count -= 1
+            if not conn.closed and time.monotonic() - conn.idle_since < self.idle_s:
+                if not conns:
+                    del self._idle[key]
+                return conn
             self._drop(conn)
-            return None
-        return conn
+        self._idle.pop(key, None)
+        return None
 
     def _put(self, key: tuple[str, str, int, bool], conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
-        if (old := self._idle.pop(key, None)) is not None:
-            self._drop(old)
-        self._idle[key] = conn
-        while len(self._idle) > self.max_idle:
-            self._drop(self._idle.popitem(last=False)[1])
+        conns = self._idle.get(key)
+        if conns is None:
+            conns = self._idle[key] = []
+        else:
+            self._idle.move_to_end(key)
+        conns.append(conn)
+        self._idle_count += 1
+        if len(conns) > self.per_key:
+            self._drop(conns.pop(0))
+            self._idle_count -= 1
+        while self._idle_count > self.max_idle:
+            oldest_key, oldest = next(iter(self._idle.items()))
+            self._drop(oldest.pop(0))
+            self._idle_count -= 1
+            if not oldest:
+                del self._idle[oldest_key]
 
     def _drop(self, conn: _Connection) -> None:
         conn.close()
@@ -343,3 +435,4 @@ class Pool:
             conn.close()
         self._open.clear()
         self._idle.clear()
+        self._idle_count = 0

@@ -72,6 +72,7 @@ class Pod:
     adapters: dict[str, LoRAKey] = field(default_factory=dict)  # its LoRA adapters, as its /health names them
     probed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set by its first health probe
     _targets: dict[str, URL] = field(default_factory=dict, repr=False)  # path -> its URL on the pod
+    _address: tuple[str, int, bool] | None = field(default=None, repr=False)
 
     def described(self) -> str:
         """Its name, and its role where it has one (the router's log lines)."""
@@ -86,6 +87,13 @@ class Pod:
             if "?" not in path_qs and len(self._targets) < 16:
                 self._targets[path_qs] = url
         return url
+
+    @property
+    def address(self) -> tuple[str, int, bool]:
+        """(host, port, TLS) of its URL, parsed once."""
+        if self._address is None:
+            self._address = (self.host, self.port, urlsplit(self.url).scheme == "https")
+        return self._address
 
     @property
     def host(self) -> str:

@@ -1,6 +1,7 @@
 """The fan-out's own HTTP/1.1 client (kvpilot/fanout/http1.py) against real servers on loopback: keep-alive
 per pod and never across pods, a stale keep-alive connection, every way a reply body is framed, the bound on
-what is read, and a token that would break the request apart."""
+what is read, and a token that would break the request apart; and what the router's calls add (the reply's
+headers, a bound of their own, a silence timer, several idle connections a pod)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from kvpilot.fanout import PodResult, ResetSettings, Target, run_fanout
+from kvpilot.fanout import PodResult, ResetSettings, Target, http1, run_fanout
 from kvpilot.fanout.http1 import MAX_REPLY_BYTES, Pool, ReplyError, endpoint
 from support.fanout import CountingPool
 from support.procs import free_port
@@ -222,3 +224,89 @@ def test_a_token_that_would_break_the_request_apart_is_never_sent() -> None:
     (res,) = asyncio.run(go())
     assert res.result == "Failed" and "not a valid HTTP header value" in res.message and res.attempts == 0
     assert pod.calls == []
+
+
+def pool_call(reply: Reply, **kwargs: Any) -> http1.Reply | Exception:
+    """One Pool.call (the router's) against a raw server that answers with `reply`."""
+    port = free_port()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reply(reader, writer)
+        await writer.drain()
+
+    async def go() -> http1.Reply | Exception:
+        server = await asyncio.start_server(handle, "127.0.8.6", port)
+        pool = Pool()
+        try:
+            ep = endpoint("p", "127.0.8.6", port, False, "/v1/completions", "POST", None, b"{}")
+            return await asyncio.wait_for(pool.call(ep, **kwargs), 10)
+        except (ReplyError, OSError) as exc:
+            return exc
+        finally:
+            pool.close()
+            server.close()
+
+    return asyncio.run(go())
+
+
+def test_a_call_gets_the_replys_headers_and_is_told_when_the_body_ran_past_its_bound() -> None:
+    body = b'{"usage": {"prompt_tokens": 3}}'
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Ignored: a, b\r\nContent-Length: 31\r\n\r\n"
+    )
+    reply = pool_call(sends(head, body), max_body=len(body))
+    assert isinstance(reply, http1.Reply) and reply.complete and reply.body == body
+    assert reply.headers["content-type"] == "application/json" and reply.headers["x-ignored"] == "a, b"
+    for framing in (
+        (head, body),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"1f\r\n" + body + b"\r\n0\r\n\r\n"),
+        (b"HTTP/1.0 200 OK\r\n\r\n", body),
+    ):
+        cut = pool_call(sends(*framing, close=True), max_body=len(body) - 1)
+        assert isinstance(cut, http1.Reply) and not cut.complete and cut.body == body[:-1], framing
+
+
+def test_a_silent_server_times_the_call_out_and_a_slow_steady_one_does_not() -> None:
+    async def trickle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\n")
+        for byte in b"abcdef":  # 1.2 s in all, never 0.5 s without a byte
+            await asyncio.sleep(0.2)
+            writer.write(bytes([byte]))
+            await writer.drain()
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(3)
+
+    slow = pool_call(trickle, silence_s=0.5)
+    assert isinstance(slow, http1.Reply) and slow.body == b"abcdef"
+    started = time.monotonic()
+    timed_out = pool_call(silent, silence_s=0.5)
+    assert isinstance(timed_out, TimeoutError) and time.monotonic() - started < 2.5, timed_out
+
+
+def test_the_pool_keeps_as_many_idle_connections_per_pod_as_it_is_allowed() -> None:
+    """Eight calls at once to one pod, twice: a pool allowed eight idle connections a pod (the router's)
+    opens eight in all; the fan-out's, one a pod, opens fifteen."""
+    port = free_port()
+    pod = Pod()
+
+    async def go(per_key: int) -> int:
+        pool = CountingPool(per_key=per_key)
+        ep = endpoint("uid", "127.0.8.7", port, False, "/reset_prefix_cache", "POST", None)
+        try:
+            for _ in range(2):
+                replies = await asyncio.gather(*(pool.request(ep) for _ in range(8)))
+                assert [status for status, _ in replies] == [200] * 8
+            return pool.opened
+        finally:
+            pool.close()
+
+    async def both() -> tuple[int, int]:
+        await pod.start("127.0.8.7", port)
+        try:
+            return await go(8), await go(1)
+        finally:
+            await pod.cleanup()
+
+    assert asyncio.run(both()) == (8, 15)

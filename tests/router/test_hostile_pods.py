@@ -442,6 +442,26 @@ def test_a_silent_pod_gets_the_client_a_504(tmp_path: Path, pod: HostilePod) -> 
         stop_router(router)
 
 
+def test_non_streamed_requests_ride_one_kept_alive_connection_to_the_pod(
+    tmp_path: Path, pod: HostilePod
+) -> None:
+    """Sent one after the other, ten completions reach the pod on one connection (the router's pool,
+    router/proxy.py), and a stream on one of its own (aiohttp's client)."""
+    router = router_for(tmp_path, pod)
+    try:
+        del pod.completion_ports[:]
+        for _ in range(10):
+            status, body = post(router, "/v1/completions", COMPLETION)
+            assert status == 200 and json.loads(body)["object"] == "text_completion", body[:200]
+        assert len(pod.completion_ports) == 10 and len(set(pod.completion_ports)) == 1, pod.completion_ports
+        pod.completion, pod.flood_events, pod.huge_bytes = "stream_flood", 2, 1
+        status, body = post(router, "/v1/completions", COMPLETION | {"stream": True})
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[:200]
+        assert len(pod.completion_ports) == 11 and pod.completion_ports[-1] != pod.completion_ports[0]
+    finally:
+        stop_router(router)
+
+
 def test_a_non_streamed_reply_is_capped(tmp_path: Path, pod: HostilePod) -> None:
     router = router_for(tmp_path, pod, "--max-reply-bytes", "1000000")
     try:
@@ -451,9 +471,13 @@ def test_a_non_streamed_reply_is_capped(tmp_path: Path, pod: HostilePod) -> None
         pod.huge_bytes = 5_000_000
         status, body = post(router, "/v1/completions", COMPLETION)
         assert status == 502 and json.loads(body)["error"]["code"] == "reply_too_large", body[:200]
-        # Compressed, its Content-Length is small: what it inflates to is what counts.
+        # Compressed although the router asked for none: the client gets it inflated, as it was sent.
         wait_for(lambda: router.pod(pod.name)["ready"], 30, "the pod ready")
-        pod.completion = "huge_gzip"
+        pod.completion, pod.huge_bytes = "huge_gzip", 2000
+        status, body = post(router, "/v1/completions", COMPLETION)
+        assert status == 200 and json.loads(body) == {"pad": "x" * 2000}, body[:200]
+        # Its Content-Length is small: what it inflates to is what counts.
+        pod.huge_bytes = 5_000_000
         status, body = post(router, "/v1/completions", COMPLETION)
         assert status == 502 and json.loads(body)["error"]["code"] == "reply_too_large", body[:200]
     finally:

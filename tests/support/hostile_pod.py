@@ -88,6 +88,7 @@ class HostilePod:
         self.buffer_bytes = buffer_bytes
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests = 0
+        self.completion_ports: list[int] = []  # the client port of each completion request (its connection)
         self._answers: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -221,6 +222,8 @@ class HostilePod:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.completion_ports.append(peer[1] if peer else 0)
         if self.completion == "silent":
             await asyncio.sleep(3600)
         if self.completion == "huge":
