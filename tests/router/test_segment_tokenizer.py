@@ -1,14 +1,16 @@
 """The router's SegmentTokenizer gives exactly the ids of the tokenizer it wraps: the default model's real
 tokenizer on chats rendered by its own template and on random texts full of added tokens; and a tokenizer
 whose pieces do not tokenize alike apart (Metaspace's prefix on the first piece only) is caught by the
-self-check and served whole."""
+self-check and served whole. New pieces are cut into words by the tokenizer's own pattern (GPT-2's, or a
+Split pre-tokenizer's as Llama 3's and Qwen's), exact on random texts; a pattern that skips characters has
+its pieces tokenized whole."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvpilot.default_model import ensure_default_model
@@ -46,7 +48,7 @@ def random_text(rng: random.Random, added: list[str], n: int) -> str:
 
 def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # noqa: ANN001
     enc = SegmentTokenizer(smollm)
-    assert enc.caching
+    assert enc.caching and enc._words is not None  # GPT-2's byte-level words
     added = list(smollm.get_added_vocab())
     rng = random.Random(7)
     system = "You are the assistant of a bike shop. " * 12
@@ -60,8 +62,9 @@ def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # no
         ]
         chat = smollm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert enc.encode(chat) == smollm.encode(chat, add_special_tokens=False), chat
-    # The system prompt's piece is kept once, however many chats carried it.
+    # The system prompt's piece is kept once, however many chats carried it; its words too.
     assert sum(system in piece for piece in enc._cache) == 1
+    assert {" bike", " shop", "\n"} <= set(enc._word_ids)
 
 
 def test_the_cache_keeps_to_its_bound(smollm) -> None:  # noqa: ANN001
@@ -87,3 +90,43 @@ def test_a_tokenizer_whose_pieces_differ_apart_is_served_whole() -> None:
     assert enc.encode(text) == tok.encode(text, add_special_tokens=False) == [2, 4, 1, 3, 4]
     # What a piece tokenized on its own gives, had the cache been trusted:
     assert tok.encode("The ship", add_special_tokens=False) == [2, 4]
+
+
+# Llama 3's pre-tokenizer pattern (its tokenizer.json), with a byte-level BPE trained here on a few lines.
+LLAMA3_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+def split_bpe(pattern: str) -> PreTrainedTokenizerFast:
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|begin|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(3)
+    raw.train_from_iterator([random_text(rng, [], 60) for _ in range(200)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin|>", eos_token="<|end|>")
+
+
+@pytest.mark.parametrize("skips", [False, True])
+def test_a_split_pre_tokenizers_words_are_cached_and_exact(skips: bool) -> None:
+    """Llama 3's pattern cuts every character into some word: words are cached. One that matches only
+    letters leaves gaps (which a Split keeps as pieces of their own): such a piece is tokenized whole."""
+    tok = split_bpe(r"\p{L}+" if skips else LLAMA3_WORDS)
+    enc = SegmentTokenizer(tok)
+    assert enc.caching and enc._words is not None
+    rng = random.Random(11)
+    for i in range(300):
+        text = random_text(rng, ["<|begin|>", "<|end|>"], rng.randrange(1, 200))
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False), (i, text)
+    # Letters-only pieces have no gaps: cut into words by either pattern. Others: only by Llama 3's.
+    assert enc._word_ids and any(not w.isalpha() for w in enc._word_ids) is not skips
