@@ -195,9 +195,10 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
 
 def _pooled(request: web.Request, pod: Pod, raw: bytes, rank: int | None) -> Endpoint | None:
     """The request to the pod as the pool sends it, or None where it cannot be written as it came (a target
-    or a header value that is not printable ASCII): aiohttp's client sends those."""
+    or a header value that is not printable ASCII) or the pod's URL holds credentials: aiohttp's client
+    sends those."""
     path = request.path_qs
-    if not header_value_ok(path) or " " in path:
+    if not header_value_ok(path) or " " in path or "@" in pod.url:  # (credentials in the URL: aiohttp's)
         return None
     host, port, tls = pod.address
     netloc = f"[{host}]" if ":" in host else host
@@ -253,8 +254,9 @@ async def _proxy_pooled(
 
 def _decoded(reply: Reply, limit: int) -> bytes | None:
     """The reply's body as the client gets it, or None past `limit` bytes. A pod asked for `identity` may
-    compress anyway: gzip and deflate are inflated as aiohttp's client would (its Content-Encoding is not
-    forwarded), and what they inflate to counts against the limit, not their few compressed bytes."""
+    compress anyway: gzip and deflate (zlib-wrapped or raw) are inflated as aiohttp's client would (their
+    Content-Encoding is not forwarded), and what they inflate to counts against the limit, not their few
+    compressed bytes."""
     if not reply.complete:
         return None
     coding = reply.headers.get("content-encoding", "identity").strip().lower()
@@ -262,12 +264,18 @@ def _decoded(reply: Reply, limit: int) -> bytes | None:
         return reply.body
     if coding not in ("gzip", "x-gzip", "deflate"):
         raise ApiError(502, f"the pod sent a reply in the {coding[:40]!r} coding", code="bad_gateway")
-    inflate = zlib.decompressobj(zlib.MAX_WBITS | 32 if coding != "deflate" else zlib.MAX_WBITS)
-    try:
-        body = inflate.decompress(reply.body, limit + 1)
-    except zlib.error:
-        raise ApiError(502, "the pod sent a reply that does not inflate", code="bad_gateway") from None
-    return None if len(body) > limit or inflate.unconsumed_tail else body
+    # gzip's header, or zlib's; then a raw deflate stream (no header), which some servers send as deflate
+    for wbits in (zlib.MAX_WBITS | 32,) if coding != "deflate" else (zlib.MAX_WBITS, -zlib.MAX_WBITS):
+        inflate = zlib.decompressobj(wbits)
+        try:
+            body = inflate.decompress(reply.body, limit + 1)
+        except zlib.error:
+            continue
+        if len(body) > limit or inflate.unconsumed_tail:
+            return None
+        if inflate.eof:
+            return body
+    raise ApiError(502, "the pod sent a compressed reply that does not inflate", code="bad_gateway")
 
 
 def _forwarded(headers: Mapping[str, str], names: tuple[str, ...], into: dict[str, str]) -> dict[str, str]:

@@ -26,6 +26,7 @@ whose replies it no longer reads or keeps alive.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl as ssl_module
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from kvpilot.fanout.redact import MAX_REPLY_BYTES  # past it the rest is not read, the connection closed
 
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 MAX_HEAD_BYTES = 16 * 1024  # status line and headers; a longer head is a broken reply
 IDLE_S = 4.0  # how long an idle connection is reused: under uvicorn's 5 s keep-alive (vLLM, SGLang)
 
@@ -140,7 +142,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._reply is None or self._reply.done():
             return
-        if self._mode == "close":  # a body that runs to the end of the connection has ended
+        if self._mode == "close" and exc is None:  # a body that runs to the end of the connection has ended
             self._done(keep=False)
             return
         why = f": {exc}" if exc else ""
@@ -206,7 +208,10 @@ class _Connection(asyncio.Protocol):
 
     def _done(self, keep: bool, complete: bool = True) -> None:
         self._stop_timer()
-        keep = keep and complete and self._keep and not self._buf  # bytes past the reply: do not reuse
+        # Not reused with bytes past the reply, nor with some of the request still unsent (the server
+        # answered early: the rest would reach it as the start of the next request).
+        unsent = self.transport is not None and self.transport.get_write_buffer_size() > 0
+        keep = keep and complete and self._keep and not self._buf and not unsent
         if not keep:
             self.close()
         assert self._reply is not None
@@ -250,7 +255,7 @@ class _Connection(asyncio.Protocol):
         status_line, *lines = head.split("\r\n")
         version, _, rest = status_line.partition(" ")
         code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
+        if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()):
             raise ReplyError(f"not an HTTP/1.x reply: {status_line[:80]!r}", replied=True)
         status = int(code)
         if 100 <= status < 200:
@@ -260,12 +265,14 @@ class _Connection(asyncio.Protocol):
         keep = version != "HTTP/1.0"
         headers: dict[str, str] = {}
         for line in lines:
+            if "\r" in line or "\n" in line or "\x00" in line:  # a bare CR or LF would split it where relayed
+                raise ReplyError(f"bad header line {line[:40]!r}", replied=True)
             name, _, raw_value = line.partition(":")
             name, raw_value = name.strip().lower(), raw_value.strip()
             headers[name] = raw_value
             value = raw_value.lower()
             if name == "content-length":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):
                     raise ReplyError(f"bad Content-Length {value[:20]!r}", replied=True)
                 length = int(value)
             elif name == "transfer-encoding":
@@ -295,10 +302,9 @@ class _Connection(asyncio.Protocol):
                     return
                 size = bytes(self._buf[:end]).split(b";", 1)[0].strip()
                 del self._buf[: end + 2]
-                try:
-                    self._chunk = int(size, 16)
-                except ValueError:
-                    raise ReplyError(f"bad chunk size {size[:20]!r}", replied=True) from None
+                if not _HEX.fullmatch(size):  # int(x, 16) alone takes "-1", "0x10" and "1_0"
+                    raise ReplyError(f"bad chunk size {size[:20]!r}", replied=True)
+                self._chunk = int(size, 16)
                 if self._chunk == 0:  # the last chunk: trailers are not read, the connection not reused
                     self._buf.clear()
                     self._done(keep=False)
@@ -389,7 +395,7 @@ class Pool:
         except TimeoutError:
             # An OSError, as a refused connection is: the request never left. (TimeoutError is one too,
             # but callers read a TimeoutError as a silent pod after the request was sent.)
-            raise ConnectionError(f"no connection within {self.connect_s:g} s") from None
+            raise ConnectionError(f"no connection within {self.connect_s} s") from None
         self._open.add(conn)
         return conn
 

@@ -13,12 +13,16 @@ is made: probe texts with added tokens at the start, middle and end, with spaces
 them, must encode to the same ids both ways, else every text goes to the tokenizer whole (logged once).
 
 A piece not seen before (a chat's new user line) is cut the same way one level down: a byte-level BPE
-tokenizer splits a text into words by one regular expression (GPT-2's, or its `Split` pre-tokenizer's)
-before any merge, and merges only within a word, so a piece's ids are its words' ids joined, and a word
-seen before ("what", " the", " runbook") is looked up. A call into `tokenizers` costs ~22 us of CPU for a
-20-token line on an idle core (15 of them its pre-tokenizer's Python objects), the words' regex ~4. The
-same self-check guards it: where the probes disagree, or the pre-tokenizer is not one of those two
-shapes, a new piece goes to the tokenizer whole.
+tokenizer splits a text into words by one regular expression (GPT-2's, or its `Split` pre-tokenizer's, as
+Llama 3's) before any merge, and merges only within a word, so a piece's ids are its words' ids joined,
+and a word seen before ("what", " the", " runbook") is looked up. A call into `tokenizers` costs ~22 us of
+CPU for a 20-token line on an idle core (15 of them its pre-tokenizer's Python objects), the words' regex
+~4. Only a piece of printable ASCII (tabs and line breaks too) is cut here: `tokenizers` matches with
+Oniguruma, whose Unicode tables are older than those of the `regex` module (thousands of code points one
+calls letters or digits and the other does not), and the two disagree on ASCII's separators \x1c-\x1f;
+on printable ASCII they agree. The same self-check guards it: where the probes disagree, or the
+pre-tokenizer is not one of those two shapes (Qwen2's NFC normalizer, say), a new piece goes to the
+tokenizer whole.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ _PROBE_WORDS = (
 )
 # A word as GPT-2's byte-level pre-tokenizer cuts one (tokenizers' ByteLevel with use_regex).
 GPT2_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_NOT_PLAIN = re.compile(
+    r"[^\t\n\r\x20-\x7e]"
+)  # outside what the word cache cuts (see the module's docstring)
 MAX_WORD_CHARS = 64  # a longer word (no spaces in a long run) is tokenized, not kept
 MAX_WORDS = 200_000  # words kept at most (~40 MB); past it the word cache starts again
 
@@ -145,7 +152,7 @@ class SegmentTokenizer:
 
     def _encode_piece(self, piece: str) -> array[int]:
         words = self._words
-        if words is None:
+        if words is None or not piece.isascii() or _NOT_PLAIN.search(piece):
             return array("I", self._backend.encode(piece, add_special_tokens=False).ids)
         found = words.findall(piece)
         if sum(map(len, found)) != len(piece):  # the pattern skipped some of it (a Split keeps gaps): whole
@@ -237,6 +244,7 @@ def _word_pattern(backend: Any) -> Any:
     if pattern is None:
         return None
     try:
-        return regex.compile(pattern)
+        compiled = regex.compile(pattern)
     except regex.error:
         return None
+    return compiled if compiled.groups == 0 else None  # with groups, findall would give the groups' text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -174,13 +175,17 @@ def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
     return asyncio.run(go())
 
 
-def sends(*parts: bytes, close: bool = False) -> Reply:
+def sends(*parts: bytes, close: bool = False, reset: bool = False) -> Reply:
     async def reply(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for part in parts:  # in pieces, so every parser state meets a boundary
             writer.write(part)
             await writer.drain()
             await asyncio.sleep(0.01)
-        if close:
+        if reset:  # closed with a linger of 0: a TCP reset, not an orderly end
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        elif close:
             writer.close()
 
     return reply
@@ -207,6 +212,17 @@ def test_a_reply_body_is_read_up_to_the_bound_and_a_broken_reply_is_an_error() -
     assert isinstance(raw_call(sends(b"SSH-2.0-OpenSSH\r\n\r\n")), ReplyError)
     cut = raw_call(sends(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", close=True))
     assert isinstance(cut, ReplyError) and cut.replied and "before a full reply" in str(cut)
+    # A body that runs to the connection's end, ended by a reset: cut short, not whole.
+    reset = raw_call(sends(b"HTTP/1.0 200 OK\r\n\r\n", b'{"partial', reset=True))
+    assert isinstance(reset, ReplyError) and reset.replied, reset
+    for head in (
+        b"HTTP/1.1 200 OK\r\nContent-Type: x\nX-Evil: 1\r\nContent-Length: 0\r\n\r\n",  # a bare LF
+        b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2\r\n\r\n",  # a superscript two
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x10\r\n",
+    ):
+        broken = raw_call(sends(head, close=True))
+        assert isinstance(broken, ReplyError) and broken.replied, (head, broken)
 
 
 def test_a_token_that_would_break_the_request_apart_is_never_sent() -> None:

@@ -113,7 +113,9 @@ def split_bpe(pattern: str) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     rng = random.Random(3)
-    raw.train_from_iterator([random_text(rng, [], 60) for _ in range(200)], trainer)
+    # with the texts the regex engines cut apart (below), so merges across their cuts are learnt
+    odd = ["see \ua7ce. and the ship"] * 50 + ["the\x1c ship  \x1f cape"] * 50
+    raw.train_from_iterator([random_text(rng, [], 60) for _ in range(200)] + odd, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin|>", eos_token="<|end|>")
 
 
@@ -125,8 +127,17 @@ def test_a_split_pre_tokenizers_words_are_cached_and_exact(skips: bool) -> None:
     enc = SegmentTokenizer(tok)
     assert enc.caching and enc._words is not None
     rng = random.Random(11)
+    ascii_words = [w for w in WORDS if w.isascii()]
     for i in range(300):
-        text = random_text(rng, ["<|begin|>", "<|end|>"], rng.randrange(1, 200))
+        words = WORDS if i % 2 else ascii_words  # a piece with a character past ASCII is tokenized whole
+        text = "".join(
+            rng.choice(["<|begin|>", "<|end|>"]) if rng.random() < 0.08 else rng.choice(words)
+            for _ in range(rng.randrange(1, 200))
+        )
         assert enc.encode(text) == tok.encode(text, add_special_tokens=False), (i, text)
+    # Characters the two regex engines class apart: U+A7CE, a letter to the `regex` module's Unicode tables
+    # and unassigned in Oniguruma's (tokenizers'); \x1c, a space to Oniguruma and not to `regex`.
+    for text in ("see \ua7ce. and the ship", "the\x1c ship  \x1f cape"):
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text
     # Letters-only pieces have no gaps: cut into words by either pattern. Others: only by Llama 3's.
     assert enc._word_ids and any(not w.isalpha() for w in enc._word_ids) is not skips
