@@ -78,6 +78,7 @@ def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--max-model-len", "-5"], "--max-model-len must be positive"),
         (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds"),
         (["-dp", "2", "-tp", "2"], "--data-parallel-size and --tensor-parallel-size cannot be combined yet"),
         (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override must be positive"),

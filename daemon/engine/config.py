@@ -241,6 +241,8 @@ class EngineConfig:
             raise ValueError("max_queued_requests must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:  # else every request is refused
+            raise ValueError("max_model_len must be positive")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV events replay endpoint needs a KV events endpoint")
         if self.kv_events_curve_dir:
