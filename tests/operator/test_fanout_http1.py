@@ -151,8 +151,9 @@ def test_a_connection_the_pod_closed_while_idle_is_replaced_and_the_call_made_on
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
-    """One Pool.request against a raw server that answers with `reply` (framing under the test's control)."""
+def pool_call(reply: Reply, **kwargs: Any) -> http1.Reply | Exception:
+    """One Pool.call (the router's; the fan-out's Pool.request with the defaults) against a raw server that
+    answers with `reply` (framing under the test's control)."""
     port = free_port()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -160,12 +161,12 @@ def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
         await reply(reader, writer)
         await writer.drain()
 
-    async def go() -> tuple[int, bytes] | Exception:
-        server = await asyncio.start_server(handle, "127.0.8.4", port)
+    async def go() -> http1.Reply | Exception:
+        server = await asyncio.start_server(handle, "127.0.8.6", port)
         pool = Pool()
         try:
-            ep = endpoint("p", "127.0.8.4", port, False, "/reset_prefix_cache", "POST", "t")
-            return await asyncio.wait_for(pool.request(ep), 10)
+            ep = endpoint("p", "127.0.8.6", port, False, "/v1/completions", "POST", None, b"{}")
+            return await asyncio.wait_for(pool.call(ep, **kwargs), 10)
         except (ReplyError, OSError) as exc:
             return exc
         finally:
@@ -173,6 +174,12 @@ def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
             server.close()
 
     return asyncio.run(go())
+
+
+def raw_call(reply: Reply) -> tuple[int, bytes] | Exception:
+    """One Pool.request (the fan-out's) against a raw server that answers with `reply`."""
+    got = pool_call(reply)
+    return got if isinstance(got, Exception) else (got.status, got.body)
 
 
 def sends(*parts: bytes, close: bool = False, reset: bool = False) -> Reply:
@@ -240,30 +247,6 @@ def test_a_token_that_would_break_the_request_apart_is_never_sent() -> None:
     (res,) = asyncio.run(go())
     assert res.result == "Failed" and "not a valid HTTP header value" in res.message and res.attempts == 0
     assert pod.calls == []
-
-
-def pool_call(reply: Reply, **kwargs: Any) -> http1.Reply | Exception:
-    """One Pool.call (the router's) against a raw server that answers with `reply`."""
-    port = free_port()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await reply(reader, writer)
-        await writer.drain()
-
-    async def go() -> http1.Reply | Exception:
-        server = await asyncio.start_server(handle, "127.0.8.6", port)
-        pool = Pool()
-        try:
-            ep = endpoint("p", "127.0.8.6", port, False, "/v1/completions", "POST", None, b"{}")
-            return await asyncio.wait_for(pool.call(ep, **kwargs), 10)
-        except (ReplyError, OSError) as exc:
-            return exc
-        finally:
-            pool.close()
-            server.close()
-
-    return asyncio.run(go())
 
 
 def test_a_call_gets_the_replys_headers_and_is_told_when_the_body_ran_past_its_bound() -> None:
