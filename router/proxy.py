@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -133,7 +133,7 @@ def sending(request: web.Request, r: Router, decision: Decision) -> Iterator[Sen
     that pass, and the rank's."""
     pod = decision.pod
     m = r.metrics
-    sent = Sent(_forwarded(request.headers, FORWARD_REQUEST_HEADERS, {}))
+    sent = Sent(_forwarded(request.headers.get, FORWARD_REQUEST_HEADERS, {}))
     if decision.rank is not None:
         sent.headers[DP_RANK_HEADER] = str(decision.rank)
         pod.rank_in_flight[decision.rank] = pod.rank_in_flight.get(decision.rank, 0) + 1
@@ -154,33 +154,22 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     pod = decision.pod
     # Usage is read (a JSON parse) only where it is compared with a prediction.
     wants_usage = decision.predicted_cached_tokens is not None
-    if b'"stream"' not in raw:
-        ep = _pooled(request, pod, raw, decision.rank)
-        if ep is not None:
-            return await _proxy_pooled(request, r, decision, ep, wants_usage)
     with sending(request, r, decision) as sent:
+        if b'"stream"' not in raw and (ep := _pooled(request.path_qs, pod, sent.headers, raw)) is not None:
+            return await _proxy_pooled(r, decision, ep, sent, wants_usage)
         try:
             async with r.session.post(
                 pod.target(request.path_qs), data=raw, headers=sent.headers, timeout=r.proxy_timeout
             ) as up:
                 sent.status = up.status
                 up_headers = up.headers
-                out_headers = _forwarded(up_headers, FORWARD_RESPONSE_HEADERS, {POD_HEADER: pod.name})
-                if decision.rank is not None:
-                    out_headers[DP_RANK_HEADER] = str(decision.rank)
+                out_headers = _reply_headers(up_headers.get, decision)
                 try:
                     if up_headers.get("Content-Type", "").startswith("text/event-stream"):
                         return await _relay_stream(request, r, decision, up, out_headers, wants_usage)
                     body = await read_capped(up, r.settings.max_reply_bytes)
                     if body is None:
-                        log.warning(
-                            "%s sent a reply of more than %d bytes", pod.name, r.settings.max_reply_bytes
-                        )
-                        raise ApiError(
-                            502,
-                            f"pod {pod.name} sent a reply of more than {r.settings.max_reply_bytes} bytes",
-                            code="reply_too_large",
-                        )
+                        raise _too_large(pod, r.settings.max_reply_bytes)
                     if wants_usage:
                         record_usage(r, decision, _json_usage(body))
                     return web.Response(body=body, status=sent.status, headers=out_headers)
@@ -193,63 +182,62 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
             raise _pod_failed(r, pod, exc) from None
 
 
-def _pooled(request: web.Request, pod: Pod, raw: bytes, rank: int | None) -> Endpoint | None:
-    """The request to the pod as the pool sends it, or None where it cannot be written as it came (a target
-    or a header value that is not printable ASCII) or the pod's URL holds credentials: aiohttp's client
-    sends those."""
-    path = request.path_qs
-    if not header_value_ok(path) or " " in path or "@" in pod.url:  # (credentials in the URL: aiohttp's)
+def _pooled(path: str, pod: Pod, headers: Mapping[str, str], raw: bytes) -> Endpoint | None:
+    """The request to the pod as the pool sends it (`headers`: those `sending` forwards), or None where it
+    cannot be written as it came (a target or a header value that is not printable ASCII) or the pod's URL
+    holds credentials: aiohttp's client sends those."""
+    if not header_value_ok(path) or " " in path or "@" in pod.url:
         return None
     host, port, tls = pod.address
     netloc = f"[{host}]" if ":" in host else host
     # identity: what the pod sends back is relayed as it comes, and the client's Accept-Encoding is not
     # forwarded, so a compressed reply would reach it undeclared.
-    head = f"POST {path} HTTP/1.1\r\nHost: {netloc}:{port}\r\nAccept-Encoding: identity\r\nContent-Length: {len(raw)}\r\n"
-    headers = request.headers
-    for h in FORWARD_REQUEST_HEADERS:
-        v = headers.get(h)
-        if v is not None:
-            if not header_value_ok(v):
-                return None
-            head += f"{h}: {v}\r\n"
-    if rank is not None:
-        head += f"{DP_RANK_HEADER}: {rank}\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: {netloc}:{port}\r\nAccept-Encoding: identity\r\n"
+    head += f"Content-Length: {len(raw)}\r\n"
+    for name, value in headers.items():
+        if not header_value_ok(value):
+            return None
+        head += f"{name}: {value}\r\n"
     return Endpoint((pod.name, host, port, tls), host, port, tls, (head + "\r\n").encode("ascii") + raw)
 
 
 async def _proxy_pooled(
-    request: web.Request, r: Router, decision: Decision, ep: Endpoint, wants_usage: bool
+    r: Router, decision: Decision, ep: Endpoint, sent: Sent, wants_usage: bool
 ) -> web.Response:
     """`_proxy` for a request that is not streamed, through the pool: the whole reply, bounded, then to
     the client."""
     pod = decision.pod
     limit = r.settings.max_reply_bytes
-    with sending(request, r, decision) as sent:
-        try:
-            reply = await r.pool.call(ep, limit, r.settings.proxy_timeout_s)
-        except TimeoutError as exc:  # before OSError: a TimeoutError is one
-            raise _pod_failed(r, pod, exc) from None
-        except OSError as exc:
-            raise PodUnreached(str(exc)) from None
-        except ReplyError as exc:
-            raise _pod_failed(r, pod, exc) from None
-        sent.status = reply.status
-        body = _decoded(reply, limit)
-        if body is None:
-            log.warning("%s sent a reply of more than %d bytes", pod.name, limit)
-            raise ApiError(
-                502, f"pod {pod.name} sent a reply of more than {limit} bytes", code="reply_too_large"
-            )
-        out_headers = {POD_HEADER: pod.name}
-        for h in FORWARD_RESPONSE_HEADERS:
-            v = reply.headers.get(h.lower())
-            if v is not None:
-                out_headers[h] = v
-        if decision.rank is not None:
-            out_headers[DP_RANK_HEADER] = str(decision.rank)
-        if wants_usage:
-            record_usage(r, decision, _json_usage(body))
-        return web.Response(body=body, status=reply.status, headers=out_headers)
+    try:
+        reply = await r.pool.call(ep, limit, r.settings.proxy_timeout_s)
+    except TimeoutError as exc:  # before OSError: a TimeoutError is one
+        raise _pod_failed(r, pod, exc) from None
+    except OSError as exc:
+        raise PodUnreached(str(exc)) from None
+    except ReplyError as exc:
+        raise _pod_failed(r, pod, exc) from None
+    sent.status = reply.status
+    body = _decoded(reply, limit)
+    if body is None:
+        raise _too_large(pod, limit)
+    if wants_usage:
+        record_usage(r, decision, _json_usage(body))
+    out_headers = _reply_headers(lambda h: reply.headers.get(h.lower()), decision)  # (by lower-case name)
+    return web.Response(body=body, status=reply.status, headers=out_headers)
+
+
+def _reply_headers(get: Callable[[str], str | None], decision: Decision) -> dict[str, str]:
+    """What the client's reply carries: the pod's headers that pass (read by `get`), which pod (and rank)
+    served it."""
+    out = _forwarded(get, FORWARD_RESPONSE_HEADERS, {POD_HEADER: decision.pod.name})
+    if decision.rank is not None:
+        out[DP_RANK_HEADER] = str(decision.rank)
+    return out
+
+
+def _too_large(pod: Pod, limit: int) -> ApiError:
+    log.warning("%s sent a reply of more than %d bytes", pod.name, limit)
+    return ApiError(502, f"pod {pod.name} sent a reply of more than {limit} bytes", code="reply_too_large")
 
 
 def _decoded(reply: Reply, limit: int) -> bytes | None:
@@ -278,10 +266,13 @@ def _decoded(reply: Reply, limit: int) -> bytes | None:
     raise ApiError(502, "the pod sent a compressed reply that does not inflate", code="bad_gateway")
 
 
-def _forwarded(headers: Mapping[str, str], names: tuple[str, ...], into: dict[str, str]) -> dict[str, str]:
-    """`into` with those of `names` that `headers` carries: only these pass between client and pod."""
+def _forwarded(
+    get: Callable[[str], str | None], names: tuple[str, ...], into: dict[str, str]
+) -> dict[str, str]:
+    """`into` with those of `names` that the headers `get` reads carry: only these pass between client and
+    pod."""
     for h in names:
-        v = headers.get(h)
+        v = get(h)
         if v is not None:
             into[h] = v
     return into

@@ -114,7 +114,7 @@ class _Connection(asyncio.Protocol):
         self._silence_s: float | None = None
         self._last_data = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_loop = asyncio.get_running_loop()  # made by create_connection, on its loop
+        self._loop = asyncio.get_running_loop()  # (made by create_connection, on its loop)
         self._keep = True
         self._mode = ""  # "" (reading the head), "length", "chunked" or "close"
         self._left = 0  # length: body bytes still to come
@@ -132,7 +132,7 @@ class _Connection(asyncio.Protocol):
             return
         self._buf += data
         if self._timer is not None:
-            self._last_data = self._timer_loop.time()
+            self._last_data = self._loop.time()
         try:
             self._parse()
         except ReplyError as exc:
@@ -157,7 +157,7 @@ class _Connection(asyncio.Protocol):
         """Write the request; the future gives (the reply, its body up to `max_body`; reusable), or raises
         TimeoutError once the server has sent nothing for `silence_s` (None: the caller bounds the time)."""
         assert self.transport is not None
-        loop = self._timer_loop
+        loop = self._loop
         self._reply = loop.create_future()
         self._buf.clear()
         self._body = bytearray()
@@ -174,7 +174,7 @@ class _Connection(asyncio.Protocol):
         """The silence timer: fail the call if nothing came for `silence_s`, else look again when it could
         have (one timer a call, moved only when it fires, not rearmed on every read)."""
         assert self._silence_s is not None
-        loop = self._timer_loop
+        loop = self._loop
         due = self._last_data + self._silence_s
         if loop.time() < due:
             self._timer = loop.call_at(due, self._check_silence)
@@ -245,10 +245,10 @@ class _Connection(asyncio.Protocol):
         else:  # "close": read until the server closes, up to the bound
             take = min(len(self._buf), self._max_body - len(self._body))
             self._body += self._buf[:take]
-            if len(self._buf) > take:
-                self._buf.clear()
-                self._done(keep=False, complete=False)
+            over = len(self._buf) > take
             self._buf.clear()
+            if over:
+                self._done(keep=False, complete=False)
 
     def _head(self, head: str) -> bool:
         """Read the status line and framing headers; False for an interim (1xx) reply."""

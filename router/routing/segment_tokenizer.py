@@ -50,9 +50,8 @@ _PROBE_WORDS = (
 )
 # A word as GPT-2's byte-level pre-tokenizer cuts one (tokenizers' ByteLevel with use_regex).
 GPT2_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_NOT_PLAIN = re.compile(
-    r"[^\t\n\r\x20-\x7e]"
-)  # outside what the word cache cuts (see the module's docstring)
+# What the word cache does not cut: anything but printable ASCII, tabs and line breaks (the module's docstring)
+_NOT_PLAIN = re.compile(r"[^\t\n\r\x20-\x7e]")
 MAX_WORD_CHARS = 64  # a longer word (no spaces in a long run) is tokenized, not kept
 MAX_WORDS = 200_000  # words kept at most (~40 MB); past it the word cache starts again
 
@@ -150,19 +149,22 @@ class SegmentTokenizer:
                     self._units -= len(old) + 4 * len(old_ids)
         return ids
 
+    def _tokenized(self, text: str) -> array[int]:
+        return array("I", self._backend.encode(text, add_special_tokens=False).ids)
+
     def _encode_piece(self, piece: str) -> array[int]:
         words = self._words
         if words is None or not piece.isascii() or _NOT_PLAIN.search(piece):
-            return array("I", self._backend.encode(piece, add_special_tokens=False).ids)
+            return self._tokenized(piece)
         found = words.findall(piece)
         if sum(map(len, found)) != len(piece):  # the pattern skipped some of it (a Split keeps gaps): whole
-            return array("I", self._backend.encode(piece, add_special_tokens=False).ids)
+            return self._tokenized(piece)
         ids: array[int] = array("I")
         cache = self._word_ids
         for word in found:
             word_ids = cache.get(word)
             if word_ids is None:
-                word_ids = array("I", self._backend.encode(word, add_special_tokens=False).ids)
+                word_ids = self._tokenized(word)
                 if len(word) <= MAX_WORD_CHARS:
                     if len(cache) >= MAX_WORDS:
                         cache.clear()  # (threads: a dict's clear and set are atomic; a lost entry costs a call)
@@ -216,8 +218,8 @@ class SegmentTokenizer:
 def _word_pattern(backend: Any) -> Any:
     """The regular expression that cuts a text into the words a byte-level BPE tokenizer merges within,
     read from its configuration: ByteLevel with use_regex (GPT-2's), or a Split of one pattern, isolated,
-    then ByteLevel without (Llama 3's, Qwen's). None for any other shape, or a normalizer (it would change
-    the text before the cut)."""
+    then ByteLevel without (Llama 3's). None for any other shape, or a normalizer (it would change the text
+    before the cut: Qwen2's NFC)."""
     try:
         config = json.loads(backend.to_str())
     except (ValueError, AttributeError):
