@@ -33,7 +33,7 @@ from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.fleet.pods import Pod
-from kvpilot.router.relay import relay_stream
+from kvpilot.router.relay import Tail, relay_stream
 from kvpilot.router.routing.policy import Decision, Policy, hash_schemes
 from kvpilot.router.routing.prompts import Prompts
 from kvpilot.router.routing.version_choice import pinned_version
@@ -290,17 +290,19 @@ async def _relay_stream(
     untouched (router/relay.py). Only the last 16 KiB are kept, for the usage event sent last."""
     resp = web.StreamResponse(status=up.status, headers=out_headers)
     await resp.prepare(request)
-    tail = b""
+    tail = Tail(SSE_TAIL_BYTES) if wants_usage else None
     try:
-        tail = await relay_stream(up.content, request, resp, SSE_TAIL_BYTES if wants_usage else 0)
+        await relay_stream(up.content, request, resp, tail)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # Headers are sent: end the stream with an error event.
         err = _pod_failed(r, decision.pod, exc)
         await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-    # Counted before the stream's end is written: a client may hang up as soon as it reads [DONE] (openai's
-    # Python client closes the response there), and writing to it then raises.
-    if wants_usage:
-        record_usage(r, decision, _sse_usage(tail[-SSE_TAIL_BYTES:]))
+    finally:
+        # Counted however the relay ended, before the stream's end is written: openai's Python client
+        # closes the response as soon as it reads [DONE], and its hang-up may cancel this handler before
+        # the pod's end of stream arrives, or make writing the end raise.
+        if tail is not None:
+            record_usage(r, decision, _sse_usage(tail.bytes()[-SSE_TAIL_BYTES:]))
     await resp.write_eof()
     return resp
 

@@ -42,26 +42,41 @@ from aiohttp.streams import StreamReader
 CLIENT_BUFFER_MAX = 0x10000  # bytes queued for the client beyond which relaying waits for it (aiohttp's)
 
 
-class _Sink:
-    """Where one stream's bytes go; `tail` keeps the last `tail_max` bytes (as chunks) when asked."""
+class Tail:
+    """The last `max_bytes` or more of what was relayed, as its chunks: the caller's, so what was relayed
+    is known even when the relay is cancelled (a client that hangs up once it has what it wanted)."""
 
-    __slots__ = ("transport", "queued", "tail", "kept", "tail_max")
+    __slots__ = ("chunks", "kept", "max_bytes")
 
-    def __init__(self, transport: asyncio.Transport | None, tail_max: int) -> None:
-        self.transport = transport
-        self.queued = False  # pieces wait in the reader's buffer: keep their order until the task caught up
-        self.tail: collections.deque[bytes] | None = collections.deque() if tail_max else None
+    def __init__(self, max_bytes: int) -> None:
+        self.chunks: collections.deque[bytes] = collections.deque()
         self.kept = 0
-        self.tail_max = tail_max
+        self.max_bytes = max_bytes
 
     def keep(self, data: bytes) -> None:
-        tail = self.tail
-        if tail is None:
-            return
-        tail.append(data)
+        chunks = self.chunks
+        chunks.append(data)
         self.kept += len(data)
-        while self.kept - len(tail[0]) >= self.tail_max:
-            self.kept -= len(tail.popleft())
+        while self.kept - len(chunks[0]) >= self.max_bytes:
+            self.kept -= len(chunks.popleft())
+
+    def bytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class _Sink:
+    """Where one stream's bytes go; `tail`, when given, keeps the last of them."""
+
+    __slots__ = ("transport", "queued", "tail")
+
+    def __init__(self, transport: asyncio.Transport | None, tail: Tail | None) -> None:
+        self.transport = transport
+        self.queued = False  # pieces wait in the reader's buffer: keep their order until the task caught up
+        self.tail = tail
+
+    def keep(self, data: bytes) -> None:
+        if self.tail is not None:
+            self.tail.keep(data)
 
     def relay(self, data: bytes) -> bool:
         """Write `data` to the client now, if it keeps up; False: leave it to the task."""
@@ -71,8 +86,7 @@ class _Sink:
             self.queued = True
             return False
         t.write(b"%x\r\n%s\r\n" % (len(data), data))
-        if self.tail is not None:
-            self.keep(data)
+        self.keep(data)
         return True
 
 
@@ -102,17 +116,17 @@ class _Relaying(StreamReader):
 
 
 async def relay_stream(
-    content: StreamReader, request: web.Request, resp: web.StreamResponse, tail_max: int = 0
-) -> bytes:
-    """Send `content` to the client as the body of `resp` (prepared, chunked) until its end; returns its
-    last `tail_max` bytes or more (b"" when 0). Raises what reading the pod raises (aiohttp.ClientError,
-    TimeoutError); the bytes relayed before stay sent."""
+    content: StreamReader, request: web.Request, resp: web.StreamResponse, tail: Tail | None = None
+) -> None:
+    """Send `content` to the client as the body of `resp` (prepared, chunked) until its end, keeping its
+    last bytes in `tail`. Raises what reading the pod raises (aiohttp.ClientError, TimeoutError); the bytes
+    relayed before stay sent (and kept)."""
     transport = request.transport
     # Framed here as HTTP chunks: an HTTP/1.0 client's body is not chunked (aiohttp ends it by closing).
     chunked = resp.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
     if transport is None or not chunked or type(content) is not StreamReader:
-        return await _relay_by_task(content, resp, _Sink(None, tail_max))
-    sink = _Sink(transport, tail_max)
+        return await _relay_by_task(content, resp, _Sink(None, tail))
+    sink = _Sink(transport, tail)
     key = id(content)
     first = content.read_nowait()  # what came with the headers: it goes first
     content.__class__ = _Relaying  # same layout (no new slots): aiohttp's parser now feeds the sink
@@ -127,7 +141,7 @@ async def relay_stream(
         content.__class__ = StreamReader
 
 
-async def _relay_by_task(content: StreamReader, resp: web.StreamResponse, sink: _Sink) -> bytes:
+async def _relay_by_task(content: StreamReader, resp: web.StreamResponse, sink: _Sink) -> None:
     """The task's part: write what the sink left in the reader's buffer, then sleep until more is left
     there, or the stream ends (b"" from readany) or fails (raised)."""
     write = resp.write
@@ -142,4 +156,3 @@ async def _relay_by_task(content: StreamReader, resp: web.StreamResponse, sink: 
             await write(data)
             sink.keep(data)
         sink.queued = False
-    return b"".join(sink.tail) if sink.tail is not None else b""

@@ -304,7 +304,9 @@ def test_relay_is_fed_by_aiohttps_parser_and_frames_chunks_as_its_writer(
                 content_types.append(type(up.content))
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
-                tails.append(await relay.relay_stream(up.content, request, resp, tail_max=9))
+                tail = relay.Tail(9)
+                await relay.relay_stream(up.content, request, resp, tail)
+                tails.append(tail.bytes())
                 await resp.write_eof()
                 return resp
 

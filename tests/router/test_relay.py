@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.streams import StreamReader
 
-from kvpilot.router.relay import relay_stream
+from kvpilot.router.relay import Tail, relay_stream
 
 
 def _recv_until(sock: socket.socket, got: bytes, end: bytes) -> bytes:
@@ -42,7 +42,9 @@ def test_each_piece_is_written_to_the_client_inside_the_feed(version: str) -> No
             content.feed_data(b"data: 0\n\n")  # came with the headers
             reader.append(content)
             started.set()
-            done.set_result(await relay_stream(content, request, resp, tail_max=12))
+            tail = Tail(12)
+            await relay_stream(content, request, resp, tail)
+            done.set_result(tail.bytes())
             await resp.write_eof()
             return resp
 
