@@ -149,8 +149,13 @@ class EndpointPicker:
     def _release(self, req: _Request) -> None:
         """The request's body no longer counts against the buffer."""
         if req.body is not None:
-            self.buffer_left += len(req.body)
+            self._buffer(-len(req.body))
             req.body = None
+
+    def _buffer(self, n: int) -> None:
+        """`n` more bytes of bodies held (negative: given back), as the gauge shows."""
+        self.buffer_left -= n
+        self.r.metrics.picker_buffered.set(self.r.settings.endpoint_picker_buffer_bytes - self.buffer_left)
 
     async def _read_request(self, context: grpc.aio.ServicerContext, req: _Request) -> bool:
         """Read the request's headers and whole body into `req` (answering the headers at once in BUFFERED
@@ -197,7 +202,7 @@ class EndpointPicker:
                         code="picker_busy",
                         headers={"Retry-After": "1"},
                     )
-                self.buffer_left -= len(chunk)
+                self._buffer(len(chunk))
                 req.body += chunk
                 # BUFFERED: one message holds the whole body (trailers, if any, come after its answer)
                 if msg.request_body.end_of_stream or not req.full_duplex:

@@ -68,6 +68,11 @@ class RouterMetrics:
         )
         for result in ("picked", "no_ready_pod", "bad_request", "too_large", "timeout", "busy", "error"):
             self.picker_requests.labels(result)
+        self.picker_buffered = Gauge(
+            _P + "endpoint_picker_buffered_bytes",
+            "Bytes of request bodies the endpoint picker holds over all streams (of --endpoint-picker-buffer-bytes)",
+            registry=r,
+        )
         self.indexed_blocks = Gauge(
             _P + "indexed_blocks", "Prefix blocks the router's index holds per pod", ["pod"], registry=r
         )

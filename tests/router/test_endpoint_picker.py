@@ -296,17 +296,22 @@ def test_streams_bodies_and_holds_are_bounded_across_connections(fleet: Fleet, t
             ),
             timeout=60,
         )
+        # Held before the next body is sent: sent at once, that body could reach the picker first and be the
+        # one held, the never-ended body refused in its stead (seen on a busy machine).
+        held_bytes = lambda: router.metrics()["kvpilot_router_endpoint_picker_buffered_bytes"]  # noqa: E731
+        wait_for(lambda: held_bytes() >= len(padding), 30, "the never-ended body held by the picker")
 
         def refused() -> tuple[int, dict] | None:
             replies = list(stubs[1].Process(iter([headers_msg(), body_msg(body + padding)]), timeout=30))
             kind = replies[-1].WhichOneof("response")
             return error_of(replies[-1]) if kind == "immediate_response" else None
 
-        status, err = wait_for(refused, 30, "a body past the picker's buffer refused")
-        assert (status, err["code"]) == (503, "picker_busy"), err
+        refusal = refused()
+        assert refusal is not None and (refusal[0], refusal[1]["code"]) == (503, "picker_busy"), refusal
         last_chunk.set()  # the body ends: picked, its bytes are the picker's again
         assert picked(next(streaming), "request_headers") in endpoints(fleet)
         assert refused() is None
+        assert held_bytes() == 0
 
         raw = channels[2].stream_stream(
             "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
