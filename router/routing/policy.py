@@ -5,7 +5,8 @@ prefix-aware scores each ready pod by the work the request would cost there: the
 have to compute (those not in the pod's cached prefix, as its KV events say or as the router just sent
 there: index.py, "Expected blocks") plus a charge per request the pod is already serving. The cheapest pod
 wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
-cached until that pod is busier than a recompute is worth.
+cached until that pod is busier than a recompute is worth. A prompt cached nowhere goes to the pool that
+would lose least to it, unless it was sent before: then back to the rank it was sent to last.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpilot.router.fleet.pods import Pod
-from kvpilot.router.kv.index import PrefixIndex
+from kvpilot.router.kv.index import PrefixIndex, index_key
 from kvpilot.router.routing.prompts import Prompts, Scheme
+
+# Prompts whose last rank is remembered (by their first block's key): ~150 bytes each.
+MAX_HOMES = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,8 @@ class PrefixAware(Policy):
         # next request for that prefix computes it again, and that prompt, landing in a full pool too,
         # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs).
         self.eviction_weight = 2
+        # A prompt's first block key -> the rank it was last sent to (its "home"), the oldest dropped first.
+        self._homes: OrderedDict[int, tuple[str, int]] = OrderedDict()
 
     def predict(
         self, pods: list[Pod], prompts: Prompts, expected: bool = False
@@ -157,14 +164,18 @@ class PrefixAware(Policy):
                 candidates.append((pod, None, None))
 
         evicted = self._evictions(candidates, n)
+        # Only a prompt cached nowhere has a home to go back to (one cached somewhere goes where it is).
+        home = None if any(cached for _, _, cached in candidates) else self._home(candidates, prompts)
+        if home is not None:
+            evicted[home] = 0
 
-        def score(i: int) -> tuple[int, int, int]:
+        def score(i: int) -> tuple[int, int, bool, int]:
             pod, rank, cached = candidates[i]
             # A rank's own open requests when the pod has several (they do not share a cache or a batch).
             load = (
                 pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
             )
-            return (n - (cached or 0) + evicted[i] + self.load_tokens * load, load, i)
+            return (n - (cached or 0) + evicted[i] + self.load_tokens * load, load, i != home, i)
 
         pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
         predicted = None
@@ -177,8 +188,34 @@ class PrefixAware(Policy):
             for keys in prompts.block_keys(scheme):
                 predicted += self.index.matched_blocks(keys, [holder])[holder] * scheme[0]
                 self.index.expect(holder, keys)
+            self._remember_home(prompts, scheme, holder)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
+
+    def _home(self, candidates: list[tuple[Pod, int | None, int | None]], prompts: Prompts) -> int | None:
+        """The candidate rank this prompt was last sent to, if it is one: a prompt cached nowhere goes back
+        there rather than to the emptier pool (see `_evictions`). Sent to the same rank each time, a hot
+        prompt is used at its full rate by that rank's LRU; spread over the pods as a cold prompt, each sees
+        it at a fraction of that rate, and a small pool evicts it between two of its uses everywhere, which
+        an exact index then places like any cold prompt again (docs/performance.md, "A family of generated
+        loads")."""
+        for i, (pod, rank, _) in enumerate(candidates):
+            if rank is not None:
+                holder = (pod.name, rank)
+                first = _first_key(prompts, dict(_schemes(pod, prompts.model))[holder])
+                if first is not None and self._homes.get(first) == holder:
+                    return i
+        return None
+
+    def _remember_home(self, prompts: Prompts, scheme: Scheme, holder: tuple[str, int]) -> None:
+        first = _first_key(prompts, scheme)
+        if first is None:
+            return
+        homes = self._homes
+        homes[first] = holder
+        homes.move_to_end(first)
+        if len(homes) > MAX_HOMES:
+            homes.popitem(last=False)
 
     def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
         """For a prompt no candidate holds any of: the tokens of cached blocks each candidate's pool would
@@ -196,6 +233,12 @@ class PrefixAware(Policy):
                 return [0] * len(candidates)
             out.append(round((n // pod.block_size) * pod.block_size * fill * self.eviction_weight))
         return out
+
+
+def _first_key(prompts: Prompts, scheme: Scheme) -> int | None:
+    """The index's key of the request's first prompt's first block under `scheme` (None: no full block)."""
+    keys = prompts.block_keys(scheme)
+    return index_key(keys[0][0]) if keys and keys[0] else None
 
 
 def make_policy(name: str, index: PrefixIndex) -> Policy:

@@ -256,3 +256,32 @@ def test_a_cold_prompt_goes_to_the_emptier_pool(monkeypatch: pytest.MonkeyPatch)
     assert (index.fill(("a:1", 0)), index.fill(("b:1", 0))) == (0.6, 0.0)
     a, b = pod("a:1"), pod("b:1", in_flight=1)
     assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is b
+
+
+def test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pools of 20 blocks. A prompt of 10 blocks goes to a (b has a request open), then a evicts it for
+    other blocks (12 of 20: fill 0.6) while b, idle now, stays empty: sent again, it goes back to a, where a
+    prompt never sent goes to the emptier b (test_a_cold_prompt_goes_to_the_emptier_pool). Cached on b, it
+    goes to b: a home only places a prompt cached nowhere."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    a, b = pod("a:1"), pod("b:1", in_flight=1)
+    policy = PrefixAware(index)
+    prompt = list(range(41))
+    keys = key_scheme().prompt_hashes(prompt[:40], BS)
+    assert policy.choose([a, b], Prompts([prompt], None)).pod is a
+    b.in_flight = 0
+    index.remove(("a:1", 0), keys)  # evicted: its BlockRemoved events
+    index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
+    assert (index.fill(("a:1", 0)), index.fill(("b:1", 0))) == (0.6, 0.0)
+    assert PrefixAware(index).choose([a, b], Prompts([prompt], None)).pod is b  # never sent: the emptier pool
+    index.remove(("b:1", 0), keys)  # (what that choice expects there)
+    assert policy.choose([a, b], Prompts([prompt], None)).pod is a
+    index.remove(("a:1", 0), keys)
+    index.store(("b:1", 0), keys[:4])
+    d = policy.choose([a, b], Prompts([prompt], None))
+    assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "prefix", 16)
