@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
-from support.procs import free_port, spawn, stop, wait_for, wait_ready
-from support.servers import MODEL, start_router, stop_router
+from support.procs import stop, wait_for
+from support.servers import MODEL, start_router, start_stub_pods, stop_router
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You are the help desk of a bicycle shop. " * 12  # ~110 tokens: several blocks of 16
 
 
@@ -43,17 +41,9 @@ def _chat(router_url: str, i: int) -> dict:
 
 
 def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> None:
-    ports = [free_port(), free_port()]
-    argv = [sys.executable, "-P", str(ROOT / "bench" / "stub_pods.py"), "--worker", ",".join(map(str, ports))]
-    argv += ["--kv-events", "--blocks", "64"]
-    log = tmp_path / "stub-pods.log"
-    pods = spawn(argv, log_path=log, cwd=tmp_path)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    pods, urls = start_stub_pods(tmp_path, 2, 64)
     router = None
     try:
-        wait_ready(
-            pods, lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5), 120, "stub pods", log
-        )
         router = start_router(tmp_path, urls)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for round_ in range(30):

@@ -7,14 +7,12 @@ goes to the emptier pod."""
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
-from support.procs import free_port, spawn, stop, wait_for, wait_ready
-from support.servers import MODEL, start_router, stop_router
+from support.procs import stop, wait_for
+from support.servers import MODEL, start_router, start_stub_pods, stop_router
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = 24  # each stub pod's pool, blocks of 16 tokens
 
 
@@ -42,17 +40,9 @@ def _system(topic: str) -> str:
 
 
 def test_a_prompt_evicted_everywhere_goes_back_to_its_pod(tmp_path: Path) -> None:
-    ports = [free_port(), free_port()]
-    argv = [sys.executable, "-P", str(ROOT / "bench" / "stub_pods.py"), "--worker", ",".join(map(str, ports))]
-    argv += ["--kv-events", "--blocks", str(BLOCKS)]
-    log = tmp_path / "stub-pods.log"
-    pods = spawn(argv, log_path=log, cwd=tmp_path)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    pods, urls = start_stub_pods(tmp_path, 2, BLOCKS)
     router = None
     try:
-        wait_ready(
-            pods, lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5), 120, "stub pods", log
-        )
         router = start_router(tmp_path, urls)
         x, first = _chat(router.url, _system("bicycles"), "Do you fix brakes?")
         assert x is not None and first["usage"]["prompt_tokens"] > 80, first
