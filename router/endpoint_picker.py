@@ -89,6 +89,7 @@ class _Request:
     """What the stream has told so far of one HTTP request."""
 
     path: str = ""
+    headers: bool = False  # the request's headers came (a second set is refused: its body is counted)
     body: bytearray | None = None  # None: no body (headers ended the request)
     full_duplex: bool = False
     trailers: bool = False  # the body was ended by trailers (FULL_DUPLEX_STREAMED), still to be answered
@@ -171,6 +172,9 @@ class EndpointPicker:
                 )
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
+                if req.headers:
+                    raise bad("ext_proc message request_headers twice in one stream", code="bad_stream")
+                req.headers = True
                 if msg.HasField("protocol_config"):
                     mode = msg.protocol_config.request_body_mode
                     if mode not in (BUFFERED, FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE):

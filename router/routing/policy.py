@@ -6,7 +6,8 @@ have to compute (those not in the pod's cached prefix, as its KV events say or a
 there: index.py, "Expected blocks") plus a charge per request the pod is already serving. The cheapest pod
 wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
 cached until that pod is busier than a recompute is worth. A prompt cached nowhere goes to the pool that
-would lose least to it, unless it was sent before: then back to the rank it was sent to last.
+would lose least to it, unless it was sent before: then the rank it was sent to last is charged nothing
+for what it would evict, and wins ties.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -199,10 +200,13 @@ class PrefixAware(Policy):
         it at a fraction of that rate, and a small pool evicts it between two of its uses everywhere, which
         an exact index then places like any cold prompt again (docs/performance.md, "A family of generated
         loads")."""
+        schemes: dict[str, dict[tuple[str, int], Scheme]] = {}
         for i, (pod, rank, _) in enumerate(candidates):
             if rank is not None:
                 holder = (pod.name, rank)
-                first = _first_key(prompts, dict(_schemes(pod, prompts.model))[holder])
+                if pod.name not in schemes:
+                    schemes[pod.name] = dict(_schemes(pod, prompts.model))
+                first = _first_key(prompts, schemes[pod.name][holder])
                 if first is not None and self._homes.get(first) == holder:
                     return i
         return None

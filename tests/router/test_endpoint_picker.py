@@ -308,10 +308,15 @@ def test_streams_bodies_and_holds_are_bounded_across_connections(fleet: Fleet, t
 
         refusal = refused()
         assert refusal is not None and (refusal[0], refusal[1]["code"]) == (503, "picker_busy"), refusal
-        last_chunk.set()  # the body ends: picked, its bytes are the picker's again
+        last_chunk.set()  # the body ends: picked, its bytes are the picker's again once its answer is written
         assert picked(next(streaming), "request_headers") in endpoints(fleet)
+        wait_for(lambda: held_bytes() == 0, 30, "the picked body's bytes given back")
         assert refused() is None
-        assert held_bytes() == 0
+        # Headers again after a body's first chunk: refused, and that chunk's bytes given back.
+        twice = [headers_msg(mode=MODES.FULL_DUPLEX_STREAMED), body_msg(padding, end=False)]
+        status, err = error_of(list(stubs[1].Process(iter([*twice, twice[0]]), timeout=30))[-1])
+        assert (status, err["code"]) == (400, "bad_stream"), err
+        wait_for(lambda: held_bytes() == 0, 30, "the refused stream's bytes given back")
 
         raw = channels[2].stream_stream(
             "/envoy.service.ext_proc.v3.ExternalProcessor/Process",

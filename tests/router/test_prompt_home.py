@@ -14,6 +14,7 @@ from support.procs import stop, wait_for
 from support.servers import MODEL, start_router, start_stub_pods, stop_router
 
 BLOCKS = 24  # each stub pod's pool, blocks of 16 tokens
+KV_BATCHES, DECISIONS = "kvpilot_router_kv_event_batches_total", "kvpilot_router_routing_decisions_total"
 
 
 def _chat(url: str, system: str, user: str) -> tuple[str | None, dict]:
@@ -46,21 +47,34 @@ def test_a_prompt_evicted_everywhere_goes_back_to_its_pod(tmp_path: Path) -> Non
         router = start_router(tmp_path, urls)
         x, first = _chat(router.url, _system("bicycles"), "Do you fix brakes?")
         assert x is not None and first["usage"]["prompt_tokens"] > 80, first
-        x_url = next(u for u in urls if u.endswith(x.rpartition(":")[2]))
+        x_url = next(u for u in urls if u.endswith(":" + x.rpartition(":")[2]))
 
         def indexed() -> dict[str, int]:
             return {p["pod"]: p["indexed_blocks"] for p in router.health()["pods"]}
 
         wait_for(lambda: indexed()[x] > 0, 30, "the first prompt's blocks indexed on its pod")
-        # Behind the router's back, other prompts fill x's pool: its events say the first prompt is gone.
-        for topic in ("kettles", "lamps", "tents", "skis", "maps"):
-            _chat(x_url, _system(topic), "What do you sell?")
-        wait_for(lambda: indexed()[x] == BLOCKS, 30, f"{x}'s pool full in the router's index")
-        assert sum(indexed().values()) == BLOCKS  # the other pod is empty
 
+        def batches() -> float:  # KV event batches from x the router applied (the stub sends one a request)
+            m = router.metrics()
+            return sum(m.get(f'{KV_BATCHES}{{pod="{x}",result="{r}"}}', 0) for r in ("received", "replayed"))
+
+        def cold_picks() -> float:
+            m = router.metrics()
+            return m.get(f'{DECISIONS}{{pod="{x}",policy="prefix-aware",reason="load"}}', 0)
+
+        # Behind the router's back, other prompts fill x's pool: its events say the first prompt is gone.
+        topics = ("kettles", "lamps", "tents", "skis", "maps")
+        applied = batches()
+        for topic in topics:
+            _chat(x_url, _system(topic), "What do you sell?")
+        wait_for(lambda: batches() >= applied + len(topics), 30, f"{x}'s events of the direct chats applied")
+        assert indexed()[x] == BLOCKS and sum(indexed().values()) == BLOCKS  # x full, the other pod empty
+
+        picked_cold = cold_picks()
         pod, again = _chat(router.url, _system("bicycles"), "Do you sell bells?")
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, again  # evicted: cold
         assert pod == x, (pod, indexed())  # back where it went, not to the empty pool
+        assert cold_picks() == picked_cold + 1  # placed as cached nowhere, not as a stale hit
         pod, never_sent = _chat(router.url, _system("boats"), "Do you sell oars?")
         assert pod != x, (pod, indexed())  # a prompt never sent goes to the emptier pool
     finally:
