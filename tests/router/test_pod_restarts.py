@@ -15,8 +15,12 @@ import json
 import urllib.request
 from pathlib import Path
 
+import benchkit
+from support import ROOT
 from support.procs import stop, wait_for
-from support.servers import MODEL, start_router, start_stub_pods, stop_router
+from support.servers import MODEL, start_router, stop_router
+
+STUB_PODS = benchkit.bench_module(ROOT / "bench" / "stub_pods.py")  # its start_stub_pods
 
 SYSTEM = "You are the help desk of a bicycle shop. " * 12  # ~110 tokens: several blocks of 16
 
@@ -41,7 +45,7 @@ def _chat(router_url: str, i: int) -> dict:
 
 
 def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> None:
-    pods, urls = start_stub_pods(tmp_path, 2, 64)
+    pods, urls = STUB_PODS.start_stub_pods(2, tmp_path, kv_events=True, blocks=64)
     router = None
     try:
         router = start_router(tmp_path, urls)
@@ -69,4 +73,5 @@ def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> No
     finally:
         if router is not None:
             stop_router(router)
-        stop(pods)
+        for p in pods:
+            stop(p)

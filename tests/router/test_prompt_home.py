@@ -10,8 +10,12 @@ import json
 import urllib.request
 from pathlib import Path
 
+import benchkit
+from support import ROOT
 from support.procs import stop, wait_for
-from support.servers import MODEL, start_router, start_stub_pods, stop_router
+from support.servers import MODEL, start_router, stop_router
+
+STUB_PODS = benchkit.bench_module(ROOT / "bench" / "stub_pods.py")  # its start_stub_pods
 
 BLOCKS = 24  # each stub pod's pool, blocks of 16 tokens
 KV_BATCHES, DECISIONS = "kvpilot_router_kv_event_batches_total", "kvpilot_router_routing_decisions_total"
@@ -41,7 +45,7 @@ def _system(topic: str) -> str:
 
 
 def test_a_prompt_evicted_everywhere_goes_back_to_its_pod(tmp_path: Path) -> None:
-    pods, urls = start_stub_pods(tmp_path, 2, BLOCKS)
+    pods, urls = STUB_PODS.start_stub_pods(2, tmp_path, kv_events=True, blocks=BLOCKS)
     router = None
     try:
         router = start_router(tmp_path, urls)
@@ -80,4 +84,5 @@ def test_a_prompt_evicted_everywhere_goes_back_to_its_pod(tmp_path: Path) -> Non
     finally:
         if router is not None:
             stop_router(router)
-        stop(pods)
+        for p in pods:
+            stop(p)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 import pytest
 
 from benchkit import samples
-from support import ROOT
 from support.procs import free_port, spawn, stop, wait_ready
 
 ADMIN_TOKEN = "test-admin-token-4d1f"
@@ -198,25 +196,6 @@ def start_router(
         )
 
     return _launch(RouterProc, tmp, "router", args, token, env, ready, timeout=120)
-
-
-def start_stub_pods(tmp: Path, n: int, blocks: int) -> tuple[subprocess.Popen, list[str]]:
-    """n of bench/stub_pods.py's pods in one process, each an LRU pool of `blocks` publishing its KV
-    events with the daemon's own publisher: a fleet that starts in a second, no model loaded; the process
-    and the pods' URLs."""
-    ports = [free_port() for _ in range(n)]
-    argv = [sys.executable, "-P", str(ROOT / "bench" / "stub_pods.py"), "--worker", ",".join(map(str, ports))]
-    argv += ["--kv-events", "--blocks", str(blocks)]
-    log = tmp / "stub-pods.log"
-    proc = spawn(argv, log_path=log, cwd=tmp)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    ready = lambda: urllib.request.urlopen(urls[-1] + "/health", timeout=5)  # noqa: E731
-    try:
-        wait_ready(proc, ready, 120, "stub pods", log)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, urls
 
 
 def stop_router(router: RouterProc) -> None:
