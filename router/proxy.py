@@ -3,7 +3,8 @@ ready pod.
 
 A generation request is read once (to tokenize it for the policy), then its raw body goes unchanged to
 the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
-A request whose body never names "stream" cannot be streamed (OpenAI's default is false): it goes through
+A request whose body never names "stream" cannot be streamed (OpenAI's default is false; a body with a
+JSON escape is parsed to tell, since `"\\u0073tream"` names it too): it goes through
 the pods' keep-alive pool of the project's own HTTP/1.1 client (kvpilot/fanout/http1.py), a few tens of
 microseconds of CPU a request against aiohttp's ClientSession's ~70-100 (docs/performance.md, "Router");
 a stream, or a body that might ask for one, goes through aiohttp's client and router/relay.py.
@@ -155,7 +156,7 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
     # Usage is read (a JSON parse) only where it is compared with a prediction.
     wants_usage = decision.predicted_cached_tokens is not None
     with sending(request, r, decision) as sent:
-        if b'"stream"' not in raw and (ep := _pooled(request.path_qs, pod, sent.headers, raw)) is not None:
+        if not _may_stream(raw) and (ep := _pooled(request.path_qs, pod, sent.headers, raw)) is not None:
             return await _proxy_pooled(r, decision, ep, sent, wants_usage)
         try:
             async with r.session.post(
@@ -180,6 +181,21 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _pod_failed(r, pod, exc) from None
+
+
+def _may_stream(raw: bytes) -> bool:
+    """Whether the body might ask for a stream: it names "stream", or it holds a JSON escape that might
+    spell it and, parsed, has a "stream" key. A body that does not parse may stream too: the pod answers
+    it, and only aiohttp's client relays either kind of reply."""
+    if b'"stream"' in raw:
+        return True
+    if b"\\u" not in raw:
+        return False
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return True
+    return not isinstance(doc, dict) or "stream" in doc
 
 
 def _pooled(path: str, pod: Pod, headers: Mapping[str, str], raw: bytes) -> Endpoint | None:

@@ -51,11 +51,13 @@ def router_for(tmp: Path, pod: HostilePod, *flags: str, synced: bool = True) -> 
     return start_router(tmp, [pod.url], "--policy", "round-robin", *flags, all_pods=synced)
 
 
-def post(router: RouterProc, path: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
+def post(router: RouterProc, path: str, body: dict | bytes, timeout: float = 60) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=timeout)
     try:
         hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"}
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
+        conn.request(
+            "POST", path, body=body if isinstance(body, bytes) else json.dumps(body).encode(), headers=hdrs
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -446,7 +448,8 @@ def test_non_streamed_requests_ride_one_kept_alive_connection_to_the_pod(
     tmp_path: Path, pod: HostilePod
 ) -> None:
     """Sent one after the other, ten completions reach the pod on one connection (the router's pool,
-    router/proxy.py), and a stream on one of its own (aiohttp's client)."""
+    router/proxy.py), and a stream on one of its own (aiohttp's client), however its body spells
+    "stream"; a body with an escape that spells something else stays on the pool."""
     router = router_for(tmp_path, pod)
     try:
         del pod.completion_ports[:]
@@ -458,6 +461,17 @@ def test_non_streamed_requests_ride_one_kept_alive_connection_to_the_pod(
         status, body = post(router, "/v1/completions", COMPLETION | {"stream": True})
         assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[:200]
         assert len(pod.completion_ports) == 11 and pod.completion_ports[-1] != pod.completion_ports[0]
+        # The pool reads a reply whole: a stream sent there would reach the client at its end, and one
+        # longer than --max-reply-bytes never.
+        escaped = b'{"model": "m", "prompt": "hi", "max_tokens": 4, "\\u0073tream": true}'
+        status, body = post(router, "/v1/completions", escaped)
+        assert status == 200 and body.endswith(b"data: [DONE]\n\n"), body[:200]
+        assert len(pod.completion_ports) == 12 and pod.completion_ports[-1] != pod.completion_ports[0]
+        pod.completion = "ok"
+        status, body = post(
+            router, "/v1/completions", b'{"model": "m", "prompt": "caf\\u00e9", "max_tokens": 4}'
+        )
+        assert status == 200 and pod.completion_ports[-1] == pod.completion_ports[0], pod.completion_ports
     finally:
         stop_router(router)
 
