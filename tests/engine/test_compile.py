@@ -1,10 +1,12 @@
 """The compiled step (`-O1`: torch.compile of the forward, daemon/engine/compile/) on the real default model,
 against the eager one (`-O0`) side by side: the same greedy tokens, across prefix hits, a reset between
-compiled steps and a weight update that changes the parameters in place; and how the flags are read.
+compiled steps, a weight update that changes the parameters in place, steps with LoRA rows (eager) among
+compiled ones, and a prefix copied back from the host tier; and how the flags are read.
 CUDA graphs (`-O2` on CUDA) have their twin in tests/gpu/test_compile_cuda.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +18,7 @@ from kvpilot.daemon.engine.request import SamplingParams
 from support.engine import run_alone
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+BLOCK_BYTES = 737_280  # one block of the default model's fp32 KV
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +130,59 @@ def test_a_compiled_step_writes_only_its_own_slots(engines: tuple[LLMEngine, LLM
     untouched = (k == 7.0).flatten(1).all(1)
     assert int((~untouched).sum()) == 1  # one block written: the request's own
     compiled.reset_prefix_cache()
+
+
+@pytest.fixture(scope="module")
+def adapted(make_engine, lora_adapters) -> Iterator[tuple[LLMEngine, LLMEngine]]:  # noqa: ANN001
+    """(eager, compiled) with LoRA adapters and a host tier of 64 blocks behind a pool of 24 (the
+    shared-prefix prompts and the long ones push each other out of it)."""
+    opts = {
+        "num_kv_blocks": 24,
+        "kv_offloading_size": 64 * BLOCK_BYTES / 2**30,
+        "enable_lora": True,
+        "lora_modules": [f"{n}={p}" for n, p in lora_adapters.items()],
+    }
+    pair = make_engine(compilation_config="0", **opts), make_engine(compilation_config="1", **opts)
+    yield pair
+    for e in pair:
+        e.close()
+
+
+def test_steps_with_lora_rows_among_compiled_steps_give_the_eager_tokens(
+    adapted: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step with adapter rows runs eager on the compiled engine, the base-only steps around it compiled:
+    the tokens are the eager engine's, row by row, and the adapters still change their rows' answers."""
+    names = [None, "every-layer", "attention-only"]
+    prompts = chat_prompts[:3]
+    caplog.set_level(logging.INFO, logger="kvpilot.daemon.engine.compile.forward")
+    mixed = [e.generate(prompts, GREEDY, lora_names=names) for e in adapted]
+    assert mixed[0] == mixed[1]
+    assert "the step compiled" not in caplog.text  # every step so far had adapter rows: all eager
+    base = [e.generate(prompts, GREEDY) for e in adapted]  # base rows only: the compiled graph
+    assert "the step compiled" in caplog.text
+    assert base[0] == base[1]
+    assert mixed[1][0] == base[1][0] and mixed[1][1:] != base[1][1:], "the adapters change their rows"
+
+
+def test_a_prefix_copied_back_from_the_host_tier_gives_the_eager_tokens(
+    adapted: tuple[LLMEngine, LLMEngine], shared_prefix_prompts: list[list[int]]
+) -> None:
+    """Evicted to host memory and copied back into the pool, a prefix is read by the compiled step's
+    attention op as by the eager one: the same tokens, every full block a hit."""
+    prompt = shared_prefix_prompts[0]
+    longs = [[1000 + (37 * i + 11 * j) % 39000 for j in range(300)] for i in range(3)]
+    got = []
+    for e in adapted:
+        e.reset_prefix_cache()
+        first = run_alone(e, "tier-first", prompt, GREEDY)
+        for i, p in enumerate(longs):  # ~19 blocks each: the prompt's blocks leave the pool for the host tier
+            run_alone(e, f"tier-flush-{i}", p, GREEDY)
+        assert sum(t.blocks for t in e.stats().offload) > 0
+        again = run_alone(e, "tier-again", prompt, GREEDY)
+        loaded = sum(t.loaded_blocks for t in e.stats().offload)
+        got.append((first, again, loaded))
+    full = (len(prompt) - 1) // 16
+    assert got[0] == got[1]
+    first, again, loaded = got[1]
+    assert first[1] == 0 and again == (first[0], full * 16) and loaded == full
