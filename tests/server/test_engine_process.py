@@ -1,7 +1,7 @@
 """`kvpilot serve --engine-process`: the engine runs in a process of its own (a data-parallel rank of one,
 daemon/engine/parallel/dp_rank.py), not in a thread of the server's. It answers the shared in-thread
 daemon's greedy chats, hits and resets its cache, and its log names the engine's process apart from the
-server's."""
+server's, on all CPUs but one (the server's)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpilot.daemon.engine.cpu_budget import available_cpus
 from support.servers import ADMIN_TOKEN, Server, greedy_chat, start_server, stop_server
 
 CHATS = ["What does a scheduler do?", "Name two kinds of tea."]
@@ -26,8 +27,12 @@ def own_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def test_an_engine_in_its_own_process_answers_as_the_threaded_one(
     own_process: Server, server: Server
 ) -> None:
-    m = re.search(r"rank 0 ready \(pid (\d+)", own_process.log())
-    assert m and int(m.group(1)) != own_process.proc.pid, own_process.log()[-3000:]
+    log = own_process.log()
+    m = re.search(r"rank 0 ready \(pid (\d+), cpus \[([\d, ]+)\]\)", log)
+    assert m and int(m.group(1)) != own_process.proc.pid, log[-3000:]
+    # all CPUs but one, as the engine thread's default: the other is the server's
+    threads = max(1, available_cpus() - 1)
+    assert len(m.group(2).split(",")) == threads and f"{threads} torch threads" in log, log[-3000:]
     eager = [greedy_chat(server, c)[0] for c in CHATS]
     assert [greedy_chat(own_process, c)[0] for c in CHATS] == eager
     assert greedy_chat(own_process, CHATS[0])[1] > 0  # the prompt again: served from the cache

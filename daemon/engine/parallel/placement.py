@@ -1,5 +1,6 @@
 """Where each data-parallel rank runs: on CUDA its own device, on the CPU its share of the CPUs this process
-may use (pinned, torch threads = the share); and each rank's KV events on ports of its own."""
+may use (pinned, torch threads = the share; a lone rank, `--engine-process`, all of them but one); and
+each rank's KV events on ports of its own."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def _placement(config: EngineConfig, size: int) -> tuple[list[EngineConfig], lis
             )
         return [dataclasses.replace(config, device=f"cuda:{r}") for r in range(size)], [None] * size
     cpus = sorted(os.sched_getaffinity(0))[: available_cpus()]
+    if size == 1 and config.cpu_threads is None and len(cpus) > 1:
+        # The engine in a process of its own (--engine-process) takes all CPUs but one, as the engine
+        # thread does by default (cpu_budget.engine_threads): the other is the server's, which streams
+        # and tokenizes. On every CPU, its OpenMP threads waited on the one the server held: a 4-token
+        # chat took 1.5-5 s on a busy 2-CPU machine, against 0.26-0.33 s with one thread.
+        cpus = cpus[:-1]
     shares = cpu_shares(size, cpus)
     configs = [
         dataclasses.replace(config, device="cpu", cpu_threads=config.cpu_threads or len(share))
