@@ -1,5 +1,7 @@
-"""`kvpilot serve -O1`, as a user starts it: the compiled step serves the same greedy chats as the shared
-eager daemon, before and after a reset, and its log says how the step runs and what compiling took."""
+"""`kvpilot serve -O1 --engine-process`, as a user starts it: the step compiled in the engine's own process
+(a data-parallel rank of one) serves the same greedy chats as the shared eager daemon, before and after a
+reset, and its log says how the step runs and what compiling took. The compiled step in the server's
+process is tests/engine/test_compile.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ CHATS = ["What does a compiler do?", "Name three colours of the sea."]
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("compiled"), "-O1", token=ADMIN_TOKEN)
+    srv = start_server(tmp_path_factory.mktemp("compiled"), "-O1", "--engine-process", token=ADMIN_TOKEN)
     yield srv
     stop_server(srv)
     assert "Traceback" not in srv.log(), srv.log()[-4000:]
