@@ -18,7 +18,8 @@ same work however their bfloat16 numerics steer the text), `--concurrency` clien
 is started, warmed by two unrelated chats, and then left idle while the others run: the load goes to one
 server at a time, and the CPU the idle ones took meanwhile is written beside each run (it should be ~0).
 Runs alternate (kvpilot, vLLM, kvpilot in float32, then again) `--repeats` times; each run starts
-from a reset prefix cache (`POST /reset_prefix_cache`).
+from a reset prefix cache (`POST /reset_prefix_cache`). `--also-engine-process` adds, after each kvpilot
+side, the same with the engine in a process of its own (`kvpilot serve --engine-process`), vLLM's shape.
 
 Per run: output tokens/s (completion tokens over the load's wall time), TTFT p50/p99 (to the first
 content chunk), tokens per CPU second of the server (all processes of its tree, `benchkit.cpu_s`, from the
@@ -31,6 +32,7 @@ neighbouring pair. The issue's goal: kvpilot's tokens/s >= 1.5x vLLM's, same dty
     PYTHONSAFEPATH=1 .venv/bin/python bench/vs_vllm.py             # 24 chats, 8 at a time, 64 tokens, 2 repeats
     PYTHONSAFEPATH=1 .venv/bin/python bench/vs_vllm.py --quick     # 4 chats, 2 at a time, 8 tokens: a test's size
     PYTHONSAFEPATH=1 .venv/bin/python bench/vs_vllm.py --kvpilot-dtypes bfloat16 --repeats 3
+    PYTHONSAFEPATH=1 .venv/bin/python bench/vs_vllm.py --kvpilot-dtypes bfloat16 --also-engine-process
 
 Results go to bench/results/vs-vllm-<UTC time>.json (--out to choose); a summary to stdout.
 """
@@ -79,11 +81,12 @@ class Server:
     argv: list[str]
     env: dict[str, str]
     start_s: float
+    variant: str = ""  # kvpilot's "engine-process" side (--also-engine-process)
     runs: list[dict] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return f"{self.engine}-{self.dtype}"
+        return "-".join(filter(None, (self.engine, self.variant, self.dtype)))
 
 
 # ---- CPUs and threads ------------------------------------------------------------------------------
@@ -127,12 +130,14 @@ def _health_ok(url: str) -> bool:
         return False
 
 
-def _start(engine: str, dtype: str, argv: list[str], env: dict[str, str], tmp: Path, url: str) -> Server:
-    log = tmp / f"{engine}-{dtype}.log"
+def _start(
+    engine: str, dtype: str, argv: list[str], env: dict[str, str], tmp: Path, url: str, variant: str = ""
+) -> Server:
+    log = tmp / f"{'-'.join(filter(None, (engine, variant, dtype)))}.log"
     t0 = time.perf_counter()
     proc = spawn(argv, log_path=log, env=env, cwd=tmp)
-    wait_ready(proc, lambda: _health_ok(url), 900, f"{engine} ({dtype})", log, interval=0.5)
-    server = Server(engine, dtype, proc, url, log, argv, env, time.perf_counter() - t0)
+    wait_ready(proc, lambda: _health_ok(url), 900, f"{engine} {variant} ({dtype})", log, interval=0.5)
+    server = Server(engine, dtype, proc, url, log, argv, env, time.perf_counter() - t0, variant)
     print(f"{server.name}: up in {server.start_s:.0f} s", flush=True)
     return server
 
@@ -143,14 +148,23 @@ def _base_env() -> dict[str, str]:
 
 
 def start_kvpilot(
-    dtype: str, checkpoint: Path, cpus: list[int], threads: int, args: argparse.Namespace, tmp: Path
+    dtype: str,
+    checkpoint: Path,
+    cpus: list[int],
+    threads: int,
+    args: argparse.Namespace,
+    tmp: Path,
+    engine_process: bool = False,
 ) -> Server:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "kvpilot", "serve", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", dtype]
     argv += ["--cpu-threads", str(threads), "--max-num-seqs", str(args.concurrency), *args.kvpilot_flag]
-    return _start("kvpilot", dtype, pinned(argv, cpus), _base_env(), tmp, url)
+    if engine_process:
+        argv.append("--engine-process")
+    variant = "engine-process" if engine_process else ""
+    return _start("kvpilot", dtype, pinned(argv, cpus), _base_env(), tmp, url, variant)
 
 
 def start_vllm(
@@ -357,6 +371,8 @@ def run(args: argparse.Namespace) -> dict:
         for dtype in dict.fromkeys([*args.dtypes, *args.kvpilot_dtypes]):
             if dtype in args.kvpilot_dtypes:
                 servers.append(start_kvpilot(dtype, checkpoint, cpus, threads, args, tmp))
+                if args.also_engine_process:
+                    servers.append(start_kvpilot(dtype, checkpoint, cpus, threads, args, tmp, True))
             if dtype in args.dtypes:
                 servers.append(start_vllm(dtype, python, checkpoint, cpus, threads, args, tmp))
         for s in servers:  # warm-up: first requests, unrelated to the load's prompt
@@ -390,6 +406,7 @@ def run(args: argparse.Namespace) -> dict:
     doc["sides"] = {
         s.name: {
             "engine": s.engine,
+            "variant": s.variant,
             "dtype": s.dtype,
             "torch_threads": threads,
             "cpus": cpus,
@@ -431,6 +448,11 @@ def main() -> int:
         default=[],
         metavar="FLAG",
         help="one more `kvpilot serve` argument, e.g. --kvpilot-flag=--engine-process (repeat for more)",
+    )
+    p.add_argument(
+        "--also-engine-process",
+        action="store_true",
+        help="each kvpilot dtype also as a side with --engine-process (kvpilot-engine-process-<dtype>)",
     )
     p.add_argument("--cpus", help="CPU list both servers are pinned to, e.g. 0,1 (default: this process's)")
     p.add_argument("--threads", type=int, help="torch threads of both (default: the CPUs but one)")

