@@ -124,8 +124,11 @@ class PrefixAware(Policy):
         # next request for that prefix computes it again, and that prompt, landing in a full pool too,
         # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs).
         self.eviction_weight = 2
-        # A prompt's first block key -> the rank it was last sent to (its "home"), the oldest dropped first.
-        self._homes: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        # A prompt's first block key -> the rank it was last sent to (its "home") and when (a count of
+        # sends), the oldest dropped first. Pods of different key schemes key a prompt differently, so it
+        # may have a home under each: the latest send wins.
+        self._homes: OrderedDict[int, tuple[tuple[str, int], int]] = OrderedDict()
+        self._sends = itertools.count()
 
     def predict(
         self, pods: list[Pod], prompts: Prompts, expected: bool = False
@@ -201,22 +204,24 @@ class PrefixAware(Policy):
         an exact index then places like any cold prompt again (docs/performance.md, "A family of generated
         loads")."""
         schemes: dict[str, dict[tuple[str, int], Scheme]] = {}
+        home, latest = None, -1
         for i, (pod, rank, _) in enumerate(candidates):
             if rank is not None:
                 holder = (pod.name, rank)
                 if pod.name not in schemes:
                     schemes[pod.name] = dict(_schemes(pod, prompts.model))
                 first = _first_key(prompts, schemes[pod.name][holder])
-                if first is not None and self._homes.get(first) == holder:
-                    return i
-        return None
+                sent = self._homes.get(first) if first is not None else None
+                if sent is not None and sent[0] == holder and sent[1] > latest:
+                    home, latest = i, sent[1]
+        return home
 
     def _remember_home(self, prompts: Prompts, scheme: Scheme, holder: tuple[str, int]) -> None:
         first = _first_key(prompts, scheme)
         if first is None:
             return
         homes = self._homes
-        homes[first] = holder
+        homes[first] = (holder, next(self._sends))
         homes.move_to_end(first)
         if len(homes) > MAX_HOMES:
             homes.popitem(last=False)

@@ -285,3 +285,26 @@ def test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last(
     index.store(("b:1", 0), keys[:4])
     d = policy.choose([a, b], Prompts([prompt], None))
     assert (d.pod, d.reason, d.predicted_cached_tokens) == (b, "prefix", 16)
+
+
+def test_a_prompt_keyed_two_ways_goes_home_to_where_it_was_sent_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods of two key schemes (a vLLM-keyed a, a kvpilot-keyed b) key one prompt two ways, so it has a home
+    under each. Sent to a, then to b, then cached nowhere with both alike: it goes to b, whichever pod the
+    tie-break order puts first (two choices, the order rotated between them)."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    a, b = pod("a:1"), pod("b:1", in_flight=1)
+    b.keys = key_scheme("kvpilot")
+    policy = PrefixAware(index)
+    prompt = list(range(41))
+    keys = {p.name: p.keys.prompt_hashes(prompt[:40], BS) for p in (a, b)}
+    assert policy.choose([a, b], Prompts([prompt], None)).pod is a
+    index.remove(("a:1", 0), keys["a:1"])  # (what that choice expects there)
+    a.in_flight, b.in_flight = 1, 0
+    assert policy.choose([a, b], Prompts([prompt], None)).pod is b
+    a.in_flight = 0
+    for _ in range(2):
+        index.remove(("b:1", 0), keys["b:1"])
+        assert policy.choose([a, b], Prompts([prompt], None)).pod is b
