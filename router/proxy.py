@@ -3,10 +3,10 @@ ready pod.
 
 A generation request is read once (to tokenize it for the policy), then its raw body goes unchanged to
 the chosen pod and the pod's reply comes back unchanged, streamed chunk by chunk for server-sent events.
-A request whose body never names "stream" cannot be streamed (OpenAI's default is false; a body with a
-JSON escape is parsed to tell, since `"\\u0073tream"` names it too): it goes through
-the pods' keep-alive pool of the project's own HTTP/1.1 client (kvpilot/fanout/http1.py), a few tens of
-microseconds of CPU a request against aiohttp's ClientSession's ~70-100 (docs/performance.md, "Router");
+A request whose body never names "stream", however escaped (`"\\u0073tream"` names it too), cannot be
+streamed (OpenAI's default is false): it goes through the pods' keep-alive pool of the project's own
+HTTP/1.1 client (kvpilot/fanout/http1.py), a few tens of microseconds of CPU a request against aiohttp's
+ClientSession's ~70-100 (docs/performance.md, "Router");
 a stream, or a body that might ask for one, goes through aiohttp's client and router/relay.py.
 A client that hangs up cancels its handler, which closes the upstream connection, so the pod aborts the
 request within one engine step, as if the client had called the pod directly.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -183,19 +184,17 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
             raise _pod_failed(r, pod, exc) from None
 
 
+# "stream" as a JSON key may spell any of its letters as a \u00XX escape (the pod reads it strictly as
+# UTF-8, so no other spelling names it); matched on the raw bytes, linear, never parsed here.
+_STREAM_KEY = re.compile(
+    rb'"(?:s|\\u0073)(?:t|\\u0074)(?:r|\\u0072)(?:e|\\u0065)(?:a|\\u0061)(?:m|\\u006[dD])"'
+)
+
+
 def _may_stream(raw: bytes) -> bool:
-    """Whether the body might ask for a stream: it names "stream", or it holds a JSON escape that might
-    spell it and, parsed, has a "stream" key. A body that does not parse may stream too: the pod answers
-    it, and only aiohttp's client relays either kind of reply."""
-    if b'"stream"' in raw:
-        return True
-    if b"\\u" not in raw:
-        return False
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return True
-    return not isinstance(doc, dict) or "stream" in doc
+    """Whether the body might ask for a stream: it holds "stream", however escaped, anywhere (in a value
+    too: such a body only takes the slower path)."""
+    return b'"stream"' in raw or (b"\\u" in raw and _STREAM_KEY.search(raw) is not None)
 
 
 def _pooled(path: str, pod: Pod, headers: Mapping[str, str], raw: bytes) -> Endpoint | None:

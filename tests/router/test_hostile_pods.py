@@ -23,6 +23,7 @@ from kvpilot.router.kv.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex, index_ke
 from kvpilot.router.kv.info import REPLAY_MAX_BATCHES, parse_kv_event_sources, parse_kv_events
 from kvpilot.router.kv.replay import ReplayError, ReplayLimits, fetch_replay
 from kvpilot.router.kv.stream import PodEventStream
+from kvpilot.router.proxy import _may_stream
 from support.hostile_pod import HostilePod, random_keys, seq_frame, stored, stored_keys
 from support.procs import wait_for
 from support.servers import (
@@ -474,6 +475,22 @@ def test_non_streamed_requests_ride_one_kept_alive_connection_to_the_pod(
         assert status == 200 and pod.completion_ports[-1] == pod.completion_ports[0], pod.completion_ports
     finally:
         stop_router(router)
+
+
+@pytest.mark.parametrize(
+    "body, may",
+    [
+        (b'{"stream": true}', True),
+        (b'{"\\u0073tream": true}', True),
+        (b'{"s\\u0074re\\u0061\\u006D": false}', True),  # any letter, either case of hex
+        (b'{"prompt": "caf\\u00e9", "max_tokens": 4}', False),
+        (b'{"prompt": "\\u0073tream"}', True),  # in a value: only the slower path, never the wrong one
+        (b'{"\\u0053tream": true}', False),  # "Stream": not the key
+        (b'{"streams": true}', False),
+    ],
+)
+def test_a_body_that_might_stream_is_told_by_its_bytes(body: bytes, may: bool) -> None:
+    assert _may_stream(body) is may
 
 
 def test_a_non_streamed_reply_is_capped(tmp_path: Path, pod: HostilePod) -> None:
