@@ -6,7 +6,6 @@ CUDA graphs (`-O2` on CUDA) have their twin in tests/gpu/test_compile_cuda.py.""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import pytest
@@ -149,20 +148,23 @@ def adapted(make_engine, lora_adapters) -> Iterator[tuple[LLMEngine, LLMEngine]]
 
 
 def test_steps_with_lora_rows_among_compiled_steps_give_the_eager_tokens(
-    adapted: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], caplog: pytest.LogCaptureFixture
+    adapted: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
 ) -> None:
     """A step with adapter rows runs eager on the compiled engine, the base-only steps around it compiled:
-    the tokens are the eager engine's, row by row, and the adapters still change their rows' answers."""
+    the tokens are the eager engine's, row by row, before and after the compiled graph has run, and the
+    adapters still change their rows' answers."""
     names = [None, "every-layer", "attention-only"]
     prompts = chat_prompts[:3]
-    caplog.set_level(logging.INFO, logger="kvpilot.daemon.engine.compile.forward")
     mixed = [e.generate(prompts, GREEDY, lora_names=names) for e in adapted]
     assert mixed[0] == mixed[1]
-    assert "the step compiled" not in caplog.text  # every step so far had adapter rows: all eager
     base = [e.generate(prompts, GREEDY) for e in adapted]  # base rows only: the compiled graph
-    assert "the step compiled" in caplog.text
     assert base[0] == base[1]
+    assert 0 in adapted[1].runner.forward.graphs_run and not adapted[0].runner.forward.graphs_run
     assert mixed[1][0] == base[1][0] and mixed[1][1:] != base[1][1:], "the adapters change their rows"
+    for e in adapted:
+        e.reset_prefix_cache()
+    again = [e.generate(prompts, GREEDY, lora_names=names) for e in adapted]  # eager after compiled steps
+    assert again[0] == again[1] == mixed[0]
 
 
 def test_a_prefix_copied_back_from_the_host_tier_gives_the_eager_tokens(
@@ -179,8 +181,9 @@ def test_a_prefix_copied_back_from_the_host_tier_gives_the_eager_tokens(
         for i, p in enumerate(longs):  # ~19 blocks each: the prompt's blocks leave the pool for the host tier
             run_alone(e, f"tier-flush-{i}", p, GREEDY)
         assert sum(t.blocks for t in e.stats().offload) > 0
+        loaded_before = sum(t.loaded_blocks for t in e.stats().offload)  # (counted since the engine started)
         again = run_alone(e, "tier-again", prompt, GREEDY)
-        loaded = sum(t.loaded_blocks for t in e.stats().offload)
+        loaded = sum(t.loaded_blocks for t in e.stats().offload) - loaded_before
         got.append((first, again, loaded))
     full = (len(prompt) - 1) // 16
     assert got[0] == got[1]

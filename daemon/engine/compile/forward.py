@@ -112,6 +112,12 @@ class CompiledForward:
             set()
         )  # the padded sizes run so far (0: the compiled graph without CUDA graphs)
 
+    @property
+    def graphs_run(self) -> frozenset[int]:
+        """The graphs run so far: 0 the compiled one (without CUDA graphs), n the CUDA graph of n-token
+        steps; empty while every step ran eager."""
+        return frozenset(self._seen)
+
     def _compute(
         self,
         input_ids: torch.Tensor,
