@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.parallel import placement
 from kvpilot.daemon.engine.parallel.dp_policy import PrefixAwarePolicy
-from kvpilot.daemon.engine.parallel.placement import cpu_shares
+from kvpilot.daemon.engine.parallel.placement import cpu_shares, rank_configs
 from kvpilot.kv.block_keys import key_scheme
 
 SYSTEM = list(range(100, 164))  # four full blocks of 16
@@ -61,3 +63,30 @@ def test_only_live_ranks_are_chosen_and_memory_is_bounded() -> None:
 )
 def test_cpu_shares(ranks: int, cpus: list[int], shares: list[list[int]]) -> None:
     assert cpu_shares(ranks, cpus) == shares
+
+
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "threads", "shares", "want_threads"),
+    [
+        ([0, 1, 2, 3], 1, None, [[0, 1, 2]], [3]),  # --engine-process: all but one, the server's
+        ([0, 1], 1, None, [[0]], [1]),
+        ([5], 1, None, [[5]], [1]),  # one CPU: the engine's, shared
+        ([0, 1, 2, 3], 1, 4, [[0, 1, 2, 3]], [4]),  # --cpu-threads: pinned to all
+        ([0, 1, 2, 3], 2, None, [[0, 1], [2, 3]], [2, 2]),  # data parallel: every CPU shared out
+    ],
+)
+def test_rank_placement_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    cpus: list[int],
+    ranks: int,
+    threads: int | None,
+    shares: list[list[int]],
+    want_threads: list[int],
+) -> None:
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda _pid: set(cpus))
+    monkeypatch.setattr(placement, "available_cpus", lambda: len(cpus))
+    config = EngineConfig(
+        device="cpu", cpu_threads=threads, engine_process=ranks == 1, data_parallel_size=ranks
+    )
+    configs, got = rank_configs(config, ranks)
+    assert got == shares and [c.cpu_threads for c in configs] == want_threads

@@ -51,7 +51,7 @@ def _placement(config: EngineConfig, size: int) -> tuple[list[EngineConfig], lis
             )
         return [dataclasses.replace(config, device=f"cuda:{r}") for r in range(size)], [None] * size
     cpus = sorted(os.sched_getaffinity(0))[: available_cpus()]
-    if size == 1 and config.cpu_threads is None and len(cpus) > 1:
+    if config.engine_process and size == 1 and config.cpu_threads is None and len(cpus) > 1:
         # The engine in a process of its own (--engine-process) takes all CPUs but one, as the engine
         # thread does by default (cpu_budget.engine_threads): the other is the server's, which streams
         # and tokenizes. On every CPU, its OpenMP threads waited on the one the server held: a 4-token
