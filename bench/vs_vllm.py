@@ -463,6 +463,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a test's size: " + json.dumps(QUICK))
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/vs-vllm-<time>.json)")
     args = p.parse_args()
+    if args.also_engine_process and "--engine-process" in args.kvpilot_flag:
+        p.error("--also-engine-process with --kvpilot-flag=--engine-process: every kvpilot side would run it")
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
