@@ -12,7 +12,8 @@ does (pinned with `pins`, else reason "disabled"), and with `forget` caches noth
 Used in-process by the unit tests and as a pod's command by the cluster tests (a daemon where the model
 is not the point): `python standin.py --engine kvpilot --host $(POD_IP) --port 8000 [--reset-status 500]`.
 Every reset call is counted (GET /calls) so tests can prove that no pod was reset twice. STANDIN_LOAD_SECONDS
-makes it wait that long before it listens, as a daemon loading its model does.
+makes it wait that long before it listens, as a daemon loading its model does; STANDIN_COMPLETION_DELAY
+that long before each completion's reply, as a daemon computing a prompt does.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Standin:
     no_details: bool = (
         False  # usage without prompt_tokens_details (vLLM without --enable-prompt-tokens-details)
     )
+    completion_delay: float = 0.0  # seconds before a completion's reply
     rank_headers: list[str | None] = field(default_factory=list, init=False)  # per completion request
     completions: int = field(default=0, init=False)  # completion and chat requests received
     pinned: int = field(default=0, init=False)  # requests whose blocks were pinned
@@ -164,6 +166,8 @@ class Standin:
         if not self.no_details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         reply = {"object": "text_completion", "choices": [{"text": " x"}], "usage": usage}
+        if self.completion_delay:
+            await asyncio.sleep(self.completion_delay)
         if body.get("pin_prefix") is True:
             self.pinned += self.pins
             blocks = tokens // (self.block_size or 16) if self.pins else 0
@@ -231,6 +235,7 @@ def main() -> None:
         offload=os.environ.get("STANDIN_OFFLOAD") == "1",
         block_size=int(os.environ["STANDIN_BLOCK_SIZE"]) if os.environ.get("STANDIN_BLOCK_SIZE") else None,
         forget=os.environ.get("STANDIN_FORGET") == "1",
+        completion_delay=float(os.environ.get("STANDIN_COMPLETION_DELAY", 0)),
     )
     print(json.dumps(vars(a)), flush=True)
     # a daemon loading its model: running, not listening (connections refused) and not Ready meanwhile

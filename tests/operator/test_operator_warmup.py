@@ -296,7 +296,14 @@ def _cond(pod: dict, type_: str) -> dict:
 def test_a_gating_warmup_keeps_a_new_pod_out_of_the_service_until_it_is_warm(
     cluster: Cluster, ns: str, operator: OperatorProcess
 ) -> None:
-    env = [{"name": "STANDIN_BLOCK_SIZE", "value": "16"}, {"name": "STANDIN_LOAD_SECONDS", "value": "2"}]
+    # Each completion takes 1.5 s: the new pod's warm-up holds it, containers ready but not Ready, for
+    # longer than the polls below take to see it (answered at once, the pod went from ContainersReady to
+    # warm and Ready within one second and between two polls, and the gate could not be shown to hold).
+    env = [
+        {"name": "STANDIN_BLOCK_SIZE", "value": "16"},
+        {"name": "STANDIN_LOAD_SECONDS", "value": "2"},
+        {"name": "STANDIN_COMPLETION_DELAY", "value": "1.5"},
+    ]
     standin_fleet(cluster, ns, "gated", replicas=2, env=env)
     spec = {"targetRef": {"name": "gated"}, "prompts": PROMPTS, "mode": "Continuous", "gateReadiness": True}
     apply_ns(cluster, ns, pcw("gate", spec))
