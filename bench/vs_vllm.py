@@ -86,7 +86,12 @@ class Server:
 
     @property
     def name(self) -> str:
-        return "-".join(filter(None, (self.engine, self.variant, self.dtype)))
+        return side_name(self.engine, self.variant, self.dtype)
+
+
+def side_name(engine: str, variant: str, dtype: str) -> str:
+    """A side's name in the JSON and its log's: kvpilot-bfloat16, kvpilot-engine-process-bfloat16, ..."""
+    return "-".join(filter(None, (engine, variant, dtype)))
 
 
 # ---- CPUs and threads ------------------------------------------------------------------------------
@@ -133,7 +138,7 @@ def _health_ok(url: str) -> bool:
 def _start(
     engine: str, dtype: str, argv: list[str], env: dict[str, str], tmp: Path, url: str, variant: str = ""
 ) -> Server:
-    log = tmp / f"{'-'.join(filter(None, (engine, variant, dtype)))}.log"
+    log = tmp / f"{side_name(engine, variant, dtype)}.log"
     t0 = time.perf_counter()
     proc = spawn(argv, log_path=log, env=env, cwd=tmp)
     wait_ready(proc, lambda: _health_ok(url), 900, f"{engine} {variant} ({dtype})", log, interval=0.5)
