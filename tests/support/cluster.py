@@ -121,6 +121,32 @@ def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
         cp.stop()
 
 
+@contextlib.contextmanager
+def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> Iterator[tuple[Cluster, list]]:
+    """A control plane with kube-scheduler and `nodes` nodes run by the real kubelet, containerd and runc
+    (devcluster.kubeletnode), each with `images` imported; torn down after, the host put back."""
+    from devcluster.kubeletnode import KubeletNode
+
+    cp = ControlPlane(workdir=workdir / "cp", scheduler=True)
+    started: list[KubeletNode] = []
+    try:
+        cp.start(timeout=120)
+        for i in range(1, nodes + 1):
+            node = KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", index=i, images=images)
+            started.append(node)
+            node.start()
+        api = config.new_client_from_config(config_file=str(cp.kubeconfig))
+        pod_cidr = started[0].pod_cidr if started else ""
+        yield (
+            Cluster(cp, cp.kubeconfig, api, started[0].log("kubelet"), pod_cidr, rootful=True, slot=0),
+            started,
+        )
+    finally:
+        for node in reversed(started):
+            node.stop()
+        cp.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with dev_cluster(tmp_path_factory.mktemp("devcluster"), extra_users={"dev": ()}) as c:

@@ -65,6 +65,9 @@ class ControlPlane:
     # An audit policy (audit.k8s.io/v1 Policy as a dict): the apiserver then writes the events it selects to
     # `audit_log`, one JSON object a line, before it answers (the log backend's blocking mode).
     audit_policy: dict | None = None
+    # kube-scheduler too: for nodes run by the real kubelet (kubeletnode.py); the node agent binds its pods
+    # itself (binding.py).
+    scheduler: bool = False
     # More kube-apiserver flags, e.g. --enable-admission-plugins=...
     apiserver_args: tuple[str, ...] = ()
     users: dict[str, User] = field(default_factory=dict, init=False)
@@ -90,7 +93,7 @@ class ControlPlane:
 
     def stop(self) -> None:
         """Stop in reverse order; safe to call twice and after a failed start."""
-        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+        for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             proc = self._procs.pop(name, None)
             if proc is not None:
                 procs.stop(proc, grace=5)
@@ -142,9 +145,16 @@ class ControlPlane:
     def log(self, name: str) -> Path:
         return self.workdir / "logs" / f"{name}.log"
 
-    def write_kubeconfig(self, path: Path, user: str = "admin") -> Path:
-        """A kubeconfig for `user` (JSON is valid YAML, so no YAML library is needed)."""
+    def write_kubeconfig(
+        self, path: Path, user: str = "admin", client_cert: tuple[Path, Path] | None = None
+    ) -> Path:
+        """A kubeconfig for `user`'s token, or for the client certificate and key `client_cert` (a kubelet's
+        identity) under the name `user` (JSON is valid YAML, so no YAML library is needed)."""
         ca = self.ca_cert.read_text()
+        if client_cert:
+            credentials = {"client-certificate": str(client_cert[0]), "client-key": str(client_cert[1])}
+        else:
+            credentials = {"token": self.users[user].token}
 
         cfg = {
             "apiVersion": "v1",
@@ -158,7 +168,7 @@ class ControlPlane:
                     },
                 }
             ],
-            "users": [{"name": user, "user": {"token": self.users[user].token}}],
+            "users": [{"name": user, "user": credentials}],
             "contexts": [{"name": f"kvpilot-{user}", "context": {"cluster": "kvpilot", "user": user}}],
             "current-context": f"kvpilot-{user}",
         }
@@ -258,6 +268,16 @@ class ControlPlane:
             deadline,
             lambda: self.request("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
         )
+        if self.scheduler:
+            self._spawn(
+                "kube-scheduler",
+                [
+                    f"--kubeconfig={self.kubeconfig}",
+                    "--leader-elect=false",
+                    "--secure-port=0",
+                    f"--v={self.verbose}",
+                ],
+            )
 
     def _audit_args(self) -> list[str]:
         if self.audit_policy is None:

@@ -33,7 +33,7 @@ def _key(name: str, cwd: Path) -> None:
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{name}.key", cwd=cwd)
 
 
-def _issue(name: str, subject: str, extensions: str, cwd: Path) -> None:
+def issue(name: str, subject: str, extensions: str, cwd: Path) -> None:
     """NAME.key and NAME.crt in `cwd`: a new key and its certificate for `subject`, signed by the CA there
     (ca.key), with the X.509v3 `extensions` (lines of an openssl extfile)."""
     _key(name, cwd)
@@ -79,7 +79,7 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
         cwd=d,
     )
     sans = ",".join((f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}") for h in hosts)
-    _issue(
+    issue(
         "apiserver",
         "/CN=kube-apiserver",
         f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n",
@@ -89,7 +89,7 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
     # The apiserver's client cert for the node agent's log endpoint (kubectl logs),
     # which accepts only clients signed by this CA.
-    _issue(
+    issue(
         "kubelet-client",
         "/O=system:masters/CN=kube-apiserver-kubelet-client",
         "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n",

@@ -1,0 +1,550 @@
+"""A node run by the real kubelet, with containerd and runc from Debian (docs/cluster.md#real-nodes).
+
+Each node has its own containerd (socket, state, content store) and its own kubelet (root dir, ports,
+cgroup root, bridge and pod range), so two nodes on one machine never touch each other's pods. Pods get
+their addresses from CNI (bridge + host-local + portmap) on a bridge that holds the node's own address, so
+the host reaches every pod IP directly, as with the node agent.
+
+Images come from no registry: the images a test names (`make image`'s output, by its content-hash tag) are
+pushed from buildah's store into the node's containerd once, and kept there between runs in a cache folder
+per node name; pods use `imagePullPolicy: IfNotPresent` or `Never`. The sandbox ("pause") image is a small
+static program built here.
+
+What this host needs, and why each setting is there (all measured on the 2-core CI machine: cgroups v1,
+no systemd, a disk under 15% free):
+- kubelet `failCgroupV1: false` (else it exits on cgroups v1), `cgroupDriver: cgroupfs` (no systemd),
+  `oomScoreAdj: 0` (this sandbox may not lower oom_score_adj), a low `evictionHard` (the default image-fs
+  threshold taints the node DiskPressure here), image GC off (the project's image must stay imported);
+- containerd `restrict_oom_score_adj = true` (else runc fails: "can't get final child's PID from pipe") and
+  `SystemdCgroup = false`.
+The kubelet changes sysctls (kernel.panic, kernel.panic_on_oops, vm.overcommit_memory) and iptables
+(the KUBE-FIREWALL, KUBE-KUBELET-CANARY and KUBE-IPTABLES-HINT chains) and makes /var/lib/kubelet/device-plugins and /var/log/pods
+whatever its root dir: `stop()` puts back what it found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from . import pki, procs
+from .controlplane import ControlPlane
+
+log = logging.getLogger("devcluster.kubelet")
+
+CACHE = Path(os.environ.get("KVPILOT_CACHE", Path.home() / ".cache" / "kvpilot")) / "nodes"
+CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
+RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
+# 10.244/16 .. 10.251/16 are the node agent's (netns.MAX_SLOTS); kubelet nodes take 10.252/16, a /24 each.
+POD_NET_PREFIX = "10.252"
+SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory")
+IPTABLES_TABLES = ("filter", "nat", "mangle")
+HOST_DIRS = (Path("/var/lib/kubelet"), Path("/var/log/pods"))
+CGROUP_FS = Path("/sys/fs/cgroup")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# The pod sandbox's process: it holds the pod's namespaces and reaps orphans, as Kubernetes' pause does.
+PAUSE_C = r"""
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void quit(int sig) { (void)sig; _exit(0); }
+static void reap(int sig) { (void)sig; while (waitpid(-1, 0, WNOHANG) > 0) {} }
+int main(void) {
+    signal(SIGINT, quit);
+    signal(SIGTERM, quit);
+    signal(SIGCHLD, reap);
+    for (;;) pause();
+}
+"""
+
+
+def _run(*argv: str | Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(a) for a in argv], check=check, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ensure_runtime() -> None:
+    """containerd, runc and the CNI plugins, from Debian (apt-get) when missing."""
+    missing = [
+        p
+        for p in RUNTIME_PACKAGES
+        if _run("dpkg-query", "-W", "-f=${Status}", p, check=False).stdout != "install ok installed"
+    ]
+    if not missing:
+        return
+    log.info("installing %s (apt-get)", " ".join(missing))
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    if subprocess.run(argv, env=env, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
+        subprocess.run(argv, env=env, capture_output=True, check=True)
+
+
+def pause_image() -> tuple[str, Path]:
+    """The sandbox image's reference and an OCI archive of it, built once per source (gcc, buildah)."""
+    digest = hashlib.sha256(PAUSE_C.encode()).hexdigest()[:12]
+    ref = f"localhost/kvpilot-pause:{digest}"
+    archive = CACHE / f"pause-{digest}.tar"
+    if archive.exists():
+        return ref, archive
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, binary = Path(tmp) / "pause.c", Path(tmp) / "pause"
+        src.write_text(PAUSE_C)
+        _run("gcc", "-static", "-Os", "-s", "-o", binary, src)
+        ctr = _run("buildah", "from", "scratch").stdout.strip()
+        try:
+            _run("buildah", "copy", ctr, binary, "/pause")
+            _run("buildah", "config", "--entrypoint", '["/pause"]', ctr)
+            _run("buildah", "commit", "--quiet", ctr, ref)
+        finally:
+            _run("buildah", "rm", ctr, check=False)
+        _run("buildah", "push", "--quiet", ref, f"oci-archive:{archive}.tmp:{ref}")
+    os.replace(f"{archive}.tmp", archive)
+    return ref, archive
+
+
+@dataclass
+class KubeletNode:
+    """One Node: its containerd and kubelet, started by `start()`, stopped (and the host put back) by `stop()`."""
+
+    name: str
+    control_plane: ControlPlane
+    workdir: Path
+    # Which node of its cluster (1..): picks the bridge, the /24 of pod addresses and the cgroup root.
+    index: int = 1
+    gpus: int = 1
+    # buildah image references to have in the node's containerd before pods start (pushed once, cached).
+    images: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
+    _host_state: dict = field(default_factory=dict, init=False)
+    _api: client.ApiClient | None = field(default=None, init=False)
+
+    # ---- names ------------------------------------------------------------
+    @property
+    def bridge(self) -> str:
+        return f"kvpk{self.index}"
+
+    @property
+    def pod_cidr(self) -> str:
+        return f"{POD_NET_PREFIX}.{self.index}.0/24"
+
+    @property
+    def ip(self) -> str:
+        """The node's address: the bridge's, which the kubelet serves on and the host reaches pods from."""
+        return f"{POD_NET_PREFIX}.{self.index}.1"
+
+    @property
+    def cgroup_root(self) -> str:
+        return f"/kvpilot-{self.name}"
+
+    @property
+    def store(self) -> Path:
+        """containerd's root (content, snapshots, metadata): kept between runs, so images stay imported."""
+        return CACHE / self.name / "containerd"
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / "containerd.sock"
+
+    def ctr(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        """`ctr` against this node's containerd, in the CRI's namespace."""
+        return _run("ctr", "--address", self.socket, "--namespace", "k8s.io", *args, timeout=timeout)
+
+    def log(self, component: str) -> Path:
+        return self.workdir / f"{component}.log"
+
+    # ---- lifecycle --------------------------------------------------------
+    def start(self, timeout: float = 120) -> KubeletNode:
+        ensure_runtime()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))
+        self._save_host_state()
+        try:
+            pause_ref, pause_archive = pause_image()
+            self._start_containerd(pause_ref)
+            self._import_images(pause_ref, pause_archive)
+            self._start_kubelet(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the kubelet, then every container of this node, then containerd; put the host back. Safe to
+        call twice and after a failed start."""
+        kubelet = self._procs.pop("kubelet", None)
+        if kubelet is not None:
+            procs.stop(kubelet, grace=10)
+        if "containerd" in self._procs:
+            self._remove_pods()
+        containerd = self._procs.pop("containerd", None)
+        if containerd is not None:
+            procs.stop(containerd, grace=10)
+        self._kill_shims()
+        self._unmount_under(self.workdir)
+        self._unmount_under(self.store)
+        _run("ip", "link", "delete", self.bridge, check=False)
+        self._remove_cgroups()
+        self._restore_host_state()
+
+    def __enter__(self) -> KubeletNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- containerd -------------------------------------------------------
+    def _start_containerd(self, pause_ref: str) -> None:
+        self.store.mkdir(parents=True, exist_ok=True)
+        self._kill_shims()  # a run that died before its stop() left them holding the store
+        state = self.workdir / "containerd-state"
+        net_d = self.workdir / "net.d"
+        net_d.mkdir(exist_ok=True)
+        (net_d / "10-kvpilot.conflist").write_text(json.dumps(self._cni_config(), indent=2))
+        config = self.workdir / "containerd.toml"
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        config.write_text(
+            textwrap.dedent(
+                f"""\
+                version = 2
+                root = "{self.store}"
+                state = "{state}"
+                [grpc]
+                  address = "{self.socket}"
+                [ttrpc]
+                  address = "{self.socket}.ttrpc"
+                [debug]
+                  address = ""
+                [plugins."io.containerd.internal.v1.opt"]
+                  path = "{self.workdir / "opt"}"
+                [{cri}]
+                  sandbox_image = "{pause_ref}"
+                  restrict_oom_score_adj = true
+                  disable_apparmor = true
+                  netns_mounts_under = "{self.workdir / "netns"}"
+                  [{cri}.containerd.runtimes.runc]
+                    runtime_type = "io.containerd.runc.v2"
+                    [{cri}.containerd.runtimes.runc.options]
+                      SystemdCgroup = false
+                  [{cri}.cni]
+                    bin_dir = "{CNI_BIN_DIR}"
+                    conf_dir = "{net_d}"
+                """
+            )
+        )
+        self._procs["containerd"] = procs.spawn(
+            ["containerd", "--config", str(config), "--log-level", "warn"], log_path=self.log("containerd")
+        )
+        procs.wait_ready(
+            self._procs["containerd"],
+            lambda: self.socket.exists() and self.ctr("version", timeout=10).returncode == 0,
+            30,
+            "containerd",
+            self.log("containerd"),
+        )
+
+    def _cni_config(self) -> dict:
+        return {
+            "cniVersion": "1.0.0",
+            "name": "kvpilot",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.bridge,
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": self.pod_cidr, "gateway": self.ip}]],
+                        "dataDir": str(self.workdir / "ipam"),
+                    },
+                },
+                {"type": "portmap", "capabilities": {"portMappings": True}},
+            ],
+        }
+
+    def _import_images(self, pause_ref: str, pause_archive: Path) -> None:
+        self._prune_images({pause_ref, *self.images})
+        have = set(self.ctr("images", "list", "--quiet").stdout.split())
+        if pause_ref not in have:
+            self._import(pause_ref, pause_archive)
+        for ref in self.images:
+            if ref in have:
+                continue
+            t0 = time.monotonic()
+            log.info(
+                "%s: importing %s from buildah's store (minutes for the project's image)", self.name, ref
+            )
+            with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+                archive = Path(tmp) / "image.tar"
+                # Uncompressed: gzip costs more time than the bytes it saves on a local disk.
+                _run(
+                    "buildah", "push", "--quiet", "--disable-compression", ref, f"oci-archive:{archive}:{ref}"
+                )
+                self._import(ref, archive)
+            log.info("%s: %s imported in %.0f s", self.name, ref, time.monotonic() - t0)
+
+    def _prune_images(self, wanted: set[str]) -> None:
+        """Earlier builds of the wanted images' repositories out of the store (the CRI's `sha256:` name of
+        each too), so a cache kept between runs holds one build, not one per change; containerd's garbage
+        collector then frees the layers no image shares."""
+        repositories = {ref.rsplit(":", 1)[0] for ref in wanted}
+        listing = [line.split() for line in self.ctr("images", "list").stdout.splitlines()[1:]]
+        digest = {row[0]: row[2] for row in listing if len(row) > 2}
+        kept = {digest.get(ref) for ref in wanted}
+        stale = [r for r in digest if r not in wanted and r.rsplit(":", 1)[0] in repositories]
+        stale_digests = {digest[r] for r in stale} - kept
+        stale += [r for r in digest if r.startswith("sha256:") and digest[r] in stale_digests]
+        if stale:
+            log.info("%s: removing earlier images %s", self.name, " ".join(stale))
+            self.ctr("images", "remove", *stale)
+
+    def _import(self, ref: str, archive: Path) -> None:
+        r = self.ctr("images", "import", "--no-unpack=false", str(archive), timeout=1800)
+        if ref not in self.ctr("images", "list", "--quiet").stdout.split():
+            raise RuntimeError(f"{self.name}: importing {archive} did not give {ref}: {r.stdout[-500:]}")
+
+    # ---- kubelet ----------------------------------------------------------
+    def _start_kubelet(self, timeout: float) -> None:
+        cp = self.control_plane
+        d = self.workdir
+        # The bridge first, with the node's address: the kubelet checks that --node-ip is one of the host's.
+        if _run("ip", "link", "show", self.bridge, check=False).returncode != 0:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "replace", f"{self.ip}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        for hierarchy in self._cgroup_hierarchies():
+            (hierarchy / self.cgroup_root.lstrip("/")).mkdir(exist_ok=True)
+        # Its client certificate: the Node authorizer's identity, bound to the system:node role below.
+        pki_dir = cp.workdir / "pki"
+        cert_name = f"node-{self.name}"
+        pki.issue(
+            cert_name,
+            f"/O=system:nodes/CN=system:node:{self.name}",
+            "extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n",
+            pki_dir,
+        )
+        kubeconfig = cp.write_kubeconfig(
+            d / "kubelet.kubeconfig",
+            user=f"system:node:{self.name}",
+            client_cert=(pki_dir / f"{cert_name}.crt", pki_dir / f"{cert_name}.key"),
+        )
+        port, healthz = procs.free_port(), procs.free_port()
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": self.ip,
+            "port": port,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": healthz,
+            "readOnlyPort": 0,
+            # Only the API server (its kubelet-client certificate, signed by the cluster's CA) calls in.
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": False},
+                "x509": {"clientCAFile": str(cp.ca_cert)},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": self.cgroup_root,
+            "failCgroupV1": False,
+            "failSwapOn": False,
+            "oomScoreAdj": 0,
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.available": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "staticPodPath": str(d / "manifests"),
+            "resolvConf": "/etc/resolv.conf",
+            "serializeImagePulls": False,
+            "nodeStatusUpdateFrequency": "4s",
+            "nodeStatusReportFrequency": "10s",
+            "syncFrequency": "10s",
+            "fileCheckFrequency": "5s",
+        }
+        (d / "manifests").mkdir(exist_ok=True)
+        (d / "kubelet.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
+        labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
+        argv = [
+            str(cp.bin_dir / "kubelet"),
+            f"--config={d / 'kubelet.yaml'}",
+            f"--kubeconfig={kubeconfig}",
+            f"--root-dir={d / 'kubelet'}",
+            f"--cert-dir={d / 'kubelet' / 'pki'}",  # its serving certificate; not under --root-dir by default
+            f"--hostname-override={self.name}",
+            f"--node-ip={self.ip}",
+            "--v=1",
+        ] + ([f"--node-labels={labels}"] if labels else [])
+        self._bind_node_role()
+        self._procs["kubelet"] = procs.spawn(argv, log_path=self.log("kubelet"))
+        procs.wait_ready(
+            self._procs["kubelet"], self._node_ready, timeout, f"node {self.name}", self.log("kubelet")
+        )
+        if self.gpus:
+            self._advertise_gpus()
+
+    def _bind_node_role(self) -> None:
+        """The system:node ClusterRole for the group system:nodes (the API server runs RBAC alone here; a
+        kubeadm cluster gets the same rights from the Node authorizer)."""
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kvpilot-devcluster:nodes"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:node",
+            },
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:nodes"}],
+        }
+        try:
+            client.RbacAuthorizationV1Api(self._api).create_cluster_role_binding(binding)
+        except ApiException as e:
+            if e.status != 409:  # another node of this cluster made it
+                raise
+
+    def _node_ready(self) -> bool:
+        try:
+            node = client.CoreV1Api(self._api).read_node(self.name)
+        except ApiException:
+            return False
+        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or ())
+
+    def _advertise_gpus(self) -> None:
+        """nvidia.com/gpu in the node's capacity, the way Kubernetes documents advertising an extended
+        resource (a JSON patch of the node's status): GPU requests schedule as on a GPU node. The kubelet keeps
+        extended resources it does not manage."""
+        patch = [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(self.gpus)}]
+        client.CoreV1Api(self._api).patch_node_status(self.name, patch)
+
+    # ---- teardown ---------------------------------------------------------
+    def _remove_pods(self) -> None:
+        """Every container of this node killed and removed from containerd's store, which outlives the run."""
+        for task in self.ctr("tasks", "list", "--quiet").stdout.split():
+            self.ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30)
+        time.sleep(1)
+        for task in self.ctr("tasks", "list", "--quiet").stdout.split():
+            self.ctr("tasks", "delete", "--force", task, timeout=30)
+        for container in self.ctr("containers", "list", "--quiet").stdout.split():
+            self.ctr("containers", "delete", container, timeout=30)
+
+    def _kill_shims(self) -> None:
+        """containerd's shims (and so the containers they hold) for this node's socket; a kubelet and
+        containerd that died leave them running."""
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(self.socket).encode() in argv:
+                try:
+                    os.killpg(int(pid_dir.name), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for hierarchy in self._cgroup_hierarchies():
+            for procs_file in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs"):
+                for pid in procs_file.read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    @staticmethod
+    def _unmount_under(folder: Path) -> None:
+        """Unmount what containerd and the kubelet mounted below `folder` (rootfs overlays, shm, netns,
+        volumes), deepest first."""
+        prefix = str(folder.resolve()) + "/"
+        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+            _run("umount", "--lazy", target, check=False)
+
+    def _cgroup_hierarchies(self) -> list[Path]:
+        return [p for p in CGROUP_FS.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "unified"]
+
+    def _remove_cgroups(self) -> None:
+        for hierarchy in self._cgroup_hierarchies():
+            root = hierarchy / self.cgroup_root.lstrip("/")
+            if not root.exists():
+                continue
+            for group in sorted(
+                (p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+            ):
+                try:
+                    group.rmdir()
+                except OSError:
+                    pass
+            try:
+                root.rmdir()
+            except OSError as e:
+                log.warning("%s: cgroup %s not removed: %s", self.name, root, e)
+
+    # ---- what the kubelet changes on the host -----------------------------
+    def _save_host_state(self) -> None:
+        self._host_state = {
+            "sysctls": {k: (Path("/proc/sys") / k).read_text().strip() for k in SYSCTLS},
+            "chains": _kube_chains(),
+            "dirs": {d for d in HOST_DIRS if d.exists()},
+        }
+
+    def _restore_host_state(self) -> None:
+        saved = self._host_state
+        if not saved:
+            return
+        for key, value in saved["sysctls"].items():
+            try:
+                (Path("/proc/sys") / key).write_text(value)
+            except OSError as e:
+                log.warning("sysctl %s not restored to %s: %s", key, value, e)
+        for chain in _kube_chains() - saved["chains"]:
+            _remove_chain(*chain)
+        for d in HOST_DIRS:
+            if d not in saved["dirs"]:
+                shutil.rmtree(d, ignore_errors=True)
+        self._host_state = {}
+
+
+def _kube_chains() -> set[tuple[str, str, str]]:
+    """(command, table, chain) of every KUBE-* chain in iptables and ip6tables."""
+    return {
+        (command, table, line.split()[1])
+        for command in ("iptables", "ip6tables")
+        for table in IPTABLES_TABLES
+        for line in _run(command, "-t", table, "-S", check=False).stdout.splitlines()
+        if line.startswith("-N KUBE-")
+    }
+
+
+def _remove_chain(command: str, table: str, chain: str) -> None:
+    """The rules that jump to `chain`, then the chain itself."""
+    for rule in _run(command, "-t", table, "-S", check=False).stdout.splitlines():
+        words = shlex.split(rule)
+        if words[:1] == ["-A"] and words[-2:] == ["-j", chain]:
+            _run(command, "-t", table, "-D", *words[1:], check=False)
+    _run(command, "-t", table, "-F", chain, check=False)
+    _run(command, "-t", table, "-X", chain, check=False)

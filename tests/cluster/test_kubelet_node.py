@@ -1,0 +1,160 @@
+"""The project's image as pods of the real kubelet, containerd and runc (devcluster.kubeletnode;
+docs/cluster.md#real-nodes): what the node agent cannot show. The image's entrypoint and user, its cgroup
+limits setting the daemon's threads, the kubelet's probes and restarts, `kubectl logs` and `kubectl exec`
+through the kubelet, and a fleet reset by the operator across them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from kvpilot.operator import rbac
+from support import ROOT
+from support.cluster import Cluster, kubelet_cluster
+from support.operator import (
+    OP_NS,
+    OperatorProcess,
+    apply,
+    apply_ns,
+    cached_tokens,
+    create_namespace,
+    fleet,
+    fleet_pods,
+    install_crds,
+    pcr,
+    pods_by_name,
+    ready_replicas,
+    service_account_kubeconfig,
+)
+from support.procs import wait_for
+
+pytestmark = [
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
+        reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
+    ),
+]
+
+BUILD = ROOT / "hack" / "image" / "build.sh"
+NS = "real"
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The project's image by its content-hash tag (hack/image/build.sh: minutes when its inputs changed)."""
+    r = subprocess.run(["bash", str(BUILD)], stdout=subprocess.PIPE, text=True, timeout=3600)
+    assert r.returncode == 0, "hack/image/build.sh failed (its log is above)"
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def real(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list]]:
+    with kubelet_cluster(tmp_path_factory.mktemp("kubelet-cluster"), images=(image,)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def operator(
+    real: tuple[Cluster, list], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator as a process on the host, under its ServiceAccount's RBAC (support.operator's recipe)."""
+    cluster, _ = real
+    install_crds(cluster)
+    create_namespace(cluster, OP_NS)
+    apply(
+        cluster,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "kvpilot-operator", "namespace": OP_NS},
+            },
+            rbac.cluster_role(),
+            rbac.cluster_role_binding(OP_NS),
+            rbac.router_cluster_role(),
+        ],
+    )
+    d = tmp_path_factory.mktemp("operator")
+    op = OperatorProcess(
+        service_account_kubeconfig(cluster, OP_NS, "kvpilot-operator", d / "kubeconfig"), d / "log"
+    )
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(real: tuple[Cluster, list], operator: OperatorProcess, image: str) -> dict[str, str]:
+    """A one-pod fleet of the project's image, limited to one CPU; pod name -> IP once Ready."""
+    cluster, _ = real
+    create_namespace(cluster, NS)
+    spec = {
+        "replicas": 1,
+        "image": image,
+        "imagePullPolicy": "Never",  # no registry: the image is in the node's containerd or nowhere
+        "resources": {"limits": {"cpu": "1", "memory": "3Gi"}},
+        "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
+    }
+    apply_ns(cluster, NS, fleet("llm", spec))
+    wait_for(lambda: ready_replicas(cluster, NS, "llm", 1), 300, "the fleet's pod Ready", interval=1)
+    return {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, NS, "llm")}
+
+
+def test_nodes_are_the_real_kubelet_on_containerd(real: tuple[Cluster, list]) -> None:
+    cluster, _ = real
+    wide = cluster.kubectl("get", "nodes", "-o", "wide").stdout
+    assert "containerd://" in wide and "v1.37.2" in wide and " Ready " in wide, wide
+    node = cluster.kubectl_json("get", "node", "node-1")
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.37.2"
+    assert node["status"]["capacity"]["nvidia.com/gpu"] == "1", "GPU requests must schedule as on a GPU node"
+
+
+def test_the_image_serves_as_a_pod_with_logs_exec_and_its_cpu_limit(
+    real: tuple[Cluster, list], llm: dict[str, str]
+) -> None:
+    cluster, _ = real
+    ((pod, ip),) = llm.items()
+    cached_tokens(ip)
+    assert cached_tokens(ip) > 0, "the second request should hit the warm cache"
+    logs = cluster.kubectl("logs", pod, "-n", NS).stdout
+    # The container's CFS quota (limits.cpu: 1), read by the daemon: one torch thread.
+    assert "1 torch threads" in logs, logs[-3000:]
+    out = cluster.kubectl(
+        "exec", pod, "-n", NS, "--", "sh", "-c", "id -u; cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
+    ).stdout
+    assert out.split() == ["10001", "100000"], out
+
+
+def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(
+    real: tuple[Cluster, list], llm: dict[str, str]
+) -> None:
+    cluster, _ = real
+    ((pod, ip),) = llm.items()
+    cached_tokens(ip)
+    apply_ns(cluster, NS, pcr("flush", {"targetRef": {"name": "llm"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/flush", "-n", NS, "--timeout=120s")
+    st = cluster.kubectl_json("get", "pcr", "flush", "-n", NS)
+    assert (st["status"]["phase"], st["status"]["succeeded"]) == ("Succeeded", 1), st["status"]
+    assert pods_by_name(st)[pod]["result"] == "Succeeded"
+    assert cached_tokens(ip) == 0, "nothing cached before the reset may be reused"
+
+    # The daemon stopped (SIGTERM to the container's PID 1): the kubelet starts it again, and the probe
+    # holds it out of Ready until it serves.
+    cluster.kubectl("exec", pod, "-n", NS, "--", "sh", "-c", "kill 1")
+
+    def restarted() -> bool:
+        status = cluster.kubectl_json("get", "pod", pod, "-n", NS)["status"]["containerStatuses"][0]
+        return status["restartCount"] >= 1 and status["ready"]
+
+    wait_for(restarted, 180, "the kubelet to restart the daemon", interval=1)
+    previous = cluster.kubectl("logs", pod, "-n", NS, "--previous").stdout
+    assert "stopped" in previous, previous[-2000:]
+    apply_ns(cluster, NS, pcr("after-restart", {"targetRef": {"name": "llm"}}))
+    cluster.kubectl("wait", "--for=condition=Complete", "pcr/after-restart", "-n", NS, "--timeout=120s")
+    st = cluster.kubectl_json("get", "pcr", "after-restart", "-n", NS)
+    assert st["status"]["phase"] == "Succeeded", st["status"]
