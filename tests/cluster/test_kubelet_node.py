@@ -158,3 +158,39 @@ def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(
     cluster.kubectl("wait", "--for=condition=Complete", "pcr/after-restart", "-n", NS, "--timeout=120s")
     st = cluster.kubectl_json("get", "pcr", "after-restart", "-n", NS)
     assert st["status"]["phase"] == "Succeeded", st["status"]
+
+
+def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(
+    real: tuple[Cluster, list], llm: dict[str, str]
+) -> None:
+    """The kubelet killed: its containers run on, the control plane calls the node NotReady and its pods not
+    Ready. They still hold their caches, so a reset calls them, and its status names each one."""
+    cluster, (node,) = real
+    ((pod, ip),) = llm.items()
+    cached_tokens(ip)
+    node.stop_kubelet()
+    try:
+
+        def marked_not_ready() -> bool:
+            conditions = cluster.kubectl_json("get", "pod", pod, "-n", NS)["status"]["conditions"]
+            return any(c["type"] == "Ready" and c["status"] == "False" for c in conditions)
+
+        wait_for(marked_not_ready, 90, "the node lifecycle controller to mark the pod not Ready", interval=1)
+        node_ready = next(
+            c
+            for c in cluster.kubectl_json("get", "node", node.name)["status"]["conditions"]
+            if c["type"] == "Ready"
+        )
+        assert node_ready["status"] == "Unknown", node_ready
+        apply_ns(cluster, NS, pcr("kubelet-down", {"targetRef": {"name": "llm"}}))
+        cluster.kubectl(
+            "wait", "--for=jsonpath={.status.completionTime}", "pcr/kubelet-down", "-n", NS, "--timeout=120s"
+        )
+        st = cluster.kubectl_json("get", "pcr", "kubelet-down", "-n", NS)
+        record = pods_by_name(st)[pod]
+        assert (record["result"], record["node"]) == ("Succeeded", node.name), st["status"]
+        assert cached_tokens(ip) == 0, "the daemon still ran and was reset"
+    finally:
+        node.start_kubelet()
+    # The GPU the node advertised outlives its kubelet's restart.
+    assert cluster.kubectl_json("get", "node", node.name)["status"]["capacity"].get("nvidia.com/gpu") == "1"

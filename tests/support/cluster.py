@@ -127,7 +127,8 @@ def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> I
     (devcluster.kubeletnode), each with `images` imported; torn down after, the host put back."""
     from devcluster.kubeletnode import KubeletNode
 
-    cp = ControlPlane(workdir=workdir / "cp", scheduler=True)
+    # The kubelet reports every 4 s (kubeletnode.py): a node 16 s silent is down.
+    cp = ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16)
     started: list[KubeletNode] = []
     try:
         cp.start(timeout=120)

@@ -68,6 +68,8 @@ class ControlPlane:
     # kube-scheduler too: for nodes run by the real kubelet (kubeletnode.py); the node agent binds its pods
     # itself (binding.py).
     scheduler: bool = False
+    # How long a node's status may go stale before the controllers call it NotReady (and its pods not Ready).
+    node_monitor_grace_s: int = 40
     # More kube-apiserver flags, e.g. --enable-admission-plugins=...
     apiserver_args: tuple[str, ...] = ()
     users: dict[str, User] = field(default_factory=dict, init=False)
@@ -258,7 +260,7 @@ class ControlPlane:
                 f"--root-ca-file={keys.ca_cert}",
                 "--leader-elect=false",
                 "--secure-port=0",  # no health endpoint needed: we wait on real controller work
-                "--node-monitor-grace-period=40s",
+                f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
                 f"--v={self.verbose}",
             ],
         )

@@ -136,6 +136,7 @@ class KubeletNode:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
     _host_state: dict = field(default_factory=dict, init=False)
     _api: client.ApiClient | None = field(default=None, init=False)
+    _kubelet_argv: list[str] = field(default_factory=list, init=False)
 
     # ---- names ------------------------------------------------------------
     @property
@@ -400,12 +401,22 @@ class KubeletNode:
             "--v=1",
         ] + ([f"--node-labels={labels}"] if labels else [])
         self._bind_node_role()
-        self._procs["kubelet"] = procs.spawn(argv, log_path=self.log("kubelet"))
+        self._kubelet_argv = argv
+        self.start_kubelet(timeout)
+        if self.gpus:
+            self._advertise_gpus()
+
+    def start_kubelet(self, timeout: float = 120) -> None:
+        """The kubelet (again, after stop_kubelet): returns once the node is Ready."""
+        self._procs["kubelet"] = procs.spawn(self._kubelet_argv, log_path=self.log("kubelet"))
         procs.wait_ready(
             self._procs["kubelet"], self._node_ready, timeout, f"node {self.name}", self.log("kubelet")
         )
-        if self.gpus:
-            self._advertise_gpus()
+
+    def stop_kubelet(self) -> None:
+        """The kubelet alone, as a crash would (SIGKILL): its containers go on running, the node's status goes
+        stale, and the control plane calls the node NotReady after its grace period."""
+        procs.stop(self._procs.pop("kubelet"), grace=0)
 
     def _bind_node_role(self) -> None:
         """The system:node ClusterRole for the group system:nodes (the API server runs RBAC alone here; a
