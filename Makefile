@@ -83,8 +83,9 @@ CLUSTER_DIR ?= .cluster
 cluster-build:
 	bash hack/cluster/build.sh
 
+# KUBELET=1: nodes of the real kubelet, containerd and runc running the project's image (docs/cluster.md).
 cluster-up: cluster-build
-	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR)
+	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR) $(if $(KUBELET),--kubelet)
 
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)

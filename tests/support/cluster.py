@@ -133,7 +133,7 @@ def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> I
     try:
         cp.start(timeout=120)
         for i in range(1, nodes + 1):
-            node = KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", index=i, images=images)
+            node = KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", images=images)
             started.append(node)
             node.start()
         api = config.new_client_from_config(config_file=str(cp.kubeconfig))

@@ -1,7 +1,8 @@
 """Command line: start a dev cluster in the background, stop it, or run parts.
 
 up     build if needed, start control plane + node agent detached; writes
-       <dir>/kubeconfig and returns once pods can run
+       <dir>/kubeconfig and returns once pods can run; with --kubelet, nodes of the
+       real kubelet and containerd running the project's image instead
 down   stop what `up` started and remove any pod namespaces/veths left over
 run    the same as up, in the foreground (Ctrl-C stops it)
 agent  only the node agent, against an existing cluster (tests use this)
@@ -26,6 +27,7 @@ from kubernetes import config
 from . import netns
 from .binaries import REPO_ROOT
 from .controlplane import ControlPlane
+from .kubeletnode import KubeletNode
 from .nodeagent import NodeAgent, NodeSpec
 
 LAUNCHER = REPO_ROOT / "hack" / "cluster" / "devcluster.py"
@@ -54,6 +56,47 @@ def run_agent(
         agent.stop()
 
 
+def run_kubelet_nodes(
+    cp: ControlPlane,
+    workdir: Path,
+    count: int,
+    gpus: int,
+    images: tuple[str, ...],
+    stop: threading.Event,
+    on_ready=None,
+) -> None:
+    """Run `count` nodes of the real kubelet (kubeletnode.py) until `stop` is set; always stops them and puts the
+    host back."""
+    nodes = [
+        KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", gpus=gpus, images=images)
+        for i in range(1, count + 1)
+    ]
+    started: list[KubeletNode] = []
+    try:
+        for node in nodes:
+            started.append(node)
+            node.start()
+        logging.info("kubelet nodes up: %s", ", ".join(f"{n.name} ({n.pod_cidr})" for n in nodes))
+        if on_ready:
+            on_ready()
+        while not stop.wait(1):
+            pass
+    finally:
+        for node in reversed(started):
+            node.stop()
+            shutil.rmtree(node.workdir, ignore_errors=True)
+
+
+def remove_leftover_nodes(workdir: Path) -> list[str]:
+    """What kubelet nodes whose run was killed left behind (containers, mounts, bridges, cgroups) removed, then
+    their folders (a clean stop removes its own); the names of those nodes."""
+    found = sorted(workdir.glob("node-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
+    for folder in reversed(found):  # the last started first: each puts back what the host was before it
+        KubeletNode(folder.name, None, folder).stop()
+        shutil.rmtree(folder)  # unmounted first: a folder under it may have been a mount of the host's
+    return [folder.name for folder in found]
+
+
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -65,20 +108,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     stop = _stop_on_signals()
     d = Path(args.dir).resolve()
     (d / "ready").unlink(missing_ok=True)
-    shutil.rmtree(d / "state", ignore_errors=True)  # every `up` is a fresh cluster
-    shutil.rmtree(d / "pods", ignore_errors=True)
-    cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user})
+    remove_leftover_nodes(d / "nodes")
+    for folder in ("state", "pods", "nodes"):  # every `up` is a fresh cluster
+        shutil.rmtree(d / folder, ignore_errors=True)
+    kubelet = {"scheduler": True, "node_monitor_grace_s": 16} if args.image else {}
+    cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user}, **kubelet)
     with cp:
         kubeconfig = cp.write_kubeconfig(d / "kubeconfig")
         for u in args.user:
             cp.write_kubeconfig(d / f"kubeconfig-{u}", user=u)
-        run_agent(
-            kubeconfig,
-            d / "pods",
-            node_specs(args.nodes, args.gpus),
-            stop,
-            on_ready=lambda agent: (d / "ready").write_text(cp.url + "\n"),
-        )
+        mark_ready = lambda *_: (d / "ready").write_text(cp.url + "\n")  # noqa: E731
+        if args.image:
+            run_kubelet_nodes(
+                cp, d / "nodes", args.nodes, args.gpus, (args.image,), stop, on_ready=mark_ready
+            )
+        else:
+            run_agent(kubeconfig, d / "pods", node_specs(args.nodes, args.gpus), stop, on_ready=mark_ready)
     (d / "ready").unlink(missing_ok=True)
     return 0
 
@@ -92,6 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .binaries import ensure_binaries
 
     ensure_binaries()  # in the foreground, so build progress shows
+    image = (args.image or _build_image()) if args.kubelet else ""
     argv = [
         sys.executable,
         str(LAUNCHER),
@@ -105,13 +151,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]
     for u in args.user:
         argv += ["--user", u]
+    if image:
+        argv += ["--image", image]
     with open(d / "cluster.log", "ab") as logf:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
         )
     (d / "pid").write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + 180
+    # A kubelet node imports the project's image into its containerd the first time: minutes, with progress.
+    deadline = time.monotonic() + (1800 if image else 180)
+    progress = _LogProgress(d / "cluster.log", "devcluster.kubelet")
     while time.monotonic() < deadline:
+        progress.show()
         if proc.poll() is not None:
             print((d / "cluster.log").read_text()[-3000:], file=sys.stderr)
             print(
@@ -124,8 +175,38 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"  export KUBECONFIG={d / 'kubeconfig'}; kubectl get nodes")
             return 0
         time.sleep(0.5)
-    print("dev cluster did not become ready in 180s; see " + str(d / "cluster.log"), file=sys.stderr)
+    print("dev cluster did not become ready in time; see " + str(d / "cluster.log"), file=sys.stderr)
     return 1
+
+
+def _build_image() -> str:
+    """The project's image (hack/image/build.sh: minutes when its inputs changed, else it only hashes), in the
+    foreground so its progress shows; its content-hash reference."""
+    script = REPO_ROOT / "hack" / "image" / "build.sh"
+    return subprocess.run(
+        ["bash", str(script)], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout.split()[-1]
+
+
+class _LogProgress:
+    """Prints the new lines of a log that come from one logger (the detached run's progress)."""
+
+    def __init__(self, path: Path, logger: str) -> None:
+        self.path, self.logger = path, logger
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def show(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except OSError:
+            return
+        end = new.rfind(b"\n") + 1
+        self.offset += end
+        for line in new[:end].decode(errors="replace").splitlines():
+            if f" {self.logger} " in line:
+                print(line, flush=True)
 
 
 def _pid(d: Path) -> int | None:
@@ -159,7 +240,12 @@ def cmd_down(args: argparse.Namespace) -> int:
     (d / "pid").unlink(missing_ok=True)
     (d / "ready").unlink(missing_ok=True)
     removed = cleanup_stale_networks()
-    print("dev cluster stopped" + (f"; removed leftover networks of slots {removed}" if removed else ""))
+    nodes = remove_leftover_nodes(d / "nodes")
+    print(
+        "dev cluster stopped"
+        + (f"; removed leftover networks of slots {removed}" if removed else "")
+        + (f"; cleaned up after kubelet nodes {', '.join(nodes)}" if nodes else "")
+    )
     return 0
 
 
@@ -210,6 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--nodes", type=int, default=2)
         s.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu capacity per node")
         s.add_argument("--user", action="append", default=[], help="extra token user without rights")
+    sub.choices["up"].add_argument(
+        "--kubelet",
+        action="store_true",
+        help="nodes of the real kubelet, containerd and runc running the project's image (built if needed)",
+    )
+    for name in ("up", "run"):
+        sub.choices[name].add_argument(
+            "--image",
+            default="",
+            help="kubelet nodes: import this image (buildah's) instead of the project's",
+        )
     s = sub.add_parser("down")
     s.add_argument("--dir", default=".cluster")
     s = sub.add_parser("agent")

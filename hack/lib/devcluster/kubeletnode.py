@@ -6,8 +6,8 @@ their addresses from CNI (bridge + host-local + portmap) on a bridge that holds 
 the host reaches every pod IP directly, as with the node agent.
 
 Images come from no registry: the images a test names (`make image`'s output, by its content-hash tag) are
-pushed from buildah's store into the node's containerd once, and kept there between runs in a cache folder
-per node name; pods use `imagePullPolicy: IfNotPresent` or `Never`. The sandbox ("pause") image is a small
+pushed from buildah's store into the node's containerd once, and kept there between runs (a store per node
+slot under the cache; a slot is held by one running node at a time); pods use `imagePullPolicy: IfNotPresent` or `Never`. The sandbox ("pause") image is a small
 static program built here.
 
 What this host needs, and why each setting is there (all measured on the 2-core CI machine: cgroups v1,
@@ -24,6 +24,8 @@ whatever its root dir: `stop()` puts back what it found.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -55,6 +57,9 @@ SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory")
 IPTABLES_TABLES = ("filter", "nat", "mangle")
 HOST_DIRS = (Path("/var/lib/kubelet"), Path("/var/log/pods"))
 CGROUP_FS = Path("/sys/fs/cgroup")
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+RUN_ROOT = Path("/var/lib/kvpilot-nodes")  # a run dir per slot (KubeletNode.run_dir)
+MAX_SLOTS = 8  # kubelet nodes running at once on one machine
 GPU_RESOURCE = "nvidia.com/gpu"
 
 # The pod sandbox's process: it holds the pod's namespaces and reaps orphans, as Kubernetes' pause does.
@@ -73,9 +78,16 @@ int main(void) {
 """
 
 
+def _sbin_path() -> dict[str, str]:
+    """This environment with the system folders on PATH: a user's shell may lack /usr/sbin, where Debian puts
+    runc and iptables (containerd and the kubelet look them up on PATH too)."""
+    path = os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+    return {**os.environ, "PATH": os.pathsep.join(path + [d for d in SBIN if d not in path])}
+
+
 def _run(*argv: str | Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(a) for a in argv], check=check, capture_output=True, text=True, timeout=timeout
+        [str(a) for a in argv], check=check, capture_output=True, text=True, timeout=timeout, env=_sbin_path()
     )
 
 
@@ -89,7 +101,7 @@ def ensure_runtime() -> None:
     if not missing:
         return
     log.info("installing %s (apt-get)", " ".join(missing))
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    env = {**_sbin_path(), "DEBIAN_FRONTEND": "noninteractive"}
     argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
     if subprocess.run(argv, env=env, capture_output=True).returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
@@ -125,45 +137,86 @@ class KubeletNode:
     """One Node: its containerd and kubelet, started by `start()`, stopped (and the host put back) by `stop()`."""
 
     name: str
-    control_plane: ControlPlane
+    control_plane: ControlPlane | None  # None: a node only to stop, what a killed run left (cli.py)
     workdir: Path
-    # Which node of its cluster (1..): picks the bridge, the /24 of pod addresses and the cgroup root.
-    index: int = 1
     gpus: int = 1
     # buildah image references to have in the node's containerd before pods start (pushed once, cached).
     images: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
-    _host_state: dict = field(default_factory=dict, init=False)
     _api: client.ApiClient | None = field(default=None, init=False)
     _kubelet_argv: list[str] = field(default_factory=list, init=False)
+    _slot_lock: int | None = field(default=None, init=False)
 
     # ---- names ------------------------------------------------------------
+    # Each node claims a slot (_claim_slot), as parallel test runs claim network slots (netns.py): it picks
+    # the node's containerd store, bridge, /24 of pod addresses and cgroup root, so that nodes running at once
+    # (of one cluster or of two) share none of them.
+    @property
+    def slot(self) -> int | None:
+        try:
+            return int((self.workdir / "slot").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _named(self) -> int:
+        if self.slot is None:
+            raise RuntimeError(f"{self.name} has no slot: start() claims one")
+        return self.slot
+
     @property
     def bridge(self) -> str:
-        return f"kvpk{self.index}"
+        return f"kvpk{self._named()}"
 
     @property
     def pod_cidr(self) -> str:
-        return f"{POD_NET_PREFIX}.{self.index}.0/24"
+        return f"{POD_NET_PREFIX}.{self._named()}.0/24"
 
     @property
     def ip(self) -> str:
         """The node's address: the bridge's, which the kubelet serves on and the host reaches pods from."""
-        return f"{POD_NET_PREFIX}.{self.index}.1"
+        return f"{POD_NET_PREFIX}.{self._named()}.1"
 
     @property
     def cgroup_root(self) -> str:
-        return f"/kvpilot-{self.name}"
+        return f"/kvpilot-node{self._named()}"
 
     @property
     def store(self) -> Path:
-        """containerd's root (content, snapshots, metadata): kept between runs, so images stay imported."""
-        return CACHE / self.name / "containerd"
+        """containerd's root (content, snapshots, metadata), kept between runs so an image is imported once."""
+        return CACHE / f"store-{self._named()}"
+
+    def _claim_slot(self) -> None:
+        """The first slot no running node holds, held with a lock for this node's life. The lock goes with the
+        process: a killed run frees its slot, and what it left is cleaned up by the next holder."""
+        for n in range(1, MAX_SLOTS + 1):
+            if self._lock_slot(n):
+                (self.workdir / "slot").write_text(str(n))
+                self.store.mkdir(parents=True, exist_ok=True)
+                return
+        raise RuntimeError(f"all {MAX_SLOTS} kubelet node slots are in use (locks under {CACHE})")
+
+    def _lock_slot(self, n: int) -> bool:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        fd = os.open(CACHE / f"slot-{n}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._slot_lock = fd
+        return True
 
     @property
     def socket(self) -> Path:
-        return self.workdir / "containerd.sock"
+        return self.run_dir / "containerd.sock"
+
+    @property
+    def run_dir(self) -> Path:
+        """Where containerd and the kubelet keep their sockets, state and pod volumes: a short path of the slot's,
+        since a unix socket's path must fit in 108 bytes (the kubelet's under a pytest tmp folder did not).
+        Configs and logs stay in `workdir`."""
+        return RUN_ROOT / str(self._named())
 
     def ctr(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         """`ctr` against this node's containerd, in the CRI's namespace."""
@@ -174,9 +227,13 @@ class KubeletNode:
 
     # ---- lifecycle --------------------------------------------------------
     def start(self, timeout: float = 120) -> KubeletNode:
+        if self.control_plane is None:
+            raise ValueError(f"{self.name}: a node starts with a control plane")
         ensure_runtime()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))
+        self._claim_slot()
+        self._clean_slot()
         self._save_host_state()
         try:
             pause_ref, pause_archive = pause_image()
@@ -199,12 +256,33 @@ class KubeletNode:
         containerd = self._procs.pop("containerd", None)
         if containerd is not None:
             procs.stop(containerd, grace=10)
+        if self.slot is None:
+            return  # it never got as far as a slot: nothing of it is on the host
+        if self._slot_lock is None and not self._lock_slot(self.slot):
+            # What a killed run left, whose slot a running node holds now: that node cleaned up at its start.
+            log.warning("%s: slot %d is another running node's now; leaving it alone", self.name, self.slot)
+            return
+        self._clean_slot()
+        self._restore_host_state()
+        if self._slot_lock is not None:
+            os.close(self._slot_lock)
+            self._slot_lock = None
+
+    def _clean_slot(self) -> None:
+        """Every process, mount, bridge and cgroup of this node's slot gone: at stop(), and at start() what a
+        killed run that held the slot before left."""
         self._kill_shims()
         self._unmount_under(self.workdir)
+        self._unmount_under(self.run_dir)
+        if _mounts_under(self.run_dir):  # never delete through a mount: it may be a host folder's
+            log.warning("%s: %s still has mounts; not removed", self.name, self.run_dir)
+        else:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                RUN_ROOT.rmdir()  # the last node's
         self._unmount_under(self.store)
         _run("ip", "link", "delete", self.bridge, check=False)
         self._remove_cgroups()
-        self._restore_host_state()
 
     def __enter__(self) -> KubeletNode:
         return self.start()
@@ -214,9 +292,8 @@ class KubeletNode:
 
     # ---- containerd -------------------------------------------------------
     def _start_containerd(self, pause_ref: str) -> None:
-        self.store.mkdir(parents=True, exist_ok=True)
-        self._kill_shims()  # a run that died before its stop() left them holding the store
-        state = self.workdir / "containerd-state"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        state = self.run_dir / "containerd-state"
         net_d = self.workdir / "net.d"
         net_d.mkdir(exist_ok=True)
         (net_d / "10-kvpilot.conflist").write_text(json.dumps(self._cni_config(), indent=2))
@@ -235,12 +312,12 @@ class KubeletNode:
                 [debug]
                   address = ""
                 [plugins."io.containerd.internal.v1.opt"]
-                  path = "{self.workdir / "opt"}"
+                  path = "{self.run_dir / "opt"}"
                 [{cri}]
                   sandbox_image = "{pause_ref}"
                   restrict_oom_score_adj = true
                   disable_apparmor = true
-                  netns_mounts_under = "{self.workdir / "netns"}"
+                  netns_mounts_under = "{self.run_dir / "netns"}"
                   [{cri}.containerd.runtimes.runc]
                     runtime_type = "io.containerd.runc.v2"
                     [{cri}.containerd.runtimes.runc.options]
@@ -252,7 +329,9 @@ class KubeletNode:
             )
         )
         self._procs["containerd"] = procs.spawn(
-            ["containerd", "--config", str(config), "--log-level", "warn"], log_path=self.log("containerd")
+            ["containerd", "--config", str(config), "--log-level", "warn"],
+            log_path=self.log("containerd"),
+            env=_sbin_path(),
         )
         procs.wait_ready(
             self._procs["containerd"],
@@ -284,7 +363,8 @@ class KubeletNode:
         }
 
     def _import_images(self, pause_ref: str, pause_archive: Path) -> None:
-        self._prune_images({pause_ref, *self.images})
+        aliases = {ref: _buildah_aliases(ref) for ref in self.images}
+        self._prune_images({pause_ref, *self.images, *(a for names in aliases.values() for a in names)})
         have = set(self.ctr("images", "list", "--quiet").stdout.split())
         if pause_ref not in have:
             self._import(pause_ref, pause_archive)
@@ -303,6 +383,11 @@ class KubeletNode:
                 )
                 self._import(ref, archive)
             log.info("%s: %s imported in %.0f s", self.name, ref, time.monotonic() - t0)
+        # The image's other names in buildah's store (`make image` tags :<version> and :latest too), so pods
+        # may name it as a user's manifest does.
+        for ref, names in aliases.items():
+            for alias in names:
+                self.ctr("images", "tag", "--force", ref, alias)
 
     def _prune_images(self, wanted: set[str]) -> None:
         """Earlier builds of the wanted images' repositories out of the store (the CRI's `sha256:` name of
@@ -327,6 +412,7 @@ class KubeletNode:
     # ---- kubelet ----------------------------------------------------------
     def _start_kubelet(self, timeout: float) -> None:
         cp = self.control_plane
+        assert cp is not None  # start() checked
         d = self.workdir
         # The bridge first, with the node's address: the kubelet checks that --node-ip is one of the host's.
         if _run("ip", "link", "show", self.bridge, check=False).returncode != 0:
@@ -394,8 +480,8 @@ class KubeletNode:
             str(cp.bin_dir / "kubelet"),
             f"--config={d / 'kubelet.yaml'}",
             f"--kubeconfig={kubeconfig}",
-            f"--root-dir={d / 'kubelet'}",
-            f"--cert-dir={d / 'kubelet' / 'pki'}",  # its serving certificate; not under --root-dir by default
+            f"--root-dir={self.run_dir / 'kubelet'}",
+            f"--cert-dir={self.run_dir / 'pki'}",  # its serving certificate; not under --root-dir by default
             f"--hostname-override={self.name}",
             f"--node-ip={self.ip}",
             "--v=1",
@@ -408,7 +494,9 @@ class KubeletNode:
 
     def start_kubelet(self, timeout: float = 120) -> None:
         """The kubelet (again, after stop_kubelet): returns once the node is Ready."""
-        self._procs["kubelet"] = procs.spawn(self._kubelet_argv, log_path=self.log("kubelet"))
+        self._procs["kubelet"] = procs.spawn(
+            self._kubelet_argv, log_path=self.log("kubelet"), env=_sbin_path()
+        )
         procs.wait_ready(
             self._procs["kubelet"], self._node_ready, timeout, f"node {self.name}", self.log("kubelet")
         )
@@ -464,20 +552,20 @@ class KubeletNode:
             self.ctr("containers", "delete", container, timeout=30)
 
     def _kill_shims(self) -> None:
-        """containerd's shims (and so the containers they hold) for this node's socket; a kubelet and
-        containerd that died leave them running."""
+        """The containers of this node's slot and containerd's shims that held them: a kubelet and containerd
+        that died (this node's, or a killed run's that held the slot before) leave them running. A shim names
+        its containerd's socket, in the slot's run dir."""
         for pid_dir in Path("/proc").iterdir():
             if not pid_dir.name.isdigit():
                 continue
             try:
-                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(self.socket).encode() in argv:
-                try:
+                argv = (pid_dir / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                if not argv[0].endswith("containerd-shim-runc-v2") or "-address" not in argv[:-1]:
+                    continue
+                if Path(argv[argv.index("-address") + 1]).parent == self.run_dir:
                     os.killpg(int(pid_dir.name), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            except (OSError, ValueError):
+                continue
         for hierarchy in self._cgroup_hierarchies():
             for procs_file in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs"):
                 for pid in procs_file.read_text().split():
@@ -490,9 +578,7 @@ class KubeletNode:
     def _unmount_under(folder: Path) -> None:
         """Unmount what containerd and the kubelet mounted below `folder` (rootfs overlays, shm, netns,
         volumes), deepest first."""
-        prefix = str(folder.resolve()) + "/"
-        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+        for target in sorted(_mounts_under(folder), key=len, reverse=True):
             _run("umount", "--lazy", target, check=False)
 
     def _cgroup_hierarchies(self) -> list[Path]:
@@ -516,28 +602,50 @@ class KubeletNode:
                 log.warning("%s: cgroup %s not removed: %s", self.name, root, e)
 
     # ---- what the kubelet changes on the host -----------------------------
+    @property
+    def _host_state_file(self) -> Path:
+        """What the host was like before this node started, kept on disk: a run that is killed cannot put it
+        back, the next `devcluster.py down` or `up` does (cli.remove_leftover_nodes)."""
+        return self.workdir / "host-state.json"
+
     def _save_host_state(self) -> None:
-        self._host_state = {
+        state = {
             "sysctls": {k: (Path("/proc/sys") / k).read_text().strip() for k in SYSCTLS},
-            "chains": _kube_chains(),
-            "dirs": {d for d in HOST_DIRS if d.exists()},
+            "chains": sorted(_kube_chains()),
+            "dirs": sorted(str(d) for d in HOST_DIRS if d.exists()),
         }
+        self._host_state_file.write_text(json.dumps(state))
 
     def _restore_host_state(self) -> None:
-        saved = self._host_state
-        if not saved:
+        try:
+            saved = json.loads(self._host_state_file.read_text())
+        except (OSError, ValueError):
             return
         for key, value in saved["sysctls"].items():
             try:
                 (Path("/proc/sys") / key).write_text(value)
             except OSError as e:
                 log.warning("sysctl %s not restored to %s: %s", key, value, e)
-        for chain in _kube_chains() - saved["chains"]:
+        for chain in _kube_chains() - {tuple(c) for c in saved["chains"]}:
             _remove_chain(*chain)
         for d in HOST_DIRS:
-            if d not in saved["dirs"]:
+            if str(d) not in saved["dirs"]:
                 shutil.rmtree(d, ignore_errors=True)
-        self._host_state = {}
+        self._host_state_file.unlink()
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    prefix = str(folder.resolve()) + "/"
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [m for m in mounts if m.startswith(prefix)]
+
+
+def _buildah_aliases(ref: str) -> list[str]:
+    """The other names of `ref`'s image in buildah's store."""
+    listing = _run("buildah", "images", "--noheading", "--no-trunc", "--format", "{{.ID}} {{.Name}}:{{.Tag}}")
+    rows = [line.split() for line in listing.stdout.splitlines()]
+    image_id = next((i for i, name in rows if name == ref), None)
+    return [name for i, name in rows if i == image_id and name != ref]
 
 
 def _kube_chains() -> set[tuple[str, str, str]]:

@@ -1,0 +1,102 @@
+"""`devcluster.py up --kubelet` and `down` as a user runs them (docs/cluster.md#real-nodes): two nodes of the
+real kubelet and containerd, a pod on each, then the run killed as a crash would kill it, and `down` leaving
+the host as it found it: no process, mount, bridge, cgroup, iptables chain, sysctl or folder of the nodes.
+The image here is the nodes' own small pause image, so that this test imports nothing big (the project's
+image on these nodes: test_kubelet_node.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devcluster.kubeletnode import SYSCTLS, _kube_chains, pause_image
+from support import ROOT
+from support.procs import wait_for
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
+        reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
+    ),
+]
+
+LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
+
+
+def host_state() -> dict:
+    mounts = Path("/proc/self/mountinfo").read_text()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return {
+        "sysctls": {k: (Path("/proc/sys") / k).read_text() for k in SYSCTLS},
+        "chains": sorted(_kube_chains()),
+        "bridges": sorted(w.rstrip(":") for w in links.split() if w.startswith("kvpk")),
+        "cgroups": sorted(
+            p.name for p in Path("/sys/fs/cgroup/cpu").iterdir() if p.name.startswith("kvpilot-")
+        ),
+        "var": [str(d) for d in (Path("/var/lib/kubelet"), Path("/var/log/pods")) if d.exists()],
+        "mounts": mounts.count("kubelet") + mounts.count("containerd"),
+    }
+
+
+def devcluster(*args: str) -> subprocess.CompletedProcess:
+    # The user's PATH may lack /usr/sbin (runc, iptables): the nodes must find them anyway.
+    env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), *args], capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path: Path) -> None:
+    before = host_state()
+    pause, _ = pause_image()
+    d = tmp_path / "cluster"
+    up = devcluster("up", "--kubelet", "--image", pause, "--dir", str(d))
+    assert up.returncode == 0, up.stdout + up.stderr + (d / "cluster.log").read_text()[-4000:]
+    kubectl = ["kubectl", f"--kubeconfig={d / 'kubeconfig'}"]
+    try:
+        nodes = json.loads(subprocess.check_output([*kubectl, "get", "nodes", "-o", "json"]))["items"]
+        assert sorted(n["metadata"]["name"] for n in nodes) == ["node-1", "node-2"]
+        for n in nodes:
+            assert n["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+            assert n["status"]["nodeInfo"]["kubeletVersion"] == "v1.37.2"
+        spread = {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "p"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "p"}},
+                "template": {
+                    "metadata": {"labels": {"app": "p"}},
+                    "spec": {"containers": [{"name": "p", "image": pause, "imagePullPolicy": "Never"}]},
+                },
+            },
+        }
+        subprocess.run([*kubectl, "apply", "-f", "-"], input=json.dumps(spread), text=True, check=True)
+
+        def two_running() -> bool:
+            pods = json.loads(subprocess.check_output([*kubectl, "get", "pods", "-o", "json"]))["items"]
+            return sorted(
+                p["spec"].get("nodeName", "") for p in pods if p["status"].get("phase") == "Running"
+            ) == [
+                "node-1",
+                "node-2",
+            ]
+
+        wait_for(two_running, 120, "a pod running on each node", interval=1)
+        assert host_state() != before, "the nodes changed nothing on the host: this test would prove nothing"
+    finally:
+        # A crash: the run and its kubelets and containerds die, their containers and shims run on.
+        os.kill(int((d / "pid").read_text()), signal.SIGKILL)
+    down = devcluster("down", "--dir", str(d))
+    assert down.returncode == 0, down.stderr
+    assert "cleaned up after kubelet nodes node-1, node-2" in down.stdout, down.stdout
+    assert host_state() == before
+    assert not list((d / "nodes").glob("node-*"))
