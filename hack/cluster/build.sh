@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the dev cluster's binaries (kube-apiserver, kube-controller-manager,
-# kube-scheduler, etcd, and the nodes' kubelet) from the Go modules pinned in this folder,
+# kube-scheduler, etcd, and the nodes' kubelet and kube-proxy) from the Go modules pinned in this folder,
 # into a cache folder keyed by version:
 #   ${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/k8s/<k8s version>/bin/
 # A stamp file records the hash of the inputs (go.mod, go.sum, main.go, this
@@ -36,7 +36,7 @@ fi
 stamp="$bindir/.inputs.sha256"
 inputs_hash="$(cat "$here/go.mod" "$here/go.sum" "$here/tools.go" "$here/../lib/gobuild.sh" \
     "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/etcd/main.go" "$0" | sha256sum | cut -d' ' -f1)"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet etcd)
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy etcd)
 
 all_present() {
     local b
@@ -100,6 +100,7 @@ build kube-apiserver "$here" k8s.io/kubernetes/cmd/kube-apiserver "$ldflags"
 build kube-controller-manager "$here" k8s.io/kubernetes/cmd/kube-controller-manager "$ldflags"
 build kube-scheduler "$here" k8s.io/kubernetes/cmd/kube-scheduler "$ldflags"
 build kubelet "$here" k8s.io/kubernetes/cmd/kubelet "$ldflags"
+build kube-proxy "$here" k8s.io/kubernetes/cmd/kube-proxy "$ldflags"
 
 reported="$("$bindir/kube-apiserver" --version 2>&1 || true)"
 [[ "$reported" == *"$k8s_version"* ]] || die "kube-apiserver --version says '$reported', expected $k8s_version"

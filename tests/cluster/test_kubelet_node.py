@@ -1,7 +1,8 @@
-"""The project's image as pods of the real kubelet, containerd and runc (devcluster.kubeletnode;
-docs/cluster.md#real-nodes): what the node agent cannot show. The image's entrypoint and user, its cgroup
+"""The project's image as pods of the real kubelet, containerd and runc, with kube-proxy
+(devcluster.kubeletnode; docs/cluster.md#real-nodes): what the node agent cannot show. The chart's operator
+as a container, in-cluster through the `kubernetes` Service; the image's entrypoint and user, its cgroup
 limits setting the daemon's threads, the kubelet's probes and restarts, `kubectl logs` and `kubectl exec`
-through the kubelet, and a fleet reset by the operator across them."""
+through the kubelet, resets across them, a node whose kubelet died, and `helm test`."""
 
 from __future__ import annotations
 
@@ -9,26 +10,22 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from chart.tools import CHART, Helm
 
-from kvpilot.operator import rbac
 from support import ROOT
 from support.cluster import Cluster, kubelet_cluster
 from support.operator import (
-    OP_NS,
-    OperatorProcess,
-    apply,
     apply_ns,
     cached_tokens,
     create_namespace,
     fleet,
     fleet_pods,
-    install_crds,
     pcr,
     pods_by_name,
     ready_replicas,
-    service_account_kubeconfig,
 )
 from support.procs import wait_for
 
@@ -59,37 +56,26 @@ def real(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
 
 @pytest.fixture(scope="module")
-def operator(
-    real: tuple[Cluster, list], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    """The operator as a process on the host, under its ServiceAccount's RBAC (support.operator's recipe)."""
+def operator(real: tuple[Cluster, list], image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """README's Helm block on the real nodes: the operator as a container of the image, reaching the API server
+    at the `kubernetes` Service through kube-proxy, as on any cluster; its pod's name."""
     cluster, _ = real
-    install_crds(cluster)
-    create_namespace(cluster, OP_NS)
-    apply(
-        cluster,
-        [
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": "kvpilot-operator", "namespace": OP_NS},
-            },
-            rbac.cluster_role(),
-            rbac.cluster_role_binding(OP_NS),
-            rbac.router_cluster_role(),
-        ],
-    )
-    d = tmp_path_factory.mktemp("operator")
-    op = OperatorProcess(
-        service_account_kubeconfig(cluster, OP_NS, "kvpilot-operator", d / "kubeconfig"), d / "log"
-    )
-    op.start()
-    yield op
-    op.stop()
+    helm = Helm(tmp_path_factory.mktemp("helm"), cluster.kubeconfig)
+    repository, tag = image.rsplit(":", 1)
+    helm(
+        "install", "kvpilot", str(CHART), "-n", "kvpilot-system", "--create-namespace", "--wait", "--timeout=5m",
+        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+        timeout=400,
+    )  # fmt: skip
+    (pod,) = cluster.kubectl_json(
+        "get", "pods", "-n", "kvpilot-system", "-l", "app.kubernetes.io/name=kvpilot"
+    )["items"]
+    assert pod["status"]["phase"] == "Running", pod["status"]
+    return pod["metadata"]["name"]
 
 
 @pytest.fixture(scope="module")
-def llm(real: tuple[Cluster, list], operator: OperatorProcess, image: str) -> dict[str, str]:
+def llm(real: tuple[Cluster, list], operator: str, image: str) -> dict[str, str]:
     """A one-pod fleet of the project's image, limited to one CPU; pod name -> IP once Ready."""
     cluster, _ = real
     create_namespace(cluster, NS)
@@ -194,3 +180,14 @@ def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(
         node.start_kubelet()
     # The GPU the node advertised outlives its kubelet's restart.
     assert cluster.kubectl_json("get", "node", node.name)["status"]["capacity"].get("nvidia.com/gpu") == "1"
+
+
+def test_the_operator_runs_as_a_pod_and_helm_test_passes(
+    real: tuple[Cluster, list], operator: str, llm: dict[str, str], tmp_path: Path
+) -> None:
+    """The resets above were the operator pod's (no operator runs outside the cluster here); `helm test`'s pod
+    reaches the API server in-cluster too."""
+    cluster, _ = real
+    logs = cluster.kubectl("logs", "-n", "kvpilot-system", operator).stdout
+    assert "flush" in logs and "kubelet-down" in logs, logs[-3000:]
+    Helm(tmp_path / "helm", cluster.kubeconfig)("test", "kvpilot", "-n", "kvpilot-system", timeout=300)

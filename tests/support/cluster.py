@@ -123,29 +123,19 @@ def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
 
 @contextlib.contextmanager
 def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> Iterator[tuple[Cluster, list]]:
-    """A control plane with kube-scheduler and `nodes` nodes run by the real kubelet, containerd and runc
-    (devcluster.kubeletnode), each with `images` imported; torn down after, the host put back."""
-    from devcluster.kubeletnode import KubeletNode
+    """A control plane with kube-scheduler and `nodes` nodes run by the real kubelet, containerd and runc, with
+    kube-proxy (devcluster.kubeletnode), each with `images` imported; torn down after, the host put back."""
+    from devcluster.kubeletnode import kubelet_nodes
 
     # The kubelet reports every 4 s (kubeletnode.py): a node 16 s silent is down.
-    cp = ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16)
-    started: list[KubeletNode] = []
-    try:
-        cp.start(timeout=120)
-        for i in range(1, nodes + 1):
-            node = KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", images=images)
-            started.append(node)
-            node.start()
-        api = config.new_client_from_config(config_file=str(cp.kubeconfig))
-        pod_cidr = started[0].pod_cidr if started else ""
-        yield (
-            Cluster(cp, cp.kubeconfig, api, started[0].log("kubelet"), pod_cidr, rootful=True, slot=0),
-            started,
-        )
-    finally:
-        for node in reversed(started):
-            node.stop()
-        cp.stop()
+    with ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16) as cp:
+        with kubelet_nodes(cp, workdir / "nodes", nodes, images=images) as started:
+            api = config.new_client_from_config(config_file=str(cp.kubeconfig))
+            first = started[0]
+            yield (
+                Cluster(cp, cp.kubeconfig, api, first.log("kubelet"), first.pod_cidr, rootful=True, slot=0),
+                started,
+            )
 
 
 @pytest.fixture(scope="session")

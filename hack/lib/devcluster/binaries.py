@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # hack/lib/devcluster/binaries.py
 BUILD_SCRIPT = REPO_ROOT / "hack" / "cluster" / "build.sh"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
 
 
 class BinariesMissing(RuntimeError):

@@ -27,7 +27,7 @@ from kubernetes import config
 from . import netns
 from .binaries import REPO_ROOT
 from .controlplane import ControlPlane
-from .kubeletnode import KubeletNode
+from .kubeletnode import KubeletNode, kubelet_nodes
 from .nodeagent import NodeAgent, NodeSpec
 
 LAUNCHER = REPO_ROOT / "hack" / "cluster" / "devcluster.py"
@@ -67,24 +67,13 @@ def run_kubelet_nodes(
 ) -> None:
     """Run `count` nodes of the real kubelet (kubeletnode.py) until `stop` is set; always stops them and puts the
     host back."""
-    nodes = [
-        KubeletNode(f"node-{i}", cp, workdir / f"node-{i}", gpus=gpus, images=images)
-        for i in range(1, count + 1)
-    ]
-    started: list[KubeletNode] = []
-    try:
-        for node in nodes:
-            started.append(node)
-            node.start()
+    with kubelet_nodes(cp, workdir, count, gpus, images) as nodes:
         logging.info("kubelet nodes up: %s", ", ".join(f"{n.name} ({n.pod_cidr})" for n in nodes))
         if on_ready:
             on_ready()
         while not stop.wait(1):
             pass
-    finally:
-        for node in reversed(started):
-            node.stop()
-            shutil.rmtree(node.workdir, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # a killed run leaves it: remove_leftover_nodes
 
 
 def remove_leftover_nodes(workdir: Path) -> list[str]:

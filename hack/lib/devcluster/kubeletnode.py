@@ -25,6 +25,7 @@ whatever its root dir: `stop()` puts back what it found.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import json
@@ -37,6 +38,7 @@ import subprocess
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,11 +55,11 @@ CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 # 10.244/16 .. 10.251/16 are the node agent's (netns.MAX_SLOTS); kubelet nodes take 10.252/16, a /24 each.
 POD_NET_PREFIX = "10.252"
-SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory")
+# The kubelet's (kernel/*, vm/*) and the CNI bridge plugin's, which turns forwarding on for a gateway.
+SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "net/ipv4/ip_forward")
 IPTABLES_TABLES = ("filter", "nat", "mangle")
 HOST_DIRS = (Path("/var/lib/kubelet"), Path("/var/log/pods"))
 CGROUP_FS = Path("/sys/fs/cgroup")
-SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 RUN_ROOT = Path("/var/lib/kvpilot-nodes")  # a run dir per slot (KubeletNode.run_dir)
 MAX_SLOTS = 8  # kubelet nodes running at once on one machine
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -78,16 +80,14 @@ int main(void) {
 """
 
 
-def _sbin_path() -> dict[str, str]:
-    """This environment with the system folders on PATH: a user's shell may lack /usr/sbin, where Debian puts
-    runc and iptables (containerd and the kubelet look them up on PATH too)."""
-    path = os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
-    return {**os.environ, "PATH": os.pathsep.join(path + [d for d in SBIN if d not in path])}
-
-
 def _run(*argv: str | Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(a) for a in argv], check=check, capture_output=True, text=True, timeout=timeout, env=_sbin_path()
+        [str(a) for a in argv],
+        check=check,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=procs.sbin_path(),
     )
 
 
@@ -101,7 +101,7 @@ def ensure_runtime() -> None:
     if not missing:
         return
     log.info("installing %s (apt-get)", " ".join(missing))
-    env = {**_sbin_path(), "DEBIAN_FRONTEND": "noninteractive"}
+    env = {**procs.sbin_path(), "DEBIAN_FRONTEND": "noninteractive"}
     argv = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
     if subprocess.run(argv, env=env, capture_output=True).returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=True)
@@ -331,7 +331,7 @@ class KubeletNode:
         self._procs["containerd"] = procs.spawn(
             ["containerd", "--config", str(config), "--log-level", "warn"],
             log_path=self.log("containerd"),
-            env=_sbin_path(),
+            env=procs.sbin_path(),
         )
         procs.wait_ready(
             self._procs["containerd"],
@@ -350,6 +350,8 @@ class KubeletNode:
                     "type": "bridge",
                     "bridge": self.bridge,
                     "isGateway": True,
+                    # pods route through the host: Service addresses (kube-proxy's DNAT) are reached that way
+                    "isDefaultGateway": True,
                     "ipMasq": False,
                     "hairpinMode": True,
                     "ipam": {
@@ -493,12 +495,19 @@ class KubeletNode:
             self._advertise_gpus()
 
     def start_kubelet(self, timeout: float = 120) -> None:
-        """The kubelet (again, after stop_kubelet): returns once the node is Ready."""
+        """The kubelet (again, after stop_kubelet): returns once this kubelet has called the node Ready and
+        knows every pod bound to it. Ready alone says little after a restart: the condition may be the dead
+        kubelet's, and a new one answers `kubectl logs` with NotFound until it has read its pods."""
+        started = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
         self._procs["kubelet"] = procs.spawn(
-            self._kubelet_argv, log_path=self.log("kubelet"), env=_sbin_path()
+            self._kubelet_argv, log_path=self.log("kubelet"), env=procs.sbin_path()
         )
         procs.wait_ready(
-            self._procs["kubelet"], self._node_ready, timeout, f"node {self.name}", self.log("kubelet")
+            self._procs["kubelet"],
+            lambda: self._node_ready(since=started) and self._kubelet_knows_its_pods(),
+            timeout,
+            f"node {self.name}",
+            self.log("kubelet"),
         )
 
     def stop_kubelet(self) -> None:
@@ -526,12 +535,24 @@ class KubeletNode:
             if e.status != 409:  # another node of this cluster made it
                 raise
 
-    def _node_ready(self) -> bool:
+    def _node_ready(self, since: datetime.datetime) -> bool:
         try:
             node = client.CoreV1Api(self._api).read_node(self.name)
         except ApiException:
             return False
-        return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or ())
+        return any(
+            c.type == "Ready" and c.status == "True" and c.last_heartbeat_time >= since
+            for c in node.status.conditions or ()
+        )
+
+    def _kubelet_knows_its_pods(self) -> bool:
+        core = client.CoreV1Api(self._api)
+        bound = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}").items
+        # The kubelet's own list, through the API server's node proxy.
+        known = json.loads(
+            core.connect_get_node_proxy_with_path(self.name, "pods", _preload_content=False).data
+        )
+        return {p.metadata.uid for p in bound} <= {p["metadata"]["uid"] for p in known.get("items") or []}
 
     def _advertise_gpus(self) -> None:
         """nvidia.com/gpu in the node's capacity, the way Kubernetes documents advertising an extended
@@ -667,3 +688,29 @@ def _remove_chain(command: str, table: str, chain: str) -> None:
             _run(command, "-t", table, "-D", *words[1:], check=False)
     _run(command, "-t", table, "-F", chain, check=False)
     _run(command, "-t", table, "-X", chain, check=False)
+
+
+@contextlib.contextmanager
+def kubelet_nodes(
+    control_plane: ControlPlane, workdir: Path, count: int, gpus: int = 1, images: tuple[str, ...] = ()
+) -> Iterator[list[KubeletNode]]:
+    """`count` nodes (node-1, ...) and the Services they share (serviceproxy.py), started in order and
+    stopped in reverse, also when one fails to start; the host put back."""
+    from .serviceproxy import ServiceProxy  # it names this module's nodes' addresses
+
+    nodes: list[KubeletNode] = []
+    services = None
+    try:
+        for i in range(1, count + 1):
+            nodes.append(
+                KubeletNode(f"node-{i}", control_plane, workdir / f"node-{i}", gpus=gpus, images=images)
+            )
+            nodes[-1].start()
+        services = ServiceProxy(control_plane, workdir / "services", nodes[0].ip, f"{POD_NET_PREFIX}.0.0/16")
+        services.start()
+        yield nodes
+    finally:
+        if services is not None:
+            services.stop()
+        for node in reversed(nodes):
+            node.stop()

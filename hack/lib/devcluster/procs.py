@@ -30,6 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def sbin_path() -> dict[str, str]:
+    """This environment with the system folders on PATH: a user's shell may lack /usr/sbin, where Debian puts
+    runc and iptables (containerd, the kubelet and kube-proxy look them up on PATH too)."""
+    path = os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+    return {**os.environ, "PATH": os.pathsep.join(path + [d for d in SBIN if d not in path])}
+
+
 def spawn(
     argv: Sequence[str],
     log_path: Path | None = None,
