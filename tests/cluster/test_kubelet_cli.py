@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,14 +17,12 @@ import pytest
 
 from devcluster.kubeletnode import SYSCTLS, _kube_chains, pause_image
 from support import ROOT
+from support.cluster import needs_kubelet_node
 from support.procs import wait_for
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
-        reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
-    ),
+    needs_kubelet_node,
 ]
 
 LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"

@@ -6,8 +6,6 @@ through the kubelet, resets across them, a node whose kubelet died, and `helm te
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ import pytest
 from chart.tools import CHART, Helm
 
 from support import ROOT
-from support.cluster import Cluster, kubelet_cluster
+from support.cluster import Cluster, kubelet_cluster, needs_kubelet_node
 from support.operator import (
     apply_ns,
     cached_tokens,
@@ -31,10 +29,7 @@ from support.procs import wait_for
 
 pytestmark = [
     pytest.mark.timeout(1500),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
-        reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
-    ),
+    needs_kubelet_node,
 ]
 
 BUILD = ROOT / "hack" / "image" / "build.sh"

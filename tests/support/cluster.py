@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,12 @@ def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
         if agent is not None:
             stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces
         cp.stop()
+
+
+needs_kubelet_node = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
+    reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
+)
 
 
 @contextlib.contextmanager
