@@ -38,6 +38,11 @@ TINY_MODEL_SHAPE = dict(
 WHOLE_STACK = {"tests/test_readme.py", "tests/operator/test_demo.py", "tests/weights/test_weight_dp.py"}
 
 
+# Tests on nodes of the real kubelet (devcluster.kubeletnode): one after the other, since a host runs one
+# kube-proxy (it owns the host's Service rules) and the CLI test compares the host before and after.
+KUBELET_NODES = {"tests/cluster/test_kubelet_node.py", "tests/cluster/test_kubelet_cli.py"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
@@ -51,6 +56,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             group = "devcluster"
         elif path in WHOLE_STACK:
             group = "whole-stack"
+        elif path in KUBELET_NODES:
+            group = "kubelet-nodes"
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))

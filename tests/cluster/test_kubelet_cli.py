@@ -6,6 +6,7 @@ image on these nodes: test_kubelet_node.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.kubeletnode import SYSCTLS, _kube_chains, pause_image
+from devcluster.kubeletnode import HOST_DIRS, RUN_ROOT, SYSCTLS, _kube_chains, pause_image
 from support import ROOT
 from support.cluster import needs_kubelet_node
 from support.procs import wait_for
@@ -29,18 +30,31 @@ LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
 
 
 def host_state() -> dict:
-    mounts = Path("/proc/self/mountinfo").read_text()
+    """What kubelet nodes change on the host, and what they leave while they run."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     return {
-        "sysctls": {k: (Path("/proc/sys") / k).read_text() for k in SYSCTLS},
+        "sysctls": {
+            k: (Path("/proc/sys") / k).read_text() for k in SYSCTLS if (Path("/proc/sys") / k).exists()
+        },
         "chains": sorted(_kube_chains()),
         "bridges": sorted(w.rstrip(":") for w in links.split() if w.startswith("kvpk")),
         "cgroups": sorted(
-            p.name for p in Path("/sys/fs/cgroup/cpu").iterdir() if p.name.startswith("kvpilot-")
+            str(p) for h in Path("/sys/fs/cgroup").iterdir() if h.is_dir() for p in h.glob("kvpilot-node*")
         ),
-        "var": [str(d) for d in (Path("/var/lib/kubelet"), Path("/var/log/pods")) if d.exists()],
-        "mounts": mounts.count("kubelet") + mounts.count("containerd"),
+        "var": [str(d) for d in HOST_DIRS if d.exists()],
+        "mounts": [m for m in mounts if str(RUN_ROOT) in m or "containerd" in m or "kubelet" in m],
+        "shims": sorted(p.name for p in Path("/proc").glob("[0-9]*") if _is_shim(p)),
     }
+
+
+def _is_shim(proc: Path) -> bool:
+    """A live containerd shim (an exited one that nobody reaped yet holds nothing)."""
+    try:
+        comm, state = (proc / "stat").read_text().split(") ", 1)
+        return "containerd-shim" in comm and not state.startswith("Z")
+    except (OSError, ValueError):
+        return False
 
 
 def devcluster(*args: str) -> subprocess.CompletedProcess:
@@ -56,9 +70,9 @@ def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path
     pause, _ = pause_image()
     d = tmp_path / "cluster"
     up = devcluster("up", "--kubelet", "--image", pause, "--dir", str(d))
-    assert up.returncode == 0, up.stdout + up.stderr + (d / "cluster.log").read_text()[-4000:]
     kubectl = ["kubectl", f"--kubeconfig={d / 'kubeconfig'}"]
     try:
+        assert up.returncode == 0, up.stdout + up.stderr + (d / "cluster.log").read_text()[-4000:]
         nodes = json.loads(subprocess.check_output([*kubectl, "get", "nodes", "-o", "json"]))["items"]
         assert sorted(n["metadata"]["name"] for n in nodes) == ["node-1", "node-2"]
         for n in nodes:
@@ -91,8 +105,9 @@ def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path
         assert host_state() != before, "the nodes changed nothing on the host: this test would prove nothing"
     finally:
         # A crash: the run and its kubelets and containerds die, their containers and shims run on.
-        os.kill(int((d / "pid").read_text()), signal.SIGKILL)
-    down = devcluster("down", "--dir", str(d))
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((d / "pid").read_text()), signal.SIGKILL)
+        down = devcluster("down", "--dir", str(d))
     assert down.returncode == 0, down.stderr
     assert "cleaned up after kubelet nodes node-1, node-2" in down.stdout, down.stdout
     assert host_state() == before

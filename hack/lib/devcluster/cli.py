@@ -79,11 +79,12 @@ def run_kubelet_nodes(
 def remove_leftover_nodes(workdir: Path) -> list[str]:
     """What kubelet nodes whose run was killed left behind (containers, mounts, bridges, cgroups) removed, then
     their folders (a clean stop removes its own); the names of those nodes."""
-    found = sorted(workdir.glob("node-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
-    for folder in reversed(found):  # the last started first: each puts back what the host was before it
-        KubeletNode(folder.name, None, folder).stop()
-        shutil.rmtree(folder)  # unmounted first: a folder under it may have been a mount of the host's
-    return [folder.name for folder in found]
+    cleaned = []
+    for folder in sorted(workdir.glob("node-*")):
+        if KubeletNode(folder.name, None, folder).stop():
+            shutil.rmtree(folder)  # after stop() unmounted what was mounted below it
+            cleaned.append(folder.name)
+    return cleaned
 
 
 def _stop_on_signals() -> threading.Event:
@@ -211,8 +212,11 @@ def _running(d: Path) -> bool:
         return False
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by whoever adopted it) holds nothing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
 
 
@@ -226,6 +230,9 @@ def cmd_down(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         if _running(d):
             os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _running(d) and time.monotonic() < deadline:  # its locks go when it is gone
+                time.sleep(0.1)
     (d / "pid").unlink(missing_ok=True)
     (d / "ready").unlink(missing_ok=True)
     removed = cleanup_stale_networks()

@@ -38,7 +38,7 @@ import subprocess
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,12 +55,27 @@ CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 # 10.244/16 .. 10.251/16 are the node agent's (netns.MAX_SLOTS); kubelet nodes take 10.252/16, a /24 each.
 POD_NET_PREFIX = "10.252"
-# The kubelet's (kernel/*, vm/*) and the CNI bridge plugin's, which turns forwarding on for a gateway.
-SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "net/ipv4/ip_forward")
+# The kubelet's (kernel/*, vm/*), the CNI bridge plugin's (forwarding, for a gateway) and kube-proxy's (it is
+# asked to leave conntrack alone; kept in case it does not).
+SYSCTLS = (
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "net/ipv4/ip_forward",
+    "net/netfilter/nf_conntrack_tcp_timeout_established",
+    "net/netfilter/nf_conntrack_tcp_timeout_close_wait",
+)
 IPTABLES_TABLES = ("filter", "nat", "mangle")
-HOST_DIRS = (Path("/var/lib/kubelet"), Path("/var/log/pods"))
+HOST_DIRS = (Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/log/containers"))
 CGROUP_FS = Path("/sys/fs/cgroup")
-RUN_ROOT = Path("/var/lib/kvpilot-nodes")  # a run dir per slot (KubeletNode.run_dir)
+# A run dir per slot (KubeletNode.run_dir), and the host-wide locks and saved host state: host-wide, like the
+# bridges, cgroups and sysctls they guard (never under a user's cache folder).
+RUN_ROOT = Path("/var/lib/kvpilot-nodes")
+LOCKS = RUN_ROOT / "locks"
+HOST_STATE = RUN_ROOT / "host-state.json"
 MAX_SLOTS = 8  # kubelet nodes running at once on one machine
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -127,8 +142,8 @@ def pause_image() -> tuple[str, Path]:
             _run("buildah", "commit", "--quiet", ctr, ref)
         finally:
             _run("buildah", "rm", ctr, check=False)
-        _run("buildah", "push", "--quiet", ref, f"oci-archive:{archive}.tmp:{ref}")
-    os.replace(f"{archive}.tmp", archive)
+        _run("buildah", "push", "--quiet", ref, f"oci-archive:{archive}.{os.getpid()}:{ref}")
+    os.replace(f"{archive}.{os.getpid()}", archive)
     return ref, archive
 
 
@@ -147,6 +162,7 @@ class KubeletNode:
     _api: client.ApiClient | None = field(default=None, init=False)
     _kubelet_argv: list[str] = field(default_factory=list, init=False)
     _slot_lock: int | None = field(default=None, init=False)
+    _host_lock: int | None = field(default=None, init=False)
 
     # ---- names ------------------------------------------------------------
     # Each node claims a slot (_claim_slot), as parallel test runs claim network slots (netns.py): it picks
@@ -194,14 +210,11 @@ class KubeletNode:
                 (self.workdir / "slot").write_text(str(n))
                 self.store.mkdir(parents=True, exist_ok=True)
                 return
-        raise RuntimeError(f"all {MAX_SLOTS} kubelet node slots are in use (locks under {CACHE})")
+        raise RuntimeError(f"all {MAX_SLOTS} kubelet node slots are in use (locks under {LOCKS})")
 
     def _lock_slot(self, n: int) -> bool:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        fd = os.open(CACHE / f"slot-{n}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        fd = lock_file(f"slot-{n}")
+        if not try_flock(fd, fcntl.LOCK_EX):
             os.close(fd)
             return False
         self._slot_lock = fd
@@ -218,9 +231,11 @@ class KubeletNode:
         Configs and logs stay in `workdir`."""
         return RUN_ROOT / str(self._named())
 
-    def ctr(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    def ctr(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
         """`ctr` against this node's containerd, in the CRI's namespace."""
-        return _run("ctr", "--address", self.socket, "--namespace", "k8s.io", *args, timeout=timeout)
+        return _run(
+            "ctr", "--address", self.socket, "--namespace", "k8s.io", *args, timeout=timeout, check=check
+        )
 
     def log(self, component: str) -> Path:
         return self.workdir / f"{component}.log"
@@ -234,7 +249,7 @@ class KubeletNode:
         self._api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))
         self._claim_slot()
         self._clean_slot()
-        self._save_host_state()
+        self._enter_host()
         try:
             pause_ref, pause_archive = pause_image()
             self._start_containerd(pause_ref)
@@ -245,28 +260,29 @@ class KubeletNode:
             raise
         return self
 
-    def stop(self) -> None:
-        """Stop the kubelet, then every container of this node, then containerd; put the host back. Safe to
-        call twice and after a failed start."""
+    def stop(self) -> bool:
+        """Stop the kubelet, then every container of this node, then containerd; clean the slot; the last node
+        of the host puts the host back. Safe to call twice and after a failed start; an error in one step does
+        not skip the others. False when it left things alone: a killed run's node whose slot another running
+        node holds now (that node cleaned up at its start)."""
         kubelet = self._procs.pop("kubelet", None)
         if kubelet is not None:
             procs.stop(kubelet, grace=10)
-        if "containerd" in self._procs:
-            self._remove_pods()
         containerd = self._procs.pop("containerd", None)
         if containerd is not None:
+            _logged(self._remove_pods, f"{self.name}: removing its containers")
             procs.stop(containerd, grace=10)
         if self.slot is None:
-            return  # it never got as far as a slot: nothing of it is on the host
+            return True  # it never got as far as a slot: nothing of it is on the host
         if self._slot_lock is None and not self._lock_slot(self.slot):
-            # What a killed run left, whose slot a running node holds now: that node cleaned up at its start.
             log.warning("%s: slot %d is another running node's now; leaving it alone", self.name, self.slot)
-            return
-        self._clean_slot()
-        self._restore_host_state()
+            return False
+        _logged(self._clean_slot, f"{self.name}: cleaning slot {self.slot}")
+        _logged(self._leave_host, f"{self.name}: putting the host back")
         if self._slot_lock is not None:
             os.close(self._slot_lock)
             self._slot_lock = None
+        return True
 
     def _clean_slot(self) -> None:
         """Every process, mount, bridge and cgroup of this node's slot gone: at stop(), and at start() what a
@@ -278,8 +294,7 @@ class KubeletNode:
             log.warning("%s: %s still has mounts; not removed", self.name, self.run_dir)
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                RUN_ROOT.rmdir()  # the last node's
+        (CACHE / f"import-{self.slot}.tar").unlink(missing_ok=True)  # a killed import's
         self._unmount_under(self.store)
         _run("ip", "link", "delete", self.bridge, check=False)
         self._remove_cgroups()
@@ -335,7 +350,7 @@ class KubeletNode:
         )
         procs.wait_ready(
             self._procs["containerd"],
-            lambda: self.socket.exists() and self.ctr("version", timeout=10).returncode == 0,
+            lambda: self.socket.exists() and self.ctr("version", timeout=10, check=False).returncode == 0,
             30,
             "containerd",
             self.log("containerd"),
@@ -366,7 +381,7 @@ class KubeletNode:
 
     def _import_images(self, pause_ref: str, pause_archive: Path) -> None:
         aliases = {ref: _buildah_aliases(ref) for ref in self.images}
-        self._prune_images({pause_ref, *self.images, *(a for names in aliases.values() for a in names)})
+        self._prune_images({pause_ref, *self.images}, {a for names in aliases.values() for a in names})
         have = set(self.ctr("images", "list", "--quiet").stdout.split())
         if pause_ref not in have:
             self._import(pause_ref, pause_archive)
@@ -377,13 +392,17 @@ class KubeletNode:
             log.info(
                 "%s: importing %s from buildah's store (minutes for the project's image)", self.name, ref
             )
-            with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-                archive = Path(tmp) / "image.tar"
-                # Uncompressed: gzip costs more time than the bytes it saves on a local disk.
+            # The slot's own file (a killed run's is removed by the slot's next holder); uncompressed: gzip
+            # costs more time than the bytes it saves on a local disk.
+            archive = CACHE / f"import-{self.slot}.tar"
+            archive.unlink(missing_ok=True)
+            try:
                 _run(
                     "buildah", "push", "--quiet", "--disable-compression", ref, f"oci-archive:{archive}:{ref}"
                 )
                 self._import(ref, archive)
+            finally:
+                archive.unlink(missing_ok=True)
             log.info("%s: %s imported in %.0f s", self.name, ref, time.monotonic() - t0)
         # The image's other names in buildah's store (`make image` tags :<version> and :latest too), so pods
         # may name it as a user's manifest does.
@@ -391,16 +410,17 @@ class KubeletNode:
             for alias in names:
                 self.ctr("images", "tag", "--force", ref, alias)
 
-    def _prune_images(self, wanted: set[str]) -> None:
+    def _prune_images(self, wanted: set[str], aliases: set[str]) -> None:
         """Earlier builds of the wanted images' repositories out of the store (the CRI's `sha256:` name of
-        each too), so a cache kept between runs holds one build, not one per change; containerd's garbage
-        collector then frees the layers no image shares."""
+        each too), so a store kept between runs holds one build, not one per change; containerd's garbage
+        collector then frees the layers no image shares. The aliases (:latest) stay: they are tagged anew
+        after the import, and may still name an earlier build now."""
         repositories = {ref.rsplit(":", 1)[0] for ref in wanted}
         listing = [line.split() for line in self.ctr("images", "list").stdout.splitlines()[1:]]
         digest = {row[0]: row[2] for row in listing if len(row) > 2}
         kept = {digest.get(ref) for ref in wanted}
-        stale = [r for r in digest if r not in wanted and r.rsplit(":", 1)[0] in repositories]
-        stale_digests = {digest[r] for r in stale} - kept
+        stale = [r for r in digest if r not in wanted | aliases and r.rsplit(":", 1)[0] in repositories]
+        stale_digests = {digest[r] for r in stale + list(aliases & digest.keys())} - kept
         stale += [r for r in digest if r.startswith("sha256:") and digest[r] in stale_digests]
         if stale:
             log.info("%s: removing earlier images %s", self.name, " ".join(stale))
@@ -468,6 +488,8 @@ class KubeletNode:
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "staticPodPath": str(d / "manifests"),
+            # Its own, not /var/log/pods: a kubelet's log GC deletes the folders of pods it does not know.
+            "podLogsDir": str(self.run_dir / "pod-logs"),
             "resolvConf": "/etc/resolv.conf",
             "serializeImagePulls": False,
             "nodeStatusUpdateFrequency": "4s",
@@ -547,11 +569,13 @@ class KubeletNode:
 
     def _kubelet_knows_its_pods(self) -> bool:
         core = client.CoreV1Api(self._api)
-        bound = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}").items
-        # The kubelet's own list, through the API server's node proxy.
-        known = json.loads(
-            core.connect_get_node_proxy_with_path(self.name, "pods", _preload_content=False).data
-        )
+        try:
+            bound = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}").items
+            # The kubelet's own list, through the API server's node proxy (502 while it starts to listen).
+            reply = core.connect_get_node_proxy_with_path(self.name, "pods", _preload_content=False)
+            known = json.loads(reply.data)
+        except ApiException:
+            return False
         return {p.metadata.uid for p in bound} <= {p["metadata"]["uid"] for p in known.get("items") or []}
 
     def _advertise_gpus(self) -> None:
@@ -564,13 +588,14 @@ class KubeletNode:
     # ---- teardown ---------------------------------------------------------
     def _remove_pods(self) -> None:
         """Every container of this node killed and removed from containerd's store, which outlives the run."""
-        for task in self.ctr("tasks", "list", "--quiet").stdout.split():
-            self.ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30)
+        # Unchecked: the CRI plugin may remove a task or container between the list and the call.
+        for task in self.ctr("tasks", "list", "--quiet", check=False).stdout.split():
+            self.ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30, check=False)
         time.sleep(1)
-        for task in self.ctr("tasks", "list", "--quiet").stdout.split():
-            self.ctr("tasks", "delete", "--force", task, timeout=30)
-        for container in self.ctr("containers", "list", "--quiet").stdout.split():
-            self.ctr("containers", "delete", container, timeout=30)
+        for task in self.ctr("tasks", "list", "--quiet", check=False).stdout.split():
+            self.ctr("tasks", "delete", "--force", task, timeout=30, check=False)
+        for container in self.ctr("containers", "list", "--quiet", check=False).stdout.split():
+            self.ctr("containers", "delete", container, timeout=30, check=False)
 
     def _kill_shims(self) -> None:
         """The containers of this node's slot and containerd's shims that held them: a kubelet and containerd
@@ -587,13 +612,20 @@ class KubeletNode:
                     os.killpg(int(pid_dir.name), signal.SIGKILL)
             except (OSError, ValueError):
                 continue
+        deadline = time.monotonic() + 15
+        while (pids := self._cgroup_pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)  # until they are gone: a cgroup with a process in it cannot be removed
+
+    def _cgroup_pids(self) -> set[int]:
+        pids = set()
         for hierarchy in self._cgroup_hierarchies():
             for procs_file in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs"):
-                for pid in procs_file.read_text().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                with contextlib.suppress(OSError):
+                    pids.update(int(pid) for pid in procs_file.read_text().split())
+        return pids
 
     @staticmethod
     def _unmount_under(folder: Path) -> None:
@@ -623,36 +655,92 @@ class KubeletNode:
                 log.warning("%s: cgroup %s not removed: %s", self.name, root, e)
 
     # ---- what the kubelet changes on the host -----------------------------
-    @property
-    def _host_state_file(self) -> Path:
-        """What the host was like before this node started, kept on disk: a run that is killed cannot put it
-        back, the next `devcluster.py down` or `up` does (cli.remove_leftover_nodes)."""
-        return self.workdir / "host-state.json"
+    # Host-wide (sysctls, iptables, /var folders), so kept once for the host, not per node: every running node
+    # holds a shared lock on `host`; the first to start writes what the host was like (HOST_STATE), the last to
+    # stop puts it back. `setup` makes each of those steps one at a time. A killed run's locks go with it and
+    # its HOST_STATE stays: the next first node keeps it (the true "before"), the next last one restores it.
+    def _enter_host(self) -> None:
+        with _held(lock_file("setup")):
+            fd = lock_file("host")
+            if try_flock(fd, fcntl.LOCK_EX) and not HOST_STATE.exists():
+                HOST_STATE.write_text(json.dumps(_read_host_state()))
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._host_lock = fd
 
-    def _save_host_state(self) -> None:
-        state = {
-            "sysctls": {k: (Path("/proc/sys") / k).read_text().strip() for k in SYSCTLS},
-            "chains": sorted(_kube_chains()),
-            "dirs": sorted(str(d) for d in HOST_DIRS if d.exists()),
-        }
-        self._host_state_file.write_text(json.dumps(state))
-
-    def _restore_host_state(self) -> None:
-        try:
-            saved = json.loads(self._host_state_file.read_text())
-        except (OSError, ValueError):
-            return
-        for key, value in saved["sysctls"].items():
+    def _leave_host(self) -> None:
+        with _held(lock_file("setup")):
+            fd = self._host_lock if self._host_lock is not None else lock_file("host")
+            self._host_lock = None
             try:
-                (Path("/proc/sys") / key).write_text(value)
-            except OSError as e:
-                log.warning("sysctl %s not restored to %s: %s", key, value, e)
-        for chain in _kube_chains() - {tuple(c) for c in saved["chains"]}:
-            _remove_chain(*chain)
-        for d in HOST_DIRS:
-            if str(d) not in saved["dirs"]:
-                shutil.rmtree(d, ignore_errors=True)
-        self._host_state_file.unlink()
+                if try_flock(fd, fcntl.LOCK_EX):
+                    _restore_host_state()
+                else:
+                    log.info(
+                        "%s: other kubelet nodes run on this host: the last to stop puts it back", self.name
+                    )
+            finally:
+                os.close(fd)
+
+
+def _read_host_state() -> dict:
+    return {
+        "sysctls": {
+            k: (Path("/proc/sys") / k).read_text().strip()
+            for k in SYSCTLS
+            if (Path("/proc/sys") / k).exists()
+        },
+        "chains": sorted(_kube_chains()),
+        "dirs": sorted(str(d) for d in HOST_DIRS if d.exists()),
+    }
+
+
+def _restore_host_state() -> None:
+    try:
+        saved = json.loads(HOST_STATE.read_text())
+    except (OSError, ValueError):
+        return
+    for key, value in saved["sysctls"].items():
+        try:
+            (Path("/proc/sys") / key).write_text(value)
+        except OSError as e:
+            log.warning("sysctl %s not restored to %s: %s", key, value, e)
+    for chain in _kube_chains() - {tuple(c) for c in saved["chains"]}:
+        _remove_chain(*chain)
+    for d in HOST_DIRS:
+        if str(d) not in saved["dirs"]:
+            shutil.rmtree(d, ignore_errors=True)
+    HOST_STATE.unlink()
+
+
+def lock_file(name: str) -> int:
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    return os.open(LOCKS / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+
+
+def try_flock(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _held(fd: int) -> Iterator[None]:
+    """`fd`'s exclusive lock, waited for, held for the block; the descriptor closed after."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _logged(step: Callable[[], object], what: str) -> None:
+    """`step()`, an error logged rather than raised: teardown goes on to its next step."""
+    try:
+        step()
+    except Exception:
+        log.exception("%s failed", what)
 
 
 def _mounts_under(folder: Path) -> list[str]:
@@ -711,6 +799,6 @@ def kubelet_nodes(
         yield nodes
     finally:
         if services is not None:
-            services.stop()
+            _logged(services.stop, "stopping kube-proxy")
         for node in reversed(nodes):
-            node.stop()
+            _logged(node.stop, f"stopping {node.name}")

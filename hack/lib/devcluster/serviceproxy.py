@@ -15,7 +15,9 @@ host had before).
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from kubernetes.client.rest import ApiException
 from . import procs
 from .apiproxy import ApiProxy, endpoint
 from .controlplane import ControlPlane
+from .kubeletnode import lock_file, try_flock
 
 log = logging.getLogger("devcluster.services")
 
@@ -40,9 +43,19 @@ class ServiceProxy:
     cluster_cidr: str
     _proc: subprocess.Popen | None = field(default=None, init=False)
     _forwarder: ApiProxy | None = field(default=None, init=False)
+    _lock: int | None = field(default=None, init=False)
 
     def start(self, timeout: float = 60) -> ServiceProxy:
         cp = self.control_plane
+        # Two kube-proxies would each rewrite the host's KUBE-SERVICES chain with their own cluster's Services.
+        self._lock = lock_file("kube-proxy")
+        if not try_flock(self._lock, fcntl.LOCK_EX):
+            os.close(self._lock)
+            self._lock = None
+            raise RuntimeError(
+                "another cluster of kubelet nodes runs on this host (its kube-proxy owns the host's Service rules): "
+                "stop it first (make cluster-down)"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = procs.free_port()
         self._forwarder = ApiProxy((self.listen_ip, port), endpoint(cp.url))
@@ -57,7 +70,10 @@ class ServiceProxy:
             "--masquerade-all",
             f"--healthz-bind-address=127.0.0.1:{healthz}",
             f"--metrics-bind-address=127.0.0.1:{procs.free_port()}",
-            "--conntrack-max-per-core=0",  # leave the host's conntrack table size alone
+            # Leave the host's conntrack table and timeouts alone.
+            "--conntrack-max-per-core=0",
+            "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0",
             "--oom-score-adj=0",  # this sandbox may not lower it (as the kubelet's oomScoreAdj)
             "--iptables-localhost-nodeports=false",  # ... and route_localnet
             "--hostname-override=node-1",
@@ -77,6 +93,9 @@ class ServiceProxy:
         if self._forwarder is not None:
             self._forwarder.stop()
             self._forwarder = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _publish_endpoint(self, port: int) -> None:
         api = config.new_client_from_config(config_file=str(self.control_plane.kubeconfig))
