@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import sys
+from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import web
@@ -338,6 +341,20 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 # ---- running -------------------------------------------------------------------------------------
+def _cli_command() -> str:
+    """How a user here types this install's `kvpilot`: `kvpilot` where it is the one on PATH (the image),
+    else its path next to this Python, relative to the working folder when under it (`.venv/bin/kvpilot` in a
+    checkout)."""
+    cli = Path(sys.executable).parent / "kvpilot"
+    on_path = shutil.which("kvpilot")
+    if on_path and Path(on_path).resolve() == cli.resolve():
+        return "kvpilot"
+    try:
+        return str(cli.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(cli)
+
+
 def _local_url(host: str, port: int) -> str:
     """The URL to type on this machine: a wildcard listen address is reached as localhost."""
     if host in ("", "0.0.0.0", "::"):
@@ -373,7 +390,7 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     # The line a newcomer waits for (README.md, "Try it"): where to point curl, and that it goes in another shell.
     url = _local_url(settings.host, served.port)
     log.info(
-        "ready: in another shell, try `curl -s %s/v1/models` or `.venv/bin/kvpilot bench --url %s`", url, url
+        "ready: in another shell, try `curl -s %s/v1/models` or `%s bench --url %s`", url, _cli_command(), url
     )
     await stop.wait()
     log.info(

@@ -105,6 +105,8 @@ def test_the_image_serves_as_a_pod_with_logs_exec_and_its_cpu_limit(
     logs = cluster.kubectl("logs", pod, "-n", NS).stdout
     # The container's CFS quota (limits.cpu: 1), read by the daemon: one torch thread.
     assert "1 torch threads" in logs, logs[-3000:]
+    # The hint a newcomer reads names the image's command as it is typed there (it is on PATH).
+    assert "or `kvpilot bench --url http://" in logs, logs[-3000:]
     out = cluster.kubectl(
         "exec", pod, "-n", NS, "--", "sh", "-c", "id -u; cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us"
     ).stdout
