@@ -77,7 +77,6 @@ RUN_ROOT = Path("/var/lib/kvpilot-nodes")
 LOCKS = RUN_ROOT / "locks"
 HOST_STATE = RUN_ROOT / "host-state.json"
 MAX_SLOTS = 8  # kubelet nodes running at once on one machine
-GPU_RESOURCE = "nvidia.com/gpu"
 
 # The pod sandbox's process: it holds the pod's namespaces and reaps orphans, as Kubernetes' pause does.
 PAUSE_C = r"""
@@ -157,7 +156,6 @@ class KubeletNode:
     gpus: int = 1
     # buildah image references to have in the node's containerd before pods start (pushed once, cached).
     images: tuple[str, ...] = ()
-    labels: dict[str, str] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
     _api: client.ApiClient | None = field(default=None, init=False)
     _kubelet_argv: list[str] = field(default_factory=list, init=False)
@@ -298,12 +296,6 @@ class KubeletNode:
         self._unmount_under(self.store)
         _run("ip", "link", "delete", self.bridge, check=False)
         self._remove_cgroups()
-
-    def __enter__(self) -> KubeletNode:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ---- containerd -------------------------------------------------------
     def _start_containerd(self, pause_ref: str) -> None:
@@ -499,7 +491,6 @@ class KubeletNode:
         }
         (d / "manifests").mkdir(exist_ok=True)
         (d / "kubelet.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
-        labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
         argv = [
             str(cp.bin_dir / "kubelet"),
             f"--config={d / 'kubelet.yaml'}",
@@ -509,7 +500,7 @@ class KubeletNode:
             f"--hostname-override={self.name}",
             f"--node-ip={self.ip}",
             "--v=1",
-        ] + ([f"--node-labels={labels}"] if labels else [])
+        ]
         self._bind_node_role()
         self._kubelet_argv = argv
         self.start_kubelet(timeout)
