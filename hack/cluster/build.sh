@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the dev cluster's binaries (kube-apiserver, kube-controller-manager,
-# kube-scheduler, etcd, and the nodes' kubelet and kube-proxy) from the Go modules pinned in this folder,
+# kube-scheduler, etcd, the nodes' kubelet and kube-proxy, and crictl to inspect them) from the Go modules
+# pinned in this folder,
 # into a cache folder keyed by version:
 #   ${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/k8s/<k8s version>/bin/
 # A stamp file records the hash of the inputs (go.mod, go.sum, main.go, this
@@ -24,8 +25,10 @@ source "$here/../lib/gobuild.sh"
 # Versions come from the go.mod files, so there is a single place to bump them.
 k8s_version="$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$here/go.mod")"
 etcd_version="$(awk '$1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}' "$here/etcd/go.mod")"
+crictl_version="$(awk '$1=="require" && $2=="sigs.k8s.io/cri-tools" {print $3}' "$here/crictl/go.mod")"
 [[ -n "$k8s_version" ]] || die "cannot read the k8s.io/kubernetes version from $here/go.mod"
 [[ -n "$etcd_version" ]] || die "cannot read the etcd version from $here/etcd/go.mod"
+[[ -n "$crictl_version" ]] || die "cannot read the cri-tools version from $here/crictl/go.mod"
 
 bindir="${KVPILOT_CACHE:-$HOME/.cache/kvpilot}/k8s/${k8s_version}/bin"
 if [[ $print_only == 1 ]]; then
@@ -35,8 +38,9 @@ fi
 
 stamp="$bindir/.inputs.sha256"
 inputs_hash="$(cat "$here/go.mod" "$here/go.sum" "$here/tools.go" "$here/../lib/gobuild.sh" \
-    "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/etcd/main.go" "$0" | sha256sum | cut -d' ' -f1)"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy etcd)
+    "$here/etcd/go.mod" "$here/etcd/go.sum" "$here/etcd/main.go" \
+    "$here/crictl/go.mod" "$here/crictl/go.sum" "$here/crictl/tools.go" "$0" | sha256sum | cut -d' ' -f1)"
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy etcd crictl)
 
 all_present() {
     local b
@@ -69,6 +73,7 @@ nice_cmd=(nice -n "${BUILD_NICE:-10}")
 
 go_download "$here"
 go_download "$here/etcd"
+go_download "$here/crictl"
 
 # Version ldflags, as kubernetes' hack/lib/version.sh sets them, so /version
 # reports the pinned release instead of v0.0.0-master.
@@ -101,6 +106,8 @@ build kube-controller-manager "$here" k8s.io/kubernetes/cmd/kube-controller-mana
 build kube-scheduler "$here" k8s.io/kubernetes/cmd/kube-scheduler "$ldflags"
 build kubelet "$here" k8s.io/kubernetes/cmd/kubelet "$ldflags"
 build kube-proxy "$here" k8s.io/kubernetes/cmd/kube-proxy "$ldflags"
+build crictl "$here/crictl" sigs.k8s.io/cri-tools/cmd/crictl \
+    "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$crictl_version"
 
 reported="$("$bindir/kube-apiserver" --version 2>&1 || true)"
 [[ "$reported" == *"$k8s_version"* ]] || die "kube-apiserver --version says '$reported', expected $k8s_version"

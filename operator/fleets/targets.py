@@ -91,6 +91,8 @@ def starting(pod: dict[str, Any], container: str | None) -> bool:
     nothing (a disk tier may hold what an earlier container wrote, so a reset waits for it rather than
     passing it by)."""
     st = pod.get("status") or {}
+    if restarting(pod, container):
+        return True
     engines = [
         c
         for c in st.get("containerStatuses") or []
@@ -107,6 +109,18 @@ def starting(pod: dict[str, Any], container: str | None) -> bool:
     fell = parse_time(ready.get("lastTransitionTime"))
     began = max((parse_time(c["state"]["running"].get("startedAt")) or 0.0) for c in engines)
     return fell is None or fell <= began + READY_SYNC_SLACK_S
+
+
+def restarting(pod: dict[str, Any], container: str | None) -> bool:
+    """Whether the kubelet is restarting the pod's engine container: it exited (killed, `crictl stop`, a crash)
+    in a Running pod whose restartPolicy brings it back, and is waiting (a back-off) or terminated a moment ago.
+    Its process, and all it cached in memory, is gone; the next one starts empty. With no container named (a
+    selector), only when no container runs: a running sidecar keeps the pod's calls going as before."""
+    st = pod.get("status") or {}
+    if st.get("phase") != "Running" or (pod.get("spec") or {}).get("restartPolicy") == "Never":
+        return False
+    engines = [c for c in st.get("containerStatuses") or [] if container is None or c.get("name") == container]
+    return bool(engines) and not any("running" in (c.get("state") or {}) for c in engines)
 
 
 def identity(pod: dict[str, Any], container: str | None) -> Identity:

@@ -2,7 +2,8 @@
 (devcluster.kubeletnode; docs/cluster.md#real-nodes): what the node agent cannot show. The chart's operator
 as a container, in-cluster through the `kubernetes` Service; the image's entrypoint and user, its cgroup
 limits setting the daemon's threads, the kubelet's probes and restarts, `kubectl logs` and `kubectl exec`
-through the kubelet, resets across them, a node whose kubelet died, and `helm test`."""
+through the kubelet, resets across them (one while `crictl stop` has the kubelet restart the daemon), a node
+whose kubelet died, and `helm test`."""
 
 from __future__ import annotations
 
@@ -141,6 +142,36 @@ def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(
     cluster.kubectl("wait", "--for=condition=Complete", "pcr/after-restart", "-n", NS, "--timeout=120s")
     st = cluster.kubectl_json("get", "pcr", "after-restart", "-n", NS)
     assert st["status"]["phase"] == "Succeeded", st["status"]
+
+
+def test_a_container_stopped_by_crictl_mid_reset_is_waited_for_then_reset(
+    real: tuple[Cluster, list], llm: dict[str, str]
+) -> None:
+    """`crictl stop` of the daemon's container, a reset created at once: the pod is Ready in the API a moment
+    longer, its daemon gone. The reset must not fail it: the kubelet restarts the container, the pod is starting
+    (not Ready since its container started), the reset waits for it and resets the new daemon."""
+    cluster, (node,) = real
+    ((pod, ip),) = llm.items()
+    cached_tokens(ip)
+
+    def daemon() -> dict:
+        return cluster.kubectl_json("get", "pod", pod, "-n", NS)["status"]["containerStatuses"][0]
+
+    before = daemon()["restartCount"]
+    ready = node.crictl("pods", "--name", pod, "--namespace", NS, "--state", "ready", "-q")
+    (sandbox,) = ready.stdout.split()
+    (container,) = node.crictl("ps", "--pod", sandbox, "--name", "kvpilot", "-q").stdout.split()
+    node.crictl("stop", container)
+    apply_ns(cluster, NS, pcr("mid-restart", {"targetRef": {"name": "llm"}, "timeoutSeconds": 240}))
+    cluster.kubectl(
+        "wait", "--for=jsonpath={.status.completionTime}", "pcr/mid-restart", "-n", NS, "--timeout=300s"
+    )
+    st = cluster.kubectl_json("get", "pcr", "mid-restart", "-n", NS)
+    assert pods_by_name(st)[pod]["result"] == "Succeeded", st["status"]
+    assert st["status"]["phase"] == "Succeeded", st["status"]
+    status = daemon()
+    assert status["restartCount"] == before + 1 and status["ready"], status
+    assert cached_tokens(ip) == 0, "the restarted daemon was reset"
 
 
 def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(

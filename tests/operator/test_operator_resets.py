@@ -68,7 +68,17 @@ def test_a_pod_is_starting_until_it_has_been_ready_since_its_engine_started() ->
     # Ready since it started, then failing its probe a minute on: it may hold what it cached
     assert not starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:02:00Z"), "kvpilot")
     assert not starting(at("2026-01-01T00:01:00Z", "True", "2026-01-01T00:01:20Z", True), "kvpilot")
-    assert not starting(pod(running=False), "kvpilot")  # not running: Skipped by pod_target instead
+    # its container exited and the kubelet restarts it (a back-off, or terminated a moment ago): starting again
+    assert starting(pod(running=False), "kvpilot")
+    stopped = pod()
+    stopped["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 143}}
+    assert starting(stopped, "kvpilot")
+    # not when nothing restarts it: restartPolicy Never, or a pod that has ended
+    stopped["spec"]["restartPolicy"] = "Never"
+    assert not starting(stopped, "kvpilot")
+    ended = pod(running=False)
+    ended["status"]["phase"] = "Failed"
+    assert not starting(ended, "kvpilot")
     assert not starting(at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z"), "sidecar")
     # a selector names no container: a ready sidecar beside the loading engine says nothing of it
     sidecar = at("2026-01-01T00:01:00Z", "False", "2026-01-01T00:00:00Z")

@@ -13,7 +13,15 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # hack/lib/devcluster/binaries.py
 BUILD_SCRIPT = REPO_ROOT / "hack" / "cluster" / "build.sh"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy")
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+    "crictl",
+)
 
 
 class BinariesMissing(RuntimeError):

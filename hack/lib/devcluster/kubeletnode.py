@@ -235,6 +235,18 @@ class KubeletNode:
             "ctr", "--address", self.socket, "--namespace", "k8s.io", *args, timeout=timeout, check=check
         )
 
+    @property
+    def crictl_config(self) -> Path:
+        """crictl's config for this node's containerd (`crictl --config <it> pods`; docs/cluster.md)."""
+        return self.workdir / "crictl.yaml"
+
+    def crictl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`crictl` (built by hack/cluster/build.sh) against this node's containerd, as the kubelet sees it."""
+        if self.control_plane is None:
+            raise ValueError(f"{self.name}: crictl talks to a node started with a control plane")
+        crictl = self.control_plane.bin_dir / "crictl"
+        return _run(crictl, "--config", self.crictl_config, *args, timeout=timeout)
+
     def log(self, component: str) -> Path:
         return self.workdir / f"{component}.log"
 
@@ -347,6 +359,10 @@ class KubeletNode:
             "containerd",
             self.log("containerd"),
         )
+        endpoint = f"unix://{self.socket}"
+        self.crictl_config.write_text(
+            f"runtime-endpoint: {endpoint}\nimage-endpoint: {endpoint}\ntimeout: 10\n"
+        )
 
     def _cni_config(self) -> dict:
         return {
@@ -373,7 +389,6 @@ class KubeletNode:
 
     def _import_images(self, pause_ref: str, pause_archive: Path) -> None:
         aliases = {ref: _buildah_aliases(ref) for ref in self.images}
-        self._prune_images({pause_ref, *self.images}, {a for names in aliases.values() for a in names})
         have = set(self.ctr("images", "list", "--quiet").stdout.split())
         if pause_ref not in have:
             self._import(pause_ref, pause_archive)
@@ -396,6 +411,9 @@ class KubeletNode:
             finally:
                 archive.unlink(missing_ok=True)
             log.info("%s: %s imported in %.0f s", self.name, ref, time.monotonic() - t0)
+        # Earlier builds go after the import, not before: the layers a new build shares with them (the
+        # dependencies', most of the image) are then unpacked already, and containerd reuses them.
+        self._prune_images({pause_ref, *self.images}, {a for names in aliases.values() for a in names})
         # The image's other names in buildah's store (`make image` tags :<version> and :latest too), so pods
         # may name it as a user's manifest does.
         for ref, names in aliases.items():
