@@ -83,9 +83,10 @@ CLUSTER_DIR ?= .cluster
 cluster-build:
 	bash hack/cluster/build.sh
 
-# KUBELET=1: nodes of the real kubelet, containerd and runc running the project's image (docs/cluster.md).
+# Nodes of the real kubelet, containerd and runc running the project's image (docs/cluster.md); NODE_AGENT=1: the
+# Python node agent, pods as local processes of .venv (no containerd, no image).
 cluster-up: cluster-build
-	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR) $(if $(KUBELET),--kubelet)
+	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR) $(if $(NODE_AGENT),--node-agent)
 
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-export PATH="$ROOT/.venv/bin:$PATH"   # this script's python and kvpilot (pods get the venv from the node agent)
+export PATH="$ROOT/.venv/bin:$PATH"   # this script's python and kvpilot (pods run the project's image)
 export PYTHONSAFEPATH=1
 DIR=$ROOT/.cluster
 export KUBECONFIG=$DIR/kubeconfig
@@ -21,7 +21,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-say "starting the dev cluster (etcd, kube-apiserver, kube-controller-manager, node agent)"
+say "starting the dev cluster (etcd, kube-apiserver, controller-manager, scheduler; a node of the real kubelet and containerd running the project's image)"
 python hack/cluster/devcluster.py up --dir "$DIR"
 kubectl apply -f crds/ >/dev/null
 kubectl wait --for=condition=Established crd --all >/dev/null

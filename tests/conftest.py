@@ -32,15 +32,19 @@ TINY_MODEL_SHAPE = dict(
 
 
 # Tests that each run many model processes at once (a dev cluster of their own with a fleet, a router and
-# `make serve`; a two-rank daemon swapping its weights): one after the other, in one worker. Two of them side
-# by side, beside the session's servers, took this 24 GB machine into reclaim (no swap): the API server took
-# over 60 s to answer a TLS handshake, and both timed out.
-WHOLE_STACK = {"tests/test_readme.py", "tests/operator/test_demo.py", "tests/weights/test_weight_dp.py"}
-
-
-# Tests on nodes of the real kubelet (devcluster.kubeletnode): one after the other, since a host runs one
-# kube-proxy (it owns the host's Service rules) and the CLI test compares the host before and after.
-KUBELET_NODES = {"tests/cluster/test_kubelet_node.py", "tests/cluster/test_kubelet_cli.py"}
+# `make serve`; a two-rank daemon swapping its weights), and the tests on nodes of the real kubelet
+# (devcluster.kubeletnode): one after the other, in one worker. Two model-heavy ones side by side, beside the
+# session's servers, took this 24 GB machine into reclaim (no swap): the API server took over 60 s to answer a
+# TLS handshake, and both timed out. And a host runs one cluster of kubelet nodes at a time (one kube-proxy
+# owns its Service rules; the CLI test compares the host before and after): README's and the demo's
+# `make cluster-up` start one.
+WHOLE_STACK = {
+    "tests/test_readme.py",
+    "tests/operator/test_demo.py",
+    "tests/weights/test_weight_dp.py",
+    "tests/cluster/test_kubelet_node.py",
+    "tests/cluster/test_kubelet_cli.py",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
@@ -48,16 +52,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
     one worker, so its module fixtures start once; and every test on the dev cluster runs in one worker, in
     collection order, on one cluster. Those tests share cluster-wide objects (the CRDs, `kvpilot-system`,
-    the session's operator): the chart's `helm install` must come before the operator fixture's run, as it
-    does in one process."""
+    the session's operator). WHOLE_STACK's tests start clusters of their own, one after the other."""
     for item in items:
         path = item.nodeid.split("::")[0]
-        if "cluster" in getattr(item, "fixturenames", ()):
-            group = "devcluster"
-        elif path in WHOLE_STACK:
+        if path in WHOLE_STACK:
             group = "whole-stack"
-        elif path in KUBELET_NODES:
-            group = "kubelet-nodes"
+        elif "cluster" in getattr(item, "fixturenames", ()):
+            group = "devcluster"
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))

@@ -119,7 +119,9 @@ def restarting(pod: dict[str, Any], container: str | None) -> bool:
     st = pod.get("status") or {}
     if st.get("phase") != "Running" or (pod.get("spec") or {}).get("restartPolicy") == "Never":
         return False
-    engines = [c for c in st.get("containerStatuses") or [] if container is None or c.get("name") == container]
+    engines = [
+        c for c in st.get("containerStatuses") or [] if container is None or c.get("name") == container
+    ]
     return bool(engines) and not any("running" in (c.get("state") or {}) for c in engines)
 
 

@@ -1,6 +1,7 @@
 """Pods get what a kubelet gives them to talk to the API server.
 
-The cluster here is started the way a user starts it, `make cluster-up` from a
+The cluster here is started the way a user starts it, `make cluster-up` (with
+NODE_AGENT=1: these tests are about what the node agent gives its pods) from a
 shell whose PATH does not hold the venv, so these tests also prove that pods
 find `kvpilot` without anyone editing PATH. Inside pods run the official
 `kubernetes` client's `load_incluster_config()` and kopf's login handlers,
@@ -80,9 +81,9 @@ def user_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[client.ApiClient]:
-    """A cluster from `make cluster-up`, as README/docs tell a user; `make cluster-down` after."""
+    """A cluster from `make cluster-up NODE_AGENT=1`, as docs/cluster.md tells a user; `make cluster-down` after."""
     state = tmp_path_factory.mktemp("user-cluster")
-    make = ["make", "-s", "-C", str(ROOT), f"CLUSTER_DIR={state}"]
+    make = ["make", "-s", "-C", str(ROOT), f"CLUSTER_DIR={state}", "NODE_AGENT=1"]
     up = subprocess.run([*make, "cluster-up"], env=user_env(), capture_output=True, text=True, timeout=300)
     try:
         assert up.returncode == 0, up.stdout + up.stderr

@@ -1,4 +1,4 @@
-"""`devcluster.py up --kubelet` and `down` as a user runs them (docs/cluster.md#real-nodes): two nodes of the
+"""`devcluster.py up` and `down` as a user runs them (docs/cluster.md#real-nodes): two nodes of the
 real kubelet and containerd, a pod on each, then the run killed as a crash would kill it, and `down` leaving
 the host as it found it: no process, mount, bridge, cgroup, iptables chain, sysctl or folder of the nodes.
 The image here is the nodes' own small pause image, so that this test imports nothing big (the project's
@@ -69,7 +69,7 @@ def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path
     before = host_state()
     pause, _ = pause_image()
     d = tmp_path / "cluster"
-    up = devcluster("up", "--kubelet", "--image", pause, "--dir", str(d))
+    up = devcluster("up", "--image", pause, "--nodes", "2", "--dir", str(d))
     kubectl = ["kubectl", f"--kubeconfig={d / 'kubeconfig'}"]
     try:
         assert up.returncode == 0, up.stdout + up.stderr + (d / "cluster.log").read_text()[-4000:]

@@ -1,9 +1,11 @@
 """Command line: start a dev cluster in the background, stop it, or run parts.
 
-up     build if needed, start control plane + node agent detached; writes
-       <dir>/kubeconfig and returns once pods can run; with --kubelet, nodes of the
-       real kubelet and containerd running the project's image instead
-down   stop what `up` started and remove any pod namespaces/veths left over
+up     build if needed, start the control plane and nodes of the real kubelet, containerd
+       and runc running the project's image (built if needed), detached; writes
+       <dir>/kubeconfig and returns once pods can run; with --node-agent, the Python
+       node agent (pods as local processes of the venv) instead
+down   stop what `up` started and remove what a killed run left (containers, mounts,
+       bridges, pod namespaces)
 run    the same as up, in the foreground (Ctrl-C stops it)
 agent  only the node agent, against an existing cluster (tests use this)
 """
@@ -95,25 +97,28 @@ def _stop_on_signals() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if not args.node_agent and not args.image:
+        args.image = _build_image()
     stop = _stop_on_signals()
     d = Path(args.dir).resolve()
     (d / "ready").unlink(missing_ok=True)
     remove_leftover_nodes(d / "nodes")
     for folder in ("state", "pods", "nodes"):  # every `up` is a fresh cluster
         shutil.rmtree(d / folder, ignore_errors=True)
-    kubelet = {"scheduler": True, "node_monitor_grace_s": 16} if args.image else {}
+    kubelet = {} if args.node_agent else {"scheduler": True, "node_monitor_grace_s": 16}
     cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user}, **kubelet)
     with cp:
         kubeconfig = cp.write_kubeconfig(d / "kubeconfig")
         for u in args.user:
             cp.write_kubeconfig(d / f"kubeconfig-{u}", user=u)
         mark_ready = lambda *_: (d / "ready").write_text(cp.url + "\n")  # noqa: E731
-        if args.image:
-            run_kubelet_nodes(
-                cp, d / "nodes", args.nodes, args.gpus, (args.image,), stop, on_ready=mark_ready
-            )
+        if args.node_agent:
+            nodes = node_specs(_node_count(args), args.gpus)
+            run_agent(kubeconfig, d / "pods", nodes, stop, on_ready=mark_ready)
         else:
-            run_agent(kubeconfig, d / "pods", node_specs(args.nodes, args.gpus), stop, on_ready=mark_ready)
+            run_kubelet_nodes(
+                cp, d / "nodes", _node_count(args), args.gpus, (args.image,), stop, on_ready=mark_ready
+            )
     (d / "ready").unlink(missing_ok=True)
     return 0
 
@@ -127,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from .binaries import ensure_binaries
 
     ensure_binaries()  # in the foreground, so build progress shows
-    image = (args.image or _build_image()) if args.kubelet else ""
+    image = "" if args.node_agent else (args.image or _build_image())
     argv = [
         sys.executable,
         str(LAUNCHER),
@@ -135,14 +140,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--dir",
         str(d),
         "--nodes",
-        str(args.nodes),
+        str(_node_count(args)),
         "--gpus",
         str(args.gpus),
     ]
     for u in args.user:
         argv += ["--user", u]
-    if image:
-        argv += ["--image", image]
+    argv += ["--image", image] if image else ["--node-agent"]
     with open(d / "cluster.log", "ab") as logf:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
@@ -167,6 +171,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         time.sleep(0.5)
     print("dev cluster did not become ready in time; see " + str(d / "cluster.log"), file=sys.stderr)
     return 1
+
+
+def _node_count(args: argparse.Namespace) -> int:
+    """--nodes, else one node of the real kubelet (each holds the project's image in a containerd store of its
+    own: 11 GB of disk a node) or two of the node agent (they cost nothing)."""
+    if args.nodes is not None:
+        return args.nodes
+    return 2 if args.node_agent else 1
 
 
 def _build_image() -> str:
@@ -289,16 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("up", "run"):
         s = sub.add_parser(name)
         s.add_argument("--dir", default=".cluster", help="state folder (kubeconfig, logs)")
-        s.add_argument("--nodes", type=int, default=2)
+        s.add_argument(
+            "--nodes", type=int, default=None, help="nodes (default: 1 of the kubelet, 2 of the node agent)"
+        )
         s.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu capacity per node")
         s.add_argument("--user", action="append", default=[], help="extra token user without rights")
-    sub.choices["up"].add_argument(
-        "--kubelet",
-        action="store_true",
-        help="nodes of the real kubelet, containerd and runc running the project's image (built if needed)",
-    )
-    for name in ("up", "run"):
-        sub.choices[name].add_argument(
+        s.add_argument(
+            "--node-agent",
+            action="store_true",
+            help="the Python node agent (pods as local processes of this venv) instead of the real kubelet",
+        )
+        s.add_argument(
             "--image",
             default="",
             help="kubelet nodes: import this image (buildah's) instead of the project's",
