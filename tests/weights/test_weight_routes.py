@@ -5,6 +5,8 @@ the admin token, a pinned version)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
 import zmq
 
@@ -111,7 +113,7 @@ def test_out_of_order_calls_get_409(quiet: Server, changed_checkpoint) -> None: 
 
 
 def test_incompatible_checkpoint_is_refused_naming_the_tensor(
-    quiet: Server, original_checkpoint, incompatible_checkpoint
+    quiet: Server, original_checkpoint, incompatible_checkpoint, tmp_path: Path
 ) -> None:  # noqa: ANN001
     srv = quiet
     version = srv.request("GET", "/health").json()["weight_version"]
@@ -128,7 +130,15 @@ def test_incompatible_checkpoint_is_refused_naming_the_tensor(
         srv, "POST", "/update_weights", {"update_info": {"model_path": "/nonexistent"}}, expect=404
     )
     assert missing["error"]["code"] == "no_checkpoint"
-    assert srv.metrics()['kvpilot_weight_updates_total{result="refused"}'] >= 1
+    # A file that is not safetensors: refused with its name (it was a 500, the reader's error unhandled).
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
+    admin(srv, "POST", "/start_weight_update")
+    bad = admin(srv, "POST", "/update_weights", {"update_info": {"model_path": str(garbage)}}, expect=400)
+    assert bad["error"]["code"] == "incompatible_weights", bad
+    assert "model.safetensors' is not a safetensors file" in bad["error"]["message"], bad
+    assert srv.metrics()['kvpilot_weight_updates_total{result="refused"}'] >= 2
 
 
 def test_every_route_needs_the_admin_token(quiet: Server) -> None:

@@ -40,19 +40,32 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def checkpoint_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a Hugging Face checkpoint directory (its *.safetensors files). Raises WeightError
-    NOT_FOUND when there is none there."""
-    from safetensors import safe_open
+    NOT_FOUND when there is none there, or none this process may read (a path of another user's, a folder
+    not mounted into the pod), INCOMPATIBLE when a file is not safetensors."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(model_path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    try:
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    except OSError as exc:
+        raise WeightError(
+            WeightErrorKind.NOT_FOUND, f"cannot read the checkpoint at {model_path!r}: {exc}"
+        ) from exc
     if not files:
         raise WeightError(
             WeightErrorKind.NOT_FOUND, f"no checkpoint at {model_path!r} (a directory of *.safetensors files)"
         )
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, st.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, st.get_tensor(name)
+        except OSError as exc:
+            raise WeightError(WeightErrorKind.NOT_FOUND, f"cannot read {str(f)!r}: {exc}") from exc
+        except SafetensorError as exc:
+            raise WeightError(
+                WeightErrorKind.INCOMPATIBLE, f"{str(f)!r} is not a safetensors file: {exc}"
+            ) from exc
 
 
 class WeightStage:
