@@ -67,7 +67,7 @@ def devcluster(*args: str) -> subprocess.CompletedProcess:
 
 def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path: Path) -> None:
     before = host_state()
-    pause, _ = pause_image()
+    pause = pause_image()
     d = tmp_path / "cluster"
     up = devcluster("up", "--image", pause, "--nodes", "2", "--dir", str(d))
     kubectl = ["kubectl", f"--kubeconfig={d / 'kubeconfig'}"]

@@ -5,10 +5,11 @@ cgroup root, bridge and pod range), so two nodes on one machine never touch each
 their addresses from CNI (bridge + host-local + portmap) on a bridge that holds the node's own address, so
 the host reaches every pod IP directly, as with the node agent.
 
-Images come from no registry: the images a test names (`make image`'s output, by its content-hash tag) are
-pushed from buildah's store into the node's containerd once, and kept there between runs (a store per node
-slot under the cache; a slot is held by one running node at a time); pods use `imagePullPolicy: IfNotPresent` or `Never`. The sandbox ("pause") image is a small
-static program built here.
+Images come from no registry outside: the images a test names (`make image`'s output, by its content-hash
+tag) are pulled from buildah's store through a loopback registry (registry.py: the layers the node lacks)
+into the node's containerd, and kept there between runs (a store per node slot under the cache; a slot is
+held by one running node at a time); pods use `imagePullPolicy: IfNotPresent` or `Never`. The sandbox
+("pause") image is a small static program built here.
 
 What this host needs, and why each setting is there (all measured on the 2-core CI machine: cgroups v1,
 no systemd, a disk under 15% free):
@@ -45,7 +46,7 @@ from pathlib import Path
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from . import pki, procs
+from . import pki, procs, registry
 from .controlplane import ControlPlane
 
 log = logging.getLogger("devcluster.kubelet")
@@ -94,23 +95,12 @@ int main(void) {
 """
 
 
-def _run(*argv: str | Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(a) for a in argv],
-        check=check,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=procs.sbin_path(),
-    )
-
-
 def ensure_runtime() -> None:
     """containerd, runc and the CNI plugins, from Debian (apt-get) when missing."""
     missing = [
         p
         for p in RUNTIME_PACKAGES
-        if _run("dpkg-query", "-W", "-f=${Status}", p, check=False).stdout != "install ok installed"
+        if procs.run_tool("dpkg-query", "-W", "-f=${Status}", p, check=False).stdout != "install ok installed"
     ]
     if not missing:
         return
@@ -122,28 +112,24 @@ def ensure_runtime() -> None:
         subprocess.run(argv, env=env, capture_output=True, check=True)
 
 
-def pause_image() -> tuple[str, Path]:
-    """The sandbox image's reference and an OCI archive of it, built once per source (gcc, buildah)."""
+def pause_image() -> str:
+    """The sandbox image's reference in buildah's store, built once per source (gcc, buildah)."""
     digest = hashlib.sha256(PAUSE_C.encode()).hexdigest()[:12]
     ref = f"localhost/kvpilot-pause:{digest}"
-    archive = CACHE / f"pause-{digest}.tar"
-    if archive.exists():
-        return ref, archive
-    CACHE.mkdir(parents=True, exist_ok=True)
+    if procs.run_tool("buildah", "inspect", "--type", "image", ref, check=False).returncode == 0:
+        return ref
     with tempfile.TemporaryDirectory() as tmp:
         src, binary = Path(tmp) / "pause.c", Path(tmp) / "pause"
         src.write_text(PAUSE_C)
-        _run("gcc", "-static", "-Os", "-s", "-o", binary, src)
-        ctr = _run("buildah", "from", "scratch").stdout.strip()
+        procs.run_tool("gcc", "-static", "-Os", "-s", "-o", binary, src)
+        ctr = procs.run_tool("buildah", "from", "scratch").stdout.strip()
         try:
-            _run("buildah", "copy", ctr, binary, "/pause")
-            _run("buildah", "config", "--entrypoint", '["/pause"]', ctr)
-            _run("buildah", "commit", "--quiet", ctr, ref)
+            procs.run_tool("buildah", "copy", ctr, binary, "/pause")
+            procs.run_tool("buildah", "config", "--entrypoint", '["/pause"]', ctr)
+            procs.run_tool("buildah", "commit", "--quiet", ctr, ref)
         finally:
-            _run("buildah", "rm", ctr, check=False)
-        _run("buildah", "push", "--quiet", ref, f"oci-archive:{archive}.{os.getpid()}:{ref}")
-    os.replace(f"{archive}.{os.getpid()}", archive)
-    return ref, archive
+            procs.run_tool("buildah", "rm", ctr, check=False)
+    return ref
 
 
 @dataclass
@@ -231,7 +217,7 @@ class KubeletNode:
 
     def ctr(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
         """`ctr` against this node's containerd, in the CRI's namespace."""
-        return _run(
+        return procs.run_tool(
             "ctr", "--address", self.socket, "--namespace", "k8s.io", *args, timeout=timeout, check=check
         )
 
@@ -245,7 +231,7 @@ class KubeletNode:
         if self.control_plane is None:
             raise ValueError(f"{self.name}: crictl talks to a node started with a control plane")
         crictl = self.control_plane.bin_dir / "crictl"
-        return _run(crictl, "--config", self.crictl_config, *args, timeout=timeout)
+        return procs.run_tool(crictl, "--config", self.crictl_config, *args, timeout=timeout)
 
     def log(self, component: str) -> Path:
         return self.workdir / f"{component}.log"
@@ -261,9 +247,9 @@ class KubeletNode:
         self._clean_slot()
         self._enter_host()
         try:
-            pause_ref, pause_archive = pause_image()
+            pause_ref = pause_image()
             self._start_containerd(pause_ref)
-            self._import_images(pause_ref, pause_archive)
+            self._import_images(pause_ref)
             self._start_kubelet(timeout)
         except BaseException:
             self.stop()
@@ -304,9 +290,8 @@ class KubeletNode:
             log.warning("%s: %s still has mounts; not removed", self.name, self.run_dir)
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        (CACHE / f"import-{self.slot}.tar").unlink(missing_ok=True)  # a killed import's
         self._unmount_under(self.store)
-        _run("ip", "link", "delete", self.bridge, check=False)
+        procs.run_tool("ip", "link", "delete", self.bridge, check=False)
         self._remove_cgroups()
 
     # ---- containerd -------------------------------------------------------
@@ -387,33 +372,28 @@ class KubeletNode:
             ],
         }
 
-    def _import_images(self, pause_ref: str, pause_archive: Path) -> None:
+    def _import_images(self, pause_ref: str) -> None:
+        wanted = [pause_ref, *self.images]
         aliases = {ref: _buildah_aliases(ref) for ref in self.images}
         have = set(self.ctr("images", "list", "--quiet").stdout.split())
-        if pause_ref not in have:
-            self._import(pause_ref, pause_archive)
-        for ref in self.images:
-            if ref in have:
-                continue
+        missing = [ref for ref in wanted if ref not in have]
+        if missing:
             t0 = time.monotonic()
             log.info(
-                "%s: importing %s from buildah's store (minutes for the project's image)", self.name, ref
+                "%s: importing %s from buildah's store (its layers the node lacks: minutes the first time)",
+                self.name,
+                " ".join(missing),
             )
-            # The slot's own file (a killed run's is removed by the slot's next holder); uncompressed: gzip
-            # costs more time than the bytes it saves on a local disk.
-            archive = CACHE / f"import-{self.slot}.tar"
-            archive.unlink(missing_ok=True)
-            try:
-                _run(
-                    "buildah", "push", "--quiet", "--disable-compression", ref, f"oci-archive:{archive}:{ref}"
-                )
-                self._import(ref, archive)
-            finally:
-                archive.unlink(missing_ok=True)
-            log.info("%s: %s imported in %.0f s", self.name, ref, time.monotonic() - t0)
+            layout = registry.Layout(CACHE / "oci-layout")
+            with layout.locked():
+                layout.push(wanted)
+                with registry.serving(layout) as host:
+                    for ref in missing:
+                        self._pull(f"{host}/{registry.REPOSITORY}:{registry.layout_tag(ref)}", ref)
+            log.info("%s: imported in %.0f s", self.name, time.monotonic() - t0)
         # Earlier builds go after the import, not before: the layers a new build shares with them (the
-        # dependencies', most of the image) are then unpacked already, and containerd reuses them.
-        self._prune_images({pause_ref, *self.images}, {a for names in aliases.values() for a in names})
+        # dependencies', most of the image) are then in the store already, and containerd reuses them.
+        self._prune_images(set(wanted), {a for names in aliases.values() for a in names})
         # The image's other names in buildah's store (`make image` tags :<version> and :latest too), so pods
         # may name it as a user's manifest does.
         for ref, names in aliases.items():
@@ -421,25 +401,29 @@ class KubeletNode:
                 self.ctr("images", "tag", "--force", ref, alias)
 
     def _prune_images(self, wanted: set[str], aliases: set[str]) -> None:
-        """Earlier builds of the wanted images' repositories out of the store (the CRI's `sha256:` name of
-        each too), so a store kept between runs holds one build, not one per change; containerd's garbage
-        collector then frees the layers no image shares. The aliases (:latest) stay: they are tagged anew
-        after the import, and may still name an earlier build now."""
+        """Earlier builds of the wanted images' repositories out of the store, so a store kept between runs holds
+        one build, not one per change, and the CRI's `sha256:<id>` name of every build no other name is left to;
+        containerd's garbage collector then frees the layers no image shares. The aliases (:latest) are tagged
+        anew after this: the build they name now keeps no image."""
         repositories = {ref.rsplit(":", 1)[0] for ref in wanted}
         listing = [line.split() for line in self.ctr("images", "list").stdout.splitlines()[1:]]
         digest = {row[0]: row[2] for row in listing if len(row) > 2}
-        kept = {digest.get(ref) for ref in wanted}
-        stale = [r for r in digest if r not in wanted | aliases and r.rsplit(":", 1)[0] in repositories]
-        stale_digests = {digest[r] for r in stale + list(aliases & digest.keys())} - kept
-        stale += [r for r in digest if r.startswith("sha256:") and digest[r] in stale_digests]
+        named = {r for r in digest if not r.startswith("sha256:")}
+        stale = {r for r in named - wanted - aliases if r.rsplit(":", 1)[0] in repositories}
+        kept = {digest[r] for r in named - stale - aliases}
+        stale |= {r for r in digest if r.startswith("sha256:") and digest[r] not in kept}
         if stale:
-            log.info("%s: removing earlier images %s", self.name, " ".join(stale))
-            self.ctr("images", "remove", *stale)
+            log.info("%s: removing earlier images %s", self.name, " ".join(sorted(stale)))
+            self.ctr("images", "remove", *sorted(stale))
 
-    def _import(self, ref: str, archive: Path) -> None:
-        r = self.ctr("images", "import", "--no-unpack=false", str(archive), timeout=1800)
+    def _pull(self, remote: str, ref: str) -> None:
+        """`remote` pulled (the blobs the store lacks; unpacked for the CRI) and named `ref`; the registry's
+        name, whose port is this run's, removed."""
+        self.ctr("images", "pull", "--plain-http", remote, timeout=1800)
+        self.ctr("images", "tag", "--force", remote, ref)
+        self.ctr("images", "remove", remote)
         if ref not in self.ctr("images", "list", "--quiet").stdout.split():
-            raise RuntimeError(f"{self.name}: importing {archive} did not give {ref}: {r.stdout[-500:]}")
+            raise RuntimeError(f"{self.name}: pulling {remote} did not give {ref}")
 
     # ---- kubelet ----------------------------------------------------------
     def _start_kubelet(self, timeout: float) -> None:
@@ -447,10 +431,10 @@ class KubeletNode:
         assert cp is not None  # start() checked
         d = self.workdir
         # The bridge first, with the node's address: the kubelet checks that --node-ip is one of the host's.
-        if _run("ip", "link", "show", self.bridge, check=False).returncode != 0:
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "replace", f"{self.ip}/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        if procs.run_tool("ip", "link", "show", self.bridge, check=False).returncode != 0:
+            procs.run_tool("ip", "link", "add", self.bridge, "type", "bridge")
+        procs.run_tool("ip", "addr", "replace", f"{self.ip}/24", "dev", self.bridge)
+        procs.run_tool("ip", "link", "set", self.bridge, "up")
         for hierarchy in self._cgroup_hierarchies():
             (hierarchy / self.cgroup_root.lstrip("/")).mkdir(exist_ok=True)
         # Its client certificate: the Node authorizer's identity, bound to the system:node role below.
@@ -641,7 +625,7 @@ class KubeletNode:
         """Unmount what containerd and the kubelet mounted below `folder` (rootfs overlays, shm, netns,
         volumes), deepest first."""
         for target in sorted(_mounts_under(folder), key=len, reverse=True):
-            _run("umount", "--lazy", target, check=False)
+            procs.run_tool("umount", "--lazy", target, check=False)
 
     def _cgroup_hierarchies(self) -> list[Path]:
         return [p for p in CGROUP_FS.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "unified"]
@@ -760,7 +744,9 @@ def _mounts_under(folder: Path) -> list[str]:
 
 def _buildah_aliases(ref: str) -> list[str]:
     """The other names of `ref`'s image in buildah's store."""
-    listing = _run("buildah", "images", "--noheading", "--no-trunc", "--format", "{{.ID}} {{.Name}}:{{.Tag}}")
+    listing = procs.run_tool(
+        "buildah", "images", "--noheading", "--no-trunc", "--format", "{{.ID}} {{.Name}}:{{.Tag}}"
+    )
     rows = [line.split() for line in listing.stdout.splitlines()]
     image_id = next((i for i, name in rows if name == ref), None)
     return [name for i, name in rows if i == image_id and name != ref]
@@ -772,19 +758,19 @@ def _kube_chains() -> set[tuple[str, str, str]]:
         (command, table, line.split()[1])
         for command in ("iptables", "ip6tables")
         for table in IPTABLES_TABLES
-        for line in _run(command, "-t", table, "-S", check=False).stdout.splitlines()
+        for line in procs.run_tool(command, "-t", table, "-S", check=False).stdout.splitlines()
         if line.startswith("-N KUBE-")
     }
 
 
 def _remove_chain(command: str, table: str, chain: str) -> None:
     """The rules that jump to `chain`, then the chain itself."""
-    for rule in _run(command, "-t", table, "-S", check=False).stdout.splitlines():
+    for rule in procs.run_tool(command, "-t", table, "-S", check=False).stdout.splitlines():
         words = shlex.split(rule)
         if words[:1] == ["-A"] and words[-2:] == ["-j", chain]:
-            _run(command, "-t", table, "-D", *words[1:], check=False)
-    _run(command, "-t", table, "-F", chain, check=False)
-    _run(command, "-t", table, "-X", chain, check=False)
+            procs.run_tool(command, "-t", table, "-D", *words[1:], check=False)
+    procs.run_tool(command, "-t", table, "-F", chain, check=False)
+    procs.run_tool(command, "-t", table, "-X", chain, check=False)
 
 
 @contextlib.contextmanager

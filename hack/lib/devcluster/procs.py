@@ -40,6 +40,13 @@ def sbin_path() -> dict[str, str]:
     return {**os.environ, "PATH": os.pathsep.join(path + [d for d in SBIN if d not in path])}
 
 
+def run_tool(*argv: str | Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A system tool run to its end (buildah, ctr, ip, iptables: found on sbin_path()), its output captured."""
+    return subprocess.run(
+        [str(a) for a in argv], check=check, capture_output=True, text=True, timeout=timeout, env=sbin_path()
+    )
+
+
 def spawn(
     argv: Sequence[str],
     log_path: Path | None = None,
