@@ -44,6 +44,7 @@ WHOLE_STACK = {
     "tests/weights/test_weight_dp.py",
     "tests/cluster/test_kubelet_node.py",
     "tests/cluster/test_kubelet_cli.py",
+    "tests/chart/test_chart_cluster.py",  # its own cluster of a kubelet node (its `cluster` fixture)
 }
 
 

@@ -1,4 +1,5 @@
-"""The chart on the dev cluster, in the order a user meets it (one install shared by the module):
+"""The chart on a dev cluster of its own, a node of the real kubelet and containerd running the project's image
+(the chart's default image, tagged on the node), in the order a user meets it (one install shared by the module):
 every rendered object passes the API server's dry run; `helm install --wait` runs the operator in the cluster;
 it runs an InferenceDeployment of 2 real daemons and a router, and resets them (no operator process outside
 the cluster); a real Prometheus, configured from the installed PodMonitors, ServiceMonitor and PrometheusRule,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,12 +45,12 @@ from monitoring.operator_config import (
 )
 from monitoring.prometheus import Prometheus
 
-from chart.tools import CHART, Helm, tool
+from chart.tools import CHART, Helm, apply_monitoring_crds, tool
 from support import ROOT
-from support.cluster import Cluster
+from support.cluster import Cluster, kubelet_cluster, needs_kubelet_node
 from support.procs import free_port, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900), needs_kubelet_node]
 
 RELEASE, RELEASE_NS, FLEET_NS = "kvpilot", "kvpilot-system", "chart-fleet"
 OPERATOR = "kvpilot-operator"
@@ -113,13 +115,24 @@ def warm(fleet: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
+def cluster(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """This module's own cluster (not the session's node agent): the operator, the daemons and the router run as
+    containers of the image users deploy, under `helm install` with the chart's defaults."""
+    workdir = tmp_path_factory.mktemp("chart-cluster")
+    # "dev": a user of no rights but the namespaces' edit and view roles bound to it here
+    with kubelet_cluster(workdir, images=(project_image,), extra_users={"dev": ()}) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="module")
 def kube_helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Helm:
     return Helm(tmp_path_factory.mktemp("helm-cluster"), kubeconfig=cluster.kubeconfig)
 
 
 @pytest.fixture(scope="module")
-def release(cluster: Cluster, kube_helm: Helm, monitoring_crds_applied: None) -> Iterator[None]:
+def release(cluster: Cluster, kube_helm: Helm) -> Iterator[None]:
     """`helm install --wait` with every monitoring toggle on; the time to a Ready operator is recorded."""
+    apply_monitoring_crds(cluster)
     t0 = time.monotonic()
     r = helm_chart(kube_helm, "install", RELEASE, *INSTALL_WAIT, *MONITORING, timeout=400)
     INSTALL["notes"] = r.stdout
@@ -192,9 +205,16 @@ def prometheus(
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> Iterator[dict[str, str]]:
+def fleet(
+    cluster: Cluster, release: None, lora_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
     """An InferenceDeployment of 2 real daemons (the embedded model and a LoRA adapter, so the dashboards'
     adapter panels have series) with an admin token and a fleet router; daemon pod name -> IP."""
+    # The adapter from the host, readable by the image's user (uid 10001): safetensors writes its weights 0600.
+    adapter = tmp_path_factory.mktemp("chart-adapter") / "sql"
+    shutil.copytree(lora_adapters["every-layer"], adapter)
+    for f in (adapter, *adapter.iterdir()):
+        f.chmod(0o755 if f.is_dir() else 0o644)
     cluster.kubectl("create", "namespace", FLEET_NS)
     wait_for(
         lambda: cluster.kubectl("get", "sa", "default", "-n", FLEET_NS, check=False).returncode == 0, 30, "sa"
@@ -217,13 +237,17 @@ def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> It
                 "maxNumSeqs": 4,
                 "maxModelLen": 512,
                 "kvOffloadingSize": 0.01,
-                "lora": {"modules": [{"name": "sql", "path": str(lora_adapters["every-layer"])}]},
+                "lora": {"modules": [{"name": "sql", "path": "/adapters/sql"}]},
             },
-            "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
+            # the folder itself: its parents (pytest's) are root's alone
+            "volumes": [{"name": "sql", "hostPath": {"path": str(adapter)}}],
+            "volumeMounts": [{"name": "sql", "mountPath": "/adapters/sql", "readOnly": True}],
         },
     }
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
-    cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
+    cluster.kubectl(
+        "wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s", timeout=310
+    )
 
     def ready_pods() -> dict[str, str]:
         pods = cluster.kubectl_json(
@@ -335,18 +359,20 @@ def test_reset_by_the_in_cluster_operator(
     assert (st["phase"], st["progress"], st["succeeded"], st["failed"]) == ("Succeeded", "2/2", 2, 0)
     assert {p["name"] for p in st["pods"]} == set(fleet)
     warm(fleet)  # post-reset traffic: misses, then hits again
-    # A WeightUpdate to the weights they serve under a new version name (the embedded model's own directory):
-    # the weight panels and metrics have data.
-    from kvpilot.default_model import ensure_default_model
-
+    # A WeightUpdate to the weights they serve under a new version name (the embedded model's own directory, as
+    # the image has it): the weight panels and metrics have data.
+    where = "from kvpilot.default_model import ensure_default_model as m; print(m())"
+    model_path = cluster.kubectl("exec", "deploy/llm", "-n", FLEET_NS, "--", "python3", "-c", where).stdout
     wu = {
         "apiVersion": "kvpilot.io/v1alpha1",
         "kind": "WeightUpdate",
         "metadata": {"name": "rename", "namespace": FLEET_NS},
-        "spec": {"targetRef": {"name": "llm"}, "modelPath": str(ensure_default_model()), "version": "v2"},
+        "spec": {"targetRef": {"name": "llm"}, "modelPath": model_path.strip(), "version": "v2"},
     }
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(wu))
-    cluster.kubectl("wait", "--for=condition=Complete", "wu/rename", "-n", FLEET_NS, "--timeout=300s")
+    cluster.kubectl(
+        "wait", "--for=condition=Complete", "wu/rename", "-n", FLEET_NS, "--timeout=300s", timeout=310
+    )
     log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
     assert "flush" in log, "the in-cluster operator's log should show the reset"
     # The fleet's NetworkPolicy lets exactly this operator pod reach the daemons: the chart tells the operator

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from support import ROOT
+from support.cluster import Cluster
 
 CHART = ROOT / "charts" / "kvpilot"
 
@@ -39,6 +40,15 @@ def monitoring_crds() -> Path:
     if not list(crds.glob("monitoring.coreos.com_*.yaml")):
         pytest.fail(f"no monitoring.coreos.com CRDs in {crds}: run `make tools`")
     return crds
+
+
+def apply_monitoring_crds(cluster: Cluster) -> None:
+    """The prometheus-operator's CRDs applied (server-side, as README's Monitoring block does) and served."""
+    cluster.kubectl("apply", "--server-side", "-f", str(monitoring_crds()))
+    for crd in ("podmonitors", "servicemonitors", "prometheusrules"):
+        cluster.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}.monitoring.coreos.com", "--timeout=60s"
+        )
 
 
 class Helm:

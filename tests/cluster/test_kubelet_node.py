@@ -7,15 +7,13 @@ whose kubelet died, and `helm test`."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from chart.tools import CHART, Helm
 
-from support import ROOT
-from support.cluster import Cluster, kubelet_cluster, needs_kubelet_node
+from support.cluster import Cluster, kubelet_cluster, manifest, needs_kubelet_node
 from support.operator import (
     apply_ns,
     cached_tokens,
@@ -33,31 +31,22 @@ pytestmark = [
     needs_kubelet_node,
 ]
 
-BUILD = ROOT / "hack" / "image" / "build.sh"
 NS = "real"
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
-    """The project's image by its content-hash tag (hack/image/build.sh: minutes when its inputs changed)."""
-    r = subprocess.run(["bash", str(BUILD)], stdout=subprocess.PIPE, text=True, timeout=3600)
-    assert r.returncode == 0, "hack/image/build.sh failed (its log is above)"
-    return r.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def real(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list]]:
-    with kubelet_cluster(tmp_path_factory.mktemp("kubelet-cluster"), images=(image,)) as c:
+def real(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list]]:
+    with kubelet_cluster(tmp_path_factory.mktemp("kubelet-cluster"), images=(project_image,)) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def operator(real: tuple[Cluster, list], image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def operator(real: tuple[Cluster, list], project_image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """README's Helm block on the real nodes: the operator as a container of the image, reaching the API server
     at the `kubernetes` Service through kube-proxy, as on any cluster; its pod's name."""
     cluster, _ = real
     helm = Helm(tmp_path_factory.mktemp("helm"), cluster.kubeconfig)
-    repository, tag = image.rsplit(":", 1)
+    repository, tag = project_image.rsplit(":", 1)
     helm(
         "install", "kvpilot", str(CHART), "-n", "kvpilot-system", "--create-namespace", "--wait", "--timeout=5m",
         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
@@ -71,13 +60,13 @@ def operator(real: tuple[Cluster, list], image: str, tmp_path_factory: pytest.Te
 
 
 @pytest.fixture(scope="module")
-def llm(real: tuple[Cluster, list], operator: str, image: str) -> dict[str, str]:
+def llm(real: tuple[Cluster, list], operator: str, project_image: str) -> dict[str, str]:
     """A one-pod fleet of the project's image, limited to one CPU; pod name -> IP once Ready."""
     cluster, _ = real
     create_namespace(cluster, NS)
     spec = {
         "replicas": 1,
-        "image": image,
+        "image": project_image,
         "imagePullPolicy": "Never",  # no registry: the image is in the node's containerd or nowhere
         "resources": {"limits": {"cpu": "1", "memory": "3Gi"}},
         "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
@@ -172,6 +161,25 @@ def test_a_container_stopped_by_crictl_mid_reset_is_waited_for_then_reset(
     status = daemon()
     assert status["restartCount"] == before + 1 and status["ready"], status
     assert cached_tokens(ip) == 0, "the restarted daemon was reset"
+
+
+def test_a_weight_update_the_daemons_user_cannot_read_fails_saying_why(
+    real: tuple[Cluster, list], llm: dict[str, str]
+) -> None:
+    """A checkpoint path the image's user (uid 10001) may not read: each pod refuses it, 404 with the reason
+    (it was a 500: the daemon's stat raised PermissionError unhandled), and serves on unchanged."""
+    cluster, _ = real
+    ((pod, ip),) = llm.items()
+    spec = {"targetRef": {"name": "llm"}, "modelPath": "/root/checkpoint", "version": "v9"}
+    apply_ns(cluster, NS, manifest("kvpilot.io/v1alpha1", "WeightUpdate", "unreadable", spec))
+    cluster.kubectl(
+        "wait", "--for=jsonpath={.status.completionTime}", "wu/unreadable", "-n", NS, "--timeout=120s"
+    )
+    st = cluster.kubectl_json("get", "wu", "unreadable", "-n", NS)["status"]
+    (record,) = st["pods"]
+    assert (st["phase"], record["name"], record["result"]) == ("Failed", pod, "Failed"), st
+    assert "HTTP 404" in record["message"] and "Permission denied" in record["message"], record
+    cached_tokens(ip)  # it still serves
 
 
 def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(

@@ -28,6 +28,7 @@ from support.procs import spawn, stop, wait_for
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
+IMAGE_BUILD = ROOT / "hack" / "image" / "build.sh"
 NODES = ("node-1", "node-2")
 
 
@@ -58,11 +59,19 @@ class Cluster:
     def apps(self) -> client.AppsV1Api:
         return client.AppsV1Api(self.api)
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, token: str | None = None):
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        token: str | None = None,
+        timeout: float = 120,
+    ):
+        """kubectl ARGS; `timeout` bounds the process (longer than a `kubectl wait --timeout` in ARGS)."""
         argv = [KUBECTL, f"--kubeconfig={self.kubeconfig}", *args]
         if token:
             argv.insert(2, f"--token={token}")
-        r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
         return r
@@ -129,13 +138,16 @@ needs_kubelet_node = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> Iterator[tuple[Cluster, list]]:
-    """A control plane with kube-scheduler and `nodes` nodes run by the real kubelet, containerd and runc, with
-    kube-proxy (devcluster.kubeletnode), each with `images` imported; torn down after, the host put back."""
+def kubelet_cluster(
+    workdir: Path, images: tuple[str, ...], nodes: int = 1, **control_plane: Any
+) -> Iterator[tuple[Cluster, list]]:
+    """A control plane (ControlPlane's fields in `control_plane`) with kube-scheduler and `nodes` nodes run by the
+    real kubelet, containerd and runc, with kube-proxy (devcluster.kubeletnode), each with `images` imported;
+    torn down after, the host put back."""
     from devcluster.kubeletnode import kubelet_nodes
 
     # The kubelet reports every 4 s (kubeletnode.py): a node 16 s silent is down.
-    with ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16) as cp:
+    with ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16, **control_plane) as cp:
         with kubelet_nodes(cp, workdir / "nodes", nodes, images=images) as started:
             api = config.new_client_from_config(config_file=str(cp.kubeconfig))
             first = started[0]
@@ -143,6 +155,15 @@ def kubelet_cluster(workdir: Path, images: tuple[str, ...], nodes: int = 1) -> I
                 Cluster(cp, cp.kubeconfig, api, first.log("kubelet"), first.pod_cidr, rootful=True, slot=0),
                 started,
             )
+
+
+@pytest.fixture(scope="session")
+def project_image() -> str:
+    """The project's image by its content-hash tag (hack/image/build.sh: minutes when its inputs changed, else
+    it only hashes them), for clusters of kubelet nodes."""
+    r = subprocess.run(["bash", str(IMAGE_BUILD)], stdout=subprocess.PIPE, text=True, timeout=3600)
+    assert r.returncode == 0, "hack/image/build.sh failed (its log is above)"
+    return r.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="session")
