@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 from kubernetes import client, config
 
 from devcluster import ControlPlane
+from devcluster.kubeletnode import cannot_run_here
 from support import ROOT
 from support.procs import spawn, stop, wait_for
 
@@ -131,10 +131,8 @@ def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
         cp.stop()
 
 
-needs_kubelet_node = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("apt-get") and not shutil.which("containerd"),
-    reason="a node of the real kubelet needs root and containerd (Debian's, installed with apt-get)",
-)
+_NO_KUBELET_NODE = cannot_run_here()
+needs_kubelet_node = pytest.mark.skipif(_NO_KUBELET_NODE is not None, reason=_NO_KUBELET_NODE or "")
 
 
 @contextlib.contextmanager

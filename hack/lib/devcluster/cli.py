@@ -29,7 +29,7 @@ from kubernetes import config
 from . import netns
 from .binaries import REPO_ROOT
 from .controlplane import ControlPlane
-from .kubeletnode import KubeletNode, kubelet_nodes
+from .kubeletnode import KubeletNode, cannot_run_here, kubelet_nodes
 from .nodeagent import NodeAgent, NodeSpec
 
 LAUNCHER = REPO_ROOT / "hack" / "cluster" / "devcluster.py"
@@ -129,6 +129,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if _running(d):
         print(f"dev cluster already running (pid {_pid(d)}); kubeconfig: {d / 'kubeconfig'}")
         return 0
+    if not args.node_agent and (problem := cannot_run_here()):
+        print(f"devcluster: {problem}", file=sys.stderr)
+        return 2
     from .binaries import ensure_binaries
 
     ensure_binaries()  # in the foreground, so build progress shows

@@ -95,6 +95,16 @@ int main(void) {
 """
 
 
+def cannot_run_here() -> str | None:
+    """Why nodes of the real kubelet cannot run on this machine, in a line with the way out; None when they can."""
+    fallback = "or `make cluster-up NODE_AGENT=1` for the Python node agent (pods as local processes)"
+    if os.geteuid() != 0:
+        return f"nodes of the real kubelet need root (containerd, runc, pod networks, buildah): run as root, {fallback}"
+    if not shutil.which("containerd", path=procs.sbin_path()["PATH"]) and not shutil.which("apt-get"):
+        return f"nodes of the real kubelet need containerd, runc and the CNI plugins (Debian's), {fallback}"
+    return None
+
+
 def ensure_runtime() -> None:
     """containerd, runc and the CNI plugins, from Debian (apt-get) when missing."""
     missing = [
