@@ -37,7 +37,8 @@ TINY_MODEL_SHAPE = dict(
 # session's servers, took this 24 GB machine into reclaim (no swap): the API server took over 60 s to answer a
 # TLS handshake, and both timed out. And a host runs one cluster of kubelet nodes at a time (one kube-proxy
 # owns its Service rules; the CLI test compares the host before and after): README's and the demo's
-# `make cluster-up` start one.
+# `make cluster-up` start one, these files start their own, and the session's `cluster` (support.cluster) is
+# one too: its tests run after all of these, in the same worker.
 WHOLE_STACK = {
     "tests/test_readme.py",
     "tests/operator/test_demo.py",
@@ -45,24 +46,33 @@ WHOLE_STACK = {
     "tests/cluster/test_kubelet_node.py",
     "tests/cluster/test_kubelet_cli.py",
     "tests/chart/test_chart_cluster.py",  # its own cluster of a kubelet node (its `cluster` fixture)
+    "tests/chart/test_chart_rbac.py",  # its own, with an audit log
 }
+
+
+def _on_the_sessions_cluster(item: pytest.Item) -> bool:
+    path = item.nodeid.split("::")[0]
+    names = getattr(item, "fixturenames", ())
+    return path not in WHOLE_STACK and "cluster" in names and "agent_cluster" not in names
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
-    one worker, so its module fixtures start once; and every test on the dev cluster runs in one worker, in
-    collection order, on one cluster. Those tests share cluster-wide objects (the CRDs, `kvpilot-system`,
-    the session's operator). WHOLE_STACK's tests start clusters of their own, one after the other."""
+    one worker, so its module fixtures start once; the tests on the session's cluster of kubelet nodes run in
+    WHOLE_STACK's worker, after WHOLE_STACK's own clusters, in collection order, on one cluster (they share
+    cluster-wide objects: the CRDs, `kvpilot-system`, the session's operator). The node agent's own tests
+    (`agent_cluster`) share one worker too."""
     for item in items:
         path = item.nodeid.split("::")[0]
-        if path in WHOLE_STACK:
+        if path in WHOLE_STACK or _on_the_sessions_cluster(item):
             group = "whole-stack"
-        elif "cluster" in getattr(item, "fixturenames", ()):
-            group = "devcluster"
+        elif "agent_cluster" in getattr(item, "fixturenames", ()):
+            group = "agent-cluster"
         else:
             group = path
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=_on_the_sessions_cluster)  # stable: each kind keeps its order
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -205,16 +204,10 @@ def prometheus(
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    cluster: Cluster, release: None, lora_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, str]]:
+def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> Iterator[dict[str, str]]:
     """An InferenceDeployment of 2 real daemons (the embedded model and a LoRA adapter, so the dashboards'
     adapter panels have series) with an admin token and a fleet router; daemon pod name -> IP."""
-    # The adapter from the host, readable by the image's user (uid 10001): safetensors writes its weights 0600.
-    adapter = tmp_path_factory.mktemp("chart-adapter") / "sql"
-    shutil.copytree(lora_adapters["every-layer"], adapter)
-    for f in (adapter, *adapter.iterdir()):
-        f.chmod(0o755 if f.is_dir() else 0o644)
+    adapter = lora_adapters["every-layer"]  # readable by the image's user (support.lora)
     cluster.kubectl("create", "namespace", FLEET_NS)
     wait_for(
         lambda: cluster.kubectl("get", "sa", "default", "-n", FLEET_NS, check=False).returncode == 0, 30, "sa"
@@ -239,7 +232,7 @@ def fleet(
                 "kvOffloadingSize": 0.01,
                 "lora": {"modules": [{"name": "sql", "path": "/adapters/sql"}]},
             },
-            # the folder itself: its parents (pytest's) are root's alone
+            # the folder itself: its parents (pytest's) are root's alone (support.cluster.readable_by_pods)
             "volumes": [{"name": "sql", "hostPath": {"path": str(adapter)}}],
             "volumeMounts": [{"name": "sql", "mountPath": "/adapters/sql", "readOnly": True}],
         },

@@ -22,9 +22,8 @@ import yaml
 
 from chart.tools import CHART, Helm
 from kvpilot.operator.fleets.builders import MANAGED_BY, RESET_ANNOTATION
-from support.cluster import Cluster, dev_cluster, manifest
+from support.cluster import Cluster, kubelet_cluster, manifest
 from support.operator import (
-    STANDIN_ENV,
     OperatorProcess,
     apply,
     apply_ns,
@@ -35,6 +34,7 @@ from support.operator import (
     pcr,
     ready_replicas,
     service_account_kubeconfig,
+    standin_spec,
     wait_phase,
 )
 from support.procs import wait_for
@@ -143,12 +143,14 @@ def unused(granted: list[Grant], made: list[Request]) -> set[tuple[str, str, str
 
 
 @pytest.fixture(scope="module")
-def audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with dev_cluster(
+def audited(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A cluster of its own (a node of the real kubelet) whose API server writes an audit log."""
+    with kubelet_cluster(
         tmp_path_factory.mktemp("audited"),
+        (project_image,),
         audit_policy=AUDIT_POLICY,
         apiserver_args=("--enable-admission-plugins=OwnerReferencesPermissionEnforcement",),
-    ) as cluster:
+    ) as (cluster, _):
         install_crds(cluster)
         yield cluster
 
@@ -195,9 +197,8 @@ def gone(cluster: Cluster, ns: str, kind: str, name: str) -> bool:
 
 def exercise(cluster: Cluster, ns: str) -> None:
     """Every feature that needs one of the operator's rights, and a router that runs."""
-    env = [*STANDIN_ENV, {"name": "KVPILOT_REAL_ROUTER", "value": "1"}]
-    env.append({"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")})
-    apply_ns(cluster, ns, fleet("f", {"replicas": 1, "env": env}))
+    real_router = [{"name": "KVPILOT_REAL_ROUTER", "value": "1"}]
+    apply_ns(cluster, ns, fleet("f", {"replicas": 1, **standin_spec(real_router)}))
     wait_for(lambda: ready_replicas(cluster, ns, "f", 1), 120, "a ready stand-in daemon")
     # A RoleBinding an older operator made for the router (to a Role of its own): roleRef cannot change, so
     # the operator replaces it (get, delete, then create through apply).

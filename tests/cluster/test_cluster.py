@@ -108,6 +108,12 @@ def web_pods(cluster: Cluster, ns: str) -> list[client.V1Pod]:
     return cluster.core.list_namespaced_pod(ns, label_selector="app=web").items
 
 
+@pytest.fixture(scope="session")
+def cluster(agent_cluster: Cluster) -> Cluster:
+    """This file is about the node agent (hack/lib/devcluster/nodeagent.py): its dev cluster, not the kubelet's."""
+    return agent_cluster
+
+
 @pytest.fixture(scope="module")
 def web(cluster: Cluster) -> str:
     ns = "web"

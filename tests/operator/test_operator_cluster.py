@@ -13,10 +13,9 @@ import pytest
 
 from kvpilot.operator import rbac
 from kvpilot.operator.fleets.targets import starting
-from support.cluster import Cluster
+from support.cluster import Cluster, host_folders
 from support.operator import (
     OP_NS,
-    STANDIN_ENV,
     OperatorProcess,
     apply_ns,
     cached_tokens,
@@ -31,6 +30,7 @@ from support.operator import (
     standin_deployment,
     standin_fleet,
     standin_pod,
+    standin_spec,
     wait_phase,
 )
 from support.procs import wait_for
@@ -84,12 +84,7 @@ def test_reset_three_real_daemons(
                     "maxModelLen": 512,
                     "lora": {"modules": [{"name": "sql", "path": str(lora_adapters["every-layer"])}]},
                 },
-                "env": [
-                    {
-                        "name": "KVPILOT_CACHE",
-                        "value": str(__import__("pathlib").Path.home() / ".cache" / "kvpilot"),
-                    }
-                ],
+                **host_folders(lora_adapters["every-layer"]),
             },
         ),
     )
@@ -571,7 +566,7 @@ def test_fleet_scale_drift_and_service(cluster: Cluster, ns: str) -> None:
         "the pod template put back",
     )
     # a spec change rolls out
-    apply_ns(cluster, ns, fleet("web", {"replicas": 3, "env": STANDIN_ENV, "engine": {"maxNumSeqs": 3}}))
+    apply_ns(cluster, ns, fleet("web", {"replicas": 3, **standin_spec(), "engine": {"maxNumSeqs": 3}}))
     wait_for(
         lambda: (
             "--max-num-seqs"
@@ -597,7 +592,7 @@ def test_server_side_apply_removes_what_the_spec_drops_and_never_loops(
 ) -> None:
     spec = {
         "replicas": 1,
-        "env": STANDIN_ENV,
+        **standin_spec(),
         "nodeSelector": {"pool": "a", "tier": "t1"},
         "resources": {"requests": {"cpu": "0.5"}, "limits": {"cpu": "0.5"}},
     }
@@ -684,8 +679,9 @@ def test_annotation_trigger_and_ttl(cluster: Cluster, ns: str) -> None:
     )
 
 
-def test_daemonset_placement_on_two_nodes(cluster: Cluster, ns: str) -> None:
-    apply_ns(cluster, ns, fleet("local", {"placement": "DaemonSet", "env": STANDIN_ENV}))
+def test_daemonset_placement_on_two_nodes(cluster: Cluster, ns: str, base_image: str) -> None:
+    # node-2 is the dev cluster's small node: stand-ins on the base image, tolerating its taint
+    apply_ns(cluster, ns, fleet("local", {"placement": "DaemonSet", **standin_spec(on_base=base_image)}))
     wait_for(lambda: ready_replicas(cluster, ns, "local", 2), 90, "one ready daemon per node")
     nodes = sorted(p["spec"]["nodeName"] for p in fleet_pods(cluster, ns, "local"))
     assert nodes == ["node-1", "node-2"]
@@ -914,7 +910,7 @@ def test_missing_target_fails_with_a_reason(cluster: Cluster, ns: str) -> None:
         pcr("early", {"targetRef": {"name": "late"}, "timeoutSeconds": 90, "waitForTarget": True}),
     )
     time.sleep(2)
-    apply_ns(cluster, ns, fleet("late", {"replicas": 1, "env": STANDIN_ENV}))
+    apply_ns(cluster, ns, fleet("late", {"replicas": 1, **standin_spec()}))
     r = cluster.kubectl(
         "wait", "--for=condition=Complete", "pcr/early", "-n", ns, "--timeout=100s", check=False
     )

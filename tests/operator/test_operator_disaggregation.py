@@ -101,7 +101,6 @@ def test_real_daemons_in_both_roles_hand_over_kv_and_reset_with_their_roles(
         "disaggregation": ROLES,
         "router": {"enabled": True},
         "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
-        "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
     }
     apply_ns(cluster, ns, fleet("pd", spec))
     cluster.kubectl("wait", "--for=condition=Ready", "infd/pd", "-n", ns, "--timeout=300s")

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from support.cluster import Cluster
-from support.operator import STANDIN_ENV, OperatorProcess, apply_ns, fleet, infd
+from support.operator import OperatorProcess, apply_ns, fleet, infd, standin_spec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -38,8 +38,8 @@ def test_the_printed_url_answers_from_the_host(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     ns = namespace
-    apply_ns(cluster, ns, fleet("llm", {"replicas": 1, "env": STANDIN_ENV, "router": {"enabled": True}}))
-    apply_ns(cluster, ns, fleet("plain", {"replicas": 1, "env": STANDIN_ENV}))
+    apply_ns(cluster, ns, fleet("llm", {"replicas": 1, **standin_spec(), "router": {"enabled": True}}))
+    apply_ns(cluster, ns, fleet("plain", {"replicas": 1, **standin_spec()}))
     for name in ("llm", "plain"):
         cluster.kubectl("wait", "--for=condition=Ready", f"infd/{name}", "-n", ns, "--timeout=180s")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.cluster import Cluster
-from support.operator import STANDIN_ENV, OperatorProcess, apply_ns, fleet, infd
+from support.operator import OperatorProcess, apply_ns, fleet, infd, standin_spec
 from support.procs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -44,7 +44,7 @@ def test_the_pool_follows_the_crd_and_the_spec(
     )
     spec = {
         "replicas": 0,
-        "env": STANDIN_ENV,
+        **standin_spec(),
         "router": {"enabled": True, "replicas": 0, "endpointPicker": {"enabled": True}},
     }
     clash = {"router": {"enabled": True, "endpointPicker": {"enabled": True, "port": 8080}}}

@@ -16,13 +16,13 @@ from kvpilot.operator.resets.drive import outcome
 from kvpilot.operator.resets.status import MAX_NAMED, skipped_note
 from support.cluster import Cluster
 from support.operator import (
-    STANDIN_ENV,
     OperatorProcess,
     apply_ns,
     fleet,
     fleet_pods,
     pcr,
     standin_fleet,
+    standin_spec,
     wait_phase,
 )
 from support.procs import wait_for
@@ -109,7 +109,7 @@ def test_get_shows_target_and_counts_and_missing_targets_fail_at_once(cluster: C
     apply_ns(cluster, ns, pcr("early", {"targetRef": {"name": "late"}, "waitForTarget": True}))
     wait_for(lambda: get_row(cluster, ns, "early")["PHASE"] == "Pending", 10, "phase Pending at first sight")
     assert get_row(cluster, ns, "early")["TARGET"] == "InferenceDeployment/late"
-    apply_ns(cluster, ns, fleet("late", {"replicas": 1, "env": STANDIN_ENV}))
+    apply_ns(cluster, ns, fleet("late", {"replicas": 1, **standin_spec()}))
     assert wait_end(cluster, ns, "early", 90).returncode == 0
     row = get_row(cluster, ns, "early")
     counts = (row["PHASE"], row["TARGETS"], row["SUCCEEDED"], row["FAILED"], row["SKIPPED"])

@@ -10,14 +10,12 @@ import base64
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from support.cluster import Cluster
 from support.operator import (
     PROMPT,
-    STANDIN_ENV,
     OperatorProcess,
     apply_ns,
     fleet,
@@ -25,6 +23,7 @@ from support.operator import (
     http,
     infd,
     service_endpoints,
+    standin_spec,
 )
 from support.procs import wait_for
 
@@ -64,7 +63,6 @@ def test_router_serves_the_fleet_and_resets_every_pod(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
     ns = namespace
-    cache = str(Path.home() / ".cache" / "kvpilot")
     apply_ns(
         cluster,
         ns,
@@ -74,7 +72,6 @@ def test_router_serves_the_fleet_and_resets_every_pod(
                 "replicas": 2,
                 "router": {"enabled": True},
                 "engine": {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512},
-                "env": [{"name": "KVPILOT_CACHE", "value": cache}],
             },
         ),
     )
@@ -212,7 +209,7 @@ def test_a_taken_name_is_reported_never_adopted(
     apply_ns(
         cluster,
         ns,
-        fleet("llm2", {"replicas": 1, "env": STANDIN_ENV, "router": {"enabled": True, "replicas": 0}}),
+        fleet("llm2", {"replicas": 1, **standin_spec(), "router": {"enabled": True, "replicas": 0}}),
     )
 
     def ready_reason() -> str | None:

@@ -11,13 +11,13 @@ import pytest
 
 from support.cluster import Cluster
 from support.operator import (
-    STANDIN_ENV,
     OperatorProcess,
     apply_ns,
     fleet,
     infd,
     pcr,
     standin_fleet,
+    standin_spec,
     wait_phase,
 )
 from support.procs import wait_for
@@ -43,7 +43,7 @@ def test_a_fleet_mounts_only_a_secret_that_consents(
     standin_fleet(cluster, ns, "a", replicas=1)
     cluster.kubectl("create", "secret", "generic", "theirs", "-n", ns, "--from-literal=token=their-token")
     for name, secret in (("b", "a-admin-token"), ("c", "theirs")):
-        spec = {"replicas": 1, "env": STANDIN_ENV, "adminTokenSecretRef": {"name": secret}}
+        spec = {"replicas": 1, **standin_spec(), "adminTokenSecretRef": {"name": secret}}
         apply_ns(cluster, ns, fleet(name, spec))
     for name, secret in (("b", "a-admin-token"), ("c", "theirs")):
         wait_for(
@@ -80,7 +80,7 @@ def test_a_fleet_never_takes_over_a_deployment_or_service_of_its_name(
     cluster.kubectl("create", "deployment", "web", "-n", ns, "--image=someone/else", "--replicas=0")
     cluster.kubectl("create", "service", "clusterip", "api", "-n", ns, "--tcp=80:8080")
     for name in ("web", "api"):
-        apply_ns(cluster, ns, fleet(name, {"replicas": 1, "env": STANDIN_ENV}))
+        apply_ns(cluster, ns, fleet(name, {"replicas": 1, **standin_spec()}))
     for name, kind in (("web", "Deployment"), ("api", "Service")):
         wait_for(
             lambda n=name: ready(cluster, ns, n).get("reason") == "NameConflict", 60, f"{name}: NameConflict"

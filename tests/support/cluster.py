@@ -32,6 +32,29 @@ IMAGE_BUILD = ROOT / "hack" / "image" / "build.sh"
 NODES = ("node-1", "node-2")
 
 
+def readable_by_pods(folder: Path) -> Path:
+    """`folder` and what it holds readable by every user: the image runs as uid 10001, and pytest's folders are
+    root's alone (0700; safetensors writes 0600). A pod reaches a hostPath folder through its mount, not its
+    parents, so the folder itself is enough."""
+    for f in [folder, *folder.rglob("*")]:
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    return folder
+
+
+def host_folders(*folders: Path) -> dict:
+    """The fields of a pod spec (an InferenceDeployment's too) that mount each of the host's `folders`
+    read-only, at the same path, in each container (readable_by_pods makes them readable there)."""
+    return {
+        "volumes": [
+            {"name": f"host-{i}", "hostPath": {"path": str(f), "type": "Directory"}}
+            for i, f in enumerate(folders)
+        ],
+        "volumeMounts": [
+            {"name": f"host-{i}", "mountPath": str(f), "readOnly": True} for i, f in enumerate(folders)
+        ],
+    }
+
+
 def manifest(api_version: str, kind: str, name: str, spec: dict) -> dict:
     """An object to create or apply: metadata is just its name (the namespace comes from the call)."""
     return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name}, "spec": spec}
@@ -46,10 +69,29 @@ class Cluster:
     pod_cidr: str
     rootful: bool
     slot: int
+    nodes: tuple = ()  # the KubeletNodes of a cluster of the real kubelet (kubelet_cluster)
 
     def netns_of(self, pod: client.V1Pod) -> str:
         """The network namespace the node agent made for `pod` (see netns.py)."""
         return f"kvp{self.slot}-{pod.metadata.uid.replace('-', '')[:8]}"
+
+    def node(self, name: str):
+        """The KubeletNode called `name` (its containerd and crictl)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise LookupError(f"no kubelet node {name!r} in this cluster: {[n.name for n in self.nodes]}")
+
+    def inspect(self, pod: dict, container: int = 0) -> dict:
+        """`crictl inspect` of the pod's container (by its index in the pod's status), on its node."""
+        container_id = pod["status"]["containerStatuses"][container]["containerID"].split("://", 1)[1]
+        node = self.node(pod["spec"]["nodeName"])
+        return json.loads(node.crictl("inspect", container_id).stdout)
+
+    def netns_path(self, pod: dict) -> str:
+        """The path of the network namespace the node's CNI made for `pod` (for `nsenter --net=`)."""
+        spec = self.inspect(pod)["info"]["runtimeSpec"]
+        return next(ns["path"] for ns in spec["linux"]["namespaces"] if ns["type"] == "network")
 
     @property
     def core(self) -> client.CoreV1Api:
@@ -137,20 +179,33 @@ needs_kubelet_node = pytest.mark.skipif(_NO_KUBELET_NODE is not None, reason=_NO
 
 @contextlib.contextmanager
 def kubelet_cluster(
-    workdir: Path, images: tuple[str, ...], nodes: int = 1, **control_plane: Any
+    workdir: Path,
+    images: tuple[str, ...],
+    nodes: int = 1,
+    small_node: tuple[str, ...] | None = None,
+    **control_plane: Any,
 ) -> Iterator[tuple[Cluster, list]]:
     """A control plane (ControlPlane's fields in `control_plane`) with kube-scheduler and `nodes` nodes run by the
-    real kubelet, containerd and runc, with kube-proxy (devcluster.kubeletnode), each with `images` imported;
-    torn down after, the host put back."""
+    real kubelet, containerd and runc, with kube-proxy (devcluster.kubeletnode), each with `images` imported,
+    and a tainted node of `small_node`'s images alone (kubelet_nodes); torn down after, the host put back."""
     from devcluster.kubeletnode import kubelet_nodes
 
     # The kubelet reports every 4 s (kubeletnode.py): a node 16 s silent is down.
     with ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16, **control_plane) as cp:
-        with kubelet_nodes(cp, workdir / "nodes", nodes, images=images) as started:
+        with kubelet_nodes(cp, workdir / "nodes", nodes, images=images, small_node=small_node) as started:
             api = config.new_client_from_config(config_file=str(cp.kubeconfig))
             first = started[0]
             yield (
-                Cluster(cp, cp.kubeconfig, api, first.log("kubelet"), first.pod_cidr, rootful=True, slot=0),
+                Cluster(
+                    cp,
+                    cp.kubeconfig,
+                    api,
+                    first.log("kubelet"),
+                    first.pod_cidr,
+                    True,
+                    0,
+                    nodes=tuple(started),
+                ),
                 started,
             )
 
@@ -165,7 +220,31 @@ def project_image() -> str:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def base_image(project_image: str) -> str:
+    """The image the project's was built on (Debian's python3 and nothing else): its OCI base-name label."""
+    label = "org.opencontainers.image.base.name"
+    fmt = '{{index .OCIv1.Config.Labels "' + label + '"}}'
+    argv = ["buildah", "inspect", "--type", "image", "--format", fmt, project_image]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), f"{project_image} has no {label}: {r.stderr}"
+    return r.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    project_image: str, base_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """The tests' dev cluster: node-1 runs the project's image, node-2 is a small node (its base alone: a
+    second store of the project's image would be another 10 GB of disk), tainted, for the tests that need two
+    nodes (support.operator.standin_spec(on_base=...))."""
+    workdir = tmp_path_factory.mktemp("devcluster")
+    images = (project_image, base_image)  # the base shares its layer with the project's image
+    with kubelet_cluster(workdir, images, small_node=(base_image,), extra_users={"dev": ()}) as (c, _):
+        yield c
+
+
+@pytest.fixture(scope="session")
+def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with dev_cluster(tmp_path_factory.mktemp("devcluster"), extra_users={"dev": ()}) as c:
         yield c
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from support.cluster import readable_by_pods
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -35,12 +37,14 @@ def make_adapter(
 def lora_adapters(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> dict[str, Path]:
     """Two adapters of the default model: one on every projection (r=8), one on q and v only (r=4)."""
     root = tmp_path_factory.mktemp("loras")
-    return {
+    adapters = {
         "every-layer": make_adapter(default_model_dir, root / "every-layer", seed=1),
         "attention-only": make_adapter(
             default_model_dir, root / "attention-only", seed=2, r=4, targets=["q_proj", "v_proj"]
         ),
     }
+    readable_by_pods(root)  # the dev cluster's pods mount them (support.cluster.host_folders)
+    return adapters
 
 
 def peft_greedy(

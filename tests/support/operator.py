@@ -2,9 +2,9 @@
 ServiceAccount bound to exactly the (cluster-wide) rules of kvpilot.operator.rbac, the operator as a subprocess, and
 builders and probes of fleets and resets.
 
-Pods find `kvpilot` as a user's pods do: the node agent puts the bin folder of the venv it runs from first on
-every pod's PATH (docs/cluster.md), so `kvpilot serve` is this checkout's daemon. Fleets whose daemon is not
-the point put tests/operator/shim/ first on PATH in their pod env, where `kvpilot` is a stand-in.
+Pods run the project's image (built from this checkout) on a node of the real kubelet (support.cluster), so
+`kvpilot serve` is this checkout's daemon. Fleets whose daemon is not the point mount tests/operator/ from the
+host (a read-only hostPath, at the same path) and put its shim/ first on PATH, where `kvpilot` is a stand-in.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,19 +23,41 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devcluster.kubeletnode import SMALL_NODE_TAINT
 from kvpilot.operator import rbac
 from support import ROOT
-from support.cluster import Cluster, manifest
+from support.cluster import Cluster, host_folders, manifest
 from support.procs import free_port, spawn, stop, wait_for
 
-SHIM = ROOT / "tests" / "operator" / "shim"
-VENV_BIN = str(Path(sys.executable).parent)
-# A pod env's PATH replaces the agent's: the stand-in's `python3` must still be the venv's.
-SHIM_PATH = os.pathsep.join([str(SHIM), VENV_BIN, os.environ.get("PATH", "/usr/bin:/bin")])
-STANDIN_ENV = [
-    {"name": "PATH", "value": SHIM_PATH}
-]  # a fleet's pod env: `kvpilot` is shim/kvpilot, a stand-in
+STANDIN_DIR = ROOT / "tests" / "operator"
+# A pod env's PATH replaces the image's (Containerfile's ENV): the stand-in's `python3` is still the image's venv.
+IMAGE_PATH = "/opt/kvpilot/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STANDIN_ENV = [{"name": "PATH", "value": f"{STANDIN_DIR / 'shim'}:{IMAGE_PATH}"}]
+STANDIN_VOLUME = {"name": "standin", "hostPath": {"path": str(STANDIN_DIR), "type": "Directory"}}
+STANDIN_MOUNT = {"name": "standin", "mountPath": str(STANDIN_DIR), "readOnly": True}
 OP_NS = "kvpilot-system"
+
+
+def standin_spec(env: list | None = None, on_base: str = "") -> dict:
+    """The fields of an InferenceDeployment's spec that make its daemons stand-ins (`env` added to their env).
+    `on_base`: the project image's base (support.cluster.base_image), Debian's python3 alone, which the dev
+    cluster's small node holds: there aiohttp comes from this venv's site-packages, mounted, and the pods
+    tolerate that node's taint."""
+    spec = {"env": [*STANDIN_ENV, *(env or [])], "volumes": [STANDIN_VOLUME], "volumeMounts": [STANDIN_MOUNT]}
+    if not on_base:
+        return spec
+    site = Path(sysconfig.get_path("purelib"))
+    mounted = host_folders(site)
+    spec["env"][0] = {"name": "PATH", "value": f"{STANDIN_DIR / 'shim'}:/usr/local/bin:/usr/bin:/bin"}
+    spec["env"].append({"name": "PYTHONPATH", "value": str(site)})
+    return {
+        **spec,
+        "image": on_base,
+        "imagePullPolicy": "Never",
+        "tolerations": [{**SMALL_NODE_TAINT, "operator": "Equal"}],
+        "volumes": [*spec["volumes"], *mounted["volumes"]],
+        "volumeMounts": [*spec["volumeMounts"], *mounted["volumeMounts"]],
+    }
 
 
 class OperatorProcess:
@@ -142,10 +165,9 @@ def service_endpoints(cluster: Cluster, ns: str, service: str) -> dict[str, bool
 
 
 def container_pid(cluster: Cluster, ns: str, pod: str) -> int:
-    """The pid of the pod's first container: the dev cluster's node agent names the process in containerID
-    (its process group is the container's)."""
-    obj = cluster.kubectl_json("get", "pod", pod, "-n", ns)
-    return int(obj["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[-1])
+    """The host pid of the pod's first container's process (its pid 1: a signal to it from the host's pid
+    namespace is delivered, SIGKILL ends the container, SIGSTOP freezes the daemon), as its runtime says."""
+    return int(cluster.inspect(cluster.kubectl_json("get", "pod", pod, "-n", ns))["info"]["pid"])
 
 
 def infd(cluster: Cluster, ns: str, name: str) -> dict:
@@ -173,7 +195,7 @@ def apply_ns(cluster: Cluster, ns: str, obj: dict) -> None:
 def standin_fleet(cluster: Cluster, ns: str, name: str, replicas: int = 2, env: list | None = None) -> None:
     """An InferenceDeployment of `replicas` stand-in daemons in `ns` (`env` added to their pod env), waited for
     until all are ready."""
-    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, "env": [*STANDIN_ENV, *(env or [])]}))
+    apply_ns(cluster, ns, fleet(name, {"replicas": replicas, **standin_spec(env)}))
     wait_for(lambda: ready_replicas(cluster, ns, name, replicas), 90, f"{replicas} ready stand-in daemons")
 
 
@@ -181,7 +203,8 @@ def standin_deployment(name: str, replicas: int, labels: dict, env: list | None 
     """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
     container = {
         "name": "d",
-        "image": "ignored",
+        "image": "ghcr.io/kvpilot/kvpilot:latest",  # the project's image under its name on the nodes
+        "imagePullPolicy": "Never",  # no registry serves it
         "command": ["kvpilot", "serve"],
         "args": ["--host", "$(POD_IP)", "--port", "8000"],
         "env": [
@@ -190,10 +213,11 @@ def standin_deployment(name: str, replicas: int, labels: dict, env: list | None 
             *(env or []),
         ],
         # named as a fleet pod's port is: the fleet Service's targetPort (its endpoints list the pod then)
+        "volumeMounts": [STANDIN_MOUNT],
         "ports": [{"name": "http", "containerPort": 8000}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
     }
-    pod = {"terminationGracePeriodSeconds": 1, "containers": [container]}
+    pod = {"terminationGracePeriodSeconds": 1, "containers": [container], "volumes": [STANDIN_VOLUME]}
     return manifest(
         "apps/v1",
         "Deployment",

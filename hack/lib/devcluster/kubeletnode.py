@@ -78,6 +78,9 @@ RUN_ROOT = Path("/var/lib/kvpilot-nodes")
 LOCKS = RUN_ROOT / "locks"
 HOST_STATE = RUN_ROOT / "host-state.json"
 MAX_SLOTS = 8  # kubelet nodes running at once on one machine
+# A node that holds only small images (kubelet_nodes' `small_node`): a store of the project's image is some 10 GB
+# of disk, too much for a second node on a test machine. Only pods that tolerate this taint run there.
+SMALL_NODE_TAINT = {"key": "kvpilot.dev/small-node", "value": "true", "effect": "NoSchedule"}
 
 # The pod sandbox's process: it holds the pod's namespaces and reaps orphans, as Kubernetes' pause does.
 PAUSE_C = r"""
@@ -152,6 +155,7 @@ class KubeletNode:
     gpus: int = 1
     # buildah image references to have in the node's containerd before pods start (pushed once, cached).
     images: tuple[str, ...] = ()
+    taints: tuple[dict, ...] = ()  # registered with the Node (registerWithTaints)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, init=False)
     _api: client.ApiClient | None = field(default=None, init=False)
     _kubelet_argv: list[str] = field(default_factory=list, init=False)
@@ -500,6 +504,7 @@ class KubeletNode:
             "nodeStatusReportFrequency": "10s",
             "syncFrequency": "10s",
             "fileCheckFrequency": "5s",
+            "registerWithTaints": list(self.taints),
         }
         (d / "manifests").mkdir(exist_ok=True)
         (d / "kubelet.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
@@ -785,18 +790,28 @@ def _remove_chain(command: str, table: str, chain: str) -> None:
 
 @contextlib.contextmanager
 def kubelet_nodes(
-    control_plane: ControlPlane, workdir: Path, count: int, gpus: int = 1, images: tuple[str, ...] = ()
+    control_plane: ControlPlane,
+    workdir: Path,
+    count: int,
+    gpus: int = 1,
+    images: tuple[str, ...] = (),
+    small_node: tuple[str, ...] | None = None,
 ) -> Iterator[list[KubeletNode]]:
-    """`count` nodes (node-1, ...) and the Services they share (serviceproxy.py), started in order and
-    stopped in reverse, also when one fails to start; the host put back."""
+    """`count` nodes (node-1, ...) with `images`, and, with `small_node`, one more with those images alone,
+    tainted SMALL_NODE_TAINT; the Services they share (serviceproxy.py); started in order and stopped in
+    reverse, also when one fails to start; the host put back."""
     from .serviceproxy import ServiceProxy  # it names this module's nodes' addresses
 
     nodes: list[KubeletNode] = []
     services = None
     try:
-        for i in range(1, count + 1):
+        shapes = [(images, ())] * count + (
+            [(small_node, (SMALL_NODE_TAINT,))] if small_node is not None else []
+        )
+        for i, (node_images, taints) in enumerate(shapes, start=1):
+            name = f"node-{i}"
             nodes.append(
-                KubeletNode(f"node-{i}", control_plane, workdir / f"node-{i}", gpus=gpus, images=images)
+                KubeletNode(name, control_plane, workdir / name, gpus=gpus, images=node_images, taints=taints)
             )
             nodes[-1].start()
         services = ServiceProxy(control_plane, workdir / "services", nodes[0].ip, f"{POD_NET_PREFIX}.0.0/16")
