@@ -76,17 +76,16 @@ lint: setup-test
 bench-engine: setup
 	$(PY) bench/engine.py
 
-# ---- dev cluster (docs/cluster.md): etcd + kube-apiserver + kube-controller-manager + node agent
+# ---- dev cluster (docs/cluster.md): etcd, kube-apiserver, kube-controller-manager, kube-scheduler, nodes of the real kubelet
 CLUSTER_DIR ?= .cluster
 .PHONY: cluster-build cluster-up cluster-down
 
 cluster-build:
 	bash hack/cluster/build.sh
 
-# Nodes of the real kubelet, containerd and runc running the project's image (docs/cluster.md); NODE_AGENT=1: the
-# Python node agent, pods as local processes of .venv (no containerd, no image).
+# Nodes of the real kubelet, containerd and runc running the project's image (docs/cluster.md).
 cluster-up: cluster-build
-	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR) $(if $(NODE_AGENT),--node-agent)
+	$(PY) hack/cluster/devcluster.py up --dir $(CLUSTER_DIR)
 
 cluster-down:
 	$(PY) hack/cluster/devcluster.py down --dir $(CLUSTER_DIR)

@@ -3,8 +3,9 @@ bench/results/.
 
     .venv/bin/python bench/warmup_gate.py [--rounds 2]
 
-What runs: the dev cluster (hack/cluster/devcluster.py: etcd, kube-apiserver, kube-controller-manager and the
-node agent, which runs each pod as a real `kvpilot serve` on the embedded model), the operator
+What runs: the dev cluster (hack/cluster/devcluster.py: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and a node of the real kubelet, which runs each pod of the project's image, a real `kvpilot serve`
+on the embedded model), the operator
 (`kvpilot operator --standalone`), an InferenceDeployment of 2 daemons and a Continuous PrefixCacheWarmup of
 one long system prompt (docs/warmup.md). For each mode, `gateReadiness: false` then `true`, and each round:
 the fleet is scaled from 2 to 3; the script watches the fleet Service's EndpointSlices (what kube-proxy and

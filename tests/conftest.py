@@ -52,8 +52,7 @@ WHOLE_STACK = {
 
 def _on_the_sessions_cluster(item: pytest.Item) -> bool:
     path = item.nodeid.split("::")[0]
-    names = getattr(item, "fixturenames", ())
-    return path not in WHOLE_STACK and "cluster" in names and "agent_cluster" not in names
+    return path not in WHOLE_STACK and "cluster" in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups into the test ids
@@ -61,16 +60,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Groups for `make test`'s workers (pytest-xdist, --dist loadgroup): a file's tests stay together in
     one worker, so its module fixtures start once; the tests on the session's cluster of kubelet nodes run in
     WHOLE_STACK's worker, after WHOLE_STACK's own clusters, in collection order, on one cluster (they share
-    cluster-wide objects: the CRDs, `kvpilot-system`, the session's operator). The node agent's own tests
-    (`agent_cluster`) share one worker too."""
+    cluster-wide objects: the CRDs, `kvpilot-system`, the session's operator)."""
     for item in items:
         path = item.nodeid.split("::")[0]
-        if path in WHOLE_STACK or _on_the_sessions_cluster(item):
-            group = "whole-stack"
-        elif "agent_cluster" in getattr(item, "fixturenames", ()):
-            group = "agent-cluster"
-        else:
-            group = path
+        group = "whole-stack" if path in WHOLE_STACK or _on_the_sessions_cluster(item) else path
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=_on_the_sessions_cluster)  # stable: each kind keeps its order
 

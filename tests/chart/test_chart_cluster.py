@@ -115,7 +115,7 @@ def warm(fleet: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """This module's own cluster (not the session's node agent): the operator, the daemons and the router run as
+    """This module's own cluster (not the session's): the operator, the daemons and the router run as
     containers of the image users deploy, under `helm install` with the chart's defaults."""
     workdir = tmp_path_factory.mktemp("chart-cluster")
     # "dev": a user of no rights but the namespaces' edit and view roles bound to it here

@@ -1,5 +1,5 @@
 """The project's image as pods of the real kubelet, containerd and runc, with kube-proxy
-(devcluster.kubeletnode; docs/cluster.md#real-nodes): what the node agent cannot show. The chart's operator
+(devcluster.kubeletnode; docs/cluster.md#real-nodes). The chart's operator
 as a container, in-cluster through the `kubernetes` Service; the image's entrypoint and user, its cgroup
 limits setting the daemon's threads, the kubelet's probes and restarts, `kubectl logs` and `kubectl exec`
 through the kubelet, resets across them (one while `crictl stop` has the kubelet restart the daemon), a node

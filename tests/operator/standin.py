@@ -64,7 +64,7 @@ class Standin:
     resets: int = field(default=0, init=False)  # resets applied
     inflight: int = field(default=0, init=False)
     max_inflight: int = field(default=0, init=False)
-    # every request but GET /health (the node agent's readiness probe) and GET /calls (the test's own)
+    # every request but GET /health (the kubelet's readiness probe) and GET /calls (the test's own)
     requests: int = field(default=0, init=False)
     authorized: int = field(default=0, init=False)  # requests that carried an Authorization header
 

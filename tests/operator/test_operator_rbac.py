@@ -1,6 +1,6 @@
 """The operator with exactly its rbac.py rules against an API server that enforces OwnerReferencesPermissionEnforcement
 (as OpenShift and many hardened clusters do): owner references that block deletion need
-`inferencedeployments/finalizers: update`. No node agent: the objects the operator writes are the point."""
+`inferencedeployments/finalizers: update`. No nodes: the objects the operator writes are the point."""
 
 from __future__ import annotations
 

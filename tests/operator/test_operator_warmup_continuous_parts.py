@@ -209,17 +209,6 @@ def test_the_fleet_template_carries_the_gate_only_while_a_gating_warmup_targets_
     assert not gates({**w, "metadata": {"name": "w", "deletionTimestamp": "2026-01-01T00:00:00Z"}}, "llm")
 
 
-def test_the_dev_cluster_node_computes_ready_with_readiness_gates_as_the_kubelet_does() -> None:
-    from devcluster.nodeagent import readiness_gates
-
-    pod = {"spec": {"readinessGates": [{"conditionType": "kvpilot.io/warm"}]}}
-    ok, why = readiness_gates(pod, {})
-    assert not ok and 'readiness gate "kvpilot.io/warm" does not exist' in why
-    assert readiness_gates(pod, {"kvpilot.io/warm": {"status": "False"}})[0] is False
-    assert readiness_gates(pod, {"kvpilot.io/warm": {"status": "True"}}) == (True, "")
-    assert readiness_gates({"spec": {}}, {}) == (True, "")
-
-
 def test_gate_change_opens_shuts_on_a_restart_and_leaves_another_warmups_open_gate() -> None:
     def pod(cond: dict | None, started: str = "2026-01-01T00:01:00Z") -> dict:
         running = {"name": "daemon", "state": {"running": {"startedAt": started}}}

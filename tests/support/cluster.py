@@ -1,9 +1,9 @@
 """The dev cluster for tests against a real API server (see docs/cluster.md).
 
-The `cluster` fixture builds the binaries if needed (cached), starts etcd,
-kube-apiserver and kube-controller-manager in this process's control, and the
-node agent as a separate process (as a kubelet would be), then tears all of
-it down, also when tests fail or pytest is interrupted.
+The `cluster` fixture builds the binaries and the project's image if needed (cached), starts etcd,
+kube-apiserver, kube-controller-manager and kube-scheduler in this process's control, and nodes of the real
+kubelet, containerd and runc (devcluster.kubeletnode), then tears all of it down and puts the host back, also
+when tests fail or pytest is interrupted.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import contextlib
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +21,12 @@ import pytest
 from kubernetes import client, config
 
 from devcluster import ControlPlane
-from devcluster.kubeletnode import cannot_run_here
+from devcluster.kubeletnode import NODE_MONITOR_GRACE_S, KubeletNode, cannot_run_here, kubelet_nodes
 from support import ROOT
-from support.procs import spawn, stop, wait_for
+from support.procs import wait_for
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
-LAUNCHER = ROOT / "hack" / "cluster" / "devcluster.py"
 IMAGE_BUILD = ROOT / "hack" / "image" / "build.sh"
-NODES = ("node-1", "node-2")
 
 
 def readable_by_pods(folder: Path) -> Path:
@@ -65,17 +62,9 @@ class Cluster:
     cp: ControlPlane
     kubeconfig: Path
     api: client.ApiClient
-    agent_log: Path
-    pod_cidr: str
-    rootful: bool
-    slot: int
-    nodes: tuple = ()  # the KubeletNodes of a cluster of the real kubelet (kubelet_cluster)
+    nodes: tuple[KubeletNode, ...]
 
-    def netns_of(self, pod: client.V1Pod) -> str:
-        """The network namespace the node agent made for `pod` (see netns.py)."""
-        return f"kvp{self.slot}-{pod.metadata.uid.replace('-', '')[:8]}"
-
-    def node(self, name: str):
+    def node(self, name: str) -> KubeletNode:
         """The KubeletNode called `name` (its containerd and crictl)."""
         for node in self.nodes:
             if node.name == name:
@@ -129,50 +118,6 @@ class Cluster:
         return client.ApiClient(cfg)
 
 
-@contextlib.contextmanager
-def dev_cluster(workdir: Path, **control_plane: Any) -> Iterator[Cluster]:
-    """A control plane (ControlPlane's fields in `control_plane`) and a node agent of NODES, torn down after."""
-    if not Path(KUBECTL).exists():
-        pytest.fail("kubectl not found")
-    cp = ControlPlane(workdir=workdir / "cp", **control_plane)
-    agent = None
-    try:
-        cp.start(timeout=120)
-        agent_dir = workdir / "agent"
-        agent_dir.mkdir()
-        agent_log = workdir / "agent.log"
-        argv = [
-            sys.executable,
-            str(LAUNCHER),
-            "agent",
-            "--kubeconfig",
-            str(cp.kubeconfig),
-            "--workdir",
-            str(agent_dir),
-            "--nodes",
-            str(len(NODES)),
-            "--gpus",
-            "1",
-        ]
-        agent = spawn(argv, log_path=agent_log)
-
-        def agent_ready() -> str | None:
-            if agent.poll() is not None:
-                raise RuntimeError(f"node agent exited: {agent_log.read_text()[-2000:]}")
-            f = agent_dir / "agent-ready"
-            return f.read_text() if f.exists() else None
-
-        slot, cidr, _ = str(wait_for(agent_ready, 60, "the node agent")).split()
-        api = config.new_client_from_config(config_file=str(cp.kubeconfig))
-        yield Cluster(
-            cp, cp.kubeconfig, api, agent_log, cidr, rootful=not cidr.startswith("127."), slot=int(slot)
-        )
-    finally:
-        if agent is not None:
-            stop(agent, grace=40)  # SIGTERM: it stops its pods and removes their namespaces
-        cp.stop()
-
-
 _NO_KUBELET_NODE = cannot_run_here()
 needs_kubelet_node = pytest.mark.skipif(_NO_KUBELET_NODE is not None, reason=_NO_KUBELET_NODE or "")
 
@@ -188,26 +133,13 @@ def kubelet_cluster(
     """A control plane (ControlPlane's fields in `control_plane`) with kube-scheduler and `nodes` nodes run by the
     real kubelet, containerd and runc, with kube-proxy (devcluster.kubeletnode), each with `images` imported,
     and a tainted node of `small_node`'s images alone (kubelet_nodes); torn down after, the host put back."""
-    from devcluster.kubeletnode import kubelet_nodes
-
-    # The kubelet reports every 4 s (kubeletnode.py): a node 16 s silent is down.
-    with ControlPlane(workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=16, **control_plane) as cp:
+    grace = NODE_MONITOR_GRACE_S
+    with ControlPlane(
+        workdir=workdir / "cp", scheduler=True, node_monitor_grace_s=grace, **control_plane
+    ) as cp:
         with kubelet_nodes(cp, workdir / "nodes", nodes, images=images, small_node=small_node) as started:
             api = config.new_client_from_config(config_file=str(cp.kubeconfig))
-            first = started[0]
-            yield (
-                Cluster(
-                    cp,
-                    cp.kubeconfig,
-                    api,
-                    first.log("kubelet"),
-                    first.pod_cidr,
-                    True,
-                    0,
-                    nodes=tuple(started),
-                ),
-                started,
-            )
+            yield Cluster(cp, cp.kubeconfig, api, tuple(started)), started
 
 
 @pytest.fixture(scope="session")
@@ -240,12 +172,6 @@ def cluster(
     workdir = tmp_path_factory.mktemp("devcluster")
     images = (project_image, base_image)  # the base shares its layer with the project's image
     with kubelet_cluster(workdir, images, small_node=(base_image,), extra_users={"dev": ()}) as (c, _):
-        yield c
-
-
-@pytest.fixture(scope="session")
-def agent_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with dev_cluster(tmp_path_factory.mktemp("devcluster"), extra_users={"dev": ()}) as c:
         yield c
 
 

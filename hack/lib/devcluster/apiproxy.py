@@ -1,10 +1,9 @@
-"""The pod network's way to the API server: a TCP forwarder on the bridge.
+"""The pod network's way to the API server: a TCP forwarder on a node's bridge.
 
-The apiserver listens on loopback only, which a pod in its own network
-namespace cannot reach. The node agent listens on the bridge address, port
-443 (what kube-proxy gives the `kubernetes` Service), and copies bytes both
-ways to the apiserver. TLS passes through untouched: pods verify the
-apiserver's own certificate, which names every bridge address (controlplane.py).
+The apiserver listens on loopback only, which a pod in its own network namespace cannot reach. The forwarder
+listens on node-1's bridge address, the endpoint kube-proxy gives the `kubernetes` Service (serviceproxy.py),
+and copies bytes both ways to the apiserver. TLS passes through untouched: pods verify the apiserver's own
+certificate, which names the Service's ClusterIP (controlplane.py).
 """
 
 from __future__ import annotations
@@ -15,28 +14,12 @@ import threading
 from urllib.parse import urlsplit
 
 log = logging.getLogger("devcluster.apiproxy")
-SERVICE_PORT = 443
 
 
 def endpoint(url: str) -> tuple[str, int]:
     """(host, port) of an https URL such as a kubeconfig's server."""
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or 443
-
-
-def service_env(host: str, port: int) -> dict[str, str]:
-    """The variables a kubelet gives every pod for the `kubernetes` Service."""
-    addr = f"tcp://{host}:{port}"
-    return {
-        "KUBERNETES_SERVICE_HOST": host,
-        "KUBERNETES_SERVICE_PORT": str(port),
-        "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
-        "KUBERNETES_PORT": addr,
-        f"KUBERNETES_PORT_{port}_TCP": addr,
-        f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
-        f"KUBERNETES_PORT_{port}_TCP_PORT": str(port),
-        f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
-    }
 
 
 class ApiProxy:

@@ -1,13 +1,11 @@
-"""Command line: start a dev cluster in the background, stop it, or run parts.
+"""Command line: start a dev cluster in the background, stop it, or run it in the foreground.
 
 up     build if needed, start the control plane and nodes of the real kubelet, containerd
        and runc running the project's image (built if needed), detached; writes
-       <dir>/kubeconfig and returns once pods can run; with --node-agent, the Python
-       node agent (pods as local processes of the venv) instead
+       <dir>/kubeconfig and returns once pods can run
 down   stop what `up` started and remove what a killed run left (containers, mounts,
-       bridges, pod namespaces)
+       bridges, cgroups, the host's settings)
 run    the same as up, in the foreground (Ctrl-C stops it)
-agent  only the node agent, against an existing cluster (tests use this)
 """
 
 from __future__ import annotations
@@ -24,38 +22,11 @@ import threading
 import time
 from pathlib import Path
 
-from kubernetes import config
-
-from . import netns
 from .binaries import REPO_ROOT
 from .controlplane import ControlPlane
-from .kubeletnode import KubeletNode, cannot_run_here, kubelet_nodes
-from .nodeagent import NodeAgent, NodeSpec
+from .kubeletnode import NODE_MONITOR_GRACE_S, KubeletNode, cannot_run_here, kubelet_nodes
 
 LAUNCHER = REPO_ROOT / "hack" / "cluster" / "devcluster.py"
-
-
-def node_specs(count: int, gpus: int) -> list[NodeSpec]:
-    return [NodeSpec(name=f"node-{i + 1}", gpus=gpus) for i in range(count)]
-
-
-def run_agent(
-    kubeconfig: Path, workdir: Path, nodes: list[NodeSpec], stop: threading.Event, on_ready=None
-) -> None:
-    """Run a node agent until `stop` is set; always tears its networking down."""
-    api = config.new_client_from_config(config_file=str(kubeconfig))
-    agent = NodeAgent(api, netns.claim(), workdir, nodes)
-    try:
-        agent.start()
-        logging.info(
-            "node agent up: nodes %s, pod range %s", ", ".join(n.name for n in nodes), agent.network.cidr
-        )
-        if on_ready:
-            on_ready(agent)
-        while not stop.wait(1):  # a plain wait() would block signal handlers
-            pass
-    finally:
-        agent.stop()
 
 
 def run_kubelet_nodes(
@@ -97,28 +68,24 @@ def _stop_on_signals() -> threading.Event:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if not args.node_agent and not args.image:
+    if not args.image:
         args.image = _build_image()
     stop = _stop_on_signals()
     d = Path(args.dir).resolve()
     (d / "ready").unlink(missing_ok=True)
     remove_leftover_nodes(d / "nodes")
-    for folder in ("state", "pods", "nodes"):  # every `up` is a fresh cluster
+    for folder in ("state", "nodes"):  # every `up` is a fresh cluster
         shutil.rmtree(d / folder, ignore_errors=True)
-    kubelet = {} if args.node_agent else {"scheduler": True, "node_monitor_grace_s": 16}
-    cp = ControlPlane(workdir=d / "state", extra_users={u: () for u in args.user}, **kubelet)
+    users = {u: () for u in args.user}
+    cp = ControlPlane(
+        workdir=d / "state", extra_users=users, scheduler=True, node_monitor_grace_s=NODE_MONITOR_GRACE_S
+    )
     with cp:
-        kubeconfig = cp.write_kubeconfig(d / "kubeconfig")
+        cp.write_kubeconfig(d / "kubeconfig")
         for u in args.user:
             cp.write_kubeconfig(d / f"kubeconfig-{u}", user=u)
         mark_ready = lambda *_: (d / "ready").write_text(cp.url + "\n")  # noqa: E731
-        if args.node_agent:
-            nodes = node_specs(_node_count(args), args.gpus)
-            run_agent(kubeconfig, d / "pods", nodes, stop, on_ready=mark_ready)
-        else:
-            run_kubelet_nodes(
-                cp, d / "nodes", _node_count(args), args.gpus, (args.image,), stop, on_ready=mark_ready
-            )
+        run_kubelet_nodes(cp, d / "nodes", args.nodes, args.gpus, (args.image,), stop, on_ready=mark_ready)
     (d / "ready").unlink(missing_ok=True)
     return 0
 
@@ -129,13 +96,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if _running(d):
         print(f"dev cluster already running (pid {_pid(d)}); kubeconfig: {d / 'kubeconfig'}")
         return 0
-    if not args.node_agent and (problem := cannot_run_here()):
+    if problem := cannot_run_here():
         print(f"devcluster: {problem}", file=sys.stderr)
         return 2
     from .binaries import ensure_binaries
 
     ensure_binaries()  # in the foreground, so build progress shows
-    image = "" if args.node_agent else (args.image or _build_image())
+    image = args.image or _build_image()
     argv = [
         sys.executable,
         str(LAUNCHER),
@@ -143,20 +110,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--dir",
         str(d),
         "--nodes",
-        str(_node_count(args)),
+        str(args.nodes),
         "--gpus",
         str(args.gpus),
     ]
     for u in args.user:
         argv += ["--user", u]
-    argv += ["--image", image] if image else ["--node-agent"]
+    argv += ["--image", image]
     with open(d / "cluster.log", "ab") as logf:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
         )
     (d / "pid").write_text(f"{proc.pid}\n")
     # A kubelet node imports the project's image into its containerd the first time: minutes, with progress.
-    deadline = time.monotonic() + (1800 if image else 180)
+    deadline = time.monotonic() + 1800
     progress = _LogProgress(d / "cluster.log", "devcluster.kubelet")
     while time.monotonic() < deadline:
         progress.show()
@@ -174,14 +141,6 @@ def cmd_up(args: argparse.Namespace) -> int:
         time.sleep(0.5)
     print("dev cluster did not become ready in time; see " + str(d / "cluster.log"), file=sys.stderr)
     return 1
-
-
-def _node_count(args: argparse.Namespace) -> int:
-    """--nodes, else one node of the real kubelet (each holds the project's image in a containerd store of its
-    own: 11 GB of disk a node) or two of the node agent (they cost nothing)."""
-    if args.nodes is not None:
-        return args.nodes
-    return 2 if args.node_agent else 1
 
 
 def _build_image() -> str:
@@ -250,47 +209,8 @@ def cmd_down(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
     (d / "pid").unlink(missing_ok=True)
     (d / "ready").unlink(missing_ok=True)
-    removed = cleanup_stale_networks()
     nodes = remove_leftover_nodes(d / "nodes")
-    print(
-        "dev cluster stopped"
-        + (f"; removed leftover networks of slots {removed}" if removed else "")
-        + (f"; cleaned up after kubelet nodes {', '.join(nodes)}" if nodes else "")
-    )
-    return 0
-
-
-def cleanup_stale_networks() -> list[int]:
-    """Remove namespaces/links of every slot whose owner is gone (its lock is free)."""
-    removed = []
-    if not netns.is_root():
-        return removed
-    for n in range(netns.MAX_SLOTS):
-        try:
-            net = netns.claim(slot=n)
-        except RuntimeError:
-            continue  # a live cluster holds it
-        leftover = netns.list_netns(net.prefix) or _link_exists(net.bridge)
-        net.teardown()
-        if leftover:
-            removed.append(n)
-    return removed
-
-
-def _link_exists(name: str) -> bool:
-    return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
-
-
-def cmd_agent(args: argparse.Namespace) -> int:
-    stop = _stop_on_signals()
-    ready = Path(args.workdir) / "agent-ready"
-
-    def mark(agent: NodeAgent) -> None:
-        ready.write_text(f"{agent.network.slot} {agent.network.cidr} {agent.network.host_ip}\n")
-
-    run_agent(
-        Path(args.kubeconfig), Path(args.workdir), node_specs(args.nodes, args.gpus), stop, on_ready=mark
-    )
+    print("dev cluster stopped" + (f"; cleaned up after kubelet nodes {', '.join(nodes)}" if nodes else ""))
     return 0
 
 
@@ -304,29 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("up", "run"):
         s = sub.add_parser(name)
         s.add_argument("--dir", default=".cluster", help="state folder (kubeconfig, logs)")
-        s.add_argument(
-            "--nodes", type=int, default=None, help="nodes (default: 1 of the kubelet, 2 of the node agent)"
-        )
+        # Each node holds the project's image in a containerd store of its own: 11 GB of disk a node.
+        s.add_argument("--nodes", type=int, default=1, help="nodes of the real kubelet (default 1)")
         s.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu capacity per node")
         s.add_argument("--user", action="append", default=[], help="extra token user without rights")
         s.add_argument(
-            "--node-agent",
-            action="store_true",
-            help="the Python node agent (pods as local processes of this venv) instead of the real kubelet",
-        )
-        s.add_argument(
             "--image",
             default="",
-            help="kubelet nodes: import this image (buildah's) instead of the project's",
+            help="import this image (buildah's) into the nodes instead of the project's",
         )
     s = sub.add_parser("down")
     s.add_argument("--dir", default=".cluster")
-    s = sub.add_parser("agent")
-    s.add_argument("--kubeconfig", required=True)
-    s.add_argument("--workdir", required=True)
-    s.add_argument("--nodes", type=int, default=2)
-    s.add_argument("--gpus", type=int, default=1)
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` dumps every thread's stack to the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return {"up": cmd_up, "down": cmd_down, "run": cmd_run, "agent": cmd_agent}[args.cmd](args)
+    return {"up": cmd_up, "down": cmd_down, "run": cmd_run}[args.cmd](args)

@@ -20,16 +20,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import binaries, netns, pki, procs
+from . import binaries, pki, procs
 
-SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod ranges (netns.Network.cidr)
-# Names and addresses the apiserver's certificate is valid for: loopback for the host, each slot's
-# bridge address for pods (the node agent forwards it, see apiproxy.py), and the in-cluster names
-# and ClusterIP of the `kubernetes` Service that a kubelet's pods use.
+SERVICE_CIDR = "10.96.0.0/16"  # must not overlap the pod ranges (kubeletnode.POD_NET_PREFIX)
+# Names and addresses the apiserver's certificate is valid for: loopback for the host, and the in-cluster
+# names and ClusterIP of the `kubernetes` Service that a kubelet's pods use (serviceproxy.py).
 SERVING_HOSTS = [
     "127.0.0.1",
     "localhost",
-    *netns.bridge_addresses(),
     "10.96.0.1",
     "kubernetes",
     "kubernetes.default",
@@ -65,8 +63,8 @@ class ControlPlane:
     # An audit policy (audit.k8s.io/v1 Policy as a dict): the apiserver then writes the events it selects to
     # `audit_log`, one JSON object a line, before it answers (the log backend's blocking mode).
     audit_policy: dict | None = None
-    # kube-scheduler too: for nodes run by the real kubelet (kubeletnode.py); the node agent binds its pods
-    # itself (binding.py).
+    # kube-scheduler too: for nodes run by the real kubelet (kubeletnode.py); a control plane alone (tests of
+    # the API, the operator's RBAC) schedules nothing.
     scheduler: bool = False
     # How long a node's status may go stale before the controllers call it NotReady (and its pods not Ready).
     node_monitor_grace_s: int = 40
@@ -234,12 +232,12 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={keys.sa_pub}",
                 f"--service-account-signing-key-file={keys.sa_key}",
-                # No endpoints for the `kubernetes` Service: without kube-proxy its ClusterIP leads
-                # nowhere; pods reach the apiserver through the node agent's forwarder instead.
+                # No endpoints of its own for the `kubernetes` Service (they would name 127.0.0.1, which pods
+                # cannot reach): serviceproxy.py publishes a forwarder's instead.
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",  # fewer moving parts on 2 CPUs
-                # `kubectl logs` goes apiserver -> node agent (logserver.py) at the Node's InternalIP.
+                # `kubectl logs`, `exec`, `port-forward`: apiserver -> kubelet at the Node's InternalIP.
                 f"--kubelet-client-certificate={keys.kubelet_client_cert}",
                 f"--kubelet-client-key={keys.kubelet_client_key}",
                 "--kubelet-preferred-address-types=InternalIP",
@@ -296,7 +294,7 @@ class ControlPlane:
     def _write_tokens(self) -> None:
         # Static token file: token,user,uid,"group1,group2". Read once at apiserver start,
         # hence test users are declared up front (extra_users).
-        wanted = {"admin": ADMIN_GROUPS, "kvpilot-node-agent": ADMIN_GROUPS, **self.extra_users}
+        wanted = {"admin": ADMIN_GROUPS, **self.extra_users}
         lines = []
         for i, (name, groups) in enumerate(wanted.items()):
             user = User(name, secrets.token_hex(16), tuple(groups))

@@ -3,7 +3,7 @@
 Each node has its own containerd (socket, state, content store) and its own kubelet (root dir, ports,
 cgroup root, bridge and pod range), so two nodes on one machine never touch each other's pods. Pods get
 their addresses from CNI (bridge + host-local + portmap) on a bridge that holds the node's own address, so
-the host reaches every pod IP directly, as with the node agent.
+the host reaches every pod IP directly.
 
 Images come from no registry outside: the images a test names (`make image`'s output, by its content-hash
 tag) are pulled from buildah's store through a loopback registry (registry.py: the layers the node lacks)
@@ -54,7 +54,10 @@ log = logging.getLogger("devcluster.kubelet")
 CACHE = Path(os.environ.get("KVPILOT_CACHE", Path.home() / ".cache" / "kvpilot")) / "nodes"
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
-# 10.244/16 .. 10.251/16 are the node agent's (netns.MAX_SLOTS); kubelet nodes take 10.252/16, a /24 each.
+# Kubelet nodes take 10.252/16, a /24 each.
+# The kubelet reports every 4 s (nodeStatusUpdateFrequency below): a node this long silent is down (the control
+# plane's node-monitor-grace-period).
+NODE_MONITOR_GRACE_S = 16
 POD_NET_PREFIX = "10.252"
 # The kubelet's (kernel/*, vm/*), the CNI bridge plugin's (forwarding, for a gateway) and kube-proxy's (it is
 # asked to leave conntrack alone; kept in case it does not).
@@ -100,11 +103,13 @@ int main(void) {
 
 def cannot_run_here() -> str | None:
     """Why nodes of the real kubelet cannot run on this machine, in a line with the way out; None when they can."""
-    fallback = "or `make cluster-up NODE_AGENT=1` for the Python node agent (pods as local processes)"
     if os.geteuid() != 0:
-        return f"nodes of the real kubelet need root (containerd, runc, pod networks, buildah): run as root, {fallback}"
+        return "nodes of the real kubelet need root (containerd, runc, pod networks, buildah): run it as root"
     if not shutil.which("containerd", path=procs.sbin_path()["PATH"]) and not shutil.which("apt-get"):
-        return f"nodes of the real kubelet need containerd, runc and the CNI plugins (Debian's), {fallback}"
+        return (
+            "nodes of the real kubelet need containerd, runc and the CNI plugins: install Debian's "
+            f"({' '.join(RUNTIME_PACKAGES)}) or run it on Debian, where `make cluster-up` installs them"
+        )
     return None
 
 
@@ -163,7 +168,7 @@ class KubeletNode:
     _host_lock: int | None = field(default=None, init=False)
 
     # ---- names ------------------------------------------------------------
-    # Each node claims a slot (_claim_slot), as parallel test runs claim network slots (netns.py): it picks
+    # Each node claims a slot (_claim_slot), held by a lock file for the node's lifetime: it picks
     # the node's containerd store, bridge, /24 of pod addresses and cgroup root, so that nodes running at once
     # (of one cluster or of two) share none of them.
     @property

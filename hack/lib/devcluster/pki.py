@@ -87,8 +87,8 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
     )
     _key("sa", d)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-    # The apiserver's client cert for the node agent's log endpoint (kubectl logs),
-    # which accepts only clients signed by this CA.
+    # The apiserver's client cert for the kubelets (kubectl logs, exec, port-forward), which accept only
+    # clients signed by this CA.
     issue(
         "kubelet-client",
         "/O=system:masters/CN=kube-apiserver-kubelet-client",
@@ -104,30 +104,3 @@ def generate(directory: Path, hosts: list[str]) -> Pki:
         d / "kubelet-client.crt",
         d / "kubelet-client.key",
     )
-
-
-def self_signed(directory: Path, name: str, ip: str) -> tuple[Path, Path]:
-    """A self-signed serving cert for `ip` (the node agent's log endpoint)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    key, crt = directory / f"{name}.key", directory / f"{name}.crt"
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        key.name,
-        "-out",
-        crt.name,
-        "-days",
-        "30",
-        "-subj",
-        f"/CN={name}",
-        "-addext",
-        f"subjectAltName=IP:{ip}",
-        cwd=directory,
-    )
-    return crt, key
