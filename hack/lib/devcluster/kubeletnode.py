@@ -405,7 +405,7 @@ class KubeletNode:
             )
             layout = registry.Layout(CACHE / "oci-layout")
             with layout.locked():
-                layout.push(wanted)
+                layout.push(missing)  # not the others: pushing re-reads every layer (68 s for the project's)
                 with registry.serving(layout) as host:
                     for ref in missing:
                         self._pull(f"{host}/{registry.REPOSITORY}:{registry.layout_tag(ref)}", ref)
