@@ -3,7 +3,7 @@
     .venv/bin/python bench/fanout.py [--pods 1000] [--max-concurrency 64] [--reply-delay-ms 0 20] [--profile]
 
 What runs: etcd + kube-apiserver + kube-controller-manager (devcluster.ControlPlane, hack/lib); N Pod objects
-bound to a Node that no agent runs, whose status (Running, a running container, podIP 127.88.x.y) this
+bound to a Node that no kubelet runs, whose status (Running, a running container, podIP 127.88.x.y) this
 script writes itself; stand-in processes answering the daemon's reset reply on the N loopback addresses
 (port 8000), one process per 1,000 addresses, address i served by process i % P so that the calls in flight
 spread over all of them; the operator as a subprocess (`python -m kvpilot.operator.main --standalone`).

@@ -119,7 +119,7 @@ def cluster(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     containers of the image users deploy, under `helm install` with the chart's defaults."""
     workdir = tmp_path_factory.mktemp("chart-cluster")
     # "dev": a user of no rights but the namespaces' edit and view roles bound to it here
-    with kubelet_cluster(workdir, images=(project_image,), extra_users={"dev": ()}) as (c, _):
+    with kubelet_cluster(workdir, images=(project_image,), extra_users={"dev": ()}) as c:
         yield c
 
 

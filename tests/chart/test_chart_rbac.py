@@ -150,7 +150,7 @@ def audited(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         (project_image,),
         audit_policy=AUDIT_POLICY,
         apiserver_args=("--enable-admission-plugins=OwnerReferencesPermissionEnforcement",),
-    ) as (cluster, _):
+    ) as cluster:
         install_crds(cluster)
         yield cluster
 

@@ -35,16 +35,16 @@ NS = "real"
 
 
 @pytest.fixture(scope="module")
-def real(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list]]:
+def real(project_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with kubelet_cluster(tmp_path_factory.mktemp("kubelet-cluster"), images=(project_image,)) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def operator(real: tuple[Cluster, list], project_image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def operator(real: Cluster, project_image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """README's Helm block on the real nodes: the operator as a container of the image, reaching the API server
     at the `kubernetes` Service through kube-proxy, as on any cluster; its pod's name."""
-    cluster, _ = real
+    cluster = real
     helm = Helm(tmp_path_factory.mktemp("helm"), cluster.kubeconfig)
     repository, tag = project_image.rsplit(":", 1)
     helm(
@@ -60,9 +60,9 @@ def operator(real: tuple[Cluster, list], project_image: str, tmp_path_factory: p
 
 
 @pytest.fixture(scope="module")
-def llm(real: tuple[Cluster, list], operator: str, project_image: str) -> dict[str, str]:
+def llm(real: Cluster, operator: str, project_image: str) -> dict[str, str]:
     """A one-pod fleet of the project's image, limited to one CPU; pod name -> IP once Ready."""
-    cluster, _ = real
+    cluster = real
     create_namespace(cluster, NS)
     spec = {
         "replicas": 1,
@@ -76,8 +76,8 @@ def llm(real: tuple[Cluster, list], operator: str, project_image: str) -> dict[s
     return {p["metadata"]["name"]: p["status"]["podIP"] for p in fleet_pods(cluster, NS, "llm")}
 
 
-def test_nodes_are_the_real_kubelet_on_containerd(real: tuple[Cluster, list]) -> None:
-    cluster, _ = real
+def test_nodes_are_the_real_kubelet_on_containerd(real: Cluster) -> None:
+    cluster = real
     wide = cluster.kubectl("get", "nodes", "-o", "wide").stdout
     assert "containerd://" in wide and "v1.37.2" in wide and " Ready " in wide, wide
     node = cluster.kubectl_json("get", "node", "node-1")
@@ -86,9 +86,9 @@ def test_nodes_are_the_real_kubelet_on_containerd(real: tuple[Cluster, list]) ->
 
 
 def test_the_image_serves_as_a_pod_with_logs_exec_and_its_cpu_limit(
-    real: tuple[Cluster, list], llm: dict[str, str]
+    real: Cluster, llm: dict[str, str]
 ) -> None:
-    cluster, _ = real
+    cluster = real
     ((pod, ip),) = llm.items()
     cached_tokens(ip)
     assert cached_tokens(ip) > 0, "the second request should hit the warm cache"
@@ -103,10 +103,8 @@ def test_the_image_serves_as_a_pod_with_logs_exec_and_its_cpu_limit(
     assert out.split() == ["10001", "100000"], out
 
 
-def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(
-    real: tuple[Cluster, list], llm: dict[str, str]
-) -> None:
-    cluster, _ = real
+def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(real: Cluster, llm: dict[str, str]) -> None:
+    cluster = real
     ((pod, ip),) = llm.items()
     cached_tokens(ip)
     apply_ns(cluster, NS, pcr("flush", {"targetRef": {"name": "llm"}}))
@@ -134,12 +132,13 @@ def test_a_fleet_reset_through_the_kubelets_pods_and_a_restart(
 
 
 def test_a_container_stopped_by_crictl_mid_reset_is_waited_for_then_reset(
-    real: tuple[Cluster, list], llm: dict[str, str]
+    real: Cluster, llm: dict[str, str]
 ) -> None:
     """`crictl stop` of the daemon's container, a reset created at once: the pod is Ready in the API a moment
     longer, its daemon gone. The reset must not fail it: the kubelet restarts the container, the pod is starting
     (not Ready since its container started), the reset waits for it and resets the new daemon."""
-    cluster, (node,) = real
+    cluster = real
+    (node,) = cluster.nodes
     ((pod, ip),) = llm.items()
     cached_tokens(ip)
 
@@ -164,11 +163,11 @@ def test_a_container_stopped_by_crictl_mid_reset_is_waited_for_then_reset(
 
 
 def test_a_weight_update_the_daemons_user_cannot_read_fails_saying_why(
-    real: tuple[Cluster, list], llm: dict[str, str]
+    real: Cluster, llm: dict[str, str]
 ) -> None:
     """A checkpoint path the image's user (uid 10001) may not read: each pod refuses it, 404 with the reason
     (it was a 500: the daemon's stat raised PermissionError unhandled), and serves on unchanged."""
-    cluster, _ = real
+    cluster = real
     ((pod, ip),) = llm.items()
     spec = {"targetRef": {"name": "llm"}, "modelPath": "/root/checkpoint", "version": "v9"}
     apply_ns(cluster, NS, manifest("kvpilot.io/v1alpha1", "WeightUpdate", "unreadable", spec))
@@ -182,12 +181,11 @@ def test_a_weight_update_the_daemons_user_cannot_read_fails_saying_why(
     cached_tokens(ip)  # it still serves
 
 
-def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(
-    real: tuple[Cluster, list], llm: dict[str, str]
-) -> None:
+def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(real: Cluster, llm: dict[str, str]) -> None:
     """The kubelet killed: its containers run on, the control plane calls the node NotReady and its pods not
     Ready. They still hold their caches, so a reset calls them, and its status names each one."""
-    cluster, (node,) = real
+    cluster = real
+    (node,) = cluster.nodes
     ((pod, ip),) = llm.items()
     cached_tokens(ip)
     node.stop_kubelet()
@@ -219,11 +217,11 @@ def test_a_reset_names_the_pods_of_a_node_whose_kubelet_died(
 
 
 def test_the_operator_runs_as_a_pod_and_helm_test_passes(
-    real: tuple[Cluster, list], operator: str, llm: dict[str, str], tmp_path: Path
+    real: Cluster, operator: str, llm: dict[str, str], tmp_path: Path
 ) -> None:
     """The resets above were the operator pod's (no operator runs outside the cluster here); `helm test`'s pod
     reaches the API server in-cluster too."""
-    cluster, _ = real
+    cluster = real
     logs = cluster.kubectl("logs", "-n", "kvpilot-system", operator).stdout
     assert "flush" in logs and "kubelet-down" in logs, logs[-3000:]
     Helm(tmp_path / "helm", cluster.kubeconfig)("test", "kvpilot", "-n", "kvpilot-system", timeout=300)

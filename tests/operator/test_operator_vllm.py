@@ -30,9 +30,11 @@ def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
 
     No registry serves vLLM's image here, and one built beside the project's would add some 5 GB to the node's
     store: the pod runs the host's vLLM venv instead, from the project's image, chrooted into the host's
-    filesystem (mounted read-only; root in the pod, for chroot and to read root's folders). The kubelet,
-    containerd and runc run it as any pod: its own network namespace and address, cgroups, probes, restarts.
-    /tmp (vLLM's caches) and /dev/shm (its engine's queues) are the pod's own."""
+    filesystem (root in the pod, for chroot and to read root's folders). The kubelet, containerd and runc run
+    it as any pod: its own network namespace and address, cgroups, probes, restarts. /tmp (vLLM's caches) and
+    /dev/shm (its engine's queues) are the pod's own. Read-only is the mount of / alone (containerd 1.6 has no
+    recursive read-only): under /host, /proc, /sys and /run are the host's, so this pod is as trusted as a
+    root process of the host, which the test's own vLLM server (tests/support/vllm_server.py) is anyway."""
     container = {
         "name": "vllm",
         "image": "ghcr.io/kvpilot/kvpilot:latest",  # the project's image under its name on the nodes

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,8 +40,8 @@ OP_NS = "kvpilot-system"
 def standin_spec(env: list | None = None, on_base: str = "") -> dict:
     """The fields of an InferenceDeployment's spec that make its daemons stand-ins (`env` added to their env).
     `on_base`: the project image's base (support.cluster.base_image), Debian's python3 alone, which the dev
-    cluster's small node holds: there aiohttp comes from this venv's site-packages, mounted, and the pods
-    tolerate that node's taint."""
+    cluster's small node holds: there aiohttp comes from this venv's site-packages, mounted (its compiled parts
+    for CPython 3.11, which the base has: the project's python), and the pods tolerate that node's taint."""
     spec = {"env": [*STANDIN_ENV, *(env or [])], "volumes": [STANDIN_VOLUME], "volumeMounts": [STANDIN_MOUNT]}
     if not on_base:
         return spec
@@ -346,7 +345,3 @@ def wait_phase(cluster: Cluster, ns: str, name: str, timeout: float = 90) -> dic
 
 def pods_by_name(pcr: dict) -> dict[str, dict]:
     return {p["name"]: p for p in pcr["status"]["pods"]}
-
-
-def time_it() -> float:
-    return time.monotonic()

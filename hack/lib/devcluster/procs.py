@@ -80,9 +80,8 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG (1): if we are SIGKILLed (no atexit runs), the kernel
-    # kills the child too. It survives exec, so `ip netns exec` passes it on.
-    # Caveat: it fires when the *thread* that forked exits, so spawn from
-    # threads that live as long as the child (pod runner threads do).
+    # kills the child too. It survives exec. Caveat: it fires when the *thread*
+    # that forked exits, so spawn from threads that live as long as the child.
     _prctl(1, signal.SIGKILL)
 
 
@@ -164,12 +163,6 @@ def stop_all(grace: float = 5.0) -> None:
         procs = list(_live.values())
     for proc in procs:
         stop(proc, grace)
-
-
-def forget(proc: subprocess.Popen) -> None:
-    """Stop tracking a process that has exited and whose group is gone."""
-    with _lock:
-        _live.pop(proc.pid, None)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
