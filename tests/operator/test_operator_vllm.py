@@ -13,7 +13,7 @@ import pytest
 
 from kvpilot.default_model import ensure_default_model
 from support.cluster import Cluster, manifest
-from support.operator import apply_ns, pcr, wait_phase
+from support.operator import PROJECT_IMAGE, apply_ns, pcr, wait_phase
 from support.procs import wait_for
 from support.vllm_server import ARGS, start_streams, vllm_server_venv
 
@@ -37,7 +37,7 @@ def vllm_deployment(name: str, venv: str, checkpoint: str) -> dict:
     root process of the host, which the test's own vLLM server (tests/support/vllm_server.py) is anyway."""
     container = {
         "name": "vllm",
-        "image": "ghcr.io/kvpilot/kvpilot:latest",  # the project's image under its name on the nodes
+        "image": PROJECT_IMAGE,
         "imagePullPolicy": "Never",
         "command": ["chroot", "/host", f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
         "args": ["--model", checkpoint, "--host", "$(POD_IP)", "--port", str(PORT), *ARGS],

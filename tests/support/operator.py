@@ -24,10 +24,13 @@ import yaml
 
 from devcluster.kubeletnode import SMALL_NODE_TAINT
 from kvpilot.operator import rbac
+from kvpilot.operator.specs import FleetSpec
 from support import ROOT
 from support.cluster import Cluster, host_folders, manifest
 from support.procs import free_port, spawn, stop, wait_for
 
+# The image a fleet runs unless its spec names another: the project's, as the dev cluster's nodes name it too.
+PROJECT_IMAGE = FleetSpec.model_fields["image"].default
 STANDIN_DIR = ROOT / "tests" / "operator"
 # A pod env's PATH replaces the image's (Containerfile's ENV): the stand-in's `python3` is still the image's venv.
 IMAGE_PATH = "/opt/kvpilot/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -202,7 +205,7 @@ def standin_deployment(name: str, replicas: int, labels: dict, env: list | None 
     """A plain Deployment of stand-in daemons (a fleet the operator does not manage: reached by selector)."""
     container = {
         "name": "d",
-        "image": "ghcr.io/kvpilot/kvpilot:latest",  # the project's image under its name on the nodes
+        "image": PROJECT_IMAGE,
         "imagePullPolicy": "Never",  # no registry serves it
         "command": ["kvpilot", "serve"],
         "args": ["--host", "$(POD_IP)", "--port", "8000"],
