@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.kubeletnode import HOST_DIRS, RUN_ROOT, SYSCTLS, _kube_chains, pause_image
+from devcluster.kubeletnode import HOST_DIRS, RUN_ROOT, SYSCTLS, _kube_chains, pause_image, slots_in_use
 from support import ROOT
 from support.cluster import needs_kubelet_node
 from support.procs import wait_for
@@ -66,6 +66,14 @@ def devcluster(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path: Path) -> None:
+    # The host before and after is only this test's to compare when no other cluster's nodes start or stop
+    # meanwhile (another `make test` or `make cluster-up` on this machine): wait for those to end.
+    wait_for(
+        lambda: not slots_in_use(),
+        600,
+        "no other kubelet nodes on this host: this test compares the whole host before and after its cluster",
+        interval=5,
+    )
     before = host_state()
     pause = pause_image()
     d = tmp_path / "cluster"

@@ -725,6 +725,21 @@ def _restore_host_state() -> None:
     HOST_STATE.unlink()
 
 
+def slots_in_use() -> list[int]:
+    """The slots running kubelet nodes hold now, of this cluster or another's (their locks are taken)."""
+    held = []
+    for n in range(1, MAX_SLOTS + 1):
+        fd = lock_file(f"slot-{n}")
+        try:
+            if try_flock(fd, fcntl.LOCK_EX):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            else:
+                held.append(n)
+        finally:
+            os.close(fd)
+    return held
+
+
 def lock_file(name: str) -> int:
     LOCKS.mkdir(parents=True, exist_ok=True)
     return os.open(LOCKS / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
