@@ -71,6 +71,18 @@ def index_key(block_hash: object) -> int | None:
     return None
 
 
+def index_keys(hashes: Iterable[object]) -> list[int]:
+    """The index's keys of a prompt's block hashes, up to the first of the wrong form (no holder has it,
+    nor any block after it: a prefix stops at its first miss)."""
+    keys = []
+    for h in hashes:
+        k = index_key(h)
+        if k is None:
+            break
+        keys.append(k)
+    return keys
+
+
 class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[Holder, set[int]] = {}  # holder -> keys it holds
@@ -143,14 +155,17 @@ class PrefixIndex:
     def expect(self, holder: Holder, hashes: Iterable[object]) -> None:
         """`holder` was just sent a prompt with these block hashes: count them as expected there until its
         events confirm or drop them, or for EXPECTED_TTL_S."""
+        self.expect_keys(holder, index_keys(hashes))
+
+    def expect_keys(self, holder: Holder, keys: Iterable[int]) -> None:
+        """`expect` for hashes already made the index's keys (`index_keys`)."""
         if holder in self._distrusted:
             return  # a reset on its way: nothing sent before it counts
         held = self._blocks.get(holder) or ()
         expected = self._expected.setdefault(holder, {})
         until = time.monotonic() + EXPECTED_TTL_S
-        for h in hashes:
-            k = index_key(h)
-            if k is None or k in held:
+        for k in keys:
+            if k in held:
                 continue
             expected.pop(k, None)  # re-inserted last: the newest are kept when the bound drops the oldest
             expected[k] = until
@@ -214,6 +229,11 @@ class PrefixIndex:
     ) -> dict[H, int]:
         """For each holder, how many leading block hashes it holds without a gap (the engine stops at its
         first miss too); with `expected`, keys it was sent and has not confirmed yet count as held."""
+        return self.matched_keys(index_keys(hashes), holders, expected)
+
+    def matched_keys(self, keys: Sequence[int], holders: Iterable[H], expected: bool = False) -> dict[H, int]:
+        """`matched_blocks` for hashes already made the index's keys (`index_keys`): a router keys a
+        request's prompt once, and looks it up for each of its pods' ranks."""
         out = {h: 0 for h in holders}
         empty: dict[int, float] = {}
         now = time.monotonic()
@@ -222,10 +242,7 @@ class PrefixIndex:
             for h in out
         ]
         alive = [a for a in alive if a[1] or a[2]]
-        for i, block_hash in enumerate(hashes):
-            k = index_key(block_hash)
-            if k is None:  # a hash of the wrong form: no holder has it (as the filter below finds)
-                break
+        for i, k in enumerate(keys):
             alive = [a for a in alive if k in a[1] or a[2].get(k, 0.0) > now]
             if not alive:
                 break

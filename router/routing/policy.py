@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpilot.router.fleet.pods import Pod
-from kvpilot.router.kv.index import PrefixIndex, index_key
+from kvpilot.router.kv.index import PrefixIndex
 from kvpilot.router.routing.prompts import Prompts, Scheme
 
 # Prompts whose last rank is remembered (by their first block's key): ~150 bytes each.
@@ -41,25 +41,40 @@ class Decision:
     rank: int | None = None  # the data-parallel rank to run on (None: the pod chooses)
 
 
-def _keyed(pod: Pod) -> bool:
-    """The pod's cache is followed and every rank's weight version known: a request is scored there by
-    its prompts' block keys."""
-    return pod.block_size is not None and pod.synced() and pod.rank_versions() is not None
+# A keyed pod's index entries (pod name, rank), each with the hash scheme the request's prompts are looked
+# up there with.
+RankSchemes = dict[tuple[str, int], Scheme]
 
 
-def _schemes(pod: Pod, model: str | None = None) -> list[tuple[tuple[str, int], Scheme]]:
-    """Each (holder, hash scheme) of a keyed pod for a request naming `model`: its block size, that rank's
-    weight version, the pod's key scheme and the identity the pod gives the adapter `model` names (None:
-    the base model)."""
-    bs, versions = pod.block_size or 0, pod.rank_versions() or []
+def _schemes(pod: Pod, model: str | None = None) -> RankSchemes | None:
+    """Each rank of the pod and its hash scheme for a request naming `model`: the pod's block size, that
+    rank's weight version, the pod's key scheme and the identity the pod gives the adapter `model` names
+    (None: the base model). None where the pod is not keyed: its cache not followed, or a rank's weight
+    version not known (it is routed by load)."""
+    if pod.block_size is None or not pod.synced():
+        return None
+    versions = pod.rank_versions()
+    if versions is None:
+        return None
+    bs, keys = pod.block_size, pod.keys
     lora = pod.adapters.get(model) if model is not None else None
-    return [(h, (bs, v, pod.keys, lora)) for h, v in zip(pod.holders(), versions, strict=True)]
+    return {h: (bs, v, keys, lora) for h, v in zip(pod.holders(), versions, strict=True)}
+
+
+def _keyed_pods(pods: list[Pod], model: str | None) -> dict[str, RankSchemes]:
+    """The keyed ones of `pods`, by name, with their ranks' schemes for a request naming `model`."""
+    return {p.name: ranks for p in pods if (ranks := _schemes(p, model)) is not None}
 
 
 def hash_schemes(pods: list[Pod]) -> set[Scheme]:
     """The hash schemes prefix-aware keys a base-model request's prompts by, for these pods (computed
     before the body is read; an adapter's are computed when the policy asks for them)."""
-    return {scheme for p in pods if _keyed(p) for _, scheme in _schemes(p)}
+    out: set[Scheme] = set()
+    for p in pods:
+        ranks = _schemes(p)
+        if ranks:
+            out.update(ranks.values())
+    return out
 
 
 def serving(pods: list[Pod], model: str | None) -> list[Pod]:
@@ -136,18 +151,23 @@ class PrefixAware(Policy):
         """Prompt tokens each (pod, rank) would serve from its cache, per the index (with `expected`, also
         from the prompts just sent there whose events have not come yet); pods whose events are not
         followed are left out."""
+        return self._predict(_keyed_pods(pods, prompts.model), prompts, expected)
+
+    def _predict(
+        self, schemes: dict[str, RankSchemes], prompts: Prompts, expected: bool
+    ) -> dict[tuple[str, int], int]:
+        """`predict` for the ranks of `schemes` (a keyed pod's, by pod name)."""
         out: dict[tuple[str, int], int] = {}
         by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
-        for p in pods:
-            if _keyed(p):
-                for holder, scheme in _schemes(p, prompts.model):
-                    by_scheme.setdefault(scheme, []).append(holder)
-                out.update(dict.fromkeys(p.holders(), 0))
+        for ranks in schemes.values():
+            for holder, scheme in ranks.items():
+                by_scheme.setdefault(scheme, []).append(holder)
+                out[holder] = 0
         # A rank is looked up only with keys of its own version: blocks of other weights never match.
         for scheme, holders in by_scheme.items():
             # a base-model scheme was keyed before the policy runs (PromptReader), an adapter's is here
-            for keys in prompts.block_keys(scheme):
-                for holder, blocks in self.index.matched_blocks(keys, holders, expected).items():
+            for keys in prompts.index_keys(scheme):
+                for holder, blocks in self.index.matched_keys(keys, holders, expected).items():
                     out[holder] += blocks * scheme[0]
         return out
 
@@ -156,20 +176,23 @@ class PrefixAware(Policy):
             return Decision(min(self.order(pods), key=lambda p: p.in_flight), "load")
         order = self.order(serving(pods, prompts.model))
         n = sum(len(ids) for ids in prompts.token_ids)
+        schemes = _keyed_pods(order, prompts.model)  # read once for this request
         # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
-        likely = self.predict(order, prompts, expected=True)
+        likely = self._predict(schemes, prompts, expected=True)
         # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
         candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
         for pod in order:
-            held = [h for h in pod.holders() if h in likely]
-            if held:
-                candidates += [(pod, rank, likely[(pod.name, rank)]) for _, rank in held]
+            ranks = schemes.get(pod.name)
+            if ranks:
+                candidates += [(pod, holder[1], likely[holder]) for holder in ranks]
             else:
                 candidates.append((pod, None, None))
 
         evicted = self._evictions(candidates, n)
         # Only a prompt cached nowhere has a home to go back to (one cached somewhere goes where it is).
-        home = None if any(cached for _, _, cached in candidates) else self._home(candidates, prompts)
+        home = (
+            None if any(cached for _, _, cached in candidates) else self._home(candidates, prompts, schemes)
+        )
         if home is not None:
             evicted[home] = 0
 
@@ -187,29 +210,31 @@ class PrefixAware(Policy):
             # Reported as predicted: what the chosen rank's events confirmed (the pod's cached_tokens is
             # compared with it), counted for that rank alone.
             holder = (pod.name, rank)
-            scheme = dict(_schemes(pod, prompts.model))[holder]
+            scheme = schemes[pod.name][holder]
             predicted = 0
-            for keys in prompts.block_keys(scheme):
-                predicted += self.index.matched_blocks(keys, [holder])[holder] * scheme[0]
-                self.index.expect(holder, keys)
+            for keys in prompts.index_keys(scheme):
+                predicted += self.index.matched_keys(keys, [holder])[holder] * scheme[0]
+                self.index.expect_keys(holder, keys)
             self._remember_home(prompts, scheme, holder)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
         return Decision(pod, "prefix" if cached else "load", predicted, rank if pod.num_ranks > 1 else None)
 
-    def _home(self, candidates: list[tuple[Pod, int | None, int | None]], prompts: Prompts) -> int | None:
+    def _home(
+        self,
+        candidates: list[tuple[Pod, int | None, int | None]],
+        prompts: Prompts,
+        schemes: dict[str, RankSchemes],
+    ) -> int | None:
         """The candidate rank this prompt was last sent to, if it is one: a prompt cached nowhere goes back
         there rather than to the emptier pool (see `_evictions`). Sent to the same rank each time, a hot
         prompt is used at its full rate by that rank's LRU; spread over the pods as a cold prompt, each sees
         it at a fraction of that rate, and a small pool evicts it between two of its uses everywhere, which
         an exact index then places like any cold prompt again (docs/performance.md, "A family of generated
         loads")."""
-        schemes: dict[str, dict[tuple[str, int], Scheme]] = {}
         home, latest = None, -1
         for i, (pod, rank, _) in enumerate(candidates):
             if rank is not None:
                 holder = (pod.name, rank)
-                if pod.name not in schemes:
-                    schemes[pod.name] = dict(_schemes(pod, prompts.model))
                 first = _first_key(prompts, schemes[pod.name][holder])
                 sent = self._homes.get(first) if first is not None else None
                 if sent is not None and sent[0] == holder and sent[1] > latest:
@@ -246,8 +271,8 @@ class PrefixAware(Policy):
 
 def _first_key(prompts: Prompts, scheme: Scheme) -> int | None:
     """The index's key of the request's first prompt's first block under `scheme` (None: no full block)."""
-    keys = prompts.block_keys(scheme)
-    return index_key(keys[0][0]) if keys and keys[0] else None
+    keys = prompts.index_keys(scheme)
+    return keys[0][0] if keys and keys[0] else None
 
 
 def make_policy(name: str, index: PrefixIndex) -> Policy:

@@ -35,6 +35,7 @@ from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.kv.block_keys import BlockHash, KeyScheme, LoRAKey
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.router.kv.index import index_keys
 from kvpilot.router.routing.chat_template import ChatTemplate
 from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
 from kvpilot.serving.text_pool import Busy, TextPool
@@ -64,6 +65,7 @@ class Prompts:
     max_tokens: int | None = None  # tokens of a prompt that are hashed at most (None: all)
     model: str | None = None  # the body's `model`: the base model's name or a LoRA adapter's
     _keys: dict[Scheme, list[list[BlockHash]]] = field(default_factory=dict, compare=False, repr=False)
+    _index_keys: dict[Scheme, list[list[int]]] = field(default_factory=dict, compare=False, repr=False)
 
     def block_keys(self, scheme: Scheme) -> list[list[BlockHash]]:
         """Each prompt's keys of the full blocks a pod rank hashing with `scheme` could serve from its
@@ -72,6 +74,14 @@ class Prompts:
         keys = self._keys.get(scheme)
         if keys is None:
             keys = self._keys[scheme] = [self._keys_of(ids, *scheme) for ids in self.token_ids]
+        return keys
+
+    def index_keys(self, scheme: Scheme) -> list[list[int]]:
+        """`block_keys` as the prefix index keys them (index.index_keys), made once for all the ranks a
+        request is looked up in."""
+        keys = self._index_keys.get(scheme)
+        if keys is None:
+            keys = self._index_keys[scheme] = [index_keys(k) for k in self.block_keys(scheme)]
         return keys
 
     def _keys_of(

@@ -238,9 +238,7 @@ def fleet(cluster: Cluster, release: None, lora_adapters: dict[str, Path]) -> It
         },
     }
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(infd))
-    cluster.kubectl(
-        "wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s", timeout=310
-    )
+    cluster.kubectl("wait", "--for=condition=Ready", "infd/llm", "-n", FLEET_NS, "--timeout=300s")
 
     def ready_pods() -> dict[str, str]:
         pods = cluster.kubectl_json(
@@ -363,9 +361,7 @@ def test_reset_by_the_in_cluster_operator(
         "spec": {"targetRef": {"name": "llm"}, "modelPath": model_path.strip(), "version": "v2"},
     }
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(wu))
-    cluster.kubectl(
-        "wait", "--for=condition=Complete", "wu/rename", "-n", FLEET_NS, "--timeout=300s", timeout=310
-    )
+    cluster.kubectl("wait", "--for=condition=Complete", "wu/rename", "-n", FLEET_NS, "--timeout=300s")
     log = cluster.kubectl("logs", f"deployment/{OPERATOR}", "-n", RELEASE_NS).stdout
     assert "flush" in log, "the in-cluster operator's log should show the reset"
     # The fleet's NetworkPolicy lets exactly this operator pod reach the daemons: the chart tells the operator

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -96,19 +97,29 @@ class Cluster:
         input: str | None = None,
         check: bool = True,
         token: str | None = None,
-        timeout: float = 120,
     ):
-        """kubectl ARGS; `timeout` bounds the process (longer than a `kubectl wait --timeout` in ARGS)."""
+        """kubectl ARGS, the process bounded past any `--timeout=` in ARGS (a `wait`'s, a `delete`'s), so
+        that kubectl says what it waited for rather than being killed first."""
         argv = [KUBECTL, f"--kubeconfig={self.kubeconfig}", *args]
         if token:
             argv.insert(2, f"--token={token}")
-        r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=_kubectl_bound_s(args))
         if check and r.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
         return r
 
     def kubectl_json(self, *args: str) -> dict:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+
+def _kubectl_bound_s(args: tuple[str, ...], default_s: float = 120) -> float:
+    """How long a kubectl of `args` may run: 30 s past the `--timeout=` it is given (s or m), else
+    `default_s`."""
+    for a in args:
+        m = re.fullmatch(r"--timeout=(\d+)([sm])", a)
+        if m:
+            return int(m[1]) * (60 if m[2] == "m" else 1) + 30
+    return default_s
 
 
 _NO_KUBELET_NODE = cannot_run_here()
