@@ -65,7 +65,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = item.nodeid.split("::")[0]
         group = "whole-stack" if path in WHOLE_STACK or _on_the_sessions_cluster(item) else path
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=_on_the_sessions_cluster)  # stable: each kind keeps its order
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker sends the controller its test ids
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The tests on the session's cluster after all others, whatever order `--ff`, `--nf` or `--lf` made
+    (they reorder once every pytest_collection_modifyitems has run): a file with a cluster of its own run
+    while the session's is up would find the host's nodes taken."""
+    session.items.sort(key=_on_the_sessions_cluster)  # stable: each kind keeps its order
 
 
 @pytest.fixture(scope="session")
