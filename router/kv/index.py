@@ -18,9 +18,10 @@ What a pod sends is bounded here, whatever it sends:
 Expected blocks: a request the router has just sent computes its prompt's blocks there, but their
 `BlockStored` events come only after that prefill. Until then a second request with the same prefix would
 be scored as a miss everywhere and could land on another pod (or rank), which then computes the prefix too.
-So the policy notes what it sent where (`expect`), and matching may count those keys as well
-(`matched_blocks(..., expected=True)`) for `EXPECTED_TTL_S` or until the pod's events store, remove or clear
-them. Expected keys only steer the choice: the prediction reported against the pod's `cached_tokens` counts
+So the policy notes what it sent where (`expect_keys`), and matching may count those keys as well
+(`matched_keys(..., expected=True)`) for `EXPECTED_TTL_S` or until the pod's events store, remove or clear
+them. (`expect` and `matched_blocks` take block hashes as events carry them; the policy converts a
+request's once, `index_keys`, and looks them up in every rank.) Expected keys only steer the choice: the prediction reported against the pod's `cached_tokens` counts
 the keys the pod's events confirmed. A data-parallel daemon's own rank choice remembers what it sent in the
 same way, so this is what lets the router's exact choice of rank do at least as well.
 
@@ -154,7 +155,8 @@ class PrefixIndex:
 
     def expect(self, holder: Holder, hashes: Iterable[object]) -> None:
         """`holder` was just sent a prompt with these block hashes: count them as expected there until its
-        events confirm or drop them, or for EXPECTED_TTL_S."""
+        events confirm or drop them, or for EXPECTED_TTL_S. A hash of the wrong form ends the prompt there
+        (`index_keys`): no block after it could be matched."""
         self.expect_keys(holder, index_keys(hashes))
 
     def expect_keys(self, holder: Holder, keys: Iterable[int]) -> None:

@@ -22,7 +22,7 @@ from support.cluster import needs_kubelet_node
 from support.procs import wait_for
 
 pytestmark = [
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(1800),  # a wait for other nodes to stop (600 s), then `up` and `down` (600 s each)
     needs_kubelet_node,
 ]
 
@@ -77,9 +77,9 @@ def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path
     before = host_state()
     pause = pause_image()
     d = tmp_path / "cluster"
-    up = devcluster("up", "--image", pause, "--nodes", "2", "--dir", str(d))
     kubectl = ["kubectl", f"--kubeconfig={d / 'kubeconfig'}"]
     try:
+        up = devcluster("up", "--image", pause, "--nodes", "2", "--dir", str(d))
         assert up.returncode == 0, up.stdout + up.stderr + (d / "cluster.log").read_text()[-4000:]
         nodes = json.loads(subprocess.check_output([*kubectl, "get", "nodes", "-o", "json"]))["items"]
         assert sorted(n["metadata"]["name"] for n in nodes) == ["node-1", "node-2"]

@@ -726,25 +726,37 @@ def _restore_host_state() -> None:
 
 
 def slots_in_use() -> list[int]:
-    """The slots running kubelet nodes hold now, of this cluster or another's: read from the kernel's table
-    of held locks (/proc/locks), not by trying each one, which would make a node claiming a slot at that
-    moment find it taken and start on another (with a store of its own to fill)."""
-    held = set()
+    """The slots running kubelet nodes hold now, of this cluster or another's (in this PID namespace): read
+    from the kernel's table of held locks, /proc/locks, not by trying each one, which would make a node
+    claiming a slot at that moment find it taken and start on another (with a store of its own to fill)."""
+    probe = lock_file("probe")
+    try:
+        # The locks' filesystem as /proc/locks names it, from a lock of our own (on btrfs it is not stat's)
+        fcntl.flock(probe, fcntl.LOCK_EX)
+        held = _held_flocks()
+        probe_inode = os.fstat(probe).st_ino
+        device = next(dev for dev, inode, pid in held if inode == probe_inode and pid == os.getpid())
+    finally:
+        os.close(probe)
+    locked = {inode for dev, inode, _ in held if dev == device}
+    in_use = []
+    for n in range(1, MAX_SLOTS + 1):
+        slot = LOCKS / f"slot-{n}.lock"
+        if slot.exists() and slot.stat().st_ino in locked:
+            in_use.append(n)
+    return in_use
+
+
+def _held_flocks() -> list[tuple[str, int, int]]:
+    """(device as /proc/locks prints it, inode, pid) of each flock held now."""
+    out = []
     for line in Path("/proc/locks").read_text().splitlines():
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 2192 fe:00:788169 0 EOF"; a waiter's line reads "1: -> FLOCK ..."
         if len(fields) > 5 and fields[1] == "FLOCK":
-            major, minor, inode = fields[5].split(":")
-            held.add((int(major, 16), int(minor, 16), int(inode)))
-    in_use = []
-    for n in range(1, MAX_SLOTS + 1):
-        try:
-            st = (LOCKS / f"slot-{n}.lock").stat()
-        except FileNotFoundError:
-            continue
-        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held:
-            in_use.append(n)
-    return in_use
+            device, _, inode = fields[5].rpartition(":")
+            out.append((device, int(inode), int(fields[4])))
+    return out
 
 
 def lock_file(name: str) -> int:
