@@ -21,9 +21,10 @@ be scored as a miss everywhere and could land on another pod (or rank), which th
 So the policy notes what it sent where (`expect_keys`), and matching may count those keys as well
 (`matched_keys(..., expected=True)`) for `EXPECTED_TTL_S` or until the pod's events store, remove or clear
 them. (`expect` and `matched_blocks` take block hashes as events carry them; the policy converts a
-request's once, `index_keys`, and looks them up in every rank.) Expected keys only steer the choice: the prediction reported against the pod's `cached_tokens` counts
-the keys the pod's events confirmed. A data-parallel daemon's own rank choice remembers what it sent in the
-same way, so this is what lets the router's exact choice of rank do at least as well.
+request's once, `index_keys`, and looks them up in every rank.) Expected keys only steer the choice: the
+prediction reported against the pod's `cached_tokens` counts the keys the pod's events confirmed. A
+data-parallel daemon's own rank choice remembers what it sent in the same way, so this is what lets the
+router's exact choice of rank do at least as well.
 
 Keys: each is kept as the integer of its last 8 bytes in a per-holder set, which is what vLLM's events
 carry by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: the digest's last 8 bytes, big-endian), so a

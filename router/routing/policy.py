@@ -69,12 +69,7 @@ def _keyed_pods(pods: list[Pod], model: str | None) -> dict[str, RankSchemes]:
 def hash_schemes(pods: list[Pod]) -> set[Scheme]:
     """The hash schemes prefix-aware keys a base-model request's prompts by, for these pods (computed
     before the body is read; an adapter's are computed when the policy asks for them)."""
-    out: set[Scheme] = set()
-    for p in pods:
-        ranks = _schemes(p)
-        if ranks:
-            out.update(ranks.values())
-    return out
+    return {scheme for p in pods if (ranks := _schemes(p)) for scheme in ranks.values()}
 
 
 def serving(pods: list[Pod], model: str | None) -> list[Pod]:

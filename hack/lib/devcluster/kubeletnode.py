@@ -735,9 +735,11 @@ def slots_in_use() -> list[int]:
         fcntl.flock(probe, fcntl.LOCK_EX)
         held = _held_flocks()
         probe_inode = os.fstat(probe).st_ino
-        device = next(dev for dev, inode, pid in held if inode == probe_inode and pid == os.getpid())
+        device = next((dev for dev, inode, pid in held if inode == probe_inode and pid == os.getpid()), None)
     finally:
         os.close(probe)
+    if device is None:  # /proc/locks names the pids of its own PID namespace: another's shows none of ours
+        raise RuntimeError(f"/proc/locks shows no lock of this process on {LOCKS}: another PID namespace?")
     locked = {inode for dev, inode, _ in held if dev == device}
     in_use = []
     for n in range(1, MAX_SLOTS + 1):
