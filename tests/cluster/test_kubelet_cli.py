@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from devcluster.kubeletnode import HOST_DIRS, RUN_ROOT, SYSCTLS, _kube_chains, pause_image, slots_in_use
+from devcluster.kubeletnode import (
+    HOST_DIRS,
+    MAX_SLOTS,
+    RUN_ROOT,
+    SYSCTLS,
+    _kube_chains,
+    lock_file,
+    pause_image,
+    slots_in_use,
+)
 from support import ROOT
 from support.cluster import needs_kubelet_node
 from support.procs import wait_for
@@ -120,3 +129,28 @@ def test_up_kubelet_then_a_killed_run_and_down_leave_the_host_as_it_was(tmp_path
     assert "cleaned up after kubelet nodes node-1, node-2" in down.stdout, down.stdout
     assert host_state() == before
     assert not list((d / "nodes").glob("node-*"))
+
+
+def test_slots_in_use_names_a_slot_another_process_holds() -> None:
+    """A slot held by another process is named while it is held, and not after (what the test above waits
+    on)."""
+    slot = MAX_SLOTS  # the last: a node takes it only when every other slot is in use
+    os.close(lock_file(f"slot-{slot}"))  # the lock file exists, as after any node's first run
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(60)",
+            str(RUN_ROOT / "locks" / f"slot-{slot}.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert slot in slots_in_use()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert slot not in slots_in_use()
