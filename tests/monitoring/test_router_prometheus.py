@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import yaml
 from chart.tools import tool
-from router.test_router import SYSTEM, ask, wait_indexed
+from router.test_router import SYSTEM, ask, ask_indexed
 
 from monitoring.dashboards import ALERTS, ROUTER_DASHBOARD
 from monitoring.prometheus import Prometheus, static_config
@@ -55,8 +55,7 @@ def prometheus(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def drive(fleet: Fleet) -> None:
     """Traffic that gives every router metric samples: a shared prefix routed by the index, a request the
     pod refuses (400), a reset without the admin token (401) and one through the router (200)."""
-    first, _ = ask(fleet, SYSTEM + " (dashboard)", "When do you open?")
-    wait_indexed(fleet, first)
+    first, _ = ask_indexed(fleet, SYSTEM + " (dashboard)", "When do you open?")
     for user in ("How much is a tyre?", "Do you fix brakes?"):
         pod, c = ask(fleet, SYSTEM + " (dashboard)", user)
         assert pod == first and c.usage.prompt_tokens_details.cached_tokens > 0, (pod, first, c.usage)

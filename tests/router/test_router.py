@@ -48,19 +48,19 @@ def ask(fleet: Fleet, system: str, user: str, **kw) -> tuple[str, openai.types.c
     return raw.headers["x-kvpilot-pod"], raw.parse()
 
 
-def wait_indexed(fleet: Fleet, pod: str) -> None:
-    deadline = time.monotonic() + 10
-    while fleet.router.pod(pod)["indexed_blocks"] == 0:
-        assert time.monotonic() < deadline, fleet.router.health()
-        time.sleep(0.05)
+def ask_indexed(fleet: Fleet, system: str, user: str) -> tuple[str, openai.types.chat.ChatCompletion]:
+    """`ask`, returning once the router has indexed the blocks it added on the pod that served it."""
+    before = fleet.router.indexed()
+    pod, c = ask(fleet, system, user)
+    fleet.router.wait_indexed(pod, before)
+    return pod, c
 
 
 def test_shared_prefix_lands_where_it_is_cached(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
     m0 = fleet.router.metrics()
-    first, c = ask(fleet, SYSTEM + " (affinity)", "When do you open?")
+    first, c = ask_indexed(fleet, SYSTEM + " (affinity)", "When do you open?")
     assert c.usage.prompt_tokens_details.cached_tokens == 0
-    wait_indexed(fleet, first)
     for user in ("How much is a tyre?", "Do you fix brakes?", "What does a service cost?"):
         pod, c = ask(fleet, SYSTEM + " (affinity)", user)
         assert pod == first, (pod, first)
@@ -105,9 +105,10 @@ def test_prompt_logprobs_predict_no_hit(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
     c = openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="unused", max_retries=0)
     prompt = SYSTEM + " (prompt logprobs)"
+    before = fleet.router.indexed()
     raw = c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     pod = raw.headers["x-kvpilot-pod"]
-    wait_indexed(fleet, pod)
+    fleet.router.wait_indexed(pod, before)
     m0 = fleet.router.metrics()
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1)
     assert r.usage.prompt_tokens_details.cached_tokens == 0 and r.choices[0].logprobs.tokens
@@ -142,9 +143,10 @@ def test_sglang_fields_and_a_continued_message_are_predicted_exactly(quiet_fleet
         )
         return raw.headers["x-kvpilot-pod"], raw.parse(), raw.headers
 
+    before = fleet.router.indexed()
     first, _, headers = send()
     assert headers["x-kvpilot-ignored-fields"] == "vendor_hint"
-    wait_indexed(fleet, first)
+    fleet.router.wait_indexed(first, before)
     m0 = fleet.router.metrics()
     pod, c, _ = send()
     assert pod == first and c.usage.prompt_tokens_details.cached_tokens >= 48, c.usage
@@ -172,8 +174,7 @@ def test_a_streamed_replys_usage_is_compared_with_the_prediction(quiet_fleet: Fl
     counted against the router's prediction, as a whole reply's usage is."""
     fleet = quiet_fleet
     system = SYSTEM + " (streamed usage)"
-    first, _ = ask(fleet, system, "When do you open?")
-    wait_indexed(fleet, first)
+    first, _ = ask_indexed(fleet, system, "When do you open?")
     m0 = fleet.router.metrics()
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Do you fix brakes?"}]
     chunks = stream_with_usage(client(fleet).chat.completions.create, messages=messages)
@@ -245,8 +246,7 @@ def test_client_disconnect_aborts_on_the_pod(quiet_fleet: Fleet) -> None:
 
 def test_reset_through_the_router_reaches_every_pod_and_empties_the_index(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
-    pod, _ = ask(fleet, SYSTEM + " (reset)", "Are you open on Sunday?")
-    wait_indexed(fleet, pod)
+    pod, _ = ask_indexed(fleet, SYSTEM + " (reset)", "Are you open on Sunday?")
     assert fleet.router.request("POST", "/reset_prefix_cache").status == 401
     epochs = {f"127.0.0.1:{d.port}": d.cache()["epoch"] for d in fleet.daemons}
     # Unverified: a verifying reset sends each pod its canary after the reset, whose (salted) blocks are
@@ -303,8 +303,7 @@ def test_a_pod_that_fails_the_reset_makes_the_router_answer_502(quiet_fleet: Fle
 
 def test_a_restarted_router_rebuilds_its_index_from_replay(quiet_fleet: Fleet, tmp_path) -> None:  # noqa: ANN001
     fleet = quiet_fleet
-    pod, _ = ask(fleet, SYSTEM + " (replay)", "Can I rent a bike?")
-    wait_indexed(fleet, pod)
+    pod, _ = ask_indexed(fleet, SYSTEM + " (replay)", "Can I rent a bike?")
     fresh = start_router(tmp_path, [d.url for d in fleet.daemons])
     try:
         assert fresh.pod(pod)["indexed_blocks"] == fleet.router.pod(pod)["indexed_blocks"] > 0

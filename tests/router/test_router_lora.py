@@ -5,7 +5,6 @@ adapter's identity, as each pod's /health names it) equals what the pod served f
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,12 +50,10 @@ def test_an_adapters_prompts_stick_to_a_pod_serving_it_and_are_predicted_exactly
     fleet = lora_fleet
     plain = f"127.0.0.1:{fleet.daemons[2].port}"
     m0 = fleet.router.metrics()
+    before = fleet.router.indexed()
     first, cached = ask(fleet, "every-layer", "When do you open?")
     assert first != plain and cached == 0
-    deadline = time.monotonic() + 10
-    while fleet.router.pod(first)["indexed_blocks"] == 0:
-        assert time.monotonic() < deadline, fleet.router.health()
-        time.sleep(0.05)
+    fleet.router.wait_indexed(first, before)
     for user in ("How much is a tyre?", "Do you fix brakes?", "Can I rent a bike?"):
         pod, cached = ask(fleet, "every-layer", user)
         assert pod == first and cached >= 48, (pod, first, cached)

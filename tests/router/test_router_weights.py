@@ -98,11 +98,19 @@ def _wait_blocks(router: RouterProc, pod: str, done) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
+def _complete_indexed(router: RouterProc, prompt: str) -> tuple[str, int]:
+    """`_complete`, returning once the router has indexed the prompt's new block on the pod that served it
+    (a pod's count alone may already be above zero from another test's prompt)."""
+    before = router.indexed()
+    pod, cached = _complete(router, prompt)
+    router.wait_indexed(pod, before)
+    return pod, cached
+
+
 def _repeat_lands_where_cached(router: RouterProc, prompt: str) -> str:
     """Send `prompt` twice: the second goes where the first was cached, predicted exactly."""
-    first, cached = _complete(router, prompt)
+    first, cached = _complete_indexed(router, prompt)
     assert cached == 0
-    _wait_blocks(router, first, lambda n: n > 0)
     before = _counts(router, first)
     pod, cached = _complete(router, prompt)
     after = _counts(router, first)
@@ -145,12 +153,11 @@ def test_after_a_weight_update_only_the_new_versions_blocks_are_predicted(named)
 
     # Nothing of v1 is predicted (the pod computes it all again), and the repeat lands there under v2.
     before = _counts(router, pod)
-    served, cached = _complete(router, prompt)
+    served, cached = _complete_indexed(router, prompt)
     after = _counts(router, served)
     assert cached == 0
     if served == pod:
         assert after[1:] == before[1:], (before, after)
-    _wait_blocks(router, served, lambda n: n > 0)
     again, cached = _complete(router, prompt)
     assert again == served and cached >= 16, (again, served, cached)
     final = _counts(router, served)

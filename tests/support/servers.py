@@ -98,6 +98,18 @@ class RouterProc(Server):
     def pod(self, name: str) -> dict:
         return next(p for p in self.health()["pods"] if p["pod"] == name)
 
+    def indexed(self) -> dict[str, int]:
+        """Each pod's indexed blocks: taken before a request, `wait_indexed`'s baseline."""
+        return {p["pod"]: p["indexed_blocks"] for p in self.health()["pods"]}
+
+    def wait_indexed(self, pod: str, before: dict[str, int], timeout: float = 30) -> None:
+        """Until the index holds more of `pod`'s blocks than `before` (a pod of a shared fleet may hold
+        blocks of an earlier test: more than zero would not mean this request's events came)."""
+        deadline = time.monotonic() + timeout
+        while self.pod(pod)["indexed_blocks"] <= before.get(pod, 0):
+            assert time.monotonic() < deadline, self.health()
+            time.sleep(0.05)
+
 
 S = TypeVar("S", bound=Server)
 
