@@ -192,11 +192,10 @@ def test_router_restarted_under_load(tmp_path, pods: list[Server]) -> None:
         assert not [f for f in load.failed if not f.startswith(cut)], load.failed
         assert len(load.failed) <= len(load.threads), load.failed  # at most the ones in flight at SIGTERM
         wait_idle(*pods)
-        names = [p["pod"] for p in router.health()["pods"]]
-        before = {n: indexed(router, n) for n in names}
+        before = router.indexed()
         assert sum(before.values()) > 0, before
         router, took_idle = restart(router)
-        after = {n: indexed(router, n) for n in names}
+        after = router.indexed()
         assert after == before, (before, after)  # the index rebuilt from the daemons' replay alone
         record(
             "router_restarted_under_load",

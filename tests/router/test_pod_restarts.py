@@ -59,10 +59,16 @@ def test_the_router_outlives_pods_restarting_under_traffic(tmp_path: Path) -> No
                     assert c.result()["usage"]["prompt_tokens"] > 0
         assert router.log().count("starting over (connection to the pod dropped)") >= 3, router.log()[-3000:]
 
-        # the restarted streams are followed again from their start: a new prompt's blocks are indexed
+        # the restarted streams are followed again from their start (their sequence from 0): once the router
+        # has dropped both pods' old entries, a new prompt's blocks are indexed (a router that missed a
+        # restart would take the new batches for ones it had applied, and index nothing)
         for url in urls:
             _post(url + "/stub/restart")
-        wait_for(lambda: all(p["synced"] for p in router.health()["pods"]), 30, "both streams followed again")
+        wait_for(
+            lambda: all(p["synced"] and p["indexed_blocks"] == 0 for p in router.health()["pods"]),
+            30,
+            "both streams followed again, the old entries dropped",
+        )
         reply = _chat(router.url, 1000)
         assert reply["usage"]["prompt_tokens"] > 100
         wait_for(

@@ -84,7 +84,7 @@ def test_a_prefix_just_sent_draws_its_followers_before_its_events_come(quiet_fle
     before it went to the idle pod, which computed the whole prefix again."""
     fleet = quiet_fleet
     system = " ".join([SYSTEM] * 8) + " (sent just now)"  # ~600 tokens: a prefill of about a second here
-    blocks_before = {p["pod"]: p["indexed_blocks"] for p in fleet.router.health()["pods"]}
+    blocks_before = fleet.router.indexed()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(ask, fleet, system, "When do you open?")
         deadline = time.monotonic() + 10

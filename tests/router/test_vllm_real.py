@@ -184,7 +184,7 @@ def test_the_router_follows_vllms_kv_events_and_predicts_its_hits_exactly(
     before = vllm_router.metrics()
     # the blocks earlier tests left (the reset test's last chat stores four): the waits below count from
     # here, so that none of them passes on old blocks before this prompt's events arrived
-    indexed = vllm_router.pod(name)["indexed_blocks"]
+    indexed = vllm_router.indexed()[name]
 
     def count(metric: str) -> float:
         return vllm_router.metrics().get(f'kvpilot_router_{metric}{{pod="{name}"}}', 0.0) - before.get(

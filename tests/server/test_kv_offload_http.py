@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from kvpilot.kv.events import decode_batch
 from kvpilot.router.kv.replay import fetch_replay
-from support.procs import free_port
+from support.procs import free_port, settled
 from support.servers import ADMIN_TOKEN, Server, start_server, stop_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,7 +101,8 @@ def test_pushed_out_prompt_comes_back_and_reset_clears_every_tier(server: tuple[
     assert refused.status == 400 and refused.json()["error"]["param"] == "reset_external", refused.body
     assert cached_tokens(srv, PROMPTS[1]) > 0, "the refused reset cleared nothing"
 
-    before = {t["tier"]: t["blocks"] for t in srv.cache()["offload"]}
+    # (settled: blocks spilled by the load above land on disk from a writer thread)
+    before = settled(lambda: {t["tier"]: t["blocks"] for t in srv.cache()["offload"]}, "the tiers' blocks")
     result = srv.reset(reset_external="true")
     assert result["evicted_by_tier"]["host"] == before["host"] > 0
     assert result["evicted_by_tier"]["disk"] == before["disk"] > 0

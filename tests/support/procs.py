@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
 from devcluster.procs import free_port, spawn, stop, stop_all, wait_ready
 
-__all__ = ["free_port", "spawn", "stop", "wait_ready", "wait_for"]
+T = TypeVar("T")
+
+__all__ = ["free_port", "settled", "spawn", "stop", "wait_ready", "wait_for"]
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25) -> object:
@@ -30,6 +33,21 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
         f"timed out after {timeout}s waiting for {what}"
         + (f" (last error: {last_error})" if last_error else "")
     )
+
+
+def settled(read: Callable[[], T], what: str, timeout: float = 30, interval: float = 0.2) -> T:
+    """`read()` once two reads `interval` apart agree: a baseline that work still landing in the background
+    (KV events on their way to a router, blocks on their way to a disk tier) would otherwise move."""
+    deadline = time.monotonic() + timeout
+    last = read()
+    while True:
+        time.sleep(interval)
+        now = read()
+        if now == last:
+            return now
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} still changing after {timeout}s: {last} then {now}")
+        last = now
 
 
 @pytest.fixture(scope="session", autouse=True)

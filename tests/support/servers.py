@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 
 from benchkit import samples
-from support.procs import free_port, spawn, stop, wait_ready
+from support.procs import free_port, settled, spawn, stop, wait_ready
 
 ADMIN_TOKEN = "test-admin-token-4d1f"
 MODEL = "SmolLM2-135M-Instruct"
@@ -99,8 +99,11 @@ class RouterProc(Server):
         return next(p for p in self.health()["pods"] if p["pod"] == name)
 
     def indexed(self) -> dict[str, int]:
-        """Each pod's indexed blocks: taken before a request, `wait_indexed`'s baseline."""
-        return {p["pod"]: p["indexed_blocks"] for p in self.health()["pods"]}
+        """Each pod's indexed blocks, settled: a baseline taken before a request (`wait_indexed`'s), which
+        the events of an earlier request, published on another socket than its reply, may still change."""
+        return settled(
+            lambda: {p["pod"]: p["indexed_blocks"] for p in self.health()["pods"]}, "indexed blocks"
+        )
 
     def wait_indexed(self, pod: str, before: dict[str, int], timeout: float = 30) -> None:
         """Until the index holds more of `pod`'s blocks than `before` (a pod of a shared fleet may hold
