@@ -67,6 +67,29 @@ def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # no
     assert {" bike", " shop", "\n"} <= set(enc._word_ids)
 
 
+def test_a_new_prompts_lines_seen_before_are_looked_up_and_exact(smollm) -> None:  # noqa: ANN001
+    """A completion's prompt is one piece (no added token in it), new whenever its last line is: its lines
+    before that are cut at each line start and found again, as a whole piece would be."""
+    enc = SegmentTokenizer(smollm)
+    preamble = "You fix bikes.\nAnswer briefly.\n\nExamples:\nQ: Brakes?\nA: Yes.\n  Indented.\n"
+    rng = random.Random(5)
+    ascii_words = [w for w in WORDS if w.isascii()]
+    for i in range(100):
+        question = "".join(rng.choice(ascii_words) for _ in range(rng.randrange(1, 30)))
+        text = f"{preamble}\n{question} {i}?"
+        assert enc.encode(text, True) == smollm.encode(text, add_special_tokens=True), (i, text)
+    # Each line of the preamble kept once, as read with more text after it (an indented line goes with
+    # the line before it: only a line break before something other than whitespace starts a line).
+    lines = [
+        "You fix bikes.\n",
+        "Answer briefly.\n\n",
+        "Examples:\n",
+        "Q: Brakes?\n",
+        "A: Yes.\n  Indented.\n\n",
+    ]
+    assert {line + "\x00" for line in lines} <= set(enc._cache)
+
+
 def test_the_cache_keeps_to_its_bound(smollm) -> None:  # noqa: ANN001
     chars = 256
     enc = SegmentTokenizer(smollm, max_units=4 * 2 * chars)  # about 4 pieces of text and ids
