@@ -3,7 +3,7 @@
 A decode step of B requests must read every weight once and each request's K/V once; that many bytes
 over the step's time is the bandwidth the step achieves, against the device's bandwidth measured here
 (a large device-to-device copy, bytes read + written) and, on a known GPU, its datasheet figure
-(bench/kernels.py's table). What falls short of 100% is the step's overhead beyond moving bytes
+(bench/attention_kernels.py's table). What falls short of 100% is the step's overhead beyond moving bytes
 (scheduling, launches, the sampler). For each batch size, B requests of `--context` random prompt
 tokens decode `--max-tokens` tokens each through the engine (`bench/engine.py`'s `run_load`); the
 median decode step (every request decoding) is reported. One JSON file under bench/results/.
@@ -33,7 +33,7 @@ from kvpilot.daemon.engine.engine import LLMEngine
 RESULTS = Path(__file__).parent / "results"
 HERE = Path(__file__).parent
 run_load = benchkit.bench_module(HERE / "engine.py").run_load
-datasheet_gbps = benchkit.bench_module(HERE / "kernels.py")._datasheet
+datasheet_gbps = benchkit.bench_module(HERE / "attention_kernels.py")._datasheet
 
 
 def copy_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:

@@ -27,9 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# bench/ off the path (run as a file it comes first): its kernels.py would shadow the package transformers
-# imports
-sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != Path(__file__).resolve().parent]
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit
 import benchkit  # noqa: E402
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "hack" / "lib"))  # benchkit, devcluster
-sys.path.append(str(Path(__file__).resolve().parent))  # stub_pods (after site-packages: bench/kernels.py)
+sys.path.append(str(Path(__file__).resolve().parent))  # stub_pods
 
 from stub_pods import MODEL, start_stub_pods
 

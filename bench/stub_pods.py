@@ -253,7 +253,7 @@ def start_stub_pods(
     procs = []
     for i in range(0, n, 8):
         group = ports[i : i + 8]
-        # -P: bench/ not first on the path, whose kernels.py would shadow the package transformers imports
+        # -P: bench/ not first on the path (its files' names are not the packages' of those names)
         argv = [sys.executable, "-P", __file__, "--worker", ",".join(map(str, group))]
         argv += ["--chunk-gap-ms", str(chunk_gap_ms), "--chunks", str(chunks), "--blocks", str(blocks)]
         argv += ["--prefill-us-per-token", str(prefill_us_per_token)]

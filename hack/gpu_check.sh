@@ -7,7 +7,7 @@
 # each step's log, the tests' JUnit XML, nvidia-smi's view of the GPU and summary.json (each step's exit
 # status and seconds; 124 or 137: it ran past its limit).
 #
-#   kernels      bench/kernels.py --quick: paged attention decode GB/s against copy and datasheet bandwidth
+#   kernels      bench/attention_kernels.py --quick: paged attention decode GB/s against copy and datasheet bandwidth
 #   decode       bench/decode_bandwidth.py: decode tokens/s of the default model in bf16 and the share of
 #                HBM bandwidth a step reaches
 #   kv-tiers     bench/kv_tiers.py --device cuda: TTFT from the offload tiers; read_blocks/write_blocks GB/s
@@ -49,7 +49,7 @@ step() {
 }
 
 TOTAL=470 # seconds, all steps; under make's 8 minutes with the checks above
-step kernels 90 "$PY" bench/kernels.py --quick --out "$out/kernels.json"
+step kernels 90 "$PY" bench/attention_kernels.py --quick --out "$out/kernels.json"
 step decode 80 "$PY" bench/decode_bandwidth.py --output "$out/decode-bandwidth.json"
 step kv-tiers 110 "$PY" bench/kv_tiers.py --device cuda --output "$out/kv-tiers.json"
 step compile 90 "$PY" bench/compile.py --device cuda --tokens 16 --repeats 1 --out "$out/compile.json"

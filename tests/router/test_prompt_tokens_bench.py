@@ -19,7 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_prompt_tokens_quick(tmp_path: Path) -> None:
     out = tmp_path / "prompt-tokens.json"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # bench/ first on the path, as typed
+    # bench/ first on the path, as a file typed in a shell is run (a bench named as a package transformers
+    # imports, as bench/kernels.py was, would shadow it)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     argv = [sys.executable, "bench/prompt_tokens.py", "--prompts", "200", "--out", str(out)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -6,7 +6,7 @@ Prefill: causal attention throughput (TFLOP/s) for full-prompt chunks. Baseline:
 `scaled_dot_product_attention` on K/V already gathered into contiguous [B, Hkv, L, D] tensors (the gather
 itself is not timed, which flatters the baseline). bf16 by default. Writes JSON under bench/results/.
 
-    python bench/kernels.py [--quick] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE]
+    python bench/attention_kernels.py [--quick] [--heads 32 --kv-heads 8 --head-dim 128] [--out FILE]
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ def main() -> int:
     args = p.parse_args()
 
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (the triton kernels run natively only there); none found.")
+        print(
+            "bench/attention_kernels.py needs a CUDA GPU (the triton kernels run natively only there); none found."
+        )
         return 2
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
