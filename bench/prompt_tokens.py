@@ -108,12 +108,14 @@ def measure(prompts: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=10_000, help=f"prompts timed a family (after {WARM} warm)")
+    ap.add_argument("--label", default="", help="a note kept in the JSON (e.g. before/after)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     load = os.getloadavg()
     families = measure(args.prompts)
     doc = benchkit.header("prompt-tokens", load) | {
         "kvpilot_commit": benchkit.git_head(),
+        "label": args.label,
         "families": families,
     }
     benchkit.write(args.out or benchkit.default_path(RESULTS, "prompt-tokens"), doc)

@@ -29,8 +29,8 @@ token, so its text is one piece, new whenever any line of it is ("{system}\n\n{q
 preamble, a document asked about again), and finding its words cost ~22 us of a 300-character prompt,
 most of its encoding, for lines seen before. A line break followed by a character other than whitespace
 always ends a word in both patterns (no word holds a line break and then anything else: the words that
-hold one are whitespace, or end in line breaks), so the words after it are the words of the text from
-there on. The line before it reads its last line break as followed by that character (GPT-2's pattern
+hold one are whitespace, or end in line breaks; not so in every pattern, so only these two are cut), so
+the words after it are the words of the text from there on. The line before it reads its last line break as followed by that character (GPT-2's pattern
 cuts two line breaks before a letter in two, at the end of a text not), so its words are found with a
 letter put after it and then dropped, and it is kept apart from the same text seen as a whole piece. The
 last line is not kept apart (it is what differs from one prompt to the next); the whole piece is.
@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 
 PROBE_CHARS = 256  # the self-check's probe texts are this long at least, as a system prompt's piece is
 # What the cache keeps at most, counted as each piece's characters plus 4 per id (ids are kept as 4-byte
-# array items): about 30 MB for English text, up to twice that for text of 2-byte characters.
+# array items) plus ENTRY_UNITS for the entry itself: about 30 MB for English text, up to twice that for
+# text of 2-byte characters.
 MAX_CACHED_UNITS = 16 << 20
+# What an entry costs besides its text and ids (the key's and the array's object headers, the ordered
+# dict's node: ~230 bytes for a short line, by tracemalloc), so that many short lines stay in the bound too.
+ENTRY_UNITS = 200
 
 _PROBE_WORDS = (
     " The café's 12 ships   sailed\n\n  past, the  cape;\t\t日本語 émigrés  "
@@ -62,10 +66,20 @@ _PROBE_WORDS = (
 )
 # Plain ASCII (cut into lines and words): line breaks before letters, digits, quotes, punctuation and more
 # line breaks, and after spaces, tabs, a carriage return and punctuation.
-_PROBE_LINES = "A line.\nTwo words\n\nThree  \n\tTab\n'quoted' it's\n12,5\n \nX\r\nY\n\n\nZ?\n(x)\n-\n"
+_PROBE_LINES = (
+    "A line.\nTwo words\n\nThree  \n\tTab\n'quoted' it's\n12,5\n \nX\r\nY\n\n\nZ?\n(x)\n-\nx;\n// y\n/z\n"
+)
 
 # A word as GPT-2's byte-level pre-tokenizer cuts one (tokenizers' ByteLevel with use_regex).
 GPT2_WORDS = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama 3's Split pattern (its tokenizer.json).
+LLAMA3_WORDS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# The patterns a new piece is cut into lines for: in each, no word holds a line break and then anything but
+# whitespace (the module's docstring). Others do: tiktoken's o200k, say, ends punctuation in [\r\n/]*.
+LINE_SAFE_WORDS = frozenset((GPT2_WORDS, LLAMA3_WORDS))
 # What the word cache does not cut: anything but printable ASCII, tabs and line breaks (the module's docstring)
 _NOT_PLAIN = re.compile(r"[^\t\n\r\x20-\x7e]")
 MAX_WORD_CHARS = 64  # a longer word (no spaces in a long run) is tokenized, not kept
@@ -95,8 +109,10 @@ class SegmentTokenizer:
         self._special_ends: tuple[list[int], list[int]] | None = None
         self._words: Any = None  # a `regex` pattern cutting a piece into its words; None: pieces whole
         self._word_ids: dict[str, array[int]] = {}
+        self._cut_lines = False  # a new piece cut into lines first (LINE_SAFE_WORDS)
         if self._backend is not None and self._plain_added_tokens():
             self._words = _word_pattern(self._backend)
+            self._cut_lines = self._words is not None and self._words.pattern in LINE_SAFE_WORDS
             if self._words is not None and not self._agrees():
                 log.info("tokenizer %s: words are not cached", type(tokenizer).__name__)
                 self._words = None
@@ -148,6 +164,8 @@ class SegmentTokenizer:
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token (the split keeps them at odd places)
                 ids.append(self._added[piece])
+            elif _FOLLOWED in piece:  # never kept: it could be taken for a line's key (a client may send NUL)
+                ids += self._tokenized(piece)
             elif piece:
                 # Short ones too: under load a call into the tokenizer cost 20-150 us even for "assistant\n"
                 # (the template's own text between its tokens, in every chat), a lookup ~1 us, and a
@@ -163,7 +181,7 @@ class SegmentTokenizer:
                 self._cache.move_to_end(key)
                 return hit
         ids = (encode or self._encode_piece)(key)  # outside the lock: slow
-        units = len(key) + 4 * len(ids)
+        units = len(key) + 4 * len(ids) + ENTRY_UNITS
         if units > self._max_units:
             return ids
         with self._lock:
@@ -172,7 +190,7 @@ class SegmentTokenizer:
                 self._units += units
                 while self._units > self._max_units:
                     old, old_ids = self._cache.popitem(last=False)
-                    self._units -= len(old) + 4 * len(old_ids)
+                    self._units -= len(old) + 4 * len(old_ids) + ENTRY_UNITS
         return ids
 
     def _tokenized(self, text: str) -> array[int]:
@@ -182,6 +200,8 @@ class SegmentTokenizer:
         words = self._words
         if words is None or not piece.isascii() or _NOT_PLAIN.search(piece):
             return self._tokenized(piece)
+        if not self._cut_lines:
+            return self._encode_words(piece)
         *lines, last = _LINE_STARTS.split(piece)
         if not lines:
             return self._encode_words(piece)

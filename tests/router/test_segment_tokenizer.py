@@ -14,7 +14,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvpilot.default_model import ensure_default_model
-from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
+from kvpilot.router.routing.segment_tokenizer import LLAMA3_WORDS, SegmentTokenizer
 
 WORDS = [
     "the",
@@ -115,14 +115,10 @@ def test_a_tokenizer_whose_pieces_differ_apart_is_served_whole() -> None:
     assert tok.encode("The ship", add_special_tokens=False) == [2, 4]
 
 
-# Llama 3's pre-tokenizer pattern (its tokenizer.json), with a byte-level BPE trained here on a few lines.
-LLAMA3_WORDS = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
+# Llama 3's pre-tokenizer pattern (LLAMA3_WORDS), with a byte-level BPE trained here on a few lines.
 
 
-def split_bpe(pattern: str) -> PreTrainedTokenizerFast:
+def split_bpe(pattern: str, texts: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -137,7 +133,7 @@ def split_bpe(pattern: str) -> PreTrainedTokenizerFast:
     )
     rng = random.Random(3)
     # with the texts the regex engines cut apart (below), so merges across their cuts are learnt
-    odd = ["see \ua7ce. and the ship"] * 50 + ["the\x1c ship  \x1f cape"] * 50
+    odd = ["see \ua7ce. and the ship"] * 50 + ["the\x1c ship  \x1f cape"] * 50 + list(texts) * 50
     raw.train_from_iterator([random_text(rng, [], 60) for _ in range(200)] + odd, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|begin|>", eos_token="<|end|>")
 
@@ -164,3 +160,33 @@ def test_a_split_pre_tokenizers_words_are_cached_and_exact(skips: bool) -> None:
         assert enc.encode(text) == tok.encode(text, add_special_tokens=False), text
     # Letters-only pieces have no gaps: cut into words by either pattern. Others: only by Llama 3's.
     assert enc._word_ids and any(not w.isalpha() for w in enc._word_ids) is not skips
+
+
+# tiktoken's o200k shape: punctuation takes the line breaks and slashes after it, so a word runs on over a
+# line start (";\n//").
+RUNS_ON_WORDS = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def test_a_pattern_whose_words_run_over_a_line_start_has_its_pieces_cut_into_words_only() -> None:
+    tok = split_bpe(RUNS_ON_WORDS, ("x = 1;\n// note",))
+    text = "y = 2;\n// other\nz"
+    # what cutting at the line start would give, wrongly: ";\n" and "//" apart, where the tokenizer merges
+    assert tok.encode(text, add_special_tokens=False) != tok.encode(
+        "y = 2;\n", add_special_tokens=False
+    ) + tok.encode("// other\nz", add_special_tokens=False)
+    enc = SegmentTokenizer(tok)
+    assert enc.caching and enc._words is not None and not enc._cut_lines
+    for t in (text, "x = 1;\n// note\n" + text):
+        assert enc.encode(t) == tok.encode(t, add_special_tokens=False), t
+
+
+def test_a_piece_holding_nul_is_never_taken_for_a_line(smollm) -> None:  # noqa: ANN001
+    """A line is kept under its text and a NUL; a client's piece of that text is tokenized, not kept, in
+    either order."""
+    for texts in (
+        ["Hello world\n\x00", "Hello world\nHow are you?"],
+        ["Hello world\nHow are you?", "Hello world\n\x00"],
+    ):
+        enc = SegmentTokenizer(smollm)
+        for text in texts:
+            assert enc.encode(text) == smollm.encode(text, add_special_tokens=False), (texts, text)
