@@ -107,7 +107,8 @@ class RouterProc(Server):
 
     def wait_indexed(self, pod: str, before: dict[str, int], timeout: float = 30) -> None:
         """Until the index holds more of `pod`'s blocks than `before` (a pod of a shared fleet may hold
-        blocks of an earlier test: more than zero would not mean this request's events came)."""
+        blocks of an earlier test: more than zero would not mean this request's events came). For a pod
+        whose pool has room: one that evicts a block for each it stores keeps its count."""
         deadline = time.monotonic() + timeout
         while self.pod(pod)["indexed_blocks"] <= before.get(pod, 0):
             assert time.monotonic() < deadline, self.health()
