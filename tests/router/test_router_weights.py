@@ -6,7 +6,6 @@ weights is ever predicted."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +22,7 @@ from kvpilot.router.kv.weight_versions import MAX_CHARS, UNKNOWN, from_health
 from kvpilot.router.routing.policy import PrefixAware, hash_schemes
 from kvpilot.router.routing.prompts import Prompts
 from kvpilot.router.routing.version_choice import VersionChoice, pinned_version, pod_version
-from support.procs import free_port
+from support.procs import free_port, wait_for
 from support.servers import (
     ADMIN_TOKEN,
     MODEL,
@@ -91,13 +90,6 @@ def _counts(router: RouterProc, pod: str) -> tuple[float, float, float, float]:
     )
 
 
-def _wait_blocks(router: RouterProc, pod: str, done) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + 30
-    while not done(router.pod(pod)["indexed_blocks"]):
-        assert time.monotonic() < deadline, router.health()
-        time.sleep(0.05)
-
-
 def _complete_indexed(router: RouterProc, prompt: str) -> tuple[str, int]:
     """`_complete`, returning once the router has indexed the prompt's new block on the pod that served it
     (a pod's count alone may already be above zero from another test's prompt)."""
@@ -145,11 +137,10 @@ def test_after_a_weight_update_only_the_new_versions_blocks_are_predicted(named)
         timeout=300,
     )
     assert r.status == 200, r.body
-    _wait_blocks(router, pod, lambda n: n == 0)
-    deadline = time.monotonic() + 30
-    while router.pod(pod)["weight_versions"] != ["v2"]:
-        assert time.monotonic() < deadline, router.health()
-        time.sleep(0.05)
+    wait_for(
+        lambda: router.pod(pod)["indexed_blocks"] == 0, 30, f"the router to drop {pod}'s v1 blocks", 0.05
+    )
+    wait_for(lambda: router.pod(pod)["weight_versions"] == ["v2"], 30, f"{pod} to report v2", 0.05)
 
     # Nothing of v1 is predicted (the pod computes it all again), and the repeat lands there under v2.
     before = _counts(router, pod)
@@ -241,10 +232,12 @@ def _served_by(router: RouterProc, pin: str | None = None) -> tuple[int, str, di
 
 
 def _router_sees(router: RouterProc, versions: dict[str, list[str]]) -> None:
-    deadline = time.monotonic() + 30
-    while {p["pod"]: p["weight_versions"] for p in router.health()["pods"]} != versions:
-        assert time.monotonic() < deadline, router.health()
-        time.sleep(0.05)
+    wait_for(
+        lambda: {p["pod"]: p["weight_versions"] for p in router.health()["pods"]} == versions,
+        30,
+        f"the router to see weight versions {versions}",
+        0.05,
+    )
 
 
 def test_a_fleet_on_two_versions_serves_each_request_from_the_newest_or_the_pinned(named) -> None:  # noqa: ANN001

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 
 from benchkit import samples
-from support.procs import free_port, settled, spawn, stop, wait_ready
+from support.procs import free_port, settled, spawn, stop, wait_for, wait_ready
 
 ADMIN_TOKEN = "test-admin-token-4d1f"
 MODEL = "SmolLM2-135M-Instruct"
@@ -109,10 +109,13 @@ class RouterProc(Server):
         """Until the index holds more of `pod`'s blocks than `before` (a pod of a shared fleet may hold
         blocks of an earlier test: more than zero would not mean this request's events came). For a pod
         whose pool has room: one that evicts a block for each it stores keeps its count."""
-        deadline = time.monotonic() + timeout
-        while self.pod(pod)["indexed_blocks"] <= before.get(pod, 0):
-            assert time.monotonic() < deadline, self.health()
-            time.sleep(0.05)
+        floor = before.get(pod, 0)
+        wait_for(
+            lambda: self.pod(pod)["indexed_blocks"] > floor,
+            timeout,
+            f"the router to index more than {floor} blocks of {pod}",
+            interval=0.05,
+        )
 
 
 S = TypeVar("S", bound=Server)
