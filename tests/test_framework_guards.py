@@ -1,10 +1,10 @@
-"""Guards of the four places where kvpilot does a library's work its own way, for speed or for what the
+"""Guards of the five places where kvpilot does a library's work its own way, for speed or for what the
 library's public API lacks (issue 41; docs/performance.md, "Library insides"): the fan-out's HTTP/1.1
 client (kvpilot/fanout/http1.py), the router's stream relay (router/relay.py), the listeners' connection
-gate (kvpilot/serving/http_limits.py) and the ZeroMQ loop waker (router/kv/loop_waker.py). Each module's
-docstring says why it is kept and what it leans on; these tests check exactly that, on the installed
-library, and fail with the library's name, the version found and the part that changed. The end-to-end
-ones go through real loopback HTTP and real ZeroMQ sockets, on asyncio's loop and on uvloop (the router's
+gate (kvpilot/serving/http_limits.py), the ZeroMQ loop waker (router/kv/loop_waker.py) and the CPU's
+packed linear weights (kernels/onednn_linear.py). Each module's docstring says why it is kept and what it
+leans on; these tests check exactly that, on the installed library, and fail with the library's name, the
+version found and the part that changed. The end-to-end ones go through real loopback HTTP and real ZeroMQ sockets, on asyncio's loop and on uvloop (the router's
 and the operator's); each takes well under 2 s."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+import torch
+import torch.nn.functional as F
 import uvloop
 import zmq
 import zmq.asyncio
@@ -29,6 +31,7 @@ from aiohttp.http_parser import HttpResponseParser
 from aiohttp.streams import StreamReader
 
 from kvpilot.fanout import http1
+from kvpilot.kernels import onednn_linear
 from kvpilot.router import relay
 from kvpilot.router.kv import loop_waker
 from kvpilot.router.kv.loop_waker import LoopWaker, has_message
@@ -104,6 +107,7 @@ def dechunk(body: bytes) -> tuple[list[bytes], bytes]:
 # module leans on (see its docstring), so an upgrade that changes it breaks that module alone.
 RELAY, WAKER = "router/relay.py", "router/kv/loop_waker.py"
 HTTP1, LIMITS = "kvpilot/fanout/http1.py", "kvpilot/serving/http_limits.py"
+ONEDNN = "kernels/onednn_linear.py"
 ONLY_IN = {
     "__class__": RELAY,  # assigned: a live object's class swapped
     "feed_data": RELAY,
@@ -117,6 +121,8 @@ ONLY_IN = {
     "remove_reader": WAKER,
     "create_connection": HTTP1,  # an HTTP client of our own on asyncio's transports
     "create_server": LIMITS,  # aiohttp's server behind a protocol of our own
+    "_reorder_linear_weight": ONEDNN,  # torch's oneDNN ops that inductor's freezing emits
+    "_linear_pointwise": ONEDNN,
 }
 AIOHTTP_INSIDES = (  # aiohttp's modules behind its public `aiohttp` and `aiohttp.web` names
     "aiohttp.streams",
@@ -559,3 +565,23 @@ def test_loop_waker_wakes_on_a_message_and_quiets_its_descriptor(
         "pyzmq", "the FD no longer signals a message once EVENTS was read", WAKER
     )
     assert got["wakes after close"] == 0, got
+
+
+# -- kernels/onednn_linear.py ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+def test_onednn_linear_a_packed_weight_multiplies_as_f_linear(rows: int) -> None:
+    """torch.ops.mkldnn's `_reorder_linear_weight` and `_linear_pointwise` (the module's docstring): a
+    weight reordered once, then multiplied with and without a bias, at any row count."""
+    for op in ("_reorder_linear_weight", "_linear_pointwise"):
+        assert hasattr(torch.ops.mkldnn, op), changed("torch", f"torch.ops.mkldnn.{op} is gone", ONEDNN)
+    if not onednn_linear.packable(torch.zeros(8, 8)):
+        pytest.skip(f"torch {torch.__version__} here has no oneDNN for float32 (the module falls back)")
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
+    packed = onednn_linear.PackedWeight(onednn_linear.pack(weight), ())
+    for got, want in ((packed(x, bias), F.linear(x, weight, bias)), (packed(x), F.linear(x, weight))):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), changed(
+            "torch", f"_linear_pointwise of a reordered weight is not F.linear's at {rows} rows", ONEDNN
+        )

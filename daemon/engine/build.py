@@ -5,6 +5,7 @@ model runner and the LoRA adapters. `LLMEngine` steps what this builds; nothing 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
         tp = TensorParallel(config, model, device)  # shards `model`: rank 0 of the group
 
+    compilation = config.compilation(device.type)
+    if config.packed_linears and device.type == "cpu" and not compilation.compiled and tp is None:
+        start = time.monotonic()
+        used = model.pack_linears()
+        log.info(
+            "linear weights packed for oneDNN in %.1f s, used by %s",
+            time.monotonic() - start,
+            used or "none (this torch build or CPU cannot pack them): F.linear throughout",
+        )
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, model, dtype, device)
     if tp is not None:
         tp.share_num_blocks(num_blocks)
@@ -97,7 +107,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler.max_loras = config.max_loras if config.enable_lora else None
     loras = _load_loras(config, model, dtype, device)
-    compilation = config.compilation(device.type)
     log.info("engine step: %s", compilation.describe())
     runner = ModelRunner(model, num_blocks, config.block_size, dtype, device, compilation)
     if tp is not None:

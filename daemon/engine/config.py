@@ -81,6 +81,13 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata=flag("run every step eagerly: no torch.compile, no CUDA graphs (-O0)")
     )
+    packed_linears: bool = field(
+        default=True,
+        metadata=flag(
+            "eager on the CPU: a second copy of each linear weight in oneDNN's blocked layout, used at the "
+            "batch sizes it was timed faster at when the engine started (the linear weights' memory again)"
+        ),
+    )
     kv_events_endpoint: str | None = field(
         default=None, metadata=flag("publish KV cache events (vLLM's format, ZeroMQ PUB) here", **ZMQ_ADDRESS)
     )

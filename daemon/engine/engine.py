@@ -275,6 +275,7 @@ class LLMEngine:
                 outputs += [stopped_output(s, self.weight_version, restart=True) for s in seqs]
             again.append((added, seqs[0].lora))
         apply()
+        self.runner.model.repack_linears()  # its packed copies are of the old values
         self.set_weight_version(version)
         for a, lora in again:  # with the new weights and keys, each under the adapter it began with
             # KV pulled before the swap is of the old weights: it never lands (the swap's reset refuses it too)

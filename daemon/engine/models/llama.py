@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels import AttentionMetadata, Ops
+from kvpilot.kernels import AttentionMetadata, Ops, onednn_linear
+from kvpilot.kernels.onednn_linear import PackedWeight
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.parallel.tp import RowParallelLinear
@@ -93,6 +94,19 @@ class ForwardBatch:
     lora: LoRABatch | None = None  # the adapters of the step's rows (lora.py); None: all rows are base
 
 
+class PackedLinear(nn.Linear):
+    """nn.Linear that, once given a packed copy of its weight (`LlamaForCausalLM.pack_linears`), multiplies
+    the row counts that copy is faster at through it."""
+
+    packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if p is not None and p.takes(x):
+            return p(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, a: LlamaArgs, prefix: str) -> None:
         super().__init__()
@@ -100,9 +114,12 @@ class LlamaAttention(nn.Module):
         self.qkv_name, self.o_name = f"{prefix}.qkv_proj", f"{prefix}.o_proj"
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        # tensor parallelism replaces it with a column-sharded nn.Linear (parallel/tp.py)
+        self.qkv_proj: nn.Linear = PackedLinear(
+            a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias
+        )
         # tensor parallelism replaces it with its row-parallel one (parallel/tp.py)
-        self.o_proj: nn.Linear | RowParallelLinear = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.o_proj: nn.Linear | RowParallelLinear = PackedLinear(self.q_size, a.hidden_size, bias=False)
         self.scale = a.head_dim**-0.5
 
     def forward(
@@ -135,8 +152,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, a: LlamaArgs, prefix: str) -> None:
         super().__init__()
         self.gate_up_name, self.down_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj: nn.Linear | RowParallelLinear = nn.Linear(
+        self.gate_up_proj: nn.Linear = PackedLinear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj: nn.Linear | RowParallelLinear = PackedLinear(
             a.intermediate_size, a.hidden_size, bias=False
         )
 
@@ -192,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "rope", rope_cache(args.head_dim, args.max_position, args.rope_theta), persistent=False
         )
+        self.head_packed: PackedWeight | None = None  # the LM head's packed copy (`pack_linears`)
 
     @torch.inference_mode()
     def forward(
@@ -236,8 +254,41 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None  # set by the first layer
         residual = residual.index_select(0, logits_indices)
         x, _ = ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        if self.head_packed is not None and self.head_packed.takes(x):
+            return self.head_packed(x)
+        return F.linear(x, self._head_weight())
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_linears(self) -> str | None:
+        """Give every linear of the layers and the LM head a oneDNN-packed copy of its weight, used at the
+        step sizes where it was faster, as timed here on the first layer's weights and on the head's
+        (kernels/onednn_linear.py); returns those sizes, or None, changing nothing, where this build or CPU
+        cannot pack them. The eager CPU step's: `--no-packed-linears` and torch.compile do without."""
+        linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        if not linears or not onednn_linear.packable(linears[0].weight):
+            return None
+        first = [m.weight for m in self.layers[0].modules() if isinstance(m, PackedLinear)]
+        rows = onednn_linear.fast_rows(first)
+        for m in linears:
+            m.packed = PackedWeight(onednn_linear.pack(m.weight), rows)
+        head = self._head_weight()
+        # timed on a slice of the head's rows (its shape's kind, a sixth of a 49k vocabulary's time)
+        head_rows = onednn_linear.fast_rows([head[: onednn_linear.CALIBRATION_OUT_FEATURES]])
+        self.head_packed = PackedWeight(onednn_linear.pack(head), head_rows)
+        return (
+            f"layers at {onednn_linear.describe(rows)}, "
+            f"the LM head at {onednn_linear.describe(self.head_packed.fast_rows)}"
+        )
+
+    def repack_linears(self) -> None:
+        """The packed copies made again from the weights, after a weight update changed them in place."""
+        for m in self.modules():
+            if isinstance(m, PackedLinear) and m.packed is not None:
+                m.packed = m.packed.repacked(m.weight)
+        if self.head_packed is not None:
+            self.head_packed = self.head_packed.repacked(self._head_weight())
 
     def checkpoint_slot(self, name: str) -> tuple[str, int, int | None] | None:
         """Where a Hugging Face tensor goes: (parameter name, first row, rows or None for all of it);

@@ -1,0 +1,92 @@
+"""The eager CPU step's oneDNN-packed linear weights (kernels/onednn_linear.py) on the real default model:
+the same greedy tokens as `F.linear` throughout, at every step size, and a weight update reaches them.
+The op pair itself, on the installed torch, is guarded in tests/test_framework_guards.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.models.llama import PackedLinear
+from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.kernels import onednn_linear
+from kvpilot.kernels.onednn_linear import CALIBRATED_ROWS, PackedWeight
+from support.engine import run_alone
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear.packable(torch.zeros(8, 8)), reason="this torch build or CPU packs no float32 weight"
+)
+
+
+def _packed_at_every_size(engine: LLMEngine) -> None:
+    """Every linear and the LM head take their packed copy at every row count up to the last calibrated
+    one, whatever the start-up timing chose on this machine: the tests then go through the packed path."""
+    model = engine.runner.model
+    every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.packed is not None for m in linears), "the eager CPU engine packs its linears"
+    assert model.head_packed is not None
+    for m in linears:
+        m.packed = PackedWeight(m.packed.packed, every)
+    model.head_packed = PackedWeight(model.head_packed.packed, every)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """(F.linear throughout, packed at every size)."""
+    dense = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=False))
+    packed = LLMEngine(EngineConfig(num_kv_blocks=256))
+    assert all(m.packed is None for m in dense.runner.model.modules() if isinstance(m, PackedLinear))
+    _packed_at_every_size(packed)
+    yield dense, packed
+
+
+def test_packed_linears_give_the_same_tokens_at_every_step_size(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+) -> None:
+    dense, packed = engines
+    assert dense.generate(chat_prompts, GREEDY) == packed.generate(chat_prompts, GREEDY)  # 8 rows a step
+    assert run_alone(dense, "one", chat_prompts[0], GREEDY) == run_alone(
+        packed, "one", chat_prompts[0], GREEDY
+    )
+
+
+def test_a_weight_update_in_place_reaches_the_packed_copies(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+) -> None:
+    """An update copies into the parameters (weights/stage.py): the packed copies are made again from them,
+    else the step would go on multiplying by the old weights."""
+    prompt = chat_prompts[3]
+    before = run_alone(engines[1], "before", prompt, GREEDY)[0]
+    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
+    for e in engines:
+        layers = e.runner.model.layers
+        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
+    try:
+        changed = [run_alone(e, "changed", prompt, GREEDY)[0] for e in engines]
+        assert changed[0] == changed[1] != before
+    finally:
+        for e in engines:
+            layers = e.runner.model.layers
+            e.swap_weights(
+                "v1",
+                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
+            )
+    assert run_alone(engines[1], "restored", prompt, GREEDY)[0] == before
+
+
+def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> None:
+    rows = onednn_linear.fast_rows([torch.randn(256, 64)])
+    assert len(rows) == CALIBRATED_ROWS[-1] + 1 and rows[0] is False
+    for n in range(1, len(rows)):
+        assert rows[n] == rows[max(c for c in CALIBRATED_ROWS if c <= n)]
+    w = PackedWeight(torch.zeros(1), (False, True, True, False))
+    assert [w.takes(torch.zeros(n, 1)) for n in range(6)] == [False, True, True, False, False, False]
+    assert onednn_linear.describe((False, True, True, False, True)) == "1-2, 4 rows"
+    assert onednn_linear.describe((False, False)) == "none"
