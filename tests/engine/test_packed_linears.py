@@ -25,16 +25,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def _packed_at_every_size(engine: LLMEngine) -> None:
-    """Every linear and the LM head take their packed copy at every row count up to the last calibrated
-    one, whatever the start-up timing chose on this machine: the tests then go through the packed path."""
+    """Every linear and the LM head take a packed copy at every row count up to the last calibrated one,
+    whatever the start-up timing chose on this machine: the tests then go through the packed path."""
     model = engine.runner.model
     every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.packed is not None for m in linears), "the eager CPU engine packs its linears"
-    assert model.head_packed is not None
+    assert len(linears) == 4 * model.args.num_layers
     for m in linears:
-        m.packed = PackedWeight(m.packed.packed, every)
-    model.head_packed = PackedWeight(model.head_packed.packed, every)
+        m.packed = PackedWeight(onednn_linear.pack(m.weight), every)
+    model.head_packed = PackedWeight(onednn_linear.pack(model.head_weight()), every)
 
 
 @pytest.fixture(scope="module")

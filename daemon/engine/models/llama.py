@@ -256,9 +256,10 @@ class LlamaForCausalLM(nn.Module):
         x, _ = ops.rms_norm(x, self.norm, self.args.rms_norm_eps, residual)
         if self.head_packed is not None and self.head_packed.takes(x):
             return self.head_packed(x)
-        return F.linear(x, self._head_weight())
+        return F.linear(x, self.head_weight())
 
-    def _head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embeddings' where the model ties them."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_linears(self) -> str | None:
@@ -271,16 +272,15 @@ class LlamaForCausalLM(nn.Module):
             return None
         first = [m.weight for m in self.layers[0].modules() if isinstance(m, PackedLinear)]
         rows = onednn_linear.fast_rows(first)
-        for m in linears:
-            m.packed = PackedWeight(onednn_linear.pack(m.weight), rows)
-        head = self._head_weight()
+        head = self.head_weight()
         # timed on a slice of the head's rows (its shape's kind, a sixth of a 49k vocabulary's time)
         head_rows = onednn_linear.fast_rows([head[: onednn_linear.CALIBRATION_OUT_FEATURES]])
-        self.head_packed = PackedWeight(onednn_linear.pack(head), head_rows)
-        return (
-            f"layers at {onednn_linear.describe(rows)}, "
-            f"the LM head at {onednn_linear.describe(self.head_packed.fast_rows)}"
-        )
+        if any(rows):  # a copy no step size takes is not kept: it would only cost memory
+            for m in linears:
+                m.packed = PackedWeight(onednn_linear.pack(m.weight), rows)
+        if any(head_rows):
+            self.head_packed = PackedWeight(onednn_linear.pack(head), head_rows)
+        return f"layers at {onednn_linear.describe(rows)}, the LM head at {onednn_linear.describe(head_rows)}"
 
     def repack_linears(self) -> None:
         """The packed copies made again from the weights, after a weight update changed them in place."""
@@ -288,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, PackedLinear) and m.packed is not None:
                 m.packed = m.packed.repacked(m.weight)
         if self.head_packed is not None:
-            self.head_packed = self.head_packed.repacked(self._head_weight())
+            self.head_packed = self.head_packed.repacked(self.head_weight())
 
     def checkpoint_slot(self, name: str) -> tuple[str, int, int | None] | None:
         """Where a Hugging Face tensor goes: (parameter name, first row, rows or None for all of it);
