@@ -14,7 +14,7 @@ from kvpilot.daemon.engine.compile.config import parse_compilation_config
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.request import SamplingParams
-from support.engine import run_alone
+from support.engine import assert_a_weight_update_reaches_both, run_alone
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 BLOCK_BYTES = 737_280  # one block of the default model's fp32 KV
@@ -62,23 +62,7 @@ def test_a_weight_update_in_place_reaches_the_compiled_step(
 ) -> None:
     """An update copies into the parameters' own storage (weights/stage.py): the compiled step must read
     the new values, not what it saw when it compiled."""
-    prompt = chat_prompts[2]
-    before = run_alone(engines[1], "before", prompt, GREEDY)[0]
-    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
-    for e in engines:
-        layers = e.runner.model.layers
-        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
-    try:
-        changed = [run_alone(e, "changed", prompt, GREEDY)[0] for e in engines]
-        assert changed[0] == changed[1] != before
-    finally:
-        for e in engines:
-            layers = e.runner.model.layers
-            e.swap_weights(
-                "v1",
-                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
-            )
-    assert run_alone(engines[1], "restored", prompt, GREEDY)[0] == before
+    assert_a_weight_update_reaches_both(engines, chat_prompts[2], GREEDY)
 
 
 @pytest.mark.parametrize(

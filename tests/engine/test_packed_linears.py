@@ -15,7 +15,7 @@ from kvpilot.daemon.engine.models.llama import PackedLinear
 from kvpilot.daemon.engine.request import SamplingParams
 from kvpilot.kernels import onednn_linear
 from kvpilot.kernels.onednn_linear import CALIBRATED_ROWS, PackedWeight
-from support.engine import run_alone
+from support.engine import assert_a_weight_update_reaches_both, run_alone
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -61,23 +61,7 @@ def test_a_weight_update_in_place_reaches_the_packed_copies(
 ) -> None:
     """An update copies into the parameters (weights/stage.py): the packed copies are made again from them,
     else the step would go on multiplying by the old weights."""
-    prompt = chat_prompts[3]
-    before = run_alone(engines[1], "before", prompt, GREEDY)[0]
-    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
-    for e in engines:
-        layers = e.runner.model.layers
-        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
-    try:
-        changed = [run_alone(e, "changed", prompt, GREEDY)[0] for e in engines]
-        assert changed[0] == changed[1] != before
-    finally:
-        for e in engines:
-            layers = e.runner.model.layers
-            e.swap_weights(
-                "v1",
-                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
-            )
-    assert run_alone(engines[1], "restored", prompt, GREEDY)[0] == before
+    assert_a_weight_update_reaches_both(engines, chat_prompts[3], GREEDY)
 
 
 def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> None:

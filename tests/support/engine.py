@@ -1,5 +1,5 @@
 """What the engine tests read of a running engine that the server never needs: a request by its id, one
-request's tokens and cached-token count."""
+request's tokens and cached-token count; and a weight update both of two engines must see."""
 
 from __future__ import annotations
 
@@ -36,3 +36,27 @@ def run_request(engine: LLMEngine, req: EngineRequest) -> tuple[list[int], int]:
                 tokens += o.new_token_ids
                 cached = o.num_cached_tokens
     return tokens, cached
+
+
+def assert_a_weight_update_reaches_both(
+    engines: tuple[LLMEngine, LLMEngine], prompt: list[int], params: SamplingParams
+) -> None:
+    """Every layer's down_proj negated in place, as an update copies into the parameters (weights/stage.py),
+    then put back: the second engine, whose step keeps something derived from the weights (a compiled
+    graph, packed copies), must give the first one's tokens with the new weights, and its own again after."""
+    before = run_alone(engines[1], "before", prompt, params)[0]
+    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
+    for e in engines:
+        layers = e.runner.model.layers
+        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
+    try:
+        changed = [run_alone(e, "changed", prompt, params)[0] for e in engines]
+        assert changed[0] == changed[1] != before
+    finally:
+        for e in engines:
+            layers = e.runner.model.layers
+            e.swap_weights(
+                "v1",
+                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
+            )
+    assert run_alone(engines[1], "restored", prompt, params)[0] == before
