@@ -3,7 +3,8 @@
 the eager step's packed linear weights (on the CPU, kernels/onednn_linear.py) against F.linear.
 
 Engines in this process on the embedded model, one at -O0 (eager), one at -O1 (torch.compile, inductor;
-on CUDA -O2 also replays CUDA graphs) and, on the CPU, one at -O0 with --no-packed-linears ("dense"): for
+on CUDA -O2 also replays CUDA graphs) and, on the CPU, the eager one with --packed-linears and one at -O0
+without ("dense"): for
 each batch size, B requests of random prompts (no prefix hit) decode with ignore_eos, and only the steps
 where every request decodes count. The engines take turns, `--repeats` times, so that all see the same
 machine load; the ratios are of medians. Greedy outputs are compared token by token with the eager one's.
@@ -39,7 +40,7 @@ RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 64
 
 
-def engine(level: int, device: str, packed_linears: bool = True) -> tuple[LLMEngine, float]:
+def engine(level: int, device: str, packed_linears: bool = False) -> tuple[LLMEngine, float]:
     """An engine at `level` and the seconds its first step took (a compiled one compiles there)."""
     config = EngineConfig(
         device=device, compilation_config=str(level), num_kv_blocks=1024, packed_linears=packed_linears
@@ -83,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     load_before = os.getloadavg()
     compiled_level = 2 if EngineConfig(device=args.device).torch_device().type == "cuda" else 1
-    eager, eager_first = engine(0, args.device)
+    eager, eager_first = engine(0, args.device, packed_linears=True)
     sides = {"eager": eager}
     cold = warm = None
     if not args.no_compiled:

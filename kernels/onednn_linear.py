@@ -18,7 +18,7 @@ dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT), `packable` says no and every l
 
 The packed copy is a second copy of the weight (the model keeps its own, which prefill, LoRA, tensor
 parallelism and weight updates use), so it costs the linear weights' memory again: ~540 MB for the
-embedded model in float32. `--no-packed-linears` turns it off.
+embedded model in float32. So it is off unless `--packed-linears` asks for it.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class EngineConfig:
         default=False, metadata=flag("run every step eagerly: no torch.compile, no CUDA graphs (-O0)")
     )
     packed_linears: bool = field(
-        default=True,
+        default=False,
         metadata=flag(
             "eager on the CPU: a second copy of each linear weight in oneDNN's blocked layout, used at the "
             "batch sizes it was timed faster at when the engine started (the linear weights' memory again)"

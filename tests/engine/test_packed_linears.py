@@ -39,8 +39,8 @@ def _packed_at_every_size(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     """(F.linear throughout, packed at every size)."""
-    dense = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=False))
-    packed = LLMEngine(EngineConfig(num_kv_blocks=256))
+    dense = LLMEngine(EngineConfig(num_kv_blocks=256))  # the default
+    packed = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=True))
     assert all(m.packed is None for m in dense.runner.model.modules() if isinstance(m, PackedLinear))
     _packed_at_every_size(packed)
     yield dense, packed

@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         """Give every linear of the layers and the LM head a oneDNN-packed copy of its weight, used at the
         step sizes where it was faster, as timed here on the first layer's weights and on the head's
         (kernels/onednn_linear.py); returns those sizes, or None, changing nothing, where this build or CPU
-        cannot pack them. The eager CPU step's: `--no-packed-linears` and torch.compile do without."""
+        cannot pack them. The eager CPU step's, with `--packed-linears`; torch.compile does without."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         if not linears or not onednn_linear.packable(linears[0].weight):
             return None
