@@ -580,8 +580,11 @@ def test_onednn_linear_a_packed_weight_multiplies_as_f_linear(rows: int) -> None
         pytest.skip(f"torch {torch.__version__} here has no oneDNN for float32 (the module falls back)")
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(rows, 40)
-    packed = onednn_linear.PackedWeight(onednn_linear.pack(weight), ())
-    for got, want in ((packed(x, bias), F.linear(x, weight, bias)), (packed(x), F.linear(x, weight))):
+    packed = onednn_linear.pack(weight)
+    for got, want in (
+        (onednn_linear.multiply(x, packed, 96, bias), F.linear(x, weight, bias)),
+        (onednn_linear.multiply(x, packed, 96), F.linear(x, weight)),
+    ):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), changed(
             "torch", f"_linear_pointwise of a reordered weight is not F.linear's at {rows} rows", ONEDNN
         )

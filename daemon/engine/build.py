@@ -76,9 +76,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         start = time.monotonic()
         used = model.pack_linears()
         log.info(
-            "linear weights packed for oneDNN in %.1f s, used by %s",
+            "linear weights packed in %.1f s, used by %s",
             time.monotonic() - start,
-            used or "none (this torch build or CPU cannot pack them): F.linear throughout",
+            used or "none (no kernel here takes them): F.linear throughout",
         )
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, model, dtype, device)
     if tp is not None:

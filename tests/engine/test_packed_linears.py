@@ -1,6 +1,7 @@
-"""The eager CPU step's oneDNN-packed linear weights (kernels/onednn_linear.py) on the real default model:
-the same greedy tokens as `F.linear` throughout, at every step size, and a weight update reaches them.
-The op pair itself, on the installed torch, is guarded in tests/test_framework_guards.py."""
+"""The eager CPU step's packed linear weights (kernels/packed_linear.py) on the real default model: the
+same greedy tokens as `F.linear` throughout, at every step size, through each kernel this machine has (the
+project's panels, oneDNN), and a weight update reaches them. The panel kernel alone is tested in
+tests/kernels/test_panel_gemm.py; oneDNN's op pair, on the installed torch, in tests/test_framework_guards.py."""
 
 from __future__ import annotations
 
@@ -13,27 +14,34 @@ from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
 from kvpilot.daemon.engine.models.llama import PackedLinear
 from kvpilot.daemon.engine.request import SamplingParams
-from kvpilot.kernels import onednn_linear
-from kvpilot.kernels.onednn_linear import CALIBRATED_ROWS, PackedWeight
+from kvpilot.kernels import onednn_linear, packed_linear, panel_gemm
+from kvpilot.kernels.packed_linear import CALIBRATED_ROWS, ONEDNN, PANELS, Kernel, PackedWeight
 from support.engine import assert_a_weight_update_reaches_both, run_alone
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 pytestmark = pytest.mark.skipif(
-    not onednn_linear.packable(torch.zeros(8, 8)), reason="this torch build or CPU packs no float32 weight"
+    packed_linear.kernel_for(torch.zeros(8, 8)) is None, reason="no kernel here packs a float32 weight"
 )
+# Each kernel this machine has: the preferred one is what the engine packs with, the other is put in by hand.
+KERNELS = [
+    pytest.param(PANELS, marks=pytest.mark.skipif(not panel_gemm.available(), reason="no panel kernel here")),
+    pytest.param(
+        ONEDNN, marks=pytest.mark.skipif(not onednn_linear.packable(torch.zeros(8, 8)), reason="no oneDNN")
+    ),
+]
 
 
-def _packed_at_every_size(engine: LLMEngine) -> None:
-    """Every linear and the LM head take a packed copy at every row count up to the last calibrated one,
-    whatever the start-up timing chose on this machine: the tests then go through the packed path."""
+def _packed_at_every_size(engine: LLMEngine, kernel: Kernel) -> None:
+    """Every linear and the LM head take a packed copy of `kernel`'s at every row count up to the last
+    calibrated one, whatever the start-up timing chose on this machine: the tests then go through it."""
     model = engine.runner.model
     every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * model.args.num_layers
     for m in linears:
-        m.packed = PackedWeight(onednn_linear.pack(m.weight), every)
-    model.head_packed = PackedWeight(onednn_linear.pack(model.head_weight()), every)
+        m.packed = PackedWeight.of(m.weight, kernel, every)
+    model.head_packed = PackedWeight.of(model.head_weight(), kernel, every)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +50,18 @@ def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     dense = LLMEngine(EngineConfig(num_kv_blocks=256))  # the default
     packed = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=True))
     assert all(m.packed is None for m in dense.runner.model.modules() if isinstance(m, PackedLinear))
-    _packed_at_every_size(packed)
+    chosen = packed_linear.kernel_for(torch.zeros(8, 8))
+    assert chosen is not None and packed.runner.model.layers[0].mlp.down_proj.packed.kernel is chosen
+    _packed_at_every_size(packed, chosen)
     yield dense, packed
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_packed_linears_give_the_same_tokens_at_every_step_size(
-    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], kernel: Kernel
 ) -> None:
     dense, packed = engines
+    _packed_at_every_size(packed, kernel)
     assert dense.generate(chat_prompts, GREEDY) == packed.generate(chat_prompts, GREEDY)  # 8 rows a step
     assert run_alone(dense, "one", chat_prompts[0], GREEDY) == run_alone(
         packed, "one", chat_prompts[0], GREEDY
@@ -65,11 +77,13 @@ def test_a_weight_update_in_place_reaches_the_packed_copies(
 
 
 def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> None:
-    rows = onednn_linear.fast_rows([torch.randn(256, 64)])
+    kernel = packed_linear.kernel_for(torch.zeros(8, 8))
+    assert kernel is not None
+    rows = packed_linear.fast_rows([torch.randn(256, 64)], kernel)
     assert len(rows) == CALIBRATED_ROWS[-1] + 1 and rows[0] is False
     for n in range(1, len(rows)):
         assert rows[n] == rows[max(c for c in CALIBRATED_ROWS if c <= n)]
-    w = PackedWeight(torch.zeros(1), (False, True, True, False))
+    w = PackedWeight(torch.zeros(1), 1, kernel, (False, True, True, False))
     assert [w.takes(torch.zeros(n, 1)) for n in range(6)] == [False, True, True, False, False, False]
-    assert onednn_linear.describe((False, True, True, False, True)) == "1-2, 4 rows"
-    assert onednn_linear.describe((False, False)) == "none"
+    assert packed_linear.describe((False, True, True, False, True)) == "1-2, 4 rows"
+    assert packed_linear.describe((False, False)) == "none"

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels import AttentionMetadata, Ops, onednn_linear
-from kvpilot.kernels.onednn_linear import PackedWeight
+from kvpilot.kernels import AttentionMetadata, Ops, packed_linear
+from kvpilot.kernels.packed_linear import PackedWeight
 
 if TYPE_CHECKING:
     from kvpilot.daemon.engine.parallel.tp import RowParallelLinear
@@ -263,24 +263,27 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_linears(self) -> str | None:
-        """Give every linear of the layers and the LM head a oneDNN-packed copy of its weight, used at the
-        step sizes where it was faster, as timed here on the first layer's weights and on the head's
-        (kernels/onednn_linear.py); returns those sizes, or None, changing nothing, where this build or CPU
-        cannot pack them. The eager CPU step's, with `--packed-linears`; torch.compile does without."""
+        """Give every linear of the layers and the LM head a packed copy of its weight, used at the step
+        sizes where it was faster, as timed here on the first layer's weights and on the head's
+        (kernels/packed_linear.py); returns the kernel and those sizes, or None, changing nothing, where no
+        kernel here takes the weights. The eager CPU step's, with `--packed-linears`; torch.compile does
+        without."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
-        if not linears or not onednn_linear.packable(linears[0].weight):
+        kernel = packed_linear.kernel_for(linears[0].weight) if linears else None
+        if kernel is None:
             return None
         first = [m.weight for m in self.layers[0].modules() if isinstance(m, PackedLinear)]
-        rows = onednn_linear.fast_rows(first)
+        rows = packed_linear.fast_rows(first, kernel)
         head = self.head_weight()
         # timed on a slice of the head's rows (its shape's kind, a sixth of a 49k vocabulary's time)
-        head_rows = onednn_linear.fast_rows([head[: onednn_linear.CALIBRATION_OUT_FEATURES]])
+        head_rows = packed_linear.fast_rows([head[: packed_linear.CALIBRATION_OUT_FEATURES]], kernel)
         if any(rows):  # a copy no step size takes is not kept: it would only cost memory
             for m in linears:
-                m.packed = PackedWeight(onednn_linear.pack(m.weight), rows)
+                m.packed = PackedWeight.of(m.weight, kernel, rows)
         if any(head_rows):
-            self.head_packed = PackedWeight(onednn_linear.pack(head), head_rows)
-        return f"layers at {onednn_linear.describe(rows)}, the LM head at {onednn_linear.describe(head_rows)}"
+            self.head_packed = PackedWeight.of(head, kernel, head_rows)
+        describe = packed_linear.describe
+        return f"{kernel.name}: layers at {describe(rows)}, the LM head at {describe(head_rows)}"
 
     def repack_linears(self) -> None:
         """The packed copies made again from the weights, after a weight update changed them in place."""

@@ -1,0 +1,133 @@
+"""Linear layers on the CPU through a copy of the weight laid out once for a faster kernel, at the row counts
+where it is faster than `F.linear`.
+
+A decode step multiplies a few rows (one per running request) by every weight of the model. `F.linear` on
+the CPU is MKL's sgemm, which at 2-16 rows leaves much of the core idle (kernels/panel_gemm.py says why).
+Two kernels take a weight laid out once:
+- `panels`, kernels/panel_gemm.py: a small AVX2/FMA kernel of the project's, built with the system's C
+  compiler at first use; the first choice where it runs (x86-64 with AVX2 and FMA, a compiler, float32);
+- `oneDNN`, kernels/onednn_linear.py: torch's oneDNN ops on a weight reordered into oneDNN's blocked layout
+  (vLLM-cpu's `onednn_mm` shape); otherwise, where this torch build and CPU take the weight's dtype.
+Which row counts gain differs by CPU, library build and kernel, so `fast_rows` times both ways on the
+model's own weights when the engine starts, and only the row counts where the packed copy won by `MIN_GAIN`
+use it (docs/performance.md has the figures).
+
+The packed copy is a second copy of the weight (the model keeps its own, which prefill past the calibrated
+row counts, LoRA, tensor parallelism, weight updates and the weights' digest read), so it costs the linear
+weights' memory again: ~540 MB for the embedded model in float32. So it is off unless `--packed-linears`
+asks for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.kernels import onednn_linear, panel_gemm
+
+# Row counts timed at start; a step's rows take the decision of the largest one at or below them, and more
+# rows than the last one never take the packed copy (prefill).
+CALIBRATED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# A weight wider than this (an LM head) is timed on its first rows of outputs: the time of a multiplication
+# grows with them, which way is faster hardly does.
+CALIBRATION_OUT_FEATURES = 8192
+MIN_GAIN = 1.10  # the packed copy is used where it took at most 1/MIN_GAIN of F.linear's time
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """A way to multiply by a weight laid out once: `pack(weight)` lays it out, `multiply(x, packed,
+    out_features, bias)` is `F.linear(x, weight, bias)` through it."""
+
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    multiply: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
+PANELS = Kernel("panels", panel_gemm.pack, panel_gemm.multiply)
+ONEDNN = Kernel("oneDNN", onednn_linear.pack, onednn_linear.multiply)
+
+
+def kernel_for(weight: torch.Tensor) -> Kernel | None:
+    """The kernel that packs `weight` here (panels first, then oneDNN), or None: `F.linear` only."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and panel_gemm.available():
+        return PANELS
+    return ONEDNN if onednn_linear.packable(weight) else None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight's packed copy, the kernel that multiplies by it, and the row counts it is used at."""
+
+    packed: torch.Tensor
+    out_features: int
+    kernel: Kernel
+    fast_rows: tuple[bool, ...]  # by a step's row count: whether the packed copy takes it
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, kernel: Kernel, fast_rows: tuple[bool, ...] = ()) -> PackedWeight:
+        return cls(kernel.pack(weight), weight.shape[0], kernel, fast_rows)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        n = x.shape[0]
+        return n < len(self.fast_rows) and self.fast_rows[n]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` through the packed copy; x is [rows, in]."""
+        return self.kernel.multiply(x, self.packed, self.out_features, bias)
+
+    def repacked(self, weight: torch.Tensor) -> PackedWeight:
+        """The same kernel and row counts for `weight`'s new values (a weight update changes them in place)."""
+        return PackedWeight.of(weight, self.kernel, self.fast_rows)
+
+
+def fast_rows(weights: Sequence[torch.Tensor], kernel: Kernel) -> tuple[bool, ...]:
+    """By row count up to CALIBRATED_ROWS' last: whether `weights` (one layer's, say), all multiplied
+    through `kernel`'s packed copies, took at most 1/MIN_GAIN of `F.linear`'s time at the largest calibrated
+    count at or below it; each way timed best of three."""
+    packed = [PackedWeight.of(w, kernel) for w in weights]
+    won = set()
+    for n in CALIBRATED_ROWS:
+        inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights]
+
+        def dense(inputs: list[torch.Tensor] = inputs) -> None:
+            for x, w in zip(inputs, weights):
+                F.linear(x, w)
+
+        def fast(inputs: list[torch.Tensor] = inputs) -> None:
+            for x, p in zip(inputs, packed):
+                p(x)
+
+        if _best(fast) * MIN_GAIN <= _best(dense):
+            won.add(n)
+    return tuple(
+        n > 0 and max(c for c in CALIBRATED_ROWS if c <= n) in won for n in range(CALIBRATED_ROWS[-1] + 1)
+    )
+
+
+def describe(rows: tuple[bool, ...]) -> str:
+    """`fast_rows`' answer as the step sizes it takes: "2-31 rows", "none"."""
+    spans, start = [], None
+    for n, fast in enumerate((*rows, False)):
+        if fast and start is None:
+            start = n
+        elif not fast and start is not None:
+            spans.append(f"{start}-{n - 1}" if n - 1 > start else str(start))
+            start = None
+    return ", ".join(spans) + " rows" if spans else "none"
+
+
+def _best(run: Callable[[], object], repeats: int = 3) -> float:
+    run()  # the first call builds oneDNN's primitive, MKL its buffers
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best

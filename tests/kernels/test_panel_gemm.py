@@ -1,0 +1,56 @@
+"""kernels/panel_gemm.py: the project's decode matmul, built with this machine's C compiler, against
+F.linear at the row counts and shapes a step gives it (panels cut short, blocks of rows split unevenly,
+a bias), and its refusal of what would read past a buffer. CPU-only: it runs where x86-64 has AVX2 and
+FMA and a C compiler is installed, as on CI's machine; elsewhere it skips, and the model's tests use oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpilot.kernels import panel_gemm
+
+pytestmark = pytest.mark.skipif(
+    not panel_gemm.available(), reason="no x86-64 CPU with AVX2 and FMA, or no C compiler"
+)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(96, 40), (100, 37), (5, 3), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 13, 64])
+def test_the_panel_kernel_multiplies_as_f_linear(out_features: int, in_features: int, rows: int) -> None:
+    torch.manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(rows, in_features)
+    panels = panel_gemm.pack(weight)
+    assert panels.shape == (-(-out_features // panel_gemm.PANEL), in_features, panel_gemm.PANEL)
+    for got, want in (
+        (panel_gemm.multiply(x, panels, out_features), F.linear(x, weight)),
+        (panel_gemm.multiply(x, panels, out_features, bias), F.linear(x, weight, bias)),
+        # a row of a wider batch (a view, not contiguous in its rows' stride) is copied first
+        (panel_gemm.multiply(x.t().contiguous().t(), panels, out_features), F.linear(x, weight)),
+    ):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_panels_are_the_weight_permuted() -> None:
+    """What `pack` lays out holds the weight's values and zeros only: nothing is lost or rounded."""
+    weight = torch.randn(20, 7)
+    panels = panel_gemm.pack(weight)
+    assert torch.equal(panels.transpose(1, 2).reshape(-1, 7)[:20], weight)
+    assert not panels.transpose(1, 2).reshape(-1, 7)[20:].any()
+
+
+@pytest.mark.parametrize(
+    "x, out_features",
+    [
+        (torch.zeros(2, 41), 96),  # an input wider than the weight
+        (torch.zeros(2, 40, dtype=torch.float64), 96),  # not float32
+        (torch.zeros(2, 40), 97),  # more outputs than the panels hold
+        (torch.zeros(2, 40), 0),
+    ],
+)
+def test_inputs_that_do_not_fit_the_panels_are_refused(x: torch.Tensor, out_features: int) -> None:
+    with pytest.raises(ValueError, match="panel_gemm"):
+        panel_gemm.multiply(x, panel_gemm.pack(torch.zeros(96, 40)), out_features)
