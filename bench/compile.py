@@ -1,6 +1,6 @@
 """The compiled step against the eager one: decode tokens/s and tokens per CPU second at batch 1, 16 and
 64, and what compiling costs (cold: an empty compile cache; warm: the cache a first compile left); and
-the eager step's packed linear weights (on the CPU, kernels/onednn_linear.py) against F.linear.
+the eager step's packed linear weights (on the CPU, kernels/packed_linear.py) against F.linear.
 
 Engines in this process on the embedded model, one at -O0 (eager), one at -O1 (torch.compile, inductor;
 on CUDA -O2 also replays CUDA graphs) and, on the CPU, the eager one with --packed-linears and one at -O0

@@ -12,8 +12,8 @@ Which row counts gain differs by CPU, library build and kernel, so `fast_rows` t
 model's own weights when the engine starts, and only the row counts where the packed copy won by `MIN_GAIN`
 use it (docs/performance.md has the figures).
 
-The packed copy is a second copy of the weight (the model keeps its own, which prefill past the calibrated
-row counts, LoRA, tensor parallelism, weight updates and the weights' digest read), so it costs the linear
+The packed copy is a second copy of the weight (the model keeps its own, which the row counts the copy
+lost at, LoRA, tensor parallelism, weight updates and the weights' digest read), so it costs the linear
 weights' memory again: ~540 MB for the embedded model in float32. So it is off unless `--packed-linears`
 asks for it.
 """
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import onednn_linear, panel_gemm
 
-# Row counts timed at start; a step's rows take the decision of the largest one at or below them, and more
-# rows than the last one never take the packed copy (prefill).
-CALIBRATED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Row counts timed at start; a step's rows take the decision of the largest one at or below them (a prefill
+# chunk of more rows than the last, that one's).
+CALIBRATED_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # A weight wider than this (an LM head) is timed on its first rows of outputs: the time of a multiplication
 # grows with them, which way is faster hardly does.
 CALIBRATION_OUT_FEATURES = 8192
@@ -68,15 +68,15 @@ class PackedWeight:
     packed: torch.Tensor
     out_features: int
     kernel: Kernel
-    fast_rows: tuple[bool, ...]  # by a step's row count: whether the packed copy takes it
+    fast_rows: tuple[bool, ...]  # by a step's row count (the last: that many or more): whether it is taken
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernel: Kernel, fast_rows: tuple[bool, ...] = ()) -> PackedWeight:
         return cls(kernel.pack(weight), weight.shape[0], kernel, fast_rows)
 
     def takes(self, x: torch.Tensor) -> bool:
-        n = x.shape[0]
-        return n < len(self.fast_rows) and self.fast_rows[n]
+        rows = self.fast_rows
+        return bool(rows) and rows[min(x.shape[0], len(rows) - 1)]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the packed copy; x is [rows, in]."""
@@ -88,9 +88,9 @@ class PackedWeight:
 
 
 def fast_rows(weights: Sequence[torch.Tensor], kernel: Kernel) -> tuple[bool, ...]:
-    """By row count up to CALIBRATED_ROWS' last: whether `weights` (one layer's, say), all multiplied
-    through `kernel`'s packed copies, took at most 1/MIN_GAIN of `F.linear`'s time at the largest calibrated
-    count at or below it; each way timed best of three."""
+    """By row count up to CALIBRATED_ROWS' last (which stands for more rows too): whether `weights` (one
+    layer's, say), all multiplied through `kernel`'s packed copies, took at most 1/MIN_GAIN of `F.linear`'s
+    time at the largest calibrated count at or below it; each way timed best of three."""
     packed = [PackedWeight.of(w, kernel) for w in weights]
     won = set()
     for n in CALIBRATED_ROWS:
@@ -112,13 +112,16 @@ def fast_rows(weights: Sequence[torch.Tensor], kernel: Kernel) -> tuple[bool, ..
 
 
 def describe(rows: tuple[bool, ...]) -> str:
-    """`fast_rows`' answer as the step sizes it takes: "2-31 rows", "none"."""
+    """`fast_rows`' answer as the step sizes it takes: "2-31 rows", "1+ rows" (any), "none"."""
     spans, start = [], None
     for n, fast in enumerate((*rows, False)):
         if fast and start is None:
             start = n
         elif not fast and start is not None:
-            spans.append(f"{start}-{n - 1}" if n - 1 > start else str(start))
+            if n == len(rows):  # the last calibrated count stands for more rows too
+                spans.append(f"{start}+")
+            else:
+                spans.append(f"{start}-{n - 1}" if n - 1 > start else str(start))
             start = None
     return ", ".join(spans) + " rows" if spans else "none"
 

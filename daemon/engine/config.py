@@ -84,8 +84,9 @@ class EngineConfig:
     packed_linears: bool = field(
         default=False,
         metadata=flag(
-            "eager on the CPU: a second copy of each linear weight in oneDNN's blocked layout, used at the "
-            "batch sizes it was timed faster at when the engine started (the linear weights' memory again)"
+            "eager on the CPU: a second copy of each linear weight laid out for a faster kernel (the "
+            "project's AVX2 panels, else oneDNN's), used at the batch sizes it was timed faster at when the "
+            "engine started (the linear weights' memory again)"
         ),
     )
     kv_events_endpoint: str | None = field(

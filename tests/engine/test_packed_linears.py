@@ -33,8 +33,8 @@ KERNELS = [
 
 
 def _packed_at_every_size(engine: LLMEngine, kernel: Kernel) -> None:
-    """Every linear and the LM head take a packed copy of `kernel`'s at every row count up to the last
-    calibrated one, whatever the start-up timing chose on this machine: the tests then go through it."""
+    """Every linear and the LM head take a packed copy of `kernel`'s at every row count (prefill too),
+    whatever the start-up timing chose on this machine: the tests then go through it."""
     model = engine.runner.model
     every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -85,5 +85,9 @@ def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> Non
         assert rows[n] == rows[max(c for c in CALIBRATED_ROWS if c <= n)]
     w = PackedWeight(torch.zeros(1), 1, kernel, (False, True, True, False))
     assert [w.takes(torch.zeros(n, 1)) for n in range(6)] == [False, True, True, False, False, False]
-    assert packed_linear.describe((False, True, True, False, True)) == "1-2, 4 rows"
+    # the last calibrated count's decision holds for any more rows (a long prefill chunk)
+    last = PackedWeight(torch.zeros(1), 1, kernel, (False, False, True))
+    assert [last.takes(torch.zeros(n, 1)) for n in (1, 2, 3, 300)] == [False, True, True, True]
+    assert packed_linear.describe((False, True, True, False, True, False)) == "1-2, 4 rows"
+    assert packed_linear.describe((False, True, True, False, True)) == "1-2, 4+ rows"
     assert packed_linear.describe((False, False)) == "none"
