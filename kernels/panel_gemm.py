@@ -4,13 +4,14 @@ with the system's C compiler at first use (as inductor compiles its CPU kernels)
 
 Why it exists: a decode step multiplies a few rows by every weight of the model, once each, so it is bound
 by how fast the weights stream from memory and how well the multiply-adds keep up. MKL's sgemm (F.linear)
-reaches 7 GB/s of the core's 20 at 8 rows, oneDNN with a packed weight 9 (kernels/onednn_linear.py): at
-4-16 rows both leave the core's FMA units half idle, waiting on the stream. Here each panel of 16 output
+reaches 7 GB/s of the core's 20 at 8 rows, oneDNN with a packed weight 9 (kernels/onednn_linear.py):
+neither keeps the core's FMA units busy while the weights stream in. Here each panel of 16 output
 features is read once from memory, sequentially, and held in registers' reach while up to 6 rows at a time
-multiply it: 12 accumulators, 2 weight vectors and a broadcast input in the 16 AVX2 registers, 12 FMAs per
-2 vector loads. On an AMD EPYC (Zen 3, 1 thread) the embedded model's layer weights, streamed from memory
-(30 layers' worth, more than the caches), took 30.6 ms at 8 rows against oneDNN's 46.9 and MKL's 61.0, and
-it was ahead of both from 1 row to 128 (docs/performance.md, "A decode matmul at the memory's pace").
+multiply it: 12 accumulators, 2 weight vectors and a broadcast input in the 16 AVX2 registers, 12 FMAs for
+2 weight loads and 6 broadcasts. On an AMD EPYC (Zen 3, 1 thread) the embedded model's layer weights,
+streamed from memory (30 layers' worth, more than the caches), took 33.0 ms at 8 rows against oneDNN's 49.4
+and MKL's 60.1 (bench/decode_matmul.py; docs/performance.md, "A decode matmul at the memory's pace"):
+1.7-1.95x MKL's speed at 2-16 rows, even at 1, 1.07x at 256.
 
 The panel layout: for each 16 output features, their weights for input 0, then input 1, and so on
 (`[panels, in, 16]`), the last panel zero-padded; a pure permutation of the weight's values. Each output is
