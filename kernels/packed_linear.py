@@ -32,9 +32,11 @@ from kvpilot.kernels import onednn_linear, panel_gemm
 # Row counts timed at start; a step's rows take the decision of the largest one at or below them (a prefill
 # chunk of more rows than the last, that one's).
 CALIBRATED_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
-# A weight wider than this (an LM head) is timed on its first rows of outputs: the time of a multiplication
-# grows with them, which way is faster hardly does.
-CALIBRATION_OUT_FEATURES = 8192
+# The weights timed at start take at least this much memory (or are all there are): more than a core's
+# share of the last-level cache, so that both ways stream them from memory as a step does (timed on one
+# layer's 14 MB, which the cache held, the panels looked 10% faster at 1 row than they are). An LM head is
+# timed on its first rows of outputs, this many bytes of them: which way is faster hardly changes with them.
+CALIBRATION_BYTES = 64 << 20
 MIN_GAIN = 1.10  # the packed copy is used where it took at most 1/MIN_GAIN of F.linear's time
 
 

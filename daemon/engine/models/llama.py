@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> str | None:
         """Give every linear of the layers and the LM head a packed copy of its weight, used at the step
-        sizes where it was faster, as timed here on the first layer's weights and on the head's
+        sizes where it was faster, as timed here on the first layers' weights and on the head's
         (kernels/packed_linear.py); returns the kernel and those sizes, or None, changing nothing, where no
         kernel here takes the weights. The eager CPU step's, with `--packed-linears`; torch.compile does
         without."""
@@ -272,11 +272,16 @@ class LlamaForCausalLM(nn.Module):
         kernel = packed_linear.kernel_for(linears[0].weight) if linears else None
         if kernel is None:
             return None
-        first = [m.weight for m in self.layers[0].modules() if isinstance(m, PackedLinear)]
-        rows = packed_linear.fast_rows(first, kernel)
+        budget = packed_linear.CALIBRATION_BYTES
+        timed: list[torch.Tensor] = []  # the first layers' weights, as many as the budget takes
+        for layer in self.layers:
+            if sum(w.numel() * w.element_size() for w in timed) >= budget:
+                break
+            timed += [m.weight for m in layer.modules() if isinstance(m, PackedLinear)]
+        rows = packed_linear.fast_rows(timed, kernel)
         head = self.head_weight()
-        # timed on a slice of the head's rows (its shape's kind, a sixth of a 49k vocabulary's time)
-        head_rows = packed_linear.fast_rows([head[: packed_linear.CALIBRATION_OUT_FEATURES]], kernel)
+        # timed on a slice of the head's rows (its shape's kind, a fraction of a large vocabulary's time)
+        head_rows = packed_linear.fast_rows([head[: budget // (head.shape[1] * head.element_size())]], kernel)
         if any(rows):  # a copy no step size takes is not kept: it would only cost memory
             for m in linears:
                 m.packed = PackedWeight.of(m.weight, kernel, rows)
