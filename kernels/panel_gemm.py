@@ -18,8 +18,8 @@ The panel layout: for each 16 output features, their weights for input 0, then i
 its inputs' products summed in input order in float32, so results differ from sgemm's blocked sums by
 rounding only.
 
-Without x86-64, AVX2, FMA or a C compiler (`$CC`, else `cc` or `gcc`), `available()` says no and the packed
-path uses oneDNN (kernels/packed_linear.py). The library is built once per source and flags into
+It runs on one thread (kernels/packed_linear.py chooses it where torch does too). Without x86-64, AVX2, FMA
+or a C compiler (`$CC`, else `cc` or `gcc`), `available()` says no and the packed path uses oneDNN. The library is built once per source and flags into
 `$KVPILOT_CACHE/kernels/` (written to a temporary file, then renamed: processes starting together never
 load half of one).
 """
@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -114,15 +115,26 @@ def multiply(
     """`F.linear(x, weight, bias)` for x [rows, in] float32 and `panels = pack(weight)` of a weight of
     `out_features` rows; needs `available()`."""
     lib = _library()
-    assert lib is not None, "panel_gemm.multiply called where available() is False"
+    if lib is None:
+        raise RuntimeError("panel_gemm.multiply: the kernel does not run here (available() is False)")
+    # The C code trusts all of these: a wrong size, dtype, layout or device would read or write past a buffer.
+    fits = (
+        x.dim() == 2
+        and panels.dim() == 3
+        and panels.shape[2] == PANEL
+        and x.shape[1] == panels.shape[1]
+        and x.dtype == panels.dtype == torch.float32
+        and x.device.type == panels.device.type == "cpu"
+        and panels.is_contiguous()
+        and 0 < out_features <= panels.shape[0] * PANEL
+        and (bias is None or tuple(bias.shape) == (out_features,))
+    )
+    if not fits:
+        raise ValueError(
+            f"panel_gemm: x {tuple(x.shape)} {x.dtype} {x.device} does not fit panels {tuple(panels.shape)} "
+            f"{panels.dtype} of {out_features} outputs"
+        )
     rows, width = x.shape
-    # The C code trusts these: a wrong size would read or write past a buffer.
-    if (
-        width != panels.shape[1]
-        or x.dtype != torch.float32
-        or not 0 < out_features <= panels.shape[0] * PANEL
-    ):
-        raise ValueError(f"panel_gemm: x {tuple(x.shape)} {x.dtype} against panels {tuple(panels.shape)}")
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=torch.float32)
     lib.panel_gemm(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, width)
@@ -131,18 +143,24 @@ def multiply(
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma"):
+    if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    # $CC as make reads it: a command, perhaps with arguments ("ccache gcc")
+    found = shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+    if not compiler:
         log.info("panel_gemm: no C compiler (cc, gcc or $CC): packed linears use oneDNN")
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+    key = hashlib.sha256(" ".join((_SOURCE, *FLAGS, *compiler)).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"panel_gemm-{key}.so"
     try:
         if not path.is_file():
             _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a library left damaged (a full disk, a copied cache): built again, once
+            _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("panel_gemm: cannot build or load the kernel (%s): packed linears use oneDNN", exc)
         return None
@@ -151,22 +169,22 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: list[str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         source, lib = Path(tmp) / "panel_gemm.c", Path(tmp) / path.name
         source.write_text(_SOURCE)
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(lib), str(source)],
+            [*compiler, *FLAGS, "-o", str(lib), str(source)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
             check=False,
         )
         if done.returncode != 0:
-            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            raise OSError(f"{' '.join(compiler)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
         os.replace(lib, path)  # atomic: another process loads a whole library or builds its own
-    log.info("panel_gemm: kernel built with %s into %s", compiler, path)
+    log.info("panel_gemm: kernel built with %s into %s", " ".join(compiler), path)
 
 
 def _cpu_has(*flags: str) -> bool:

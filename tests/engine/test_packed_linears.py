@@ -33,8 +33,8 @@ KERNELS = [
 
 
 def _packed_at_every_size(engine: LLMEngine, kernel: Kernel) -> None:
-    """Every linear and the LM head take a packed copy of `kernel`'s at every row count (prefill too),
-    whatever the start-up timing chose on this machine: the tests then go through it."""
+    """Every linear and the LM head take a packed copy of `kernel`'s at every row count up to the last
+    calibrated one, whatever the start-up timing chose on this machine: the tests then go through it."""
     model = engine.runner.model
     every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -51,7 +51,10 @@ def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     packed = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=True))
     assert all(m.packed is None for m in dense.runner.model.modules() if isinstance(m, PackedLinear))
     chosen = packed_linear.kernel_for(torch.zeros(8, 8))
-    assert chosen is not None and packed.runner.model.layers[0].mlp.down_proj.packed.kernel is chosen
+    assert chosen is not None
+    # what the engine packed (if its timing kept any size: a busy machine may keep none) is the chosen kernel's
+    copies = [m.packed for m in packed.runner.model.modules() if isinstance(m, PackedLinear) and m.packed]
+    assert all(c.kernel is chosen for c in copies)
     _packed_at_every_size(packed, chosen)
     yield dense, packed
 
@@ -68,11 +71,13 @@ def test_packed_linears_give_the_same_tokens_at_every_step_size(
     )
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_a_weight_update_in_place_reaches_the_packed_copies(
-    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], kernel: Kernel
 ) -> None:
     """An update copies into the parameters (weights/stage.py): the packed copies are made again from them,
     else the step would go on multiplying by the old weights."""
+    _packed_at_every_size(engines[1], kernel)
     assert_a_weight_update_reaches_both(engines, chat_prompts[3], GREEDY)
 
 
@@ -84,10 +89,7 @@ def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> Non
     for n in range(1, len(rows)):
         assert rows[n] == rows[max(c for c in CALIBRATED_ROWS if c <= n)]
     w = PackedWeight(torch.zeros(1), 1, kernel, (False, True, True, False))
+    # more rows than the last calibrated count never take the packed copy (a long prefill chunk)
     assert [w.takes(torch.zeros(n, 1)) for n in range(6)] == [False, True, True, False, False, False]
-    # the last calibrated count's decision holds for any more rows (a long prefill chunk)
-    last = PackedWeight(torch.zeros(1), 1, kernel, (False, False, True))
-    assert [last.takes(torch.zeros(n, 1)) for n in (1, 2, 3, 300)] == [False, True, True, True]
-    assert packed_linear.describe((False, True, True, False, True, False)) == "1-2, 4 rows"
-    assert packed_linear.describe((False, True, True, False, True)) == "1-2, 4+ rows"
+    assert packed_linear.describe((False, True, True, False, True)) == "1-2, 4 rows"
     assert packed_linear.describe((False, False)) == "none"

@@ -22,13 +22,16 @@ def test_the_panel_kernel_multiplies_as_f_linear(out_features: int, in_features:
     torch.manual_seed(rows * out_features)
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     x = torch.randn(rows, in_features)
+    wider = torch.cat([x, torch.randn(rows, 3)], dim=1)
     panels = panel_gemm.pack(weight)
     assert panels.shape == (-(-out_features // panel_gemm.PANEL), in_features, panel_gemm.PANEL)
     for got, want in (
         (panel_gemm.multiply(x, panels, out_features), F.linear(x, weight)),
         (panel_gemm.multiply(x, panels, out_features, bias), F.linear(x, weight, bias)),
-        # a row of a wider batch (a view, not contiguous in its rows' stride) is copied first
+        # inputs that are views, not contiguous (a column-major copy, the first columns of a wider batch),
+        # are made contiguous first
         (panel_gemm.multiply(x.t().contiguous().t(), panels, out_features), F.linear(x, weight)),
+        (panel_gemm.multiply(wider[:, :in_features], panels, out_features), F.linear(x, weight)),
     ):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -42,15 +45,25 @@ def test_the_panels_are_the_weight_permuted() -> None:
     assert not panels.transpose(1, 2).reshape(-1, 7)[20:].any()
 
 
+PANELS_96_40 = panel_gemm.pack(torch.zeros(96, 40))
+
+
 @pytest.mark.parametrize(
-    "x, out_features",
+    "x, panels, out_features, bias",
     [
-        (torch.zeros(2, 41), 96),  # an input wider than the weight
-        (torch.zeros(2, 40, dtype=torch.float64), 96),  # not float32
-        (torch.zeros(2, 40), 97),  # more outputs than the panels hold
-        (torch.zeros(2, 40), 0),
+        (torch.zeros(2, 41), PANELS_96_40, 96, None),  # an input wider than the weight
+        (torch.zeros(2, 40, dtype=torch.float64), PANELS_96_40, 96, None),  # not float32
+        (torch.zeros(2, 40), PANELS_96_40, 97, None),  # more outputs than the panels hold
+        (torch.zeros(2, 40), PANELS_96_40, 0, None),
+        (torch.zeros(2, 40), PANELS_96_40, 96, torch.zeros(95)),  # a bias of another size
+        (torch.zeros(2, 40), PANELS_96_40.half(), 96, None),  # panels of another dtype
+        (torch.zeros(2, 40), torch.zeros(96, 40), 96, None),  # a weight that was never packed
+        (torch.zeros(2, 40), PANELS_96_40.transpose(0, 1).contiguous().transpose(0, 1), 96, None),
+        (torch.zeros(40), PANELS_96_40, 96, None),  # not [rows, in]
     ],
 )
-def test_inputs_that_do_not_fit_the_panels_are_refused(x: torch.Tensor, out_features: int) -> None:
+def test_inputs_that_do_not_fit_the_panels_are_refused(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> None:
     with pytest.raises(ValueError, match="panel_gemm"):
-        panel_gemm.multiply(x, panel_gemm.pack(torch.zeros(96, 40)), out_features)
+        panel_gemm.multiply(x, panels, out_features, bias)
