@@ -1,21 +1,24 @@
 """The one dispatch point between the model and its kernels.
 
-`select_ops(device)` returns the op set a model runs on: triton kernels on CUDA, the torch reference
-elsewhere. `KVPILOT_KERNELS=torch|triton` (or the `backend` argument) forces either; forcing triton on
-the CPU only works under `TRITON_INTERPRET=1`, which is how the kernels are tested without a GPU.
+`select_ops(device)` returns the op set a model runs on: triton kernels on CUDA; on the CPU the torch
+reference, with the project's C attention for decode steps (kernels/cpu_attention.py) where it runs and
+torch runs on one thread (the kernel is single-threaded; the reference's matmuls are not). `KVPILOT_KERNELS=
+torch|cpu|triton` (or the `backend` argument) forces one; forcing triton on the CPU only works under
+`TRITON_INTERPRET=1`, which is how the kernels are tested without a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels import reference
+from kvpilot.kernels import cpu_attention, reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,11 @@ TORCH_OPS = Ops(
 )
 
 
+# The reference with the C attention kernel, which takes the steps it fits and hands the others to the
+# reference.
+CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", paged_attention=cpu_attention.paged_attention)
+
+
 def _triton_ops() -> Ops:
     from kvpilot.kernels import triton_ops  # imported lazily: triton is optional on the CPU
 
@@ -50,9 +58,14 @@ def select_ops(device: torch.device | str, backend: str | None = None) -> Ops:
     """Pick the op set for `device`; `backend` or $KVPILOT_KERNELS overrides the automatic choice."""
     choice = backend or os.environ.get("KVPILOT_KERNELS") or "auto"
     if choice == "auto":
-        choice = "triton" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            choice = "triton"
+        else:
+            choice = "cpu" if torch.get_num_threads() == 1 and cpu_attention.available() else "torch"
     if choice not in BACKENDS:
         raise ValueError(f"unknown kernel backend {choice!r}; expected one of {BACKENDS} or 'auto'")
     if choice == "torch":
         return TORCH_OPS
+    if choice == "cpu":
+        return CPU_OPS
     return _triton_ops()

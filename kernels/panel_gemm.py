@@ -18,36 +18,22 @@ The panel layout: for each 16 output features, their weights for input 0, then i
 its inputs' products summed in input order in float32, so results differ from sgemm's blocked sums by
 rounding only.
 
-It runs on one thread (kernels/packed_linear.py chooses it where torch does too). Without x86-64, AVX2, FMA
-or a C compiler (`$CC`, else `cc` or `gcc`), `available()` says no and the packed path uses oneDNN. The library is built once per source and flags into
-`$KVPILOT_CACHE/kernels/` (written to a temporary file, then renamed: processes starting together never
-load half of one).
+It runs on one thread (kernels/packed_linear.py chooses it where torch does too). It is built and loaded by
+kernels/native.py; where that cannot be (no x86-64 with AVX2 and FMA, no C compiler), `available()` says no
+and the packed path uses oneDNN.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvpilot.default_model import cache_root
-
-log = logging.getLogger(__name__)
+from kvpilot.kernels import native
 
 PANEL = 16  # output features a panel holds: two AVX2 vectors
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
-COMPILE_TIMEOUT_S = 120
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -143,57 +129,8 @@ def multiply(
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
-        return None
-    # $CC as make reads it: a command, perhaps with arguments ("ccache gcc")
-    found = shutil.which("cc") or shutil.which("gcc")
-    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
-    if not compiler:
-        log.info("panel_gemm: no C compiler (cc, gcc or $CC): packed linears use oneDNN")
-        return None
-    key = hashlib.sha256(" ".join((_SOURCE, *FLAGS, *compiler)).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"panel_gemm-{key}.so"
-    try:
-        if not path.is_file():
-            _build(compiler, path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a library left damaged (a full disk, a copied cache): built again, once
-            _build(compiler, path)
-            lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("panel_gemm: cannot build or load the kernel (%s): packed linears use oneDNN", exc)
-        return None
-    lib.panel_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-    lib.panel_gemm.restype = None
+    lib = native.library("panel_gemm", _SOURCE)
+    if lib is not None:
+        lib.panel_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+        lib.panel_gemm.restype = None
     return lib
-
-
-def _build(compiler: list[str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source, lib = Path(tmp) / "panel_gemm.c", Path(tmp) / path.name
-        source.write_text(_SOURCE)
-        done = subprocess.run(
-            [*compiler, *FLAGS, "-o", str(lib), str(source)],
-            capture_output=True,
-            text=True,
-            timeout=COMPILE_TIMEOUT_S,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(compiler)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        os.replace(lib, path)  # atomic: another process loads a whole library or builds its own
-    log.info("panel_gemm: kernel built with %s into %s", " ".join(compiler), path)
-
-
-def _cpu_has(*flags: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return all(flag in have for flag in flags)
-    except OSError:
-        pass
-    return False

@@ -146,7 +146,7 @@ def test_silu_and_mul(dtype, shape):
 
 def test_select_ops_triton(monkeypatch):
     monkeypatch.delenv("KVPILOT_KERNELS", raising=False)
-    assert select_ops("cpu").name == "torch"
+    assert select_ops("cpu").name in ("torch", "cpu")  # which of the two: tests/kernels/test_cpu_attention.py
     ops = select_ops("cpu", "triton")
     assert ops.name == "triton"
     assert ops.paged_attention.__module__ == "kvpilot.kernels.triton_attention"

@@ -1,0 +1,88 @@
+"""The project's own CPU kernels in C: built from their embedded source with the system's C compiler at first
+use (as inductor builds its CPU kernels), cached, and loaded with ctypes.
+
+Each kernel module (kernels/panel_gemm.py, kernels/cpu_attention.py) holds its C source and asks `library`
+for it. They are written for x86-64 with AVX2 and FMA; without those, or without a C compiler (`$CC`, else
+`cc` or `gcc`), `library` answers None and the caller takes its torch path. A library is built once per
+source, flags and compiler into `$KVPILOT_CACHE/kernels/<name>-<hash>.so`: written to a temporary file,
+then renamed, so processes starting together never load half of one. ctypes releases the interpreter's
+lock for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvpilot.default_model import cache_root
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+
+@functools.cache
+def library(name: str, source: str) -> ctypes.CDLL | None:
+    """The kernel `name` built from `source` and loaded, or None where it cannot run here (said once, in
+    the log)."""
+    if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
+        return None
+    # $CC as make reads it: a command, perhaps with arguments ("ccache gcc")
+    found = shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+    if not compiler:
+        log.info("%s: no C compiler (cc, gcc or $CC): its torch path is used", name)
+        return None
+    key = hashlib.sha256(" ".join((source, *FLAGS, *compiler)).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"{name}-{key}.so"
+    try:
+        if not path.is_file():
+            _build(name, source, compiler, path)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError:  # a library left damaged (a full disk, a copied cache): built again, once
+            _build(name, source, compiler, path)
+            return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("%s: cannot build or load the kernel (%s): its torch path is used", name, exc)
+        return None
+
+
+def _build(name: str, source: str, compiler: list[str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, lib = Path(tmp) / f"{name}.c", Path(tmp) / path.name
+        src.write_text(source)
+        done = subprocess.run(
+            [*compiler, *FLAGS, "-o", str(lib), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(compiler)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(lib, path)  # atomic: another process loads a whole library or builds its own
+    log.info("%s: kernel built with %s into %s", name, " ".join(compiler), path)
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return all(flag in have for flag in flags)
+    except OSError:
+        pass
+    return False
