@@ -55,7 +55,7 @@ def base_model(checkout: Path, model: torch.nn.Module) -> torch.nn.Module:
     )
     args = llama.LlamaArgs(**dataclasses.asdict(model.args))
     base = llama.LlamaForCausalLM(args, ops)
-    base.load_state_dict(model.state_dict())
+    base.load_state_dict({name: w.read() for name, w in model.weights().items()})  # panels read back
     return base.requires_grad_(False).eval()
 
 

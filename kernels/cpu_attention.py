@@ -5,19 +5,20 @@ sequence's keys, read in place through the block table, by a kernel of the proje
 Why it exists: at decode, the torch reference (kernels/reference.py) is a few hundred small ops a step:
 gathering the tails' keys and values out of the pool, batched matmuls over tiny shapes, the reshapes of
 their permuted views, the softmax's passes. On the embedded model at 8 running requests of ~345 tokens they
-took ~11 of a step's ~70 ms (torch's profiler) for ~3 MFLOP a layer. Here each query row walks its
-sequence's blocks once: the scores of 8 keys at a time for each head (8 dot products reduced together),
-an online softmax per tile of 16 keys (running max and sum, the accumulator rescaled, as flash decoding
-does), and the values weighted into an accumulator that stays in the first-level cache. Keys and values
-are read where they lie in the pool, never copied; a prefix shared by the batch's sequences is the same
-blocks, so after the first sequence it is read from the cache.
+took ~9 of a step's 68 ms for ~3 MFLOP a layer. Here each query row walks its sequence's blocks once: the
+scores of 8 keys at a time for each head (8 dot products reduced together), an online softmax per tile of
+16 keys (running max and sum, the output rescaled, as flash decoding does), and the values weighted into
+the row's output. Keys and values are read where they lie in the pool, never copied, tile by tile across
+the whole batch: a prefix the batch's sequences share is the same blocks, so each of its tiles is read from
+memory once, then from the cache. The step went to 58.9 ms (bench/decode_attention.py has the op alone).
 
 Sums are in float32 in key order and the exponential is a polynomial (Cephes' expf: within ~2 ulp), so
 results differ from the reference's by rounding only (tests/kernels/test_cpu_attention.py).
 
 Used by the CPU op set (kernels/ops.py) for steps whose chunks are all short (`MAX_QUERY_ROWS`: decode
 steps, which are most steps of a busy engine): every query row here costs a pass over its keys, which a
-long prefill chunk's matmuls amortize far better. Float32 only, head size a multiple of 8.
+long prefill chunk's matmuls amortize far better. Float32 only, head size a multiple of 8. Single-threaded:
+kernels/ops.py picks it where torch runs on one thread.
 """
 
 from __future__ import annotations

@@ -45,14 +45,21 @@ MIN_GAIN = 1.10  # the packed copy is used where it took at most 1/MIN_GAIN of F
 @dataclass(frozen=True, slots=True)
 class Kernel:
     """A way to multiply by a weight laid out once: `pack(weight)` lays it out, `multiply(x, packed,
-    out_features, bias)` is `F.linear(x, weight, bias)` through it."""
+    out_features, bias)` is `F.linear(x, weight, bias)` through it. A kernel whose layout can be read back
+    exactly (`unpack`, `pack_into`) and that is faster at every row count can replace the weight instead
+    of copying it (`PackedWeight.owning`)."""
 
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     multiply: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+    unpack: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    pack_into: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # an embedding's lookup
 
 
-PANELS = Kernel("panels", panel_gemm.pack, panel_gemm.multiply)
+PANELS = Kernel(
+    "panels", panel_gemm.pack, panel_gemm.multiply, panel_gemm.unpack, panel_gemm.pack_into, panel_gemm.rows
+)
 ONEDNN = Kernel("oneDNN", onednn_linear.pack, onednn_linear.multiply)
 
 
@@ -69,20 +76,45 @@ def kernel_for(weight: torch.Tensor) -> Kernel | None:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A weight's packed copy, the kernel that multiplies by it, and the row counts it is used at."""
+    """A weight laid out for a kernel, the kernel that multiplies by it, and the row counts it is used at:
+    a copy beside the weight, used where it was timed faster, or (`owns`) the weight itself, used at every
+    row count."""
 
     packed: torch.Tensor
     out_features: int
     kernel: Kernel
     fast_rows: tuple[bool, ...]  # by a step's row count: whether the packed copy takes it
+    owns: bool = False  # the layout replaced the weight: every row count goes through it
 
     @classmethod
     def of(cls, weight: torch.Tensor, kernel: Kernel, fast_rows: tuple[bool, ...] = ()) -> PackedWeight:
         return cls(kernel.pack(weight), weight.shape[0], kernel, fast_rows)
 
+    @classmethod
+    def owning(cls, weight: torch.Tensor) -> PackedWeight:
+        """The weight laid out in panels, to replace it (the caller drops the original)."""
+        return cls(PANELS.pack(weight), weight.shape[0], PANELS, (), owns=True)
+
     def takes(self, x: torch.Tensor) -> bool:
+        if self.owns:
+            return True
         n = x.shape[0]
         return n < len(self.fast_rows) and self.fast_rows[n]
+
+    def dense(self) -> torch.Tensor:
+        """The weight's values, [out, in] (a new tensor), where it is owned."""
+        assert self.owns and self.kernel.unpack is not None
+        return self.kernel.unpack(self.packed, self.out_features)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the owned weight: the lookup of an embedding table it holds (a tied LM head)."""
+        assert self.owns and self.kernel.rows is not None
+        return self.kernel.rows(self.packed, index)
+
+    def write(self, values: torch.Tensor) -> None:
+        """New values for the owned weight, laid out in place."""
+        assert self.owns and self.kernel.pack_into is not None
+        self.kernel.pack_into(self.packed, values.to(self.packed.dtype))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` through the packed copy; x is [rows, in]."""

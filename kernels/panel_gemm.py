@@ -95,6 +95,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, width).transpose(1, 2).contiguous()
 
 
+def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight `pack` laid out, [out_features, in] again (a new tensor: exact, the layout is a
+    permutation)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
+
+
+def pack_into(panels: torch.Tensor, weight: torch.Tensor) -> None:
+    """`panels = pack(weight)` in place: new values for a weight of the same shape, no second copy."""
+    out, width = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -out % PANEL)) if out % PANEL else weight.detach()
+    panels.transpose(1, 2).copy_(padded.reshape(-1, PANEL, width))
+
+
+def rows(panels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of the weight `pack` laid out, [len(index), in]: an embedding table's lookup, where the
+    panels hold a tied embedding (its LM head)."""
+    return panels[index // PANEL, :, index % PANEL]
+
+
 def multiply(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -72,14 +72,18 @@ def build_engine(config: EngineConfig) -> EngineParts:
         tp = TensorParallel(config, model, device)  # shards `model`: rank 0 of the group
 
     compilation = config.compilation(device.type)
-    if config.packed_linears and device.type == "cpu" and not compilation.compiled and tp is None:
+    if (
+        config.packed_linears is not False
+        and device.type == "cpu"
+        and not compilation.compiled
+        and tp is None
+    ):
         start = time.monotonic()
-        used = model.pack_linears()
-        log.info(
-            "linear weights packed in %.1f s, used by %s",
-            time.monotonic() - start,
-            used or "none (no kernel here takes them): F.linear throughout",
-        )
+        used = model.pack_linears(copies=config.packed_linears is True)
+        if used is not None:
+            log.info("linear weights laid out in %.1f s for %s", time.monotonic() - start, used)
+        elif config.packed_linears:
+            log.info("--packed-linears: no kernel here takes the weights: F.linear throughout")
     num_blocks = config.num_kv_blocks or _blocks_from_memory(config, model, dtype, device)
     if tp is not None:
         tp.share_num_blocks(num_blocks)

@@ -81,12 +81,14 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata=flag("run every step eagerly: no torch.compile, no CUDA graphs (-O0)")
     )
-    packed_linears: bool = field(
-        default=False,
+    packed_linears: bool | None = field(
+        default=None,
         metadata=flag(
-            "eager on the CPU: a second copy of each linear weight laid out for a faster kernel (the "
-            "project's AVX2 panels, else oneDNN's), used at the batch sizes it was timed faster at when the "
-            "engine started (the linear weights' memory again)"
+            "eager on the CPU: the linear weights laid out for a faster kernel than F.linear. Where the "
+            "project's AVX2 panels run (one torch thread, float32) they replace the weights, at no memory "
+            "cost; --packed-linears also takes oneDNN's where they do not, a second copy of each weight used at "
+            "the batch sizes it was timed faster at when the engine started; --no-packed-linears: F.linear",
+            unset="the panels where they run",
         ),
     )
     kv_events_endpoint: str | None = field(

@@ -1,7 +1,9 @@
-"""The eager CPU step's packed linear weights (kernels/packed_linear.py) on the real default model: the
-same greedy tokens as `F.linear` throughout, at every step size, through each kernel this machine has (the
-project's panels, oneDNN), and a weight update reaches them. The panel kernel alone is tested in
-tests/kernels/test_panel_gemm.py; oneDNN's op pair, on the installed torch, in tests/test_framework_guards.py."""
+"""The eager CPU step's linear weights laid out for a faster kernel (kernels/packed_linear.py), on the real
+default model: the project's panels in place of the weights (the default where they run), oneDNN's copies
+beside them (`--packed-linears` where the panels do not run). The same greedy tokens as `F.linear`
+throughout, at every step size, the same weights as the model's own (their digest), and a weight update
+reaches them. The panel kernel alone is tested in tests/kernels/test_panel_gemm.py; oneDNN's op pair, on the
+installed torch, in tests/test_framework_guards.py."""
 
 from __future__ import annotations
 
@@ -12,73 +14,86 @@ import torch
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.engine import LLMEngine
-from kvpilot.daemon.engine.models.llama import PackedLinear
+from kvpilot.daemon.engine.models.llama import LlamaForCausalLM, PackedLinear
 from kvpilot.daemon.engine.request import SamplingParams
+from kvpilot.daemon.engine.weights.stage import weights_digest
 from kvpilot.kernels import onednn_linear, packed_linear, panel_gemm
-from kvpilot.kernels.packed_linear import CALIBRATED_ROWS, ONEDNN, PANELS, Kernel, PackedWeight
+from kvpilot.kernels.packed_linear import CALIBRATED_ROWS, ONEDNN, PANELS, PackedWeight
 from support.engine import assert_a_weight_update_reaches_both, run_alone
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
-pytestmark = pytest.mark.skipif(
-    packed_linear.kernel_for(torch.zeros(8, 8)) is None, reason="no kernel here packs a float32 weight"
-)
-# Each kernel this machine has: the preferred one is what the engine packs with, the other is put in by hand.
-KERNELS = [
-    pytest.param(PANELS, marks=pytest.mark.skipif(not panel_gemm.available(), reason="no panel kernel here")),
-    pytest.param(
-        ONEDNN, marks=pytest.mark.skipif(not onednn_linear.packable(torch.zeros(8, 8)), reason="no oneDNN")
-    ),
-]
+# The engines run on one torch thread, where the panels are the choice wherever they run at all.
+panels_here = pytest.mark.skipif(not panel_gemm.available(), reason="the panels do not run here")
+onednn_here = pytest.mark.skipif(not onednn_linear.packable(torch.zeros(8, 8)), reason="no oneDNN here")
 
 
-def _packed_at_every_size(engine: LLMEngine, kernel: Kernel) -> None:
-    """Every linear and the LM head take a packed copy of `kernel`'s at every row count up to the last
-    calibrated one, whatever the start-up timing chose on this machine: the tests then go through it."""
-    model = engine.runner.model
-    every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
+def _linears(model: LlamaForCausalLM) -> list[PackedLinear]:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * model.args.num_layers
-    for m in linears:
-        m.packed = PackedWeight.of(m.weight, kernel, every)
-    model.head_packed = PackedWeight.of(model.head_weight(), kernel, every)
+    return linears
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    """(F.linear throughout, packed at every size)."""
-    dense = LLMEngine(EngineConfig(num_kv_blocks=256))  # the default
-    packed = LLMEngine(EngineConfig(num_kv_blocks=256, packed_linears=True))
-    assert all(m.packed is None for m in dense.runner.model.modules() if isinstance(m, PackedLinear))
-    chosen = packed_linear.kernel_for(torch.zeros(8, 8))
-    assert chosen is not None
-    # what the engine packed (if its timing kept any size: a busy machine may keep none) is the chosen kernel's
-    copies = [m.packed for m in packed.runner.model.modules() if isinstance(m, PackedLinear) and m.packed]
-    assert all(c.kernel is chosen for c in copies)
-    _packed_at_every_size(packed, chosen)
-    yield dense, packed
+    """(F.linear throughout, the default: the panels in place of the weights where they run)."""
+    dense = LLMEngine(EngineConfig(num_kv_blocks=256, cpu_threads=1, packed_linears=False))
+    default = LLMEngine(EngineConfig(num_kv_blocks=256, cpu_threads=1))
+    assert all(m.packed is None for m in _linears(dense.runner.model))
+    yield dense, default
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_packed_linears_give_the_same_tokens_at_every_step_size(
-    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], kernel: Kernel
+@panels_here
+def test_the_panels_replace_the_weights_and_give_the_same_tokens(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
 ) -> None:
     dense, packed = engines
-    _packed_at_every_size(packed, kernel)
-    assert dense.generate(chat_prompts, GREEDY) == packed.generate(chat_prompts, GREEDY)  # 8 rows a step
-    assert run_alone(dense, "one", chat_prompts[0], GREEDY) == run_alone(
-        packed, "one", chat_prompts[0], GREEDY
-    )
+    model = packed.runner.model
+    for m in _linears(model):
+        assert m.packed is not None and m.packed.owns and m.packed.kernel is PANELS
+        assert "weight" not in dict(m.named_parameters())  # no second copy kept
+    assert model.head_packed is not None and model.head_packed.owns
+    assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+    # the same weights, read back from the panels: the layout is a permutation of the values
+    digests = [weights_digest({n: w.read for n, w in e.runner.model.weights().items()}) for e in engines]
+    assert digests[0] == digests[1]
+    # 8 rows a step, one row, and the prefill of all eight prompts at once (hundreds of rows)
+    assert dense.generate(chat_prompts, GREEDY) == packed.generate(chat_prompts, GREEDY)
+    one = run_alone(dense, "one", chat_prompts[0], GREEDY)
+    assert one == run_alone(packed, "one", chat_prompts[0], GREEDY)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_a_weight_update_in_place_reaches_the_packed_copies(
-    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]], kernel: Kernel
+@panels_here
+def test_a_weight_update_reaches_the_panels(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
 ) -> None:
-    """An update copies into the parameters (weights/stage.py): the packed copies are made again from them,
-    else the step would go on multiplying by the old weights."""
-    _packed_at_every_size(engines[1], kernel)
+    """An update writes into the weights (weights/stage.py): where panels replaced them, into the panels."""
     assert_a_weight_update_reaches_both(engines, chat_prompts[3], GREEDY)
+
+
+@onednn_here
+def test_onednn_copies_give_the_same_tokens_and_follow_a_weight_update(
+    engines: tuple[LLMEngine, LLMEngine], chat_prompts: list[list[int]]
+) -> None:
+    """oneDNN's copies beside the weights (`--packed-linears` where the panels do not run), put into the
+    F.linear engine by hand at every step size, whatever a start-up timing here would choose."""
+    dense, other = engines
+    model = dense.runner.model
+    want = other.generate(chat_prompts, GREEDY), run_alone(other, "one", chat_prompts[0], GREEDY)
+    every = tuple(n > 0 for n in range(CALIBRATED_ROWS[-1] + 1))
+    for m in _linears(model):
+        m.packed = PackedWeight.of(m.weight, ONEDNN, every)
+    model.head_packed = PackedWeight.of(model.head_weight(), ONEDNN, every)
+    try:
+        assert (
+            dense.generate(chat_prompts, GREEDY),
+            run_alone(dense, "one", chat_prompts[0], GREEDY),
+        ) == want
+        assert_a_weight_update_reaches_both((other, dense), chat_prompts[3], GREEDY)
+    finally:
+        for m in _linears(model):
+            m.packed = None
+        model.head_packed = None
 
 
 def test_step_sizes_take_the_decision_of_the_calibrated_size_below_them() -> None:

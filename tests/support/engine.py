@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvpilot.daemon.engine.client import EngineRequest
 from kvpilot.daemon.engine.engine import LLMEngine
+from kvpilot.daemon.engine.models.llama import Weight
 from kvpilot.daemon.engine.request import Request, SamplingParams
 
 
@@ -41,22 +42,24 @@ def run_request(engine: LLMEngine, req: EngineRequest) -> tuple[list[int], int]:
 def assert_a_weight_update_reaches_both(
     engines: tuple[LLMEngine, LLMEngine], prompt: list[int], params: SamplingParams
 ) -> None:
-    """Every layer's down_proj negated in place, as an update copies into the parameters (weights/stage.py),
+    """Every layer's down_proj negated in place, as an update writes into the weights (weights/stage.py),
     then put back: the second engine, whose step keeps something derived from the weights (a compiled
     graph, packed copies), must give the first one's tokens with the new weights, and its own again after."""
     before = run_alone(engines[1], "before", prompt, params)[0]
-    saved = [layer.mlp.down_proj.weight.detach().clone() for layer in engines[1].runner.model.layers]
+
+    def down_projs(e: LLMEngine) -> list[Weight]:  # as an update reaches them, wherever they are kept
+        weights = e.runner.model.weights()
+        return [w for name, w in sorted(weights.items()) if name.endswith("mlp.down_proj.weight")]
+
+    saved = [w.read().clone() for w in down_projs(engines[1])]
     for e in engines:
-        layers = e.runner.model.layers
-        e.swap_weights("v2", lambda layers=layers: [x.mlp.down_proj.weight.data.mul_(-1.0) for x in layers])
+        down = down_projs(e)
+        e.swap_weights("v2", lambda down=down: [w.write(-w.read()) for w in down])
     try:
         changed = [run_alone(e, "changed", prompt, params)[0] for e in engines]
         assert changed[0] == changed[1] != before
     finally:
         for e in engines:
-            layers = e.runner.model.layers
-            e.swap_weights(
-                "v1",
-                lambda layers=layers: [x.mlp.down_proj.weight.data.copy_(w) for x, w in zip(layers, saved)],
-            )
+            down = down_projs(e)
+            e.swap_weights("v1", lambda down=down: [w.write(v) for w, v in zip(down, saved)])
     assert run_alone(engines[1], "restored", prompt, params)[0] == before

@@ -24,6 +24,28 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class Weight:
+    """One of the model's weights as weight updates, adapters and the digest see it, wherever its values are
+    kept: a parameter, or the panels that replaced a linear weight (`LlamaForCausalLM.pack_linears`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]  # its values: the parameter itself, or a new dense tensor
+    write: Callable[[torch.Tensor], None]  # new values (its shape and dtype), copied in place
+
+    @classmethod
+    def of_parameter(cls, p: torch.Tensor) -> Weight:
+        def write(values: torch.Tensor) -> None:
+            p.data.copy_(values)
+
+        return cls(tuple(p.shape), p.dtype, p.detach, write)
+
+    @classmethod
+    def of_packed(cls, packed: PackedWeight, width: int) -> Weight:
+        return cls((packed.out_features, width), packed.packed.dtype, packed.dense, packed.write)
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaArgs:
     vocab_size: int
     hidden_size: int
@@ -95,8 +117,9 @@ class ForwardBatch:
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear that, once given a packed copy of its weight (`LlamaForCausalLM.pack_linears`), multiplies
-    the row counts that copy is faster at through it."""
+    """nn.Linear that, once its weight is laid out for a faster kernel (`LlamaForCausalLM.pack_linears`),
+    multiplies through that layout: every row count where the layout replaced the weight (`own`), the row
+    counts a copy was timed faster at otherwise."""
 
     packed: PackedWeight | None = None
 
@@ -105,6 +128,11 @@ class PackedLinear(nn.Linear):
         if p is not None and p.takes(x):
             return p(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def own(self) -> None:
+        """The weight laid out in panels in its place: the parameter is dropped, so no second copy stays."""
+        self.packed = PackedWeight.owning(self.weight)
+        del self.weight
 
 
 class LlamaAttention(nn.Module):
@@ -245,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The logits of rows `logits_indices`: the layers with `ops`, their attention (the KV write
         included) through `attend`. The eager step and the compiled one (compile/forward.py) both run it."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, self.rope, ops, attend, lora)
@@ -258,19 +286,38 @@ class LlamaForCausalLM(nn.Module):
             return self.head_packed(x)
         return F.linear(x, self.head_weight())
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings: from the LM head's panels where they replaced a tied embedding table."""
+        head = self.head_packed
+        if head is not None and head.owns and self.lm_head is None:
+            return head.rows(input_ids)
+        out: torch.Tensor = self.embed_tokens(input_ids)
+        return out
+
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight: the embeddings' where the model ties them."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_linears(self) -> str | None:
-        """Give every linear of the layers and the LM head a packed copy of its weight, used at the step
-        sizes where it was faster, as timed here on the first layers' weights and on the head's
-        (kernels/packed_linear.py); returns the kernel and those sizes, or None, changing nothing, where no
-        kernel here takes the weights. The eager CPU step's, with `--packed-linears`; torch.compile does
-        without."""
+    def pack_linears(self, copies: bool = False) -> str | None:
+        """Lay out the linear weights of the layers and the LM head for a faster kernel than `F.linear`
+        (kernels/packed_linear.py); returns what was done, or None, changing nothing. The eager CPU step's;
+        torch.compile does without.
+
+        - Where the panels run (one torch thread, x86-64 with AVX2 and FMA, float32), they replace the
+          weights: every step size goes through them and no second copy is kept (a tied LM head's panels
+          serve the embedding's lookups too). `weights()` reads and writes them as dense weights.
+        - Otherwise, with `copies` (`--packed-linears`), oneDNN's copies beside the weights, used at the step
+          sizes where they were faster, as timed here on the first layers' weights and on the head's (the
+          linear weights' memory again)."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
         kernel = packed_linear.kernel_for(linears[0].weight) if linears else None
-        if kernel is None:
+        if kernel is packed_linear.PANELS:
+            for m in linears:
+                m.own()
+            self.head_packed = PackedWeight.owning(self.head_weight())
+            del (self.embed_tokens if self.lm_head is None else self.lm_head).weight
+            return "panels, in place of the weights: every step size"
+        if kernel is None or not copies:
             return None
         budget = packed_linear.CALIBRATION_BYTES
         timed: list[torch.Tensor] = []  # the first layers' weights, as many as the budget takes
@@ -288,15 +335,28 @@ class LlamaForCausalLM(nn.Module):
         if any(head_rows):
             self.head_packed = PackedWeight.of(head, kernel, head_rows)
         describe = packed_linear.describe
-        return f"{kernel.name}: layers at {describe(rows)}, the LM head at {describe(head_rows)}"
+        return f"{kernel.name} copies: layers at {describe(rows)}, the LM head at {describe(head_rows)}"
 
     def repack_linears(self) -> None:
-        """The packed copies made again from the weights, after a weight update changed them in place."""
+        """The packed copies made again from the weights, after a weight update changed them in place (panels
+        that replaced the weights were written in place themselves)."""
         for m in self.modules():
-            if isinstance(m, PackedLinear) and m.packed is not None:
+            if isinstance(m, PackedLinear) and m.packed is not None and not m.packed.owns:
                 m.packed = m.packed.repacked(m.weight)
-        if self.head_packed is not None:
+        if self.head_packed is not None and not self.head_packed.owns:
             self.head_packed = self.head_packed.repacked(self.head_weight())
+
+    def weights(self) -> dict[str, Weight]:
+        """Every weight by its parameter's name (the name it had before panels replaced it), read and
+        written as a dense tensor whichever way it is kept."""
+        out = {name: Weight.of_parameter(p) for name, p in self.named_parameters()}
+        for name, m in self.named_modules():
+            if isinstance(m, PackedLinear) and m.packed is not None and m.packed.owns:
+                out[f"{name}.weight"] = Weight.of_packed(m.packed, m.in_features)
+        if self.head_packed is not None and self.head_packed.owns:
+            head = "embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+            out[head] = Weight.of_packed(self.head_packed, self.args.hidden_size)
+        return out
 
     def checkpoint_slot(self, name: str) -> tuple[str, int, int | None] | None:
         """Where a Hugging Face tensor goes: (parameter name, first row, rows or None for all of it);
@@ -319,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) >= 2 and parts[-2] in fused:
             target, offset, size = fused[parts[-2]]
             return ".".join([*parts[:-2], target, parts[-1]]), offset, size
-        if name not in dict(self.named_parameters()):
+        if name not in self.weights():
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         return name, 0, None
 

@@ -221,7 +221,7 @@ class WeightControl:
         with self._lock:
             if self._digest is None:
                 model = self.engine.model
-                self._digest = weights_digest(model.named_parameters())
+                self._digest = weights_digest({name: w.read for name, w in model.weights().items()})
             return {
                 **self._describe(),
                 "staged_digest": self._staged_digest,

@@ -149,7 +149,7 @@ def _load(
     if not per_module:
         raise LoRAError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
 
-    params = dict(model.named_parameters())
+    params = model.weights()
     fused: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
     for module, ab in sorted(per_module.items()):
         if set(ab) != {"A", "B"}:

@@ -12,7 +12,8 @@ same checkpoint, so a fleet can check before it commits.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,17 +23,18 @@ from kvpilot.daemon.engine.memory_budget import host_memory_available
 from kvpilot.daemon.engine.weights.ops import WeightError, WeightErrorKind
 
 if TYPE_CHECKING:
-    from kvpilot.daemon.engine.models.llama import LlamaForCausalLM
+    from kvpilot.daemon.engine.models.llama import LlamaForCausalLM, Weight
 
 # Host memory left free beyond what the stage takes, for the rest of the process.
 HEADROOM_BYTES = 256 << 20
 
 
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over each tensor's name, dtype, shape and bytes, in name order."""
+def weights_digest(weights: Mapping[str, Callable[[], torch.Tensor]]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in name order; each tensor read when its turn
+    comes (a weight kept in panels is made dense for it, one at a time)."""
     h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda nt: nt[0]):
-        t = t.detach().to("cpu").contiguous()
+    for name in sorted(weights):
+        t = weights[name]().detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
@@ -75,7 +77,7 @@ class WeightStage:
 
     def __init__(self, model: LlamaForCausalLM, max_bytes: int | None = None) -> None:
         self.model = model
-        self.live = dict(model.named_parameters())
+        self.live = model.weights()
         self.staged: dict[str, torch.Tensor] = {}
         self.received = 0
         self.max_bytes = max_bytes  # --weight-staging-memory-bytes: the operator's cap on the host copy
@@ -114,14 +116,18 @@ class WeightStage:
         return self.received - before
 
     def digest(self) -> str:
-        return weights_digest((n, self.staged.get(n, p)) for n, p in self.live.items())
+        return weights_digest({n: self._staged_or(n, w) for n, w in self.live.items()})
+
+    def _staged_or(self, name: str, live: Weight) -> Callable[[], torch.Tensor]:
+        staged = self.staged.get(name)
+        return live.read if staged is None else lambda: staged
 
     @torch.no_grad()
     def apply(self) -> int:
         """Copy the staged tensors into the live parameters (their storage: nothing new is allocated on
         the device beyond the copy's transfer). Call between two engine steps."""
         for pname, t in self.staged.items():
-            self.live[pname].data.copy_(t)
+            self.live[pname].write(t)
         return len(self.staged)
 
     def _slot(self, name: str) -> tuple[str, int, int | None] | None:
@@ -134,7 +140,7 @@ class WeightStage:
 
     def _host_copy(self, pname: str, whole: bool) -> torch.Tensor:
         live = self.live[pname]
-        need = live.numel() * live.element_size()
+        need = math.prod(live.shape) * live.dtype.itemsize
         if self.max_bytes is not None and self.bytes + need > self.max_bytes:
             raise WeightError(
                 WeightErrorKind.NO_MEMORY,
@@ -149,7 +155,7 @@ class WeightStage:
         self.bytes += need
         if whole:
             return torch.empty(live.shape, dtype=live.dtype)
-        return live.detach().to("cpu", copy=True)  # a fused parameter: the slices not sent stay
+        return live.read().to("cpu", copy=True)  # a fused parameter: the slices not sent stay
 
 
 TRANSFER_BACKENDS = ("checkpoint", "gloo", "nccl")
