@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels import cpu_attention, reference
+from kvpilot.kernels import cpu_attention, cpu_elementwise, reference
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -43,9 +43,15 @@ TORCH_OPS = Ops(
 )
 
 
-# The reference with the C attention kernel, which takes the steps it fits and hands the others to the
-# reference.
-CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", paged_attention=cpu_attention.paged_attention)
+# The reference with the project's C kernels, each of which hands what it does not take to the reference.
+CPU_OPS = dataclasses.replace(
+    TORCH_OPS,
+    name="cpu",
+    paged_attention=cpu_attention.paged_attention,
+    rms_norm=cpu_elementwise.rms_norm,
+    rotary=cpu_elementwise.rotary,
+    silu_and_mul=cpu_elementwise.silu_and_mul,
+)
 
 
 def _triton_ops() -> Ops:

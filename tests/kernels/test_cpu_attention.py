@@ -1,7 +1,7 @@
 """The C paged attention (kernels/cpu_attention.py) against the torch reference it stands in for: decode
 rows and several rows a sequence, shared prefixes, block sizes, grouped heads and head sizes, strided
 queries; the steps it leaves to the reference; metadata that would read outside the pool refused. The
-engine's greedy tokens through it are tested in tests/engine/test_cpu_attention_engine.py."""
+engine's greedy tokens through it are tested in tests/engine/test_cpu_ops.py."""
 
 from __future__ import annotations
 

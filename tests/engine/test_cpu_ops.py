@@ -1,7 +1,8 @@
 """The engine's default CPU op set on the real default model: decode steps attend through the C kernel
-(kernels/cpu_attention.py), and the greedy tokens are those of the torch reference, for a batch sharing a
-system prompt (its blocks shared in the pool) and for one request alone. The kernel alone is tested in
-tests/kernels/test_cpu_attention.py."""
+(kernels/cpu_attention.py), the norms, rotary and activation run in C (kernels/cpu_elementwise.py), and
+the greedy tokens are those of the torch reference, for a batch sharing a system prompt (its blocks shared
+in the pool) and for one request alone. The kernels alone are tested in tests/kernels/test_cpu_attention.py
+and tests/kernels/test_cpu_elementwise.py."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def engine() -> Iterator[LLMEngine]:
     engine.runner.model.ops = CPU_OPS
 
 
-def test_decode_steps_give_the_reference_attentions_tokens(
+def test_the_cpu_ops_give_the_references_tokens(
     engine: LLMEngine, shared_prefix_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kernel_calls = []
