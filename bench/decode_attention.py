@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,12 +101,7 @@ def main() -> None:
         for got, want in zip(passes["kernel"](), passes["reference"]()):
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
                 sys.exit(f"the kernel's attention at batch {batch} is not the reference's")
-        best = dict.fromkeys(passes, float("inf"))
-        for _ in range(args.repeats):
-            for name, run in passes.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = benchkit.best_times(passes, args.repeats)
         row: dict = {name: {"ms": t * 1e3} for name, t in best.items()}
         row["speedup"] = best["reference"] / best["kernel"]
         batches[str(batch)] = row

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,12 +74,7 @@ def main() -> None:
             for got, ref in zip(run(), want):
                 if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4):
                     sys.exit(f"{name} at {n} rows is not F.linear's product")
-        best = dict.fromkeys(passes, float("inf"))
-        for _ in range(args.repeats):
-            for name, run in passes.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = benchkit.best_times(passes, args.repeats)
         row: dict = {name: {"ms": t * 1e3, "gb_per_s": nbytes / t / 1e9} for name, t in best.items()}
         for k in kernels:
             row[f"{k.name}_speedup"] = best["F.linear"] / best[k.name]

@@ -24,7 +24,6 @@ kernels/ops.py picks it where torch runs on one thread.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -305,11 +304,7 @@ def paged_attention(
     return out
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.library("cpu_attention", _SOURCE)
-    if lib is not None:
-        pointer, size = ctypes.c_void_p, ctypes.c_long
-        lib.paged_attention.argtypes = (pointer, size, *[pointer] * 6, *[size] * 8, ctypes.c_float, pointer)
-        lib.paged_attention.restype = ctypes.c_int
-    return lib
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    arguments = (pointer, size, *[pointer] * 6, *[size] * 8, ctypes.c_float, pointer)
+    return native.library("cpu_attention", _SOURCE, paged_attention=(arguments, ctypes.c_int))

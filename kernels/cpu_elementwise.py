@@ -14,7 +14,6 @@ tests/kernels/test_cpu_elementwise.py.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -161,15 +160,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.library("cpu_elementwise", _SOURCE)
-    if lib is not None:
-        pointer, size = ctypes.c_void_p, ctypes.c_long
-        lib.rms_norm.argtypes = (*[pointer] * 5, size, size, ctypes.c_float)
-        lib.rms_norm.restype = None
-        lib.rotary.argtypes = (pointer, size, size, size, size, pointer, pointer, size)
-        lib.rotary.restype = ctypes.c_int
-        lib.silu_and_mul.argtypes = (pointer, pointer, size, size)
-        lib.silu_and_mul.restype = None
-    return lib
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    return native.library(
+        "cpu_elementwise",
+        _SOURCE,
+        rms_norm=((*[pointer] * 5, size, size, ctypes.c_float), None),
+        rotary=((pointer, size, size, size, size, pointer, pointer, size), ctypes.c_int),
+        silu_and_mul=((pointer, pointer, size, size), None),
+    )

@@ -31,10 +31,23 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
 
+# A C function's (argument types, result type or None), as ctypes declares them.
+Signature = tuple[tuple[type, ...], type | None]
+
+
 @functools.cache
-def library(name: str, source: str) -> ctypes.CDLL | None:
-    """The kernel `name` built from `source` and loaded, or None where it cannot run here (said once, in
-    the log)."""
+def library(name: str, source: str, **functions: Signature) -> ctypes.CDLL | None:
+    """The kernel `name` built from `source` and loaded, its `functions` declared with their signatures, or
+    None where it cannot run here (said once, in the log)."""
+    lib = _load(name, source)
+    if lib is not None:
+        for function, (arguments, result) in functions.items():
+            getattr(lib, function).argtypes = arguments
+            getattr(lib, function).restype = result
+    return lib
+
+
+def _load(name: str, source: str) -> ctypes.CDLL | None:
     if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
         return None
     # $CC as make reads it: a command, perhaps with arguments ("ccache gcc")

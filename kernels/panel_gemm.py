@@ -18,15 +18,15 @@ The panel layout: for each 16 output features, their weights for input 0, then i
 its inputs' products summed in input order in float32, so results differ from sgemm's blocked sums by
 rounding only.
 
-It runs on one thread (kernels/packed_linear.py chooses it where torch does too). It is built and loaded by
-kernels/native.py; where that cannot be (no x86-64 with AVX2 and FMA, no C compiler), `available()` says no
-and the packed path uses oneDNN.
+It runs on one thread (kernels/packed_linear.py chooses it where torch does too), and its layout replaces
+the weight there: `unpack` reads it back, `pack_into` writes new values in place, `rows` looks up a tied
+embedding's rows. It is built and loaded by kernels/native.py; where that cannot be (no x86-64 with AVX2
+and FMA, no C compiler), `available()` says no and the weights stay (oneDNN's copies with `--packed-linears`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -146,10 +146,6 @@ def multiply(
     return y if bias is None else y.add_(bias)
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native.library("panel_gemm", _SOURCE)
-    if lib is not None:
-        lib.panel_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-        lib.panel_gemm.restype = None
-    return lib
+    long, pointer = ctypes.c_long, ctypes.c_void_p
+    return native.library("panel_gemm", _SOURCE, panel_gemm=((pointer,) * 3 + (long,) * 3, None))

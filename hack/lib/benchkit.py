@@ -173,6 +173,17 @@ def header(bench: str, load_before: tuple[float, float, float]) -> dict:
     }
 
 
+def best_times(passes: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each pass's best wall time (s) of `repeats`, the passes taking turns, so that all see the same load."""
+    best = dict.fromkeys(passes, float("inf"))
+    for _ in range(repeats):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def default_path(results: Path, name: str) -> Path:
     """`results/NAME-YYYYmmdd-HHMMSS.json` (UTC): one file per run, never overwritten by the next."""
     return results / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"

@@ -45,6 +45,21 @@ def test_the_panels_are_the_weight_permuted() -> None:
     assert not panels.transpose(1, 2).reshape(-1, 7)[20:].any()
 
 
+@pytest.mark.parametrize("out_features", [48, 50])  # a multiple of the panel, and a padded last panel
+def test_the_weight_is_read_back_written_in_place_and_looked_up_from_its_panels(out_features: int) -> None:
+    """What lets the panels replace a weight: read back exactly, new values laid out in the same storage,
+    and an embedding table's rows looked up where the panels hold a tied one."""
+    weight = torch.randn(out_features, 24)
+    panels = panel_gemm.pack(weight)
+    assert torch.equal(panel_gemm.unpack(panels, out_features), weight)
+    new = torch.randn(out_features, 24)
+    storage = panels.data_ptr()
+    panel_gemm.pack_into(panels, new)
+    assert panels.data_ptr() == storage and torch.equal(panels, panel_gemm.pack(new))
+    index = torch.tensor([0, 17, out_features - 1, 3, 17])
+    assert torch.equal(panel_gemm.rows(panels, index), new[index])
+
+
 PANELS_96_40 = panel_gemm.pack(torch.zeros(96, 40))
 
 
