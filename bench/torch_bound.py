@@ -56,21 +56,23 @@ class TorchBound:
         self.heads, self.kv_heads, self.dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.eps = a.rms_norm_eps
         self.eos = eos_token_ids
-        self.embed = model.embed_tokens.weight
-        self.head = self.embed if model.lm_head is None else model.lm_head.weight
+        # Dense weights, read back where the engine keeps them in panels (`weights()`): this loop is torch's.
+        weights = {name: w.read() for name, w in model.weights().items()}
+        self.embed = weights["embed_tokens.weight"]
+        self.head = self.embed if model.lm_head is None else weights["lm_head.weight"]
         self.norm = model.norm
         self.rope = model.rope  # [max_position, D]: cat(cos, sin) of the D/2 angles
         self.layers = [
             _Layer(
                 layer.input_layernorm,
-                layer.self_attn.qkv_proj.weight,
+                weights[f"layers.{i}.self_attn.qkv_proj.weight"],
                 layer.self_attn.qkv_proj.bias,
-                layer.self_attn.o_proj.weight,
+                weights[f"layers.{i}.self_attn.o_proj.weight"],
                 layer.post_attention_layernorm,
-                layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight,
+                weights[f"layers.{i}.mlp.gate_up_proj.weight"],
+                weights[f"layers.{i}.mlp.down_proj.weight"],
             )
-            for layer in model.layers
+            for i, layer in enumerate(model.layers)
         ]
         # -O1's settings: torch.compile's default backend (inductor), one graph for every size but 0 and 1
         self._step = torch.compile(self._forward, dynamic=True) if compiled else self._forward

@@ -94,7 +94,7 @@ def test_a_rank_dying_at_the_swap_makes_the_daemon_unhealthy(
     # The finish can still reach rank 1 between two of its steps (it answers the finish's weight_info
     # check there, and may find the finish before its next step): then both ranks swap, and the update
     # is tried again with the other checkpoint, until rank 1 is caught before its swap.
-    checkpoints = [changed_checkpoint, original_checkpoint, changed_checkpoint]
+    checkpoints = [changed_checkpoint, original_checkpoint] * 2 + [changed_checkpoint]
     try:
         for attempt, checkpoint in enumerate(checkpoints):
             version = f"v{attempt + 2}"
