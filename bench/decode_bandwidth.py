@@ -15,6 +15,7 @@ median decode step (every request decoding) is reported. One JSON file under ben
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -75,7 +76,9 @@ def main() -> None:
         )
     )
     dev = engine.device
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    # every weight, wherever it is kept (panels in place of the linear weights on a one-thread CPU)
+    weights = engine.runner.model.weights().values()
+    weight_bytes = sum(math.prod(w.shape) * w.dtype.itemsize for w in weights)
     k, _ = engine.runner.kv_caches[0]
     kv_bytes_per_token = 2 * len(engine.runner.kv_caches) * k[0, 0].numel() * k.element_size()
     copy = copy_gbps(dev)

@@ -24,6 +24,7 @@ kernels/ops.py picks it where torch runs on one thread.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -61,9 +62,10 @@ static inline float hmax(__m256 v) {
 }
 
 /* e^x, 8 at a time, for x <= 0 (scores less their maximum): Cephes' expf. Below -87.3 it gives e^-87.3
-   (~1e-38), never a denormal; the caller zeroes what must be zero. */
+   (~1e-38), never a denormal; the caller zeroes what must be zero. A NaN stays NaN (max_ps returns its
+   second operand when either is NaN), so a NaN or infinite score reaches the row as the reference's does. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.33654f), x);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -304,6 +306,7 @@ def paged_attention(
     return out
 
 
+@functools.cache  # once: an op calls it every layer
 def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_long
     arguments = (pointer, size, *[pointer] * 6, *[size] * 8, ctypes.c_float, pointer)

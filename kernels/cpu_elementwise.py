@@ -14,6 +14,7 @@ tests/kernels/test_cpu_elementwise.py.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -122,6 +123,7 @@ def rotary(
         and positions.dtype == torch.int64
         and positions.is_contiguous()
         and positions.dim() == 1
+        and positions.device.type == "cpu"
         and _rows_of(cos_sin_cache)
         and cos_sin_cache.dim() == 2
         and all(
@@ -133,6 +135,7 @@ def rotary(
             and t.shape[2] % 2 == 0
             and t.stride(2) == 1
             and t.stride(1) == t.shape[2]
+            and t.stride(0) >= t.shape[1] * t.shape[2]  # rows that do not overlap
             for t in (query, key)
         )
     )
@@ -160,6 +163,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache  # once: an op calls it every layer
 def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_long
     return native.library(

@@ -1,8 +1,9 @@
 """The one dispatch point between the model and its kernels.
 
 `select_ops(device)` returns the op set a model runs on: triton kernels on CUDA; on the CPU the torch
-reference, with the project's C attention for decode steps (kernels/cpu_attention.py) where it runs and
-torch runs on one thread (the kernel is single-threaded; the reference's matmuls are not). `KVPILOT_KERNELS=
+reference, with the project's C attention for decode steps (kernels/cpu_attention.py) and C norm, rotary
+and activation (kernels/cpu_elementwise.py), where they run and torch runs on one thread (the kernels are
+single-threaded; the reference's matmuls are not). `KVPILOT_KERNELS=
 torch|cpu|triton` (or the `backend` argument) forces one; forcing triton on the CPU only works under
 `TRITON_INTERPRET=1`, which is how the kernels are tested without a GPU.
 """

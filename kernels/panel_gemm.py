@@ -27,6 +27,7 @@ and FMA, no C compiler), `available()` says no and the weights stay (oneDNN's co
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,10 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 def pack_into(panels: torch.Tensor, weight: torch.Tensor) -> None:
     """`panels = pack(weight)` in place: new values for a weight of the same shape, no second copy."""
     out, width = weight.shape
+    if width != panels.shape[1] or not (panels.shape[0] - 1) * PANEL < out <= panels.shape[0] * PANEL:
+        raise ValueError(
+            f"pack_into: a weight {tuple(weight.shape)} is not the shape of panels {tuple(panels.shape)}"
+        )
     padded = F.pad(weight.detach(), (0, 0, 0, -out % PANEL)) if out % PANEL else weight.detach()
     panels.transpose(1, 2).copy_(padded.reshape(-1, PANEL, width))
 
@@ -146,6 +151,7 @@ def multiply(
     return y if bias is None else y.add_(bias)
 
 
+@functools.cache  # once: every linear layer calls it
 def _library() -> ctypes.CDLL | None:
     long, pointer = ctypes.c_long, ctypes.c_void_p
     return native.library("panel_gemm", _SOURCE, panel_gemm=((pointer,) * 3 + (long,) * 3, None))

@@ -142,3 +142,25 @@ def test_the_cpu_op_set_is_chosen_where_torch_runs_on_one_thread(monkeypatch: py
         assert select_ops("cpu", "cpu").name == "cpu"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_slots_outside_every_context_are_never_read_and_a_nan_inside_one_reaches_its_row() -> None:
+    lens = [20, 30]
+    query, k_cache, v_cache, meta = _step(rows=[1, 1], lens=lens)
+    inside = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for table, n in zip(meta.block_tables_list, lens):
+        for pos in range(n):
+            inside[table[pos // 16], pos % 16] = True
+    k_cache[~inside], v_cache[~inside] = float("nan"), float("nan")
+    got = cpu_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, reference.paged_attention(query, k_cache, v_cache, meta, 0.125))
+    # a key of the second sequence's own made NaN: its row is NaN, as the reference's; the first's is not
+    last = meta.block_tables_list[1][29 // 16]
+    k_cache[last, 29 % 16] = float("nan")
+    meta.reference_plan = None
+    got = cpu_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    assert got[1].isnan().all() and got[0].isfinite().all()
+    torch.testing.assert_close(
+        got, reference.paged_attention(query, k_cache, v_cache, meta, 0.125), equal_nan=True
+    )

@@ -58,6 +58,10 @@ def test_the_weight_is_read_back_written_in_place_and_looked_up_from_its_panels(
     assert panels.data_ptr() == storage and torch.equal(panels, panel_gemm.pack(new))
     index = torch.tensor([0, 17, out_features - 1, 3, 17])
     assert torch.equal(panel_gemm.rows(panels, index), new[index])
+    with pytest.raises(ValueError, match="not the shape"):
+        panel_gemm.pack_into(panels, torch.zeros(out_features, 25))
+    with pytest.raises(ValueError, match="not the shape"):
+        panel_gemm.pack_into(panels, torch.zeros(out_features + 16, 24))
 
 
 PANELS_96_40 = panel_gemm.pack(torch.zeros(96, 40))

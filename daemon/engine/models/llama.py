@@ -237,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "rope", rope_cache(args.head_dim, args.max_position, args.rope_theta), persistent=False
         )
-        self.head_packed: PackedWeight | None = None  # the LM head's packed copy (`pack_linears`)
+        # the LM head laid out for a faster kernel (`pack_linears`): a copy, or in place of its weight
+        self.head_packed: PackedWeight | None = None
 
     @torch.inference_mode()
     def forward(
@@ -295,7 +296,8 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def head_weight(self) -> torch.Tensor:
-        """The LM head's weight: the embeddings' where the model ties them."""
+        """The LM head's weight: the embeddings' where the model ties them (gone where panels replaced it:
+        `weights()` reads it then)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_linears(self, copies: bool = False) -> str | None:
@@ -310,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
           sizes where they were faster, as timed here on the first layers' weights and on the head's (the
           linear weights' memory again)."""
         linears = [m for m in self.modules() if isinstance(m, PackedLinear)]
+        if self.head_packed is not None:
+            raise RuntimeError("pack_linears: the weights are laid out already")
         kernel = packed_linear.kernel_for(linears[0].weight) if linears else None
         if kernel is packed_linear.PANELS:
             for m in linears:
