@@ -2,9 +2,8 @@
 use (as inductor builds its CPU kernels), cached, and loaded with ctypes.
 
 Each kernel module (kernels/panel_gemm.py, kernels/cpu_attention.py, kernels/cpu_elementwise.py) holds its
-C source and asks `library`
-for it. They are written for x86-64 with AVX2 and FMA; without those, or without a C compiler (`$CC`, else
-`cc` or `gcc`), `library` answers None and the caller takes its torch path. A library is built once per
+C source and asks `library` for it. They are written for x86-64 with AVX2 and FMA; without those, or without
+a C compiler (`$CC`, else `cc` or `gcc`), `library` answers None and the caller takes its torch path. A library is built once per
 source, flags and compiler into `$KVPILOT_CACHE/kernels/<name>-<hash>.so`: written to a temporary file,
 then renamed, so processes starting together never load half of one. ctypes releases the interpreter's
 lock for the call.
