@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,11 +24,30 @@ _live: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 
 
+# Where free_port draws from: below Kubernetes' NodePort range (30000-32767) and the kernel's ephemeral
+# ports (32768-60999). A port the kernel hands out for port 0 lies in the ephemeral range, where any
+# outgoing connection's own port may take it between the check and the server's bind (a daemon once failed
+# to bind its KV events endpoint so); nothing takes a port here unasked.
+PORT_RANGE = range(20000, 30000)
+_ports = random.Random(os.getpid() ^ time.time_ns())  # each process (an xdist worker) its own draw
+_handed: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port the kernel says is free now (good enough on a test machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port, free now, from PORT_RANGE, never handed out before by this process (a server
+    given one may not have bound it yet)."""
+    for _ in range(1000):
+        port = _ports.choice(PORT_RANGE)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or lingering (TIME_WAIT): another one
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
 
 
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
