@@ -7,6 +7,7 @@ its pieces tokenized whole."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -190,3 +191,13 @@ def test_a_piece_holding_nul_is_never_taken_for_a_line(smollm) -> None:  # noqa:
         enc = SegmentTokenizer(smollm)
         for text in texts:
             assert enc.encode(text) == smollm.encode(text, add_special_tokens=False), (texts, text)
+
+
+def test_a_bpe_with_dropout_keeps_no_words(smollm) -> None:  # noqa: ANN001
+    """With dropout, a word's ids are drawn anew on each call: none may be kept (or looked up in the model
+    alone), so the words are not cut, whatever the self-check's draws happened to agree on."""
+    config = json.loads(smollm.backend_tokenizer.to_str())
+    config["model"]["dropout"] = 0.5
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(config)))
+    assert SegmentTokenizer(tok)._words is None
+    assert SegmentTokenizer(smollm)._words is not None
