@@ -75,7 +75,7 @@ def prepare_chat(rules: PromptRules, raw: bytes) -> Prepared:
 def _chat_text(rules: PromptRules, chat: ChatRequest) -> str:
     """The chat rendered with the model's template, its length checked."""
     try:
-        text = chat.render(rules.info.tokenizer)
+        text = chat.prompt.render(rules.info.tokenizer)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's input
         raise bad(f"the messages do not fit the model's chat template: {exc}", "messages") from None
     _check_chars(rules, text, "messages")

@@ -19,7 +19,7 @@ from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
 from kvpilot.protocol.limits import MAX_SCOPE_CHARS
-from kvpilot.protocol.schema import ChatCompletionRequest, CompletionRequest
+from kvpilot.protocol.schema import ChatCompletionRequest, ChatPromptRequest, CompletionRequest
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -69,8 +69,9 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
-class ChatRequest:
-    generate: GenerateRequest
+class ChatPrompt:
+    """What a chat's prompt is made of: its messages, plain, and how the chat template is to render them."""
+
     messages: list[dict[str, str]]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -86,6 +87,12 @@ class ChatRequest:
             continue_final_message=self.continue_final_message,
         )
         return text
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    generate: GenerateRequest
+    prompt: ChatPrompt
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -259,12 +266,24 @@ def parse_chat(body: JSONObject, served: list[str], adapters: Collection[str] = 
         max_tokens_given=max_tokens is not None,
         max_tokens_param="max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens",
     )
+    return ChatRequest(req, _chat_prompt(r))
+
+
+def chat_prompt(body: JSONObject) -> tuple[ChatPrompt, str | None]:
+    """A chat's prompt and its `cache_salt`, read as `parse_chat` reads them, in a third of the time:
+    nothing else of the body is checked or read, so a body `parse_chat` refuses may pass. The router keys
+    prompts with it (the pod checks the rest)."""
+    r: ChatPromptRequest = _validate(ChatPromptRequest, body)
+    return _chat_prompt(r), r.cache_salt
+
+
+def _chat_prompt(r: ChatCompletionRequest | ChatPromptRequest) -> ChatPrompt:
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in r.messages
     ]
     # vLLM's rule: continuing the last message means no new assistant turn is opened.
     cont = bool(r.continue_final_message)
-    return ChatRequest(req, messages, r.add_generation_prompt is not False and not cont, cont, r.tools)
+    return ChatPrompt(messages, r.add_generation_prompt is not False and not cont, cont, r.tools)
 
 
 def parse_reset_flag(

@@ -28,6 +28,12 @@ MAX_PROMPTS = 64
 NO_REASONING_PARSER = "SGLang: accepted; no effect, this server has no reasoning parser"
 
 
+CacheSalt = Annotated[
+    Str | None,
+    Field(min_length=1, max_length=MAX_SCOPE_CHARS, description="requests with different salts share no KV"),
+]
+
+
 class StreamOptions(BaseModel):
     include_usage: Bool | None = Field(None, description="a last chunk with empty choices and the usage")
 
@@ -55,12 +61,7 @@ class _Request(BaseModel):
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
     no_stop_trim: Bool | None = Field(None, description="SGLang: include_stop_str_in_output under its name")
-    cache_salt: Str | None = Field(
-        None,
-        min_length=1,
-        max_length=MAX_SCOPE_CHARS,
-        description="requests with different salts share no KV",
-    )
+    cache_salt: CacheSalt = None
     weight_version: Str | None = Field(
         None,
         min_length=1,
@@ -187,17 +188,36 @@ class ChatMessage(BaseModel):
         return self
 
 
+# The fields that make a chat's prompt, in both models below.
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]
+ContinueFinalMessage = Annotated[
+    Bool | None, Field(description="vLLM: the last (assistant) message is left open and continued")
+]
+Tools = Annotated[list[Any] | None, Field(description="rendered by the chat template; replies are text")]
+
+
+class ChatPromptRequest(BaseModel):
+    """The fields of a chat request its prompt is made of, read as ChatCompletionRequest reads them and
+    nothing else: what the router reads of a chat to key its prompt (the pod checks the rest)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: ChatMessages
+    add_generation_prompt: Bool | None = None
+    continue_final_message: ContinueFinalMessage = None
+    tools: Tools = None
+    cache_salt: CacheSalt = None
+
+
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ChatMessages
     max_completion_tokens: Int | None = Field(None, ge=1, description="default: the room left in the context")
     max_tokens: Int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool | None = None
-    continue_final_message: Bool | None = Field(
-        None, description="vLLM: the last (assistant) message is left open and continued"
-    )
-    tools: list[Any] | None = Field(None, description="rendered by the chat template; replies are text")
+    continue_final_message: ContinueFinalMessage = None
+    tools: Tools = None
     tool_choice: Any = Field(None, description='"none" or "auto"; a forced call is not supported')
     separate_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)
     stream_reasoning: Bool | None = Field(None, description=NO_REASONING_PARSER)

@@ -1,7 +1,8 @@
 """A request's prompt token ids, exactly as the daemon will see them (same tokenizer, same template).
 
-Validation stays with the daemon: the router reads the body with the daemon's own parsers and, where a
-body does not parse, routes without a prediction and lets the pod answer the 4xx.
+Validation stays with the daemon: the router reads the body with the daemon's own parsers (of a chat, only
+the fields its prompt is made of: `chat_prompt`) and, where a body does not parse, routes without a
+prediction and lets the pod answer the 4xx.
 
 What a client's body costs happens once, before the policy runs: JSON parsing, templating, tokenizing
 and the block keys the policy compares with the index (once per hash scheme, block size and weight
@@ -34,7 +35,7 @@ from transformers import AutoTokenizer
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.kv.block_keys import BlockHash, KeyScheme, LoRAKey
 from kvpilot.protocol.errors import ApiError
-from kvpilot.protocol.requests import parse_chat, parse_completion
+from kvpilot.protocol.requests import chat_prompt, parse_completion
 from kvpilot.router.kv.index import index_keys
 from kvpilot.router.routing.chat_template import ChatTemplate
 from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
@@ -175,13 +176,12 @@ class PromptReader:
         served = [model] if model is not None else []
         try:
             if path.endswith("/chat/completions"):
-                chat = parse_chat(body, served)
+                chat, salt = chat_prompt(body)
                 # chat.render(tokenizer), the daemon's, rendered from the template compiled once (chat_template.py)
                 text = self.template.render(
                     chat.messages, chat.add_generation_prompt, chat.tools, chat.continue_final_message
                 )
-                chat_ids = self.encoder.encode(text)
-                return Prompts([chat_ids], chat.generate.cache_salt, self.max_model_len, model)
+                return Prompts([self.encoder.encode(text)], salt, self.max_model_len, model)
             req = parse_completion(body, served)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None

@@ -119,7 +119,7 @@ def test_prompt_logprobs_predict_no_hit(quiet_fleet: Fleet) -> None:
 
 
 def test_sglang_fields_and_a_continued_message_are_predicted_exactly(quiet_fleet: Fleet) -> None:
-    """The router reads bodies with the daemon's parsers and template (ChatRequest.render): a body with
+    """The router reads bodies with the daemon's parsers and template (ChatPrompt.render): a body with
     SGLang's fields, an unknown one and continue_final_message is predicted as the pod caches it, and the
     pod's X-Kvpilot-Ignored-Fields comes through."""
     fleet = quiet_fleet
