@@ -19,7 +19,12 @@ from kvpilot.protocol import JSONObject
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.protocol.fields import ignored_fields
 from kvpilot.protocol.limits import MAX_SCOPE_CHARS
-from kvpilot.protocol.schema import ChatCompletionRequest, ChatPromptRequest, CompletionRequest
+from kvpilot.protocol.schema import (
+    ChatCompletionRequest,
+    ChatPromptRequest,
+    CompletionPromptRequest,
+    CompletionRequest,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -239,8 +244,7 @@ def _generate_request(
 # ---- endpoints -----------------------------------------------------------------------------------
 def parse_completion(body: JSONObject, served: list[str], adapters: Collection[str] = ()) -> GenerateRequest:
     r: CompletionRequest = _validate(CompletionRequest, body)
-    echo_scores = r.echo and (r.logprobs is not None or r.max_tokens == 0)
-    prompt_logprobs = (r.logprobs or 0) if echo_scores else None
+    prompt_logprobs = (r.logprobs or 0) if r.scores_prompt() else None
     params = _sampling(r, r.max_tokens, r.best_of or r.n or 1, r.logprobs, prompt_logprobs)
     return _generate_request(
         r,
@@ -251,6 +255,14 @@ def parse_completion(body: JSONObject, served: list[str], adapters: Collection[s
         max_tokens_given=r.max_tokens is not None,
         echo=bool(r.echo),
     )
+
+
+def completion_prompts(body: JSONObject) -> tuple[list[str | list[int]], str | None] | None:
+    """A completion's prompts and its `cache_salt`, read as `parse_completion` reads them, and nothing else
+    of the body (the router's read, as `chat_prompt`); None where the prompt's logprobs are asked for:
+    every position of the prompt is then computed, cached or not."""
+    r: CompletionPromptRequest = _validate(CompletionPromptRequest, body)
+    return None if r.scores_prompt() else (r.prompt, r.cache_salt)
 
 
 def parse_chat(body: JSONObject, served: list[str], adapters: Collection[str] = ()) -> ChatRequest:

@@ -108,7 +108,10 @@ class _Request(BaseModel):
         return self
 
 
-class CompletionRequest(_Request):
+class _CompletionPrompt(BaseModel):
+    """The fields of a completion request that say what its prompts are and whether their logprobs are
+    scored (so every position is computed, cached or not)."""
+
     prompt: Any = Field(
         description="a string, an array of strings, an array of token ids or an array of arrays of token ids"
     )
@@ -117,10 +120,6 @@ class CompletionRequest(_Request):
     logprobs: Int | Bool | None = Field(
         None, description=f"0-{MAX_LOGPROBS} most likely alternatives per token"
     )
-    best_of: Int | None = Field(
-        None, ge=1, le=MAX_SEQUENCES, description="sequences run; the n most likely return"
-    )
-    suffix: Str | None = Field(None, description="not supported")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -135,6 +134,26 @@ class CompletionRequest(_Request):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         return value
+
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs are asked for (echo with logprobs, or echo alone scoring it)."""
+        return bool(self.echo) and (self.logprobs is not None or self.max_tokens == 0)
+
+
+class CompletionPromptRequest(_CompletionPrompt):
+    """What the router reads of a completion to key its prompts, as CompletionRequest reads it (the pod
+    checks the rest)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    cache_salt: CacheSalt = None
+
+
+class CompletionRequest(_Request, _CompletionPrompt):
+    best_of: Int | None = Field(
+        None, ge=1, le=MAX_SEQUENCES, description="sequences run; the n most likely return"
+    )
+    suffix: Str | None = Field(None, description="not supported")
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:

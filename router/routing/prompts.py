@@ -1,7 +1,7 @@
 """A request's prompt token ids, exactly as the daemon will see them (same tokenizer, same template).
 
 Validation stays with the daemon: the router reads the body with the daemon's own parsers (of a chat, only
-the fields its prompt is made of: `chat_prompt`) and, where a body does not parse, routes without a
+the fields its prompts are made of: `chat_prompt`, `completion_prompts`) and, where a body does not parse, routes without a
 prediction and lets the pod answer the 4xx.
 
 What a client's body costs happens once, before the policy runs: JSON parsing, templating, tokenizing
@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from kvpilot.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from kvpilot.kv.block_keys import BlockHash, KeyScheme, LoRAKey
 from kvpilot.protocol.errors import ApiError
-from kvpilot.protocol.requests import chat_prompt, parse_completion
+from kvpilot.protocol.requests import chat_prompt, completion_prompts
 from kvpilot.router.kv.index import index_keys
 from kvpilot.router.routing.chat_template import ChatTemplate
 from kvpilot.router.routing.segment_tokenizer import SegmentTokenizer
@@ -173,7 +173,6 @@ class PromptReader:
         if not isinstance(body, dict):
             return None
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        served = [model] if model is not None else []
         try:
             if path.endswith("/chat/completions"):
                 chat, salt = chat_prompt(body)
@@ -182,19 +181,18 @@ class PromptReader:
                     chat.messages, chat.add_generation_prompt, chat.tools, chat.continue_final_message
                 )
                 return Prompts([self.encoder.encode(text)], salt, self.max_model_len, model)
-            req = parse_completion(body, served)
+            read = completion_prompts(body)
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None
         except Exception:  # noqa: BLE001 - a chat template error: the pod answers it as a 400
             return None
-        if req.params.prompt_logprobs is not None:
+        if read is None:
             # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
             # route by, and predicting a hit would count as a stale prediction.
             return None
-        ids = [
-            p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in req.prompts
-        ]
-        return Prompts(ids, req.cache_salt, self.max_model_len, model)
+        prompts, salt = read
+        ids = [p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in prompts]
+        return Prompts(ids, salt, self.max_model_len, model)
 
 
 def _one_prompt(body: Any) -> bool:

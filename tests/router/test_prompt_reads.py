@@ -1,12 +1,13 @@
-"""kvpilot.protocol.requests.chat_prompt, the router's read of a chat: the same prompt and salt as the
-daemon's parse_chat on every body both take, whatever else the body holds; nothing it does not need."""
+"""kvpilot.protocol.requests.chat_prompt and completion_prompts, the router's read of a request: the same
+prompts and salt as the daemon's parse_chat and parse_completion on every body both take, whatever else the
+body holds; nothing they do not need is checked."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpilot.protocol.errors import ApiError
-from kvpilot.protocol.requests import chat_prompt, parse_chat
+from kvpilot.protocol.requests import chat_prompt, completion_prompts, parse_chat, parse_completion
 
 MODEL = "SmolLM2-135M-Instruct"
 BODIES = [
@@ -65,3 +66,31 @@ def test_a_prompt_the_daemon_refuses_is_refused(body: dict) -> None:
     for parse in (lambda b: parse_chat(b, [MODEL]), chat_prompt):
         with pytest.raises(ApiError):
             parse(dict(body))
+
+
+COMPLETIONS = [
+    {"prompt": "Once upon a time"},
+    {"model": MODEL, "prompt": ["a", "b"], "cache_salt": "s", "temperature": 0.5, "n": 2, "best_of": 3},
+    {"prompt": [1, 2, 3], "echo": True, "max_tokens": 4},
+    {"prompt": [[1, 2], [3]], "logprobs": 2, "stream": True},
+    {"prompt": "x", "echo": True, "logprobs": True, "max_tokens": 1},  # scores the prompt
+    {"prompt": "x", "echo": True, "max_tokens": 0},  # scores the prompt too
+]
+
+
+@pytest.mark.parametrize("body", COMPLETIONS)
+def test_a_completions_prompts_and_salt_are_the_daemons(body: dict) -> None:
+    req = parse_completion(dict(body), [MODEL])
+    expected = None if req.params.prompt_logprobs is not None else (req.prompts, req.cache_salt)
+    assert completion_prompts(dict(body)) == expected
+
+
+def test_a_completions_other_fields_are_not_read_and_a_bad_prompt_is_refused() -> None:
+    body = {"prompt": "x", "temperature": -1, "suffix": "no"}
+    with pytest.raises(ApiError):
+        parse_completion(dict(body), [MODEL])
+    assert completion_prompts(body) == (["x"], None)
+    for bad_body in ({"prompt": []}, {"prompt": [1, "a"]}, {"prompt": "x", "logprobs": 99}, {}):
+        for parse in (lambda b: parse_completion(b, [MODEL]), completion_prompts):
+            with pytest.raises(ApiError):
+                parse(dict(bad_body))
