@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
@@ -85,6 +86,15 @@ def index_keys(hashes: Iterable[object]) -> list[int]:
     return keys
 
 
+def _drop_expired(expected: OrderedDict[int, float], now: float) -> None:
+    """Drop a holder's expected keys whose time is past: they come first (PrefixIndex._expected)."""
+    while expected:
+        until = next(iter(expected.values()))
+        if until > now:
+            return
+        expected.popitem(last=False)
+
+
 class PrefixIndex:
     def __init__(self) -> None:
         self._blocks: dict[Holder, set[int]] = {}  # holder -> keys it holds
@@ -94,7 +104,10 @@ class PrefixIndex:
         self._distrusted: set[Holder] = set()  # holders whose entries stay empty until their next clear
         self._refused: set[Holder] = set()  # holders already warned about for hashes of the wrong form
         self._cleared = asyncio.Event()  # set (and replaced) whenever a holder reports AllBlocksCleared
-        self._expected: dict[Holder, dict[int, float]] = {}  # holder -> key -> when it stops being expected
+        # holder -> key -> when it stops being expected, in that order (each key is expected for the same
+        # EXPECTED_TTL_S from when it was last sent, and moved to the end then): expired ones are dropped
+        # from the front, so a holder's count of expected keys is their number, never a scan
+        self._expected: dict[Holder, OrderedDict[int, float]] = {}
 
     # ---- updates -------------------------------------------------------------------------------
     def set_capacity(self, holder: Holder, blocks: int | None) -> None:
@@ -126,7 +139,7 @@ class PrefixIndex:
     def store(self, holder: Holder, hashes: Iterable[object]) -> None:
         held = self._blocks.setdefault(holder, set())
         cap = self._capacity.get(holder, MAX_BLOCKS_PER_HOLDER)
-        expected = self._expected.get(holder) or {}
+        expected: dict[int, float] = self._expected.get(holder) or {}
         for h in hashes:
             k = index_key(h)
             if k is None:
@@ -141,7 +154,7 @@ class PrefixIndex:
 
     def remove(self, holder: Holder, hashes: Iterable[object]) -> None:
         held = self._blocks.get(holder) or set()
-        expected = self._expected.get(holder) or {}
+        expected: dict[int, float] = self._expected.get(holder) or {}
         if not held and not expected:
             return
         for h in hashes:
@@ -165,15 +178,19 @@ class PrefixIndex:
         if holder in self._distrusted:
             return  # a reset on its way: nothing sent before it counts
         held = self._blocks.get(holder) or ()
-        expected = self._expected.setdefault(holder, {})
-        until = time.monotonic() + EXPECTED_TTL_S
+        expected = self._expected.get(holder)
+        if expected is None:
+            expected = self._expected[holder] = OrderedDict()
+        now = time.monotonic()
+        _drop_expired(expected, now)
+        until = now + EXPECTED_TTL_S
         for k in keys:
             if k in held:
                 continue
-            expected.pop(k, None)  # re-inserted last: the newest are kept when the bound drops the oldest
             expected[k] = until
+            expected.move_to_end(k)  # last: the newest are kept when the bound drops the oldest
         while len(expected) > MAX_EXPECTED_PER_HOLDER:
-            del expected[next(iter(expected))]
+            expected.popitem(last=False)
 
     def forget(self, holder: Holder) -> None:
         """Drop everything about a holder that left the fleet."""
@@ -210,9 +227,10 @@ class PrefixIndex:
         cap = self._capacity.get(holder)
         if cap is None or holder not in self._sized:
             return None
-        now = time.monotonic()
-        expected = sum(1 for until in self._expected.get(holder, {}).values() if until > now)
-        return max(cap - self.num_blocks(holder) - expected, 0)
+        expected = self._expected.get(holder)
+        if expected:
+            _drop_expired(expected, time.monotonic())
+        return max(cap - self.num_blocks(holder) - len(expected or ()), 0)
 
     def fill(self, holder: Holder) -> float | None:
         """The share of the holder's pool that is taken (`room` less from the whole, 0 to 1); None when its

@@ -133,6 +133,28 @@ def test_expected_keys_count_until_confirmed_dropped_or_expired(monkeypatch: pyt
     assert index.matched_blocks([k1], ["d"], expected=True) == {"d": 0}
 
 
+def test_expired_expected_keys_leave_the_pools_room_and_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """room() counts the keys a holder was just sent, until they expire; expired ones are dropped, not
+    scanned on every call (a pod whose events never confirm what it was sent would make each cold
+    prompt's choice cost a pass over up to MAX_EXPECTED_PER_HOLDER keys)."""
+    now = [100.0]
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: now[0])
+    index = PrefixIndex()
+    index.set_capacity("a", 64)
+    index.store("a", [bytes([1]) * 32])
+    for second in range(10):  # ten sends a second apart, 4 new keys each, never confirmed
+        index.expect("a", [bytes([2 + 4 * second + j]) * 32 for j in range(4)])
+        now[0] += 1.0
+    assert index.room("a") == 64 - 1 - 40
+    now[0] += index_module.EXPECTED_TTL_S - 5.5  # the first five sends have expired
+    assert index.room("a") == 64 - 1 - 20
+    assert len(index._expected["a"]) == 20
+    index.expect("a", [bytes([2]) * 32])  # sent again: expected anew, with the newest
+    assert index.room("a") == 64 - 1 - 21
+    now[0] += index_module.EXPECTED_TTL_S
+    assert index.room("a") == 64 - 1 and not index._expected["a"]
+
+
 def test_a_prompt_just_sent_draws_the_next_one_to_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests with one new prefix: the second goes to the rank the first was sent to, although no
     event has named the blocks yet; what is reported as predicted stays what the events confirmed."""
