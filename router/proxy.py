@@ -350,12 +350,28 @@ def record_usage(r: Router, decision: Decision, usage: JSONObject | None) -> Non
         m.child(m.stale, name).inc()
 
 
+# A key "usage": in JSON a quote inside a string is always escaped, so `"usage"` with both its quotes bare
+# and a colon after is a key, never text of a value.
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
+_JSON = json.JSONDecoder()
+
+
 def _json_usage(body: bytes) -> JSONObject | None:
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nested too deep
-        return None
-    return doc.get("usage") if isinstance(doc, dict) else None
+    """The usage object of a reply: the value of its last "usage" key, read from there, not the whole reply
+    parsed (its choices' text can be most of it). The daemon, vLLM and SGLang write usage after the
+    choices, where alone a "usage" key could stand in a reply (a logprobs entry keyed by the token
+    "usage" comes before it), and nothing after it names one."""
+    at = body.rfind(b'"usage"')
+    while at >= 0:
+        key = _USAGE_KEY.match(body, at)
+        if key is not None:
+            try:
+                usage, _ = _JSON.raw_decode(body[key.end() :].decode("utf-8"))
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
+                return None
+            return usage if isinstance(usage, dict) else None
+        at = body.rfind(b'"usage"', 0, at)
+    return None
 
 
 def _sse_usage(tail: bytes) -> JSONObject | None:

@@ -1,0 +1,54 @@
+"""Finding a reply's usage (router/proxy.py): a relayed stream's in its tail (`_sse_usage`), the last
+`data: {` line that names "usage", whatever comes after it, and nothing when no such line is whole; a whole
+reply's (`_json_usage`), the value of its last "usage" key, never text that spells one."""
+
+from __future__ import annotations
+
+import json
+
+from kvpilot.router.proxy import _json_usage, _sse_usage
+
+USAGE = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}}'
+)
+
+
+def test_the_last_usage_line_is_read() -> None:
+    chunk = b'data: {"id":"c","choices":[{"delta":{"content":"usage"}}],"usage":null}'
+    tail = b"\n\n".join([chunk, chunk, USAGE, b"data: [DONE]"]) + b"\n\n"
+    assert _sse_usage(tail) == {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
+    # CRLF line ends, and a tail cut right after the line
+    assert _sse_usage(tail.replace(b"\n", b"\r\n"))["prompt_tokens"] == 9
+    assert _sse_usage(USAGE)["prompt_tokens"] == 9
+    # a later line naming "usage" that is not a data line does not hide it
+    assert _sse_usage(USAGE + b'\n\n: comment "usage"\n\n')["prompt_tokens"] == 9
+
+
+def test_no_usage_or_a_broken_one_is_none() -> None:
+    assert _sse_usage(b"") is None
+    assert _sse_usage(b'data: {"choices":[],"usage":null}\n\ndata: [DONE]\n\n') is None
+    assert _sse_usage(USAGE[:-10] + b"\n\n") is None  # cut off: not JSON
+    assert _sse_usage(b'data: ["usage"]\n\n') is None  # not an object line
+    assert _sse_usage(USAGE[20:] + b"\n\n") is None  # its start lost before the tail's
+
+
+def test_a_replys_usage_is_its_last_usage_key() -> None:
+    usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}
+    reply = {
+        "choices": [
+            {
+                "text": 'say "usage": {"prompt_tokens": 1} \\"usage\\"',
+                "logprobs": {"top_logprobs": [{"usage": -0.5}]},  # a token "usage" as a key, before
+            }
+        ],
+        "usage": usage,
+        "prompt_logprobs": [None, {"7": {"decoded_token": "usage"}}],  # vLLM writes these after usage
+    }
+    body = json.dumps(reply).encode()
+    assert _json_usage(body) == usage
+    assert _json_usage(json.dumps(reply, indent=2).encode()) == usage
+    assert _json_usage(json.dumps({"usage": None, "x": 1}).encode()) is None
+    assert _json_usage(b'{"choices": [{"text": "usage"}]}') is None
+    assert _json_usage(body[:-60]) == usage  # whatever follows the usage object is not read
+    assert _json_usage(b'{"usage": {"prompt_tokens": ') is None  # cut off
+    assert _json_usage(b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}") is None  # nested too deep
