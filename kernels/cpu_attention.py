@@ -34,7 +34,7 @@ from kvpilot.kernels.metadata import AttentionMetadata
 # A step whose longest chunk has more query rows than this goes to the reference: a prefill chunk.
 MAX_QUERY_ROWS = 1
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
@@ -310,4 +310,4 @@ def paged_attention(
 def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_long
     arguments = (pointer, size, *[pointer] * 6, *[size] * 8, ctypes.c_float, pointer)
-    return native.library("cpu_attention", _SOURCE, paged_attention=(arguments, ctypes.c_int))
+    return native.library("cpu_attention", SOURCE, paged_attention=(arguments, ctypes.c_int))

@@ -20,7 +20,7 @@ import torch
 
 from kvpilot.kernels import native, reference
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
@@ -168,7 +168,7 @@ def _library() -> ctypes.CDLL | None:
     pointer, size = ctypes.c_void_p, ctypes.c_long
     return native.library(
         "cpu_elementwise",
-        _SOURCE,
+        SOURCE,
         rms_norm=((*[pointer] * 5, size, size, ctypes.c_float), None),
         rotary=((pointer, size, size, size, size, pointer, pointer, size), ctypes.c_int),
         silu_and_mul=((pointer, pointer, size, size), None),

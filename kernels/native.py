@@ -1,10 +1,12 @@
 """The project's own CPU kernels in C: built from their embedded source with the system's C compiler at first
-use (as inductor builds its CPU kernels), cached, and loaded with ctypes.
+use (as inductor builds its CPU kernels), or ahead of time (`python -m kvpilot.kernels.prebuild`: the image
+does, with a compiler it does not keep), cached, and loaded with ctypes.
 
 Each kernel module (kernels/panel_gemm.py, kernels/cpu_attention.py, kernels/cpu_elementwise.py) holds its
-C source and asks `library` for it. They are written for x86-64 with AVX2 and FMA; without those, or without
-a C compiler (`$CC`, else `cc` or `gcc`), `library` answers None and the caller takes its torch path. A library is built once per
-source, flags and compiler into `$KVPILOT_CACHE/kernels/<name>-<hash>.so`: written to a temporary file,
+C source and asks `library` for it. They are written for x86-64 with AVX2 and FMA; without those `library`
+answers None and the caller takes its torch path. A library is kept once per source and flags in
+`$KVPILOT_CACHE/kernels/<name>-<hash>.so`, and loaded from there wherever it is, so a process needs a C
+compiler (`$CC`, else `cc` or `gcc`) only to build one that is not there yet: written to a temporary file,
 then renamed, so processes starting together never load half of one. ctypes releases the interpreter's
 lock for the call.
 """
@@ -50,28 +52,46 @@ def library(name: str, source: str, **functions: Signature) -> ctypes.CDLL | Non
 def _load(name: str, source: str) -> ctypes.CDLL | None:
     if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
         return None
-    # $CC as make reads it: a command, perhaps with arguments ("ccache gcc")
-    found = shutil.which("cc") or shutil.which("gcc")
-    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
-    if not compiler:
-        log.info("%s: no C compiler (cc, gcc or $CC): its torch path is used", name)
-        return None
-    key = hashlib.sha256(" ".join((source, *FLAGS, *compiler)).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{name}-{key}.so"
-    try:
-        if not path.is_file():
-            _build(name, source, compiler, path)
+    path = library_path(name, source)
+    if path.is_file():
         try:
             return ctypes.CDLL(str(path))
-        except OSError:  # a library left damaged (a full disk, a copied cache): built again, once
-            _build(name, source, compiler, path)
-            return ctypes.CDLL(str(path))
+        except OSError as exc:  # left damaged (a full disk, a copied cache): built again where it can be
+            log.warning("%s: cannot load %s (%s)", name, path, exc)
+    compiler = _compiler()
+    if not compiler:
+        log.info(
+            "%s: not built, and no C compiler (cc, gcc or $CC) to build it: its torch path is used", name
+        )
+        return None
+    try:
+        build(name, source, compiler)
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("%s: cannot build or load the kernel (%s): its torch path is used", name, exc)
         return None
 
 
-def _build(name: str, source: str, compiler: list[str], path: Path) -> None:
+def library_path(name: str, source: str) -> Path:
+    """Where the library `name` built from `source` is kept: named by a hash of the source and flags (the
+    compiler that built it does not matter: any C compiler's build of them serves)."""
+    key = hashlib.sha256(" ".join((source, *FLAGS)).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{name}-{key}.so"
+
+
+def _compiler() -> list[str]:
+    """$CC as make reads it (a command, perhaps with arguments: "ccache gcc"), else cc or gcc; [] for none."""
+    found = shutil.which("cc") or shutil.which("gcc")
+    return shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+
+
+def build(name: str, source: str, compiler: list[str] | None = None) -> Path:
+    """Build the library `name` from `source` into `library_path` (whatever this machine's CPU: AVX2 and FMA
+    are only needed where it is loaded); raises OSError where it cannot (no compiler, a failed build)."""
+    compiler = compiler or _compiler()
+    if not compiler:
+        raise OSError("no C compiler (cc, gcc or $CC)")
+    path = library_path(name, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / f"{name}.c", Path(tmp) / path.name
@@ -87,6 +107,7 @@ def _build(name: str, source: str, compiler: list[str], path: Path) -> None:
             raise OSError(f"{' '.join(compiler)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
         os.replace(lib, path)  # atomic: another process loads a whole library or builds its own
     log.info("%s: kernel built with %s into %s", name, " ".join(compiler), path)
+    return path
 
 
 def _cpu_has(*flags: str) -> bool:

@@ -36,7 +36,7 @@ from kvpilot.kernels import native
 
 PANEL = 16  # output features a panel holds: two AVX2 vectors
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <immintrin.h>
 #include <stddef.h>
 
@@ -154,4 +154,4 @@ def multiply(
 @functools.cache  # once: every linear layer calls it
 def _library() -> ctypes.CDLL | None:
     long, pointer = ctypes.c_long, ctypes.c_void_p
-    return native.library("panel_gemm", _SOURCE, panel_gemm=((pointer,) * 3 + (long,) * 3, None))
+    return native.library("panel_gemm", SOURCE, panel_gemm=((pointer,) * 3 + (long,) * 3, None))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.kernels import native
 from support import ROOT
 from support.procs import free_port
 
@@ -251,3 +253,9 @@ def test_kvpilot_serve_runs_on_a_read_only_root_with_an_empty_tmp(
     # A private mount namespace (and pid namespace, so stopping it stops everything in it).
     argv = ["unshare", "--mount", "--pid", "--fork", "sh", "-c", setup + 'exec "$@"', "sh", *inner]
     serve_until_healthy(argv, port, tmp_path / "serve-ro.log")
+    if platform.machine() == "x86_64" and native._cpu_has("avx2", "fma"):
+        # One torch thread: the CPU kernels' set, loaded from the libraries the image was built with (it
+        # has no compiler to build them, and its cache is read-only).
+        log = (tmp_path / "serve-ro.log").read_text()
+        assert "ops=cpu" in log and "panels, in place of the weights" in log, log[-3000:]
+        assert "its torch path is used" not in log, log[-3000:]
