@@ -103,7 +103,7 @@ async def routing_inputs(r: Router, path: str, raw: bytes) -> tuple[Prompts | No
         return None, None
     prompts = None
     if r.reader is not None and r.policy.needs_prompts and raw:
-        prompts = await r.reader.prompts(path, raw, hash_schemes(r.fleet.ready_pods()))
+        prompts = await r.reader.prompts(path, raw, lambda: hash_schemes(r.fleet.ready_pods()))
     return prompts, pinned_version(raw)
 
 

@@ -4,10 +4,11 @@ Validation stays with the daemon: the router reads the body with the daemon's ow
 the fields its prompts are made of: `chat_prompt`, `completion_prompts`) and, where a body does not parse, routes without a
 prediction and lets the pod answer the 4xx.
 
-What a client's body costs happens once, before the policy runs: JSON parsing, templating, tokenizing
-and the block keys the policy compares with the index (once per hash scheme, block size and weight
-version, among the pods). A chat of at most INLINE_BYTES is read on the event loop; anything else off it,
-in a small pool of threads with a bounded queue (the daemon's TextPool).
+What a client's body costs happens once: JSON parsing, templating, tokenizing and the block keys the
+policy compares with the index (once per hash scheme, block size and weight version, among the pods). A
+chat of at most INLINE_BYTES is read on the event loop, its keys computed as the policy first asks for
+them; anything else off it, keys and all, in a small pool of threads with a bounded queue (the daemon's
+TextPool).
 Keys are computed for at most the model's context of each prompt: a longer prompt is refused by every
 pod, so hashing a million tokens of it would only stall the router. When the pool's queue is full
 the request is routed without a prediction, by load.
@@ -128,10 +129,10 @@ class PromptReader:
         self.parse_limit = max(MIN_PARSE_LIMIT, PARSE_BYTES_PER_TOKEN * self.max_model_len)
         self._pool = TextPool(workers, max_pending)
 
-    async def prompts(self, path: str, raw: bytes, schemes: set[Scheme]) -> Prompts | None:
-        """The request's prompts, tokenised once, with their keys for each of `schemes` computed, from a
-        worker thread (a small body on the event loop); None when the body does not parse, or the pool is
-        too busy to predict."""
+    async def prompts(self, path: str, raw: bytes, schemes: Callable[[], set[Scheme]]) -> Prompts | None:
+        """The request's prompts, tokenised once, from a worker thread with their keys for each of
+        `schemes()` computed there too; a small body on the event loop, its keys left to be computed as the
+        policy asks for them. None when the body does not parse, or the pool is too busy to predict."""
         job: Callable[[str, Any, set[Scheme]], Prompts | None] = self._prepare
         arg: Any = raw
         if len(raw) <= INLINE_BYTES:
@@ -140,10 +141,10 @@ class PromptReader:
             except (ValueError, RecursionError):  # not JSON (or nested past the parser): the pod answers
                 return None
             if path.endswith("/chat/completions") or _one_prompt(body):
-                return self._keyed(self.read(path, body), schemes)
+                return self.read(path, body)
             job, arg = self._prepare_body, body  # parsed once
         try:
-            return await self._pool.prepare(job, path, arg, schemes)
+            return await self._pool.prepare(job, path, arg, schemes())
         except Busy:
             log.debug("prompt pool busy: %s routed by load", path)
             return None
