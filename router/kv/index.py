@@ -255,20 +255,29 @@ class PrefixIndex:
     def matched_keys(self, keys: Sequence[int], holders: Iterable[H], expected: bool = False) -> dict[H, int]:
         """`matched_blocks` for hashes already made the index's keys (`index_keys`): a router keys a
         request's prompt once, and looks it up for each of its pods' ranks."""
-        out = {h: 0 for h in holders}
-        empty: dict[int, float] = {}
+        return {
+            h: held_or_sent if expected else held
+            for h, (held, held_or_sent) in self.matches(keys, holders).items()
+        }
+
+    def matches(self, keys: Sequence[int], holders: Iterable[H]) -> dict[H, tuple[int, int]]:
+        """For each holder, both counts at once: the leading keys it holds, and those it holds or was sent
+        and has not confirmed (`matched_keys` without and with `expected`; the policy scores by the
+        second and reports the first)."""
+        out: dict[H, tuple[int, int]] = {}
         now = time.monotonic()
-        alive = [
-            (h, self._blocks.get(h) or (), (self._expected.get(h) or empty) if expected else empty)
-            for h in out
-        ]
-        alive = [a for a in alive if a[1] or a[2]]
-        for i, k in enumerate(keys):
-            alive = [a for a in alive if k in a[1] or a[2].get(k, 0.0) > now]
-            if not alive:
-                break
-            for h, _, _ in alive:
-                out[h] = i + 1
+        n = len(keys)
+        for h in holders:
+            held = self._blocks.get(h) or ()
+            held_n = 0
+            while held_n < n and keys[held_n] in held:
+                held_n += 1
+            sent = self._expected.get(h)
+            either_n = held_n
+            if sent:
+                while either_n < n and (keys[either_n] in held or sent.get(keys[either_n], 0.0) > now):
+                    either_n += 1
+            out[h] = (held_n, either_n)
         return out
 
     async def wait_cleared(self, holder: Holder, after: int, timeout: float) -> bool:

@@ -152,18 +152,26 @@ class PrefixAware(Policy):
         self, schemes: dict[str, RankSchemes], prompts: Prompts, expected: bool
     ) -> dict[tuple[str, int], int]:
         """`predict` for the ranks of `schemes` (a keyed pod's, by pod name)."""
-        out: dict[tuple[str, int], int] = {}
+        return {h: tokens[expected] for h, tokens in self._matches(schemes, prompts).items()}
+
+    def _matches(
+        self, schemes: dict[str, RankSchemes], prompts: Prompts
+    ) -> dict[tuple[str, int], tuple[int, int]]:
+        """Prompt tokens each rank of `schemes` (a keyed pod's, by pod name) holds in its cache, and holds
+        or was just sent (index.py, "Expected blocks")."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
         by_scheme: dict[Scheme, list[tuple[str, int]]] = {}
         for ranks in schemes.values():
             for holder, scheme in ranks.items():
                 by_scheme.setdefault(scheme, []).append(holder)
-                out[holder] = 0
+                out[holder] = (0, 0)
         # A rank is looked up only with keys of its own version: blocks of other weights never match.
         for scheme, holders in by_scheme.items():
-            # a base-model scheme was keyed before the policy runs (PromptReader), an adapter's is here
+            # keyed in the prompt threads for a body read there, else here, once per scheme (Prompts)
             for keys in prompts.index_keys(scheme):
-                for holder, blocks in self.index.matched_keys(keys, holders, expected).items():
-                    out[holder] += blocks * scheme[0]
+                for holder, (held, likely) in self.index.matches(keys, holders).items():
+                    before = out[holder]
+                    out[holder] = (before[0] + held * scheme[0], before[1] + likely * scheme[0])
         return out
 
     def choose(self, pods: list[Pod], prompts: Prompts | None) -> Decision:
@@ -173,7 +181,8 @@ class PrefixAware(Policy):
         n = sum(len(ids) for ids in prompts.token_ids)
         schemes = _keyed_pods(order, prompts.model)  # read once for this request
         # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
-        likely = self._predict(schemes, prompts, expected=True)
+        matches = self._matches(schemes, prompts)
+        likely = {holder: tokens[1] for holder, tokens in matches.items()}
         # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
         candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
         for pod in order:
@@ -206,9 +215,8 @@ class PrefixAware(Policy):
             # compared with it), counted for that rank alone.
             holder = (pod.name, rank)
             scheme = schemes[pod.name][holder]
-            predicted = 0
+            predicted = matches[holder][0]
             for keys in prompts.index_keys(scheme):
-                predicted += self.index.matched_keys(keys, [holder])[holder] * scheme[0]
                 self.index.expect_keys(holder, keys)
             self._remember_home(prompts, scheme, holder)
         # A single-rank pod gets no header: any engine serves it (vLLM without DP, or a kvpilot daemon).
