@@ -53,10 +53,10 @@ def _load(name: str, source: str) -> ctypes.CDLL | None:
     if platform.machine() != "x86_64" or not _cpu_has("avx2", "fma"):
         return None
     path = library_path(name, source)
-    if path.is_file():
-        try:
-            return ctypes.CDLL(str(path))
-        except OSError as exc:  # left damaged (a full disk, a copied cache): built again where it can be
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:  # not built yet, or left damaged (a full disk, a copied cache), or unreadable
+        if os.path.lexists(path):  # (lexists: never raises, as a cache we may not read could)
             log.warning("%s: cannot load %s (%s)", name, path, exc)
     compiler = _compiler()
     if not compiler:

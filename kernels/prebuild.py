@@ -19,6 +19,8 @@ LIBRARIES = {
 
 
 def main() -> int:
+    # the folder is there even where nothing is built (the image copies it whole)
+    native.library_path("", "").parent.mkdir(parents=True, exist_ok=True)
     if platform.machine() != "x86_64":
         print(f"the C kernels are for x86-64, not {platform.machine()}: nothing built", file=sys.stderr)
         return 0

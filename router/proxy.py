@@ -364,14 +364,24 @@ def _json_usage(body: bytes) -> JSONObject | None:
     at = body.rfind(b'"usage"')
     while at >= 0:
         key = _USAGE_KEY.match(body, at)
-        if key is not None:
+        if key is not None and not _escaped(body, at):
             try:
                 usage, _ = _JSON.raw_decode(body[key.end() :].decode("utf-8"))
             except (ValueError, RecursionError):  # RecursionError: nested too deep
                 return None
-            return usage if isinstance(usage, dict) else None
+            if isinstance(usage, dict):
+                return usage
         at = body.rfind(b'"usage"', 0, at)
     return None
+
+
+def _escaped(body: bytes, at: int) -> bool:
+    """Whether the quote at `at` is escaped (an odd run of backslashes before it): inside a string, such as
+    the end of a longer key."""
+    start = at
+    while start > 0 and body[start - 1] == 0x5C:  # a backslash
+        start -= 1
+    return (at - start) % 2 == 1
 
 
 def _sse_usage(tail: bytes) -> JSONObject | None:

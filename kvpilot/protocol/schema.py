@@ -149,7 +149,7 @@ class CompletionPromptRequest(_CompletionPrompt):
     cache_salt: CacheSalt = None
 
 
-class CompletionRequest(_Request, _CompletionPrompt):
+class CompletionRequest(_CompletionPrompt, _Request):  # (this order keeps _Request's fields first)
     best_of: Int | None = Field(
         None, ge=1, le=MAX_SEQUENCES, description="sequences run; the n most likely return"
     )

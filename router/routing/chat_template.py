@@ -4,10 +4,12 @@ transformers' `apply_chat_template` spends half of a short chat's rendering arou
 the messages into plain data, aliasing reasoning fields, looking the compiled template up, merging its
 keyword arguments): ~30 us a chat on an idle core, of which jinja's render is ~13. The daemon's parser
 hands the router messages that are already plain (`{"role": str, "content": str}`), so none of that
-changes what the template sees, and the router renders them with the template compiled once here, through
-jinja2's public API, in the environment the template expects: a sandbox that trims blocks, with loop
-controls, a `tojson` that does not escape HTML, `raise_exception` and `strftime_now`, and namespaces that
-refuse names starting with `_` (templates from the Hub may use any of these).
+changes what the template sees, and the router renders them with the template compiled once here, with
+jinja2's API, in the environment the template expects: a sandbox that trims blocks, with loop controls, a
+`tojson` that does not escape HTML, `raise_exception` and `strftime_now`, and namespaces that refuse names
+starting with `_` (templates from the Hub may use any of these). It renders as `Template.render` does
+inside (the template's `root_render_func` on a context from `new_context`), on a context made from the
+template's globals once (`shared=True`), where `render` copies them for every call.
 
 Exactness is checked, not assumed: at start, probe chats (one message to several turns, each role, empty
 and odd contents, with and without the generation prompt) must render to the same text both ways, else

@@ -146,13 +146,8 @@ class PrefixAware(Policy):
         """Prompt tokens each (pod, rank) would serve from its cache, per the index (with `expected`, also
         from the prompts just sent there whose events have not come yet); pods whose events are not
         followed are left out."""
-        return self._predict(_keyed_pods(pods, prompts.model), prompts, expected)
-
-    def _predict(
-        self, schemes: dict[str, RankSchemes], prompts: Prompts, expected: bool
-    ) -> dict[tuple[str, int], int]:
-        """`predict` for the ranks of `schemes` (a keyed pod's, by pod name)."""
-        return {h: tokens[expected] for h, tokens in self._matches(schemes, prompts).items()}
+        matches = self._matches(_keyed_pods(pods, prompts.model), prompts)
+        return {holder: tokens[expected] for holder, tokens in matches.items()}
 
     def _matches(
         self, schemes: dict[str, RankSchemes], prompts: Prompts

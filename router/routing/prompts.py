@@ -1,8 +1,11 @@
 """A request's prompt token ids, exactly as the daemon will see them (same tokenizer, same template).
 
-Validation stays with the daemon: the router reads the body with the daemon's own parsers (of a chat, only
-the fields its prompts are made of: `chat_prompt`, `completion_prompts`) and, where a body does not parse, routes without a
-prediction and lets the pod answer the 4xx.
+Validation stays with the daemon: the router reads of a body only the fields its prompts are made of, with
+the daemon's own field types and validators (`chat_prompt`, `completion_prompts`), and where those do not
+parse, routes without a prediction and lets the pod answer the 4xx. A body the pod then refuses for another
+field (a sampling value out of range, an option it does not support) is predicted all the same, and its
+blocks are expected on the pod it went to until the pod's events say otherwise or EXPECTED_TTL_S passes
+(index.py): what a bad request costs the index is what a good one would, for that prompt.
 
 What a client's body costs happens once: JSON parsing, templating, tokenizing and the block keys the
 policy compares with the index (once per hash scheme, block size and weight version, among the pods). A

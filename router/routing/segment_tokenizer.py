@@ -115,7 +115,10 @@ class SegmentTokenizer:
         self._words: Any = None  # a `regex` pattern cutting a piece into its words; None: pieces whole
         self._word_ids: dict[str, array[int]] = {}
         self._cut_lines = False  # a new piece cut into lines first (LINE_SAFE_WORDS)
-        if self._backend is not None and self._plain_added_tokens():
+        self._model: Any = None  # the tokenizer's model (`tokenizers.models.BPE` where words are cut)
+        # With dropout (a BPE's) the ids of a text are drawn anew on each call: none may be kept.
+        if self._backend is not None and not _drops_out(self._backend) and self._plain_added_tokens():
+            self._model = self._backend.model
             self._words = _word_pattern(self._backend)
             self._cut_lines = self._words is not None and self._words.pattern in LINE_SAFE_WORDS
             if self._words is not None and not self._agrees():
@@ -236,7 +239,7 @@ class SegmentTokenizer:
     def _word_list_ids(self, found: list[str]) -> array[int]:
         ids: array[int] = array("I")
         cache = self._word_ids
-        model = self._backend.model
+        model = self._model
         for word in found:
             word_ids = cache.get(word)
             if word_ids is None:
@@ -296,6 +299,14 @@ class SegmentTokenizer:
         return before, after
 
 
+def _drops_out(backend: Any) -> bool:
+    """Whether the tokenizer's model drops merges at random (BPE's dropout)."""
+    try:
+        return bool((json.loads(backend.to_str()).get("model") or {}).get("dropout"))
+    except (ValueError, AttributeError):
+        return True  # a configuration it does not show: nothing is kept
+
+
 def _word_pattern(backend: Any) -> Any:
     """The regular expression that cuts a text into the words a byte-level BPE tokenizer merges within,
     read from its configuration: ByteLevel with use_regex (GPT-2's), or a Split of one pattern, isolated,
@@ -306,9 +317,8 @@ def _word_pattern(backend: Any) -> Any:
     except (ValueError, AttributeError):
         return None
     pre = config.get("pre_tokenizer") or {}
-    model = config.get("model") or {}
-    if config.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
-        return None  # (with dropout a word's ids are drawn anew each time: none can be kept)
+    if config.get("normalizer") is not None or config.get("model", {}).get("type") != "BPE":
+        return None
     pattern = None
     if pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space"):
         pattern = GPT2_WORDS

@@ -8,6 +8,7 @@ import pytest
 
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import chat_prompt, completion_prompts, parse_chat, parse_completion
+from kvpilot.router.routing.prompts import PromptReader
 
 MODEL = "SmolLM2-135M-Instruct"
 BODIES = [
@@ -94,3 +95,18 @@ def test_a_completions_other_fields_are_not_read_and_a_bad_prompt_is_refused() -
         for parse in (lambda b: parse_completion(b, [MODEL]), completion_prompts):
             with pytest.raises(ApiError):
                 parse(dict(bad_body))
+
+
+def test_the_reader_predicts_a_body_that_names_no_model() -> None:
+    """A body without "model" runs on the pod's first served model: its prompt is keyed too (the daemon's
+    whole parser, given no served names, refused it, and such bodies were routed by load)."""
+    reader = PromptReader(None)
+    try:
+        chat = reader.read("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        completion = reader.read("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4})
+    finally:
+        reader.close()
+    assert chat is not None and chat.model is None and chat.token_ids[0]
+    assert completion is not None and completion.token_ids == [
+        reader.encoder.encode("Once upon a time", True)
+    ]

@@ -51,4 +51,7 @@ def test_a_replys_usage_is_its_last_usage_key() -> None:
     assert _json_usage(b'{"choices": [{"text": "usage"}]}') is None
     assert _json_usage(body[:-60]) == usage  # whatever follows the usage object is not read
     assert _json_usage(b'{"usage": {"prompt_tokens": ') is None  # cut off
+    # a key that ends in "usage (its quote escaped) is not the usage, nor is a later "usage" that is no object
+    assert _json_usage(b'{"usage": {"a": 1}, "\\"usage": {"b": 2}}') == {"a": 1}
+    assert _json_usage(b'{"usage": {"a": 1}, "x": [{"usage": -0.5}]}') == {"a": 1}
     assert _json_usage(b'{"usage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}") is None  # nested too deep

@@ -193,11 +193,12 @@ def test_a_piece_holding_nul_is_never_taken_for_a_line(smollm) -> None:  # noqa:
             assert enc.encode(text) == smollm.encode(text, add_special_tokens=False), (texts, text)
 
 
-def test_a_bpe_with_dropout_keeps_no_words(smollm) -> None:  # noqa: ANN001
-    """With dropout, a word's ids are drawn anew on each call: none may be kept (or looked up in the model
-    alone), so the words are not cut, whatever the self-check's draws happened to agree on."""
+def test_a_bpe_with_dropout_keeps_nothing(smollm) -> None:  # noqa: ANN001
+    """With dropout, a text's ids are drawn anew on each call: no piece or word may be kept (or a word looked
+    up in the model alone), whatever the self-check's draws happened to agree on."""
     config = json.loads(smollm.backend_tokenizer.to_str())
     config["model"]["dropout"] = 0.5
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(config)))
-    assert SegmentTokenizer(tok)._words is None
-    assert SegmentTokenizer(smollm)._words is not None
+    enc = SegmentTokenizer(tok)
+    assert not enc.caching and enc._words is None
+    assert SegmentTokenizer(smollm).caching

@@ -29,7 +29,7 @@ _lock = threading.Lock()
 # outgoing connection's own port may take it between the check and the server's bind (a daemon once failed
 # to bind its KV events endpoint so); nothing takes a port here unasked.
 PORT_RANGE = range(20000, 30000)
-_ports = random.Random(os.getpid() ^ time.time_ns())  # each process (an xdist worker) its own draw
+_ports = random.SystemRandom()  # the OS's randomness: processes (xdist workers, forks) never draw alike
 _handed: set[int] = set()
 
 
@@ -38,14 +38,15 @@ def free_port() -> int:
     given one may not have bound it yet)."""
     for _ in range(1000):
         port = _ports.choice(PORT_RANGE)
-        if port in _handed:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:  # in use, or lingering (TIME_WAIT): another one
+        with _lock:
+            if port in _handed:
                 continue
-        _handed.add(port)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:  # in use, or lingering (TIME_WAIT): another one
+                    continue
+            _handed.add(port)
         return port
     raise RuntimeError(f"no free loopback port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
 
