@@ -9,7 +9,8 @@ jinja2's API, in the environment the template expects: a sandbox that trims bloc
 `tojson` that does not escape HTML, `raise_exception` and `strftime_now`, and namespaces that refuse names
 starting with `_` (templates from the Hub may use any of these). It renders as `Template.render` does
 inside (the template's `root_render_func` on a context from `new_context`), on a context made from the
-template's globals once (`shared=True`), where `render` copies them for every call.
+template's globals once (`shared=True`), where `render` copies them for every call; and a `for` loop's
+`loop.first` and the like are read without the sandbox's checks, which find nothing unsafe in them (`_Sandbox`).
 
 Exactness is checked, not assumed: at start, probe chats (one message to several turns, each role, empty
 and odd contents, with and without the generation prompt) must render to the same text both ways, else
@@ -28,6 +29,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -85,6 +87,20 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, which checks every attribute a template reads; a `for` loop's own `loop`
+    (`loop.first`, `loop.last`: read for every message by most chat templates) holds nothing unsafe under a
+    public name, so those are read as the sandbox would find them, without its checks."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is jinja2.runtime.LoopContext and not attribute.startswith("_"):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass
+        return super().getattr(obj, attribute)
+
+
 def _probe_chats() -> list[list[dict[str, str]]]:
     c = _PROBE_CONTENTS
     chats = [[{"role": "user", "content": x}] for x in c]
@@ -113,9 +129,7 @@ class ChatTemplate:
         self._render: Callable[..., str] | None = None  # keyword arguments: the template's variables
         try:
             source = tokenizer.get_chat_template()  # the tokenizer's default template (public API)
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
+            env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
             env.filters["tojson"] = _tojson
             env.globals |= {"raise_exception": _raise, "strftime_now": _now, "namespace": _Namespace}
             template = env.from_string(source)

@@ -78,6 +78,13 @@ LLAMA3_WORDS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# The same two patterns for a plain piece, with ASCII classes for `\p{L}` and `\p{N}` (on printable ASCII,
+# tabs and line breaks they match the same characters), in `re`, which finds them in half `regex`'s time.
+PLAIN_WORDS = {
+    GPT2_WORDS: r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""",
+    LLAMA3_WORDS: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 # The patterns a new piece is cut into lines for: in each, no word holds a line break and then anything but
 # whitespace (the module's docstring). Others do: tiktoken's o200k, say, ends punctuation in [\r\n/]*.
 LINE_SAFE_WORDS = frozenset((GPT2_WORDS, LLAMA3_WORDS))
@@ -121,6 +128,9 @@ class SegmentTokenizer:
             self._model = self._backend.model
             self._words = _word_pattern(self._backend)
             self._cut_lines = self._words is not None and self._words.pattern in LINE_SAFE_WORDS
+            if self._words is not None and self._words.pattern in PLAIN_WORDS:
+                # only plain pieces are cut into words (`_encode_piece`); the self-check below holds it
+                self._words = re.compile(PLAIN_WORDS[self._words.pattern])
             if self._words is not None and not self._agrees():
                 log.info("tokenizer %s: words are not cached", type(tokenizer).__name__)
                 self._words = None

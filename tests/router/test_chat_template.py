@@ -134,3 +134,34 @@ def test_tools_and_continuing_go_to_the_tokenizer(smollm) -> None:  # noqa: ANN0
     extra = [{"role": "user", "content": "Hi", "name": "me"}]
     want = smollm.apply_chat_template(extra, tokenize=False, add_generation_prompt=True)
     assert t.render(extra, True) == want
+
+
+def test_the_loops_attributes_read_as_transformers_sandbox_reads_them() -> None:
+    """The router's sandbox reads a `for` loop's public attributes without the sandbox's checks: each
+    renders as in jinja's own ImmutableSandboxedEnvironment (methods included); a name starting with `_`
+    still goes through the checks, and is refused alike."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from kvpilot.router.routing.chat_template import _Sandbox
+
+    source = (
+        "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ loop.first }}{{ loop.last }}"
+        "{{ loop.cycle('a', 'b') }}{{ loop.previtem }}{{ loop.nothing_such }}|{% endfor %}"
+    )
+    theirs, ours = ImmutableSandboxedEnvironment(), _Sandbox()
+    messages = ["x", "y", "z"]
+    assert ours.from_string(source).render(messages=messages) == theirs.from_string(source).render(
+        messages=messages
+    )
+    for unsafe in (
+        "{% for m in messages %}{{ loop._iterator }}{% endfor %}",
+        "{% for m in messages %}{{ loop.__class__.__init__ }}{% endfor %}",
+    ):
+        outcomes = []
+        for env in (theirs, ours):
+            try:
+                outcomes.append(env.from_string(unsafe).render(messages=messages))
+            except jinja2.exceptions.SecurityError as exc:
+                outcomes.append(type(exc).__name__)
+        assert outcomes[0] == outcomes[1], outcomes

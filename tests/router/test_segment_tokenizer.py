@@ -15,7 +15,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvpilot.default_model import ensure_default_model
-from kvpilot.router.routing.segment_tokenizer import LLAMA3_WORDS, SegmentTokenizer
+from kvpilot.router.routing.segment_tokenizer import GPT2_WORDS, LLAMA3_WORDS, PLAIN_WORDS, SegmentTokenizer
 
 WORDS = [
     "the",
@@ -49,7 +49,8 @@ def random_text(rng: random.Random, added: list[str], n: int) -> str:
 
 def test_the_default_models_tokenizer_is_cached_and_exact(smollm) -> None:  # noqa: ANN001
     enc = SegmentTokenizer(smollm)
-    assert enc.caching and enc._words is not None  # GPT-2's byte-level words
+    assert enc.caching and enc._words is not None  # GPT-2's byte-level words, matched with `re` (plain ASCII)
+    assert enc._words.pattern == PLAIN_WORDS[GPT2_WORDS]
     added = list(smollm.get_added_vocab())
     rng = random.Random(7)
     system = "You are the assistant of a bike shop. " * 12
