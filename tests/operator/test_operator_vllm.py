@@ -98,7 +98,9 @@ def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_col
         "selector": {"matchLabels": {"engine": "vllm"}},
         "engine": "vllm",
         "port": PORT,
-        "timeoutSeconds": 180,
+        # the canary before the reset may take a quarter of what is left (caller.py): on a loaded machine,
+        # beside another test's vLLM, a busy pod took over 45 s to answer it, which left the pod unverified
+        "timeoutSeconds": 600,
         "requestTimeoutSeconds": 60,
     }
     apply_ns(cluster, ns, pcr("cold", spec))
@@ -110,7 +112,7 @@ def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_col
         return pods[0] if pods and pods[0]["attempts"] >= 2 else None
 
     # busy first: vLLM said {"success": false} while the streams held blocks; retried, not failed
-    busy = wait_for(retried, 120, "the reset retried as busy in status")
+    busy = wait_for(retried, 300, "the reset retried as busy in status")
     assert busy["result"] == "Pending", busy
     for sock in socks:  # vLLM aborts a stream whose client hangs up, and frees its blocks
         assert b"data: [DONE]" not in sock.recv(65536)
@@ -121,7 +123,8 @@ def test_a_busy_real_vllm_pod_is_reset_once_its_requests_finish_and_verified_col
     [pod] = st["pods"]
     assert st["phase"] == "Succeeded", st
     assert pod["attempts"] > busy["attempts"] and pod["httpStatus"] == 200, pod
-    assert pod["verified"] == "cold" and pod["cleared"] == ["pool", "external"], pod
+    assert pod["verified"] == "cold", pod.get("verification")
+    assert pod["cleared"] == ["pool", "external"], pod
     conds = {c["type"]: c for c in st["conditions"]}
     assert conds["Verified"]["status"] == "True", conds["Verified"]
     print(f"PrefixCacheReset of a busy real vLLM pod, verified: {took:.1f} s, {pod['attempts']} calls")
