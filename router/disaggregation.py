@@ -32,7 +32,15 @@ from kvpilot.protocol import JSONObject
 from kvpilot.protocol.kv_transfer import KV_TRANSFER, PREFILL_ASK
 from kvpilot.router.app_state import ROUTER, Router
 from kvpilot.router.fleet.pods import DECODE, PREFILL, Pod
-from kvpilot.router.proxy import UNREACHED, decide, no_pod, proxy_to, record_usage, routing_inputs, sending
+from kvpilot.router.proxy import (
+    UNREACHED,
+    Sending,
+    decide,
+    no_pod,
+    proxy_to,
+    record_usage,
+    routing_inputs,
+)
 from kvpilot.router.routing.prompts import INLINE_BYTES, Prompts
 from kvpilot.router.routing.version_choice import pod_version
 from kvpilot.serving.capped_read import read_capped
@@ -135,7 +143,7 @@ async def _prefill(
     decision = decide(r, pods, prompts, None)
     pod = decision.pod
     body = await _json_work(size, prefill_body, doc)
-    with sending(request, r, decision) as sent:
+    with Sending(request, r, decision) as sent:
         sent.headers["Content-Type"] = "application/json"
         try:
             async with r.session.post(

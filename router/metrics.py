@@ -127,7 +127,7 @@ class RouterMetrics:
             self.kv_batches.labels(pod, result)
 
     def count_kv(self, pod: str, result: str, n: int) -> None:
-        self.kv_batches.labels(pod, result).inc(n)
+        self.child(self.kv_batches, pod, result).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
