@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -105,20 +104,18 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]  # an IPv4 socket's name: (host, port)
-        return port
-
-
 class TensorParallel:
     """Rank 0's side: spawns the other shards, joins the group, shards its own model."""
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> None:
         size = config.tensor_parallel_size
         check_divisible(model.args, size)
-        port = _free_port()
+        # The group's store, bound first on a port the kernel picks and held: a port found free and bound
+        # later could be taken meanwhile by any connection's own end (the ephemeral range it came from).
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False
+        )
+        port = store.port
         ctx = multiprocessing.get_context("spawn")
         self.workers = [
             ctx.Process(
@@ -131,13 +128,7 @@ class TensorParallel:
         ]
         for w in self.workers:
             w.start()
-        dist.init_process_group(
-            _backend(device),
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=size,
-            timeout=GROUP_TIMEOUT,
-        )
+        dist.init_process_group(_backend(device), store=store, rank=0, world_size=size, timeout=GROUP_TIMEOUT)
         shard_model(model, 0, size)
         self.size = size
 
@@ -166,15 +157,12 @@ def shard_main(rank: int, config: EngineConfig, port: int, parent_pid: int, log_
     else:
         torch.set_num_threads(engine_threads(config.cpu_threads))
     dtype = config.torch_dtype(device)
-    dist.init_process_group(
-        _backend(device),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=config.tensor_parallel_size,
-        timeout=GROUP_TIMEOUT,
-    )
+    # rank 0's store, joined as rank 0 joined it (a store given, not an init_method, which would prefix its keys)
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT)
     model = load(config.model, select_ops(device, config.kernel_backend), dtype, device).model
-    shard_model(model, rank, config.tensor_parallel_size)
+    shard_model(model, rank, size)
     # What rank 0 broadcasts, one object at a time: the pool's block count, then each step's plan.
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
