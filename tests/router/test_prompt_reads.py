@@ -37,6 +37,17 @@ BODIES = [
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "auto",
     },
+    # plain messages and no other prompt field: read without the pydantic model (chat_prompt's fast path)
+    {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],
+    },
+    {"messages": [{"role": "developer", "content": "a"}, {"role": "user", "content": "b", "name": "bob"}]},
+    {
+        "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        "stream": True,
+    },
+    {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}], "max_tokens": 3},
 ]
 
 
@@ -61,6 +72,12 @@ def test_only_the_prompts_fields_are_checked() -> None:
         {"messages": [{"role": "user", "content": {"image": 1}}]},
         {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""},
         {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"},
+        {"messages": [{"role": ["user"], "content": "x"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": None}]},
+        {"messages": [{"role": "user", "content": "x"}, "hello"]},
+        {"messages": {"role": "user", "content": "x"}},
+        {"messages": "hello"},
     ],
 )
 def test_a_prompt_the_daemon_refuses_is_refused(body: dict) -> None:
