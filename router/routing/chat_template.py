@@ -140,14 +140,8 @@ class ChatTemplate:
             context = {**template.globals, "tools": None, "documents": None, **tokenizer.special_tokens_map}
 
             def render(**variables: Any) -> str:
-                # Template.render's own two steps, on a context made from `context` as it is. Made by the
-                # runtime's new_context without the globals, which Template.new_context passes only to have
-                # their names copied into a set on every render (3 of a short chat's 8.5 us): a set only
-                # imported templates read, and a template from a string has no loader to import one with.
-                ctx = jinja2.runtime.new_context(
-                    env, template.name, template.blocks, context | variables, True
-                )
-                return env.concat(template.root_render_func(ctx))
+                # Template.render's own two steps, on a context made from `context` as it is
+                return env.concat(template.root_render_func(template.new_context(context | variables, True)))
 
             self._render = render
         except Exception as exc:  # noqa: BLE001 - a template this environment does not take: the tokenizer's
