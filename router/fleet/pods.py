@@ -125,7 +125,12 @@ class Pod:
         return None if UNKNOWN in versions else versions  # type: ignore[return-value]
 
     def synced(self) -> bool:
-        return bool(self.streams) and all(s.synced.is_set() for s in self.streams)
+        """Whether every rank's stream has caught up (none yet: not synced). A loop, not all() of a
+        generator: it runs for every pod on every prefix-aware request."""
+        for stream in self.streams:
+            if not stream.synced.is_set():
+                return False
+        return bool(self.streams)
 
     def load(self) -> int:
         """Requests on the pod as far as the router can tell: those it has open there, or what the pod's

@@ -173,17 +173,16 @@ class PrefixAware(Policy):
         if prompts is None:
             return Decision(min(self.order(pods), key=lambda p: p.in_flight), "load")
         order = self.order(serving(pods, prompts.model))
-        n = sum(len(ids) for ids in prompts.token_ids)
+        n = sum(map(len, prompts.token_ids))
         schemes = _keyed_pods(order, prompts.model)  # read once for this request
         # Scored on what each rank holds or was just sent (index.py, "Expected blocks").
         matches = self._matches(schemes, prompts)
-        likely = {holder: tokens[1] for holder, tokens in matches.items()}
         # Candidates: each rank of a pod whose events are followed, else the pod itself (rank None).
         candidates: list[tuple[Pod, int | None, int | None]] = []  # pod, rank, likely cached tokens
         for pod in order:
             ranks = schemes.get(pod.name)
             if ranks:
-                candidates += [(pod, holder[1], likely[holder]) for holder in ranks]
+                candidates += [(pod, holder[1], matches[holder][1]) for holder in ranks]
             else:
                 candidates.append((pod, None, None))
 
