@@ -17,7 +17,7 @@ from support.operator import PROJECT_IMAGE, apply_ns, pcr, wait_phase
 from support.procs import wait_for
 from support.vllm_server import ARGS, start_streams, vllm_server_venv
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]  # its waits add up to 1,140 s
 
 PORT = 8000
 # Streams far longer than the operator can take to reach the pod on a loaded machine: they end when the

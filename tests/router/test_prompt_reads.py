@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.protocol import requests
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.requests import chat_prompt, completion_prompts, parse_chat, parse_completion
 from kvpilot.router.routing.prompts import PromptReader
@@ -37,7 +38,9 @@ BODIES = [
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         "tool_choice": "auto",
     },
-    # plain messages and no other prompt field: read without the pydantic model (chat_prompt's fast path)
+]
+# Plain messages and no other prompt field: read without the pydantic model (chat_prompt's fast path).
+PLAIN_BODIES = [
     {
         "model": MODEL,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],
@@ -49,12 +52,26 @@ BODIES = [
     },
     {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}], "max_tokens": 3},
 ]
+BODIES += PLAIN_BODIES
 
 
 @pytest.mark.parametrize("body", BODIES)
 def test_the_prompt_and_salt_are_the_daemons(body: dict) -> None:
     chat = parse_chat(dict(body), [MODEL])
     assert chat_prompt(dict(body)) == (chat.prompt, chat.generate.cache_salt)
+
+
+def test_plain_messages_are_read_without_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is taken for plain bodies (the equality above holds it right): the model is not asked."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the pydantic model read a plain chat")
+
+    monkeypatch.setattr(requests, "_validate", refuse)
+    for body in [BODIES[0], *PLAIN_BODIES]:
+        assert chat_prompt(dict(body))[0].messages[-1]["content"] == body["messages"][-1]["content"]
+    with pytest.raises(AssertionError):
+        chat_prompt({"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"})
 
 
 def test_only_the_prompts_fields_are_checked() -> None:
