@@ -16,10 +16,14 @@ else that pod was computing. Each router in turn fronts the same pods, cold (res
 gets the same requests with the same flushes and restarts at the same request numbers. Figures per member
 and router: the hit share (cached prompt tokens over prompt tokens, from the pods' replies), TTFT p50 and
 mean, and failures; `summary` counts the members where kvpilot's hit share and TTFT p50 are at least as
-good as sglang-router's.
+good as sglang-router's (the median of each router's runs), and those where kvpilot trails by more than the
+member's noise: the widest spread, over the median, of either router's own runs of it (`--repeats` 2 or
+more). A member's figures move by several percent from run to run, so a single comparison at a margin
+under that decides nothing; the geometric mean of the ratios over the members says where kvpilot stands
+on the whole.
 
-    .venv/bin/python bench/router_loads.py                      # 8 members, 300 requests each
-    .venv/bin/python bench/router_loads.py --members 2 --requests 60   # a quick look
+    .venv/bin/python bench/router_loads.py                      # 8 members, 300 requests, 2 runs each
+    .venv/bin/python bench/router_loads.py --members 2 --requests 60 --repeats 1   # a quick look
 
 `sglang-router` comes from `make sglang-router` (~/.cache/kvpilot/tools/bin). Results go to
 bench/results/router-loads-<UTC time>.json (--out to choose).
@@ -210,7 +214,32 @@ def run_member(m: Member, args: argparse.Namespace, binary: str, tmp: Path) -> d
     out["kvpilot_ttft_at_most"] = k["ttft_p50_ms"] <= s["ttft_p50_ms"]
     out["hit_share_ratio"] = round(k["hit_share"] / s["hit_share"], 3) if s["hit_share"] else None
     out["ttft_p50_ratio"] = round(k["ttft_p50_ms"] / s["ttft_p50_ms"], 3) if s["ttft_p50_ms"] else None
+    # Behind by more than the member's own noise: the widest spread of either router's runs, relative to
+    # its median (None with one run each: no noise to compare with).
+    for label, metric, sign in (("hit_share", "hit_share", -1), ("ttft_p50", "ttft_p50_ms", 1)):
+        noise, ratio = _spread(out, metric), out[label + "_ratio"]
+        out[label + "_noise"] = noise
+        behind = None if noise is None or ratio is None else sign * (ratio - 1) > noise
+        out[f"kvpilot_{label}_behind_beyond_noise"] = behind
     return out
+
+
+def _spread(out: dict, metric: str) -> float | None:
+    """The widest relative spread, (max - min) / median, of `metric` over each router's runs of a member."""
+    spreads = []
+    for name in ROUTERS:
+        values = [r[metric] for r in out[name] if r[metric] is not None]
+        mid = statistics.median(values) if values else 0
+        if len(values) < 2 or not mid:
+            return None
+        spreads.append((max(values) - min(values)) / mid)
+    return round(max(spreads), 3)
+
+
+def _geomean(ratios: list[float | None]) -> float | None:
+    """Over the members, how far kvpilot is from sglang-router on the whole (1: level)."""
+    known = [r for r in ratios if r]
+    return round(statistics.geometric_mean(known), 4) if known else None
 
 
 def main() -> None:
@@ -218,7 +247,12 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=8, help="generated loads (default 8)")
     ap.add_argument("--seed", type=int, default=46, help="the first member's seed; the rest follow it")
     ap.add_argument("--requests", type=int, default=300, help="chats per member")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each router per member (the median)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each router per member (the median; 2+: a noise figure)",
+    )
     ap.add_argument("--prefill-us-per-token", type=float, default=100.0, help="the stub pods' prefill")
     ap.add_argument("--sglang-router", default=None, help="its binary (default: make tools-bindir's)")
     ap.add_argument("--label", default="", help="a note kept in the JSON (e.g. before/after)")
@@ -235,6 +269,15 @@ def main() -> None:
         "kvpilot_ttft_p50_at_most_sglang": sum(m["kvpilot_ttft_at_most"] for m in members),
         "hit_share_ratios": [m["hit_share_ratio"] for m in members],
         "ttft_p50_ratios": [m["ttft_p50_ratio"] for m in members],
+        "hit_share_ratio_geomean": _geomean([m["hit_share_ratio"] for m in members]),
+        "ttft_p50_ratio_geomean": _geomean([m["ttft_p50_ratio"] for m in members]),
+        # members where kvpilot trails by more than the member's run-to-run spread (with --repeats >= 2)
+        "kvpilot_hit_share_behind_beyond_noise": sum(
+            bool(m["kvpilot_hit_share_behind_beyond_noise"]) for m in members
+        ),
+        "kvpilot_ttft_p50_behind_beyond_noise": sum(
+            bool(m["kvpilot_ttft_p50_behind_beyond_noise"]) for m in members
+        ),
     }
     doc = benchkit.header("router_loads", load_before)
     doc |= {"label": args.label, "git": benchkit.git_head(), "args": vars(args) | {"out": None}}
