@@ -291,7 +291,7 @@ def chat_prompt(body: JSONObject) -> tuple[ChatPrompt, str | None]:
         type(messages) is list
         and messages
         and _PROMPT_OPTIONS.isdisjoint(body)
-        and all(map(_plain, messages))
+        and all(map(_plain_message, messages))
     ):
         # What ChatPromptRequest makes of plain messages and no other prompt field, read without it:
         # pydantic's two validators per message were two thirds of a short chat's read (3.5 of 5 us).
@@ -306,7 +306,7 @@ _PROMPT_OPTIONS = frozenset(ChatPromptRequest.model_fields) - {"messages"}
 _ROLES = frozenset(get_args(ChatMessage.model_fields["role"].annotation))
 
 
-def _plain(message: Any) -> bool:
+def _plain_message(message: Any) -> bool:
     """A message ChatMessage takes as it is: a role it names and text content (other keys are ignored)."""
     if type(message) is not dict:
         return False
