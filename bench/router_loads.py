@@ -219,27 +219,38 @@ def run_member(m: Member, args: argparse.Namespace, binary: str, tmp: Path) -> d
     for label, metric, sign in (("hit_share", "hit_share", -1), ("ttft_p50", "ttft_p50_ms", 1)):
         noise, ratio = _spread(out, metric), out[label + "_ratio"]
         out[label + "_noise"] = noise
-        behind = None if noise is None or ratio is None else sign * (ratio - 1) > noise
+        # (rounded as both are: 1.03 - 1 is a hair over 0.03 in floats, and a tie is not beyond noise)
+        behind = None if noise is None or ratio is None else round(sign * (ratio - 1), 3) > noise
         out[f"kvpilot_{label}_behind_beyond_noise"] = behind
     return out
 
 
 def _spread(out: dict, metric: str) -> float | None:
-    """The widest relative spread, (max - min) / median, of `metric` over each router's runs of a member."""
+    """The widest relative spread, (max - min) / median, of `metric` over each router's runs of a member
+    (over the largest where the median is 0); None without two runs of each."""
     spreads = []
     for name in ROUTERS:
         values = [r[metric] for r in out[name] if r[metric] is not None]
-        mid = statistics.median(values) if values else 0
-        if len(values) < 2 or not mid:
+        if len(values) < 2:
             return None
-        spreads.append((max(values) - min(values)) / mid)
+        scale = statistics.median(values) or max(values)
+        spreads.append((max(values) - min(values)) / scale if scale else 0.0)
     return round(max(spreads), 3)
 
 
 def _geomean(ratios: list[float | None]) -> float | None:
-    """Over the members, how far kvpilot is from sglang-router on the whole (1: level)."""
-    known = [r for r in ratios if r]
-    return round(statistics.geometric_mean(known), 4) if known else None
+    """Over the members, how far kvpilot is from sglang-router on the whole (1: level); 0 if it is 0 on one."""
+    known = [r for r in ratios if r is not None]
+    if not known:
+        return None
+    return round(statistics.geometric_mean(known), 4) if all(known) else 0.0
+
+
+def _behind(members: list[dict], label: str) -> int | None:
+    """The members where kvpilot trails beyond noise on `label`; None where no member has a noise figure
+    (one run of each router)."""
+    flags = [m[f"kvpilot_{label}_behind_beyond_noise"] for m in members]
+    return None if all(f is None for f in flags) else sum(bool(f) for f in flags)
 
 
 def main() -> None:
@@ -258,6 +269,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a note kept in the JSON (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.repeats < 1 or args.members < 1 or args.requests < 1:
+        ap.error("--repeats, --members and --requests take 1 or more")
 
     load_before = os.getloadavg()
     binary = args.sglang_router or benchkit.tools_bin("sglang-router")
@@ -272,12 +285,8 @@ def main() -> None:
         "hit_share_ratio_geomean": _geomean([m["hit_share_ratio"] for m in members]),
         "ttft_p50_ratio_geomean": _geomean([m["ttft_p50_ratio"] for m in members]),
         # members where kvpilot trails by more than the member's run-to-run spread (with --repeats >= 2)
-        "kvpilot_hit_share_behind_beyond_noise": sum(
-            bool(m["kvpilot_hit_share_behind_beyond_noise"]) for m in members
-        ),
-        "kvpilot_ttft_p50_behind_beyond_noise": sum(
-            bool(m["kvpilot_ttft_p50_behind_beyond_noise"]) for m in members
-        ),
+        "kvpilot_hit_share_behind_beyond_noise": _behind(members, "hit_share"),
+        "kvpilot_ttft_p50_behind_beyond_noise": _behind(members, "ttft_p50"),
     }
     doc = benchkit.header("router_loads", load_before)
     doc |= {"label": args.label, "git": benchkit.git_head(), "args": vars(args) | {"out": None}}
