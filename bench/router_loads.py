@@ -198,8 +198,12 @@ def run_member(m: Member, args: argparse.Namespace, binary: str, tmp: Path) -> d
                     got = asyncio.run(_run_load(url, pods, m, requests))
                 finally:
                     benchkit.shutdown(proc)
-                out.setdefault(name, []).append(got)
                 print(f"member {m.seed} {name:14s} {json.dumps(got)}", flush=True)
+                if got["ttft_p50_ms"] is None:  # nothing to compare: say so, not a TypeError further down
+                    raise SystemExit(
+                        f"{name} answered none of member {m.seed}'s requests: its log is in {tmp}"
+                    )
+                out.setdefault(name, []).append(got)
     finally:
         for p in stub_procs:
             benchkit.shutdown(p)
