@@ -634,7 +634,7 @@ class KubeletNode:
 
     def _cgroup_pids(self) -> set[int]:
         pids = set()
-        for hierarchy in self._cgroup_hierarchies():
+        for hierarchy in self._cgroup_hierarchies(unified=True):
             for procs_file in (hierarchy / self.cgroup_root.lstrip("/")).rglob("cgroup.procs"):
                 with contextlib.suppress(OSError):
                     pids.update(int(pid) for pid in procs_file.read_text().split())
@@ -647,11 +647,19 @@ class KubeletNode:
         for target in sorted(_mounts_under(folder), key=len, reverse=True):
             procs.run_tool("umount", "--lazy", target, check=False)
 
-    def _cgroup_hierarchies(self) -> list[Path]:
-        return [p for p in CGROUP_FS.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "unified"]
+    @staticmethod
+    def _cgroup_hierarchies(unified: bool = False) -> list[Path]:
+        """The cgroup v1 hierarchies, the kubelet's cgroup root is made in; with `unified`, also the cgroup2
+        one a hybrid host mounts at unified/, where runc makes each container's cgroup too (and removes it
+        only when it deletes the container: a killed run leaves it there)."""
+        return [
+            p
+            for p in CGROUP_FS.iterdir()
+            if p.is_dir() and not p.is_symlink() and (unified or p.name != "unified")
+        ]
 
     def _remove_cgroups(self) -> None:
-        for hierarchy in self._cgroup_hierarchies():
+        for hierarchy in self._cgroup_hierarchies(unified=True):
             root = hierarchy / self.cgroup_root.lstrip("/")
             if not root.exists():
                 continue
