@@ -234,7 +234,7 @@ def _spread(out: dict, metric: str) -> float | None:
     (over the largest where the median is 0); None without two runs of each."""
     spreads = []
     for name in ROUTERS:
-        values = [r[metric] for r in out[name] if r[metric] is not None]
+        values = [r[metric] for r in out[name]]  # (a run without a TTFT ended the bench: run_member)
         if len(values) < 2:
             return None
         scale = statistics.median(values) or max(values)
