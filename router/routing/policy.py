@@ -7,7 +7,7 @@ there: index.py, "Expected blocks") plus a charge per request the pod is already
 wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
 cached until that pod is busier than a recompute is worth. A prompt cached nowhere goes to the pool that
 would lose least to it, unless it was sent before: then the rank it was sent to last is charged nothing
-for what it would evict, and wins ties.
+for what it would evict, and wins ties. One never sent goes to an idle rank before a busy one.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -187,20 +187,26 @@ class PrefixAware(Policy):
                 candidates.append((pod, None, None))
 
         evicted = self._evictions(candidates, n)
+        cold = not any(cached for _, _, cached in candidates)
         # Only a prompt cached nowhere has a home to go back to (one cached somewhere goes where it is).
-        home = (
-            None if any(cached for _, _, cached in candidates) else self._home(candidates, prompts, schemes)
-        )
+        home = self._home(candidates, prompts, schemes) if cold else None
         if home is not None:
             evicted[home] = 0
+        # A rank's own open requests when the pod has several (they do not share a cache or a batch).
+        loads = [
+            pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
+            for pod, rank, _ in candidates
+        ]
+        # A prompt new to the fleet (cached nowhere, no home) goes to an idle rank before a busy one,
+        # whatever their pools hold: on the busy one it would wait for what is computing there now, a
+        # certain wait, where what it evicts costs a later request only if that request comes back for it
+        # (docs/performance.md, "An idle rank first"). Among idle ranks, or with none, room decides as above.
+        idle_first = cold and home is None and min(loads) == 0
 
-        def score(i: int) -> tuple[int, int, bool, int]:
-            pod, rank, cached = candidates[i]
-            # A rank's own open requests when the pod has several (they do not share a cache or a batch).
-            load = (
-                pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
-            )
-            return (n - (cached or 0) + evicted[i] + self.load_tokens * load, load, i != home, i)
+        def score(i: int) -> tuple[bool, int, int, bool, int]:
+            load = loads[i]
+            cost = n - (candidates[i][2] or 0) + evicted[i] + self.load_tokens * load
+            return (idle_first and load > 0, cost, load, i != home, i)
 
         pod, rank, cached = candidates[min(range(len(candidates)), key=score)]
         predicted = None

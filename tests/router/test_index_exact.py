@@ -203,8 +203,9 @@ def test_policies(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pools of 20 blocks: a full one (b) and one just reset (a). A prompt no pod holds goes to a, although
-    a has one more request open: storing its 10 blocks in b would push 10 cached blocks out. A prompt b
-    holds stays there. With both pools full alike, or a pool of unknown size among them, load decides."""
+    a has one more request open (two against one): storing its 10 blocks in b would push 10 cached blocks
+    out. A prompt b holds stays there. With both pools full alike, or a pool of unknown size among them,
+    load decides."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     for holder in (("a:1", 0), ("b:1", 0)):
@@ -212,11 +213,11 @@ def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPa
     warm = list(range(1000, 1041))
     index.store(("b:1", 0), key_scheme().prompt_hashes(warm[:40], BS))
     index.store(("b:1", 0), key_scheme().prompt_hashes(list(range(2000, 2040)), BS))  # b is full
-    a, b = pod("a:1", in_flight=1), pod("b:1")
+    a, b = pod("a:1", in_flight=2), pod("b:1", in_flight=1)
     pa = PrefixAware(index)
     cold = list(range(41))
     # A pod whose pool size is unknown (a vLLM pod, an older daemon) beside them: room is not compared.
-    c = pod("c:1", in_flight=1)
+    c = pod("c:1", in_flight=2)
     assert pa.choose([a, b, c], Prompts([list(range(7000, 7041))], None)).pod is b
     assert pa.choose([a, b], Prompts([cold], None)).pod is a
     assert pa.choose([a, b], Prompts([warm], None)).pod is b
@@ -225,17 +226,17 @@ def test_a_cold_prompt_goes_where_it_evicts_nothing(monkeypatch: pytest.MonkeyPa
 
 
 def test_an_eviction_outweighs_a_request_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pools of 20 blocks: b holds 16 (fill 0.8), a was just reset and has one request open. A cold
-    prompt of 10 blocks (40 tokens) would give 0.8 of them to b's cached blocks: counted once, 32 tokens,
-    no more than a's open request, and b (less loaded) would take it; counted twice (the prefix computed
-    again later, and what that evicts), it goes to a."""
+    """Pools of 20 blocks: b holds 16 (fill 0.8), a was just reset and has one request open more than b
+    (two against one). A cold prompt of 10 blocks (40 tokens) would give 0.8 of them to b's cached blocks:
+    counted once, 32 tokens, no more than a's extra open request, and b (less loaded) would take it;
+    counted twice (the prefix computed again later, and what that evicts), it goes to a."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     for holder in (("a:1", 0), ("b:1", 0)):
         index.set_capacity(holder, 20)
     index.store(("b:1", 0), key_scheme().prompt_hashes(list(range(1000, 1064)), BS))
     assert index.room(("b:1", 0)) == 4
-    a, b = pod("a:1", in_flight=1), pod("b:1")
+    a, b = pod("a:1", in_flight=2), pod("b:1", in_flight=1)
     assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is a
 
 
@@ -268,16 +269,39 @@ def test_endpoints_are_parsed_and_checked() -> None:
 
 def test_a_cold_prompt_goes_to_the_emptier_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pools of 20 blocks, both with room for a cold prompt of 10 blocks: a holds 12 (fill 0.6), b nothing
-    but has one request open. By load, and by what must be evicted now (nothing on either), a would take
-    it and hold two prompts while b holds none: a's cached blocks would go later. It goes to b."""
+    but has one request open more than a (two against one). By load, and by what must be evicted now
+    (nothing on either), a would take it and hold two prompts while b holds none: a's cached blocks would
+    go later. It goes to b."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
     for holder in (("a:1", 0), ("b:1", 0)):
         index.set_capacity(holder, 20)
     index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
     assert (index.fill(("a:1", 0)), index.fill(("b:1", 0))) == (0.6, 0.0)
-    a, b = pod("a:1"), pod("b:1", in_flight=1)
+    a, b = pod("a:1", in_flight=1), pod("b:1", in_flight=2)
     assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is b
+
+
+def test_an_idle_rank_takes_a_new_prompt_before_a_busy_one_with_more_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The emptier pool (b, nothing cached) with a request open, a fuller one (a, fill 0.6) idle: a prompt
+    new to the fleet goes to a, where it waits behind nothing, not to b, where it would wait for the open
+    request's prefill. A prompt sent before, cached nowhere now, still goes back to its rank, busy or not
+    (test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last)."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("a:1", 0), ("b:1", 0)):
+        index.set_capacity(holder, 20)
+    index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
+    a, b = pod("a:1"), pod("b:1")
+    policy = PrefixAware(index)
+    homed = list(range(5000, 5041))
+    assert policy.choose([a, b], Prompts([homed], None)).pod is b  # both idle: the emptier pool
+    index.remove(("b:1", 0), key_scheme().prompt_hashes(homed[:40], BS))  # (what that choice expects there)
+    b.in_flight = 1
+    assert policy.choose([a, b], Prompts([list(range(41))], None)).pod is a
+    assert policy.choose([a, b], Prompts([homed], None)).pod is b  # home: it went there last
 
 
 def test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last(
