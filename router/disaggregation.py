@@ -140,9 +140,11 @@ async def _prefill(
     """Prefill the request on the pod the policy chooses among `pods`; its reply's kv_transfer_params (None
     when there are none to hand over) and the outcome. The pod's usage is compared with the policy's
     prediction, as a proxied reply's is."""
+    # The body first: no await between the decision and its count in flight, which the next request's
+    # decision reads (a burst would otherwise all see the same rank idle).
+    body = await _json_work(size, prefill_body, doc)
     decision = decide(r, pods, prompts, None)
     pod = decision.pod
-    body = await _json_work(size, prefill_body, doc)
     with Sending(request, r, decision) as sent:
         sent.headers["Content-Type"] = "application/json"
         try:

@@ -7,7 +7,7 @@ there: index.py, "Expected blocks") plus a charge per request the pod is already
 wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
 cached until that pod is busier than a recompute is worth. A prompt cached nowhere goes to the pool that
 would lose least to it, unless it was sent before: then the rank it was sent to last is charged nothing
-for what it would evict, and wins ties. One never sent goes to an idle rank before a busy one.
+for what it would evict, and wins ties. One with no home there goes to an idle rank before a busy one.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -197,11 +197,12 @@ class PrefixAware(Policy):
             pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
             for pod, rank, _ in candidates
         ]
-        # A prompt new to the fleet (cached nowhere, no home) goes to an idle rank before a busy one,
-        # whatever their pools hold: on the busy one it would wait for what is computing there now, a
-        # certain wait, where what it evicts costs a later request only if that request comes back for it
-        # (docs/performance.md, "An idle rank first"). Among idle ranks, or with none, room decides as above.
-        idle_first = cold and home is None and min(loads) == 0
+        # A prompt cached nowhere with no home among these ranks goes to an idle one (no request of this
+        # router open there) before a busy one, whatever their pools hold: on a busy rank it may wait
+        # behind a prefill computing now, where what it evicts costs a later request only if that request
+        # comes back for it (docs/performance.md, "An idle rank first"). Among idle ranks, or where none
+        # is, room and load decide.
+        idle_first = cold and home is None
 
         def score(i: int) -> tuple[bool, int, int, bool, int]:
             load = loads[i]
@@ -259,9 +260,9 @@ class PrefixAware(Policy):
         lose to it, times `eviction_weight`. A pool as full as `fill` (the share of its blocks cached or
         just sent) gives that share of a newcomer's blocks to cached ones, sooner or later: all of them
         in a full pool, none in an empty one. Equal on pools filled alike (load decides), it sends a cold
-        prompt to the pod with more room, as sglang-router sends it to its smallest tree: after a reset,
-        to the pod just reset; before, to the pod holding fewer prompts, which would otherwise evict one of
-        its own later. Zero for all unless every candidate is a rank whose pool size is known, and for a
+        prompt to the pod with more room (among the idle ones, where one is and the prompt has no home:
+        `choose`), as sglang-router sends it to its smallest tree: after a reset, to the pod just reset;
+        before, to the pod holding fewer prompts, which would otherwise evict one of its own later. Zero for all unless every candidate is a rank whose pool size is known, and for a
         prompt cached (or just sent) anywhere: there the cached tokens and the load decide."""
         out = []
         for pod, rank, cached in candidates:

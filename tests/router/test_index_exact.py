@@ -286,8 +286,9 @@ def test_an_idle_rank_takes_a_new_prompt_before_a_busy_one_with_more_room(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The emptier pool (b, nothing cached) with a request open, a fuller one (a, fill 0.6) idle: a prompt
-    new to the fleet goes to a, where it waits behind nothing, not to b, where it would wait for the open
-    request's prefill. A prompt sent before, cached nowhere now, still goes back to its rank, busy or not
+    new to the fleet goes to a, where it waits behind nothing, not to b, where it may wait for the open
+    request's prefill. A prompt sent before, cached nowhere now, is not held to the idle rank: it is scored
+    as before, its home spared the eviction charge
     (test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last)."""
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
@@ -301,7 +302,22 @@ def test_an_idle_rank_takes_a_new_prompt_before_a_busy_one_with_more_room(
     index.remove(("b:1", 0), key_scheme().prompt_hashes(homed[:40], BS))  # (what that choice expects there)
     b.in_flight = 1
     assert policy.choose([a, b], Prompts([list(range(41))], None)).pod is a
-    assert policy.choose([a, b], Prompts([homed], None)).pod is b  # home: it went there last
+    assert policy.choose([a, b], Prompts([homed], None)).pod is b  # busy b, its home: scored as before
+
+
+def test_an_idle_rank_of_a_data_parallel_pod_takes_a_new_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle is per rank: rank 0 of a data-parallel pod, its pool empty, has a request open; rank 1, fuller,
+    has none. A prompt new to the fleet goes to rank 1 (by the pod's count, both would look busy and the
+    emptier rank 0 would take it)."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for rank in (0, 1):
+        index.set_capacity(("dp:1", rank), 20)
+    index.store(("dp:1", 1), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
+    dp = pod("dp:1", in_flight=1, ranks=2)
+    dp.rank_in_flight[0] = 1
+    d = PrefixAware(index).choose([dp], Prompts([list(range(41))], None))
+    assert (d.pod, d.rank) == (dp, 1)
 
 
 def test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last(
