@@ -262,8 +262,9 @@ class PrefixAware(Policy):
         in a full pool, none in an empty one. Equal on pools filled alike (load decides), it sends a cold
         prompt to the pod with more room (among the idle ones, where one is and the prompt has no home:
         `choose`), as sglang-router sends it to its smallest tree: after a reset, to the pod just reset;
-        before, to the pod holding fewer prompts, which would otherwise evict one of its own later. Zero for all unless every candidate is a rank whose pool size is known, and for a
-        prompt cached (or just sent) anywhere: there the cached tokens and the load decide."""
+        before, to the pod holding fewer prompts, which would otherwise evict one of its own later. Zero
+        for all unless every candidate is a rank whose pool size is known, and for a prompt cached (or
+        just sent) anywhere: there the cached tokens and the load decide."""
         out = []
         for pod, rank, cached in candidates:
             fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
