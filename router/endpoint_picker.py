@@ -9,15 +9,17 @@ pick and the body goes back in one piece, as the gateway waits for the processor
 the proxy's (proxy.decide: the same prompts, weight-version choice and policy, which records the blocks
 it expects on that pod exactly as for a proxied request), answered as the header
 `x-gateway-destination-endpoint: IP:PORT[,IP:PORT...]` (fallbacks after the pick) and the same value in
-the dynamic metadata namespace `envoy.lb`. A subset hint (`envoy.lb.subset_hint`) limits the pick to the
-pods it names. What cannot be picked is answered with an ImmediateResponse in OpenAI's error shape: 503
-without a ready pod, 400 for a body that is not a JSON object or a message that is no ext_proc message, 413
-past the body cap, 408 past the stream's deadline, 503 when the bodies all streams hold would pass
-`--endpoint-picker-buffer-bytes`. The proxy sheds no load, so neither does the picker (no 429).
+the dynamic metadata namespace `envoy.lb`; where the policy chose a rank of a data-parallel pod, the
+header `X-data-parallel-rank` too, as the proxy sends it, and only pods with that rank as fallbacks. A
+subset hint (`envoy.lb.subset_hint`) limits the pick to the pods it names. What cannot be picked is
+answered with an ImmediateResponse in OpenAI's error shape: 503 without a ready pod, 400 for a body that
+is not a JSON object or a message that is no ext_proc message, 413 past the body cap, 408 past the
+stream's deadline, 503 when the bodies all streams hold would pass `--endpoint-picker-buffer-bytes`. The
+proxy sheds no load, so neither does the picker (no 429).
 
-The pod counts the request as in flight (as the proxy does, for the policy's load charge) until the
-gateway closes the stream, which Envoy does when the HTTP request ends, or for `--endpoint-picker-hold`
-at most, when the picker closes it. Any later message of the stream (response headers, bodies, trailers,
+The pod (and rank) counts the request as in flight (as the proxy does, for the policy's load charge)
+until the gateway closes the stream, which Envoy does when the HTTP request ends, or for
+`--endpoint-picker-hold` at most, when the picker closes it. Any later message of the stream (response headers, bodies, trailers,
 when the gateway sends them) is answered unchanged.
 
 grpc and Envoy's generated messages are imported only here, when the picker is on."""
@@ -42,7 +44,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.router.app_state import Router
 from kvpilot.router.fleet.pods import Pod
-from kvpilot.router.proxy import decide, routing_inputs
+from kvpilot.router.proxy import DP_RANK_HEADER, decide, routing_inputs
+from kvpilot.router.routing.policy import Decision
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +116,7 @@ class EndpointPicker:
                 f"the endpoint picker has {self.streams} streams open (--endpoint-picker-max-streams)",
             )
         self.streams += 1
-        picked: Pod | None = None
+        picked: Decision | None = None
         req = _Request()
         try:
             try:
@@ -144,8 +147,8 @@ class EndpointPicker:
             self.streams -= 1
             self._release(req)
             if picked is not None:
-                picked.in_flight -= 1
-                m.child(m.in_flight, picked.name).set(picked.in_flight)
+                picked.pod.closed(picked.rank)
+                m.child(m.in_flight, picked.pod.name).set(picked.pod.in_flight)
 
     def _release(self, req: _Request) -> None:
         """The request's body no longer counts against the buffer."""
@@ -217,7 +220,7 @@ class EndpointPicker:
             else:
                 raise bad(f"ext_proc message {kind} before the request's headers and body", code="bad_stream")
 
-    async def _pick(self, req: _Request) -> tuple[Pod, list[ep.ProcessingResponse]]:
+    async def _pick(self, req: _Request) -> tuple[Decision, list[ep.ProcessingResponse]]:
         r = self.r
         raw = bytes(req.body or b"")
         pods = [p for p in r.fleet.pods if p.ready and (req.subset is None or endpoint(p) in req.subset)]
@@ -233,32 +236,37 @@ class EndpointPicker:
         ):
             raise bad("the request body is not a JSON object", code="invalid_json")
         decision = decide(r, pods, prompts, pinned)
-        pod = decision.pod
-        rest = sorted((p for p in pods if p is not pod), key=Pod.load)
+        pod, rank = decision.pod, decision.rank
+        # A rank named goes to every endpoint the gateway may try, so the fallbacks are pods that have it
+        # (a pod answers 400 for a rank it lacks; every pod has rank 0).
+        rest = sorted((p for p in pods if p is not pod and (rank or 0) < max(p.num_ranks, 1)), key=Pod.load)
         value = ",".join(endpoint(p) for p in [pod, *rest[: r.settings.endpoint_picker_fallbacks]])
-        pod.in_flight += 1
+        pod.opened(rank)
         r.metrics.child(r.metrics.in_flight, pod.name).set(pod.in_flight)
-        log.debug("picked %s (%s) for %s", value, decision.reason, req.path)
+        log.debug("picked %s rank %s (%s) for %s", value, rank, decision.reason, req.path)
+        headers = {DESTINATION: value}
+        if rank is not None:  # the rank the policy scored, as the proxy sends it (vLLM's header)
+            headers[DP_RANK_HEADER] = str(rank)
         mutation = ep.CommonResponse(
             header_mutation=ep.HeaderMutation(
                 set_headers=[
                     base_pb2.HeaderValueOption(
-                        header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()),
-                        append_action=OVERWRITE,
+                        header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=OVERWRITE
                     )
+                    for k, v in headers.items()
                 ]
             )
         )
         metadata = struct_pb2.Struct()
         metadata.update({DESTINATION_NAMESPACE: {DESTINATION: value}})
         if req.body is None:  # headers only: they carry the pick
-            return pod, [
+            return decision, [
                 ep.ProcessingResponse(
                     request_headers=ep.HeadersResponse(response=mutation), dynamic_metadata=metadata
                 )
             ]
         if not req.full_duplex:  # BUFFERED: the headers wait upstream for the body's answer, which sets them
-            return pod, [
+            return decision, [
                 ep.ProcessingResponse(
                     request_body=ep.BodyResponse(response=mutation), dynamic_metadata=metadata
                 )
@@ -277,7 +285,7 @@ class EndpointPicker:
         ]
         if req.trailers:  # passed on unchanged, after the body
             replies.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
-        return pod, replies
+        return decision, replies
 
     async def _answer_the_rest(self, context: grpc.aio.ServicerContext) -> None:
         """Until the gateway closes the stream: whatever else it sends goes on unchanged."""

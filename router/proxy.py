@@ -136,16 +136,13 @@ class Sending:
         pod, rank = self._decision.pod, self._decision.rank
         if rank is not None:
             self.headers[DP_RANK_HEADER] = str(rank)
-            pod.rank_in_flight[rank] = pod.rank_in_flight.get(rank, 0) + 1
-        pod.in_flight += 1
+        pod.opened(rank)
         self._in_flight.set(pod.in_flight)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        pod, rank = self._decision.pod, self._decision.rank
-        pod.in_flight -= 1
-        if rank is not None:
-            pod.rank_in_flight[rank] -= 1
+        pod = self._decision.pod
+        pod.closed(self._decision.rank)
         self._in_flight.set(pod.in_flight)
         m = self._r.metrics
         m.child(m.requests, pod.name, self._r.policy.name, str(self.status)).inc()

@@ -132,6 +132,25 @@ class Pod:
                 return False
         return bool(self.streams)
 
+    def opened(self, rank: int | None) -> None:
+        """One more request of the router's open on the pod, on `rank` where it named one."""
+        if rank is not None:
+            self.rank_in_flight[rank] = self.rank_in_flight.get(rank, 0) + 1
+        self.in_flight += 1
+
+    def closed(self, rank: int | None) -> None:
+        """That request has ended."""
+        if rank is not None:
+            self.rank_in_flight[rank] -= 1
+        self.in_flight -= 1
+
+    def rank_load(self, rank: int) -> float:
+        """Requests the router has open on one rank: those it sent there, and an even share of those it
+        sent the pod without naming a rank (the pod's own balancer placed them, where the router cannot
+        tell), so a rank does not look idle while the pod is busy."""
+        unranked = self.in_flight - sum(self.rank_in_flight.values())
+        return self.rank_in_flight.get(rank, 0) + unranked / max(self.num_ranks, 1)
+
     def load(self) -> int:
         """Requests on the pod as far as the router can tell: those it has open there, or what the pod's
         metrics last said (other clients' requests included, but up to a probe interval old), whichever

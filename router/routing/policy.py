@@ -194,7 +194,7 @@ class PrefixAware(Policy):
             evicted[home] = 0
         # A rank's own open requests when the pod has several (they do not share a cache or a batch).
         loads = [
-            pod.rank_in_flight.get(rank, 0) if rank is not None and pod.num_ranks > 1 else pod.in_flight
+            pod.rank_load(rank) if rank is not None and pod.num_ranks > 1 else pod.in_flight
             for pod, rank, _ in candidates
         ]
         # A prompt cached nowhere with no home among these ranks goes to an idle one (no request of this
@@ -204,7 +204,7 @@ class PrefixAware(Policy):
         # is, room and load decide.
         idle_first = cold and home is None
 
-        def score(i: int) -> tuple[bool, int, int, bool, int]:
+        def score(i: int) -> tuple[bool, float, float, bool, int]:
             load = loads[i]
             cost = n - (candidates[i][2] or 0) + evicted[i] + self.load_tokens * load
             return (idle_first and load > 0, cost, load, i != home, i)

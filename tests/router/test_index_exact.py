@@ -320,6 +320,24 @@ def test_an_idle_rank_of_a_data_parallel_pod_takes_a_new_prompt(monkeypatch: pyt
     assert (d.pod, d.rank) == (dp, 1)
 
 
+def test_requests_sent_to_a_data_parallel_pod_without_a_rank_keep_its_ranks_from_looking_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A data-parallel pod has two requests open that named no rank (the pod's own balancer placed them: a
+    body the router could not key), so each rank counts one; the single-rank pod beside it, fuller, has
+    none open. A prompt new to the fleet goes to the idle pod, not to an emptier rank only the router's
+    ranked count would call idle."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    index = PrefixIndex()
+    for holder in (("dp:1", 0), ("dp:1", 1), ("one:1", 0)):
+        index.set_capacity(holder, 20)
+    index.store(("one:1", 0), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
+    dp, one = pod("dp:1", in_flight=2, ranks=2), pod("one:1")
+    assert (dp.rank_load(0), dp.rank_load(1)) == (1, 1)
+    d = PrefixAware(index).choose([dp, one], Prompts([list(range(41))], None))
+    assert (d.pod, d.rank) == (one, None)
+
+
 def test_a_prompt_cached_nowhere_goes_back_to_the_rank_it_was_sent_to_last(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
