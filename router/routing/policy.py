@@ -3,11 +3,12 @@
 
 prefix-aware scores each ready pod by the work the request would cost there: the prompt tokens it would
 have to compute (those not in the pod's cached prefix, as its KV events say or as the router just sent
-there: index.py, "Expected blocks") plus a charge per request the pod is already serving. The cheapest pod
-wins; ties go to the least loaded, then round-robin. So a shared system prompt keeps landing where it is
-cached until that pod is busier than a recompute is worth. A prompt cached nowhere goes to the pool that
-would lose least to it, unless it was sent before: then the rank it was sent to last is charged nothing
-for what it would evict, and wins ties. One with no home there goes to an idle rank before a busy one.
+there: index.py, "Expected blocks"), what storing them would evict from the pod's pool, and a charge per
+request the pod is already serving. The cheapest pod wins; ties go to the least loaded, then round-robin.
+So a shared system prompt keeps landing where it is cached until that pod is busier than a recompute and
+a second copy's evictions are worth. A prompt cached nowhere goes to the pool that would lose least to it,
+unless it was sent before: then the rank it was sent to last is charged nothing for what it would evict,
+and wins ties. One with no home there goes to an idle rank before a busy one.
 
 A data-parallel pod publishes one event stream per rank, each rank with its own cache: prefix-aware then
 scores each (pod, rank) and the decision names the rank, which the router sends as vLLM's
@@ -130,9 +131,12 @@ class PrefixAware(Policy):
         # requests open than another (one spill then also warms a second pod for that prefix); 4 for a
         # 128-token system prompt, the daemon's own rank slack (docs/router.md, "Benchmark", has the runs).
         self.load_tokens = tokens_per_running_request
-        # What one cached token a cold prompt would evict costs, in tokens to compute: twice, since the
-        # next request for that prefix computes it again, and that prompt, landing in a full pool too,
-        # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs).
+        # What one cached token a prompt's new blocks would evict costs, in tokens to compute: twice, since
+        # the next request for that prefix computes it again, and that prompt, landing in a full pool too,
+        # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs). It makes
+        # a spill cost more as pools fill: a prefix of P tokens leaves its pod at P/32 more requests open
+        # there than elsewhere while the pools have room, at 3P/32 once both are full (a second copy evicts
+        # as much of others' prompts: docs/performance.md, "Evictions charged to every prompt").
         self.eviction_weight = 2
         # A prompt's first block key -> the rank it was last sent to (its "home") and when (a count of
         # sends), the oldest dropped first. Pods of different key schemes key a prompt differently, so it
@@ -256,21 +260,23 @@ class PrefixAware(Policy):
             homes.popitem(last=False)
 
     def _evictions(self, candidates: list[tuple[Pod, int | None, int | None]], n: int) -> list[int]:
-        """For a prompt no candidate holds any of: the tokens of cached blocks each candidate's pool would
-        lose to it, times `eviction_weight`. A pool as full as `fill` (the share of its blocks cached or
-        just sent) gives that share of a newcomer's blocks to cached ones, sooner or later: all of them
-        in a full pool, none in an empty one. Equal on pools filled alike (load decides), it sends a cold
-        prompt to the pod with more room (among the idle ones, where one is and the prompt has no home:
-        `choose`), as sglang-router sends it to its smallest tree: after a reset, to the pod just reset;
-        before, to the pod holding fewer prompts, which would otherwise evict one of its own later. Zero
-        for all unless every candidate is a rank whose pool size is known, and for a prompt cached (or
-        just sent) anywhere: there the cached tokens and the load decide."""
+        """The tokens of cached blocks each candidate's pool would lose to the blocks the prompt would
+        store there (those it does not hold), times `eviction_weight`. A pool as full as `fill` (the share
+        of its blocks cached or just sent) gives that share of a newcomer's blocks to cached ones, sooner
+        or later: all of them in a full pool, none in an empty one. Equal on pools filled alike (load
+        decides), it sends a prompt cached nowhere to the pod with more room (among the idle ones, where
+        one is and the prompt has no home: `choose`), as sglang-router sends it to its smallest tree:
+        after a reset, to the pod just reset; before, to the pod holding fewer prompts, which would
+        otherwise evict one of its own later. A prompt cached on one pod is charged less there, where it
+        stores only its new blocks, than where it would be stored whole a second time. Zero for all unless
+        every candidate is a rank whose pool size is known."""
         out = []
         for pod, rank, cached in candidates:
-            fill = None if rank is None or cached or not pod.block_size else self.index.fill((pod.name, rank))
+            fill = None if rank is None or not pod.block_size else self.index.fill((pod.name, rank))
             if fill is None or not pod.block_size:  # (fill is None without a block size)
                 return [0] * len(candidates)
-            out.append(round((n // pod.block_size) * pod.block_size * fill * self.eviction_weight))
+            stored = (n - (cached or 0)) // pod.block_size * pod.block_size
+            out.append(round(stored * fill * self.eviction_weight))
         return out
 
 

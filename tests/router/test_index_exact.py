@@ -240,6 +240,36 @@ def test_an_eviction_outweighs_a_request_open(monkeypatch: pytest.MonkeyPatch) -
     assert PrefixAware(index).choose([a, b], Prompts([list(range(41))], None)).pod is a
 
 
+def test_a_cached_prompt_spills_into_a_full_pool_only_for_what_its_copy_would_evict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pools of 20 blocks, both full: a holds 9 blocks (36 tokens) of a 41-token prompt and 11 others, b 20
+    others. With 3 requests open on a, the prompt stays there (5 tokens to compute, 4 of them stored: 8
+    evicted at twice, 96 for the load: 109), where b would compute 41 and evict twice 40 (121): counting the
+    recompute alone (5 + 96 against 41) it would spill. With 4 open on a it spills (141 against 121). Into a
+    pool just reset, which a copy evicts nothing from, it spills with 1 open (45 against 41)."""
+    monkeypatch.setattr(Pod, "synced", lambda self: True)
+    prompt = list(range(41))
+
+    def choice(open_on_a: int, b_full: bool = True) -> Pod:
+        a.in_flight = open_on_a
+        index = PrefixIndex()
+        for holder in (("a:1", 0), ("b:1", 0)):
+            index.set_capacity(holder, 20)
+        index.store(("a:1", 0), key_scheme().prompt_hashes(prompt[:36], BS))
+        index.store(("a:1", 0), key_scheme().prompt_hashes(list(range(1000, 1044)), BS))
+        if b_full:
+            index.store(("b:1", 0), key_scheme().prompt_hashes(list(range(2000, 2080)), BS))
+        assert (index.fill(("a:1", 0)), index.fill(("b:1", 0))) == (1.0, 1.0 if b_full else 0.0)
+        return PrefixAware(index).choose([a, b], Prompts([prompt], None)).pod
+
+    a, b = pod("a:1"), pod("b:1")
+    assert choice(3) is a
+    assert choice(4) is b
+    assert choice(0, b_full=False) is a
+    assert choice(1, b_full=False) is b
+
+
 def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pod, "synced", lambda self: True)
     index = PrefixIndex()
