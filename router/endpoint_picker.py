@@ -19,8 +19,8 @@ proxy sheds no load, so neither does the picker (no 429).
 
 The pod (and rank) counts the request as in flight (as the proxy does, for the policy's load charge)
 until the gateway closes the stream, which Envoy does when the HTTP request ends, or for
-`--endpoint-picker-hold` at most, when the picker closes it. Any later message of the stream (response headers, bodies, trailers,
-when the gateway sends them) is answered unchanged.
+`--endpoint-picker-hold` at most, when the picker closes it. Any later message of the stream (response
+headers, bodies, trailers, when the gateway sends them) is answered unchanged.
 
 grpc and Envoy's generated messages are imported only here, when the picker is on."""
 
@@ -59,6 +59,18 @@ MESSAGE_SLACK_BYTES = 256 << 10
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def fallbacks(pods: list[Pod], decision: Decision, most: int) -> list[Pod]:
+    """Up to `most` pods a gateway may try after the one decided, least loaded first. A rank named goes to
+    every endpoint the gateway tries, so they are pods with that rank (a pod answers 400 for a rank it
+    lacks; one whose ranks are not known yet has rank 0 at least)."""
+    rank = decision.rank
+
+    def has_rank(p: Pod) -> bool:
+        return rank is None or rank in p.ranks or (rank == 0 and not p.ranks)
+
+    return sorted((p for p in pods if p is not decision.pod and has_rank(p)), key=Pod.load)[:most]
 
 
 def endpoint(pod: Pod) -> str:
@@ -237,10 +249,9 @@ class EndpointPicker:
             raise bad("the request body is not a JSON object", code="invalid_json")
         decision = decide(r, pods, prompts, pinned)
         pod, rank = decision.pod, decision.rank
-        # A rank named goes to every endpoint the gateway may try, so the fallbacks are pods that have it
-        # (a pod answers 400 for a rank it lacks; every pod has rank 0).
-        rest = sorted((p for p in pods if p is not pod and (rank or 0) < max(p.num_ranks, 1)), key=Pod.load)
-        value = ",".join(endpoint(p) for p in [pod, *rest[: r.settings.endpoint_picker_fallbacks]])
+        value = ",".join(
+            endpoint(p) for p in [pod, *fallbacks(pods, decision, r.settings.endpoint_picker_fallbacks)]
+        )
         pod.opened(rank)
         r.metrics.child(r.metrics.in_flight, pod.name).set(pod.in_flight)
         log.debug("picked %s rank %s (%s) for %s", value, rank, decision.reason, req.path)
@@ -254,7 +265,9 @@ class EndpointPicker:
                         header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=OVERWRITE
                     )
                     for k, v in headers.items()
-                ]
+                ],
+                # else a client's own would pass (the proxy forwards none): the rank is the router's choice
+                remove_headers=[] if rank is not None else [DP_RANK_HEADER],
             )
         )
         metadata = struct_pb2.Struct()

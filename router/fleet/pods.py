@@ -65,6 +65,7 @@ class Pod:
     ranks: list[int] = field(default_factory=list)  # the data-parallel ranks whose KV events are followed
     streams: list[PodEventStream] = field(default_factory=list)  # one per rank
     rank_in_flight: dict[int, int] = field(default_factory=dict)  # requests sent to a chosen rank
+    ranked_in_flight: int = 0  # those together (the rest of in_flight named no rank)
     engine_load: int | None = None  # running + waiting requests, from the pod's metrics; None: not known
     load_error: str = ""  # why engine_load is not known (logged when it changes)
     events_error: str = ""  # why its GET /kv_events could not be used (logged when it changes)
@@ -136,19 +137,21 @@ class Pod:
         """One more request of the router's open on the pod, on `rank` where it named one."""
         if rank is not None:
             self.rank_in_flight[rank] = self.rank_in_flight.get(rank, 0) + 1
+            self.ranked_in_flight += 1
         self.in_flight += 1
 
     def closed(self, rank: int | None) -> None:
         """That request has ended."""
         if rank is not None:
             self.rank_in_flight[rank] -= 1
+            self.ranked_in_flight -= 1
         self.in_flight -= 1
 
     def rank_load(self, rank: int) -> float:
         """Requests the router has open on one rank: those it sent there, and an even share of those it
         sent the pod without naming a rank (the pod's own balancer placed them, where the router cannot
-        tell), so a rank does not look idle while the pod is busy."""
-        unranked = self.in_flight - sum(self.rank_in_flight.values())
+        tell). So while such a request is open no rank of the pod counts as idle: any may be running it."""
+        unranked = self.in_flight - self.ranked_in_flight
         return self.rank_in_flight.get(rank, 0) + unranked / max(self.num_ranks, 1)
 
     def load(self) -> int:

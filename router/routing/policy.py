@@ -128,15 +128,17 @@ class PrefixAware(Policy):
         # What one request already open on a pod costs a newcomer there, in prompt tokens to compute.
         # With continuous batching a decoding neighbour adds about one token of work per step, far less
         # than a recomputed prefix, so a cached prefix of P tokens stays put until its pod has P/32 more
-        # requests open than another (one spill then also warms a second pod for that prefix); 4 for a
-        # 128-token system prompt, the daemon's own rank slack (docs/router.md, "Benchmark", has the runs).
+        # requests open than another with an empty pool (one spill then also warms a second pod for that
+        # prefix); 4 for a 128-token system prompt, the daemon's own rank slack (docs/router.md,
+        # "Benchmark", has the runs). Into a fuller pool it takes more: `eviction_weight`.
         self.load_tokens = tokens_per_running_request
         # What one cached token a prompt's new blocks would evict costs, in tokens to compute: twice, since
         # the next request for that prefix computes it again, and that prompt, landing in a full pool too,
         # evicts another in turn (docs/performance.md, "Four routers on one load", has the runs). It makes
-        # a spill cost more as pools fill: a prefix of P tokens leaves its pod at P/32 more requests open
-        # there than elsewhere while the pools have room, at 3P/32 once both are full (a second copy evicts
-        # as much of others' prompts: docs/performance.md, "Evictions charged to every prompt").
+        # a spill cost more as pools fill: a prefix of P tokens leaves its pod at about (1 + 2f)P/32 more
+        # requests open there than elsewhere, f the other pool's fill: P/32 into an empty pool, 3P/32 into
+        # a full one (a second copy evicts as much of others' prompts: docs/performance.md, "Evictions
+        # charged to every prompt").
         self.eviction_weight = 2
         # A prompt's first block key -> the rank it was last sent to (its "home") and when (a count of
         # sends), the oldest dropped first. Pods of different key schemes key a prompt differently, so it

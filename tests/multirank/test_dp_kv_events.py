@@ -161,13 +161,15 @@ def test_the_endpoint_picker_names_the_rank_it_chose(dp_daemon: Server, tmp_path
     prompt is cached on that rank, and the picker sends the same prompt to the same rank again."""
     port = free_port()
     router = start_router(tmp_path, [dp_daemon.url], "--endpoint-picker-port", str(port), token="t")
-    stub = ep_grpc.ExternalProcessorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = ep_grpc.ExternalProcessorStub(channel)
     prompt = "A prompt the endpoint picker places on one rank of the two, long enough for blocks. " * 3
     body = json.dumps({**ASK, "prompt": prompt}).encode()
 
     def pick() -> dict[str, str]:
         (_, reply) = stub.Process(iter([headers_msg("/v1/completions"), body_msg(body)]), timeout=60)
         mutation = reply.request_body.response.header_mutation
+        assert not mutation.remove_headers  # the rank header is set, not removed
         return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
     try:
@@ -183,4 +185,5 @@ def test_the_endpoint_picker_names_the_rank_it_chose(dp_daemon: Server, tmp_path
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert pick()["X-data-parallel-rank"] == rank
     finally:
+        channel.close()
         stop_router(router)

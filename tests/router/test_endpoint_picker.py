@@ -22,6 +22,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpilot.router.endpoint_picker import fallbacks
+from kvpilot.router.fleet.pods import Pod
+from kvpilot.router.routing.policy import Decision
 from support import ROOT
 from support.endpoint_picker import MODES, body_msg, headers_msg
 from support.procs import free_port, spawn, stop, wait_for, wait_ready
@@ -106,6 +109,8 @@ def test_buffered_body_is_answered_with_the_pick(picker: Picker, fleet: Fleet) -
     assert not first.request_headers.response.HasField("header_mutation")  # the pick waits for the body
     assert second.WhichOneof("response") == "request_body"
     assert picked(second, "request_body") in endpoints(fleet)
+    # No rank chosen (single-rank pods): a client's own rank header does not pass, as through the proxy.
+    assert list(second.request_body.response.header_mutation.remove_headers) == ["X-data-parallel-rank"]
     # The same prefix again goes where the first was sent (the index's expected blocks), as in the proxy.
     again = picker.process([headers_msg(), body_msg(json.dumps(chat(SYSTEM, "When do you close?")).encode())])
     assert picked(again[1], "request_body") == picked(second, "request_body")
@@ -418,6 +423,21 @@ def fresh(fleet: Fleet, *routers: RouterProc) -> None:
         wait_for(
             lambda r=r: all(p["indexed_blocks"] == 0 for p in r.health()["pods"]), 10, "an emptied index"
         )
+
+
+def test_fallbacks_of_a_rank_are_pods_with_that_rank() -> None:
+    """Fallbacks come least loaded first; with a rank named, only pods that have it (a pod whose ranks are
+    not known yet has rank 0)."""
+    dp, dp4, one, unknown = (
+        Pod(n, f"http://{n}", ready=True, in_flight=i, ranks=list(range(r)))
+        for n, i, r in (("dp:1", 0, 2), ("dp4:1", 3, 4), ("one:1", 1, 1), ("unknown:1", 2, 0))
+    )
+    pods = [dp, dp4, one, unknown]
+    assert fallbacks(pods, Decision(dp, "load"), 8) == [one, unknown, dp4]
+    assert fallbacks(pods, Decision(dp, "prefix", 0, 0), 2) == [one, unknown]
+    assert fallbacks(pods, Decision(dp, "prefix", 0, 1), 8) == [dp4]
+    assert fallbacks(pods, Decision(dp4, "prefix", 0, 3), 8) == []
+    assert fallbacks(pods, Decision(dp, "load"), 0) == []
 
 
 def test_through_envoy_the_hit_share_matches_the_proxys(picker: Picker, envoy: int, fleet: Fleet) -> None:

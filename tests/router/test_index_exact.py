@@ -164,7 +164,7 @@ def test_a_prompt_just_sent_draws_the_next_one_to_its_rank(monkeypatch: pytest.M
     dp = pod("dp:1", ranks=2)
     pa = PrefixAware(index)
     first = pa.choose([dp], Prompts([prompt], None))
-    dp.rank_in_flight[first.rank] = dp.in_flight = 1
+    dp.opened(first.rank)
     second = pa.choose([dp], Prompts([prompt[:396] + [9] * 4], None))
     assert (second.rank, second.reason, second.predicted_cached_tokens) == (first.rank, "prefix", 0)
 
@@ -280,8 +280,8 @@ def test_prefix_aware_picks_the_rank_of_a_data_parallel_pod(monkeypatch: pytest.
     d = pa.choose([a, dp], Prompts([prompt], None))
     assert (d.pod, d.rank, d.predicted_cached_tokens) == (dp, 1, 36)
     # Load counts per rank: rank 1 busy, the prefix moves on; rank 0 idle is as good as the other pod.
-    dp.rank_in_flight[1] = 2
-    dp.in_flight = 2
+    dp.opened(1)
+    dp.opened(1)
     d = pa.choose([a, dp], Prompts([prompt], None))
     assert d.predicted_cached_tokens == 0 and (d.pod, d.rank) in ((a, None), (dp, 0))
 
@@ -344,8 +344,8 @@ def test_an_idle_rank_of_a_data_parallel_pod_takes_a_new_prompt(monkeypatch: pyt
     for rank in (0, 1):
         index.set_capacity(("dp:1", rank), 20)
     index.store(("dp:1", 1), key_scheme().prompt_hashes(list(range(1000, 1048)), BS))
-    dp = pod("dp:1", in_flight=1, ranks=2)
-    dp.rank_in_flight[0] = 1
+    dp = pod("dp:1", ranks=2)
+    dp.opened(0)
     d = PrefixAware(index).choose([dp], Prompts([list(range(41))], None))
     assert (d.pod, d.rank) == (dp, 1)
 
