@@ -41,10 +41,11 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvpilot.protocol import DP_RANK_HEADER
 from kvpilot.protocol.errors import ApiError, bad
 from kvpilot.router.app_state import Router
 from kvpilot.router.fleet.pods import Pod
-from kvpilot.router.proxy import DP_RANK_HEADER, decide, routing_inputs
+from kvpilot.router.proxy import decide, routing_inputs
 from kvpilot.router.routing.policy import Decision
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpilot.fanout.http1 import Endpoint, Reply, ReplyError, header_value_ok
-from kvpilot.protocol import JSONObject
+from kvpilot.protocol import DP_RANK_HEADER, JSONObject
 from kvpilot.protocol.errors import ApiError
 from kvpilot.protocol.fields import IGNORED_FIELDS_HEADER
 from kvpilot.router.app_state import ROUTER, Router
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 FORWARD_REQUEST_HEADERS = ("Content-Type", "Accept", "Authorization")
 FORWARD_RESPONSE_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", IGNORED_FIELDS_HEADER)
 POD_HEADER = "X-Kvpilot-Pod"  # which pod served the request, for clients and tests
-DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the rank of a data-parallel pod to run on
 
 
 class PodUnreached(Exception):

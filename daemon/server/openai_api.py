@@ -41,6 +41,7 @@ from kvpilot.daemon.server.prepare import (
 )
 from kvpilot.daemon.server.responses import complete, stream
 from kvpilot.daemon.server.tenants import salt_room, tenant_of, tenant_salt
+from kvpilot.protocol import DP_RANK_HEADER
 from kvpilot.protocol.errors import ApiError, bad, unavailable
 from kvpilot.protocol.fields import IgnoredFieldLog, ignored_fields_headers
 from kvpilot.protocol.replies import json_response
@@ -51,7 +52,6 @@ _IGNORED_LOG = IgnoredFieldLog()
 
 
 # ---- generation ---------------------------------------------------------------------------------
-DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: an external router picks the rank
 
 
 async def _generate(

@@ -29,6 +29,7 @@ from typing import Any
 from kvpilot.engines import ENGINES
 from kvpilot.fanout.results import Verified
 from kvpilot.kv.reset_scope import TENANT_SALT_PREFIX, ResetScope
+from kvpilot.protocol import DP_RANK_HEADER
 
 # Common English words, one token each (with their leading space) in the BPE vocabularies of the usual
 # model families, so the canary's length in tokens hardly depends on the model: 300 words fill two vLLM
@@ -42,7 +43,6 @@ _VOCABULARY = (
     "home water room mother area money story fact month lot right study book eye job word business issue "
     "side kind head house service friend father power hour game line end member law car city name team"
 ).split()
-DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's, which kvpilot's daemon reads too
 MAX_TOKENS = 1 << 20  # a usage count past this is no answer
 MIN_HIT = 16  # tokens served from cache before the reset for the canary to show anything: one small block
 # First in the canary and in its control, so both share equally whatever other prompts share with it.

@@ -60,6 +60,7 @@ from kvpilot.fanout.results import (
     initial_results,
 )
 from kvpilot.fanout.targets import CallSettings, Target
+from kvpilot.protocol import DP_RANK_HEADER
 from kvpilot.protocol.pins import PinResult
 
 # vLLM names no block size over HTTP: its CPU backend's default (128 tokens) is the largest it uses, so a
@@ -204,7 +205,7 @@ async def _warm_one(pod: Pod, res: PodResult, engine: Engine, started: float, on
     res.warm = detail = WarmDetail(len(settings.prompts), ranks, block_size=named)
     pins: list[dict[str, Any] | None] = []
     for rank in range(ranks):
-        headers = (f"{verify.DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
+        headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
         for prompt in settings.prompts:
             text = await _call(
                 pod, res, "POST", prompt.path, prompt.body(model, pin), headers, started, on_call
@@ -218,7 +219,7 @@ async def _warm_one(pod: Pod, res: PodResult, engine: Engine, started: float, on
     verdicts: list[tuple[Verified, str]] = []
     held = [True] * len(settings.prompts)  # each prompt: warm on every rank so far
     for rank in range(ranks):
-        headers = (f"{verify.DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
+        headers = (f"{DP_RANK_HEADER}: {rank}",) if ranks > 1 else ()
         for i, prompt in enumerate(settings.prompts):
             text = await _call(
                 pod, res, "POST", prompt.path, prompt.body(model, False), headers, started, on_call

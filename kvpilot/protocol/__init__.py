@@ -9,3 +9,7 @@ from typing import Any
 # (strings, numbers, lists, objects), so they are Any. Where a field's type matters, the code reading it
 # checks it (the pydantic models of `schema`, the `isinstance` checks of `requests`).
 JSONObject = dict[str, Any]
+
+# vLLM's header naming the data-parallel rank a request runs on: the daemon reads it, the router's proxy and
+# endpoint picker set it to the rank they scored, and a reset's canary sends it to reach each rank.
+DP_RANK_HEADER = "X-data-parallel-rank"

@@ -2,7 +2,7 @@
 (port + rank, read here with a real ZeroMQ SUB per rank), `X-data-parallel-rank` sends a request to the
 rank named, and the prefix-aware router in front of it (and of a single-rank daemon) sends a repeated
 prompt to the same (pod, rank), which then reports the prompt as cached; its endpoint picker names the
-rank to a gateway as well."""
+rank to a gateway as well, and a real Envoy sends the request on with it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import rank_endpoint
 from support.endpoint_picker import body_msg, headers_msg
+from support.envoy import post, running_envoy
 from support.procs import free_port, wait_for
 from support.servers import Server, start_daemon, start_router, start_server, stop_fleet, stop_router
 
@@ -186,4 +187,28 @@ def test_the_endpoint_picker_names_the_rank_it_chose(dp_daemon: Server, tmp_path
         assert pick()["X-data-parallel-rank"] == rank
     finally:
         channel.close()
+        stop_router(router)
+
+
+def test_through_envoy_a_request_runs_on_the_rank_the_picker_named(dp_daemon: Server, tmp_path) -> None:  # noqa: ANN001
+    """Envoy applies the picker's rank over the client's own: a rank the pod does not have, which it refuses
+    when sent directly (400), is replaced on the way, and the prompt sent again is served from the cache of
+    the rank it went to."""
+    picker_port = free_port()
+    router = start_router(tmp_path, [dp_daemon.url], "--endpoint-picker-port", str(picker_port), token="t")
+    ask = ASK | {"prompt": "A prompt sent through a gateway to one rank of a data-parallel pod, twice. " * 3}
+    bogus = {"X-data-parallel-rank": "9"}
+    try:
+        refused = dp_daemon.request("POST", "/v1/completions", ask, headers=bogus)
+        assert refused.status == 400, refused.body
+        with running_envoy(tmp_path, picker_port) as listen:
+            replies = []
+            for _ in range(2):
+                status, headers, reply = post(listen, "/v1/completions", ask, bogus)
+                assert status == 200, reply
+                assert headers["x-upstream-host"] == f"127.0.0.1:{dp_daemon.port}", headers
+                replies.append(reply)
+        assert replies[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
         stop_router(router)

