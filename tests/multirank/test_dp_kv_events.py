@@ -7,7 +7,6 @@ rank to a gateway as well, and a real Envoy sends the request on with it."""
 from __future__ import annotations
 
 import json
-import socket
 
 import grpc
 import msgpack
@@ -19,7 +18,7 @@ from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import rank_endpoint
 from support.endpoint_picker import body_msg, headers_msg
 from support.envoy import post, running_envoy
-from support.procs import free_port, wait_for
+from support.procs import free_port, free_port_run, wait_for
 from support.servers import Server, start_daemon, start_router, start_server, stop_fleet, stop_router
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,22 +27,10 @@ PROMPT = "Every rank keeps its own cache, so a router must know which rank holds
 ASK = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too (rank 1 publishes there)."""
-    while True:
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-
-
 @pytest.fixture(scope="module")
 def dp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Server:
     tmp = tmp_path_factory.mktemp("dpkv")
-    pub, replay = free_port_pair(), free_port_pair()
+    pub, replay = free_port_run(2), free_port_run(2)
     srv = start_server(
         tmp,
         "--data-parallel-size",

@@ -4,6 +4,7 @@ session ends."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -14,7 +15,21 @@ from devcluster.procs import free_port, spawn, stop, stop_all, wait_ready
 
 T = TypeVar("T")
 
-__all__ = ["free_port", "settled", "spawn", "stop", "wait_ready", "wait_for"]
+__all__ = ["free_port", "free_port_run", "settled", "spawn", "stop", "wait_ready", "wait_for"]
+
+
+def free_port_run(count: int) -> int:
+    """A free port P with the `count - 1` ports after it free too: a data-parallel server binds rank r's
+    socket at P + r."""
+    while True:
+        p = free_port()
+        try:
+            for i in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + i))
+        except OSError:
+            continue
+        return p
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25) -> object:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import free_port, spawn, stop, wait_ready
+from support.procs import free_port, free_port_run, spawn, stop, wait_ready
 from support.servers import MODEL, Server, read_until_decoding, send_completion
 from support.vllm_client import built_tool_dir
 
@@ -78,9 +78,10 @@ class VllmServer(Server):
         stop(self.proc, grace=30, leader_only=True)
 
 
-def start_vllm(tmp_path: Path, *extra_args: str) -> VllmServer:
-    """vLLM's server on the embedded model's checkpoint and a free loopback port, its log in `tmp_path`;
-    returns once /health answers 200 (the engine is up)."""
+def start_vllm(tmp_path: Path, *extra_args: str, ranks: int = 1) -> VllmServer:
+    """vLLM's server on the embedded model's checkpoint and a free loopback port, its log in `tmp_path`, with
+    `ranks` data-parallel ranks (an engine process each, publishing its KV events on the port after the
+    rank before's); returns once /health answers 200 (the engines are up)."""
     from kvpilot.default_model import ensure_default_model
 
     checkpoint = ensure_default_model()
@@ -89,8 +90,14 @@ def start_vllm(tmp_path: Path, *extra_args: str) -> VllmServer:
     argv = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
     # A wildcard host: vLLM binds only then (with a host it connects to it, vllm/distributed/kv_events.py);
     # the router reaches it on loopback, the pod's own address.
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port_run(ranks)}",
+    }
     argv += ["--host", "127.0.0.1", "--port", str(port), *ARGS, "--kv-events-config", json.dumps(events)]
+    if ranks > 1:
+        argv += ["--data-parallel-size", str(ranks)]
     argv += extra_args
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"} | {
         "VLLM_SERVER_DEV_MODE": "1",
