@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.kv.publisher import rank_endpoint
-from support.endpoint_picker import body_msg, headers_msg
+from support.endpoint_picker import picked
 from support.envoy import post, running_envoy
 from support.procs import free_port, free_port_run, wait_for
 from support.servers import Server, start_daemon, start_router, start_server, stop_fleet, stop_router
@@ -30,7 +30,10 @@ ASK = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 2, "tem
 @pytest.fixture(scope="module")
 def dp_daemon(tmp_path_factory: pytest.TempPathFactory) -> Server:
     tmp = tmp_path_factory.mktemp("dpkv")
-    pub, replay = free_port_run(2), free_port_run(2)
+    # Both sockets of both ranks in one run of ports: rank 1 publishes on pub + 1, so a replay port drawn
+    # on its own could land there.
+    pub = free_port_run(4)
+    replay = pub + 2
     srv = start_server(
         tmp,
         "--data-parallel-size",
@@ -155,8 +158,7 @@ def test_the_endpoint_picker_names_the_rank_it_chose(dp_daemon: Server, tmp_path
     body = json.dumps({**ASK, "prompt": prompt}).encode()
 
     def pick() -> dict[str, str]:
-        (_, reply) = stub.Process(iter([headers_msg("/v1/completions"), body_msg(body)]), timeout=60)
-        mutation = reply.request_body.response.header_mutation
+        mutation = picked(stub, "/v1/completions", body)
         assert not mutation.remove_headers  # the rank header is set, not removed
         return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 

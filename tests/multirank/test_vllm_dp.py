@@ -14,7 +14,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from support.endpoint_picker import body_msg, headers_msg
+from support.endpoint_picker import picked
 from support.procs import free_port, wait_for
 from support.servers import MODEL, start_router, stop_router
 from support.vllm_server import VllmServer, start_vllm
@@ -83,8 +83,7 @@ def test_the_router_sends_each_request_to_the_vllm_rank_it_scored(
         stub = ep_grpc.ExternalProcessorStub(channel)
 
         def pick() -> str:
-            (_, reply) = stub.Process(iter([headers_msg("/v1/completions"), body_msg(raw)]), timeout=60)
-            headers = reply.request_body.response.header_mutation.set_headers
+            headers = picked(stub, "/v1/completions", raw).set_headers
             return {h.header.key: h.header.raw_value.decode() for h in headers}[RANK]
 
         rank = pick()

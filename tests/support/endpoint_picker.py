@@ -6,6 +6,7 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 MODES = processing_mode_pb2.ProcessingMode
@@ -38,3 +39,10 @@ def headers_msg(
 
 def body_msg(body: bytes, end: bool = True) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=end))
+
+
+def picked(stub: ep_grpc.ExternalProcessorStub, path: str, body: bytes) -> ep.HeaderMutation:
+    """What the picker tells the gateway to change in a buffered request to `path` with `body`: the
+    headers it sets (the chosen endpoint, and a data-parallel pod's rank) and removes."""
+    (_, reply) = stub.Process(iter([headers_msg(path), body_msg(body)]), timeout=60)
+    return reply.request_body.response.header_mutation
