@@ -149,7 +149,8 @@ class Sending:
 
 async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes) -> web.StreamResponse:
     pod = decision.pod
-    # Usage is read (a JSON parse) only where it is compared with a prediction.
+    # Usage is read (a JSON parse) only where it is compared with a prediction, and from a reply that
+    # succeeded (an error reply may echo a client's body, "usage" and all).
     wants_usage = decision.predicted_cached_tokens is not None
     with Sending(request, r, decision) as sent:
         if not _may_stream(raw) and (ep := _pooled(request.path_qs, pod, sent.headers, raw)) is not None:
@@ -167,7 +168,7 @@ async def _proxy(request: web.Request, r: Router, decision: Decision, raw: bytes
                     body = await read_capped(up, r.settings.max_reply_bytes)
                     if body is None:
                         raise _too_large(pod, r.settings.max_reply_bytes)
-                    if wants_usage:
+                    if wants_usage and sent.status < 300:
                         record_usage(r, decision, _json_usage(body))
                     return web.Response(body=body, status=sent.status, headers=out_headers)
                 except BaseException:
@@ -230,7 +231,7 @@ async def _proxy_pooled(
     body = _decoded(reply, limit)
     if body is None:
         raise _too_large(pod, limit)
-    if wants_usage:
+    if wants_usage and reply.status < 300:
         record_usage(r, decision, _json_usage(body))
     out_headers = _reply_headers(lambda h: reply.headers.get(h.lower()), decision)  # (by lower-case name)
     return web.Response(body=body, status=reply.status, headers=out_headers)
@@ -300,7 +301,7 @@ async def _relay_stream(
     untouched (router/relay.py). Only the last 16 KiB are kept, for the usage event sent last."""
     resp = web.StreamResponse(status=up.status, headers=out_headers)
     await resp.prepare(request)
-    tail = Tail(SSE_TAIL_BYTES) if wants_usage else None
+    tail = Tail(SSE_TAIL_BYTES) if wants_usage and up.status < 300 else None
     try:
         await relay_stream(up.content, request, resp, tail)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -347,34 +348,65 @@ def record_usage(r: Router, decision: Decision, usage: JSONObject | None) -> Non
 
 # A key "usage": in JSON a quote inside a string is always escaped, so `"usage"` with both its quotes bare
 # and a colon after is a key, never text of a value.
-_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
+_USAGE_KEY = re.compile(r'"usage"\s*:\s*')
+_NEXT_MEMBER = re.compile(r"\s*([,}])\s*")
+_COLON = re.compile(r"\s*:\s*")
 _JSON = json.JSONDecoder()
+# "usage" keys whose values are parsed before a reply's usage is given up: each costs a parse of up to the
+# rest of the reply, so a reply made of them (a pod's choices may be) costs a bounded multiple of its size.
+MAX_USAGE_KEYS = 8
 
 
 def _json_usage(body: bytes) -> JSONObject | None:
-    """The usage object of a reply: the value of its last "usage" key, read from there, not the whole reply
-    parsed (its choices' text can be most of it). The daemon, vLLM and SGLang write usage after the
-    choices, where alone a "usage" key could stand in a reply (a logprobs entry keyed by the token
-    "usage" comes before it), and nothing after it names one."""
-    at = body.rfind(b'"usage"')
-    while at >= 0:
-        key = _USAGE_KEY.match(body, at)
-        if key is not None and not _escaped(body, at):
+    """The usage object of a reply: the value of its top-level "usage" key, read from that key on, not the
+    whole reply parsed (its choices' text can be most of it). The daemon, vLLM and SGLang write usage after
+    the choices (vLLM may add prompt logprobs after it), so it is the last "usage" key of the reply but for
+    text; one nested deeper (in a choice, or in a request an error reply echoes) is not the reply's, which
+    `_ends_the_reply` tells: only the top-level object's remaining members, then its end, follow it."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    at, keys = text.rfind('"usage"'), 0
+    while at >= 0 and keys < MAX_USAGE_KEYS:
+        key = _USAGE_KEY.match(text, at)
+        if key is not None and not _escaped(text, at):
+            keys += 1
             try:
-                usage, _ = _JSON.raw_decode(body[key.end() :].decode("utf-8"))
+                usage, end = _JSON.raw_decode(text, key.end())
             except (ValueError, RecursionError):  # RecursionError: nested too deep
                 return None
-            if isinstance(usage, dict):
+            if isinstance(usage, dict) and _ends_the_reply(text, end):
                 return usage
-        at = body.rfind(b'"usage"', 0, at)
+        at = text.rfind('"usage"', 0, at)
     return None
 
 
-def _escaped(body: bytes, at: int) -> bool:
+def _ends_the_reply(text: str, end: int) -> bool:
+    """Whether what follows a member's value (ending at `end`) closes the reply: more members ("key": value,
+    each parsed), then the closing brace, then nothing. After a value nested deeper a bracket or a second
+    brace comes first."""
+    while True:
+        sep = _NEXT_MEMBER.match(text, end)
+        if sep is None:
+            return False
+        if sep.group(1) == "}":
+            return sep.end() == len(text)
+        try:
+            name, end = _JSON.raw_decode(text, sep.end())
+            colon = _COLON.match(text, end)
+            if not isinstance(name, str) or colon is None:
+                return False
+            _, end = _JSON.raw_decode(text, colon.end())
+        except (ValueError, RecursionError):
+            return False
+
+
+def _escaped(text: str, at: int) -> bool:
     """Whether the quote at `at` is escaped (an odd run of backslashes before it): inside a string, such as
     the end of a longer key."""
     start = at
-    while start > 0 and body[start - 1] == 0x5C:  # a backslash
+    while start > 0 and text[start - 1] == "\\":
         start -= 1
     return (at - start) % 2 == 1
 

@@ -186,16 +186,19 @@ class PromptReader:
                 )
                 return Prompts([self.encoder.encode(text)], salt, self.max_model_len, model)
             read = completion_prompts(body)
+            if read is None:
+                # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
+                # route by, and predicting a hit would count as a stale prediction.
+                return None
+            prompts, salt = read
+            # (inside the try: a text the tokenizer refuses, a lone surrogate, is the pod's to answer)
+            ids = [
+                p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in prompts
+            ]
         except (ApiError, ValueError, TypeError, KeyError):  # the pod will say what is wrong
             return None
         except Exception:  # noqa: BLE001 - a chat template error: the pod answers it as a 400
             return None
-        if read is None:
-            # The daemon computes every prompt position for prompt logprobs, cache or not: no prefix to
-            # route by, and predicting a hit would count as a stale prediction.
-            return None
-        prompts, salt = read
-        ids = [p if isinstance(p, list) else self.encoder.encode(p, add_special_tokens=True) for p in prompts]
         return Prompts(ids, salt, self.max_model_len, model)
 
 

@@ -156,6 +156,18 @@ def test_sglang_fields_and_a_continued_message_are_predicted_exactly(quiet_fleet
     assert m[key] - m0.get(key, 0) == m[reported] - m0.get(reported, 0) > 0
 
 
+def test_a_prompt_the_tokenizer_cannot_take_gets_the_pods_own_answer(quiet_fleet: Fleet) -> None:
+    """A completion whose prompt holds a lone surrogate (JSON lets one through as "\\ud800", the tokenizer
+    takes no such text) is not routed by its prefix: the pod answers it, as it would directly, not the
+    router with a 500."""
+    fleet = quiet_fleet
+    body = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 1}' % MODEL.encode()
+    direct = fleet.daemons[0].request("POST", "/v1/completions", body)
+    via = fleet.router.request("POST", "/v1/completions", body)
+    assert 400 <= direct.status < 500, direct.body
+    assert (via.status, via.json()["error"]["code"]) == (direct.status, direct.json()["error"]["code"])
+
+
 def test_streaming_passes_through_unchanged(quiet_fleet: Fleet) -> None:
     fleet = quiet_fleet
     msgs = [{"role": "user", "content": "Name three colours."}]
