@@ -194,7 +194,10 @@ class EndpointPicker:
                 if msg.HasField("protocol_config"):
                     mode = msg.protocol_config.request_body_mode
                     if mode not in (BUFFERED, FULL_DUPLEX, processing_mode_pb2.ProcessingMode.NONE):
-                        name = processing_mode_pb2.ProcessingMode.BodySendMode.Name(mode)
+                        modes = processing_mode_pb2.ProcessingMode.BodySendMode
+                        name = (
+                            modes.Name(mode) if mode in modes.values() else f"in mode {mode}"
+                        )  # (a newer one)
                         raise ApiError(
                             500,
                             f"the gateway sends bodies {name}; the endpoint picker reads BUFFERED or "

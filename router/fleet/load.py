@@ -48,9 +48,10 @@ def parse_load(text: str, names: tuple[str, ...]) -> int | None:
             return None
         totals[name] += value
         seen.add(name)
-    if len(seen) != len(names):
+    total = sum(totals.values())
+    if len(seen) != len(names) or not math.isfinite(total):  # finite samples may still sum past a float
         return None
-    return round(sum(totals.values()))
+    return round(total)
 
 
 def _name_end(line: str) -> int:

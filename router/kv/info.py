@@ -31,7 +31,12 @@ REPLAY_MAX_BATCHES = 10 * DEFAULT_BUFFER_BATCHES
 REPLAY_MAX_BYTES = 4 * DEFAULT_BUFFER_BYTES
 # Only TCP: an ipc:// or inproc:// address would point the router at sockets of its own host.
 _RANK = re.compile(r"0|[1-9][0-9]{0,2}")
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}")
+# A host as libzmq's connect takes it: a bracketed IPv6 address, or dot-separated labels of letters, digits,
+# '-' and '_', each starting with a letter or digit (`tcp://-:5557` passed a looser pattern, then failed to
+# connect every second).
+_ENDPOINT = re.compile(
+    r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9][A-Za-z0-9_-]*)*):[0-9]{1,5}"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,11 @@ class ReplayChannel:
         if self._sock is None or self._waker is None:
             self._owned = self._ctx.socket(zmq.DEALER)
             self._owned.setsockopt(zmq.LINGER, 0)
-            self._owned.connect(self.endpoint)
+            try:
+                self._owned.connect(self.endpoint)
+            except zmq.ZMQError as exc:  # an address libzmq refuses: a failed replay, as any other
+                self.close()
+                raise ReplayError(f"{self.endpoint} cannot be connected to ({exc})") from None
             self._waker = LoopWaker()
             self._sock = self._waker.watch(self._owned)
         try:

@@ -294,6 +294,8 @@ class PodEventStream:
             self._replay_error = str(exc)
             return False
         self._replay_error = ""
+        loop = asyncio.get_running_loop()
+        slice_start = loop.time()
         for seq, payload in got:
             if until is not None and seq >= until:
                 break
@@ -306,6 +308,13 @@ class PodEventStream:
                 self.last_seq = seq - 1  # the stream is taken from the oldest buffered batch
             self._count(self.pod, "replayed", 1)
             self._apply(seq, payload)
+            if loop.time() - slice_start >= YIELD_AFTER_S:
+                # An answer may hold 64 MiB of batches: applied in slices, as the live path applies its
+                # backlog, so requests and probes are served meanwhile.
+                await asyncio.sleep(0)
+                slice_start = loop.time()
+                if self.held or self.last_seq < seq:
+                    return False  # held or started over meanwhile: what is left of this answer is stale
         return True
 
     def _apply(self, seq: int, payload: bytes) -> None:

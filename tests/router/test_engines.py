@@ -62,6 +62,8 @@ def test_load_is_the_sum_of_the_exact_metrics_and_unknown_when_in_doubt() -> Non
     for bad in ("NaN", "-1", "+Inf", "x", ""):
         assert parse_load(VLLM_METRICS + f"vllm:num_requests_running {bad}\n", VLLM) is None, bad
     assert parse_load(VLLM_METRICS + 'vllm:num_requests_running{engine="2" 1\n', VLLM) is None
+    huge = "vllm:num_requests_running 1e308\n" * 2  # each finite, their sum not: unknown, not an error
+    assert parse_load(VLLM_METRICS + huge, VLLM) is None
 
 
 def test_a_pods_metrics_are_read_within_bounds() -> None:

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from kvpilot.daemon.engine.kv.publisher import KVEventPublisher
 from kvpilot.kv.block_keys import KeyScheme
+from kvpilot.router.kv import stream as stream_module
 from kvpilot.router.kv.index import MAX_BLOCKS_PER_HOLDER, PrefixIndex, index_key
 from kvpilot.router.kv.info import REPLAY_MAX_BATCHES, parse_kv_event_sources, parse_kv_events
 from kvpilot.router.kv.replay import ReplayError, ReplayLimits, fetch_replay
@@ -138,6 +139,52 @@ def test_a_flooding_replay_is_refused_and_the_pod_indexed_from_its_live_events(p
 
     ok, last = asyncio.run(go())
     assert not ok and last == -1
+
+
+def test_a_long_replay_is_applied_in_slices_the_event_loop_runs_between(
+    pod: HostilePod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay answer may hold 64 MiB of batches (seconds to apply): it is applied in slices, the event
+    loop free to serve requests and probes between them, as the live backlog is. With the slice cut to
+    nothing, the loop runs between every two batches; applied in one go, it never did."""
+    for _ in range(40):
+        pod.record(stored_keys(random_keys(8)))
+    monkeypatch.setattr(stream_module, "YIELD_AFTER_S", 0.0)
+
+    async def go() -> tuple[bool, int, list[int]]:
+        ctx = zmq.asyncio.Context()
+        ticks, seen = [0], []
+        stream = PodEventStream(
+            "p",
+            pod.endpoint,
+            pod.replay_endpoint,
+            PrefixIndex(),
+            lambda *a: None,
+            ctx,
+            limits=parse_kv_events(_honest(pod)).limits,
+        )
+        apply = stream._apply
+
+        def counted(seq: int, payload: bytes) -> None:
+            seen.append(ticks[0])
+            apply(seq, payload)
+
+        stream._apply = counted  # type: ignore[method-assign]
+
+        async def tick() -> None:
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        ok = await stream.catch_up()
+        ticker.cancel()
+        ctx.term()
+        return ok, stream.last_seq, seen
+
+    ok, last, seen = asyncio.run(go())
+    assert ok and last == 39 and len(seen) == 40
+    assert len(set(seen)) == len(seen), seen  # the loop ran between every two batches
 
 
 def _honest(pod: HostilePod) -> dict:
@@ -310,6 +357,10 @@ def test_the_publisher_bounds_its_buffer_in_bytes_and_says_so() -> None:
         {"block_size": 16, "ranks": [{"endpoint": 5}]},
         {"block_size": 16, "ranks": 7},
         {"block_size": 16, "endpoint": "ipc:///tmp/router-own-socket"},
+        # hosts libzmq refuses to connect to, which a looser pattern let through to fail every second
+        {"block_size": 16, "endpoint": "tcp://-:5557"},
+        {"block_size": 16, "endpoint": "tcp://_pod:5557"},
+        {"block_size": 16, "endpoint": "tcp://pod..ns:5557"},
         {"block_size": 16, "endpoint": "tcp://127.0.0.1:1", "blocks_total": True},
     ],
 )
