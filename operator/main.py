@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -204,6 +205,16 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.operator import handlers, logs, metrics  # noqa: F401 - importing handlers registers them with kopf
 
     logs.install()
+    # Bound before anything touches the cluster: a port in use fails the start at once, in one line.
+    try:
+        metrics.serve(args.metrics_port, args.bind)
+    except OSError as exc:
+        print(
+            f"error: cannot serve metrics on {args.bind}:{args.metrics_port}: {exc.strerror or exc} "
+            "(another process has that port? --metrics-port picks another)",
+            file=sys.stderr,
+        )
+        return 2
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
     if not standalone and not args.namespace:
         warn_about_equal_peers(args.peering, args.priority)
@@ -221,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
     router_role = args.router_cluster_role or ROUTER_CLUSTER_ROLE
     if args.router_cluster_role is None:
         ensure_router_role(router_role)
-    metrics.serve(args.metrics_port, args.bind)
     # What the imports built (kopf, the Kubernetes client and its models, aiohttp) lives as long as the process:
     # out of the cyclic GC's sight, a full collection during a fan-out scans ~10x fewer objects (docs/fanout.md).
     gc.freeze()

@@ -4,6 +4,7 @@ problem and the fix, and exits 2: no traceback (kvpilot/kube/kubeconfig.py). Run
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,27 @@ def test_a_broken_kubeconfig_is_one_line_with_the_fix(command: str, case: str, t
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert all(s in lines[0] for s in says), lines[0]
+
+
+def test_the_operator_on_a_port_in_use_says_so_in_one_line_before_calling_the_cluster(tmp_path: Path) -> None:
+    # The kubeconfig's server refuses every connection: an operator that called it before binding its metrics
+    # port would fail on that instead (or retry), not on the port.
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(NO_CONTEXT + "current-context: dev\n")
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    env["KUBECONFIG"] = str(kubeconfig)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, *COMMANDS["operator"], "--bind", "127.0.0.1", "--metrics-port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot serve metrics on 127.0.0.1:{port}: "), proc.stderr
+    assert "--metrics-port" in last and "Traceback" not in proc.stderr, proc.stderr

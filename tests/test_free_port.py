@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +23,8 @@ def test_ports_come_from_below_the_ephemeral_and_nodeport_ranges_and_never_twice
     assert all(p in procs.PORT_RANGE and not low <= p <= high and p < 30000 for p in ports)
 
 
-def test_a_port_in_use_is_not_handed_out(monkeypatch) -> None:
+def test_a_port_in_use_is_not_handed_out(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(procs, "LEASES", tmp_path)  # no other process's lease on the ports drawn below
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -28,3 +34,37 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch) -> None:
         draws = iter([taken, 29998, 29999])
         monkeypatch.setattr(procs._ports, "choice", lambda _range: next(draws))
         assert procs.free_port() == 29999
+
+
+def test_a_port_another_process_was_handed_is_not_handed_out_until_its_lease_ends(
+    monkeypatch, tmp_path: Path
+) -> None:
+    # Another process draws a port and has not bound it yet: its bind check alone would pass here.
+    monkeypatch.setattr(procs, "LEASES", tmp_path)
+    other = subprocess.run(
+        [sys.executable, "-c", LEASE_ONE, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(Path(procs.__file__).parents[1])},  # devcluster's folder
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    leased = int(other.stdout)
+    draws = iter([leased, 29999])
+    monkeypatch.setattr(procs._ports, "choice", lambda _range: next(draws))
+    monkeypatch.setattr(procs, "_handed", set())
+    assert procs.free_port() == 29999
+    # A lease past LEASE_S is over: the port is handed out again.
+    old = time.time() - procs.LEASE_S - 1
+    os.utime(tmp_path / str(leased), (old, old))
+    monkeypatch.setattr(procs._ports, "choice", lambda _range: leased)
+    assert procs.free_port() == leased
+
+
+LEASE_ONE = """
+import sys
+from pathlib import Path
+from devcluster import procs
+procs.LEASES = Path(sys.argv[1])
+print(procs.free_port())
+"""

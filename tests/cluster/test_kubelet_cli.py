@@ -54,6 +54,7 @@ def host_state() -> dict:
         "var": [str(d) for d in HOST_DIRS if d.exists()],
         "mounts": [m for m in mounts if str(RUN_ROOT) in m or "containerd" in m or "kubelet" in m],
         "shims": sorted(p.name for p in Path("/proc").glob("[0-9]*") if _is_shim(p)),
+        "netns": sorted(p.name for p in Path("/run/netns").glob("cni-*")),
     }
 
 

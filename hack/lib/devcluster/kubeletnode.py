@@ -14,8 +14,9 @@ held by one running node at a time); pods use `imagePullPolicy: IfNotPresent` or
 What this host needs, and why each setting is there (all measured on the 2-core CI machine: cgroups v1,
 no systemd, a disk under 15% free):
 - kubelet `failCgroupV1: false` (else it exits on cgroups v1), `cgroupDriver: cgroupfs` (no systemd),
-  `oomScoreAdj: 0` (this sandbox may not lower oom_score_adj), a low `evictionHard` (the default image-fs
-  threshold taints the node DiskPressure here), image GC off (the project's image must stay imported);
+  `oomScoreAdj: 0` (this sandbox may not lower oom_score_adj), `evictionHard` on memory only and image GC
+  off (the project's image must stay imported: the default image-fs threshold taints the node DiskPressure
+  here, and a nearly full disk made the kubelet delete the pause image mid-run);
 - containerd `restrict_oom_score_adj = true` (else runc fails: "can't get final child's PID from pipe") and
   `SystemdCgroup = false`.
 The kubelet changes sysctls (kernel.panic, kernel.panic_on_oops, vm.overcommit_memory) and iptables
@@ -32,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -245,12 +247,12 @@ class KubeletNode:
         """crictl's config for this node's containerd (`crictl --config <it> pods`; docs/cluster.md)."""
         return self.workdir / "crictl.yaml"
 
-    def crictl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def crictl(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         """`crictl` (built by hack/cluster/build.sh) against this node's containerd, as the kubelet sees it."""
         if self.control_plane is None:
             raise ValueError(f"{self.name}: crictl talks to a node started with a control plane")
         crictl = self.control_plane.bin_dir / "crictl"
-        return procs.run_tool(crictl, "--config", self.crictl_config, *args, timeout=timeout)
+        return procs.run_tool(crictl, "--config", self.crictl_config, *args, timeout=timeout, check=check)
 
     def log(self, component: str) -> Path:
         return self.workdir / f"{component}.log"
@@ -310,6 +312,7 @@ class KubeletNode:
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self._unmount_under(self.store)
+        self._delete_pod_netns()
         procs.run_tool("ip", "link", "delete", self.bridge, check=False)
         self._remove_cgroups()
 
@@ -492,12 +495,9 @@ class KubeletNode:
             "failCgroupV1": False,
             "failSwapOn": False,
             "oomScoreAdj": 0,
-            "evictionHard": {
-                "memory.available": "100Mi",
-                "nodefs.available": "1%",
-                "nodefs.inodesFree": "1%",
-                "imagefs.available": "1%",
-            },
+            # Memory only: a kubelet short of disk deletes every image no container runs, the pause image
+            # among them, and this node has no registry to pull them back from: no pod on it starts again.
+            "evictionHard": {"memory.available": "100Mi"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "staticPodPath": str(d / "manifests"),
@@ -600,7 +600,11 @@ class KubeletNode:
 
     # ---- teardown ---------------------------------------------------------
     def _remove_pods(self) -> None:
-        """Every container of this node killed and removed from containerd's store, which outlives the run."""
+        """Every pod of this node removed through the CRI, then every container left killed and removed from
+        containerd's store, which outlives the run. The CRI's removal runs the CNI's DEL: it gives back the
+        pod's address and port mappings and deletes its network namespace, which containerd 1.6 makes in
+        /run/netns whatever `netns_mounts_under` says; a container killed by `ctr` alone leaves both."""
+        self.crictl("rmp", "--all", "--force", timeout=120, check=False)
         # Unchecked: the CRI plugin may remove a task or container between the list and the call.
         for task in self.ctr("tasks", "list", "--quiet", check=False).stdout.split():
             self.ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30, check=False)
@@ -639,6 +643,14 @@ class KubeletNode:
                 with contextlib.suppress(OSError):
                     pids.update(int(pid) for pid in procs_file.read_text().split())
         return pids
+
+    def _delete_pod_netns(self) -> None:
+        """The network namespaces of pods whose CNI DEL never ran (a killed run's, or a containerd that died):
+        each pod's veth is on this node's bridge and names the namespace its peer is in. Left, each keeps a
+        veth and a /run/netns mount on the host for good."""
+        members = procs.run_tool("ip", "-o", "link", "show", "master", self.bridge, check=False).stdout
+        for netns in sorted(set(re.findall(r"\blink-netns (\S+)", members))):
+            procs.run_tool("ip", "netns", "delete", netns, check=False)
 
     @staticmethod
     def _unmount_under(folder: Path) -> None:

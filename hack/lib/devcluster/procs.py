@@ -9,12 +9,15 @@ cluster, the tests (tests/support) and bench/ start their servers with these.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import fcntl
 import os
 import random
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +34,16 @@ _lock = threading.Lock()
 PORT_RANGE = range(20000, 30000)
 _ports = random.SystemRandom()  # the OS's randomness: processes (xdist workers, forks) never draw alike
 _handed: set[int] = set()
+# A port handed out is leased to its process for LEASE_S in a folder every process on the host shares: a
+# bind check alone let two processes (xdist workers, a bench a test runs) take one port that neither had bound
+# yet, and the slower server failed "Address already in use".
+LEASES = Path(tempfile.gettempdir()) / "kvpilot-port-leases"
+LEASE_S = 600.0
 
 
 def free_port() -> int:
-    """A loopback port, free now, from PORT_RANGE, never handed out before by this process (a server
-    given one may not have bound it yet)."""
+    """A loopback port, free now, from PORT_RANGE, never handed out before by this process and not by another
+    one in the last LEASE_S (a server given one may not have bound it yet)."""
     for _ in range(1000):
         port = _ports.choice(PORT_RANGE)
         with _lock:
@@ -46,9 +54,27 @@ def free_port() -> int:
                     s.bind(("127.0.0.1", port))
                 except OSError:  # in use, or lingering (TIME_WAIT): another one
                     continue
+            if not _lease(port):
+                continue
             _handed.add(port)
         return port
     raise RuntimeError(f"no free loopback port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
+
+
+def _lease(port: int) -> bool:
+    """Lease `port` to this process unless another one holds it; one process at a time decides."""
+    LEASES.mkdir(exist_ok=True)
+    lease = LEASES / str(port)
+    fd = os.open(LEASES / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - lease.stat().st_mtime < LEASE_S:
+                return False
+        lease.write_text(str(os.getpid()))
+        return True
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
