@@ -269,13 +269,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start(args: argparse.Namespace) -> int:
     """`run` once the Kubernetes credentials load; a missing or broken kubeconfig is one line and exit 2."""
+    from urllib3.exceptions import MaxRetryError
+
     from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
+    from kvpilot.operator.cli_follow import api_error
 
     try:
         load()
     except KubeconfigError as exc:
         return fail(exc)
-    return run(args)
+    try:
+        return run(args)
+    except MaxRetryError as exc:  # a call before kopf starts (peering, router role): kopf retries its own
+        print(f"error: {api_error(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

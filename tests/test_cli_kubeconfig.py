@@ -1,5 +1,6 @@
 """Every CLI command that talks to Kubernetes turns a missing or broken kubeconfig into one line that names the
-problem and the fix, and exits 2: no traceback (kvpilot/kube/kubeconfig.py). Run as a user types them."""
+problem and the fix, and exits 2: no traceback (kvpilot/kube/kubeconfig.py); so does the operator whose API
+server is unreachable or whose metrics port is taken. Run as a user types them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from support.procs import free_port
 
 COMMANDS = {
     "operator": ["-m", "kvpilot", "operator"],
@@ -79,3 +82,21 @@ def test_the_operator_on_a_port_in_use_says_so_in_one_line_before_calling_the_cl
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot serve metrics on 127.0.0.1:{port}: "), proc.stderr
     assert "--metrics-port" in last and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_operator_that_cannot_reach_the_api_server_says_so_in_one_line(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(NO_CONTEXT + "current-context: dev\n")  # its server refuses every connection
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    env["KUBECONFIG"] = str(kubeconfig)
+    proc = subprocess.run(
+        [sys.executable, *COMMANDS["operator"], "--bind", "127.0.0.1", "--metrics-port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot reach the Kubernetes API: ") and "127.0.0.1" in last, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
