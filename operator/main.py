@@ -201,20 +201,9 @@ def warn_about_equal_peers(name: str, priority: int) -> None:
         )
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvpilot.operator import handlers, logs, metrics  # noqa: F401 - importing handlers registers them with kopf
-
-    logs.install()
-    # Bound before anything touches the cluster: a port in use fails the start at once, in one line.
-    try:
-        metrics.serve(args.metrics_port, args.bind)
-    except OSError as exc:
-        print(
-            f"error: cannot serve metrics on {args.bind}:{args.metrics_port}: {exc.strerror or exc} "
-            "(another process has that port? --metrics-port picks another)",
-            file=sys.stderr,
-        )
-        return 2
+def prepare(args: argparse.Namespace) -> tuple[bool, str]:
+    """What comes before kopf starts: peering (or standalone), the fleet routers' ClusterRole, the start line.
+    Returns (standalone, the routers' ClusterRole)."""
     standalone = args.standalone or not ensure_peering(args.peering, args.namespace)
     if not standalone and not args.namespace:
         warn_about_equal_peers(args.peering, args.priority)
@@ -232,6 +221,31 @@ def run(args: argparse.Namespace) -> int:
     router_role = args.router_cluster_role or ROUTER_CLUSTER_ROLE
     if args.router_cluster_role is None:
         ensure_router_role(router_role)
+    return standalone, router_role
+
+
+def run(args: argparse.Namespace) -> int:
+    from urllib3.exceptions import MaxRetryError
+
+    from kvpilot.operator import handlers, logs, metrics  # noqa: F401 - importing handlers registers them with kopf
+    from kvpilot.operator.cli_follow import api_error
+
+    logs.install()
+    # Bound before anything touches the cluster: a port in use fails the start at once, in one line.
+    try:
+        metrics.serve(args.metrics_port, args.bind)
+    except OSError as exc:
+        print(
+            f"error: cannot serve metrics on {args.bind}:{args.metrics_port}: {exc.strerror or exc} "
+            "(another process has that port? --metrics-port picks another)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        standalone, router_role = prepare(args)
+    except MaxRetryError as exc:  # kopf, once it runs, retries its own calls
+        print(f"error: {api_error(exc)}", file=sys.stderr)
+        return 2
     # What the imports built (kopf, the Kubernetes client and its models, aiohttp) lives as long as the process:
     # out of the cyclic GC's sight, a full collection during a fan-out scans ~10x fewer objects (docs/fanout.md).
     gc.freeze()
@@ -269,20 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def start(args: argparse.Namespace) -> int:
     """`run` once the Kubernetes credentials load; a missing or broken kubeconfig is one line and exit 2."""
-    from urllib3.exceptions import MaxRetryError
-
     from kvpilot.kube.kubeconfig import KubeconfigError, fail, load
-    from kvpilot.operator.cli_follow import api_error
 
     try:
         load()
     except KubeconfigError as exc:
         return fail(exc)
-    try:
-        return run(args)
-    except MaxRetryError as exc:  # a call before kopf starts (peering, router role): kopf retries its own
-        print(f"error: {api_error(exc)}", file=sys.stderr)
-        return 2
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -68,3 +68,11 @@ from devcluster import procs
 procs.LEASES = Path(sys.argv[1])
 print(procs.free_port())
 """
+
+
+def test_a_lease_folder_that_cannot_be_used_leaves_the_bind_check_alone_to_decide(
+    monkeypatch, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(procs, "LEASES", tmp_path / "file" / "leases")  # mkdir fails: its parent is a file
+    assert procs.free_port() in procs.PORT_RANGE

@@ -343,7 +343,6 @@ class KubeletNode:
                   sandbox_image = "{pause_ref}"
                   restrict_oom_score_adj = true
                   disable_apparmor = true
-                  netns_mounts_under = "{self.run_dir / "netns"}"
                   [{cri}.containerd.runtimes.runc]
                     runtime_type = "io.containerd.runc.v2"
                     [{cri}.containerd.runtimes.runc.options]
@@ -602,9 +601,11 @@ class KubeletNode:
     def _remove_pods(self) -> None:
         """Every pod of this node removed through the CRI, then every container left killed and removed from
         containerd's store, which outlives the run. The CRI's removal runs the CNI's DEL: it gives back the
-        pod's address and port mappings and deletes its network namespace, which containerd 1.6 makes in
-        /run/netns whatever `netns_mounts_under` says; a container killed by `ctr` alone leaves both."""
-        self.crictl("rmp", "--all", "--force", timeout=120, check=False)
+        pod's address and port mappings and deletes its network namespace (in /run/netns, containerd's
+        default); a container killed by `ctr` alone leaves both."""
+        # Within `down`'s grace before it kills the run; a containerd that does not answer leaves it to `ctr`.
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            self.crictl("rmp", "--all", "--force", timeout=30, check=False)
         # Unchecked: the CRI plugin may remove a task or container between the list and the call.
         for task in self.ctr("tasks", "list", "--quiet", check=False).stdout.split():
             self.ctr("tasks", "kill", "--signal", "SIGKILL", task, timeout=30, check=False)

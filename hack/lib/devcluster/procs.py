@@ -17,7 +17,6 @@ import random
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,10 +33,11 @@ _lock = threading.Lock()
 PORT_RANGE = range(20000, 30000)
 _ports = random.SystemRandom()  # the OS's randomness: processes (xdist workers, forks) never draw alike
 _handed: set[int] = set()
-# A port handed out is leased to its process for LEASE_S in a folder every process on the host shares: a
+# A port handed out is leased to its process for LEASE_S in a folder every process of this user shares: a
 # bind check alone let two processes (xdist workers, a bench a test runs) take one port that neither had bound
-# yet, and the slower server failed "Address already in use".
-LEASES = Path(tempfile.gettempdir()) / "kvpilot-port-leases"
+# yet, and the slower server failed "Address already in use". A fixed path, not the temp folder: a test may
+# run a bench with TMPDIR set to a folder of its own.
+LEASES = Path("/tmp") / f"kvpilot-port-leases-{os.getuid()}"
 LEASE_S = 600.0
 
 
@@ -62,19 +62,35 @@ def free_port() -> int:
 
 
 def _lease(port: int) -> bool:
-    """Lease `port` to this process unless another one holds it; one process at a time decides."""
-    LEASES.mkdir(exist_ok=True)
-    lease = LEASES / str(port)
-    fd = os.open(LEASES / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+    """Lease `port` to this process unless another one holds it; one process at a time decides. Where the
+    folder cannot be used (another user's, a full or read-only /tmp) the bind check alone decides, as it did
+    before leases: a server start never fails on it."""
+    try:
+        LEASES.mkdir(mode=0o700, exist_ok=True)
+        if LEASES.lstat().st_uid != os.getuid():  # nobody else may plant a lease, or a link, in it
+            return True
+        fd = os.open(LEASES / "lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        lease = LEASES / str(port)
         with contextlib.suppress(FileNotFoundError):
-            if time.time() - lease.stat().st_mtime < LEASE_S:
+            if time.time() - lease.lstat().st_mtime < LEASE_S:
                 return False
-        lease.write_text(str(os.getpid()))
+        held = os.open(lease, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(held, str(os.getpid()).encode())
+            os.utime(held)  # the lease starts now, whatever the file held
+        finally:
+            os.close(held)
+        return True
+    except OSError:
         return True
     finally:
-        os.close(fd)  # and with it the lock
+        # Unlocked before closed: a child forked meanwhile shares the descriptor, and with it the lock.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
